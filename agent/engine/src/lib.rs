@@ -19,3 +19,4 @@ pub use error::{EngineError, Result};
 pub mod kv;
 pub mod sampling;
 pub mod scheduler;
+pub mod engine;

@@ -108,6 +108,40 @@ fn greedy_output_matches_direct_computation() {
 }
 
 #[test]
+fn prefix_cache_under_memory_pressure_stays_correct() {
+    // 24 blocks of 4 tokens; 12 requests of 16-24 prompt tokens + 20 generated, sharing three
+    // 16-token prefixes: blocks are shared, evicted, reused and preempted sequences re-hit their own.
+    let h = start(&fake, 24, config(12, 32, 64, true));
+    let prefixes: Vec<Vec<u32>> = (0..3).map(|i| scenarios::prompt(VOCAB, 500 + i, 16)).collect();
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) };
+    let requests: Vec<_> = (0..12u64)
+        .map(|i| {
+            let mut p = prefixes[(i % 3) as usize].clone();
+            p.extend(scenarios::prompt(VOCAB, 600 + i, 1 + (i as usize * 3) % 8));
+            request(i, p, params.clone())
+        })
+        .collect();
+    let runs = run_together(&h, &requests);
+    for (r, run) in requests.iter().zip(&runs) {
+        let (tokens, _) = direct_greedy_ignoring_eos(&r.prompt_tokens, 20);
+        assert_eq!(run.tokens, tokens, "request {}", r.id);
+    }
+    let m = scenarios::final_metrics(&h);
+    assert!(m.preemptions_total > 0, "{m:?}");
+    assert!(m.prefix_cache_hit_tokens_total > 0, "{m:?}");
+    assert_eq!(m.num_free_blocks, 24);
+}
+
+fn direct_greedy_ignoring_eos(prompt: &[u32], max_tokens: usize) -> (Vec<u32>, FinishReason) {
+    let mut history = prompt.to_vec();
+    for _ in 0..max_tokens {
+        let t = argmax(&fake::logits_for(&history)) as u32;
+        history.push(t);
+    }
+    (history[prompt.len()..].to_vec(), FinishReason::Length)
+}
+
+#[test]
 fn logprobs_are_log_softmax_of_model_logits() {
     let h = start(&fake, 64, config(4, 64, 128, false));
     let prompt = scenarios::prompt(VOCAB, 5, 9);

@@ -1,7 +1,8 @@
-//! A backend whose logits are a hash of each sequence's whole token history, read back through its
-//! block table from a paged store. A wrong block table, a token lost or duplicated, a shared block
-//! overwritten, or a preemption bug changes the history and so the output; a slot read before it
-//! was written, or holding the wrong position, fails the step outright.
+//! A backend that behaves like attention where it matters to the engine: the "K/V" written for the
+//! token at position p is a hash chained from the K/V at p-1 (read back through the block table)
+//! and the token, so it depends on the whole history; logits are a function of the last position's
+//! K/V. A wrong block table, a token lost or duplicated, a shared block overwritten, or a preemption
+//! bug changes the chain and so the output; a slot holding the wrong position fails the step.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,8 +28,8 @@ pub struct FakeStats {
 pub struct FakeBackend {
     config: ModelConfig,
     shape: KvCacheShape,
-    /// (token, position) per physical slot.
-    slots: Vec<Option<(u32, u32)>>,
+    /// (chained K/V hash, position) per physical slot.
+    slots: Vec<Option<(u64, u32)>>,
     step_delay: Duration,
     pub stats: Arc<Mutex<FakeStats>>,
 }
@@ -80,6 +81,13 @@ impl FakeBackend {
         }
         Ok(block as usize * bs + pos % bs)
     }
+
+    fn read(&self, table: &[u32], pos: usize) -> Result<u64> {
+        match self.slots[self.slot(table, pos)?] {
+            Some((h, p)) if p as usize == pos => Ok(h),
+            other => Err(EngineError::Backend(format!("KV slot for position {pos} holds {other:?}"))),
+        }
+    }
 }
 
 fn mix(mut x: u64) -> u64 {
@@ -90,12 +98,18 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// Logits as a function of the full history.
+const ROOT: u64 = 0x1234_5678;
+
+fn chain(prev: u64, token: u32) -> u64 {
+    mix(prev ^ token as u64)
+}
+
+/// Logits for a whole history, computed directly (the reference the engine must reproduce).
 pub fn logits_for(history: &[u32]) -> Vec<f32> {
-    let mut h = 0x1234_5678u64;
-    for &t in history {
-        h = mix(h ^ t as u64);
-    }
+    logits_from(history.iter().fold(ROOT, |h, &t| chain(h, t)))
+}
+
+fn logits_from(h: u64) -> Vec<f32> {
     (0..VOCAB)
         .map(|j| {
             if j as u32 == POISON {
@@ -132,8 +146,9 @@ impl Backend for FakeBackend {
             s.max_batch_seqs = s.max_batch_seqs.max(batch.seqs.len());
             s.chunks_without_logits += batch.seqs.iter().filter(|c| !c.wants_logits).count();
         }
-        // Write every new token first, as a real model's attention would for the whole batch.
+        // Each sequence writes its new positions in order; a sequence only ever reads its own table.
         let mut expected_start = 0;
+        let mut data = Vec::new();
         for c in &batch.seqs {
             if c.start != expected_start || c.len == 0 {
                 return Err(EngineError::Backend("chunks are not back to back".into()));
@@ -147,23 +162,13 @@ impl Backend for FakeBackend {
                 if batch.positions[c.start + i] as usize != pos {
                     return Err(EngineError::Backend(format!("wrong position for token {i}")));
                 }
+                let prev = if pos == 0 { ROOT } else { self.read(&c.block_table, pos - 1)? };
                 let slot = self.slot(&c.block_table, pos)?;
-                self.slots[slot] = Some((batch.tokens[c.start + i], pos as u32));
+                self.slots[slot] = Some((chain(prev, batch.tokens[c.start + i]), pos as u32));
             }
-        }
-        let mut data = Vec::new();
-        for c in batch.seqs.iter().filter(|c| c.wants_logits) {
-            let end = c.context_len + c.len;
-            let mut history = Vec::with_capacity(end);
-            for pos in 0..end {
-                match self.slots[self.slot(&c.block_table, pos)?] {
-                    Some((t, p)) if p as usize == pos => history.push(t),
-                    other => {
-                        return Err(EngineError::Backend(format!("KV slot for position {pos} holds {other:?}")))
-                    }
-                }
+            if c.wants_logits {
+                data.extend(logits_from(self.read(&c.block_table, c.context_len + c.len - 1)?));
             }
-            data.extend(logits_for(&history));
         }
         Ok(Logits { vocab: VOCAB, data })
     }

@@ -15,5 +15,6 @@ pub mod config;
 pub mod error;
 pub mod model;
 pub mod request;
+pub mod tokenizer;
 
 pub use error::{EngineError, Result};

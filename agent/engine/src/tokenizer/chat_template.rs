@@ -58,8 +58,12 @@ impl ChatTemplate {
         let mut env = Environment::new();
         // transformers builds its Jinja2 environment with these two set, and templates are written
         // against them: without them the rendered whitespace differs from what the model was trained on.
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(template_err)?;
+        env.set_syntax(syntax);
         minijinja_contrib::add_to_environment(&mut env);
         // Python string/dict methods (`.strip()`, `.startswith()`, `.items()` ...) HF templates call.
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -85,7 +89,7 @@ impl ChatTemplate {
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let tmpl = self.env.get_template(NAME).map_err(template_err)?;
         tmpl.render(context! {
-            messages => messages,
+            messages => Value::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,

@@ -34,6 +34,8 @@ pub struct Tokenizer {
 
 struct Inner {
     tk: tokenizers::Tokenizer,
+    /// Cached: `tokenizers` rebuilds the whole vocabulary map to answer this.
+    vocab_size: usize,
     bos_token_id: Option<u32>,
     eos_token_ids: Vec<u32>,
     /// Prepended when the tokenizer's own post-processor does not already do it (HF folders whose
@@ -78,8 +80,11 @@ impl Tokenizer {
                 eos_token_ids.push(id);
             }
         }
+        // One past the highest id, so every id below it is valid (also if the ids have gaps).
+        let vocab_size = parts.tk.get_vocab(true).values().max().map_or(0, |&max| max as usize + 1);
         Tokenizer {
             inner: Arc::new(Inner {
+                vocab_size,
                 tk: parts.tk,
                 bos_token_id: parts.bos_token_id,
                 eos_token_ids,
@@ -151,7 +156,7 @@ impl Tokenizer {
 
     /// Number of ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.tk.get_vocab_size(true)
+        self.inner.vocab_size
     }
 
     /// The text one token stands for on its own (what OpenAI logprobs show), e.g. `" world"` rather

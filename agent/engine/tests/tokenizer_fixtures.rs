@@ -5,7 +5,9 @@
 mod common;
 
 use peregrine_engine::model::gguf::GgufFile;
-use peregrine_engine::tokenizer::{ChatMessage, IncrementalDecoder, StopMatcher, StopOutput, Tokenizer};
+use peregrine_engine::tokenizer::{
+    ChatMessage, IncrementalDecoder, StopMatcher, StopOutput, Tokenizer,
+};
 use peregrine_engine::EngineError;
 use serde_json::Value;
 
@@ -19,11 +21,19 @@ fn json_tokenizer() -> Tokenizer {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn strs(v: &Value) -> Vec<String> {
-    v.as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_owned()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_owned())
+        .collect()
 }
 
 fn messages(v: &Value) -> Vec<ChatMessage> {
@@ -39,21 +49,43 @@ fn check_against_reference(tk: &Tokenizer, which: &str) {
         assert_eq!(got, ids(&case["ids"]), "{which}: ids of {text:?}");
         let pieces: Vec<String> = got.iter().map(|&id| tk.token_piece(id).unwrap()).collect();
         assert_eq!(pieces, strs(&case["tokens"]), "{which}: tokens of {text:?}");
-        assert_eq!(tk.decode(&got, false).unwrap(), case["decoded"].as_str().unwrap(), "{which}: {text:?}");
-        assert_eq!(tk.decode(&got, true).unwrap(), case["decoded_skip_special"].as_str().unwrap(), "{which}: {text:?}");
+        assert_eq!(
+            tk.decode(&got, false).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "{which}: {text:?}"
+        );
+        assert_eq!(
+            tk.decode(&got, true).unwrap(),
+            case["decoded_skip_special"].as_str().unwrap(),
+            "{which}: {text:?}"
+        );
     }
     for p in r["prompts"].as_array().unwrap() {
         let text = p["prompt"].as_str().unwrap();
         let got = tk.encode(text).unwrap();
         assert_eq!(got, ids(&p["input_ids"]), "{which}: prompt {text:?}");
         let pieces: Vec<String> = got.iter().map(|&id| tk.token_piece(id).unwrap()).collect();
-        assert_eq!(pieces, strs(&p["tokens"]), "{which}: prompt tokens {text:?}");
-        assert_eq!(tk.decode(&ids(&p["greedy"]["ids"]), false).unwrap(), p["greedy"]["text"].as_str().unwrap());
+        assert_eq!(
+            pieces,
+            strs(&p["tokens"]),
+            "{which}: prompt tokens {text:?}"
+        );
+        assert_eq!(
+            tk.decode(&ids(&p["greedy"]["ids"]), false).unwrap(),
+            p["greedy"]["text"].as_str().unwrap()
+        );
     }
     for c in r["chat"].as_array().unwrap() {
         let text = c["rendered_text"].as_str().unwrap();
-        assert_eq!(tk.encode(text).unwrap(), ids(&c["input_ids"]), "{which}: chat {text:?}");
-        assert_eq!(tk.decode(&ids(&c["greedy"]["ids"]), false).unwrap(), c["greedy"]["text"].as_str().unwrap());
+        assert_eq!(
+            tk.encode(text).unwrap(),
+            ids(&c["input_ids"]),
+            "{which}: chat {text:?}"
+        );
+        assert_eq!(
+            tk.decode(&ids(&c["greedy"]["ids"]), false).unwrap(),
+            c["greedy"]["text"].as_str().unwrap()
+        );
     }
 }
 
@@ -73,12 +105,25 @@ fn gguf_tokenizer_matches_transformers_facts() {
     let info = &r["tokenizer_info"];
     let tk = gguf_tokenizer();
     let reference = json_tokenizer();
-    assert_eq!(tk.vocab_size(), info["vocab_size_with_added"].as_u64().unwrap() as usize);
-    assert_eq!(tk.bos_token_id(), Some(info["bos_token_id"].as_u64().unwrap() as u32));
-    assert_eq!(tk.eos_token_ids(), &[info["eos_token_id"].as_u64().unwrap() as u32]);
+    assert_eq!(
+        tk.vocab_size(),
+        info["vocab_size_with_added"].as_u64().unwrap() as usize
+    );
+    assert_eq!(
+        tk.bos_token_id(),
+        Some(info["bos_token_id"].as_u64().unwrap() as u32)
+    );
+    assert_eq!(
+        tk.eos_token_ids(),
+        &[info["eos_token_id"].as_u64().unwrap() as u32]
+    );
     // The same ids are special in both (transformers marks the 17 control tokens special).
     for id in 0..tk.vocab_size() as u32 {
-        assert_eq!(tk.is_special(id), reference.is_special(id), "is_special({id})");
+        assert_eq!(
+            tk.is_special(id),
+            reference.is_special(id),
+            "is_special({id})"
+        );
         assert_eq!(tk.token_piece(id), reference.token_piece(id), "piece {id}");
     }
     assert!(tk.is_special(1) && tk.is_special(2) && !tk.is_special(504));
@@ -86,11 +131,23 @@ fn gguf_tokenizer_matches_transformers_facts() {
     // tokenizer.json does); the vocabulary has no digit merges, so on digits this agrees with the
     // plain byte-level split transformers' GGUF loader builds. (They differ on " ²": transformers
     // merges it into one token, llama.cpp and the original tokenizer split the space off.)
-    for text in ["In 2024, 3.14159 and 1,000,000 people", "x=12345;y=-0.5e10", "٣٤ and 7", "<|im_start|>user\n42<|im_end|>"] {
-        assert_eq!(tk.encode(text).unwrap(), reference.encode(text).unwrap(), "{text:?}");
+    for text in [
+        "In 2024, 3.14159 and 1,000,000 people",
+        "x=12345;y=-0.5e10",
+        "٣٤ and 7",
+        "<|im_start|>user\n42<|im_end|>",
+    ] {
+        assert_eq!(
+            tk.encode(text).unwrap(),
+            reference.encode(text).unwrap(),
+            "{text:?}"
+        );
     }
     // No BOS is prepended for SmolLM2.
-    assert_eq!(tk.encode("The capital of France is").unwrap(), [504, 3575, 282, 4649, 314]);
+    assert_eq!(
+        tk.encode("The capital of France is").unwrap(),
+        [504, 3575, 282, 4649, 314]
+    );
     // Special tokens written in text are matched, and skip_special_tokens drops them.
     assert_eq!(tk.encode("<|im_start|>user").unwrap()[0], 1);
     assert_eq!(tk.decode(&[1, 4093, 2], true).unwrap(), "user");
@@ -98,20 +155,30 @@ fn gguf_tokenizer_matches_transformers_facts() {
     assert_eq!(tk.token_str(905).as_deref(), Some(" world"));
     assert_eq!(tk.token_str(2).as_deref(), Some("<|im_end|>"));
     assert_eq!(tk.token_str(49152), None);
-    assert!(matches!(tk.decode(&[49152], false), Err(EngineError::InvalidRequest(_))));
+    assert!(matches!(
+        tk.decode(&[49152], false),
+        Err(EngineError::InvalidRequest(_))
+    ));
 }
 
 #[test]
 fn chat_template_from_gguf_renders_like_transformers() {
     let r = common::reference();
     let tk = gguf_tokenizer();
-    let template = tk.chat_template().expect("the GGUF has tokenizer.chat_template");
-    assert_eq!(template.source(), r["tokenizer_info"]["chat_template"].as_str().unwrap());
+    let template = tk
+        .chat_template()
+        .expect("the GGUF has tokenizer.chat_template");
+    assert_eq!(
+        template.source(),
+        r["tokenizer_info"]["chat_template"].as_str().unwrap()
+    );
     let chats = r["chat"].as_array().unwrap();
     assert!(!chats.is_empty());
     for c in chats {
         let msgs = messages(&c["messages"]);
-        let rendered = template.render(&msgs, c["add_generation_prompt"].as_bool().unwrap()).unwrap();
+        let rendered = template
+            .render(&msgs, c["add_generation_prompt"].as_bool().unwrap())
+            .unwrap();
         assert_eq!(rendered, c["rendered_text"].as_str().unwrap());
         assert_eq!(tk.encode(&rendered).unwrap(), ids(&c["input_ids"]));
     }
@@ -121,7 +188,11 @@ fn chat_template_from_gguf_renders_like_transformers() {
 fn hf_folder_reads_config_template_and_generation_eos() {
     let r = common::reference();
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(common::fixtures_dir().join("smollm2/tokenizer.json"), dir.path().join("tokenizer.json")).unwrap();
+    std::fs::copy(
+        common::fixtures_dir().join("smollm2/tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
     let config = serde_json::json!({
         "bos_token": "<|im_start|>",
         "eos_token": {"content": "<|im_end|>", "special": true},
@@ -129,12 +200,20 @@ fn hf_folder_reads_config_template_and_generation_eos() {
         "chat_template": r["tokenizer_info"]["chat_template"],
     });
     std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
-    std::fs::write(dir.path().join("generation_config.json"), r#"{"eos_token_id": [2, 0]}"#).unwrap();
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"eos_token_id": [2, 0]}"#,
+    )
+    .unwrap();
     let tk = Tokenizer::for_model(dir.path()).unwrap();
     assert_eq!(tk.bos_token_id(), Some(1));
     assert_eq!(tk.eos_token_ids(), &[2, 0]);
     for c in r["chat"].as_array().unwrap() {
-        let rendered = tk.chat_template().unwrap().render(&messages(&c["messages"]), true).unwrap();
+        let rendered = tk
+            .chat_template()
+            .unwrap()
+            .render(&messages(&c["messages"]), true)
+            .unwrap();
         assert_eq!(rendered, c["rendered_text"].as_str().unwrap());
         assert_eq!(tk.encode(&rendered).unwrap(), ids(&c["input_ids"]));
     }
@@ -166,7 +245,10 @@ fn check_incremental(tk: &Tokenizer, ids: &[u32], skip_special: bool) {
     let mut out = String::new();
     for &id in ids {
         let piece = dec.push(id).unwrap();
-        assert!(!piece.contains('\u{FFFD}'), "U+FFFD emitted for id {id} in {ids:?}: {piece:?}");
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "U+FFFD emitted for id {id} in {ids:?}: {piece:?}"
+        );
         out.push_str(&piece);
     }
     out.push_str(&dec.finish());
@@ -178,8 +260,20 @@ fn incremental_decoding_equals_full_decode() {
     let r = common::reference();
     for tk in [gguf_tokenizer(), json_tokenizer()] {
         let mut texts: Vec<String> = MULTIBYTE.iter().map(|s| s.to_string()).collect();
-        texts.extend(r["tokenizer_cases"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap().to_owned()));
-        texts.extend(r["prompts"].as_array().unwrap().iter().map(|p| p["prompt"].as_str().unwrap().to_owned()));
+        texts.extend(
+            r["tokenizer_cases"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["text"].as_str().unwrap().to_owned()),
+        );
+        texts.extend(
+            r["prompts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["prompt"].as_str().unwrap().to_owned()),
+        );
         let mut id_lists: Vec<Vec<u32>> = texts.iter().map(|t| tk.encode(t).unwrap()).collect();
         for p in r["prompts"].as_array().unwrap() {
             id_lists.push(ids(&p["greedy"]["ids"]));
@@ -195,9 +289,15 @@ fn incremental_decoding_equals_full_decode() {
         }
         let split_mid_char = id_lists
             .iter()
-            .filter(|l| l.iter().any(|&id| tk.token_str(id).unwrap().contains('\u{FFFD}')))
+            .filter(|l| {
+                l.iter()
+                    .any(|&id| tk.token_str(id).unwrap().contains('\u{FFFD}'))
+            })
             .count();
-        assert!(split_mid_char >= 4, "only {split_mid_char} id lists split a character");
+        assert!(
+            split_mid_char >= 4,
+            "only {split_mid_char} id lists split a character"
+        );
     }
 }
 
@@ -206,7 +306,10 @@ fn incremental_decoder_holds_back_partial_characters() {
     let tk = gguf_tokenizer();
     // "emoji 😀 test" = em|oji|Ġ + first 3 bytes of 😀|last byte of 😀|Ġtest
     let mut dec = IncrementalDecoder::new(tk.clone(), false);
-    let pieces: Vec<String> = [391, 33777, 40303, 218, 1028].iter().map(|&id| dec.push(id).unwrap()).collect();
+    let pieces: Vec<String> = [391, 33777, 40303, 218, 1028]
+        .iter()
+        .map(|&id| dec.push(id).unwrap())
+        .collect();
     assert_eq!(pieces, ["em", "oji", "", " 😀", " test"]);
     assert_eq!(dec.finish(), "");
     // A character that never completes comes out at finish(), as decode shows it.
@@ -230,7 +333,10 @@ fn run_stops(stops: &[&str], pieces: &[&str]) -> (Vec<StopOutput>, String) {
 }
 
 fn out(text: &str, stopped: bool) -> StopOutput {
-    StopOutput { text: text.to_owned(), stopped }
+    StopOutput {
+        text: text.to_owned(),
+        stopped,
+    }
 }
 
 #[test]
@@ -241,11 +347,26 @@ fn stop_strings() {
     assert_eq!(tail, "");
     // A held-back prefix that turns out not to be a stop is released.
     let (outs, tail) = run_stops(&["END"], &["Hello E", "Nx", " done E"]);
-    assert_eq!(outs, [out("Hello ", false), out("ENx", false), out(" done ", false)]);
+    assert_eq!(
+        outs,
+        [
+            out("Hello ", false),
+            out("ENx", false),
+            out(" done ", false)
+        ]
+    );
     assert_eq!(tail, "E");
     // Overlapping candidates: "aab" inside "aaab"; the stop starts at the second 'a'.
     let (outs, _) = run_stops(&["aab"], &["a", "a", "a", "b!"]);
-    assert_eq!(outs, [out("", false), out("", false), out("a", false), out("", true)]);
+    assert_eq!(
+        outs,
+        [
+            out("", false),
+            out("", false),
+            out("a", false),
+            out("", true)
+        ]
+    );
     // Multiple stops: the earliest in the text wins, whatever the list order.
     let mut m = StopMatcher::new(vec!["world".into(), "lo w".into()]);
     assert_eq!(m.push("hello world"), out("hel", true));
@@ -268,7 +389,11 @@ fn stop_strings() {
 fn corrupt_tokenizer_json_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tokenizer.json");
-    std::fs::write(&path, br#"{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}"#).unwrap();
+    std::fs::write(
+        &path,
+        br#"{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}"#,
+    )
+    .unwrap();
     match Tokenizer::from_tokenizer_json(&path) {
         Err(EngineError::InvalidModel { path: p, message }) => {
             assert_eq!(p, path);
@@ -282,7 +407,10 @@ fn corrupt_tokenizer_json_is_a_clear_error() {
     ));
     // A folder without tokenizer.json.
     let empty = tempfile::tempdir().unwrap();
-    assert!(matches!(Tokenizer::for_model(empty.path()), Err(EngineError::InvalidModel { .. })));
+    assert!(matches!(
+        Tokenizer::for_model(empty.path()),
+        Err(EngineError::InvalidModel { .. })
+    ));
 }
 
 /// A minimal GGUF v3 file with the given string / string-array metadata and no tensors.
@@ -336,19 +464,32 @@ fn gguf_without_tokenizer_data_is_a_clear_error() {
         (&[], "tokenizer.ggml.model"),
         (&[model], "tokenizer.ggml.tokens"),
         (&[model, tokens], "tokenizer.ggml.merges"),
-        (&[model, tokens, ("tokenizer.ggml.merges", Err(&["ab"]))], "merges[0]"),
+        (
+            &[model, tokens, ("tokenizer.ggml.merges", Err(&["ab"]))],
+            "merges[0]",
+        ),
     ];
     for (kvs, needle) in cases {
         match gguf_error(kvs) {
-            EngineError::InvalidModel { message, .. } => assert!(message.contains(needle), "{message}"),
+            EngineError::InvalidModel { message, .. } => {
+                assert!(message.contains(needle), "{message}")
+            }
             other => panic!("expected InvalidModel mentioning {needle}, got {other}"),
         }
     }
-    assert!(matches!(gguf_error(&[("tokenizer.ggml.model", Ok("bert"))]), EngineError::Unsupported(_)));
+    assert!(matches!(
+        gguf_error(&[("tokenizer.ggml.model", Ok("bert"))]),
+        EngineError::Unsupported(_)
+    ));
     // With the arrays present, a tiny tokenizer works end to end.
     let file = GgufFile::from_bytes(
         "tiny.gguf",
-        tiny_gguf(&[model, tokens, ("tokenizer.ggml.merges", Err(&["a b"])), ("tokenizer.ggml.pre", Ok("gpt2"))]),
+        tiny_gguf(&[
+            model,
+            tokens,
+            ("tokenizer.ggml.merges", Err(&["a b"])),
+            ("tokenizer.ggml.pre", Ok("gpt2")),
+        ]),
     )
     .unwrap();
     let tk = Tokenizer::from_gguf(&file).unwrap();

@@ -20,7 +20,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -53,7 +56,11 @@ fn template_err(e: Error) -> EngineError {
 
 impl ChatTemplate {
     /// Compiles `source`; a syntax error is reported here rather than on the first request.
-    pub fn new(source: impl Into<String>, bos_token: impl Into<String>, eos_token: impl Into<String>) -> Result<Self> {
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<Self> {
         let source: String = source.into();
         let mut env = Environment::new();
         // transformers builds its Jinja2 environment with these two set, and templates are written
@@ -72,7 +79,8 @@ impl ChatTemplate {
         // Python's `json.dumps` output (no HTML escaping, `, ` and `: ` separators, non-ASCII kept),
         // as transformers' own `tojson` produces; minijinja's escapes `<`, `>`, `&` and `'`.
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.clone()).map_err(template_err)?;
+        env.add_template_owned(NAME, source.clone())
+            .map_err(template_err)?;
         Ok(ChatTemplate {
             env: Arc::new(env),
             source: source.into(),
@@ -123,11 +131,18 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, Error> {
     Ok(Value::from_safe_string(text))
 }
 
-fn write_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, v: &T, indent: Option<usize>) -> serde_json::Result<()> {
+fn write_json<T: Serialize + ?Sized>(
+    out: &mut Vec<u8>,
+    v: &T,
+    indent: Option<usize>,
+) -> serde_json::Result<()> {
     match indent {
         Some(n) => {
             let pad = vec![b' '; n];
-            let mut ser = serde_json::Serializer::with_formatter(out, serde_json::ser::PrettyFormatter::with_indent(&pad));
+            let mut ser = serde_json::Serializer::with_formatter(
+                out,
+                serde_json::ser::PrettyFormatter::with_indent(&pad),
+            );
             v.serialize(&mut ser)
         }
         None => {
@@ -141,11 +156,27 @@ fn write_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, v: &T, indent: Option<us
 struct PyFormatter;
 
 impl serde_json::ser::Formatter for PyFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
@@ -157,7 +188,10 @@ mod tests {
     use super::*;
 
     fn msgs() -> Vec<ChatMessage> {
-        vec![ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")]
+        vec![
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi"),
+        ]
     }
 
     #[test]
@@ -166,7 +200,10 @@ mod tests {
         // indentation before it; this is what transformers renders for this template.
         let src = "{% for m in messages %}\n    {{ m.role }}: {{ m.content }}\n{% endfor %}\n{% if add_generation_prompt %}\nassistant:\n{% endif %}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-        assert_eq!(t.render(&msgs(), true).unwrap(), "    system: Be brief.\n    user: Hi\nassistant:\n");
+        assert_eq!(
+            t.render(&msgs(), true).unwrap(),
+            "    system: Be brief.\n    user: Hi\nassistant:\n"
+        );
     }
 
     #[test]
@@ -174,18 +211,39 @@ mod tests {
         let src = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools: ' + m.role) }}{% endif %}{{ m['content'].strip().upper() }}{% if m.content.startswith('Be') %}!{% endif %}{{ eos_token }}{% endfor %}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
         assert_eq!(t.render(&msgs(), false).unwrap(), "<s>BE BRIEF.!</s>HI</s>");
-        let err = t.render(&[ChatMessage::new("tool", "x")], false).unwrap_err();
-        assert!(matches!(&err, EngineError::ChatTemplate(m) if m.contains("no tools: tool")), "{err}");
+        let err = t
+            .render(&[ChatMessage::new("tool", "x")], false)
+            .unwrap_err();
+        assert!(
+            matches!(&err, EngineError::ChatTemplate(m) if m.contains("no tools: tool")),
+            "{err}"
+        );
     }
 
     #[test]
     fn tojson_matches_python_json_dumps() {
         // Python: json.dumps({"a": "<b>é", "n": [1, 2.5, True, None]}, ensure_ascii=False)
-        let t = ChatTemplate::new("{{ {'a': '<b>é', 'n': [1, 2.5, true, none]} | tojson }}", "", "").unwrap();
-        assert_eq!(t.render(&[], false).unwrap(), r#"{"a": "<b>é", "n": [1, 2.5, true, null]}"#);
+        let t = ChatTemplate::new(
+            "{{ {'a': '<b>é', 'n': [1, 2.5, true, none]} | tojson }}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[], false).unwrap(),
+            r#"{"a": "<b>é", "n": [1, 2.5, true, null]}"#
+        );
         // Python: json.dumps({"b": 1, "a": [1]}, indent=2, sort_keys=True)
-        let t = ChatTemplate::new("{{ {'b': 1, 'a': [1]} | tojson(indent=2, sort_keys=true) }}", "", "").unwrap();
-        assert_eq!(t.render(&[], false).unwrap(), "{\n  \"a\": [\n    1\n  ],\n  \"b\": 1\n}");
+        let t = ChatTemplate::new(
+            "{{ {'b': 1, 'a': [1]} | tojson(indent=2, sort_keys=true) }}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[], false).unwrap(),
+            "{\n  \"a\": [\n    1\n  ],\n  \"b\": 1\n}"
+        );
     }
 
     #[test]

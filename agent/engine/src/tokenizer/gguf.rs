@@ -17,10 +17,15 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     let invalid = |message: String| EngineError::invalid_model(file.path(), message);
     let get = |key: &str| file.get(key);
     let string_array = |key: &str| -> Result<Vec<&str>> {
-        let arr = get(key).and_then(GgufValue::as_array).ok_or_else(|| invalid(format!("missing array {key}")))?;
+        let arr = get(key)
+            .and_then(GgufValue::as_array)
+            .ok_or_else(|| invalid(format!("missing array {key}")))?;
         arr.iter()
             .enumerate()
-            .map(|(i, v)| v.as_str().ok_or_else(|| invalid(format!("{key}[{i}] is not a string"))))
+            .map(|(i, v)| {
+                v.as_str()
+                    .ok_or_else(|| invalid(format!("{key}[{i}] is not a string")))
+            })
             .collect()
     };
     let token_id = |key: &str| -> Result<Option<u32>> {
@@ -48,7 +53,9 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     let token_types: Vec<u64> = match get("tokenizer.ggml.token_type") {
         None => vec![1; tokens.len()],
         Some(v) => {
-            let arr = v.as_array().ok_or_else(|| invalid("tokenizer.ggml.token_type is not an array".into()))?;
+            let arr = v
+                .as_array()
+                .ok_or_else(|| invalid("tokenizer.ggml.token_type is not an array".into()))?;
             if arr.len() != tokens.len() {
                 return Err(invalid(format!(
                     "tokenizer.ggml.token_type has {} entries for {} tokens",
@@ -60,9 +67,17 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         }
     };
 
-    let vocab: Vocab = tokens.iter().enumerate().map(|(id, t)| ((*t).to_owned(), id as u32)).collect();
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| ((*t).to_owned(), id as u32))
+        .collect();
     if vocab.len() != tokens.len() {
-        return Err(invalid(format!("tokenizer.ggml.tokens has duplicate entries ({} unique of {})", vocab.len(), tokens.len())));
+        return Err(invalid(format!(
+            "tokenizer.ggml.tokens has duplicate entries ({} unique of {})",
+            vocab.len(),
+            tokens.len()
+        )));
     }
     let merges = merges
         .iter()
@@ -70,12 +85,18 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         .map(|(i, m)| {
             m.split_once(' ')
                 .map(|(a, b)| (a.to_owned(), b.to_owned()))
-                .ok_or_else(|| invalid(format!("tokenizer.ggml.merges[{i}] {m:?} is not \"left right\"")))
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "tokenizer.ggml.merges[{i}] {m:?} is not \"left right\""
+                    ))
+                })
         })
         .collect::<Result<Vec<_>>>()?;
 
     let pre_name = match get("tokenizer.ggml.pre") {
-        Some(v) => v.as_str().ok_or_else(|| invalid("tokenizer.ggml.pre is not a string".into()))?,
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| invalid("tokenizer.ggml.pre is not a string".into()))?,
         None => {
             tracing::warn!(path = %file.path().display(), "GGUF has no tokenizer.ggml.pre; using the GPT-2 split");
             "default"
@@ -87,7 +108,11 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         .vocab_and_merges(vocab, merges)
         .ignore_merges(ignore_merges)
         .build()
-        .map_err(|e| invalid(format!("cannot build BPE from tokenizer.ggml.tokens/merges: {e}")))?;
+        .map_err(|e| {
+            invalid(format!(
+                "cannot build BPE from tokenizer.ggml.tokens/merges: {e}"
+            ))
+        })?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
     tk.with_pre_tokenizer(Some(pre_tokenizer));
     tk.with_decoder(Some(ByteLevelDecoder::default()));
@@ -96,10 +121,15 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     let eos_token_id = token_id("tokenizer.ggml.eos_token_id")?;
     for (what, id) in [("bos", bos_token_id), ("eos", eos_token_id)] {
         if id.is_some_and(|id| id as usize >= tokens.len()) {
-            return Err(invalid(format!("{what} token id is outside the vocabulary")));
+            return Err(invalid(format!(
+                "{what} token id is outside the vocabulary"
+            )));
         }
     }
-    let token_text = |id: Option<u32>| id.and_then(|id| tokens.get(id as usize)).map(|t| (*t).to_owned());
+    let token_text = |id: Option<u32>| {
+        id.and_then(|id| tokens.get(id as usize))
+            .map(|t| (*t).to_owned())
+    };
 
     // Like llama.cpp: control tokens are special (matched in text, dropped by skip_special_tokens);
     // user-defined ones are matched in text but are ordinary text when decoding.
@@ -118,7 +148,11 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     let add_eos = flag("tokenizer.ggml.add_eos_token").unwrap_or(false);
     let with_text = |what: &str, id: Option<u32>| -> Result<(String, u32)> {
         id.and_then(|id| token_text(Some(id)).map(|t| (t, id)))
-            .ok_or_else(|| invalid(format!("add_{what}_token is set but there is no {what} token id")))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "add_{what}_token is set but there is no {what} token id"
+                ))
+            })
     };
     let mut single: Vec<String> = Vec::new();
     let mut specials: Vec<(String, u32)> = Vec::new();
@@ -137,7 +171,11 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     }
     let processor = TemplateProcessing::builder()
         .try_single(single)
-        .and_then(|b| b.special_tokens(specials).build().map_err(|e| e.to_string()))
+        .and_then(|b| {
+            b.special_tokens(specials)
+                .build()
+                .map_err(|e| e.to_string())
+        })
         .map_err(|e| invalid(format!("cannot build the BOS/EOS template: {e}")))?;
     tk.with_post_processor(Some(processor));
 
@@ -149,7 +187,9 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     let chat_template = match get("tokenizer.chat_template") {
         None => None,
         Some(v) => {
-            let source = v.as_str().ok_or_else(|| invalid("tokenizer.chat_template is not a string".into()))?;
+            let source = v
+                .as_str()
+                .ok_or_else(|| invalid("tokenizer.chat_template is not a string".into()))?;
             Some(ChatTemplate::new(
                 source,
                 token_text(bos_token_id).unwrap_or_default(),
@@ -158,5 +198,11 @@ pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         }
     };
 
-    Ok(Tokenizer::from_parts(TokenizerParts { tk, bos_token_id, eos_token_ids, force_bos: false, chat_template }))
+    Ok(Tokenizer::from_parts(TokenizerParts {
+        tk,
+        bos_token_id,
+        eos_token_ids,
+        force_bos: false,
+        chat_template,
+    }))
 }

@@ -8,7 +8,10 @@ use super::{ChatTemplate, Tokenizer, TokenizerParts};
 use crate::error::{EngineError, Result};
 
 fn load_tokenizer_json(path: &Path) -> Result<tokenizers::Tokenizer> {
-    let bytes = std::fs::read(path).map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     tokenizers::Tokenizer::from_bytes(&bytes)
         .map_err(|e| EngineError::invalid_model(path, format!("not a valid tokenizer.json: {e}")))
 }
@@ -30,7 +33,10 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
             .map(Some)
             .map_err(|e| EngineError::invalid_model(path, format!("not valid JSON: {e}"))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(EngineError::Io { path: path.to_path_buf(), source }),
+        Err(source) => Err(EngineError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
     }
 }
 
@@ -50,7 +56,8 @@ fn template_source(v: &Value) -> Option<String> {
         Value::String(s) => Some(s.clone()),
         Value::Array(list) => {
             let named = |n: &str| {
-                list.iter().find(|t| t.get("name").and_then(Value::as_str) == Some(n))
+                list.iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some(n))
             };
             named("default")
                 .or_else(|| list.first())
@@ -64,7 +71,11 @@ fn template_source(v: &Value) -> Option<String> {
 
 fn ids_of(v: Option<&Value>) -> Vec<u32> {
     match v {
-        Some(Value::Number(n)) => n.as_u64().and_then(|n| u32::try_from(n).ok()).into_iter().collect(),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .into_iter()
+            .collect(),
         Some(Value::Array(a)) => a
             .iter()
             .filter_map(|n| n.as_u64().and_then(|n| u32::try_from(n).ok()))
@@ -76,7 +87,10 @@ fn ids_of(v: Option<&Value>) -> Vec<u32> {
 pub(super) fn from_hf_folder(dir: &Path) -> Result<Tokenizer> {
     let tk_path = dir.join("tokenizer.json");
     if !tk_path.is_file() {
-        return Err(EngineError::invalid_model(dir, "no tokenizer.json in the model folder"));
+        return Err(EngineError::invalid_model(
+            dir,
+            "no tokenizer.json in the model folder",
+        ));
     }
     let tk = load_tokenizer_json(&tk_path)?;
     let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
@@ -85,7 +99,11 @@ pub(super) fn from_hf_folder(dir: &Path) -> Result<Tokenizer> {
     let bos = token_content(config.get("bos_token"));
     let eos = token_content(config.get("eos_token"));
     let bos_token_id = bos.as_deref().and_then(|t| tk.token_to_id(t));
-    let mut eos_token_ids: Vec<u32> = eos.as_deref().and_then(|t| tk.token_to_id(t)).into_iter().collect();
+    let mut eos_token_ids: Vec<u32> = eos
+        .as_deref()
+        .and_then(|t| tk.token_to_id(t))
+        .into_iter()
+        .collect();
     // generation_config.json may list more ids that end a turn (Llama 3: <|eot_id|>, <|eom_id|>).
     eos_token_ids.extend(ids_of(gen_config.get("eos_token_id")));
 
@@ -96,10 +114,21 @@ pub(super) fn from_hf_folder(dir: &Path) -> Result<Tokenizer> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             config.get("chat_template").and_then(template_source)
         }
-        Err(source) => return Err(EngineError::Io { path: jinja_path, source }),
+        Err(source) => {
+            return Err(EngineError::Io {
+                path: jinja_path,
+                source,
+            })
+        }
     };
     let chat_template = source
-        .map(|s| ChatTemplate::new(s, bos.clone().unwrap_or_default(), eos.clone().unwrap_or_default()))
+        .map(|s| {
+            ChatTemplate::new(
+                s,
+                bos.clone().unwrap_or_default(),
+                eos.clone().unwrap_or_default(),
+            )
+        })
         .transpose()?;
 
     Ok(Tokenizer::from_parts(TokenizerParts {

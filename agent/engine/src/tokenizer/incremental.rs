@@ -21,7 +21,13 @@ pub struct IncrementalDecoder {
 
 impl IncrementalDecoder {
     pub fn new(tokenizer: Tokenizer, skip_special_tokens: bool) -> Self {
-        IncrementalDecoder { tokenizer, skip_special_tokens, ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
+        IncrementalDecoder {
+            tokenizer,
+            skip_special_tokens,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
     }
 
     /// Adds one id and returns the text it completes: empty while a multi-byte character is
@@ -56,8 +62,13 @@ impl IncrementalDecoder {
     }
 
     fn decode_window(&self) -> Result<(String, String)> {
-        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
-        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        let prefix = self.tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
         Ok((prefix, full))
     }
 }

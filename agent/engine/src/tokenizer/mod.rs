@@ -81,7 +81,12 @@ impl Tokenizer {
             }
         }
         // One past the highest id, so every id below it is valid (also if the ids have gaps).
-        let vocab_size = parts.tk.get_vocab(true).values().max().map_or(0, |&max| max as usize + 1);
+        let vocab_size = parts
+            .tk
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&max| max as usize + 1);
         Tokenizer {
             inner: Arc::new(Inner {
                 vocab_size,
@@ -112,7 +117,10 @@ impl Tokenizer {
         let path = path.as_ref();
         if path.is_dir() {
             hf::from_hf_folder(path)
-        } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        } else if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
             let file = crate::model::gguf::GgufFile::open(path)?;
             gguf::from_gguf(&file)
         } else if path.file_name().is_some_and(|n| n == "tokenizer.json") {
@@ -123,7 +131,10 @@ impl Tokenizer {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
             })
         } else {
-            Err(EngineError::invalid_model(path, "expected a .gguf file or a Hugging Face model folder"))
+            Err(EngineError::invalid_model(
+                path,
+                "expected a .gguf file or a Hugging Face model folder",
+            ))
         }
     }
 
@@ -151,7 +162,10 @@ impl Tokenizer {
                 "token id {bad} is outside the vocabulary (size {vocab})"
             )));
         }
-        self.inner.tk.decode(ids, skip_special_tokens).map_err(tok_err)
+        self.inner
+            .tk
+            .decode(ids, skip_special_tokens)
+            .map_err(tok_err)
     }
 
     /// Number of ids, added tokens included.

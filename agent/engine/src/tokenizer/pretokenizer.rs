@@ -21,8 +21,12 @@ pub(super) fn for_gguf_pre(name: &str) -> Result<(PreTokenizerWrapper, bool)> {
     // 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
     let gpt2 = || PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true));
     let split_then_bytes = |regex: &str| -> Result<PreTokenizerWrapper> {
-        let split = Split::new(SplitPattern::Regex(regex.to_owned()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| EngineError::Tokenizer(format!("pre-tokenizer regex for {name:?}: {e}")))?;
+        let split = Split::new(
+            SplitPattern::Regex(regex.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| EngineError::Tokenizer(format!("pre-tokenizer regex for {name:?}: {e}")))?;
         Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
             split.into(),
             ByteLevel::new(false, true, false).into(),
@@ -31,13 +35,24 @@ pub(super) fn for_gguf_pre(name: &str) -> Result<(PreTokenizerWrapper, bool)> {
     match name {
         "default" | "gpt2" | "gpt-2" | "olmo" | "mpt" | "jais" | "trillion" => Ok((gpt2(), false)),
         // StarCoder-family vocabularies: every digit is its own word, then the GPT-2 split.
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => Ok((
-            PreTokenizerWrapper::Sequence(Sequence::new(vec![Digits::new(true).into(), gpt2()])),
-            false,
-        )),
-        "llama-bpe" | "llama3" | "llama-v3" | "falcon3" => Ok((split_then_bytes(LLAMA3_REGEX)?, true)),
-        "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => Ok((split_then_bytes(QWEN2_REGEX)?, false)),
-        other => Err(EngineError::Unsupported(format!("GGUF pre-tokenizer {other:?}"))),
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
+            Ok((
+                PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                    Digits::new(true).into(),
+                    gpt2(),
+                ])),
+                false,
+            ))
+        }
+        "llama-bpe" | "llama3" | "llama-v3" | "falcon3" => {
+            Ok((split_then_bytes(LLAMA3_REGEX)?, true))
+        }
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => {
+            Ok((split_then_bytes(QWEN2_REGEX)?, false))
+        }
+        other => Err(EngineError::Unsupported(format!(
+            "GGUF pre-tokenizer {other:?}"
+        ))),
     }
 }
 
@@ -50,15 +65,24 @@ mod tests {
         let (pt, _) = for_gguf_pre(name).unwrap();
         let mut s = PreTokenizedString::from(text);
         pt.pre_tokenize(&mut s).unwrap();
-        s.get_splits(OffsetReferential::Original, OffsetType::Byte).into_iter().map(|(w, _, _)| w.to_owned()).collect()
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(w, _, _)| w.to_owned())
+            .collect()
     }
 
     #[test]
     fn splits_like_the_reference_regexes() {
         assert_eq!(words("gpt2", "I'm 2024 go"), ["I", "'m", "Ġ2024", "Ġgo"]);
         assert_eq!(words("smollm", "a 2024"), ["a", "Ġ", "2", "0", "2", "4"]);
-        assert_eq!(words("llama-bpe", "I'M 12345 go"), ["I", "'M", "Ġ", "123", "45", "Ġgo"]);
+        assert_eq!(
+            words("llama-bpe", "I'M 12345 go"),
+            ["I", "'M", "Ġ", "123", "45", "Ġgo"]
+        );
         assert_eq!(words("qwen2", "x 123"), ["x", "Ġ", "1", "2", "3"]);
-        assert!(matches!(for_gguf_pre("no-such-pre"), Err(EngineError::Unsupported(_))));
+        assert!(matches!(
+            for_gguf_pre("no-such-pre"),
+            Err(EngineError::Unsupported(_))
+        ));
     }
 }

@@ -23,12 +23,19 @@ pub struct StopMatcher {
 impl StopMatcher {
     /// Empty strings are ignored (they would match everywhere).
     pub fn new(stop_strings: Vec<String>) -> Self {
-        StopMatcher { stops: stop_strings.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), matched: None }
+        StopMatcher {
+            stops: stop_strings.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+            matched: None,
+        }
     }
 
     pub fn push(&mut self, text: &str) -> StopOutput {
         if self.matched.is_some() {
-            return StopOutput { text: String::new(), stopped: true };
+            return StopOutput {
+                text: String::new(),
+                stopped: true,
+            };
         }
         self.held.push_str(text);
         // The earliest occurrence wins; among stops starting at the same place, the longest is
@@ -37,18 +44,28 @@ impl StopMatcher {
             .stops
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at, std::cmp::Reverse(s.len()), i)))
+            .filter_map(|(i, s)| {
+                self.held
+                    .find(s.as_str())
+                    .map(|at| (at, std::cmp::Reverse(s.len()), i))
+            })
             .min();
         if let Some((at, _, i)) = first {
             self.matched = Some(i);
             let text = self.held[..at].to_owned();
             self.held.clear();
-            return StopOutput { text, stopped: true };
+            return StopOutput {
+                text,
+                stopped: true,
+            };
         }
         let keep_from = self.partial_match_start();
         let text = self.held[..keep_from].to_owned();
         self.held.drain(..keep_from);
-        StopOutput { text, stopped: false }
+        StopOutput {
+            text,
+            stopped: false,
+        }
     }
 
     /// The held-back tail (empty after a match, since that tail belonged to the stop string).
@@ -58,7 +75,9 @@ impl StopMatcher {
 
     /// Which stop string matched (an index into the list given to `new`, empty strings not counted).
     pub fn matched_stop(&self) -> Option<&str> {
-        self.matched.and_then(|i| self.stops.get(i)).map(String::as_str)
+        self.matched
+            .and_then(|i| self.stops.get(i))
+            .map(String::as_str)
     }
 
     /// Byte offset of the earliest tail of `held` that is a proper prefix of some stop string
@@ -72,7 +91,9 @@ impl StopMatcher {
             .filter(|&i| i >= lower)
             .find(|&i| {
                 let tail = &self.held[i..];
-                self.stops.iter().any(|s| s.len() > tail.len() && s.starts_with(tail))
+                self.stops
+                    .iter()
+                    .any(|s| s.len() > tail.len() && s.starts_with(tail))
             })
             .unwrap_or(self.held.len())
     }

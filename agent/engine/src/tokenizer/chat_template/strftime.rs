@@ -5,10 +5,28 @@
 use minijinja::{Error, ErrorKind};
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-    "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
-const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
 
 pub(super) fn strftime_now(format: String) -> Result<String, Error> {
     let secs = std::time::SystemTime::now()
@@ -67,7 +85,10 @@ pub(super) fn format_utc(format: &str, unix_secs: i64) -> Result<String, Error> 
             other => {
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
-                    format!("strftime_now: unsupported directive %{}", other.map(String::from).unwrap_or_default()),
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.map(String::from).unwrap_or_default()
+                    ),
                 ))
             }
         }
@@ -82,9 +103,15 @@ mod tests {
     #[test]
     fn formats_known_dates() {
         // `date -u -d @1709251200` → Fri 01 Mar 2024 00:00:00 (the day after a leap day).
-        assert_eq!(format_utc("%d %b %Y %A %H:%M:%S", 1_709_251_200).unwrap(), "01 Mar 2024 Friday 00:00:00");
+        assert_eq!(
+            format_utc("%d %b %Y %A %H:%M:%S", 1_709_251_200).unwrap(),
+            "01 Mar 2024 Friday 00:00:00"
+        );
         // `date -u -d @951825599` → Tue 29 Feb 2000 11:59:59.
-        assert_eq!(format_utc("%-d %B %y %a", 951_825_599).unwrap(), "29 February 00 Tue");
+        assert_eq!(
+            format_utc("%-d %B %y %a", 951_825_599).unwrap(),
+            "29 February 00 Tue"
+        );
         assert_eq!(format_utc("%Y-%m-%d", 0).unwrap(), "1970-01-01");
         assert!(format_utc("%Q", 0).is_err());
     }

@@ -13,7 +13,9 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod model;
 pub mod request;
+pub mod tokenizer;
 
 pub use error::{EngineError, Result};
 pub mod kv;

@@ -303,3 +303,23 @@ fn hf_safetensors_folders_single_and_sharded_match_the_reference() {
         }
     }
 }
+
+#[test]
+fn quantized_matmul_paths_agree_bit_for_bit() {
+    // One token alone takes the fused dequantize-in-register path; in a batch of 8 the rows are
+    // dequantized once and shared. Both must give identical logits for that token.
+    let reference = common::reference();
+    let ids = u32s(&reference["prompts"][0]["input_ids"]);
+    let mut backend = backend(gguf_weights());
+    let alone = backend.forward(&one_seq(&ids[..1], 0, vec![0])).unwrap();
+    let mut batch = StepBatch::default();
+    for s in 0..8u32 {
+        let t = if s == 5 { ids[0] } else { ids[(s as usize) % ids.len()] + 7 };
+        batch.tokens.push(t);
+        batch.positions.push(0);
+        batch.seqs.push(SeqChunk { start: s as usize, len: 1, context_len: 0, block_table: vec![10 + s], wants_logits: true, lora_slot: None });
+    }
+    let batched = backend.forward(&batch).unwrap();
+    assert_eq!(batched.row(5), alone.row(0));
+    check_position(alone.row(0), &reference["prompts"][0]["positions"][0], "alone");
+}

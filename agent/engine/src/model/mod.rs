@@ -67,7 +67,8 @@ pub fn load(path: &Path, format: LoadFormat) -> Result<LoadedModel> {
         f => f,
     };
     match format {
-        LoadFormat::Gguf => {
+        // Resolved above; kept as a GGUF load so the match needs no impossible arm.
+        LoadFormat::Gguf | LoadFormat::Auto => {
             let file = GgufFile::open(path)?;
             let config = hf_config::config_from_gguf(&file)?;
             let weights = gguf_weights::weights_from_gguf(&file, &config)?;
@@ -99,6 +100,5 @@ pub fn load(path: &Path, format: LoadFormat) -> Result<LoadedModel> {
             let weights = dummy::dummy_weights(&config, DUMMY_SEED);
             Ok(LoadedModel { config, weights })
         }
-        LoadFormat::Auto => unreachable!("Auto resolved above"),
     }
 }

@@ -323,3 +323,23 @@ fn quantized_matmul_paths_agree_bit_for_bit() {
     assert_eq!(batched.row(5), alone.row(0));
     check_position(alone.row(0), &reference["prompts"][0]["positions"][0], "alone");
 }
+
+#[test]
+fn every_kernel_isa_matches_the_reference() {
+    // The fallback kernels (AVX2, portable) must meet the same tolerance as the default ones.
+    use peregrine_engine::backend::cpu::simd::Isa;
+    let reference = common::reference();
+    let prompt = &reference["prompts"][1];
+    let ids = u32s(&prompt["input_ids"]);
+    let positions = prompt["positions"].as_array().unwrap();
+    let mut backend = backend(gguf_weights());
+    for isa in Isa::available() {
+        backend.set_isa(isa).unwrap();
+        for (p, &t) in ids.iter().enumerate() {
+            let logits = backend.forward(&one_seq(&[t], p, vec![0])).unwrap();
+            check_position(logits.row(0), &positions[p], &format!("{isa:?} pos {p}"));
+        }
+        let logits = backend.forward(&one_seq(&ids, 0, vec![0])).unwrap();
+        check_position(logits.row(0), &positions[ids.len() - 1], &format!("{isa:?} one chunk"));
+    }
+}

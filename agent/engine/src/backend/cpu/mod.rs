@@ -122,6 +122,15 @@ impl CpuBackend {
         self.isa
     }
 
+    /// Switches kernels (to test or time the fallbacks); errors if this CPU cannot run `isa`.
+    pub fn set_isa(&mut self, isa: Isa) -> Result<()> {
+        if !Isa::available().contains(&isa) {
+            return Err(EngineError::Backend(format!("this CPU cannot run {} kernels", isa.name())));
+        }
+        self.isa = isa;
+        Ok(())
+    }
+
     /// Rejects a batch that would index outside the cache or the vocabulary.
     fn check_batch(&self, batch: &StepBatch) -> Result<()> {
         let bad = |m: String| Err(EngineError::Backend(format!("invalid step batch: {m}")));

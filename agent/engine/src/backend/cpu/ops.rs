@@ -81,6 +81,7 @@ impl Rope {
 
 /// transformers' `_compute_llama3_parameters`: long wavelengths slowed by `factor`, short ones kept,
 /// a smooth blend between.
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // mirrors transformers' `~(a < b) * ~(a > c)`
 fn llama3_scale(inv_freq: &mut [f32], s: &Llama3RopeScaling) {
     let old = s.original_max_position_embeddings as f32;
     let low_freq_wavelen = old / s.low_freq_factor;

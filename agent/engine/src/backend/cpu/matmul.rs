@@ -51,6 +51,16 @@ pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &Matrix, out: &mut [f32]) {
             }
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx2, MatrixData::Quant(q)) = (isa, &w.data) {
+            let p = ptr;
+            // SAFETY: as below; AVX2 and FMA were detected at run time.
+            unsafe {
+                let out = std::slice::from_raw_parts_mut(p.0, n * rows);
+                super::matmul_avx2::quant_tile(x, n, q, r0, nr, out, rows, scratch, ROW_TILE);
+            }
+            return;
+        }
         let wrows: &[f32] = match &w.data {
             MatrixData::F32(v) => &v[r0 * k..(r0 + nr) * k],
             MatrixData::Quant(_) => {
@@ -106,13 +116,8 @@ fn tile_kernel(isa: Isa, x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, ou
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
-            portable::tile::<true>(x, n, k, w, nr, out, ld_out, r0)
-        }
-        // SAFETY: AVX2 and FMA were detected at run time.
-        unsafe { avx2(x, n, k, w, nr, out, ld_out, r0) };
+        // SAFETY: AVX2 and FMA were detected at run time; slices are sized as asserted in `matmul`.
+        unsafe { super::matmul_avx2::tile(x, n, k, w, nr, out, ld_out, r0) };
         return;
     }
     let _ = isa;

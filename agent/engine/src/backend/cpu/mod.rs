@@ -5,6 +5,8 @@ pub mod attention;
 pub mod bench;
 pub mod kv_cache;
 pub mod matmul;
+#[cfg(target_arch = "x86_64")]
+mod matmul_avx2;
 pub mod ops;
 pub mod simd;
 

@@ -11,8 +11,18 @@ use peregrine_engine::model::{self, LoadFormat};
 /// User+system CPU seconds of this process so far (Linux), to tell contention from slowness.
 fn cpu_seconds() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
     (ticks(11) + ticks(12)) / 100.0
 }
 
@@ -21,7 +31,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = PathBuf::from(args.next().ok_or("usage: cpu_bench <model> [threads]")?);
     let threads: usize = args.next().map(|t| t.parse()).transpose()?.unwrap_or(2);
     let loaded = model::load(&path, LoadFormat::Auto)?;
-    let shape = KvCacheShape { num_blocks: 32 * 8 + 64, block_size: 16 };
+    let shape = KvCacheShape {
+        num_blocks: 32 * 8 + 64,
+        block_size: 16,
+    };
     let mut backend = CpuBackend::new(loaded.weights, shape, threads)?;
     println!("backend {}", backend.name());
     // Warm-up (page in the weights, start the threads).

@@ -28,14 +28,24 @@ unsafe fn hsum8(v: __m256) -> f32 {
 /// Values `8*piece .. 8*piece+8` of block `b`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn deq_piece<const KIND: u8>(d: *const f32, m: *const f32, qs: *const u8, b: usize, piece: usize) -> __m256 {
+unsafe fn deq_piece<const KIND: u8>(
+    d: *const f32,
+    m: *const f32,
+    qs: *const u8,
+    b: usize,
+    piece: usize,
+) -> __m256 {
     let dv = _mm256_set1_ps(*d.add(b));
     if KIND == Q8_0 {
         let raw = _mm_loadl_epi64(qs.add(b * 32 + piece * 8) as *const __m128i);
         return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
     }
     let raw = _mm_loadl_epi64(qs.add(b * 16 + (piece % 2) * 8) as *const __m128i);
-    let nib = if piece >= 2 { _mm_srli_epi16(raw, 4) } else { raw };
+    let nib = if piece >= 2 {
+        _mm_srli_epi16(raw, 4)
+    } else {
+        raw
+    };
     let mut q = _mm256_cvtepu8_epi32(_mm_and_si128(nib, _mm_set1_epi8(0x0F)));
     if KIND == Q4_0 {
         q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
@@ -56,7 +66,13 @@ unsafe fn tail_mask(len: usize) -> __m256i {
 
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn micro<const T: usize, const R: usize>(x: *const f32, w: *const f32, k: usize, out: *mut f32, ld_out: usize) {
+unsafe fn micro<const T: usize, const R: usize>(
+    x: *const f32,
+    w: *const f32,
+    k: usize,
+    out: *mut f32,
+    ld_out: usize,
+) {
     let mut acc = [[_mm256_setzero_ps(); R]; T];
     let mut kb = 0;
     while kb + 8 <= k {
@@ -159,32 +175,68 @@ macro_rules! tiles {
 
 /// All tokens × one tile of `nr` f32 weight rows (`w` holds those rows, `nr × k`).
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn tile(x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
+pub unsafe fn tile(
+    x: &[f32],
+    n: usize,
+    k: usize,
+    w: &[f32],
+    nr: usize,
+    out: &mut [f32],
+    ld_out: usize,
+    r0: usize,
+) {
     debug_assert!(x.len() >= n * k && w.len() >= nr * k && out.len() >= (n - 1) * ld_out + r0 + nr);
     macro_rules! go {
         ($t:literal, $r:literal, $t0:ident, $rr:ident) => {
-            micro::<$t, $r>(x.as_ptr().add($t0 * k), w.as_ptr().add($rr * k), k, out.as_mut_ptr().add($t0 * ld_out + r0 + $rr), ld_out)
+            micro::<$t, $r>(
+                x.as_ptr().add($t0 * k),
+                w.as_ptr().add($rr * k),
+                k,
+                out.as_mut_ptr().add($t0 * ld_out + r0 + $rr),
+                ld_out,
+            )
         };
     }
     tiles!(n, nr, |nt, nrr, t0, rr| go);
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn fused<const KIND: u8>(x: &[f32], n: usize, q: &QuantMatrix, r0: usize, nr: usize, out: &mut [f32], ld_out: usize) {
+unsafe fn fused<const KIND: u8>(
+    x: &[f32],
+    n: usize,
+    q: &QuantMatrix,
+    r0: usize,
+    nr: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
     let k = q.cols;
     let bpr = q.blocks_per_row();
     let (d, m, qs) = q.raw();
     let raw = (d.as_ptr(), m.as_ptr(), qs.as_ptr());
     macro_rules! go {
         ($t:literal, $r:literal, $t0:ident, $rr:ident) => {
-            micro_q::<KIND, $t, $r>(x.as_ptr().add($t0 * k), k, raw, r0 + $rr, bpr, out.as_mut_ptr().add($t0 * ld_out + r0 + $rr), ld_out)
+            micro_q::<KIND, $t, $r>(
+                x.as_ptr().add($t0 * k),
+                k,
+                raw,
+                r0 + $rr,
+                bpr,
+                out.as_mut_ptr().add($t0 * ld_out + r0 + $rr),
+                ld_out,
+            )
         };
     }
     tiles!(n, nr, |nt, nrr, t0, rr| go);
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dequantize_rows<const KIND: u8>(q: &QuantMatrix, r0: usize, nr: usize, scratch: &mut [f32]) {
+unsafe fn dequantize_rows<const KIND: u8>(
+    q: &QuantMatrix,
+    r0: usize,
+    nr: usize,
+    scratch: &mut [f32],
+) {
     let bpr = q.blocks_per_row();
     let (d, m, qs) = q.raw();
     let (d, m, qs) = (d.as_ptr(), m.as_ptr(), qs.as_ptr());

@@ -307,3 +307,29 @@ fn malformed_step_batches_are_errors() {
         );
     }
 }
+
+#[test]
+fn bench_helpers_drive_the_backend() {
+    use peregrine_engine::backend::cpu::bench;
+    let (dir, _) = tiny_folder();
+    let loaded = model::load(dir.path(), LoadFormat::Dummy).unwrap();
+    let blocks = bench::blocks_needed(4, 10, 6, 4).max(bench::blocks_needed(1, 40, 0, 4));
+    let shape = KvCacheShape {
+        num_blocks: blocks,
+        block_size: 4,
+    };
+    let mut b = CpuBackend::new(loaded.weights, shape, 2).unwrap();
+    let p = bench::prefill(&mut b, 40).unwrap();
+    assert_eq!(p.tokens, 40);
+    assert!(p.tokens_per_second() > 0.0);
+    let d = bench::decode(&mut b, 4, 10, 6).unwrap();
+    assert_eq!(d.tokens, 24);
+    // One block fewer than needed is refused, not a panic.
+    let loaded = model::load(dir.path(), LoadFormat::Dummy).unwrap();
+    let shape = KvCacheShape {
+        num_blocks: bench::blocks_needed(4, 10, 6, 4) - 1,
+        block_size: 4,
+    };
+    let mut b = CpuBackend::new(loaded.weights, shape, 1).unwrap();
+    assert!(bench::decode(&mut b, 4, 10, 6).is_err());
+}

@@ -18,6 +18,11 @@ impl BenchFigure {
     }
 }
 
+/// KV blocks that [`prefill`] (`batch = 1`, `steps = 0`) or [`decode`] needs.
+pub fn blocks_needed(batch: usize, context: usize, steps: usize, block_size: usize) -> usize {
+    batch * (context + steps).div_ceil(block_size.max(1))
+}
+
 /// Blocks a sequence of `len` tokens needs, laid out consecutively from `first`.
 fn table(first: usize, len: usize, block_size: usize) -> Vec<u32> {
     (first..first + len.div_ceil(block_size))

@@ -23,6 +23,10 @@ pub enum EngineError {
     InvalidRequest(String),
     #[error("backend: {0}")]
     Backend(String),
+    /// Engine settings that cannot work with this model or backend (block size mismatch, a context
+    /// length the KV cache cannot hold).
+    #[error("invalid engine config: {0}")]
+    InvalidConfig(String),
     /// The engine thread has stopped; no more requests can be served.
     #[error("engine stopped")]
     EngineStopped,
@@ -39,6 +43,7 @@ impl EngineError {
             EngineError::ChatTemplate(_) => "chat_template",
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Backend(_) => "backend",
+            EngineError::InvalidConfig(_) => "invalid_config",
             EngineError::EngineStopped => "engine_stopped",
         }
     }

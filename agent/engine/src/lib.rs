@@ -13,6 +13,12 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod model;
 pub mod request;
+pub mod tokenizer;
 
 pub use error::{EngineError, Result};
+pub mod kv;
+pub mod sampling;
+pub mod scheduler;
+pub mod engine;

@@ -4,7 +4,6 @@
 
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::Arc;
 
 use peregrine_engine::engine::{EngineHandle, RequestStream};
 use peregrine_engine::request::{FinishReason, GenerationRequest, RequestEvent, SampledToken, Usage};
@@ -67,10 +66,10 @@ impl InferenceBackend for EngineBackend {
         let m = self.engine.metrics();
         BackendStats {
             kv_cache_usage_ratio: m.kv_usage_ratio,
-            num_preemptions: m.preemptions as u64,
-            prefix_cache_hit_tokens: m.prefix_cache_hit_tokens as u64,
-            engine_running: m.running,
-            engine_waiting: m.waiting,
+            num_preemptions: m.preemptions_total,
+            prefix_cache_hit_tokens: m.prefix_cache_hit_tokens_total,
+            engine_running: m.num_running,
+            engine_waiting: m.num_waiting,
         }
     }
 

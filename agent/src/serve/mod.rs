@@ -8,6 +8,7 @@ pub mod admission;
 pub mod args;
 pub mod auth;
 pub mod backend;
+pub mod engine_backend;
 pub mod error;
 pub mod generation;
 pub mod handlers;
@@ -109,8 +110,111 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Loads the model, starts the engine and serves until SIGTERM.
-pub fn run(_args: ServeArgs) -> anyhow::Result<()> {
-    // Wired to the real engine once the engine, tokenizer and model loader are merged into main.
-    anyhow::bail!("serve: the engine is not wired in this build yet")
+/// KV cache memory used when `--num-kv-blocks` is not given.
+const DEFAULT_KV_CACHE_BYTES: usize = 1 << 30;
+
+/// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
+        let limits = rate_limit::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
+        let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?;
+        let load_args = args.clone();
+        let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
+        let backend = Arc::new(backend);
+        let config = state::ServerConfig { max_body_bytes: args.max_body_bytes, max_waiting_requests: args.max_waiting_requests };
+        let state = Arc::new(AppState::new(backend.clone(), keys, config));
+        let listener = TcpListener::bind((args.host, args.port)).await?;
+        tracing::info!(
+            addr = %listener.local_addr()?,
+            model = backend.model_name(),
+            max_model_len = backend.max_model_len(),
+            api_keys = state.keys.len(),
+            "listening"
+        );
+        // Probes answer while the model warms up; `/ready` turns 200 after one real generation.
+        let warm_state = state.clone();
+        tokio::spawn(async move {
+            match warm_up(&warm_state).await {
+                Ok(()) => {
+                    warm_state.lifecycle.set_ready();
+                    tracing::info!("ready");
+                }
+                Err(e) => tracing::error!(error = %e, "warm-up failed; /ready stays 503"),
+            }
+        });
+        let drain = DrainConfig { delay: args.drain_delay, grace_period: args.shutdown_grace_period };
+        serve(listener, state, drain, shutdown_signal()).await?;
+        backend.engine().shutdown();
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+fn load_engine(args: &ServeArgs) -> anyhow::Result<engine_backend::EngineBackend> {
+    use peregrine_engine::backend::cpu::CpuBackend;
+    use peregrine_engine::backend::{Backend, KvCacheShape};
+    use peregrine_engine::engine::{Engine, EngineConfig};
+    use peregrine_engine::model::{load, LoadFormat};
+    use peregrine_engine::tokenizer::Tokenizer;
+
+    let t0 = std::time::Instant::now();
+    let tokenizer = Tokenizer::for_model(&args.model)?;
+    let loaded = load(&args.model, LoadFormat::Auto)?;
+    let block_bytes = CpuBackend::kv_bytes_per_block(&loaded.config, args.block_size).max(1);
+    let wanted_len = args.max_model_len.unwrap_or(loaded.config.max_position_embeddings);
+    let num_blocks = args.num_kv_blocks.unwrap_or_else(|| {
+        // Enough for max_num_seqs full sequences, within the default memory budget, and never
+        // less than one full-length sequence.
+        let per_seq = wanted_len.div_ceil(args.block_size);
+        (per_seq * args.max_num_seqs).min(DEFAULT_KV_CACHE_BYTES / block_bytes).max(per_seq)
+    });
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let cpu = CpuBackend::new(loaded.weights, KvCacheShape { num_blocks, block_size: args.block_size }, threads)?;
+    let backend_name = cpu.name();
+    let engine = Engine::start(
+        Box::new(cpu),
+        EngineConfig {
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_model_len: args.max_model_len,
+            block_size: args.block_size,
+            enable_prefix_caching: !args.disable_prefix_caching,
+            seed: args.seed,
+        },
+    )?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.model));
+    tracing::info!(
+        model = %name,
+        backend = %backend_name,
+        kv_blocks = num_blocks,
+        kv_mib = num_blocks * block_bytes >> 20,
+        load_s = t0.elapsed().as_secs_f64(),
+        "model loaded"
+    );
+    let max_model_len = engine.max_model_len();
+    Ok(engine_backend::EngineBackend::new(name, backend_name, max_model_len, engine, tokenizer))
+}
+
+/// One short generation through the whole path, so the first client does not pay for cold caches.
+async fn warm_up<B: InferenceBackend>(state: &AppState<B>) -> Result<(), error::ApiError> {
+    use futures::StreamExt;
+    let prompt = state.backend.prepare(backend::PromptInput::Text("Hello".into())).await?;
+    let mut events = state.backend.generate(backend::GenerateInput {
+        request_id: state.next_request_id(),
+        prompt,
+        params: peregrine_engine::request::SamplingParams::greedy(2),
+        stop: Vec::new(),
+        skip_special_tokens: true,
+        adapter: None,
+    })?;
+    while let Some(event) = events.next().await {
+        match event {
+            backend::GenerateEvent::Finished { .. } => return Ok(()),
+            backend::GenerateEvent::Error(e) => return Err(e),
+            _ => {}
+        }
+    }
+    Err(error::ApiError::EngineStopped)
 }

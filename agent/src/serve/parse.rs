@@ -12,7 +12,14 @@ use super::error::ApiError;
 
 /// Parses and validates a JSON request body.
 pub fn parse_request<T: DeserializeOwned + Validate>(body: &[u8]) -> Result<T, ApiError> {
-    let request: T = serde_json::from_slice(body).map_err(json_error)?;
+    let request: T = serde_json::from_slice(body).map_err(|e| {
+        // serde reports a type mismatch before reaching broken syntax further on (`[[[[` is
+        // "expected a map"), so the whole body is checked for well-formedness on this error path.
+        match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            Err(syntax) => ApiError::MalformedJson(syntax.to_string()),
+            Ok(_) => json_error(e),
+        }
+    })?;
     request.validate()?;
     Ok(request)
 }
@@ -57,6 +64,8 @@ mod tests {
     #[test]
     fn error_kinds() {
         let e = parse_request::<CompletionRequest>(br#"{"model": "m", "prompt": "x""#).unwrap_err();
+        assert!(matches!(e, ApiError::MalformedJson(_)), "{e:?}");
+        let e = parse_request::<CompletionRequest>(b"[[[[").unwrap_err();
         assert!(matches!(e, ApiError::MalformedJson(_)), "{e:?}");
         let e = parse_request::<CompletionRequest>(br#"{"model": "m", "prompt": "x", "foo": 1}"#).unwrap_err();
         assert!(matches!(&e, ApiError::UnknownField(f) if f == "foo"), "{e:?}");

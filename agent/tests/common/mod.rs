@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -61,7 +62,7 @@ impl Server {
         cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--served-model-name", MODEL_NAME])
             .arg("--model")
             .arg(model_path())
-            .args(["--max-model-len", "2048", "--max-num-seqs", "8", "--threads", "2"])
+            .args(["--max-model-len", "2048", "--max-num-seqs", "8", "--num-kv-blocks", "256", "--threads", "2"])
             .args(extra)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .env("RUST_LOG", "warn")
@@ -75,12 +76,17 @@ impl Server {
 
     fn wait_ready(&self, timeout: Duration) {
         let t0 = Instant::now();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        // Plain blocking HTTP: callers may be inside an async test's runtime.
+        let ready = || -> std::io::Result<bool> {
+            let mut s = std::net::TcpStream::connect_timeout(&self.addr, Duration::from_secs(1))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(b"GET /ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            Ok(out.starts_with("HTTP/1.1 200"))
+        };
         loop {
-            let ok = rt.block_on(async {
-                tokio::time::timeout(Duration::from_secs(2), get(self.addr, "/ready")).await.ok().flatten().map(|(s, _)| s == 200)
-            });
-            if ok == Some(true) {
+            if ready().unwrap_or(false) {
                 return;
             }
             assert!(t0.elapsed() < timeout, "server did not become ready within {timeout:?}");

@@ -2,13 +2,14 @@
 
 use std::net::IpAddr;
 use std::path::PathBuf;
+
+use crate::runtime::EngineArgs;
 use std::time::Duration;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// Model to serve: a GGUF file or a Hugging Face folder.
-    #[arg(long, env = "PEREGRINE_MODEL")]
-    pub model: PathBuf,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// The model id clients use in `"model"` (default: the file or folder name without extension).
     #[arg(long, env = "PEREGRINE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -16,27 +17,6 @@ pub struct ServeArgs {
     pub host: IpAddr,
     #[arg(long, env = "PEREGRINE_PORT", default_value_t = 8000)]
     pub port: u16,
-
-    // Engine.
-    /// Context length (default: the model's).
-    #[arg(long, env = "PEREGRINE_MAX_MODEL_LEN")]
-    pub max_model_len: Option<usize>,
-    #[arg(long, env = "PEREGRINE_MAX_NUM_SEQS", default_value_t = 32)]
-    pub max_num_seqs: usize,
-    #[arg(long, env = "PEREGRINE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
-    pub max_num_batched_tokens: usize,
-    #[arg(long, env = "PEREGRINE_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: usize,
-    /// KV cache size in blocks (default: enough for max_num_seqs full-length sequences, capped).
-    #[arg(long, env = "PEREGRINE_NUM_KV_BLOCKS")]
-    pub num_kv_blocks: Option<usize>,
-    #[arg(long, env = "PEREGRINE_DISABLE_PREFIX_CACHING")]
-    pub disable_prefix_caching: bool,
-    /// CPU backend threads (default: all cores).
-    #[arg(long, env = "PEREGRINE_THREADS")]
-    pub threads: Option<usize>,
-    #[arg(long, env = "PEREGRINE_SEED", default_value_t = 0)]
-    pub seed: u64,
 
     // Admission and limits.
     /// Requests allowed to wait (tokenizing or queued in the engine); more get 429.

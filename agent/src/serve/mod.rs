@@ -110,9 +110,6 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// KV cache memory used when `--num-kv-blocks` is not given.
-const DEFAULT_KV_CACHE_BYTES: usize = 1 << 30;
-
 /// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -153,48 +150,22 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 fn load_engine(args: &ServeArgs) -> anyhow::Result<engine_backend::EngineBackend> {
-    use peregrine_engine::backend::cpu::CpuBackend;
-    use peregrine_engine::backend::{Backend, KvCacheShape};
-    use peregrine_engine::engine::{Engine, EngineConfig};
-    use peregrine_engine::model::{load, LoadFormat};
-    use peregrine_engine::tokenizer::Tokenizer;
-
     let t0 = std::time::Instant::now();
-    let tokenizer = Tokenizer::for_model(&args.model)?;
-    let loaded = load(&args.model, LoadFormat::Auto)?;
-    let block_bytes = CpuBackend::kv_bytes_per_block(&loaded.config, args.block_size).max(1);
-    let wanted_len = args.max_model_len.unwrap_or(loaded.config.max_position_embeddings);
-    let num_blocks = args.num_kv_blocks.unwrap_or_else(|| {
-        // Enough for max_num_seqs full sequences, within the default memory budget, and never
-        // less than one full-length sequence.
-        let per_seq = wanted_len.div_ceil(args.block_size);
-        (per_seq * args.max_num_seqs).min(DEFAULT_KV_CACHE_BYTES / block_bytes).max(per_seq)
-    });
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let cpu = CpuBackend::new(loaded.weights, KvCacheShape { num_blocks, block_size: args.block_size }, threads)?;
-    let backend_name = cpu.name();
-    let engine = Engine::start(
-        Box::new(cpu),
-        EngineConfig {
-            max_num_seqs: args.max_num_seqs,
-            max_num_batched_tokens: args.max_num_batched_tokens,
-            max_model_len: args.max_model_len,
-            block_size: args.block_size,
-            enable_prefix_caching: !args.disable_prefix_caching,
-            seed: args.seed,
-        },
-    )?;
-    let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.model));
+    let runtime = args.engine.start()?;
+    let tokenizer = runtime.tokenizer.clone().ok_or_else(|| {
+        anyhow::anyhow!("{} has no tokenizer; serving needs one", args.engine.model.display())
+    })?;
+    let name =
+        args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.engine.model));
     tracing::info!(
         model = %name,
-        backend = %backend_name,
-        kv_blocks = num_blocks,
-        kv_mib = num_blocks * block_bytes >> 20,
+        backend = %runtime.backend_name,
+        kv_blocks = runtime.kv_shape.num_blocks,
         load_s = t0.elapsed().as_secs_f64(),
         "model loaded"
     );
-    let max_model_len = engine.max_model_len();
-    Ok(engine_backend::EngineBackend::new(name, backend_name, max_model_len, engine, tokenizer))
+    let max_model_len = runtime.engine.max_model_len();
+    Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer))
 }
 
 /// One short generation through the whole path, so the first client does not pay for cold caches.

@@ -14,6 +14,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod lora;
+pub mod model;
 pub mod request;
 
 pub use error::{EngineError, Result};

@@ -12,6 +12,7 @@ pub mod config;
 pub mod plan;
 pub mod random;
 pub mod registry;
+pub mod save;
 pub mod stack;
 pub mod target;
 
@@ -20,7 +21,8 @@ pub use apply::{apply_lora, Rows, RowsMut};
 pub use config::AdapterConfig;
 pub use plan::{LoraBatchPlan, NO_SLOT};
 pub use random::{RandomAdapterSpec, ZipfSampler};
-pub use registry::{AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry};
+pub use registry::{AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry, SlotAssignment};
+pub use save::save_peft;
 pub use stack::LoraSlotStack;
 pub use target::TargetModule;
 

@@ -9,6 +9,7 @@
 pub mod adapter;
 pub mod apply;
 pub mod config;
+pub mod cpu;
 pub mod plan;
 pub mod random;
 pub mod registry;
@@ -19,6 +20,7 @@ pub mod target;
 pub use adapter::{LoraAdapter, LoraPair};
 pub use apply::{apply_lora, Rows, RowsMut};
 pub use config::AdapterConfig;
+pub use cpu::CpuLora;
 pub use plan::{LoraBatchPlan, NO_SLOT};
 pub use random::{RandomAdapterSpec, ZipfSampler};
 pub use registry::{AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry, SlotAssignment};

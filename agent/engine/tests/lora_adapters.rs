@@ -158,3 +158,70 @@ fn unsupported_peft_features_are_refused() {
     let msg = invalid_message(LoraAdapter::load(dir.path(), &smollm2_config(), 64));
     assert!(msg.contains("DoRA"), "{msg}");
 }
+
+/// Rewrites an f32 PEFT file in bf16 (or f16) and checks the loader decodes those values exactly.
+#[test]
+fn bf16_and_f16_tensors_decode_exactly() {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let cfg = smollm2_config();
+    let spec = RandomAdapterSpec { targets: vec![TargetModule::V, TargetModule::Down], ..RandomAdapterSpec::new(3, 8) };
+    let adapter = LoraAdapter::random(&cfg, &spec);
+    for dtype in [Dtype::BF16, Dtype::F16] {
+        let dir = tempfile::tempdir().unwrap();
+        save_peft(&adapter, dir.path()).unwrap();
+        let path = dir.path().join("adapter_model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut expected = adapter.clone();
+        let mut converted: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, view) in st.iter() {
+            let values: Vec<f32> =
+                view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            let (data, rounded): (Vec<u8>, Vec<f32>) = match dtype {
+                Dtype::BF16 => values
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v))
+                    .map(|h| (h.to_le_bytes(), h.to_f32()))
+                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| { d.extend(b); r.push(f); (d, r) }),
+                _ => values
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v))
+                    .map(|h| (h.to_le_bytes(), h.to_f32()))
+                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| { d.extend(b); r.push(f); (d, r) }),
+            };
+            // Put the rounded values where the loader should put them.
+            let layer: usize = name.split('.').nth(4).unwrap().parse().unwrap();
+            let module = TargetModule::from_peft_name(name.split('.').nth(6).unwrap()).unwrap();
+            let pair = expected.layers[layer][module.index()].as_mut().unwrap();
+            if name.contains("lora_A") { pair.a = rounded } else { pair.b = rounded }
+            converted.push((name.to_string(), view.shape().to_vec(), data));
+        }
+        let views: Vec<_> =
+            converted.iter().map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap())).collect();
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+        let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
+        assert_eq!(loaded, expected, "{dtype:?}");
+        assert_ne!(loaded, adapter, "{dtype:?} rounding must be visible");
+    }
+}
+
+#[test]
+fn unsupported_dtype_is_refused() {
+    use safetensors::{tensor::TensorView, Dtype};
+    let cfg = smollm2_config();
+    let spec = RandomAdapterSpec { targets: vec![TargetModule::K], ..RandomAdapterSpec::new(1, 8) };
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&LoraAdapter::random(&cfg, &spec), dir.path()).unwrap();
+    let (fan_in, fan_out) = TargetModule::K.dims(&cfg);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for layer in 0..cfg.num_hidden_layers {
+        let p = format!("base_model.model.model.layers.{layer}.self_attn.k_proj");
+        tensors.push((format!("{p}.lora_A.weight"), vec![1, fan_in], vec![0u8; 8 * fan_in]));
+        tensors.push((format!("{p}.lora_B.weight"), vec![fan_out, 1], vec![0u8; 8 * fan_out]));
+    }
+    let views: Vec<_> =
+        tensors.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F64, s.clone(), d).unwrap())).collect();
+    std::fs::write(dir.path().join("adapter_model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("F64") && msg.contains("only F32, F16 and BF16"), "{msg}");
+}

@@ -41,29 +41,50 @@ pub fn apply_lora(
     let (fan_in, fan_out) = stack.dims(module);
     let r_max = stack.r_max();
     let weights = stack.module(layer, module);
-    if weights.a.is_empty() {
+    let Some(&last_start) = plan.seg_starts.last() else { return };
+    let n_tokens = last_start as usize;
+    if weights.a.is_empty() || n_tokens == 0 {
         return;
     }
     let kernel = select_kernel();
     let RowsMut { data: y_data, stride: y_stride, offset: y_offset } = y;
-    for (tokens, slot) in plan.lora_segments() {
-        let rank = stack.rank(slot, module);
-        if rank == 0 {
-            continue;
-        }
-        let scale = stack.scale(slot);
-        let a = &weights.a[slot * r_max * fan_in..][..rank * fan_in];
-        let b = &weights.b[slot * fan_out * r_max..][..fan_out * r_max];
-        let seg = SegmentWeights { a, b, rank, r_max, fan_in, fan_out, scale };
-        // The rows of this segment in y; the last row may be shorter than the stride.
-        let y_begin = tokens.start * y_stride;
-        let y_end = ((tokens.end - 1) * y_stride + y_offset + fan_out).min(y_data.len());
-        let y_seg = &mut y_data[y_begin..y_end];
-        y_seg.par_chunks_mut(y_stride).with_min_len(4).enumerate().for_each(|(i, y_row)| {
-            let t = tokens.start + i;
+    // One slot per segment, resolved to its weights once.
+    let segments: Vec<Option<SegmentWeights<'_>>> = plan
+        .seg_slots
+        .iter()
+        .map(|&slot| {
+            let slot = usize::try_from(slot).ok()?;
+            let rank = stack.rank(slot, module);
+            (rank > 0).then(|| SegmentWeights {
+                a: &weights.a[slot * r_max * fan_in..][..rank * fan_in],
+                b_t: &weights.b_t[slot * r_max * fan_out..][..rank * fan_out],
+                rank,
+                fan_in,
+                fan_out,
+                scale: stack.scale(slot),
+            })
+        })
+        .collect();
+    if segments.iter().all(Option::is_none) {
+        return;
+    }
+    let row = |t: usize, y_row: &mut [f32]| {
+        let seg = plan.seg_starts.partition_point(|&s| s as usize <= t) - 1;
+        if let Some(w) = &segments[seg] {
             let x_row = &x.data[t * x.stride + x.offset..][..fan_in];
-            kernel(&seg, x_row, &mut y_row[y_offset..y_offset + fan_out]);
-        });
+            kernel(w, x_row, &mut y_row[y_offset..y_offset + fan_out]);
+        }
+    };
+    // The rows of the step in y; the last row may be shorter than the stride.
+    let y_end = ((n_tokens - 1) * y_stride + y_offset + fan_out).min(y_data.len());
+    let y_rows = &mut y_data[..y_end];
+    // Rayon only pays off with enough work per task (~100k multiply-adds each).
+    let work_per_row = stack.r_max().max(1) * (fan_in + fan_out);
+    let rows_per_task = (100_000 / work_per_row).max(1);
+    if n_tokens <= rows_per_task {
+        y_rows.chunks_mut(y_stride).enumerate().for_each(|(t, y_row)| row(t, y_row));
+    } else {
+        y_rows.par_chunks_mut(y_stride).with_min_len(rows_per_task).enumerate().for_each(|(t, y_row)| row(t, y_row));
     }
 }
 
@@ -71,10 +92,9 @@ pub fn apply_lora(
 struct SegmentWeights<'a> {
     /// `[rank, in]`.
     a: &'a [f32],
-    /// `[out, r_max]` (columns past `rank` are zero padding).
-    b: &'a [f32],
+    /// `[rank, out]` (B transposed).
+    b_t: &'a [f32],
     rank: usize,
-    r_max: usize,
     fan_in: usize,
     fan_out: usize,
     scale: f32,
@@ -99,7 +119,8 @@ fn select_kernel() -> RowKernel {
 fn row_avx512(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
     #[target_feature(enable = "avx512f")]
     unsafe fn inner(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
-        row_update(w, x, y)
+        // The closure inherits avx512f, so the SIMD dot is safe to call here.
+        row_update(w, x, y, |a, b| simd::dot_avx512(a, b))
     }
     // SAFETY: only selected by `select_kernel` after `is_x86_feature_detected!("avx512f")`.
     unsafe { inner(w, x, y) }
@@ -109,59 +130,70 @@ fn row_avx512(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
 fn row_avx2(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
     #[target_feature(enable = "avx2")]
     unsafe fn inner(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
-        row_update(w, x, y)
+        // The closure inherits avx2, so the SIMD dot is safe to call here.
+        row_update(w, x, y, |a, b| simd::dot_avx2(a, b))
     }
     // SAFETY: only selected by `select_kernel` after `is_x86_feature_detected!("avx2")`.
     unsafe { inner(w, x, y) }
 }
 
 fn row_portable(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
-    row_update(w, x, y)
+    row_update(w, x, y, dot)
 }
 
 /// Maximum rank handled with a stack buffer; larger ranks use a heap one.
 const STACK_RANK: usize = 128;
 
 #[inline(always)]
-fn row_update(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
+fn row_update(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32], dot: impl Fn(&[f32], &[f32]) -> f32) {
     let mut buf = [0f32; STACK_RANK];
     let mut heap;
-    let t: &mut [f32] = if w.r_max <= STACK_RANK {
-        &mut buf[..w.r_max]
+    let t: &mut [f32] = if w.rank <= STACK_RANK {
+        &mut buf[..w.rank]
     } else {
-        heap = vec![0f32; w.r_max];
+        heap = vec![0f32; w.rank];
         &mut heap
     };
     // Shrink: t = (x · Aᵀ) · scale. Folding the scale into the r-vector is PEFT's order up to one
     // rounding (PEFT scales the out-vector) and costs r multiplies instead of `out`.
-    for (j, a_row) in w.a.chunks_exact(w.fan_in).take(w.rank).enumerate() {
-        t[j] = dot(x, a_row) * w.scale;
+    for (tj, a_row) in t.iter_mut().zip(w.a.chunks_exact(w.fan_in)) {
+        *tj = dot(x, a_row) * w.scale;
     }
-    // Expand: y += t · Bᵀ, over the padded width so the inner loop has a fixed length per module.
-    let t = &t[..w.r_max];
-    for (y_o, b_row) in y.iter_mut().zip(w.b.chunks_exact(w.r_max)).take(w.fan_out) {
-        *y_o += dot(t, b_row);
+    // Expand: y += Σ_j t[j] · Bᵀ[j], one contiguous axpy per rank; each y[o] sums in j order.
+    let y = &mut y[..w.fan_out];
+    for (&tj, bt_row) in t.iter().zip(w.b_t.chunks_exact(w.fan_out)) {
+        for (yo, &b) in y.iter_mut().zip(bt_row) {
+            *yo += tj * b;
+        }
     }
 }
 
-/// Dot product with 16 independent accumulators combined in a fixed tree.
+/// Dot product over 16 lanes: lane `i` sums the products at indices `≡ i (mod 16)` in order, then
+/// the lanes are added in a fixed tree. The SIMD versions in [`simd`] do exactly these operations
+/// (multiply then add, no FMA), so every path gives the same bits.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const L: usize = 16;
     let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; L];
-    let mut ca = a.chunks_exact(L);
-    let mut cb = b.chunks_exact(L);
-    for (xa, xb) in (&mut ca).zip(&mut cb) {
-        for i in 0..L {
+    let (ca, ra) = a[..n].as_chunks::<LANES>();
+    let (cb, rb) = b[..n].as_chunks::<LANES>();
+    let mut acc = [0f32; LANES];
+    for (xa, xb) in ca.iter().zip(cb) {
+        for i in 0..LANES {
             acc[i] += xa[i] * xb[i];
         }
     }
-    for (i, (xa, xb)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
+    finish_dot(acc, ra, rb)
+}
+
+const LANES: usize = 16;
+
+/// Adds the tail products to their lanes and reduces the lanes in a fixed tree.
+#[inline(always)]
+fn finish_dot(mut acc: [f32; LANES], ra: &[f32], rb: &[f32]) -> f32 {
+    for (i, (xa, xb)) in ra.iter().zip(rb).enumerate() {
         acc[i] += xa * xb;
     }
-    let mut width = L / 2;
+    let mut width = LANES / 2;
     while width > 0 {
         for i in 0..width {
             acc[i] += acc[i + width];
@@ -169,6 +201,56 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         width /= 2;
     }
     acc[0]
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{finish_dot, LANES};
+
+    /// [`super::dot`] with one 16-lane AVX-512 register.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (ca, ra) = a[..n].as_chunks::<LANES>();
+        let (cb, rb) = b[..n].as_chunks::<LANES>();
+        let mut acc = _mm512_setzero_ps();
+        for (xa, xb) in ca.iter().zip(cb) {
+            // SAFETY: each chunk is 16 contiguous f32; unaligned loads.
+            let (va, vb) = unsafe { (_mm512_loadu_ps(xa.as_ptr()), _mm512_loadu_ps(xb.as_ptr())) };
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(va, vb));
+        }
+        let mut lanes = [0f32; LANES];
+        // SAFETY: `lanes` holds 16 f32.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+        finish_dot(lanes, ra, rb)
+    }
+
+    /// [`super::dot`] with two 8-lane AVX2 registers (lanes 0..8 and 8..16).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (ca, ra) = a[..n].as_chunks::<LANES>();
+        let (cb, rb) = b[..n].as_chunks::<LANES>();
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (xa, xb) in ca.iter().zip(cb) {
+            // SAFETY: each chunk is 16 contiguous f32; unaligned loads of 8 at offsets 0 and 8.
+            unsafe {
+                let (a0, b0) = (_mm256_loadu_ps(xa.as_ptr()), _mm256_loadu_ps(xb.as_ptr()));
+                let (a1, b1) = (_mm256_loadu_ps(xa.as_ptr().add(8)), _mm256_loadu_ps(xb.as_ptr().add(8)));
+                lo = _mm256_add_ps(lo, _mm256_mul_ps(a0, b0));
+                hi = _mm256_add_ps(hi, _mm256_mul_ps(a1, b1));
+            }
+        }
+        let mut lanes = [0f32; LANES];
+        // SAFETY: `lanes` holds 16 f32.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), lo);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), hi);
+        }
+        finish_dot(lanes, ra, rb)
+    }
 }
 
 #[cfg(test)]
@@ -215,10 +297,14 @@ mod tests {
     fn matches_naive_reference_for_mixed_segments() {
         let cfg = tiny_config();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        let adapters = [random_adapter(&mut rng, &cfg, 4, 2.0), random_adapter(&mut rng, &cfg, 7, 0.5)];
-        let mut stack = LoraSlotStack::new(&cfg, 3, 8);
+        let adapters = [random_adapter(&mut rng, &cfg, 4, 2.0), random_adapter(&mut rng, &cfg, 13, 0.5)];
+        let mut stack = LoraSlotStack::new(&cfg, 3, 16);
         stack.set_slot(2, &adapters[0]).unwrap();
+        assert_eq!(stack.r_max(), 8);
+        // A larger rank re-lays out the stacks; slot 2 must keep its adapter.
         stack.set_slot(0, &adapters[1]).unwrap();
+        assert_eq!(stack.r_max(), 16);
+        assert!(stack.set_slot(1, &random_adapter(&mut rng, &cfg, 17, 1.0)).is_err());
         // tokens: 0..3 slot 2, 3..5 base, 5..9 slot 0, 9..10 slot 2
         let plan = LoraBatchPlan { seg_starts: vec![0, 3, 5, 9, 10], seg_slots: vec![2, NO_SLOT, 0, 2] };
         let adapter_of = |t: usize| match t {
@@ -300,20 +386,33 @@ mod tests {
         stack.set_slot(0, &adapter).unwrap();
         let (fan_in, fan_out) = TargetModule::Down.dims(&cfg);
         let w = stack.module(0, TargetModule::Down);
-        let seg = SegmentWeights {
-            a: &w.a[..6 * fan_in],
-            b: &w.b[..fan_out * 8],
-            rank: 6,
-            r_max: 8,
-            fan_in,
-            fan_out,
-            scale: 2.0,
-        };
+        assert_eq!(stack.r_max(), 8);
+        let seg = SegmentWeights { a: &w.a[..6 * fan_in], b_t: &w.b_t[..6 * fan_out], rank: 6, fan_in, fan_out, scale: 2.0 };
         let x: Vec<f32> = (0..fan_in).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut portable = vec![0.25f32; fan_out];
         row_portable(&seg, &x, &mut portable);
         let mut selected = vec![0.25f32; fan_out];
         select_kernel()(&seg, &x, &mut selected);
         assert_eq!(portable, selected);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            let mut avx2 = vec![0.25f32; fan_out];
+            row_avx2(&seg, &x, &mut avx2);
+            assert_eq!(portable, avx2);
+        }
+        // Dot products of every length agree bitwise, tails included.
+        for n in [1, 15, 16, 17, 40, 72] {
+            let (a, b) = (&x[..n], &x[fan_in - n..]);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: feature detected.
+                assert_eq!(dot(a, b), unsafe { simd::dot_avx512(a, b) });
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: feature detected.
+                assert_eq!(dot(a, b), unsafe { simd::dot_avx2(a, b) });
+            }
+        }
     }
 }

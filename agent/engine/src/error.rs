@@ -30,6 +30,10 @@ pub enum EngineError {
     /// A request or admin call named an adapter that is not loaded (or is being unloaded).
     #[error("unknown adapter {0:?}")]
     UnknownAdapter(String),
+    /// Engine settings that cannot work with this model or backend (block size mismatch, a context
+    /// length the KV cache cannot hold).
+    #[error("invalid engine config: {0}")]
+    InvalidConfig(String),
     /// The engine thread has stopped; no more requests can be served.
     #[error("engine stopped")]
     EngineStopped,
@@ -48,6 +52,7 @@ impl EngineError {
             EngineError::Backend(_) => "backend",
             EngineError::InvalidAdapter { .. } => "invalid_adapter",
             EngineError::UnknownAdapter(_) => "unknown_adapter",
+            EngineError::InvalidConfig(_) => "invalid_config",
             EngineError::EngineStopped => "engine_stopped",
         }
     }

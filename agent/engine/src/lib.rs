@@ -18,3 +18,7 @@ pub mod model;
 pub mod request;
 
 pub use error::{EngineError, Result};
+pub mod kv;
+pub mod sampling;
+pub mod scheduler;
+pub mod engine;

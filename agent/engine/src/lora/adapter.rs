@@ -2,7 +2,7 @@
 //! checked against the base model and converted to f32.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
 
@@ -191,11 +191,6 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
         _ => return None,
     };
     Some(values)
-}
-
-/// Where an adapter came from, as given to `load_adapter` (compared to make loads idempotent).
-pub fn normalize_source(path: &Path) -> PathBuf {
-    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 #[cfg(test)]

@@ -9,19 +9,11 @@ use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
 use peregrine_engine::lora::LoraAdapter;
 use peregrine_engine::model::{self, LoadFormat};
-use serde_json::Value;
+use lora_common::{cases, Case};
 
-const ATOL: f32 = 1e-3;
+use lora_common::ATOL;
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 4;
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
 
 fn argmax(row: &[f32]) -> u32 {
     row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
@@ -44,52 +36,6 @@ fn check_top10(row: &[f32], ids: &[u32], vals: &[f32], what: &str) {
             assert_eq!(order[k] as u32, ids[k], "{what}: rank {k} id");
         }
     }
-}
-
-/// One generation case: a prompt under an adapter slot (None: base) and what the fixtures expect.
-struct Case {
-    label: String,
-    prompt: Vec<u32>,
-    slot: Option<u32>,
-    top10_ids: Vec<u32>,
-    top10_logits: Vec<f32>,
-    /// Greedy ids to match exactly (cut before the first low-margin step for the base model).
-    greedy: Vec<u32>,
-}
-
-fn cases(slots: &[(&str, u32)]) -> Vec<Case> {
-    let lora_ref = lora_common::lora_reference();
-    let base_ref = common::reference();
-    let mut out = Vec::new();
-    for &(name, slot) in slots {
-        for (pi, p) in lora_ref["adapters"][name]["prompts"].as_array().unwrap().iter().enumerate() {
-            out.push(Case {
-                label: format!("{name} prompt {pi}"),
-                prompt: u32s(&p["input_ids"]),
-                slot: Some(slot),
-                top10_ids: u32s(&p["last_top10_ids"]),
-                top10_logits: f32s(&p["last_top10_logits"]),
-                greedy: u32s(&p["greedy"]["ids"]),
-            });
-        }
-    }
-    // The base model on the same prompts, from the base fixtures.
-    for p in lora_ref["adapters"]["adapter-a"]["prompts"].as_array().unwrap() {
-        let ids = u32s(&p["input_ids"]);
-        let base = base_ref["prompts"].as_array().unwrap().iter().find(|b| u32s(&b["input_ids"]) == ids).unwrap();
-        let last = base["positions"].as_array().unwrap().last().unwrap();
-        let steps = base["greedy"]["steps"].as_array().unwrap();
-        let safe = steps.iter().take(24).take_while(|s| s["top2_margin"].as_f64().unwrap() > 2.0 * ATOL as f64).count();
-        out.push(Case {
-            label: format!("base {:?}", base["prompt"].as_str().unwrap()),
-            prompt: ids,
-            slot: None,
-            top10_ids: u32s(&last["top10_ids"]),
-            top10_logits: f32s(&last["top10_logits"]),
-            greedy: u32s(&base["greedy"]["ids"])[..safe].to_vec(),
-        });
-    }
-    out
 }
 
 fn backend_with_adapters() -> CpuBackend {

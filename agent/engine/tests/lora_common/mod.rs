@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use peregrine_engine::config::{Architecture, ModelConfig};
+use serde_json::Value;
 
 use super::common;
 
@@ -53,3 +54,64 @@ pub fn copy_adapter(name: &str) -> tempfile::TempDir {
     }
     tmp
 }
+
+pub const ATOL: f32 = 1e-3;
+
+pub fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+pub fn f32s(v: &Value) -> Vec<f32> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+/// One generation case: a prompt under an adapter slot (None: base) and what the fixtures expect.
+pub struct Case {
+    pub label: String,
+    pub prompt: Vec<u32>,
+    pub slot: Option<u32>,
+    /// The fixture adapter's folder name (None: base model).
+    pub adapter: Option<String>,
+    pub top10_ids: Vec<u32>,
+    pub top10_logits: Vec<f32>,
+    /// Greedy ids to match exactly (cut before the first low-margin step for the base model).
+    pub greedy: Vec<u32>,
+}
+
+pub fn cases(slots: &[(&str, u32)]) -> Vec<Case> {
+    let lora_ref = lora_reference();
+    let base_ref = common::reference();
+    let mut out = Vec::new();
+    for &(name, slot) in slots {
+        for (pi, p) in lora_ref["adapters"][name]["prompts"].as_array().unwrap().iter().enumerate() {
+            out.push(Case {
+                label: format!("{name} prompt {pi}"),
+                prompt: u32s(&p["input_ids"]),
+                slot: Some(slot),
+                adapter: Some(name.to_string()),
+                top10_ids: u32s(&p["last_top10_ids"]),
+                top10_logits: f32s(&p["last_top10_logits"]),
+                greedy: u32s(&p["greedy"]["ids"]),
+            });
+        }
+    }
+    // The base model on the same prompts, from the base fixtures.
+    for p in lora_ref["adapters"]["adapter-a"]["prompts"].as_array().unwrap() {
+        let ids = u32s(&p["input_ids"]);
+        let base = base_ref["prompts"].as_array().unwrap().iter().find(|b| u32s(&b["input_ids"]) == ids).unwrap();
+        let last = base["positions"].as_array().unwrap().last().unwrap();
+        let steps = base["greedy"]["steps"].as_array().unwrap();
+        let safe = steps.iter().take(24).take_while(|s| s["top2_margin"].as_f64().unwrap() > 2.0 * ATOL as f64).count();
+        out.push(Case {
+            label: format!("base {:?}", base["prompt"].as_str().unwrap()),
+            prompt: ids,
+            slot: None,
+            adapter: None,
+            top10_ids: u32s(&last["top10_ids"]),
+            top10_logits: f32s(&last["top10_logits"]),
+            greedy: u32s(&base["greedy"]["ids"])[..safe].to_vec(),
+        });
+    }
+    out
+}
+

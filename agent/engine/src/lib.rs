@@ -16,6 +16,7 @@ pub mod error;
 pub mod lora;
 pub mod model;
 pub mod request;
+pub mod tokenizer;
 
 pub use error::{EngineError, Result};
 pub mod kv;

@@ -241,7 +241,10 @@ impl Worker {
             Err(e) => return self.fail_step(&out, &e.to_string()),
         };
         let wanted = out.chunks.iter().filter(|c| c.wants_logits).count();
-        if logits.rows() != wanted || (wanted > 0 && logits.vocab == 0) || logits.data.len() != wanted * logits.vocab {
+        if logits.rows() != wanted
+            || (wanted > 0 && logits.vocab == 0)
+            || logits.data.len() != wanted * logits.vocab
+        {
             let msg = format!("the backend returned {} logits rows for {wanted} sequences", logits.rows());
             return self.fail_step(&out, &msg);
         }
@@ -276,7 +279,8 @@ impl Worker {
                 || params.stop_token_ids.contains(&id)
             {
                 Some(FinishReason::Stop)
-            } else if req.num_output >= params.max_tokens || req.prompt_len + req.num_output >= self.limits.max_model_len
+            } else if req.num_output >= params.max_tokens
+                || req.prompt_len + req.num_output >= self.limits.max_model_len
             {
                 Some(FinishReason::Length)
             } else {

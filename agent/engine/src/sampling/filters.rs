@@ -24,8 +24,9 @@ fn by_logit_desc(logits: &[f32]) -> impl Fn(&usize, &usize) -> Ordering + '_ {
 /// The candidate tokens after top-k (`0` disables; tokens tied with the k-th logit are kept, as in
 /// HF and vLLM), top-p (`1.0` disables; the smallest most-probable set whose probability reaches
 /// `top_p` of what top-k kept) and min-p (`0.0` disables; probability at least `min_p` times the
-/// largest). Returns `(token id, probability)` pairs, most probable first; never empty for a row
-/// with at least one finite logit.
+/// largest). Returns `(token id, probability)` pairs: most probable first when top-k or top-p is on,
+/// else in id order (sorting a whole vocabulary per token is not free). Never empty for a row with at
+/// least one finite logit.
 pub fn keep_mask(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<(usize, f64)> {
     let probs = softmax(logits);
     let cmp = by_logit_desc(logits);
@@ -33,13 +34,16 @@ pub fn keep_mask(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<(u
     if ids.is_empty() {
         return Vec::new();
     }
-    if top_k > 0 && top_k < ids.len() {
+    let top_k_on = top_k > 0 && top_k < ids.len();
+    if top_k_on {
         ids.select_nth_unstable_by(top_k - 1, &cmp);
         let kth = logits[ids[top_k - 1]];
         // Ties with the k-th logit may sit beyond position k after the partition: keep them too.
         ids.retain(|&i| logits[i] >= kth);
     }
-    ids.sort_unstable_by(&cmp);
+    if top_k_on || top_p < 1.0 {
+        ids.sort_unstable_by(&cmp);
+    }
     if top_p < 1.0 {
         let total: f64 = ids.iter().map(|&i| probs[i]).sum();
         let target = top_p as f64 * total;
@@ -55,7 +59,8 @@ pub fn keep_mask(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<(u
         ids.truncate(keep);
     }
     if min_p > 0.0 {
-        let threshold = min_p as f64 * probs[ids[0]];
+        let best = ids.iter().map(|&i| probs[i]).fold(0.0, f64::max);
+        let threshold = min_p as f64 * best;
         ids.retain(|&i| probs[i] >= threshold);
     }
     ids.into_iter().map(|i| (i, probs[i])).collect()
@@ -84,9 +89,9 @@ mod tests {
     }
 
     #[test]
-    fn no_filters_keep_everything_sorted() {
+    fn no_filters_keep_everything() {
         let kept = keep_mask(&[1.0, 3.0, 2.0], 0, 1.0, 0.0);
-        assert_eq!(ids(&kept), vec![1, 2, 0]);
+        assert_eq!(ids(&kept), vec![0, 1, 2]);
     }
 
     #[test]
@@ -123,9 +128,11 @@ mod tests {
         let l = logits_of(&[0.1, 0.5, 0.15, 0.25]);
         // Threshold 0.28 * 0.5 = 0.14: ids 1, 3, 2 stay, id 0 (0.1) goes.
         let kept = keep_mask(&l, 0, 1.0, 0.28);
-        assert_eq!(ids(&kept), vec![1, 3, 2]);
+        assert_eq!(ids(&kept), vec![1, 2, 3]);
         assert!((kept[0].1 - 0.5).abs() < 1e-6);
         assert_eq!(ids(&keep_mask(&l, 0, 1.0, 0.32)), vec![1, 3]);
+        // Relative to the best token that top-k left, combined with it.
+        assert_eq!(ids(&keep_mask(&l, 3, 1.0, 0.28)), vec![1, 3, 2]);
         assert_eq!(ids(&keep_mask(&l, 0, 1.0, 1.0)), vec![1]);
     }
 

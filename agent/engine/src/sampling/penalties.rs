@@ -61,8 +61,7 @@ mod tests {
 
     #[test]
     fn presence_and_frequency_cover_output_only() {
-        let params =
-            SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        let params = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
         let mut state = PenaltyState::new(&[2]);
         for t in [0, 0, 0, 1] {
             state.record_output(t);

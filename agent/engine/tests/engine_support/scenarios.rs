@@ -27,7 +27,12 @@ pub fn start(factory: Factory, num_blocks: usize, config: EngineConfig) -> Engin
     Engine::start(backend, EngineConfig { block_size: BLOCK_SIZE, ..config }).expect("engine starts")
 }
 
-pub fn config(max_num_seqs: usize, max_num_batched_tokens: usize, max_model_len: usize, caching: bool) -> EngineConfig {
+pub fn config(
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    max_model_len: usize,
+    caching: bool,
+) -> EngineConfig {
     EngineConfig {
         max_num_seqs,
         max_num_batched_tokens,
@@ -43,7 +48,9 @@ pub fn prompt(vocab: usize, salt: u64, len: usize) -> Vec<u32> {
     let span = (vocab.min(1000) - 2) as u64;
     (0..len as u64)
         .map(|i| {
-            let x = (salt.wrapping_mul(6364136223846793005).wrapping_add(i.wrapping_mul(1442695040888963407))) >> 17;
+            let x =
+                (salt.wrapping_mul(6364136223846793005).wrapping_add(i.wrapping_mul(1442695040888963407)))
+                    >> 17;
             1 + (x % span) as u32
         })
         .collect()
@@ -106,7 +113,13 @@ pub fn wait_for(handle: &EngineHandle, what: &str, pred: impl Fn(&EngineMetrics)
 fn mixed_params(i: usize, max_tokens: usize) -> SamplingParams {
     match i % 4 {
         0 => SamplingParams::greedy(max_tokens),
-        1 => SamplingParams { temperature: 0.8, top_p: 0.9, seed: Some(i as u64), max_tokens, ..Default::default() },
+        1 => SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: Some(i as u64),
+            max_tokens,
+            ..Default::default()
+        },
         2 => SamplingParams {
             temperature: 1.0,
             top_k: 20,
@@ -115,7 +128,13 @@ fn mixed_params(i: usize, max_tokens: usize) -> SamplingParams {
             max_tokens,
             ..Default::default()
         },
-        _ => SamplingParams { temperature: 0.7, min_p: 0.05, frequency_penalty: 0.3, max_tokens, ..Default::default() },
+        _ => SamplingParams {
+            temperature: 0.7,
+            min_p: 0.05,
+            frequency_penalty: 0.3,
+            max_tokens,
+            ..Default::default()
+        },
     }
 }
 
@@ -124,7 +143,13 @@ fn mixed_params(i: usize, max_tokens: usize) -> SamplingParams {
 pub fn concurrent_requests_match_running_alone(factory: Factory) -> EngineMetrics {
     let vocab = factory(KvCacheShape { num_blocks: 1, block_size: BLOCK_SIZE }).config().vocab_size;
     let requests: Vec<GenerationRequest> = (0..16)
-        .map(|i| request(100 + i as u64, prompt(vocab, i as u64, 5 + (i * 7) % 30), mixed_params(i, 6 + (i * 5) % 20)))
+        .map(|i| {
+            request(
+                100 + i as u64,
+                prompt(vocab, i as u64, 5 + (i * 7) % 30),
+                mixed_params(i, 6 + (i * 5) % 20),
+            )
+        })
         .collect();
     let alone = start(factory, 256, config(1, 512, 128, false));
     let want = run_alone(&alone, &requests);
@@ -261,7 +286,10 @@ pub fn invalid_requests_and_context_limit(factory: Factory) {
     invalid(request(4, vec![1, 2], SamplingParams::greedy(0)));
     invalid(request(5, vec![1, 2], SamplingParams { top_p: 0.0, ..Default::default() }));
     // An adapter that is not loaded: its own error kind, so the server can answer 404.
-    match h.submit(GenerationRequest { adapter: Some("nope".into()), ..request(6, vec![1, 2], SamplingParams::greedy(1)) }) {
+    match h.submit(GenerationRequest {
+        adapter: Some("nope".into()),
+        ..request(6, vec![1, 2], SamplingParams::greedy(1))
+    }) {
         Err(EngineError::UnknownAdapter(name)) => assert_eq!(name, "nope"),
         Err(e) => panic!("expected UnknownAdapter, got {e}"),
         Ok(_) => panic!("expected UnknownAdapter, got a stream"),
@@ -270,7 +298,10 @@ pub fn invalid_requests_and_context_limit(factory: Factory) {
     let to_the_limit = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(100) };
     let runs = run_alone(
         &h,
-        &[request(7, prompt(vocab, 7, 60), to_the_limit.clone()), request(8, prompt(vocab, 8, 64), to_the_limit)],
+        &[
+            request(7, prompt(vocab, 7, 60), to_the_limit.clone()),
+            request(8, prompt(vocab, 8, 64), to_the_limit),
+        ],
     );
     assert_eq!((runs[0].tokens.len(), runs[0].finish), (4, FinishReason::Length));
     assert_eq!((runs[1].tokens.len(), runs[1].finish), (1, FinishReason::Length));

@@ -219,7 +219,7 @@ impl CpuBackend {
                 self.rope.apply(k, tc.pos as u32, &mut cos, &mut sin);
                 attention::write_kv(&mut self.kv, li, tc.block_table, tc.pos, k, v);
             }
-            attention::attention(&self.kv, li, n_heads, &qkv, qkv_dim, &ctx, &mut attn);
+            attention::attention(isa, &self.kv, li, n_heads, &qkv, qkv_dim, &ctx, &mut attn);
             matmul(isa, &attn, n, &layer.o, &mut proj);
             if let Some(lora) = &self.lora {
                 let x = Rows { data: &attn, stride: q_dim, offset: 0 };

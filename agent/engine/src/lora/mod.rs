@@ -8,6 +8,7 @@
 
 pub mod adapter;
 pub mod apply;
+pub mod bench;
 pub mod config;
 pub mod cpu;
 pub mod plan;

@@ -76,6 +76,11 @@ impl ZipfSampler {
         ZipfSampler { cdf, rng: ChaCha8Rng::seed_from_u64(seed) }
     }
 
+    /// A uniform draw in `[0, 1)` from the same stream.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random()
+    }
+
     pub fn sample(&mut self) -> usize {
         let u: f64 = self.rng.random();
         self.cdf.partition_point(|&c| c <= u).min(self.cdf.len() - 1)

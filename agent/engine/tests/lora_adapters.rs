@@ -225,3 +225,23 @@ fn unsupported_dtype_is_refused() {
     let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
     assert!(msg.contains("F64") && msg.contains("only F32, F16 and BF16"), "{msg}");
 }
+
+#[test]
+fn bench_adapters_are_written_as_loadable_peft_folders() {
+    use peregrine_engine::lora::bench::{random_adapters, write_random_adapters, zipf_assignment};
+    let cfg = smollm2_config();
+    let dir = tempfile::tempdir().unwrap();
+    let written = write_random_adapters(&cfg, 3, 8, 100, dir.path()).unwrap();
+    let values = random_adapters(&cfg, 3, 8, 100);
+    assert_eq!(written.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["adapter-0", "adapter-1", "adapter-2"]);
+    for ((_, folder), want) in written.iter().zip(&values) {
+        assert_eq!(&LoraAdapter::load(folder, &cfg, 64).unwrap(), want);
+    }
+    // Zipf over 4 adapters with a quarter of the requests on the base model.
+    let picks = zipf_assignment(40_000, 4, 1.0, 0.25, 3);
+    let base = picks.iter().filter(|p| p.is_none()).count() as f64 / picks.len() as f64;
+    assert!((base - 0.25).abs() < 0.02, "{base}");
+    let count = |k: usize| picks.iter().filter(|p| **p == Some(k)).count() as f64;
+    assert!((count(0) / count(1) - 2.0).abs() < 0.2 && (count(0) / count(3) - 4.0).abs() < 0.5);
+    assert_eq!(zipf_assignment(10, 4, 1.0, 0.0, 3), zipf_assignment(10, 4, 1.0, 0.0, 3));
+}

@@ -148,3 +148,16 @@ fn lora_slots_without_enable_lora_are_rejected() {
     out_of_range.seqs[0].lora_slot = Some(1);
     assert!(backend.forward(&out_of_range).is_err());
 }
+
+#[test]
+fn lora_decode_bench_runs_on_the_real_model() {
+    use peregrine_engine::lora::bench::{decode_with_lora, random_adapters, zipf_assignment};
+    let loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
+    let config = loaded.config.clone();
+    let mut backend = CpuBackend::new(loaded.weights, KvCacheShape { num_blocks: 8, block_size: BLOCK }, 2).unwrap();
+    let adapters = random_adapters(&config, 2, 4, 0);
+    let assignment = zipf_assignment(4, 2, 1.0, 0.25, 0);
+    let figure = decode_with_lora(&mut backend, &adapters, &assignment, 8, 2).unwrap();
+    assert_eq!(figure.tokens, 8);
+    assert!(decode_with_lora(&mut backend, &adapters, &[Some(2)], 1, 1).is_err(), "adapter index out of range");
+}

@@ -9,10 +9,17 @@ fn main() {
     let path = std::env::args().nth(1).unwrap();
     let loaded = model::load(std::path::Path::new(&path), LoadFormat::Auto).unwrap();
     let w = &loaded.weights;
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
     for isa in Isa::available() {
         for n in [1usize, 32] {
-            for (name, m) in [("embed/lm_head", &w.embed_tokens), ("gate", &w.layers[0].gate_proj), ("down", &w.layers[0].down_proj)] {
+            for (name, m) in [
+                ("embed/lm_head", &w.embed_tokens),
+                ("gate", &w.layers[0].gate_proj),
+                ("down", &w.layers[0].down_proj),
+            ] {
                 let x = vec![0.5f32; n * m.cols];
                 let mut out = vec![0f32; n * m.rows];
                 pool.install(|| matmul(isa, &x, n, m, &mut out));

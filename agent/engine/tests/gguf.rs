@@ -13,8 +13,14 @@ fn parses_the_test_model_like_gguf_py() {
     let path = common::model_path();
     let file = GgufFile::open(&path).unwrap();
 
-    assert_eq!(std::fs::metadata(&path).unwrap().len(), facts["size_bytes"].as_u64().unwrap());
-    assert_eq!(file.tensors().len() as u64, facts["tensor_count"].as_u64().unwrap());
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        facts["size_bytes"].as_u64().unwrap()
+    );
+    assert_eq!(
+        file.tensors().len() as u64,
+        facts["tensor_count"].as_u64().unwrap()
+    );
     assert_eq!(file.data_offset() % file.alignment(), 0);
 
     // Every scalar/string/short-array metadata value the fixtures list must match ours.
@@ -22,14 +28,23 @@ fn parses_the_test_model_like_gguf_py() {
         let got = file.get(key).unwrap_or_else(|| panic!("missing key {key}"));
         match want {
             serde_json::Value::String(s) if s.starts_with("<array len ") => {
-                let n: usize = s.trim_start_matches("<array len ").trim_end_matches('>').parse().unwrap();
+                let n: usize = s
+                    .trim_start_matches("<array len ")
+                    .trim_end_matches('>')
+                    .parse()
+                    .unwrap();
                 assert_eq!(got.as_array().unwrap().len(), n, "{key}");
             }
             serde_json::Value::String(s) => assert_eq!(got.as_str(), Some(s.as_str()), "{key}"),
             serde_json::Value::Bool(b) => assert_eq!(got.as_bool(), Some(*b), "{key}"),
-            serde_json::Value::Number(n) if n.is_u64() => assert_eq!(got.as_u64(), n.as_u64(), "{key}"),
+            serde_json::Value::Number(n) if n.is_u64() => {
+                assert_eq!(got.as_u64(), n.as_u64(), "{key}")
+            }
             serde_json::Value::Number(n) => {
-                assert!((got.as_f32().unwrap() as f64 - n.as_f64().unwrap()).abs() < 1e-6, "{key}")
+                assert!(
+                    (got.as_f32().unwrap() as f64 - n.as_f64().unwrap()).abs() < 1e-6,
+                    "{key}"
+                )
             }
             serde_json::Value::Array(items) => {
                 let got = got.as_array().unwrap();
@@ -61,9 +76,16 @@ fn parses_the_test_model_like_gguf_py() {
     assert_eq!(embd.shape(), vec![49152, 576]);
     assert!(file.tensor("output.weight").is_none());
     assert_eq!(file.tensor_data(embd).unwrap().len(), 49152 * 576 / 32 * 34);
-    assert!(matches!(file.get("tokenizer.ggml.tokens"), Some(GgufValue::Array(_))));
+    assert!(matches!(
+        file.get("tokenizer.ggml.tokens"),
+        Some(GgufValue::Array(_))
+    ));
     assert_eq!(
-        file.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap()[1].as_str(),
+        file.get("tokenizer.ggml.tokens")
+            .unwrap()
+            .as_array()
+            .unwrap()[1]
+            .as_str(),
         Some("<|im_start|>")
     );
 }
@@ -81,8 +103,15 @@ fn truncated_files_are_invalid_not_panics() {
     let bytes = std::fs::read(common::model_path()).unwrap();
     let good = GgufFile::from_bytes("ok.gguf", bytes.clone()).unwrap();
     let data_offset = good.data_offset() as usize;
-    let mut cuts = vec![0, 3, 4, 7, 8, 15, 16, 23, 24, 30, 100, 1000, 100_000, 1_000_000];
-    cuts.extend([data_offset - 1, data_offset + 1, bytes.len() / 2, bytes.len() - 1]);
+    let mut cuts = vec![
+        0, 3, 4, 7, 8, 15, 16, 23, 24, 30, 100, 1000, 100_000, 1_000_000,
+    ];
+    cuts.extend([
+        data_offset - 1,
+        data_offset + 1,
+        bytes.len() / 2,
+        bytes.len() - 1,
+    ]);
     for cut in cuts {
         assert_invalid(bytes[..cut].to_vec(), &format!("cut at {cut}"));
     }
@@ -90,7 +119,10 @@ fn truncated_files_are_invalid_not_panics() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cut.gguf");
     std::fs::write(&path, &bytes[..bytes.len() - 4096]).unwrap();
-    assert!(matches!(GgufFile::open(&path), Err(EngineError::InvalidModel { .. })));
+    assert!(matches!(
+        GgufFile::open(&path),
+        Err(EngineError::InvalidModel { .. })
+    ));
 }
 
 #[test]
@@ -102,16 +134,34 @@ fn corrupt_headers_are_invalid_not_panics() {
         b
     };
     assert_invalid(header(&|b| b[0] = b'X'), "bad magic");
-    assert_invalid(header(&|b| b[4..8].copy_from_slice(&1u32.to_le_bytes())), "version 1");
-    assert_invalid(header(&|b| b[4..8].copy_from_slice(&3u32.to_be_bytes())), "big-endian version");
-    assert_invalid(header(&|b| b[8..16].copy_from_slice(&u64::MAX.to_le_bytes())), "absurd tensor count");
-    assert_invalid(header(&|b| b[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes())), "absurd kv count");
+    assert_invalid(
+        header(&|b| b[4..8].copy_from_slice(&1u32.to_le_bytes())),
+        "version 1",
+    );
+    assert_invalid(
+        header(&|b| b[4..8].copy_from_slice(&3u32.to_be_bytes())),
+        "big-endian version",
+    );
+    assert_invalid(
+        header(&|b| b[8..16].copy_from_slice(&u64::MAX.to_le_bytes())),
+        "absurd tensor count",
+    );
+    assert_invalid(
+        header(&|b| b[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes())),
+        "absurd kv count",
+    );
     // First key's length.
-    assert_invalid(header(&|b| b[24..32].copy_from_slice(&(u64::MAX - 3).to_le_bytes())), "absurd key length");
+    assert_invalid(
+        header(&|b| b[24..32].copy_from_slice(&(u64::MAX - 3).to_le_bytes())),
+        "absurd key length",
+    );
     // First value's type.
     let key_len = u64::from_le_bytes(bytes[24..32].try_into().unwrap()) as usize;
     let ty_at = 32 + key_len;
-    assert_invalid(header(&|b| b[ty_at..ty_at + 4].copy_from_slice(&99u32.to_le_bytes())), "bad value type");
+    assert_invalid(
+        header(&|b| b[ty_at..ty_at + 4].copy_from_slice(&99u32.to_le_bytes())),
+        "bad value type",
+    );
     // A hand-made file: one array of absurd length, then nothing.
     let mut tiny = Vec::new();
     tiny.extend_from_slice(b"GGUF");
@@ -133,7 +183,10 @@ fn corrupt_headers_are_invalid_not_panics() {
     let mut enc = Vec::new();
     enc.extend_from_slice(&(last.name.len() as u64).to_le_bytes());
     enc.extend_from_slice(last.name.as_bytes());
-    let at = bytes.windows(enc.len()).position(|w| w == enc.as_slice()).unwrap();
+    let at = bytes
+        .windows(enc.len())
+        .position(|w| w == enc.as_slice())
+        .unwrap();
     let off_at = at + enc.len() + 4 + 8 * last.dims.len() + 4;
     bad[off_at..off_at + 8].copy_from_slice(&(1u64 << 50).to_le_bytes());
     assert_invalid(bad, "tensor offset past the end");

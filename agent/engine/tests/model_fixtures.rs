@@ -15,19 +15,37 @@ const ATOL: f32 = 1e-3;
 const BLOCK: usize = 16;
 
 fn gguf_weights() -> ModelWeights {
-    model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF").weights
+    model::load(&common::model_path(), LoadFormat::Gguf)
+        .expect("load GGUF")
+        .weights
 }
 
 fn backend(weights: ModelWeights) -> CpuBackend {
-    CpuBackend::new(weights, KvCacheShape { num_blocks: 64, block_size: BLOCK }, 2).expect("backend")
+    CpuBackend::new(
+        weights,
+        KvCacheShape {
+            num_blocks: 64,
+            block_size: BLOCK,
+        },
+        2,
+    )
+    .expect("backend")
 }
 
 fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// Compares one logits row to a fixture position: values at the reference top-10 ids, our own
@@ -37,35 +55,67 @@ fn check_position(row: &[f32], want: &Value, what: &str) {
     let vals = f32s(&want["top10_logits"]);
     for (&id, &v) in ids.iter().zip(&vals) {
         let got = row[id as usize];
-        assert!((got - v).abs() <= ATOL, "{what}: logit of {id} is {got}, reference {v}");
+        assert!(
+            (got - v).abs() <= ATOL,
+            "{what}: logit of {id} is {got}, reference {v}"
+        );
     }
     let mut order: Vec<usize> = (0..row.len()).collect();
     order.select_nth_unstable_by(10, |&a, &b| row[b].total_cmp(&row[a]));
     let mut top: Vec<usize> = order[..10].to_vec();
     top.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
     for k in 0..10 {
-        assert!((row[top[k]] - vals[k]).abs() <= ATOL, "{what}: rank {k} logit {} vs {}", row[top[k]], vals[k]);
-        let separated = (k == 0 || vals[k - 1] - vals[k] > 2.0 * ATOL) && (k == 9 || vals[k] - vals[k + 1] > 2.0 * ATOL);
+        assert!(
+            (row[top[k]] - vals[k]).abs() <= ATOL,
+            "{what}: rank {k} logit {} vs {}",
+            row[top[k]],
+            vals[k]
+        );
+        let separated = (k == 0 || vals[k - 1] - vals[k] > 2.0 * ATOL)
+            && (k == 9 || vals[k] - vals[k + 1] > 2.0 * ATOL);
         if separated {
             assert_eq!(top[k] as u32, ids[k], "{what}: rank {k} id");
         }
     }
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+    let lse = max
+        + row
+            .iter()
+            .map(|&x| (x as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
     let want_lse = want["logsumexp"].as_f64().unwrap();
-    assert!((lse - want_lse).abs() <= ATOL as f64, "{what}: logsumexp {lse} vs {want_lse}");
+    assert!(
+        (lse - want_lse).abs() <= ATOL as f64,
+        "{what}: logsumexp {lse} vs {want_lse}"
+    );
 }
 
 fn one_seq(tokens: &[u32], context_len: usize, table: Vec<u32>) -> StepBatch {
     StepBatch {
         tokens: tokens.to_vec(),
-        positions: (context_len..context_len + tokens.len()).map(|p| p as u32).collect(),
-        seqs: vec![SeqChunk { start: 0, len: tokens.len(), context_len, block_table: table, wants_logits: true, lora_slot: None }],
+        positions: (context_len..context_len + tokens.len())
+            .map(|p| p as u32)
+            .collect(),
+        seqs: vec![SeqChunk {
+            start: 0,
+            len: tokens.len(),
+            context_len,
+            block_table: table,
+            wants_logits: true,
+            lora_slot: None,
+        }],
     }
 }
 
 fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
 }
 
 /// Every position of every prompt, decoding one token per step through the KV cache; then the whole
@@ -77,12 +127,20 @@ fn check_prompts_and_greedy(backend: &mut CpuBackend, reference: &Value, label: 
         let positions = prompt["positions"].as_array().unwrap();
         for (p, &t) in ids.iter().enumerate() {
             let logits = backend.forward(&one_seq(&[t], p, table.clone())).unwrap();
-            check_position(logits.row(0), &positions[p], &format!("{label} prompt {pi} pos {p} (token by token)"));
+            check_position(
+                logits.row(0),
+                &positions[p],
+                &format!("{label} prompt {pi} pos {p} (token by token)"),
+            );
         }
         // Whole prompt in one chunk (overwrites the same blocks).
         let logits = backend.forward(&one_seq(&ids, 0, table.clone())).unwrap();
         let last = ids.len() - 1;
-        check_position(logits.row(0), &positions[last], &format!("{label} prompt {pi} one chunk"));
+        check_position(
+            logits.row(0),
+            &positions[last],
+            &format!("{label} prompt {pi} one chunk"),
+        );
 
         // Greedy decode one token per step.
         let greedy = &prompt["greedy"];
@@ -99,15 +157,25 @@ fn check_prompts_and_greedy(backend: &mut CpuBackend, reference: &Value, label: 
             let next = argmax(&row);
             assert_eq!(next, want_ids[s], "{label} prompt {pi} greedy step {s}");
             let want_logit = step["logit"].as_f64().unwrap() as f32;
-            assert!((row[next as usize] - want_logit).abs() <= ATOL, "{label} prompt {pi} step {s} logit");
+            assert!(
+                (row[next as usize] - want_logit).abs() <= ATOL,
+                "{label} prompt {pi} step {s} logit"
+            );
             checked += 1;
             if s + 1 == want_ids.len() {
                 break;
             }
-            row = backend.forward(&one_seq(&[next], pos, table.clone())).unwrap().row(0).to_vec();
+            row = backend
+                .forward(&one_seq(&[next], pos, table.clone()))
+                .unwrap()
+                .row(0)
+                .to_vec();
             pos += 1;
         }
-        assert!(checked >= 4, "{label} prompt {pi}: only {checked} greedy steps compared");
+        assert!(
+            checked >= 4,
+            "{label} prompt {pi}: only {checked} greedy steps compared"
+        );
     }
 }
 
@@ -118,21 +186,48 @@ fn gguf_weights_config_logits_and_greedy_match_transformers() {
     let c = &loaded.config;
     let mc = &reference["model_config"];
     assert_eq!(c.hidden_size as u64, mc["hidden_size"].as_u64().unwrap());
-    assert_eq!(c.intermediate_size as u64, mc["intermediate_size"].as_u64().unwrap());
-    assert_eq!(c.num_hidden_layers as u64, mc["num_hidden_layers"].as_u64().unwrap());
-    assert_eq!(c.num_attention_heads as u64, mc["num_attention_heads"].as_u64().unwrap());
-    assert_eq!(c.num_key_value_heads as u64, mc["num_key_value_heads"].as_u64().unwrap());
+    assert_eq!(
+        c.intermediate_size as u64,
+        mc["intermediate_size"].as_u64().unwrap()
+    );
+    assert_eq!(
+        c.num_hidden_layers as u64,
+        mc["num_hidden_layers"].as_u64().unwrap()
+    );
+    assert_eq!(
+        c.num_attention_heads as u64,
+        mc["num_attention_heads"].as_u64().unwrap()
+    );
+    assert_eq!(
+        c.num_key_value_heads as u64,
+        mc["num_key_value_heads"].as_u64().unwrap()
+    );
     assert_eq!(c.head_dim as u64, mc["head_dim"].as_u64().unwrap());
     assert_eq!(c.vocab_size as u64, mc["vocab_size"].as_u64().unwrap());
-    assert_eq!(c.max_position_embeddings as u64, mc["max_position_embeddings"].as_u64().unwrap());
+    assert_eq!(
+        c.max_position_embeddings as u64,
+        mc["max_position_embeddings"].as_u64().unwrap()
+    );
     assert_eq!(c.rope_theta as f64, mc["rope_theta"].as_f64().unwrap());
     assert_eq!(c.rms_norm_eps as f64, mc["rms_norm_eps"].as_f64().unwrap());
     assert!(c.rope_scaling.is_none());
-    assert_eq!(c.tie_word_embeddings, mc["tie_word_embeddings"].as_bool().unwrap());
+    assert_eq!(
+        c.tie_word_embeddings,
+        mc["tie_word_embeddings"].as_bool().unwrap()
+    );
     assert_eq!(c.attention_bias, mc["attention_bias"].as_bool().unwrap());
-    assert_eq!(c.bos_token_id, Some(mc["bos_token_id"].as_u64().unwrap() as u32));
-    assert_eq!(c.eos_token_ids, vec![mc["eos_token_id"].as_u64().unwrap() as u32]);
-    assert!(loaded.weights.lm_head.is_none(), "SmolLM2 ties the LM head to the embedding");
+    assert_eq!(
+        c.bos_token_id,
+        Some(mc["bos_token_id"].as_u64().unwrap() as u32)
+    );
+    assert_eq!(
+        c.eos_token_ids,
+        vec![mc["eos_token_id"].as_u64().unwrap() as u32]
+    );
+    assert!(
+        loaded.weights.lm_head.is_none(),
+        "SmolLM2 ties the LM head to the embedding"
+    );
 
     check_weight_checksums(&loaded.weights, &reference);
     let mut backend = backend(loaded.weights);
@@ -171,15 +266,32 @@ fn check_weight_checksums(w: &ModelWeights, reference: &Value) {
             Ok(m) => (vec![m.rows as u64, m.cols as u64], m.to_f32()),
             Err(v) => (vec![v.len() as u64], v.to_vec()),
         };
-        let want_shape: Vec<u64> = want["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        let want_shape: Vec<u64> = want["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
         assert_eq!(shape, want_shape, "{key} shape");
         let sum: f64 = data.iter().map(|&x| x as f64).sum();
         let abs: f64 = data.iter().map(|&x| (x as f64).abs()).sum();
-        assert!(close(sum, want["sum"].as_f64().unwrap()), "{key}: sum {sum} vs {}", want["sum"]);
-        assert!(close(abs, want["abs_sum"].as_f64().unwrap()), "{key}: abs_sum {abs} vs {}", want["abs_sum"]);
+        assert!(
+            close(sum, want["sum"].as_f64().unwrap()),
+            "{key}: sum {sum} vs {}",
+            want["sum"]
+        );
+        assert!(
+            close(abs, want["abs_sum"].as_f64().unwrap()),
+            "{key}: abs_sum {abs} vs {}",
+            want["abs_sum"]
+        );
         for (i, x) in want["row0_first8"].as_array().unwrap().iter().enumerate() {
             let x = x.as_f64().unwrap();
-            assert!((data[i] as f64 - x).abs() <= 1e-5 * x.abs().max(1e-3), "{key}: row0[{i}] {} vs {x}", data[i]);
+            assert!(
+                (data[i] as f64 - x).abs() <= 1e-5 * x.abs().max(1e-3),
+                "{key}: row0[{i}] {} vs {x}",
+                data[i]
+            );
         }
     }
 }
@@ -197,7 +309,9 @@ fn chunked_and_batched_prefill_match_the_reference() {
     // Every prompt is split in chunks of `chunk` tokens; step k carries the k-th chunk of every
     // prompt that still has one, each with its own (interleaved, non-contiguous) block table.
     for chunk in [1usize, 2, 3, 4] {
-        let tables: Vec<Vec<u32>> = (0..prompts.len()).map(|s| vec![(2 * s + 1) as u32, (2 * s + 30) as u32]).collect();
+        let tables: Vec<Vec<u32>> = (0..prompts.len())
+            .map(|s| vec![(2 * s + 1) as u32, (2 * s + 30) as u32])
+            .collect();
         let longest = prompts.iter().map(|p| p.0.len()).max().unwrap();
         let mut done = 0;
         while done < longest {
@@ -226,7 +340,11 @@ fn chunked_and_batched_prefill_match_the_reference() {
             let logits = backend.forward(&batch).unwrap();
             assert_eq!(logits.rows(), expect.len());
             for (row, (s, pos, want)) in expect.iter().enumerate() {
-                check_position(logits.row(row), want, &format!("chunk {chunk} prompt {s} pos {pos}"));
+                check_position(
+                    logits.row(row),
+                    want,
+                    &format!("chunk {chunk} prompt {s} pos {pos}"),
+                );
             }
             done += chunk;
         }
@@ -246,20 +364,43 @@ fn write_hf_folder(dir: &Path, weights: &ModelWeights, reference: &Value, shards
         "tie_word_embeddings": true, "attention_bias": false, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "float32", "rope_scaling": null
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
-    std::fs::write(dir.join("generation_config.json"), r#"{"bos_token_id": 1, "eos_token_id": [2, 0]}"#).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"bos_token_id": 1, "eos_token_id": [2, 0]}"#,
+    )
+    .unwrap();
     let tensors = model::safetensors::hf_tensors(weights);
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
-        .map(|(name, (shape, data))| (name, shape, data.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .map(|(name, (shape, data))| {
+            (
+                name,
+                shape,
+                data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
         .collect();
-    fn views(part: &[(String, Vec<usize>, Vec<u8>)]) -> Vec<(String, safetensors::tensor::TensorView<'_>)> {
+    fn views(
+        part: &[(String, Vec<usize>, Vec<u8>)],
+    ) -> Vec<(String, safetensors::tensor::TensorView<'_>)> {
         part.iter()
-            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap(),
+                )
+            })
             .collect()
     }
     if shards == 1 {
-        safetensors::serialize_to_file(views(&bytes), None, &dir.join("model.safetensors")).unwrap();
+        safetensors::serialize_to_file(views(&bytes), None, &dir.join("model.safetensors"))
+            .unwrap();
     } else {
         let per = bytes.len().div_ceil(shards);
         let mut map = serde_json::Map::new();
@@ -283,7 +424,11 @@ fn hf_safetensors_folders_single_and_sharded_match_the_reference() {
         let dir = tempfile::tempdir().unwrap();
         write_hf_folder(dir.path(), &weights, &reference, shards);
         let loaded = model::load(dir.path(), LoadFormat::Auto).unwrap();
-        assert_eq!(loaded.config.eos_token_ids, vec![2, 0], "generation_config EOS ids are merged");
+        assert_eq!(
+            loaded.config.eos_token_ids,
+            vec![2, 0],
+            "generation_config EOS ids are merged"
+        );
         assert!(loaded.weights.lm_head.is_none());
         check_weight_checksums(&loaded.weights, &reference);
         let mut backend = backend(loaded.weights);
@@ -293,13 +438,80 @@ fn hf_safetensors_folders_single_and_sharded_match_the_reference() {
             let ids = u32s(&prompt["input_ids"]);
             let positions = prompt["positions"].as_array().unwrap();
             let logits = backend.forward(&one_seq(&ids, 0, table.clone())).unwrap();
-            check_position(logits.row(0), &positions[ids.len() - 1], &format!("{shards} shard(s) prompt {pi}"));
+            check_position(
+                logits.row(0),
+                &positions[ids.len() - 1],
+                &format!("{shards} shard(s) prompt {pi}"),
+            );
             if pi < 2 {
                 for (p, &t) in ids.iter().enumerate() {
                     let logits = backend.forward(&one_seq(&[t], p, table.clone())).unwrap();
-                    check_position(logits.row(0), &positions[p], &format!("{shards} shard(s) prompt {pi} pos {p}"));
+                    check_position(
+                        logits.row(0),
+                        &positions[p],
+                        &format!("{shards} shard(s) prompt {pi} pos {p}"),
+                    );
                 }
             }
         }
+    }
+}
+
+#[test]
+fn quantized_matmul_paths_agree_bit_for_bit() {
+    // One token alone takes the fused dequantize-in-register path; in a batch of 8 the rows are
+    // dequantized once and shared. Both must give identical logits for that token.
+    let reference = common::reference();
+    let ids = u32s(&reference["prompts"][0]["input_ids"]);
+    let mut backend = backend(gguf_weights());
+    let alone = backend.forward(&one_seq(&ids[..1], 0, vec![0])).unwrap();
+    let mut batch = StepBatch::default();
+    for s in 0..8u32 {
+        let t = if s == 5 {
+            ids[0]
+        } else {
+            ids[(s as usize) % ids.len()] + 7
+        };
+        batch.tokens.push(t);
+        batch.positions.push(0);
+        batch.seqs.push(SeqChunk {
+            start: s as usize,
+            len: 1,
+            context_len: 0,
+            block_table: vec![10 + s],
+            wants_logits: true,
+            lora_slot: None,
+        });
+    }
+    let batched = backend.forward(&batch).unwrap();
+    assert_eq!(batched.row(5), alone.row(0));
+    check_position(
+        alone.row(0),
+        &reference["prompts"][0]["positions"][0],
+        "alone",
+    );
+}
+
+#[test]
+fn every_kernel_isa_matches_the_reference() {
+    // The fallback kernels (AVX2, portable) must meet the same tolerance as the default ones.
+    use peregrine_engine::backend::cpu::simd::Isa;
+    let reference = common::reference();
+    let prompt = &reference["prompts"][1];
+    let ids = u32s(&prompt["input_ids"]);
+    let positions = prompt["positions"].as_array().unwrap();
+    let mut backend = backend(gguf_weights());
+    for isa in Isa::available() {
+        backend.set_isa(isa).unwrap();
+        for (p, &t) in ids.iter().enumerate() {
+            let logits = backend.forward(&one_seq(&[t], p, vec![0])).unwrap();
+            check_position(logits.row(0), &positions[p], &format!("{isa:?} pos {p}"));
+        }
+        let logits = backend.forward(&one_seq(&ids, 0, vec![0])).unwrap();
+        check_position(
+            logits.row(0),
+            &positions[ids.len() - 1],
+            &format!("{isa:?} one chunk"),
+        );
     }
 }

@@ -11,7 +11,13 @@ use crate::config::ModelConfig;
 
 fn matrix(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Matrix {
     let bound = (3.0 / cols as f32).sqrt();
-    Matrix::from_f32(rows, cols, (0..rows * cols).map(|_| rng.random_range(-bound..bound)).collect())
+    Matrix::from_f32(
+        rows,
+        cols,
+        (0..rows * cols)
+            .map(|_| rng.random_range(-bound..bound))
+            .collect(),
+    )
 }
 
 fn small_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
@@ -41,5 +47,11 @@ pub fn dummy_weights(config: &ModelConfig, seed: u64) -> ModelWeights {
         })
         .collect();
     let lm_head = (!c.tie_word_embeddings).then(|| matrix(&mut rng, c.vocab_size, h));
-    ModelWeights { config: config.clone(), embed_tokens, layers, norm: vec![1.0; h], lm_head }
+    ModelWeights {
+        config: config.clone(),
+        embed_tokens,
+        layers,
+        norm: vec![1.0; h],
+        lm_head,
+    }
 }

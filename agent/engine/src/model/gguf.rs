@@ -167,7 +167,10 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let io_err = |source| EngineError::Io { path: path.to_path_buf(), source };
+        let io_err = |source| EngineError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = File::open(path).map_err(io_err)?;
         // SAFETY: the map is read-only and private to us. Like every mmap-based model loader we rely
         // on the file not being truncated or rewritten while it is mapped.
@@ -182,7 +185,11 @@ impl GgufFile {
 
     fn parse(path: PathBuf, storage: Storage) -> Result<GgufFile> {
         let bytes = storage.bytes();
-        let mut r = Reader { bytes, pos: 0, path: &path };
+        let mut r = Reader {
+            bytes,
+            pos: 0,
+            path: &path,
+        };
         let magic = r.take(4, "magic")?;
         if magic != MAGIC {
             return Err(r.err(format!("not a GGUF file (magic {magic:02x?})")));
@@ -223,8 +230,8 @@ impl GgufFile {
             tensors.push(r.tensor_info(alignment)?);
         }
 
-        let data_offset = align_up(r.pos as u64, alignment)
-            .ok_or_else(|| r.err("data offset overflows"))?;
+        let data_offset =
+            align_up(r.pos as u64, alignment).ok_or_else(|| r.err("data offset overflows"))?;
         let file_len = bytes.len() as u64;
         if data_offset > file_len {
             return Err(r.err(format!(
@@ -251,7 +258,15 @@ impl GgufFile {
             }
         }
 
-        Ok(GgufFile { path, storage, version, metadata, tensors, alignment, data_offset })
+        Ok(GgufFile {
+            path,
+            storage,
+            version,
+            metadata,
+            tensors,
+            alignment,
+            data_offset,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -292,7 +307,10 @@ impl GgufFile {
         let n = info.n_bytes.ok_or_else(|| {
             EngineError::invalid_model(
                 &self.path,
-                format!("tensor {:?} has unsupported type {}", info.name, info.ggml_type),
+                format!(
+                    "tensor {:?} has unsupported type {}",
+                    info.name, info.ggml_type
+                ),
             )
         })?;
         let start = self.data_offset + info.offset;
@@ -300,7 +318,10 @@ impl GgufFile {
             .bytes()
             .get(start as usize..(start + n) as usize)
             .ok_or_else(|| {
-                EngineError::invalid_model(&self.path, format!("tensor {:?} is out of bounds", info.name))
+                EngineError::invalid_model(
+                    &self.path,
+                    format!("tensor {:?} is out of bounds", info.name),
+                )
             })
     }
 }
@@ -396,7 +417,9 @@ impl<'a> Reader<'a> {
             8 => GgufValue::String(self.string(key)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(self.err(format!("{key}: arrays nested deeper than {MAX_ARRAY_DEPTH}")));
+                    return Err(self.err(format!(
+                        "{key}: arrays nested deeper than {MAX_ARRAY_DEPTH}"
+                    )));
                 }
                 let elem_ty = self.u32(key)?;
                 let count = self.u64(key)?;
@@ -407,7 +430,9 @@ impl<'a> Reader<'a> {
                     10 | 11 | 12 => 8,
                     8 => 8,  // a string is at least its u64 length
                     9 => 12, // an array is at least its type and count
-                    other => return Err(self.err(format!("{key}: unknown array element type {other}"))),
+                    other => {
+                        return Err(self.err(format!("{key}: unknown array element type {other}")))
+                    }
                 };
                 self.check_count(count, min_size, key)?;
                 let mut items = Vec::with_capacity(count as usize);
@@ -427,7 +452,9 @@ impl<'a> Reader<'a> {
         let name = self.string("tensor name")?;
         let n_dims = self.u32("tensor dimension count")?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(self.err(format!("tensor {name:?} has {n_dims} dimensions (1..={MAX_DIMS} allowed)")));
+            return Err(self.err(format!(
+                "tensor {name:?} has {n_dims} dimensions (1..={MAX_DIMS} allowed)"
+            )));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         let mut n_elements: u64 = 1;
@@ -455,11 +482,20 @@ impl<'a> Reader<'a> {
                         dims[0]
                     )));
                 }
-                Some(ggml_type.bytes_for(n_elements).ok_or_else(|| {
-                    self.err(format!("tensor {name:?}: byte size overflows"))
-                })?)
+                Some(
+                    ggml_type
+                        .bytes_for(n_elements)
+                        .ok_or_else(|| self.err(format!("tensor {name:?}: byte size overflows")))?,
+                )
             }
         };
-        Ok(GgufTensorInfo { name, dims, ggml_type, offset, n_elements, n_bytes })
+        Ok(GgufTensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+            n_elements,
+            n_bytes,
+        })
     }
 }

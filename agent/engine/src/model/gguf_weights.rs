@@ -20,16 +20,22 @@ impl Ctx<'_> {
     }
 
     fn info(&self, name: &str) -> Result<&GgufTensorInfo> {
-        self.file.tensor(name).ok_or_else(|| self.err(format!("tensor {name} is missing")))
+        self.file
+            .tensor(name)
+            .ok_or_else(|| self.err(format!("tensor {name} is missing")))
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let info = self.info(name)?;
         if info.n_elements != len as u64 {
-            return Err(self.err(format!("tensor {name} has {} elements, expected {len}", info.n_elements)));
+            return Err(self.err(format!(
+                "tensor {name} has {} elements, expected {len}",
+                info.n_elements
+            )));
         }
         let bytes = self.file.tensor_data(info)?;
-        quant::dequantize(info.ggml_type, bytes, len).map_err(|e| self.err(format!("tensor {name}: {e}")))
+        quant::dequantize(info.ggml_type, bytes, len)
+            .map_err(|e| self.err(format!("tensor {name}: {e}")))
     }
 
     fn optional_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
@@ -51,9 +57,15 @@ impl Ctx<'_> {
         let bytes = self.file.tensor_data(info)?;
         let map = |e: quant::QuantError| self.err(format!("tensor {name}: {e}"));
         if QuantKind::from_ggml(info.ggml_type).is_some() {
-            Ok(Matrix::from_quant(QuantMatrix::from_ggml(info.ggml_type, bytes, rows, cols).map_err(map)?))
+            Ok(Matrix::from_quant(
+                QuantMatrix::from_ggml(info.ggml_type, bytes, rows, cols).map_err(map)?,
+            ))
         } else {
-            Ok(Matrix::from_f32(rows, cols, quant::dequantize(info.ggml_type, bytes, rows * cols).map_err(map)?))
+            Ok(Matrix::from_f32(
+                rows,
+                cols,
+                quant::dequantize(info.ggml_type, bytes, rows * cols).map_err(map)?,
+            ))
         }
     }
 }
@@ -68,7 +80,13 @@ pub fn weights_from_gguf(file: &GgufFile, config: &ModelConfig) -> Result<ModelW
     let k_perm = unpermute_rope_rows(c.num_key_value_heads, c.head_dim);
     let unpermute = |m: Matrix, perm: &[usize]| if permuted { m.permute_rows(perm) } else { m };
     let unpermute_vec = |v: Option<Vec<f32>>, perm: &[usize]| {
-        v.map(|v| if permuted { perm.iter().map(|&i| v[i]).collect() } else { v })
+        v.map(|v| {
+            if permuted {
+                perm.iter().map(|&i| v[i]).collect()
+            } else {
+                v
+            }
+        })
     };
 
     let mut layers = Vec::with_capacity(c.num_hidden_layers);

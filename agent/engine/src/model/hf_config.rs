@@ -10,17 +10,26 @@ use crate::config::{Architecture, Llama3RopeScaling, ModelConfig};
 use crate::{EngineError, Result};
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
-    serde_json::from_str(&text).map_err(|e| EngineError::invalid_model(path, format!("not valid JSON: {e}")))
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text)
+        .map_err(|e| EngineError::invalid_model(path, format!("not valid JSON: {e}")))
 }
 
 /// Token id(s) stored as a number or a list of numbers.
 fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
-        Some(Value::Number(n)) => n.as_u64().and_then(|n| u32::try_from(n).ok()).into_iter().collect(),
-        Some(Value::Array(items)) => {
-            items.iter().filter_map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
-        }
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .into_iter()
+            .collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -29,7 +38,8 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
 pub fn load_hf_config(dir: &Path) -> Result<ModelConfig> {
     let config_path = dir.join("config.json");
     let json = read_json(&config_path)?;
-    let mut config = parse_hf_config(&json).map_err(|m| EngineError::invalid_model(&config_path, m))?;
+    let mut config =
+        parse_hf_config(&json).map_err(|m| EngineError::invalid_model(&config_path, m))?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.is_file() {
         let gen = read_json(&gen_path)?;
@@ -52,7 +62,11 @@ pub fn parse_hf_config(json: &Value) -> std::result::Result<ModelConfig, String>
         "llama" => Architecture::Llama,
         "mistral" => Architecture::Mistral,
         "qwen2" => Architecture::Qwen2,
-        other => return Err(format!("model_type {other:?} is not supported (llama, mistral, qwen2)")),
+        other => {
+            return Err(format!(
+                "model_type {other:?} is not supported (llama, mistral, qwen2)"
+            ))
+        }
     };
     let usize_field = |key: &str| -> std::result::Result<Option<usize>, String> {
         match json.get(key) {
@@ -64,7 +78,9 @@ pub fn parse_hf_config(json: &Value) -> std::result::Result<ModelConfig, String>
         }
     };
     let required = |key: &str| -> std::result::Result<usize, String> {
-        usize_field(key)?.filter(|&n| n > 0).ok_or_else(|| format!("{key} is missing or zero"))
+        usize_field(key)?
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("{key} is missing or zero"))
     };
     let hidden_size = required("hidden_size")?;
     let num_attention_heads = required("num_attention_heads")?;
@@ -99,10 +115,16 @@ pub fn parse_hf_config(json: &Value) -> std::result::Result<ModelConfig, String>
         rms_norm_eps: f64_field("rms_norm_eps").unwrap_or(1e-6) as f32,
         rope_theta,
         rope_scaling,
-        tie_word_embeddings: json.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(tie_default),
+        tie_word_embeddings: json
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(tie_default),
         // Qwen2 always has q/k/v biases; Llama makes them optional.
         attention_bias: architecture == Architecture::Qwen2
-            || json.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+            || json
+                .get("attention_bias")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
         bos_token_id: token_ids(json.get("bos_token_id")).first().copied(),
         eos_token_ids,
     };
@@ -111,12 +133,18 @@ pub fn parse_hf_config(json: &Value) -> std::result::Result<ModelConfig, String>
 }
 
 fn parse_rope_scaling(s: &Value) -> std::result::Result<Option<Llama3RopeScaling>, String> {
-    let rope_type = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let rope_type = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     match rope_type {
         "default" => Ok(None),
         "llama3" => {
             let f = |key: &str| {
-                s.get(key).and_then(Value::as_f64).ok_or_else(|| format!("rope_scaling.{key} is missing"))
+                s.get(key)
+                    .and_then(Value::as_f64)
+                    .ok_or_else(|| format!("rope_scaling.{key} is missing"))
             };
             Ok(Some(Llama3RopeScaling {
                 factor: f("factor")? as f32,
@@ -125,7 +153,9 @@ fn parse_rope_scaling(s: &Value) -> std::result::Result<Option<Llama3RopeScaling
                 original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
             }))
         }
-        other => Err(format!("rope scaling type {other:?} is not supported (default, llama3)")),
+        other => Err(format!(
+            "rope scaling type {other:?} is not supported (default, llama3)"
+        )),
     }
 }
 
@@ -140,7 +170,11 @@ fn check_config(c: &ModelConfig) -> std::result::Result<(), String> {
     if c.head_dim == 0 || c.head_dim % 2 != 0 {
         return Err(format!("head_dim {} must be even and non-zero", c.head_dim));
     }
-    if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps > 0.0 && c.rope_theta.is_finite() && c.rope_theta > 0.0) {
+    if !(c.rms_norm_eps.is_finite()
+        && c.rms_norm_eps > 0.0
+        && c.rope_theta.is_finite()
+        && c.rope_theta > 0.0)
+    {
         return Err("rms_norm_eps and rope_theta must be positive".into());
     }
     if let Some(s) = &c.rope_scaling {
@@ -162,21 +196,36 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         // Mistral GGUFs are written as "llama".
         "llama" => Architecture::Llama,
         "qwen2" => Architecture::Qwen2,
-        other => return Err(EngineError::Unsupported(format!("GGUF architecture {other:?} (llama, qwen2)"))),
+        other => {
+            return Err(EngineError::Unsupported(format!(
+                "GGUF architecture {other:?} (llama, qwen2)"
+            )))
+        }
     };
     let key = |k: &str| format!("{arch_name}.{k}");
-    let uint = |k: &str| file.get(&key(k)).and_then(|v| v.as_u64()).map(|n| n as usize);
-    let req = |k: &str| uint(k).filter(|&n| n > 0).ok_or_else(|| err(format!("{} is missing", key(k))));
+    let uint = |k: &str| {
+        file.get(&key(k))
+            .and_then(|v| v.as_u64())
+            .map(|n| n as usize)
+    };
+    let req = |k: &str| {
+        uint(k)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| err(format!("{} is missing", key(k))))
+    };
     let float = |k: &str| file.get(&key(k)).and_then(|v| v.as_f32());
 
     if let Some(t) = file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
         if t != "none" {
-            return Err(EngineError::Unsupported(format!("GGUF rope scaling type {t:?}")));
+            return Err(EngineError::Unsupported(format!(
+                "GGUF rope scaling type {t:?}"
+            )));
         }
     }
     if file.tensor("rope_freqs.weight").is_some() {
         return Err(EngineError::Unsupported(
-            "GGUF with precomputed rope_freqs (Llama-3.1 scaling): load the HF folder instead".into(),
+            "GGUF with precomputed rope_freqs (Llama-3.1 scaling): load the HF folder instead"
+                .into(),
         ));
     }
 
@@ -194,7 +243,11 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .map(|a| a.len())
             .ok_or_else(|| err("no vocab_size and no tokenizer.ggml.tokens".into()))?,
     };
-    let tok_id = |k: &str| file.get(k).and_then(|v| v.as_u64()).and_then(|n| u32::try_from(n).ok());
+    let tok_id = |k: &str| {
+        file.get(k)
+            .and_then(|v| v.as_u64())
+            .and_then(|n| u32::try_from(n).ok())
+    };
     let config = ModelConfig {
         architecture,
         hidden_size,
@@ -237,7 +290,10 @@ mod tests {
         assert_eq!(c.gqa_group(), 4);
         assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
         let s = c.rope_scaling.unwrap();
-        assert_eq!((s.factor, s.low_freq_factor, s.high_freq_factor), (32.0, 1.0, 4.0));
+        assert_eq!(
+            (s.factor, s.low_freq_factor, s.high_freq_factor),
+            (32.0, 1.0, 4.0)
+        );
         assert_eq!(s.original_max_position_embeddings, 8192);
     }
 

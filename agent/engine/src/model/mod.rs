@@ -40,7 +40,10 @@ pub struct LoadedModel {
 }
 
 fn is_gguf_file(path: &Path) -> bool {
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
         return true;
     }
     let mut magic = [0u8; 4];
@@ -62,12 +65,16 @@ pub fn load(path: &Path, format: LoadFormat) -> Result<LoadedModel> {
         LoadFormat::Auto if path.is_dir() => LoadFormat::Safetensors,
         LoadFormat::Auto if is_gguf_file(path) => LoadFormat::Gguf,
         LoadFormat::Auto => {
-            return Err(EngineError::invalid_model(path, "neither a GGUF file nor a folder with config.json"))
+            return Err(EngineError::invalid_model(
+                path,
+                "neither a GGUF file nor a folder with config.json",
+            ))
         }
         f => f,
     };
     match format {
-        LoadFormat::Gguf => {
+        // Resolved above; kept as a GGUF load so the match needs no impossible arm.
+        LoadFormat::Gguf | LoadFormat::Auto => {
             let file = GgufFile::open(path)?;
             let config = hf_config::config_from_gguf(&file)?;
             let weights = gguf_weights::weights_from_gguf(&file, &config)?;
@@ -75,7 +82,10 @@ pub fn load(path: &Path, format: LoadFormat) -> Result<LoadedModel> {
         }
         LoadFormat::Safetensors => {
             if !path.is_dir() {
-                return Err(EngineError::invalid_model(path, "safetensors loading expects a HF folder"));
+                return Err(EngineError::invalid_model(
+                    path,
+                    "safetensors loading expects a HF folder",
+                ));
             }
             let config = hf_config::load_hf_config(path)?;
             let weights = safetensors::weights_from_safetensors(path, &config)?;
@@ -90,15 +100,18 @@ pub fn load(path: &Path, format: LoadFormat) -> Result<LoadedModel> {
             let config = if path.is_dir() {
                 hf_config::load_hf_config(&dir)?
             } else {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
-                let json = serde_json::from_str(&text)
-                    .map_err(|e| EngineError::invalid_model(path, format!("not valid JSON: {e}")))?;
-                hf_config::parse_hf_config(&json).map_err(|m| EngineError::invalid_model(path, m))?
+                let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                let json = serde_json::from_str(&text).map_err(|e| {
+                    EngineError::invalid_model(path, format!("not valid JSON: {e}"))
+                })?;
+                hf_config::parse_hf_config(&json)
+                    .map_err(|m| EngineError::invalid_model(path, m))?
             };
             let weights = dummy::dummy_weights(&config, DUMMY_SEED);
             Ok(LoadedModel { config, weights })
         }
-        LoadFormat::Auto => unreachable!("Auto resolved above"),
     }
 }

@@ -21,18 +21,31 @@ pub enum QuantError {
     #[error("tensor type {0} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
     Unsupported(GgmlType),
     #[error("{ty} data for {n_elements} elements should be {expected} bytes, found {found}")]
-    Size { ty: GgmlType, n_elements: usize, expected: usize, found: usize },
+    Size {
+        ty: GgmlType,
+        n_elements: usize,
+        expected: usize,
+        found: usize,
+    },
 }
 
 fn expected_bytes(ty: GgmlType, n_elements: usize) -> Result<usize, QuantError> {
     let (block, size) = match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
-            ty.block_geometry().ok_or(QuantError::Unsupported(ty))?
-        }
+        GgmlType::F32
+        | GgmlType::F16
+        | GgmlType::BF16
+        | GgmlType::Q8_0
+        | GgmlType::Q4_0
+        | GgmlType::Q4_1 => ty.block_geometry().ok_or(QuantError::Unsupported(ty))?,
         other => return Err(QuantError::Unsupported(other)),
     };
     if n_elements % block != 0 {
-        return Err(QuantError::Size { ty, n_elements, expected: 0, found: 0 });
+        return Err(QuantError::Size {
+            ty,
+            n_elements,
+            expected: 0,
+            found: 0,
+        });
     }
     Ok(n_elements / block * size)
 }
@@ -48,7 +61,12 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f
 pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
     let expected = expected_bytes(ty, out.len())?;
     if bytes.len() != expected {
-        return Err(QuantError::Size { ty, n_elements: out.len(), expected, found: bytes.len() });
+        return Err(QuantError::Size {
+            ty,
+            n_elements: out.len(),
+            expected,
+            found: bytes.len(),
+        });
     }
     match ty {
         GgmlType::F32 => {
@@ -164,15 +182,35 @@ pub struct QuantMatrix {
 
 impl QuantMatrix {
     /// Repacks `rows × cols` elements of ggml blocks (`cols` a multiple of 32).
-    pub fn from_ggml(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<QuantMatrix, QuantError> {
+    pub fn from_ggml(
+        ty: GgmlType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<QuantMatrix, QuantError> {
         let kind = QuantKind::from_ggml(ty).ok_or(QuantError::Unsupported(ty))?;
-        let n = rows.checked_mul(cols).ok_or(QuantError::Size { ty, n_elements: usize::MAX, expected: 0, found: bytes.len() })?;
+        let n = rows.checked_mul(cols).ok_or(QuantError::Size {
+            ty,
+            n_elements: usize::MAX,
+            expected: 0,
+            found: bytes.len(),
+        })?;
         if cols % QK != 0 {
-            return Err(QuantError::Size { ty, n_elements: n, expected: 0, found: bytes.len() });
+            return Err(QuantError::Size {
+                ty,
+                n_elements: n,
+                expected: 0,
+                found: bytes.len(),
+            });
         }
         let expected = expected_bytes(ty, n)?;
         if bytes.len() != expected {
-            return Err(QuantError::Size { ty, n_elements: n, expected, found: bytes.len() });
+            return Err(QuantError::Size {
+                ty,
+                n_elements: n,
+                expected,
+                found: bytes.len(),
+            });
         }
         let n_blocks = n / QK;
         let payload = kind.payload();
@@ -190,7 +228,14 @@ impl QuantMatrix {
             };
             qs.extend_from_slice(&b[head..head + payload]);
         }
-        Ok(QuantMatrix { kind, rows, cols, d, m, qs })
+        Ok(QuantMatrix {
+            kind,
+            rows,
+            cols,
+            d,
+            m,
+            qs,
+        })
     }
 
     pub fn blocks_per_row(&self) -> usize {
@@ -214,7 +259,8 @@ impl QuantMatrix {
             if !self.m.is_empty() {
                 out.m.extend_from_slice(&self.m[src * bpr..(src + 1) * bpr]);
             }
-            out.qs.extend_from_slice(&self.qs[src * bpr * payload..(src + 1) * bpr * payload]);
+            out.qs
+                .extend_from_slice(&self.qs[src * bpr * payload..(src + 1) * bpr * payload]);
         }
         out
     }
@@ -222,7 +268,10 @@ impl QuantMatrix {
     /// Stacks matrices of the same kind and width (rows of `parts[0]` first); None if they differ.
     pub fn concat_rows(parts: &[&QuantMatrix]) -> Option<QuantMatrix> {
         let first = parts.first()?;
-        if parts.iter().any(|p| p.kind != first.kind || p.cols != first.cols) {
+        if parts
+            .iter()
+            .any(|p| p.kind != first.kind || p.cols != first.cols)
+        {
             return None;
         }
         Some(QuantMatrix {
@@ -247,18 +296,31 @@ impl QuantMatrix {
         let out = &mut out[..self.cols];
         match self.kind {
             QuantKind::Q8_0 => {
-                for ((o, q), &d) in out.chunks_exact_mut(QK).zip(qs.chunks_exact(payload)).zip(d) {
+                for ((o, q), &d) in out
+                    .chunks_exact_mut(QK)
+                    .zip(qs.chunks_exact(payload))
+                    .zip(d)
+                {
                     q8_0_block(d, q, o);
                 }
             }
             QuantKind::Q4_0 => {
-                for ((o, q), &d) in out.chunks_exact_mut(QK).zip(qs.chunks_exact(payload)).zip(d) {
+                for ((o, q), &d) in out
+                    .chunks_exact_mut(QK)
+                    .zip(qs.chunks_exact(payload))
+                    .zip(d)
+                {
                     q4_0_block(d, q, o);
                 }
             }
             QuantKind::Q4_1 => {
                 let m = &self.m[base..base + bpr];
-                for (((o, q), &d), &m) in out.chunks_exact_mut(QK).zip(qs.chunks_exact(payload)).zip(d).zip(m) {
+                for (((o, q), &d), &m) in out
+                    .chunks_exact_mut(QK)
+                    .zip(qs.chunks_exact(payload))
+                    .zip(d)
+                    .zip(m)
+                {
                     q4_1_block(d, m, q, o);
                 }
             }
@@ -321,8 +383,17 @@ mod tests {
 
     #[test]
     fn unsupported_and_bad_sizes_are_errors() {
-        assert!(matches!(dequantize(GgmlType::Q4K, &[0; 144], 256), Err(QuantError::Unsupported(_))));
-        assert!(matches!(dequantize(GgmlType::Q4_1, &[0; 19], 32), Err(QuantError::Size { .. })));
-        assert!(matches!(dequantize(GgmlType::F16, &[0; 3], 2), Err(QuantError::Size { .. })));
+        assert!(matches!(
+            dequantize(GgmlType::Q4K, &[0; 144], 256),
+            Err(QuantError::Unsupported(_))
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::Q4_1, &[0; 19], 32),
+            Err(QuantError::Size { .. })
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::F16, &[0; 3], 2),
+            Err(QuantError::Size { .. })
+        ));
     }
 }

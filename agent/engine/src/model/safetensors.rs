@@ -28,10 +28,13 @@ impl SafetensorsFolder {
     pub fn open(dir: &Path) -> Result<SafetensorsFolder> {
         let index_path = dir.join(INDEX_FILE);
         let files: Vec<PathBuf> = if index_path.is_file() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|source| EngineError::Io { path: index_path.clone(), source })?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| EngineError::invalid_model(&index_path, format!("not valid JSON: {e}")))?;
+            let text = std::fs::read_to_string(&index_path).map_err(|source| EngineError::Io {
+                path: index_path.clone(),
+                source,
+            })?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                EngineError::invalid_model(&index_path, format!("not valid JSON: {e}"))
+            })?;
             let map = json
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -39,11 +42,17 @@ impl SafetensorsFolder {
             let mut shards = std::collections::BTreeSet::new();
             for (name, file) in map {
                 let file = file.as_str().ok_or_else(|| {
-                    EngineError::invalid_model(&index_path, format!("weight_map entry {name} is not a file name"))
+                    EngineError::invalid_model(
+                        &index_path,
+                        format!("weight_map entry {name} is not a file name"),
+                    )
                 })?;
                 // Shards must sit in the folder itself: no absolute paths or `..`.
                 if Path::new(file).components().count() != 1 {
-                    return Err(EngineError::invalid_model(&index_path, format!("bad shard name {file:?}")));
+                    return Err(EngineError::invalid_model(
+                        &index_path,
+                        format!("bad shard name {file:?}"),
+                    ));
                 }
                 shards.insert(file.to_string());
             }
@@ -53,20 +62,33 @@ impl SafetensorsFolder {
         };
 
         if files.is_empty() {
-            return Err(EngineError::invalid_model(&index_path, "weight_map lists no shards"));
+            return Err(EngineError::invalid_model(
+                &index_path,
+                "weight_map lists no shards",
+            ));
         }
         let mut maps = Vec::with_capacity(files.len());
         let mut index = HashMap::new();
         for (i, path) in files.into_iter().enumerate() {
-            let file = File::open(&path).map_err(|source| EngineError::Io { path: path.clone(), source })?;
+            let file = File::open(&path).map_err(|source| EngineError::Io {
+                path: path.clone(),
+                source,
+            })?;
             // SAFETY: read-only private map; the file must not change while mapped (as for any
             // mmap-based loader).
-            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| EngineError::Io { path: path.clone(), source })?;
-            let st = SafeTensors::deserialize(&mmap)
-                .map_err(|e| EngineError::invalid_model(&path, format!("not a valid safetensors file: {e}")))?;
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| EngineError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let st = SafeTensors::deserialize(&mmap).map_err(|e| {
+                EngineError::invalid_model(&path, format!("not a valid safetensors file: {e}"))
+            })?;
             for name in st.names() {
                 if index.insert(name.to_string(), i).is_some() {
-                    return Err(EngineError::invalid_model(&path, format!("tensor {name} appears in two shards")));
+                    return Err(EngineError::invalid_model(
+                        &path,
+                        format!("tensor {name} appears in two shards"),
+                    ));
                 }
             }
             maps.push((path, mmap));
@@ -87,16 +109,23 @@ impl SafetensorsFolder {
         let err = |m: String| EngineError::invalid_model(path, m);
         // Already validated in `open`; deserializing again only re-reads the header.
         let st = SafeTensors::deserialize(mmap).map_err(|e| err(e.to_string()))?;
-        let view = st.tensor(name).map_err(|e| err(format!("tensor {name}: {e}")))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| err(format!("tensor {name}: {e}")))?;
         let ty = match view.dtype() {
             Dtype::F32 => GgmlType::F32,
             Dtype::F16 => GgmlType::F16,
             Dtype::BF16 => GgmlType::BF16,
-            other => return Err(err(format!("tensor {name} has dtype {other:?} (F32, F16, BF16 supported)"))),
+            other => {
+                return Err(err(format!(
+                    "tensor {name} has dtype {other:?} (F32, F16, BF16 supported)"
+                )))
+            }
         };
         let shape = view.shape().to_vec();
         let n: usize = shape.iter().product();
-        let data = quant::dequantize(ty, view.data(), n).map_err(|e| err(format!("tensor {name}: {e}")))?;
+        let data = quant::dequantize(ty, view.data(), n)
+            .map_err(|e| err(format!("tensor {name}: {e}")))?;
         Ok((shape, data))
     }
 
@@ -127,7 +156,11 @@ impl SafetensorsFolder {
     }
 
     fn optional_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
-        if self.contains(name) { self.vector(name, len).map(Some) } else { Ok(None) }
+        if self.contains(name) {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 }
 
@@ -166,7 +199,9 @@ pub fn weights_from_safetensors(dir: &Path, config: &ModelConfig) -> Result<Mode
         norm: st.vector("model.norm.weight", h)?,
         lm_head,
     };
-    weights.validate().map_err(|m| EngineError::invalid_model(dir, m))?;
+    weights
+        .validate()
+        .map_err(|m| EngineError::invalid_model(dir, m))?;
     Ok(weights)
 }
 
@@ -197,8 +232,15 @@ pub fn hf_tensors(weights: &ModelWeights) -> BTreeMap<String, (Vec<usize>, Vec<f
     for (i, l) in weights.layers.iter().enumerate() {
         let n = |s: &str| format!("model.layers.{i}.{s}");
         vec(n("input_layernorm.weight"), &l.input_layernorm);
-        vec(n("post_attention_layernorm.weight"), &l.post_attention_layernorm);
-        for (name, b) in [("q_proj", &l.q_bias), ("k_proj", &l.k_bias), ("v_proj", &l.v_bias)] {
+        vec(
+            n("post_attention_layernorm.weight"),
+            &l.post_attention_layernorm,
+        );
+        for (name, b) in [
+            ("q_proj", &l.q_bias),
+            ("k_proj", &l.k_bias),
+            ("v_proj", &l.v_bias),
+        ] {
             if let Some(b) = b {
                 vec(n(&format!("self_attn.{name}.bias")), b);
             }

@@ -24,18 +24,28 @@ pub struct Matrix {
 impl Matrix {
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Matrix {
         assert_eq!(data.len(), rows * cols, "matrix data length");
-        Matrix { rows, cols, data: MatrixData::F32(data) }
+        Matrix {
+            rows,
+            cols,
+            data: MatrixData::F32(data),
+        }
     }
 
     pub fn from_quant(q: QuantMatrix) -> Matrix {
-        Matrix { rows: q.rows, cols: q.cols, data: MatrixData::Quant(q) }
+        Matrix {
+            rows: q.rows,
+            cols: q.cols,
+            data: MatrixData::Quant(q),
+        }
     }
 
     /// Row `r` as f32 into `out[..cols]`.
     #[inline(always)]
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
         match &self.data {
-            MatrixData::F32(v) => out[..self.cols].copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
+            MatrixData::F32(v) => {
+                out[..self.cols].copy_from_slice(&v[r * self.cols..(r + 1) * self.cols])
+            }
             MatrixData::Quant(q) => q.dequantize_row(r, out),
         }
     }
@@ -66,7 +76,11 @@ impl Matrix {
             }
             MatrixData::Quant(q) => MatrixData::Quant(q.permute_rows(perm)),
         };
-        Matrix { rows: self.rows, cols: self.cols, data }
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+        }
     }
 
     /// Stacks matrices of equal width (rows of `parts[0]` first). Quantized parts of one kind stay
@@ -140,7 +154,13 @@ impl ModelWeights {
     /// Checks every shape against the config, so a backend can index without further checks.
     pub fn validate(&self) -> Result<(), String> {
         let c = &self.config;
-        let (h, q, kv, i, v) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
+        let (h, q, kv, i, v) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.vocab_size,
+        );
         if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
             return Err(format!(
                 "{} attention heads are not a multiple of {} KV heads",
@@ -152,7 +172,10 @@ impl ModelWeights {
         }
         let check = |name: &str, m: &Matrix, rows: usize, cols: usize| -> Result<(), String> {
             if m.rows != rows || m.cols != cols {
-                return Err(format!("{name}: shape [{}, {}], expected [{rows}, {cols}]", m.rows, m.cols));
+                return Err(format!(
+                    "{name}: shape [{}, {}], expected [{rows}, {cols}]",
+                    m.rows, m.cols
+                ));
             }
             Ok(())
         };
@@ -168,12 +191,20 @@ impl ModelWeights {
         }
         check_vec("norm", &self.norm, h)?;
         if self.layers.len() != c.num_hidden_layers {
-            return Err(format!("{} layers, config says {}", self.layers.len(), c.num_hidden_layers));
+            return Err(format!(
+                "{} layers, config says {}",
+                self.layers.len(),
+                c.num_hidden_layers
+            ));
         }
         for (n, l) in self.layers.iter().enumerate() {
             let p = |s: &str| format!("layers.{n}.{s}");
             check_vec(&p("input_layernorm"), &l.input_layernorm, h)?;
-            check_vec(&p("post_attention_layernorm"), &l.post_attention_layernorm, h)?;
+            check_vec(
+                &p("post_attention_layernorm"),
+                &l.post_attention_layernorm,
+                h,
+            )?;
             check(&p("q_proj"), &l.q_proj, q, h)?;
             check(&p("k_proj"), &l.k_proj, kv, h)?;
             check(&p("v_proj"), &l.v_proj, kv, h)?;
@@ -181,7 +212,11 @@ impl ModelWeights {
             check(&p("gate_proj"), &l.gate_proj, i, h)?;
             check(&p("up_proj"), &l.up_proj, i, h)?;
             check(&p("down_proj"), &l.down_proj, h, i)?;
-            for (name, b, n) in [("q_bias", &l.q_bias, q), ("k_bias", &l.k_bias, kv), ("v_bias", &l.v_bias, kv)] {
+            for (name, b, n) in [
+                ("q_bias", &l.q_bias, q),
+                ("k_bias", &l.k_bias, kv),
+                ("v_bias", &l.v_bias, kv),
+            ] {
                 if let Some(b) = b {
                     check_vec(&p(name), b, n)?;
                 }

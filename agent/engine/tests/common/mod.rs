@@ -28,7 +28,11 @@ pub fn fixtures_dir() -> PathBuf {
             let repo_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
             let near = repo_root.join("../shared/fixtures");
             let far = repo_root.join("../../shared/fixtures");
-            if near.exists() || !far.exists() { near } else { far }
+            if near.exists() || !far.exists() {
+                near
+            } else {
+                far
+            }
         }
     };
     assert!(

@@ -18,7 +18,14 @@ pub struct TokenCtx<'a> {
 }
 
 /// Writes K and V of token `pos` (`kv_dim` each) into `layer`'s cache.
-pub fn write_kv(cache: &mut KvCache, layer: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+pub fn write_kv(
+    cache: &mut KvCache,
+    layer: usize,
+    block_table: &[u32],
+    pos: usize,
+    k: &[f32],
+    v: &[f32],
+) {
     let bs = cache.shape.block_size;
     let (block, slot) = (block_table[pos / bs] as usize, pos % bs);
     let hd = cache.head_dim;
@@ -46,11 +53,21 @@ pub fn attention(
     let hd = cache.head_dim;
     let kvh = cache.kv_heads;
     let group = n_heads / kvh;
-    out.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (item, o)| {
-        let (t, g) = (item / kvh, item % kvh);
-        let job = Item { cache, layer, group, g, q: &q[t * ld_q..], tok: &tokens[t] };
-        job.run(isa, scores, o);
-    });
+    out.par_chunks_mut(group * hd).enumerate().for_each_init(
+        Vec::new,
+        |scores: &mut Vec<f32>, (item, o)| {
+            let (t, g) = (item / kvh, item % kvh);
+            let job = Item {
+                cache,
+                layer,
+                group,
+                g,
+                q: &q[t * ld_q..],
+                tok: &tokens[t],
+            };
+            job.run(isa, scores, o);
+        },
+    );
 }
 
 /// One (token, KV head) task.

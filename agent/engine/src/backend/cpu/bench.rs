@@ -18,14 +18,23 @@ impl BenchFigure {
     }
 }
 
+/// KV blocks that [`prefill`] (`batch = 1`, `steps = 0`) or [`decode`] needs.
+pub fn blocks_needed(batch: usize, context: usize, steps: usize, block_size: usize) -> usize {
+    batch * (context + steps).div_ceil(block_size.max(1))
+}
+
 /// Blocks a sequence of `len` tokens needs, laid out consecutively from `first`.
 fn table(first: usize, len: usize, block_size: usize) -> Vec<u32> {
-    (first..first + len.div_ceil(block_size)).map(|b| b as u32).collect()
+    (first..first + len.div_ceil(block_size))
+        .map(|b| b as u32)
+        .collect()
 }
 
 /// Token ids that look like text to the model without a tokenizer (a fixed arithmetic walk).
 fn synthetic_tokens(n: usize, vocab: usize, salt: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i * 7919 + salt * 104_729 + 1000) % vocab.max(1)) as u32).collect()
+    (0..n)
+        .map(|i| ((i * 7919 + salt * 104_729 + 1000) % vocab.max(1)) as u32)
+        .collect()
 }
 
 /// Prefill of one `prompt_len`-token prompt in one step. Needs `prompt_len / block_size + 1` blocks.
@@ -46,16 +55,26 @@ pub fn prefill(backend: &mut dyn Backend, prompt_len: usize) -> Result<BenchFigu
     };
     let start = Instant::now();
     backend.forward(&batch)?;
-    Ok(BenchFigure { tokens: prompt_len, elapsed: start.elapsed() })
+    Ok(BenchFigure {
+        tokens: prompt_len,
+        elapsed: start.elapsed(),
+    })
 }
 
 /// `batch` sequences, each prefilled with `context` tokens (untimed), then `steps` decode steps of one
 /// token per sequence (timed). Needs `batch * ((context + steps) / block_size + 1)` blocks.
-pub fn decode(backend: &mut dyn Backend, batch: usize, context: usize, steps: usize) -> Result<BenchFigure> {
+pub fn decode(
+    backend: &mut dyn Backend,
+    batch: usize,
+    context: usize,
+    steps: usize,
+) -> Result<BenchFigure> {
     let bs = backend.kv_shape().block_size;
     let vocab = backend.config().vocab_size;
     let per_seq = (context + steps).div_ceil(bs);
-    let tables: Vec<Vec<u32>> = (0..batch).map(|s| table(s * per_seq, context + steps, bs)).collect();
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|s| table(s * per_seq, context + steps, bs))
+        .collect();
     for (s, tbl) in tables.iter().enumerate() {
         let prompt = StepBatch {
             tokens: synthetic_tokens(context, vocab, s),
@@ -73,7 +92,9 @@ pub fn decode(backend: &mut dyn Backend, batch: usize, context: usize, steps: us
             backend.forward(&prompt)?;
         }
     }
-    let mut next: Vec<u32> = (0..batch).map(|s| synthetic_tokens(1, vocab, s + 17)[0]).collect();
+    let mut next: Vec<u32> = (0..batch)
+        .map(|s| synthetic_tokens(1, vocab, s + 17)[0])
+        .collect();
     let start = Instant::now();
     for step in 0..steps {
         let pos = context + step;
@@ -95,8 +116,18 @@ pub fn decode(backend: &mut dyn Backend, batch: usize, context: usize, steps: us
         // Greedy, so the work looks like real decoding.
         for (s, t) in next.iter_mut().enumerate() {
             let row = logits.row(s);
-            *t = row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+            *t = row
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                )
+                .0 as u32;
         }
     }
-    Ok(BenchFigure { tokens: batch * steps, elapsed: start.elapsed() })
+    Ok(BenchFigure {
+        tokens: batch * steps,
+        elapsed: start.elapsed(),
+    })
 }

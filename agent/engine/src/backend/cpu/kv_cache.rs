@@ -13,9 +13,16 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(shape: KvCacheShape, layers: usize, kv_heads: usize, head_dim: usize) -> Result<KvCache> {
+    pub fn new(
+        shape: KvCacheShape,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<KvCache> {
         if shape.block_size == 0 {
-            return Err(EngineError::Backend("KV block size must be at least 1".into()));
+            return Err(EngineError::Backend(
+                "KV block size must be at least 1".into(),
+            ));
         }
         let per_layer = shape
             .num_blocks
@@ -23,10 +30,22 @@ impl KvCache {
             .and_then(|x| x.checked_mul(shape.block_size))
             .and_then(|x| x.checked_mul(head_dim))
             .filter(|&x| x.checked_mul(4 * 2 * layers).is_some())
-            .ok_or_else(|| EngineError::Backend(format!("KV cache of {} blocks is too large", shape.num_blocks)))?;
+            .ok_or_else(|| {
+                EngineError::Backend(format!(
+                    "KV cache of {} blocks is too large",
+                    shape.num_blocks
+                ))
+            })?;
         // vec![0.0; n] maps zeroed pages lazily, so an unused pool costs no resident memory.
-        let layers = (0..layers).map(|_| (vec![0f32; per_layer], vec![0f32; per_layer])).collect();
-        Ok(KvCache { shape, kv_heads, head_dim, layers })
+        let layers = (0..layers)
+            .map(|_| (vec![0f32; per_layer], vec![0f32; per_layer]))
+            .collect();
+        Ok(KvCache {
+            shape,
+            kv_heads,
+            head_dim,
+            layers,
+        })
     }
 
     /// Element offset of `(block, kv_head, slot)`.

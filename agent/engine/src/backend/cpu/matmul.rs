@@ -6,6 +6,9 @@
 //! 16 lane accumulators walk `k` in steps of 16 (a zero-padded tail), then a fixed horizontal sum.
 //! So a row's result never depends on what else is in the batch, nor on how tokens are tiled.
 
+// Kernels index fixed-size register tiles on purpose; iterator chains hide the unrolling.
+#![allow(clippy::needless_range_loop)]
+
 use rayon::prelude::*;
 
 use super::simd::Isa;
@@ -35,33 +38,45 @@ pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &Matrix, out: &mut [f32]) {
     }
     let ptr = OutPtr(out.as_mut_ptr());
     let tiles = rows.div_ceil(ROW_TILE);
-    (0..tiles).into_par_iter().for_each_init(Vec::new, |scratch: &mut Vec<f32>, tile| {
-        let r0 = tile * ROW_TILE;
-        let nr = ROW_TILE.min(rows - r0);
-        #[cfg(target_arch = "x86_64")]
-        if let (Isa::Avx512, MatrixData::Quant(q)) = (isa, &w.data) {
+    (0..tiles)
+        .into_par_iter()
+        .for_each_init(Vec::new, |scratch: &mut Vec<f32>, tile| {
+            let r0 = tile * ROW_TILE;
+            let nr = ROW_TILE.min(rows - r0);
+            #[cfg(target_arch = "x86_64")]
+            if let (Isa::Avx512, MatrixData::Quant(q)) = (isa, &w.data) {
+                let p = ptr;
+                // SAFETY: as below; AVX-512F/BW were detected at run time.
+                unsafe {
+                    let out = std::slice::from_raw_parts_mut(p.0, n * rows);
+                    avx512::quant_tile(x, n, q, r0, nr, out, rows, scratch);
+                }
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if let (Isa::Avx2, MatrixData::Quant(q)) = (isa, &w.data) {
+                let p = ptr;
+                // SAFETY: as below; AVX2 and FMA were detected at run time.
+                unsafe {
+                    let out = std::slice::from_raw_parts_mut(p.0, n * rows);
+                    super::matmul_avx2::quant_tile(x, n, q, r0, nr, out, rows, scratch, ROW_TILE);
+                }
+                return;
+            }
+            let wrows: &[f32] = match &w.data {
+                MatrixData::F32(v) => &v[r0 * k..(r0 + nr) * k],
+                MatrixData::Quant(_) => {
+                    scratch.resize(ROW_TILE * k, 0.0);
+                    dequantize_rows(isa, w, r0, nr, scratch);
+                    &scratch[..nr * k]
+                }
+            };
             let p = ptr;
-            // SAFETY: as below; AVX-512F/BW were detected at run time.
-            unsafe {
-                let out = std::slice::from_raw_parts_mut(p.0, n * rows);
-                avx512::quant_tile(x, n, q, r0, nr, out, rows, scratch);
-            }
-            return;
-        }
-        let wrows: &[f32] = match &w.data {
-            MatrixData::F32(v) => &v[r0 * k..(r0 + nr) * k],
-            MatrixData::Quant(_) => {
-                scratch.resize(ROW_TILE * k, 0.0);
-                dequantize_rows(isa, w, r0, nr, scratch);
-                &scratch[..nr * k]
-            }
-        };
-        let p = ptr;
-        // SAFETY: rows r0..r0+nr of every token belong to this task alone; `out` outlives the
-        // parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(p.0, n * rows) };
-        tile_kernel(isa, x, n, k, wrows, nr, out, rows, r0);
-    });
+            // SAFETY: rows r0..r0+nr of every token belong to this task alone; `out` outlives the
+            // parallel loop.
+            let out = unsafe { std::slice::from_raw_parts_mut(p.0, n * rows) };
+            tile_kernel(isa, x, n, k, wrows, nr, out, rows, r0);
+        });
 }
 
 fn dequantize_rows(isa: Isa, w: &Matrix, r0: usize, nr: usize, scratch: &mut [f32]) {
@@ -94,7 +109,17 @@ fn dequantize_rows(isa: Isa, w: &Matrix, r0: usize, nr: usize, scratch: &mut [f3
 
 /// All tokens × one tile of `nr` weight rows (`w` holds those rows, `nr × k`).
 #[allow(clippy::too_many_arguments)]
-fn tile_kernel(isa: Isa, x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
+fn tile_kernel(
+    isa: Isa,
+    x: &[f32],
+    n: usize,
+    k: usize,
+    w: &[f32],
+    nr: usize,
+    out: &mut [f32],
+    ld_out: usize,
+    r0: usize,
+) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         // SAFETY: AVX-512F was detected at run time; slices are sized as asserted in `matmul`.
@@ -103,13 +128,8 @@ fn tile_kernel(isa: Isa, x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, ou
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
-            portable::tile::<true>(x, n, k, w, nr, out, ld_out, r0)
-        }
-        // SAFETY: AVX2 and FMA were detected at run time.
-        unsafe { avx2(x, n, k, w, nr, out, ld_out, r0) };
+        // SAFETY: AVX2 and FMA were detected at run time; slices are sized as asserted in `matmul`.
+        unsafe { super::matmul_avx2::tile(x, n, k, w, nr, out, ld_out, r0) };
         return;
     }
     let _ = isa;
@@ -122,7 +142,11 @@ mod portable {
 
     #[inline(always)]
     fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-        if FMA { a.mul_add(b, c) } else { c + a * b }
+        if FMA {
+            a.mul_add(b, c)
+        } else {
+            c + a * b
+        }
     }
 
     /// Fixed pairwise horizontal sum of 16 lanes.
@@ -250,12 +274,19 @@ mod avx512 {
     /// formulas of `quant` (separate multiply and add, no FMA).
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn deq<const KIND: u8>(d: *const f32, m: *const f32, qs: *const u8, b: usize) -> [__m512; 2] {
+    unsafe fn deq<const KIND: u8>(
+        d: *const f32,
+        m: *const f32,
+        qs: *const u8,
+        b: usize,
+    ) -> [__m512; 2] {
         let dv = _mm512_set1_ps(*d.add(b));
         if KIND == Q8_0 {
             let p = qs.add(b * 32);
             let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)));
-            let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16) as *const __m128i)));
+            let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                p.add(16) as *const __m128i
+            )));
             return [_mm512_mul_ps(dv, lo), _mm512_mul_ps(dv, hi)];
         }
         let raw = _mm_loadu_si128(qs.add(b * 16) as *const __m128i);
@@ -315,7 +346,15 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,avx512bw")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn fused<const KIND: u8>(x: &[f32], n: usize, q: &QuantMatrix, r0: usize, nr: usize, out: &mut [f32], ld_out: usize) {
+    unsafe fn fused<const KIND: u8>(
+        x: &[f32],
+        n: usize,
+        q: &QuantMatrix,
+        r0: usize,
+        nr: usize,
+        out: &mut [f32],
+        ld_out: usize,
+    ) {
         let k = q.cols;
         let bpr = q.blocks_per_row();
         let (d, m, qs) = q.raw();
@@ -359,7 +398,12 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn dequantize_rows<const KIND: u8>(q: &QuantMatrix, r0: usize, nr: usize, scratch: &mut [f32]) {
+    unsafe fn dequantize_rows<const KIND: u8>(
+        q: &QuantMatrix,
+        r0: usize,
+        nr: usize,
+        scratch: &mut [f32],
+    ) {
         let bpr = q.blocks_per_row();
         let (d, m, qs) = q.raw();
         let (d, m, qs) = (d.as_ptr(), m.as_ptr(), qs.as_ptr());
@@ -378,7 +422,16 @@ mod avx512 {
     /// the blocks; more: dequantize the rows once into `scratch` and reuse them for every token.
     #[target_feature(enable = "avx512f,avx512bw")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn quant_tile(x: &[f32], n: usize, q: &QuantMatrix, r0: usize, nr: usize, out: &mut [f32], ld_out: usize, scratch: &mut Vec<f32>) {
+    pub unsafe fn quant_tile(
+        x: &[f32],
+        n: usize,
+        q: &QuantMatrix,
+        r0: usize,
+        nr: usize,
+        out: &mut [f32],
+        ld_out: usize,
+        scratch: &mut Vec<f32>,
+    ) {
         let kind = match q.kind {
             QuantKind::Q8_0 => Q8_0,
             QuantKind::Q4_0 => Q4_0,
@@ -403,7 +456,13 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn micro<const T: usize, const R: usize>(x: *const f32, w: *const f32, k: usize, out: *mut f32, ld_out: usize) {
+    unsafe fn micro<const T: usize, const R: usize>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+        out: *mut f32,
+        ld_out: usize,
+    ) {
         let mut acc = [[_mm512_setzero_ps(); R]; T];
         let mut kb = 0;
         while kb + 16 <= k {
@@ -443,8 +502,19 @@ mod avx512 {
     /// Same contract as `portable::tile`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn tile(x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
-        debug_assert!(x.len() >= n * k && w.len() >= nr * k && out.len() >= (n - 1) * ld_out + r0 + nr);
+    pub unsafe fn tile(
+        x: &[f32],
+        n: usize,
+        k: usize,
+        w: &[f32],
+        nr: usize,
+        out: &mut [f32],
+        ld_out: usize,
+        r0: usize,
+    ) {
+        debug_assert!(
+            x.len() >= n * k && w.len() >= nr * k && out.len() >= (n - 1) * ld_out + r0 + nr
+        );
         let mut t0 = 0;
         while t0 < n {
             let nt = MT.min(n - t0);
@@ -522,19 +592,76 @@ mod tests {
         let mut out = vec![0f64; n * rows];
         for t in 0..n {
             for r in 0..rows {
-                out[t * rows + r] = (0..k).map(|i| x[t * k + i] as f64 * w[r * k + i] as f64).sum();
+                out[t * rows + r] = (0..k)
+                    .map(|i| x[t * k + i] as f64 * w[r * k + i] as f64)
+                    .sum();
             }
         }
         out
     }
 
     #[test]
+    fn quantized_matrices_match_their_dequantized_values_on_every_isa() {
+        use crate::model::quant::QuantMatrix;
+        use crate::model::GgmlType;
+        let (rows, k) = (21, 96);
+        for (ty, block) in [
+            (GgmlType::Q4_0, 18),
+            (GgmlType::Q4_1, 20),
+            (GgmlType::Q8_0, 34),
+        ] {
+            let n_blocks = rows * k / 32;
+            let mut bytes = Vec::with_capacity(n_blocks * block);
+            for b in 0..n_blocks {
+                bytes.extend_from_slice(&half::f16::from_f32(0.01 + b as f32 * 1e-3).to_le_bytes());
+                if ty == GgmlType::Q4_1 {
+                    bytes.extend_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
+                }
+                let payload = block - if ty == GgmlType::Q4_1 { 4 } else { 2 };
+                bytes.extend((0..payload).map(|i| ((b * 31 + i * 17) % 256) as u8));
+            }
+            let q = QuantMatrix::from_ggml(ty, &bytes, rows, k).unwrap();
+            let wm = Matrix::from_quant(q);
+            let dense = wm.to_f32();
+            assert_eq!(
+                dense,
+                crate::model::quant::dequantize(ty, &bytes, rows * k).unwrap()
+            );
+            let dm = Matrix::from_f32(rows, k, dense.clone());
+            for n in [1usize, 3, 9] {
+                let x: Vec<f32> = (0..n * k)
+                    .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                    .collect();
+                let want = reference(&x, n, &dense, rows, k);
+                for isa in Isa::available() {
+                    let mut out = vec![0f32; n * rows];
+                    matmul(isa, &x, n, &wm, &mut out);
+                    for (a, b) in out.iter().zip(&want) {
+                        assert!(
+                            (*a as f64 - b).abs() < 1e-4,
+                            "{ty} {isa:?} n={n}: {a} vs {b}"
+                        );
+                    }
+                    // Same kernel over the dense copy: quantized weights change nothing but speed.
+                    let mut dense_out = vec![0f32; n * rows];
+                    matmul(isa, &x, n, &dm, &mut dense_out);
+                    assert_eq!(out, dense_out, "{ty} {isa:?} n={n}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn matches_f64_reference_and_is_batch_invariant() {
         let (rows, k) = (37, 83); // awkward sizes: partial tiles and a k tail
-        let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
+        let w: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+            .collect();
         let wm = Matrix::from_f32(rows, k, w.clone());
         let n = 11;
-        let x: Vec<f32> = (0..n * k).map(|i| ((i * 104729 % 997) as f32 / 498.0) - 1.0).collect();
+        let x: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104729 % 997) as f32 / 498.0) - 1.0)
+            .collect();
         for isa in Isa::available() {
             let mut out = vec![0f32; n * rows];
             matmul(isa, &x, n, &wm, &mut out);

@@ -5,6 +5,8 @@ pub mod attention;
 pub mod bench;
 pub mod kv_cache;
 pub mod matmul;
+#[cfg(target_arch = "x86_64")]
+mod matmul_avx2;
 pub mod ops;
 pub mod simd;
 
@@ -58,15 +60,20 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 fn fuse(parts: &[&Matrix], what: &str) -> Result<Matrix> {
-    Matrix::concat_rows(parts).ok_or_else(|| EngineError::Backend(format!("cannot fuse {what}: widths differ")))
+    Matrix::concat_rows(parts)
+        .ok_or_else(|| EngineError::Backend(format!("cannot fuse {what}: widths differ")))
 }
 
 impl CpuBackend {
     /// `threads == 0` uses every available core.
     pub fn new(weights: ModelWeights, kv: KvCacheShape, threads: usize) -> Result<CpuBackend> {
-        weights.validate().map_err(|m| EngineError::Backend(format!("weights do not match the config: {m}")))?;
+        weights
+            .validate()
+            .map_err(|m| EngineError::Backend(format!("weights do not match the config: {m}")))?;
         let threads = if threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         } else {
             threads
         };
@@ -74,7 +81,9 @@ impl CpuBackend {
             .num_threads(threads)
             .thread_name(|i| format!("peregrine-cpu-{i}"))
             .build()
-            .map_err(|e| EngineError::Backend(format!("cannot start {threads} CPU threads: {e}")))?;
+            .map_err(|e| {
+                EngineError::Backend(format!("cannot start {threads} CPU threads: {e}"))
+            })?;
         let pool = std::sync::Arc::new(pool);
         let config = weights.config.clone();
         let mut layers = Vec::with_capacity(weights.layers.len());
@@ -97,7 +106,12 @@ impl CpuBackend {
                 down: l.down_proj,
             });
         }
-        let kv = KvCache::new(kv, config.num_hidden_layers, config.num_key_value_heads, config.head_dim)?;
+        let kv = KvCache::new(
+            kv,
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+        )?;
         Ok(CpuBackend {
             rope: Rope::new(&config),
             config,
@@ -126,21 +140,47 @@ impl CpuBackend {
         self.isa
     }
 
+    /// Switches kernels (to test or time the fallbacks); errors if this CPU cannot run `isa`.
+    pub fn set_isa(&mut self, isa: Isa) -> Result<()> {
+        if !Isa::available().contains(&isa) {
+            return Err(EngineError::Backend(format!(
+                "this CPU cannot run {} kernels",
+                isa.name()
+            )));
+        }
+        self.isa = isa;
+        Ok(())
+    }
+
     /// Rejects a batch that would index outside the cache or the vocabulary.
     fn check_batch(&self, batch: &StepBatch) -> Result<()> {
         let bad = |m: String| Err(EngineError::Backend(format!("invalid step batch: {m}")));
         let n = batch.tokens.len();
         if batch.positions.len() != n {
-            return bad(format!("{} tokens but {} positions", n, batch.positions.len()));
+            return bad(format!(
+                "{} tokens but {} positions",
+                n,
+                batch.positions.len()
+            ));
         }
-        if let Some(&t) = batch.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            return bad(format!("token id {t} is outside the vocabulary ({})", self.config.vocab_size));
+        if let Some(&t) = batch
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return bad(format!(
+                "token id {t} is outside the vocabulary ({})",
+                self.config.vocab_size
+            ));
         }
         let bs = self.kv.shape.block_size;
         let mut next = 0;
         for (i, s) in batch.seqs.iter().enumerate() {
             if s.start != next || s.len == 0 {
-                return bad(format!("sequence {i} starts at {} with {} tokens; expected start {next}", s.start, s.len));
+                return bad(format!(
+                    "sequence {i} starts at {} with {} tokens; expected start {next}",
+                    s.start, s.len
+                ));
             }
             next = s.start + s.len;
             if next > n {
@@ -148,15 +188,28 @@ impl CpuBackend {
             }
             for j in 0..s.len {
                 if batch.positions[s.start + j] as usize != s.context_len + j {
-                    return bad(format!("sequence {i}: token {j} has position {}, expected {}", batch.positions[s.start + j], s.context_len + j));
+                    return bad(format!(
+                        "sequence {i}: token {j} has position {}, expected {}",
+                        batch.positions[s.start + j],
+                        s.context_len + j
+                    ));
                 }
             }
             let needed = (s.context_len + s.len).div_ceil(bs);
             if s.block_table.len() < needed {
-                return bad(format!("sequence {i} needs {needed} blocks, block table has {}", s.block_table.len()));
+                return bad(format!(
+                    "sequence {i} needs {needed} blocks, block table has {}",
+                    s.block_table.len()
+                ));
             }
-            if let Some(&b) = s.block_table[..needed].iter().find(|&&b| b as usize >= self.kv.shape.num_blocks) {
-                return bad(format!("sequence {i}: block {b} is outside the pool of {}", self.kv.shape.num_blocks));
+            if let Some(&b) = s.block_table[..needed]
+                .iter()
+                .find(|&&b| b as usize >= self.kv.shape.num_blocks)
+            {
+                return bad(format!(
+                    "sequence {i}: block {b} is outside the pool of {}",
+                    self.kv.shape.num_blocks
+                ));
             }
         }
         if next != n {
@@ -171,7 +224,8 @@ impl CpuBackend {
     fn forward_inner(&mut self, batch: &StepBatch) -> Logits {
         let c = &self.config;
         let n = batch.tokens.len();
-        let (hidden, q_dim, kv_dim, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (hidden, q_dim, kv_dim, inter) =
+            (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let qkv_dim = q_dim + 2 * kv_dim;
         let isa = self.isa;
         let eps = c.rms_norm_eps;
@@ -181,7 +235,10 @@ impl CpuBackend {
         let mut ctx: Vec<TokenCtx<'_>> = Vec::with_capacity(n);
         for s in &batch.seqs {
             for j in 0..s.len {
-                ctx.push(TokenCtx { pos: s.context_len + j, block_table: &s.block_table });
+                ctx.push(TokenCtx {
+                    pos: s.context_len + j,
+                    block_table: &s.block_table,
+                });
             }
         }
 
@@ -248,8 +305,12 @@ impl CpuBackend {
         }
 
         // LM head only for the rows that want logits.
-        let rows: Vec<usize> =
-            batch.seqs.iter().filter(|s| s.wants_logits).map(|s| s.start + s.len - 1).collect();
+        let rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .filter(|s| s.wants_logits)
+            .map(|s| s.start + s.len - 1)
+            .collect();
         let mut last = vec![0f32; rows.len() * hidden];
         for (dst, &r) in last.chunks_exact_mut(hidden).zip(&rows) {
             dst.copy_from_slice(&h[r * hidden..(r + 1) * hidden]);
@@ -259,7 +320,10 @@ impl CpuBackend {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut data = vec![0f32; rows.len() * c.vocab_size];
         matmul(isa, &normed, rows.len(), head, &mut data);
-        Logits { vocab: c.vocab_size, data }
+        Logits {
+            vocab: c.vocab_size,
+            data,
+        }
     }
 }
 
@@ -278,7 +342,10 @@ impl Backend for CpuBackend {
             lora.begin_step(batch)?;
         }
         if batch.tokens.is_empty() {
-            return Ok(Logits { vocab: self.config.vocab_size, data: Vec::new() });
+            return Ok(Logits {
+                vocab: self.config.vocab_size,
+                data: Vec::new(),
+            });
         }
         // A clone of the handle, so that `forward_inner` can borrow `self` mutably inside the pool.
         let pool = std::sync::Arc::clone(&self.pool);

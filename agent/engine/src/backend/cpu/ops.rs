@@ -48,12 +48,16 @@ impl Rope {
         let dim = config.head_dim;
         let base = config.rope_theta;
         // As transformers: inv_freq = 1 / base^(2i/dim), in float32.
-        let mut inv_freq: Vec<f32> =
-            (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
+        let mut inv_freq: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
         if let Some(s) = &config.rope_scaling {
             llama3_scale(&mut inv_freq, s);
         }
-        Rope { head_dim: dim, inv_freq }
+        Rope {
+            head_dim: dim,
+            inv_freq,
+        }
     }
 
     /// Rotates every head of one token's `x` (`n_heads * head_dim`) in place for position `pos`.
@@ -81,16 +85,22 @@ impl Rope {
 
 /// transformers' `_compute_llama3_parameters`: long wavelengths slowed by `factor`, short ones kept,
 /// a smooth blend between.
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // mirrors transformers' `~(a < b) * ~(a > c)`
 fn llama3_scale(inv_freq: &mut [f32], s: &Llama3RopeScaling) {
     let old = s.original_max_position_embeddings as f32;
     let low_freq_wavelen = old / s.low_freq_factor;
     let high_freq_wavelen = old / s.high_freq_factor;
     for f in inv_freq.iter_mut() {
         let wavelen = 2.0 * std::f32::consts::PI / *f;
-        let scaled = if wavelen > low_freq_wavelen { *f / s.factor } else { *f };
+        let scaled = if wavelen > low_freq_wavelen {
+            *f / s.factor
+        } else {
+            *f
+        };
         let is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
         *f = if is_medium {
-            let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+            let smooth =
+                (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
             (1.0 - smooth) * scaled / s.factor + smooth * scaled
         } else {
             scaled
@@ -126,7 +136,12 @@ mod tests {
 
     #[test]
     fn llama3_scaling_matches_transformers_formula() {
-        let s = Llama3RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+        let s = Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
         let plain = Rope::new(&config(None));
         let scaled = Rope::new(&config(Some(s)));
         // High frequencies (short wavelengths < 2048) are untouched.

@@ -1,0 +1,169 @@
+//! Pieces shared by completions and chat requests.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ValidationError;
+
+/// A completion prompt: text or token ids, one or a batch (OpenAI accepts all four shapes).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum StopSequences {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopSequences {
+    pub fn to_vec(&self) -> Vec<String> {
+        match self {
+            StopSequences::One(s) => vec![s.clone()],
+            StopSequences::Many(v) => v.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+    /// Accepted for compatibility with newer clients; usage is reported per the include_usage flag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continuous_usage_stats: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
+        }
+    }
+}
+
+/// The most stop strings one request may carry (OpenAI allows 4; vLLM more; this bounds the work
+/// the stop matcher does per token).
+pub const MAX_STOP_SEQUENCES: usize = 16;
+/// The most alternatives `logprobs`/`top_logprobs` may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// Sampling fields common to both endpoints, checked in one place.
+pub(crate) struct SamplingFields<'a> {
+    pub max_tokens: Option<i64>,
+    pub max_tokens_param: &'a str,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub n: Option<u32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub stop: Option<&'a StopSequences>,
+    pub logit_bias: Option<&'a serde_json::Map<String, serde_json::Value>>,
+}
+
+impl SamplingFields<'_> {
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if let Some(m) = self.max_tokens {
+            if m < 1 {
+                return Err(ValidationError::new(
+                    self.max_tokens_param,
+                    format!("{} must be at least 1, got {m}", self.max_tokens_param),
+                ));
+            }
+        }
+        check_range("temperature", self.temperature, 0.0, 2.0)?;
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ValidationError::new("top_p", format!("top_p must be in (0, 1], got {p}")));
+            }
+        }
+        if let Some(k) = self.top_k {
+            if k < -1 {
+                return Err(ValidationError::new("top_k", format!("top_k must be -1 (disable) or at least 0, got {k}")));
+            }
+        }
+        check_range("min_p", self.min_p, 0.0, 1.0)?;
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
+        if let Some(r) = self.repetition_penalty {
+            if !(r > 0.0 && r.is_finite()) {
+                return Err(ValidationError::new("repetition_penalty", format!("repetition_penalty must be > 0, got {r}")));
+            }
+        }
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ValidationError::new("n", format!("only n=1 is supported, got {n}")));
+            }
+        }
+        if let Some(stop) = self.stop {
+            let stops = stop.to_vec();
+            if stops.len() > MAX_STOP_SEQUENCES {
+                return Err(ValidationError::new("stop", format!("at most {MAX_STOP_SEQUENCES} stop sequences are allowed")));
+            }
+            if stops.iter().any(|s| s.is_empty()) {
+                return Err(ValidationError::new("stop", "stop sequences must not be empty"));
+            }
+        }
+        if self.logit_bias.is_some_and(|b| !b.is_empty()) {
+            return Err(ValidationError::new("logit_bias", "logit_bias is not supported"));
+        }
+        Ok(())
+    }
+}
+
+fn check_range(param: &str, value: Option<f32>, lo: f32, hi: f32) -> Result<(), ValidationError> {
+    match value {
+        // NaN fails both comparisons, so it is rejected too.
+        Some(v) if !(v >= lo && v <= hi) => {
+            Err(ValidationError::new(param, format!("{param} must be in [{lo}, {hi}], got {v}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Serializes `(token, logprob)` pairs as a JSON object in the given order, the way OpenAI's
+/// legacy completions `top_logprobs` entries look.
+pub mod ordered_map {
+    use serde::ser::SerializeMap;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(pairs: &[(String, f32)], s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(pairs.len()))?;
+        for (k, v) in pairs {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(String, f32)>, D::Error> {
+        let map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        Ok(map.into_iter().map(|(k, v)| (k, v.as_f64().unwrap_or(f64::NEG_INFINITY) as f32)).collect())
+    }
+}

@@ -1,0 +1,86 @@
+//! Requests as OpenAI's docs and SDKs write them parse; responses serialize to OpenAI's field names.
+
+use peregrine_api::chat::{MessageContent, Role};
+use peregrine_api::{ChatCompletionRequest, CompletionRequest, Prompt, StopSequences, Usage, Validate};
+use serde_json::json;
+
+#[test]
+fn openai_docs_chat_request() {
+    // From OpenAI's API reference (chat create), plus the vLLM extras clients send.
+    let r: ChatCompletionRequest = serde_json::from_value(json!({
+        "model": "gpt-4o",
+        "messages": [
+            {"role": "developer", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello!"}, {"type": "text", "text": "Hi?"}], "name": "bob"}
+        ],
+        "max_completion_tokens": 20, "max_tokens": 99, "stream": true, "stream_options": {"include_usage": true},
+        "logprobs": true, "top_logprobs": 2, "stop": "\n", "seed": 7, "user": "u-1",
+        "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": false
+    }))
+    .unwrap();
+    r.validate().unwrap();
+    assert_eq!(r.max_tokens(), Some(20), "max_completion_tokens wins");
+    assert_eq!(r.messages[0].role, Role::Developer);
+    assert_eq!(r.messages[1].content.as_ref().map(MessageContent::text).as_deref(), Some("Hello!\nHi?"));
+    assert_eq!(r.stop, Some(StopSequences::One("\n".into())));
+}
+
+#[test]
+fn completion_prompt_shapes() {
+    for (prompt, want) in [
+        (json!("hi"), Prompt::Text("hi".into())),
+        (json!(["hi"]), Prompt::Texts(vec!["hi".into()])),
+        (json!([1, 2]), Prompt::Tokens(vec![1, 2])),
+        (json!([[1, 2]]), Prompt::TokenBatches(vec![vec![1, 2]])),
+    ] {
+        let r: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": prompt})).unwrap();
+        assert_eq!(r.prompt, want);
+        r.validate().unwrap();
+    }
+    let batch: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).unwrap();
+    assert_eq!(batch.validate().unwrap_err().param.as_deref(), Some("prompt"));
+}
+
+#[test]
+fn validation_names_the_field() {
+    let cases = [
+        (json!({"temperature": 2.5}), "temperature"),
+        (json!({"top_p": 0.0}), "top_p"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"presence_penalty": -3}), "presence_penalty"),
+        (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
+        (json!({"logprobs": 21}), "logprobs"),
+        (json!({"n": 2}), "n"),
+        (json!({"best_of": 3}), "best_of"),
+        (json!({"stop": ["a", ""]}), "stop"),
+        (json!({"top_k": -2}), "top_k"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
+        (json!({"stream_options": {"include_usage": true}}), "stream_options"),
+        (json!({"echo": true}), "echo"),
+    ];
+    for (extra, param) in cases {
+        let mut body = json!({"model": "m", "prompt": "p"});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r: CompletionRequest = serde_json::from_value(body.clone()).unwrap();
+        assert_eq!(r.validate().unwrap_err().param.as_deref(), Some(param), "{body}");
+    }
+}
+
+#[test]
+fn unknown_fields_are_rejected() {
+    let e = serde_json::from_value::<CompletionRequest>(json!({"model": "m", "prompt": "p", "functions": []})).unwrap_err();
+    assert!(e.to_string().contains("unknown field `functions`"), "{e}");
+    let e = serde_json::from_value::<ChatCompletionRequest>(json!({"model": "m", "messages": [{"role": "user", "content": "x", "mood": 1}]}))
+        .unwrap_err();
+    assert!(e.to_string().contains("unknown field `mood`"), "{e}");
+}
+
+#[test]
+fn usage_serializes_like_openai() {
+    let u = Usage::new(5, 7, 2);
+    assert_eq!(
+        serde_json::to_value(u).unwrap(),
+        json!({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 2}})
+    );
+}

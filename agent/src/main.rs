@@ -1,0 +1,23 @@
+//! `peregrine-agent`: a thin dispatcher; each subcommand lives in its own module of the library.
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "peregrine-agent", version, about = "LLM inference server with an OpenAI-compatible API")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(peregrine_agent::serve::ServeArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => peregrine_agent::serve::run(args),
+    }
+}

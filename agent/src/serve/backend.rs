@@ -1,0 +1,103 @@
+//! What the HTTP layer needs from an inference engine, in the style of TGI's router `Backend`:
+//! prepare a prompt (tokenize, off the engine thread), then stream a generation. The real engine
+//! sits behind [`super::engine_backend::EngineBackend`]; tests use small fakes.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::Stream;
+use peregrine_engine::request::{FinishReason, SamplingParams, Usage};
+
+use super::error::ApiError;
+
+/// A prompt as the client sent it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    /// Chat turns, rendered with the model's chat template (generation prompt added).
+    Chat(Vec<ChatTurn>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatTurn {
+    pub role: String,
+    pub content: String,
+}
+
+/// A tokenized prompt, ready for the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreparedPrompt {
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateInput {
+    pub request_id: u64,
+    pub prompt: PreparedPrompt,
+    /// `max_tokens` already resolved against the context length.
+    pub params: SamplingParams,
+    /// Stop strings: the backend cuts the text before the first match and ends the request.
+    pub stop: Vec<String>,
+    pub skip_special_tokens: bool,
+    /// LoRA adapter name (None: the base model).
+    pub adapter: Option<String>,
+}
+
+/// One generated token, detokenized.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenOutput {
+    pub token_id: u32,
+    /// Text that became final with this token (may be empty while a character or a possible stop
+    /// string is incomplete).
+    pub text: String,
+    /// The token's own text, for logprobs.
+    pub token_text: String,
+    pub logprob: Option<f32>,
+    /// `(token text, logprob)`, most likely first.
+    pub top_logprobs: Vec<(String, f32)>,
+}
+
+#[derive(Debug, Clone)]
+pub enum GenerateEvent {
+    /// Left the engine's waiting queue.
+    Scheduled { queue_time: Duration },
+    Token(TokenOutput),
+    /// Text released at the end (held back by the detokenizer or stop matcher), then the end.
+    Finished { trailing_text: String, reason: FinishReason, usage: Usage },
+    Error(ApiError),
+}
+
+pub type EventStream = Pin<Box<dyn Stream<Item = GenerateEvent> + Send>>;
+
+/// A snapshot of engine-wide state for metrics and `/ready`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BackendStats {
+    pub kv_cache_usage_ratio: f64,
+    pub num_preemptions: u64,
+    pub prefix_cache_hit_tokens: u64,
+    pub engine_running: usize,
+    pub engine_waiting: usize,
+}
+
+pub trait InferenceBackend: Send + Sync + 'static {
+    /// The base model's id as clients name it.
+    fn model_name(&self) -> &str;
+    fn max_model_len(&self) -> usize;
+    /// "cpu", "cuda:0".
+    fn backend_name(&self) -> String;
+    fn stats(&self) -> BackendStats;
+    /// Whether `name` is a loaded adapter (the LoRA registry answers this once it exists).
+    fn has_adapter(&self, _name: &str) -> bool {
+        false
+    }
+    /// Names of the loaded adapters, for `/v1/models`.
+    fn adapters(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Tokenizes (and for chat, renders) a prompt on a worker pool, never on the engine thread.
+    fn prepare(&self, prompt: PromptInput) -> impl Future<Output = Result<PreparedPrompt, ApiError>> + Send;
+    /// Submits a request; dropping the returned stream aborts it and frees its KV blocks.
+    fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError>;
+}

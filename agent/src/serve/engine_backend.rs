@@ -1,0 +1,202 @@
+//! The real engine behind [`InferenceBackend`]: tokenizing and chat rendering on tokio's blocking
+//! pool, incremental detokenizing and stop strings in the request's own task, never on the engine
+//! thread. Dropping a request's stream drops its `RequestStream`, which aborts it in the engine.
+
+use std::collections::VecDeque;
+use std::path::Path;
+
+use peregrine_engine::engine::{EngineHandle, RequestStream};
+use peregrine_engine::request::{FinishReason, GenerationRequest, RequestEvent, SampledToken, Usage};
+use peregrine_engine::tokenizer::{ChatMessage, IncrementalDecoder, StopMatcher, Tokenizer};
+use peregrine_engine::EngineError;
+
+use super::backend::{
+    BackendStats, EventStream, GenerateEvent, GenerateInput, InferenceBackend, PreparedPrompt, PromptInput, TokenOutput,
+};
+use super::error::ApiError;
+
+pub struct EngineBackend {
+    model_name: String,
+    backend_name: String,
+    max_model_len: usize,
+    engine: EngineHandle,
+    tokenizer: Tokenizer,
+}
+
+impl EngineBackend {
+    pub fn new(model_name: String, backend_name: String, max_model_len: usize, engine: EngineHandle, tokenizer: Tokenizer) -> Self {
+        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer }
+    }
+
+    pub fn engine(&self) -> &EngineHandle {
+        &self.engine
+    }
+}
+
+/// The model id clients use by default: the file or folder name without extension.
+pub fn default_model_name(path: &Path) -> String {
+    let stem = if path.is_dir() { path.file_name() } else { path.file_stem() };
+    stem.map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".to_string())
+}
+
+fn engine_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::InvalidRequest(m) => ApiError::invalid(None, m),
+        EngineError::ChatTemplate(m) => ApiError::invalid(Some("messages".to_string()), format!("chat template: {m}")),
+        EngineError::Tokenizer(m) => ApiError::invalid(Some("prompt".to_string()), format!("tokenizer: {m}")),
+        EngineError::EngineStopped => ApiError::EngineStopped,
+        other => ApiError::Internal(other.to_string()),
+    }
+}
+
+impl InferenceBackend for EngineBackend {
+    fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    fn backend_name(&self) -> String {
+        self.backend_name.clone()
+    }
+
+    fn stats(&self) -> BackendStats {
+        let m = self.engine.metrics();
+        BackendStats {
+            kv_cache_usage_ratio: m.kv_usage_ratio,
+            num_preemptions: m.preemptions_total,
+            prefix_cache_hit_tokens: m.prefix_cache_hit_tokens_total,
+            engine_running: m.num_running,
+            engine_waiting: m.num_waiting,
+        }
+    }
+
+    async fn prepare(&self, prompt: PromptInput) -> Result<PreparedPrompt, ApiError> {
+        let tokenizer = self.tokenizer.clone();
+        // Long prompts take milliseconds to tokenize: keep that off the async workers and, above
+        // all, off the engine thread.
+        let tokens = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
+            match prompt {
+                PromptInput::Text(text) => tokenizer.encode(&text).map_err(engine_error),
+                PromptInput::Tokens(ids) => {
+                    let vocab = tokenizer.vocab_size();
+                    match ids.iter().find(|&&id| id as usize >= vocab) {
+                        Some(bad) => Err(ApiError::invalid(
+                            Some("prompt".to_string()),
+                            format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                        )),
+                        None => Ok(ids),
+                    }
+                }
+                PromptInput::Chat(turns) => {
+                    let template = tokenizer.chat_template().ok_or_else(|| {
+                        ApiError::invalid(Some("messages".to_string()), "this model has no chat template; use /v1/completions")
+                    })?;
+                    let messages: Vec<ChatMessage> = turns.into_iter().map(|t| ChatMessage::new(t.role, t.content)).collect();
+                    let text = template.render(&messages, true).map_err(engine_error)?;
+                    tokenizer.encode(&text).map_err(engine_error)
+                }
+            }
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))??;
+        Ok(PreparedPrompt { tokens })
+    }
+
+    fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
+        let prompt_tokens = input.prompt.tokens.len();
+        let stream = self
+            .engine
+            .submit(GenerationRequest {
+                id: input.request_id,
+                prompt_tokens: input.prompt.tokens,
+                params: input.params,
+                adapter: input.adapter,
+            })
+            .map_err(engine_error)?;
+        let state = Detok {
+            stream: Some(stream),
+            decoder: IncrementalDecoder::new(self.tokenizer.clone(), input.skip_special_tokens),
+            tokenizer: self.tokenizer.clone(),
+            stop: StopMatcher::new(input.stop),
+            pending: VecDeque::new(),
+            prompt_tokens,
+            completion_tokens: 0,
+        };
+        Ok(Box::pin(futures::stream::unfold(state, |mut s| async move {
+            let event = s.next().await?;
+            Some((event, s))
+        })))
+    }
+}
+
+/// Turns engine events into text events for one request.
+struct Detok {
+    /// None once finished (dropping it aborts the request in the engine).
+    stream: Option<RequestStream>,
+    decoder: IncrementalDecoder,
+    tokenizer: Tokenizer,
+    stop: StopMatcher,
+    pending: VecDeque<GenerateEvent>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+impl Detok {
+    async fn next(&mut self) -> Option<GenerateEvent> {
+        if let Some(e) = self.pending.pop_front() {
+            return Some(e);
+        }
+        let event = self.stream.as_mut()?.next().await;
+        let Some(event) = event else {
+            self.stream = None;
+            return Some(GenerateEvent::Error(ApiError::EngineStopped));
+        };
+        match event {
+            RequestEvent::Scheduled { queue_time } => Some(GenerateEvent::Scheduled { queue_time }),
+            RequestEvent::Token(t) => Some(self.on_token(t)),
+            RequestEvent::Finished { reason, usage } => {
+                self.stream = None;
+                let tail = self.decoder.finish();
+                let out = self.stop.push(&tail);
+                let (trailing_text, reason) =
+                    if out.stopped { (out.text, FinishReason::Stop) } else { (out.text + &self.stop.finish(), reason) };
+                Some(GenerateEvent::Finished { trailing_text, reason, usage })
+            }
+            RequestEvent::Error(message) => {
+                self.stream = None;
+                Some(GenerateEvent::Error(ApiError::Internal(message)))
+            }
+        }
+    }
+
+    fn on_token(&mut self, t: SampledToken) -> GenerateEvent {
+        self.completion_tokens += 1;
+        let text = match self.decoder.push(t.token_id) {
+            Ok(text) => text,
+            Err(e) => {
+                self.stream = None;
+                return GenerateEvent::Error(engine_error(e));
+            }
+        };
+        let out = self.stop.push(&text);
+        let token_text = |id: u32| self.tokenizer.token_str(id).unwrap_or_default();
+        let token = TokenOutput {
+            token_id: t.token_id,
+            text: out.text,
+            token_text: token_text(t.token_id),
+            logprob: t.logprob,
+            top_logprobs: t.top_logprobs.iter().map(|a| (token_text(a.token_id), a.logprob)).collect(),
+        };
+        if out.stopped {
+            // A stop string: end here and drop the engine stream, which aborts the request.
+            self.stream = None;
+            let usage = Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.completion_tokens, cached_prompt_tokens: 0 };
+            self.pending.push_back(GenerateEvent::Finished { trailing_text: String::new(), reason: FinishReason::Stop, usage });
+        }
+        GenerateEvent::Token(token)
+    }
+}
+

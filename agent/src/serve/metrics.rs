@@ -1,0 +1,179 @@
+//! Prometheus metrics (text exposition), all labelled by `model` (base model or adapter name):
+//! what the operator's autoscaler and dashboards read.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use super::backend::BackendStats;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    pub model: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FinishLabels {
+    pub model: String,
+    pub finished_reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub code: String,
+}
+
+type HistogramFamily = Family<ModelLabel, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // vLLM's TTFT/e2e buckets: 1 ms to several minutes.
+    Histogram::new([
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+        160.0, 640.0,
+    ])
+}
+
+fn per_token_histogram() -> Histogram {
+    // vLLM's TPOT buckets: 10 ms to 80 s per token (CPU decode sits at the low end).
+    Histogram::new([
+        0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+        7.5, 10.0, 20.0, 40.0, 80.0,
+    ])
+}
+
+/// Everything `/metrics` reports. Cheap to clone (shared handles).
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    pub time_to_first_token: HistogramFamily,
+    pub time_per_output_token: HistogramFamily,
+    pub e2e_latency: HistogramFamily,
+    pub queue_time: HistogramFamily,
+    pub running: Family<ModelLabel, Gauge>,
+    pub waiting: Family<ModelLabel, Gauge>,
+    pub prompt_tokens: Family<ModelLabel, Counter>,
+    pub generation_tokens: Family<ModelLabel, Counter>,
+    pub prefix_cache_hit_tokens: Family<ModelLabel, Counter>,
+    pub requests_finished: Family<FinishLabels, Counter>,
+    pub request_errors: Family<ErrorLabels, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+/// Engine-wide figures read at scrape time from the backend.
+struct EngineCollector<F> {
+    model: String,
+    stats: F,
+}
+
+impl<F> std::fmt::Debug for EngineCollector<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineCollector")
+    }
+}
+
+impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collector::Collector for EngineCollector<F> {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = (self.stats)();
+        let labels = ModelLabel { model: self.model.clone() };
+        let kv = ConstGauge::<f64>::new(s.kv_cache_usage_ratio);
+        kv.encode(encoder.encode_descriptor(
+            "peregrine_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks in use (1 means full).",
+            None,
+            MetricType::Gauge,
+        )?.encode_family(&labels)?)?;
+        ConstCounter::new(s.num_preemptions).encode(encoder.encode_descriptor(
+            "peregrine_num_preemptions",
+            "Sequences preempted (recomputed later) because the KV cache ran out.",
+            None,
+            MetricType::Counter,
+        )?.encode_family(&labels)?)?;
+        Ok(())
+    }
+}
+
+impl Metrics {
+    /// `stats` is called on every scrape for the engine-wide gauges.
+    pub fn new(base_model: &str, stats: impl Fn() -> BackendStats + Send + Sync + 'static) -> Self {
+        let mut r = Registry::default();
+        let time_to_first_token = HistogramFamily::new_with_constructor(latency_histogram);
+        let time_per_output_token = HistogramFamily::new_with_constructor(per_token_histogram);
+        let e2e_latency = HistogramFamily::new_with_constructor(latency_histogram);
+        let queue_time = HistogramFamily::new_with_constructor(latency_histogram);
+        let running = Family::<ModelLabel, Gauge>::default();
+        let waiting = Family::<ModelLabel, Gauge>::default();
+        let prompt_tokens = Family::<ModelLabel, Counter>::default();
+        let generation_tokens = Family::<ModelLabel, Counter>::default();
+        let prefix_cache_hit_tokens = Family::<ModelLabel, Counter>::default();
+        let requests_finished = Family::<FinishLabels, Counter>::default();
+        let request_errors = Family::<ErrorLabels, Counter>::default();
+        r.register("peregrine_time_to_first_token_seconds", "Time from arrival to the first token.", time_to_first_token.clone());
+        r.register("peregrine_time_per_output_token_seconds", "Time between consecutive output tokens.", time_per_output_token.clone());
+        r.register("peregrine_e2e_request_latency_seconds", "Time from arrival to the last token.", e2e_latency.clone());
+        r.register("peregrine_queue_time_seconds", "Time from arrival until first scheduled.", queue_time.clone());
+        r.register("peregrine_num_requests_running", "Requests being generated.", running.clone());
+        r.register("peregrine_num_requests_waiting", "Requests admitted but not yet scheduled.", waiting.clone());
+        r.register("peregrine_prompt_tokens", "Prompt tokens of finished requests.", prompt_tokens.clone());
+        r.register("peregrine_generation_tokens", "Generated tokens.", generation_tokens.clone());
+        r.register("peregrine_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.", prefix_cache_hit_tokens.clone());
+        r.register("peregrine_request_success", "Finished requests by finish reason.", requests_finished.clone());
+        r.register("peregrine_request_errors", "Requests refused or failed, by error code.", request_errors.clone());
+        r.register_collector(Box::new(EngineCollector { model: base_model.to_string(), stats }));
+        // Make the base model's series visible (at zero) before the first request, so dashboards and
+        // the autoscaler see a value rather than no data.
+        let base = ModelLabel { model: base_model.to_string() };
+        for fam in [&time_to_first_token, &time_per_output_token, &e2e_latency, &queue_time] {
+            let _ = fam.get_or_create(&base);
+        }
+        for fam in [&running, &waiting] {
+            let _ = fam.get_or_create(&base);
+        }
+        for fam in [&prompt_tokens, &generation_tokens, &prefix_cache_hit_tokens] {
+            let _ = fam.get_or_create(&base);
+        }
+        Metrics {
+            registry: Arc::new(r),
+            time_to_first_token,
+            time_per_output_token,
+            e2e_latency,
+            queue_time,
+            running,
+            waiting,
+            prompt_tokens,
+            generation_tokens,
+            prefix_cache_hit_tokens,
+            requests_finished,
+            request_errors,
+        }
+    }
+
+    pub fn render(&self) -> Result<String, std::fmt::Error> {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+
+    pub fn label(model: &str) -> ModelLabel {
+        ModelLabel { model: model.to_string() }
+    }
+
+    pub fn observe(fam: &HistogramFamily, model: &ModelLabel, d: Duration) {
+        fam.get_or_create(model).observe(d.as_secs_f64());
+    }
+
+    pub fn error(&self, code: &str) {
+        self.request_errors.get_or_create(&ErrorLabels { code: code.to_string() }).inc();
+    }
+}

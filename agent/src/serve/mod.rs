@@ -1,0 +1,220 @@
+//! `peregrine-agent serve`: the OpenAI-compatible HTTP server in front of the engine.
+//!
+//! Request path: [`routes`] (auth, per-tenant request limits) → [`handlers`] (parse, validate,
+//! shape JSON/SSE) → [`generation`] (model resolution, admission, tokenizing on a worker pool,
+//! length checks, token limits, metrics and trace events) → an [`backend::InferenceBackend`].
+
+pub mod admission;
+pub mod args;
+pub mod auth;
+pub mod backend;
+pub mod engine_backend;
+pub mod error;
+pub mod generation;
+pub mod handlers;
+pub mod lifecycle;
+pub mod metrics;
+pub mod parse;
+pub mod rate_limit;
+pub mod routes;
+pub mod sse;
+pub mod state;
+pub mod telemetry;
+
+#[cfg(test)]
+mod tests;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+pub use args::ServeArgs;
+use backend::InferenceBackend;
+use state::AppState;
+
+/// How the server stops after the shutdown signal.
+#[derive(Debug, Clone, Copy)]
+pub struct DrainConfig {
+    /// Keep accepting this long after the signal while `/ready` reports 503.
+    pub delay: Duration,
+    /// Then wait at most this long for in-flight requests.
+    pub grace_period: Duration,
+}
+
+/// Serves until `signal` completes, then drains: `/ready` turns 503, new connections stop after
+/// `drain.delay`, in-flight requests finish within `drain.grace_period`. Returns normally either way
+/// (the process exits 0), logging how many requests were cut off if the grace period ran out.
+pub async fn serve<B: InferenceBackend>(
+    listener: TcpListener,
+    state: Arc<AppState<B>>,
+    drain: DrainConfig,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = routes::router(state.clone());
+    let (signalled_tx, signalled_rx) = tokio::sync::watch::channel(false);
+    let lifecycle_state = state.clone();
+    let stop_accepting = async move {
+        signal.await;
+        lifecycle_state.lifecycle.start_draining();
+        let _ = signalled_tx.send(true);
+        tracing::info!(delay_s = drain.delay.as_secs_f64(), "shutdown signal: draining");
+        tokio::time::sleep(drain.delay).await;
+        tracing::info!("no longer accepting connections");
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting);
+    let server = std::future::IntoFuture::into_future(server);
+    tokio::pin!(server);
+    let mut signalled = signalled_rx;
+    let deadline = async {
+        // Only starts counting once the signal has arrived.
+        let _ = signalled.wait_for(|s| *s).await;
+        tokio::time::sleep(drain.delay + drain.grace_period).await;
+    };
+    tokio::select! {
+        result = &mut server => result,
+        () = deadline => {
+            let running: i64 = state.metrics.running.get_or_create(&metrics::Metrics::label(state.backend.model_name())).get();
+            tracing::warn!(running, "grace period over with requests still in flight; exiting");
+            Ok(())
+        }
+    }
+}
+
+/// SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+/// KV cache memory used when `--num-kv-blocks` is not given.
+const DEFAULT_KV_CACHE_BYTES: usize = 1 << 30;
+
+/// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
+        let limits = rate_limit::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
+        let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?;
+        let load_args = args.clone();
+        let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
+        let backend = Arc::new(backend);
+        let config = state::ServerConfig { max_body_bytes: args.max_body_bytes, max_waiting_requests: args.max_waiting_requests };
+        let state = Arc::new(AppState::new(backend.clone(), keys, config));
+        let listener = TcpListener::bind((args.host, args.port)).await?;
+        tracing::info!(
+            addr = %listener.local_addr()?,
+            model = backend.model_name(),
+            max_model_len = backend.max_model_len(),
+            api_keys = state.keys.len(),
+            "listening"
+        );
+        // Probes answer while the model warms up; `/ready` turns 200 after one real generation.
+        let warm_state = state.clone();
+        tokio::spawn(async move {
+            match warm_up(&warm_state).await {
+                Ok(()) => {
+                    warm_state.lifecycle.set_ready();
+                    tracing::info!("ready");
+                }
+                Err(e) => tracing::error!(error = %e, "warm-up failed; /ready stays 503"),
+            }
+        });
+        let drain = DrainConfig { delay: args.drain_delay, grace_period: args.shutdown_grace_period };
+        serve(listener, state, drain, shutdown_signal()).await?;
+        backend.engine().shutdown();
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+fn load_engine(args: &ServeArgs) -> anyhow::Result<engine_backend::EngineBackend> {
+    use peregrine_engine::backend::cpu::CpuBackend;
+    use peregrine_engine::backend::{Backend, KvCacheShape};
+    use peregrine_engine::engine::{Engine, EngineConfig};
+    use peregrine_engine::model::{load, LoadFormat};
+    use peregrine_engine::tokenizer::Tokenizer;
+
+    let t0 = std::time::Instant::now();
+    let tokenizer = Tokenizer::for_model(&args.model)?;
+    let loaded = load(&args.model, LoadFormat::Auto)?;
+    let block_bytes = CpuBackend::kv_bytes_per_block(&loaded.config, args.block_size).max(1);
+    let wanted_len = args.max_model_len.unwrap_or(loaded.config.max_position_embeddings);
+    let num_blocks = args.num_kv_blocks.unwrap_or_else(|| {
+        // Enough for max_num_seqs full sequences, within the default memory budget, and never
+        // less than one full-length sequence.
+        let per_seq = wanted_len.div_ceil(args.block_size);
+        (per_seq * args.max_num_seqs).min(DEFAULT_KV_CACHE_BYTES / block_bytes).max(per_seq)
+    });
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let cpu = CpuBackend::new(loaded.weights, KvCacheShape { num_blocks, block_size: args.block_size }, threads)?;
+    let backend_name = cpu.name();
+    let engine = Engine::start(
+        Box::new(cpu),
+        EngineConfig {
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_model_len: args.max_model_len,
+            block_size: args.block_size,
+            enable_prefix_caching: !args.disable_prefix_caching,
+            seed: args.seed,
+        },
+    )?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.model));
+    tracing::info!(
+        model = %name,
+        backend = %backend_name,
+        kv_blocks = num_blocks,
+        kv_mib = num_blocks * block_bytes >> 20,
+        load_s = t0.elapsed().as_secs_f64(),
+        "model loaded"
+    );
+    let max_model_len = engine.max_model_len();
+    Ok(engine_backend::EngineBackend::new(name, backend_name, max_model_len, engine, tokenizer))
+}
+
+/// One short generation through the whole path, so the first client does not pay for cold caches.
+async fn warm_up<B: InferenceBackend>(state: &AppState<B>) -> Result<(), error::ApiError> {
+    use futures::StreamExt;
+    let prompt = state.backend.prepare(backend::PromptInput::Text("Hello".into())).await?;
+    let mut events = state.backend.generate(backend::GenerateInput {
+        request_id: state.next_request_id(),
+        prompt,
+        params: peregrine_engine::request::SamplingParams::greedy(2),
+        stop: Vec::new(),
+        skip_special_tokens: true,
+        adapter: None,
+    })?;
+    while let Some(event) = events.next().await {
+        match event {
+            backend::GenerateEvent::Finished { .. } => return Ok(()),
+            backend::GenerateEvent::Error(e) => return Err(e),
+            _ => {}
+        }
+    }
+    Err(error::ApiError::EngineStopped)
+}

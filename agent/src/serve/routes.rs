@@ -1,0 +1,71 @@
+//! The router: OpenAI endpoints behind API-key auth and per-tenant request limits; probes,
+//! metrics and version open. Later endpoints (LoRA admin) merge in through [`api_routes`]'s pattern.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+
+use super::auth::{bearer_token, TenantId};
+use super::backend::InferenceBackend;
+use super::error::ApiError;
+use super::handlers::{chat, completions, fail, probes};
+use super::state::AppState;
+
+/// The authenticated tenant of a request (None when the server has no keys).
+#[derive(Debug, Clone, Copy)]
+pub struct Tenant(pub Option<TenantId>);
+
+/// Routes that need an API key when keys are configured.
+pub fn api_routes<B: InferenceBackend>() -> Router<Arc<AppState<B>>> {
+    Router::new()
+        .route("/v1/completions", post(completions::handle::<B>))
+        .route("/v1/chat/completions", post(chat::handle::<B>))
+        .route("/v1/models", get(probes::models::<B>))
+}
+
+pub fn router<B: InferenceBackend>(state: Arc<AppState<B>>) -> Router {
+    let authed = api_routes::<B>().route_layer(middleware::from_fn_with_state(state.clone(), require_key::<B>));
+    Router::new()
+        .merge(authed)
+        .route("/health", get(probes::health))
+        .route("/ready", get(probes::ready::<B>))
+        .route("/metrics", get(probes::metrics::<B>))
+        .route("/version", get(probes::version::<B>))
+        .fallback(probes::not_found)
+        .method_not_allowed_fallback(probes::method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .with_state(state)
+}
+
+async fn require_key<B: InferenceBackend>(
+    State(state): State<Arc<AppState<B>>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    if state.keys.is_open() {
+        request.extensions_mut().insert(Tenant(None));
+        return next.run(request).await;
+    }
+    let presented = request.headers().get(AUTHORIZATION).and_then(|h| bearer_token(h.as_bytes()));
+    let Some(tenant) = presented.and_then(|key| state.keys.authenticate(key)) else {
+        let why = if presented.is_some() { "incorrect API key provided" } else { "missing API key (Authorization: Bearer KEY)" };
+        return fail(&state, ApiError::Unauthorized(why.to_string()));
+    };
+    if let Err(r) = state.limiter.check_request(tenant, state.keys.limits(tenant), Instant::now()) {
+        return fail(
+            &state,
+            ApiError::RateLimited {
+                message: format!("rate limit reached for {} per minute; retry after {:.1}s", r.what, r.retry_after.as_secs_f64()),
+                retry_after: r.retry_after,
+            },
+        );
+    }
+    request.extensions_mut().insert(Tenant(Some(tenant)));
+    next.run(request).await
+}

@@ -1,0 +1,135 @@
+//! A small deterministic backend: one token per character, and the reply is the prompt's text in
+//! upper case (so concurrent streams can be told apart), one token per `delay`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use peregrine_engine::request::{FinishReason, Usage};
+
+use crate::serve::backend::{
+    BackendStats, EventStream, GenerateEvent, GenerateInput, InferenceBackend, PreparedPrompt, PromptInput, TokenOutput,
+};
+use crate::serve::error::ApiError;
+
+pub struct FakeBackend {
+    pub delay: Duration,
+    pub max_model_len: usize,
+    /// Generations whose stream is still alive (the fake's "KV blocks in use").
+    pub live: Arc<AtomicUsize>,
+    pub started: Arc<AtomicUsize>,
+}
+
+impl FakeBackend {
+    pub fn new(delay: Duration) -> Self {
+        FakeBackend { delay, max_model_len: 64, live: Arc::default(), started: Arc::default() }
+    }
+}
+
+struct LiveGuard(Arc<AtomicUsize>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn decode(ids: &[u32]) -> Result<String, ApiError> {
+    ids.iter()
+        .map(|&id| char::from_u32(id).ok_or_else(|| ApiError::invalid(Some("prompt".to_string()), format!("token id {id} is out of vocabulary"))))
+        .collect()
+}
+
+impl InferenceBackend for FakeBackend {
+    fn model_name(&self) -> &str {
+        "fake-model"
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    fn backend_name(&self) -> String {
+        "fake".into()
+    }
+
+    fn stats(&self) -> BackendStats {
+        BackendStats { kv_cache_usage_ratio: self.live.load(Ordering::SeqCst) as f64 / 10.0, ..Default::default() }
+    }
+
+    fn has_adapter(&self, name: &str) -> bool {
+        name == "fake-adapter"
+    }
+
+    fn adapters(&self) -> Vec<String> {
+        vec!["fake-adapter".into()]
+    }
+
+    async fn prepare(&self, prompt: PromptInput) -> Result<PreparedPrompt, ApiError> {
+        let text = match prompt {
+            PromptInput::Text(t) => t,
+            PromptInput::Tokens(ids) => decode(&ids)?,
+            PromptInput::Chat(turns) => turns.iter().map(|t| format!("{}:{}|", t.role, t.content)).collect(),
+        };
+        Ok(PreparedPrompt { tokens: text.chars().map(u32::from).collect() })
+    }
+
+    fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
+        let prompt = decode(&input.prompt.tokens)?;
+        let reply: Vec<char> = prompt.to_uppercase().chars().collect();
+        self.live.fetch_add(1, Ordering::SeqCst);
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let guard = LiveGuard(self.live.clone());
+        let delay = self.delay;
+        let prompt_tokens = input.prompt.tokens.len();
+        let max_tokens = input.params.max_tokens;
+        let top = input.params.logprobs.unwrap_or(0);
+        let stop = input.stop;
+        struct S {
+            i: usize,
+            done: bool,
+            scheduled: bool,
+            _guard: LiveGuard,
+        }
+        let s = S { i: 0, done: false, scheduled: false, _guard: guard };
+        let stream = futures::stream::unfold(s, move |mut s| {
+            let reply = reply.clone();
+            let stop = stop.clone();
+            async move {
+                if s.done {
+                    return None;
+                }
+                if !s.scheduled {
+                    s.scheduled = true;
+                    return Some((GenerateEvent::Scheduled { queue_time: Duration::from_millis(1) }, s));
+                }
+                let usage = |n| Usage { prompt_tokens, completion_tokens: n, cached_prompt_tokens: 0 };
+                if s.i >= reply.len() || s.i >= max_tokens {
+                    s.done = true;
+                    let reason = if s.i >= max_tokens { FinishReason::Length } else { FinishReason::Stop };
+                    return Some((GenerateEvent::Finished { trailing_text: String::new(), reason, usage: usage(s.i) }, s));
+                }
+                tokio::time::sleep(delay).await;
+                let c = reply[s.i];
+                s.i += 1;
+                // Single-character stop strings only: enough to test that the server passes them on.
+                if stop.iter().any(|st| st.chars().eq(std::iter::once(c))) {
+                    s.done = true;
+                    let reason = FinishReason::Stop;
+                    return Some((GenerateEvent::Finished { trailing_text: String::new(), reason, usage: usage(s.i) }, s));
+                }
+                let tops: Vec<(String, f32)> =
+                    [(c.to_string(), -0.25f32), ("?".to_string(), -2.0)].into_iter().take(top).collect();
+                let token = TokenOutput {
+                    token_id: u32::from(c),
+                    text: c.to_string(),
+                    token_text: c.to_string(),
+                    logprob: Some(-0.25),
+                    top_logprobs: tops,
+                };
+                Some((GenerateEvent::Token(token), s))
+            }
+        });
+        Ok(Box::pin(stream))
+    }
+}

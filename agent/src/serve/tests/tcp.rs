@@ -1,0 +1,154 @@
+//! Over real loopback TCP: concurrent streams and draining on shutdown.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+
+use super::fake::FakeBackend;
+use super::{sse_events, state_with};
+use crate::serve::auth::KeyStore;
+use crate::serve::state::{AppState, ServerConfig};
+use crate::serve::{serve, DrainConfig};
+
+type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+async fn request(client: &HttpClient, addr: SocketAddr, method: &str, path: &str, body: Option<Value>) -> (u16, Bytes) {
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.map(|b| b.to_string()).unwrap_or_default())))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.into_body().collect().await.unwrap().to_bytes())
+}
+
+struct Running {
+    addr: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(state: Arc<AppState<FakeBackend>>, drain: DrainConfig) -> Running {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, state, drain, async move {
+        let _ = rx.await;
+    }));
+    Running { addr, stop, server }
+}
+
+fn streamed_text(body: &[u8]) -> (String, Vec<String>) {
+    let events = sse_events(body);
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        ids.push(v["id"].as_str().unwrap().to_string());
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    (text, ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_streams_interleave_without_mixing() {
+    let state = state_with(FakeBackend::new(Duration::from_millis(5)), KeyStore::default(), ServerConfig::default());
+    let srv = start(state, DrainConfig { delay: Duration::ZERO, grace_period: Duration::from_secs(5) }).await;
+    let c = client();
+    let prompts: Vec<String> = (0..8).map(|i| format!("stream{i}-{}", "xyz".repeat(i))).collect();
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let c = c.clone();
+            let body = json!({"model": "fake-model", "messages": [{"role": "user", "content": p}], "max_tokens": 20, "stream": true});
+            tokio::spawn(async move { request(&c, srv.addr, "POST", "/v1/chat/completions", Some(body)).await })
+        })
+        .collect();
+    let mut all_ids = std::collections::HashSet::new();
+    for (p, t) in prompts.iter().zip(tasks) {
+        let (status, body) = t.await.unwrap();
+        assert_eq!(status, 200);
+        let (text, ids) = streamed_text(&body);
+        let want: String = format!("user:{p}|").to_uppercase().chars().take(20).collect();
+        assert_eq!(text, want);
+        assert!(ids.iter().all(|i| i == &ids[0]), "one id per stream");
+        assert!(all_ids.insert(ids[0].clone()), "ids are unique across streams");
+    }
+    let _ = srv.stop.send(());
+    srv.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drain_finishes_in_flight_and_loses_nothing() {
+    let backend = FakeBackend::new(Duration::from_millis(30));
+    let started = backend.started.clone();
+    let state = state_with(backend, KeyStore::default(), ServerConfig::default());
+    let drain = DrainConfig { delay: Duration::from_millis(400), grace_period: Duration::from_secs(10) };
+    let srv = start(state.clone(), drain).await;
+    let c = client();
+    let n = 6;
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let c = c.clone();
+            let body = json!({"model": "fake-model", "prompt": format!("request number {i}"), "max_tokens": 12, "stream": true});
+            tokio::spawn(async move { request(&c, srv.addr, "POST", "/v1/completions", Some(body)).await })
+        })
+        .collect();
+    let t0 = Instant::now();
+    while started.load(Ordering::SeqCst) < n && t0.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(started.load(Ordering::SeqCst), n);
+    let _ = srv.stop.send(());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Draining: not ready, but still serving what arrives during the drain delay.
+    let fresh = client();
+    let (status, _) = request(&fresh, srv.addr, "GET", "/ready", None).await;
+    assert_eq!(status, 503);
+    let (status, body) =
+        request(&fresh, srv.addr, "POST", "/v1/completions", Some(json!({"model": "fake-model", "prompt": "late", "max_tokens": 4}))).await;
+    assert_eq!(status, 200, "{body:?}");
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (status, body) = t.await.unwrap();
+        assert_eq!(status, 200);
+        let events = sse_events(&body);
+        let text: String = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+            .collect();
+        assert_eq!(text, format!("REQUEST NUMBER {i}").chars().take(12).collect::<String>());
+    }
+    let result = tokio::time::timeout(Duration::from_secs(5), srv.server).await;
+    assert!(matches!(result, Ok(Ok(Ok(())))), "server must exit cleanly after draining: {result:?}");
+    assert!(tokio::net::TcpStream::connect(srv.addr).await.is_err(), "listener must be closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grace_period_bounds_shutdown() {
+    let state = state_with(FakeBackend::new(Duration::from_millis(500)), KeyStore::default(), ServerConfig::default());
+    let srv = start(state, DrainConfig { delay: Duration::ZERO, grace_period: Duration::from_millis(300) }).await;
+    let c = client();
+    let body = json!({"model": "fake-model", "prompt": "a very long generation", "max_tokens": 20, "stream": true});
+    let _slow = tokio::spawn(async move { request(&c, srv.addr, "POST", "/v1/completions", Some(body)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let _ = srv.stop.send(());
+    let result = tokio::time::timeout(Duration::from_secs(5), srv.server).await;
+    assert!(matches!(result, Ok(Ok(Ok(())))), "{result:?}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "exited after the grace period, not after the request: {:?}", t0.elapsed());
+}

@@ -1,0 +1,134 @@
+//! Spawning the built `peregrine-agent` on a free loopback port, with the test model.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+pub const MODEL_NAME: &str = "smollm2";
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+pub fn model_path() -> PathBuf {
+    let path = std::env::var_os("PEREGRINE_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/peregrine/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    assert!(path.is_file(), "test model not found at {}: run `make model`", path.display());
+    path
+}
+
+pub fn fixtures_reference() -> PathBuf {
+    let dir = std::env::var_os("PEREGRINE_FIXTURES").map(PathBuf::from).unwrap_or_else(|| repo_root().join("../shared/fixtures"));
+    let path = dir.join("smollm2/reference.json");
+    assert!(path.is_file(), "fixtures not found at {}: run `make model` and check PEREGRINE_FIXTURES", path.display());
+    path
+}
+
+pub fn reference() -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixtures_reference()).unwrap()).unwrap()
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A running server; killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    pub fn start(extra: &[&str]) -> Server {
+        let port = free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_peregrine-agent"));
+        cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--served-model-name", MODEL_NAME])
+            .arg("--model")
+            .arg(model_path())
+            .args(["--max-model-len", "2048", "--max-num-seqs", "8", "--num-kv-blocks", "256", "--threads", "2"])
+            .args(extra)
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let child = cmd.spawn().expect("spawn peregrine-agent");
+        let server = Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)) };
+        server.wait_ready(Duration::from_secs(180));
+        server
+    }
+
+    fn wait_ready(&self, timeout: Duration) {
+        let t0 = Instant::now();
+        // Plain blocking HTTP: callers may be inside an async test's runtime.
+        let ready = || -> std::io::Result<bool> {
+            let mut s = std::net::TcpStream::connect_timeout(&self.addr, Duration::from_secs(1))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(b"GET /ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            Ok(out.starts_with("HTTP/1.1 200"))
+        };
+        loop {
+            if ready().unwrap_or(false) {
+                return;
+            }
+            assert!(t0.elapsed() < timeout, "server did not become ready within {timeout:?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+}
+
+pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+pub fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> Option<(u16, Bytes)> {
+    let req = hyper::Request::get(format!("http://{addr}{path}")).body(Full::new(Bytes::new())).ok()?;
+    let resp = client().request(req).await.ok()?;
+    let status = resp.status().as_u16();
+    Some((status, resp.into_body().collect().await.ok()?.to_bytes()))
+}
+
+pub async fn post(client: &HttpClient, addr: SocketAddr, path: &str, body: impl Into<Bytes>) -> (u16, Bytes) {
+    let req = hyper::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(body.into()))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.into_body().collect().await.unwrap().to_bytes())
+}
+
+/// The value of one metric series, e.g. `peregrine_kv_cache_usage_ratio{model="smollm2"}`.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().split(' ').next()?.parse().ok()))
+}
+
+pub async fn metrics(addr: SocketAddr) -> String {
+    let (status, body) = get(addr, "/metrics").await.expect("GET /metrics");
+    assert_eq!(status, 200);
+    String::from_utf8(body.to_vec()).unwrap()
+}

@@ -5,7 +5,9 @@ use std::time::Instant;
 
 use peregrine_engine::backend::{SeqChunk, StepBatch};
 use peregrine_engine::config::{Architecture, ModelConfig};
-use peregrine_engine::lora::{CpuLora, LoraAdapter, RandomAdapterSpec, Rows, RowsMut, TargetModule};
+use peregrine_engine::lora::{
+    CpuLora, LoraAdapter, RandomAdapterSpec, Rows, RowsMut, TargetModule,
+};
 
 fn main() {
     let cfg = ModelConfig {
@@ -29,7 +31,11 @@ fn main() {
     let (batch, rank, adapters) = (32usize, 16usize, 4usize);
     let mut lora = CpuLora::new(&cfg, adapters, 64);
     for s in 0..adapters {
-        lora.set_slot(s as u32, &LoraAdapter::random(&cfg, &RandomAdapterSpec::new(rank, s as u64))).unwrap();
+        lora.set_slot(
+            s as u32,
+            &LoraAdapter::random(&cfg, &RandomAdapterSpec::new(rank, s as u64)),
+        )
+        .unwrap();
     }
     let seqs = (0..batch)
         .map(|i| SeqChunk {
@@ -41,7 +47,11 @@ fn main() {
             lora_slot: Some((i % adapters) as u32),
         })
         .collect();
-    let step = StepBatch { tokens: vec![0; batch], positions: vec![0; batch], seqs };
+    let step = StepBatch {
+        tokens: vec![0; batch],
+        positions: vec![0; batch],
+        seqs,
+    };
     lora.begin_step(&step).unwrap();
     let x = vec![0.01f32; batch * cfg.intermediate_size];
     let mut y = vec![0.0f32; batch * cfg.intermediate_size];
@@ -52,8 +62,16 @@ fn main() {
                 lora.apply(
                     layer,
                     m,
-                    Rows { data: &x, stride: fan_in, offset: 0 },
-                    RowsMut { data: &mut y[..batch * fan_out], stride: fan_out, offset: 0 },
+                    Rows {
+                        data: &x,
+                        stride: fan_in,
+                        offset: 0,
+                    },
+                    RowsMut {
+                        data: &mut y[..batch * fan_out],
+                        stride: fan_out,
+                        offset: 0,
+                    },
                 );
             }
         }

@@ -30,20 +30,39 @@ fn fixture_adapters_load_with_peft_metadata() {
         assert_eq!(adapter.rank as u64, want["r"].as_u64().unwrap());
         assert_eq!(adapter.scaling as f64, want["scaling"].as_f64().unwrap());
         let targets: Vec<&str> = adapter.targets.iter().map(|m| m.peft_name()).collect();
-        let mut want_targets: Vec<&str> =
-            want["target_modules"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        let mut want_targets: Vec<&str> = want["target_modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
         want_targets.sort_by_key(|n| TargetModule::from_peft_name(n).unwrap());
         assert_eq!(targets, want_targets);
-        let n_params: usize = adapter.layers.iter().flatten().flatten().map(|p| p.a.len() + p.b.len()).sum();
+        let n_params: usize = adapter
+            .layers
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|p| p.a.len() + p.b.len())
+            .sum();
         assert_eq!(n_params as u64, want["n_lora_params"].as_u64().unwrap());
         let n_tensors = adapter.layers.iter().flatten().flatten().count() * 2;
         assert_eq!(n_tensors as u64, want["lora_tensors"].as_u64().unwrap());
         // The values were drawn from N(0, std): a wrong f16 decoding would not keep that spread.
         let std_a = want["init"]["std_a"].as_f64().unwrap();
-        let a: Vec<f64> = adapter.layers.iter().flatten().flatten().flat_map(|p| p.a.iter().map(|&v| v as f64)).collect();
+        let a: Vec<f64> = adapter
+            .layers
+            .iter()
+            .flatten()
+            .flatten()
+            .flat_map(|p| p.a.iter().map(|&v| v as f64))
+            .collect();
         let mean = a.iter().sum::<f64>() / a.len() as f64;
         let std = (a.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / a.len() as f64).sqrt();
-        assert!(mean.abs() < 1e-3 && (std / std_a - 1.0).abs() < 0.02, "{name}: mean {mean} std {std}");
+        assert!(
+            mean.abs() < 1e-3 && (std / std_a - 1.0).abs() < 0.02,
+            "{name}: mean {mean} std {std}"
+        );
     }
 }
 
@@ -59,9 +78,18 @@ fn random_adapter_round_trips_through_peft_files() {
 #[test]
 fn shapes_for_another_model_are_refused() {
     let cfg = smollm2_config();
-    let other = ModelConfig { hidden_size: 512, num_attention_heads: 8, num_key_value_heads: 4, ..cfg.clone() };
+    let other = ModelConfig {
+        hidden_size: 512,
+        num_attention_heads: 8,
+        num_key_value_heads: 4,
+        ..cfg.clone()
+    };
     let dir = tempfile::tempdir().unwrap();
-    save_peft(&LoraAdapter::random(&other, &RandomAdapterSpec::new(4, 1)), dir.path()).unwrap();
+    save_peft(
+        &LoraAdapter::random(&other, &RandomAdapterSpec::new(4, 1)),
+        dir.path(),
+    )
+    .unwrap();
     let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
     assert!(msg.contains("shape") && msg.contains("expected"), "{msg}");
 }
@@ -69,16 +97,27 @@ fn shapes_for_another_model_are_refused() {
 #[test]
 fn more_layers_than_the_model_are_refused() {
     let cfg = smollm2_config();
-    let deeper = ModelConfig { num_hidden_layers: cfg.num_hidden_layers + 2, ..cfg.clone() };
+    let deeper = ModelConfig {
+        num_hidden_layers: cfg.num_hidden_layers + 2,
+        ..cfg.clone()
+    };
     let dir = tempfile::tempdir().unwrap();
-    save_peft(&LoraAdapter::random(&deeper, &RandomAdapterSpec::new(2, 1)), dir.path()).unwrap();
+    save_peft(
+        &LoraAdapter::random(&deeper, &RandomAdapterSpec::new(2, 1)),
+        dir.path(),
+    )
+    .unwrap();
     let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
     assert!(msg.contains("but the base model has 30 layers"), "{msg}");
 }
 
 #[test]
 fn rank_above_max_lora_rank_is_refused() {
-    let msg = invalid_message(LoraAdapter::load(&adapter_dir("adapter-b"), &smollm2_config(), 8));
+    let msg = invalid_message(LoraAdapter::load(
+        &adapter_dir("adapter-b"),
+        &smollm2_config(),
+        8,
+    ));
     assert!(msg.contains("rank 16 exceeds max_lora_rank 8"), "{msg}");
 }
 
@@ -91,7 +130,10 @@ fn corrupt_safetensors_is_refused() {
     for cut in [0, 7, 100, bytes.len() / 2, bytes.len() - 1] {
         std::fs::write(&path, &bytes[..cut]).unwrap();
         let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
-        assert!(msg.contains("not a valid safetensors file"), "cut {cut}: {msg}");
+        assert!(
+            msg.contains("not a valid safetensors file"),
+            "cut {cut}: {msg}"
+        );
     }
     // A header that claims an absurd length.
     let mut absurd = bytes.clone();
@@ -111,9 +153,16 @@ fn missing_config_is_refused() {
 #[test]
 fn pickle_bin_adapter_is_refused_with_a_conversion_hint() {
     let dir = copy_adapter("adapter-a");
-    std::fs::rename(dir.path().join("adapter_model.safetensors"), dir.path().join("adapter_model.bin")).unwrap();
+    std::fs::rename(
+        dir.path().join("adapter_model.safetensors"),
+        dir.path().join("adapter_model.bin"),
+    )
+    .unwrap();
     let msg = invalid_message(LoraAdapter::load(dir.path(), &smollm2_config(), 64));
-    assert!(msg.contains("pickle .bin adapters are not supported; convert to safetensors"), "{msg}");
+    assert!(
+        msg.contains("pickle .bin adapters are not supported; convert to safetensors"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -121,32 +170,55 @@ fn non_finite_values_are_refused() {
     let cfg = smollm2_config();
     for bad in [f32::NAN, f32::INFINITY] {
         let mut adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(2, 3));
-        adapter.layers[7][TargetModule::Up.index()].as_mut().unwrap().b[5] = bad;
+        adapter.layers[7][TargetModule::Up.index()]
+            .as_mut()
+            .unwrap()
+            .b[5] = bad;
         let dir = tempfile::tempdir().unwrap();
         save_peft(&adapter, dir.path()).unwrap();
         let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
-        assert!(msg.contains("layers.7.mlp.up_proj.lora_B") && msg.contains("non-finite"), "{msg}");
+        assert!(
+            msg.contains("layers.7.mlp.up_proj.lora_B") && msg.contains("non-finite"),
+            "{msg}"
+        );
     }
 }
 
 #[test]
 fn missing_and_extra_tensors_are_refused() {
     let cfg = smollm2_config();
-    let spec = RandomAdapterSpec { targets: vec![TargetModule::Q], ..RandomAdapterSpec::new(2, 5) };
+    let spec = RandomAdapterSpec {
+        targets: vec![TargetModule::Q],
+        ..RandomAdapterSpec::new(2, 5)
+    };
     let dir = tempfile::tempdir().unwrap();
     save_peft(&LoraAdapter::random(&cfg, &spec), dir.path()).unwrap();
     let config_path = dir.path().join("adapter_config.json");
     let original = std::fs::read_to_string(&config_path).unwrap();
 
     // Config promises k_proj too: its tensors are missing.
-    std::fs::write(&config_path, original.replace(r#"["q_proj"]"#, r#"["q_proj","k_proj"]"#)).unwrap();
+    std::fs::write(
+        &config_path,
+        original.replace(r#"["q_proj"]"#, r#"["q_proj","k_proj"]"#),
+    )
+    .unwrap();
     let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
-    assert!(msg.contains("missing tensor") && msg.contains("k_proj"), "{msg}");
+    assert!(
+        msg.contains("missing tensor") && msg.contains("k_proj"),
+        "{msg}"
+    );
 
     // Config lists only v_proj: the q_proj tensors are extra.
-    std::fs::write(&config_path, original.replace(r#"["q_proj"]"#, r#"["v_proj"]"#)).unwrap();
+    std::fs::write(
+        &config_path,
+        original.replace(r#"["q_proj"]"#, r#"["v_proj"]"#),
+    )
+    .unwrap();
     let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
-    assert!(msg.contains("q_proj") && msg.contains("does not list"), "{msg}");
+    assert!(
+        msg.contains("q_proj") && msg.contains("does not list"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -154,7 +226,11 @@ fn unsupported_peft_features_are_refused() {
     let dir = copy_adapter("adapter-a");
     let config_path = dir.path().join("adapter_config.json");
     let text = std::fs::read_to_string(&config_path).unwrap();
-    std::fs::write(&config_path, text.replace(r#""use_dora": false"#, r#""use_dora": true"#)).unwrap();
+    std::fs::write(
+        &config_path,
+        text.replace(r#""use_dora": false"#, r#""use_dora": true"#),
+    )
+    .unwrap();
     let msg = invalid_message(LoraAdapter::load(dir.path(), &smollm2_config(), 64));
     assert!(msg.contains("DoRA"), "{msg}");
 }
@@ -164,7 +240,10 @@ fn unsupported_peft_features_are_refused() {
 fn bf16_and_f16_tensors_decode_exactly() {
     use safetensors::{tensor::TensorView, Dtype, SafeTensors};
     let cfg = smollm2_config();
-    let spec = RandomAdapterSpec { targets: vec![TargetModule::V, TargetModule::Down], ..RandomAdapterSpec::new(3, 8) };
+    let spec = RandomAdapterSpec {
+        targets: vec![TargetModule::V, TargetModule::Down],
+        ..RandomAdapterSpec::new(3, 8)
+    };
     let adapter = LoraAdapter::random(&cfg, &spec);
     for dtype in [Dtype::BF16, Dtype::F16] {
         let dir = tempfile::tempdir().unwrap();
@@ -175,29 +254,46 @@ fn bf16_and_f16_tensors_decode_exactly() {
         let mut expected = adapter.clone();
         let mut converted: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, view) in st.iter() {
-            let values: Vec<f32> =
-                view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            let values: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
             let (data, rounded): (Vec<u8>, Vec<f32>) = match dtype {
                 Dtype::BF16 => values
                     .iter()
                     .map(|&v| half::bf16::from_f32(v))
                     .map(|h| (h.to_le_bytes(), h.to_f32()))
-                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| { d.extend(b); r.push(f); (d, r) }),
+                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| {
+                        d.extend(b);
+                        r.push(f);
+                        (d, r)
+                    }),
                 _ => values
                     .iter()
                     .map(|&v| half::f16::from_f32(v))
                     .map(|h| (h.to_le_bytes(), h.to_f32()))
-                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| { d.extend(b); r.push(f); (d, r) }),
+                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| {
+                        d.extend(b);
+                        r.push(f);
+                        (d, r)
+                    }),
             };
             // Put the rounded values where the loader should put them.
             let layer: usize = name.split('.').nth(4).unwrap().parse().unwrap();
             let module = TargetModule::from_peft_name(name.split('.').nth(6).unwrap()).unwrap();
             let pair = expected.layers[layer][module.index()].as_mut().unwrap();
-            if name.contains("lora_A") { pair.a = rounded } else { pair.b = rounded }
+            if name.contains("lora_A") {
+                pair.a = rounded
+            } else {
+                pair.b = rounded
+            }
             converted.push((name.to_string(), view.shape().to_vec(), data));
         }
-        let views: Vec<_> =
-            converted.iter().map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap())).collect();
+        let views: Vec<_> = converted
+            .iter()
+            .map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap()))
+            .collect();
         std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
         let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
         assert_eq!(loaded, expected, "{dtype:?}");
@@ -209,21 +305,46 @@ fn bf16_and_f16_tensors_decode_exactly() {
 fn unsupported_dtype_is_refused() {
     use safetensors::{tensor::TensorView, Dtype};
     let cfg = smollm2_config();
-    let spec = RandomAdapterSpec { targets: vec![TargetModule::K], ..RandomAdapterSpec::new(1, 8) };
+    let spec = RandomAdapterSpec {
+        targets: vec![TargetModule::K],
+        ..RandomAdapterSpec::new(1, 8)
+    };
     let dir = tempfile::tempdir().unwrap();
     save_peft(&LoraAdapter::random(&cfg, &spec), dir.path()).unwrap();
     let (fan_in, fan_out) = TargetModule::K.dims(&cfg);
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for layer in 0..cfg.num_hidden_layers {
         let p = format!("base_model.model.model.layers.{layer}.self_attn.k_proj");
-        tensors.push((format!("{p}.lora_A.weight"), vec![1, fan_in], vec![0u8; 8 * fan_in]));
-        tensors.push((format!("{p}.lora_B.weight"), vec![fan_out, 1], vec![0u8; 8 * fan_out]));
+        tensors.push((
+            format!("{p}.lora_A.weight"),
+            vec![1, fan_in],
+            vec![0u8; 8 * fan_in],
+        ));
+        tensors.push((
+            format!("{p}.lora_B.weight"),
+            vec![fan_out, 1],
+            vec![0u8; 8 * fan_out],
+        ));
     }
-    let views: Vec<_> =
-        tensors.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F64, s.clone(), d).unwrap())).collect();
-    std::fs::write(dir.path().join("adapter_model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F64, s.clone(), d).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(
+        dir.path().join("adapter_model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
     let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
-    assert!(msg.contains("F64") && msg.contains("only F32, F16 and BF16"), "{msg}");
+    assert!(
+        msg.contains("F64") && msg.contains("only F32, F16 and BF16"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -233,7 +354,10 @@ fn bench_adapters_are_written_as_loadable_peft_folders() {
     let dir = tempfile::tempdir().unwrap();
     let written = write_random_adapters(&cfg, 3, 8, 100, dir.path()).unwrap();
     let values = random_adapters(&cfg, 3, 8, 100);
-    assert_eq!(written.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["adapter-0", "adapter-1", "adapter-2"]);
+    assert_eq!(
+        written.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+        ["adapter-0", "adapter-1", "adapter-2"]
+    );
     for ((_, folder), want) in written.iter().zip(&values) {
         assert_eq!(&LoraAdapter::load(folder, &cfg, 64).unwrap(), want);
     }
@@ -243,5 +367,8 @@ fn bench_adapters_are_written_as_loadable_peft_folders() {
     assert!((base - 0.25).abs() < 0.02, "{base}");
     let count = |k: usize| picks.iter().filter(|p| **p == Some(k)).count() as f64;
     assert!((count(0) / count(1) - 2.0).abs() < 0.2 && (count(0) / count(3) - 4.0).abs() < 0.5);
-    assert_eq!(zipf_assignment(10, 4, 1.0, 0.0, 3), zipf_assignment(10, 4, 1.0, 0.0, 3));
+    assert_eq!(
+        zipf_assignment(10, 4, 1.0, 0.0, 3),
+        zipf_assignment(10, 4, 1.0, 0.0, 3)
+    );
 }

@@ -50,8 +50,19 @@ pub(super) enum Placement {
 }
 
 impl EngineLora {
-    pub(super) fn new(model: ModelConfig, config: LoraConfig, names: AdapterNames, commands: Sender<Command>) -> Self {
-        EngineLora { registry: LoraRegistry::new(config), model, names, commands, parked: HashMap::new() }
+    pub(super) fn new(
+        model: ModelConfig,
+        config: LoraConfig,
+        names: AdapterNames,
+        commands: Sender<Command>,
+    ) -> Self {
+        EngineLora {
+            registry: LoraRegistry::new(config),
+            model,
+            names,
+            commands,
+            parked: HashMap::new(),
+        }
     }
 
     /// Pins the adapter `name` for a new sequence and tags the sequence with its version (slot
@@ -65,19 +76,31 @@ impl EngineLora {
 
     /// Schedules the sequence now, or parks it and starts re-reading evicted weights.
     pub(super) fn place(&mut self, seq: Sequence, id: AdapterId) -> Placement {
-        let Some(source) = self.registry.reload_source(id) else { return Placement::Ready(seq) };
+        let Some(source) = self.registry.reload_source(id) else {
+            return Placement::Ready(seq);
+        };
         let waiting = self.parked.entry(id).or_default();
         let first = waiting.is_empty();
         waiting.push(seq);
         if first {
-            let (model, max_rank, commands) = (self.model.clone(), self.registry.config().max_lora_rank, self.commands.clone());
-            let spawned = std::thread::Builder::new().name("peregrine-lora-load".into()).spawn(move || {
-                let result = LoraAdapter::load(&source, &model, max_rank).map(Arc::new);
-                let _ = commands.send(Command::AdapterReloaded { id, result });
-            });
+            let (model, max_rank, commands) = (
+                self.model.clone(),
+                self.registry.config().max_lora_rank,
+                self.commands.clone(),
+            );
+            let spawned = std::thread::Builder::new()
+                .name("peregrine-lora-load".into())
+                .spawn(move || {
+                    let result = LoraAdapter::load(&source, &model, max_rank).map(Arc::new);
+                    let _ = commands.send(Command::AdapterReloaded { id, result });
+                });
             if let Err(e) = spawned {
-                let err = EngineError::Backend(format!("cannot start an adapter loader thread: {e}"));
-                let _ = self.commands.send(Command::AdapterReloaded { id, result: Err(err) });
+                let err =
+                    EngineError::Backend(format!("cannot start an adapter loader thread: {e}"));
+                let _ = self.commands.send(Command::AdapterReloaded {
+                    id,
+                    result: Err(err),
+                });
             }
         }
         Placement::Parked
@@ -118,13 +141,18 @@ impl EngineLora {
         out: &mut SchedulerOutput,
         backend: &mut dyn Backend,
     ) -> Result<()> {
-        let ids: Vec<Option<AdapterId>> =
-            out.chunks.iter().map(|c| scheduler.get(c.id).and_then(|s| s.lora_id)).collect();
+        let ids: Vec<Option<AdapterId>> = out
+            .chunks
+            .iter()
+            .map(|c| scheduler.get(c.id).and_then(|s| s.lora_id))
+            .collect();
         if ids.iter().all(Option::is_none) {
             return Ok(());
         }
         if out.batch.seqs.len() != out.chunks.len() {
-            return Err(EngineError::Backend("step batch and chunks disagree".into()));
+            return Err(EngineError::Backend(
+                "step batch and chunks disagree".into(),
+            ));
         }
         let step_ids: Vec<AdapterId> = ids.iter().flatten().copied().collect();
         let assignment = self.registry.assign_slots(&step_ids)?;
@@ -137,7 +165,12 @@ impl EngineLora {
         Ok(())
     }
 
-    pub(super) fn install(&mut self, name: &str, source: &Path, adapter: Arc<LoraAdapter>) -> (LoadOutcome, AdapterInfo) {
+    pub(super) fn install(
+        &mut self,
+        name: &str,
+        source: &Path,
+        adapter: Arc<LoraAdapter>,
+    ) -> (LoadOutcome, AdapterInfo) {
         let result = self.registry.install(name, source, adapter);
         self.names.write().insert(name.to_string());
         result
@@ -158,7 +191,9 @@ impl EngineLora {
 pub(super) fn check_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 256
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '/'));
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '/'));
     if ok {
         Ok(())
     } else {

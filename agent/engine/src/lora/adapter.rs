@@ -40,7 +40,10 @@ impl LoraAdapter {
     /// `max_rank`, dtypes, the exact set of tensors, finite values).
     pub fn load(dir: &Path, base: &ModelConfig, max_rank: usize) -> Result<LoraAdapter> {
         if !dir.is_dir() {
-            return Err(EngineError::invalid_adapter(dir, "not a folder (expected a PEFT adapter folder)"));
+            return Err(EngineError::invalid_adapter(
+                dir,
+                "not a folder (expected a PEFT adapter folder)",
+            ));
         }
         let config_path = dir.join(CONFIG_FILE);
         let weights_path = dir.join(WEIGHTS_FILE);
@@ -51,14 +54,22 @@ impl LoraAdapter {
             ));
         }
         if !config_path.is_file() {
-            return Err(EngineError::invalid_adapter(dir, format!("missing {CONFIG_FILE}")));
+            return Err(EngineError::invalid_adapter(
+                dir,
+                format!("missing {CONFIG_FILE}"),
+            ));
         }
         if !weights_path.is_file() {
-            return Err(EngineError::invalid_adapter(dir, format!("missing {WEIGHTS_FILE}")));
+            return Err(EngineError::invalid_adapter(
+                dir,
+                format!("missing {WEIGHTS_FILE}"),
+            ));
         }
         let config = AdapterConfig::from_file(&config_path)?;
-        let bytes = std::fs::read(&weights_path)
-            .map_err(|source| EngineError::Io { path: weights_path.clone(), source })?;
+        let bytes = std::fs::read(&weights_path).map_err(|source| EngineError::Io {
+            path: weights_path.clone(),
+            source,
+        })?;
         LoraAdapter::from_parts(&config, &bytes, base, max_rank)
             .map_err(|message| EngineError::invalid_adapter(&weights_path, message))
     }
@@ -79,10 +90,12 @@ impl LoraAdapter {
 
         // Sort every tensor into its (layer, module, A|B) place first, so that missing and extra
         // tensors are both reported by name.
-        let mut found: BTreeMap<(usize, TargetModule, bool), safetensors::tensor::TensorView<'_>> = BTreeMap::new();
+        let mut found: BTreeMap<(usize, TargetModule, bool), safetensors::tensor::TensorView<'_>> =
+            BTreeMap::new();
         for (name, view) in st.iter() {
-            let (layer, module, is_a) = parse_tensor_name(name)
-                .ok_or_else(|| format!("unexpected tensor {name:?} (only LoRA A/B of decoder projections)"))?;
+            let (layer, module, is_a) = parse_tensor_name(name).ok_or_else(|| {
+                format!("unexpected tensor {name:?} (only LoRA A/B of decoder projections)")
+            })?;
             if layer >= base.num_hidden_layers {
                 return Err(format!(
                     "tensor {name:?} is for layer {layer} but the base model has {} layers",
@@ -90,7 +103,9 @@ impl LoraAdapter {
                 ));
             }
             if !config.target_modules.contains(&module) {
-                return Err(format!("tensor {name:?} targets {module}, which target_modules does not list"));
+                return Err(format!(
+                    "tensor {name:?} targets {module}, which target_modules does not list"
+                ));
             }
             found.insert((layer, module, is_a), view);
         }
@@ -124,7 +139,9 @@ impl LoraAdapter {
     }
 
     pub fn pair(&self, layer: usize, module: TargetModule) -> Option<&LoraPair> {
-        self.layers.get(layer).and_then(|l| l[module.index()].as_ref())
+        self.layers
+            .get(layer)
+            .and_then(|l| l[module.index()].as_ref())
     }
 }
 
@@ -158,7 +175,9 @@ fn take_tensor(
 ) -> std::result::Result<Vec<f32>, String> {
     let which = if is_a { "lora_A" } else { "lora_B" };
     let label = format!("layers.{layer}.{}.{module}.{which}", module.parent());
-    let view = found.get(&(layer, module, is_a)).ok_or_else(|| format!("missing tensor {label}"))?;
+    let view = found
+        .get(&(layer, module, is_a))
+        .ok_or_else(|| format!("missing tensor {label}"))?;
     if view.shape() != shape {
         return Err(format!(
             "{label} has shape {:?}, expected {:?} for this base model (A is [r, in], B is [out, r])",
@@ -167,10 +186,16 @@ fn take_tensor(
         ));
     }
     let values = to_f32(view.dtype(), view.data()).ok_or_else(|| {
-        format!("{label} has dtype {:?}; only F32, F16 and BF16 are supported", view.dtype())
+        format!(
+            "{label} has dtype {:?}; only F32, F16 and BF16 are supported",
+            view.dtype()
+        )
     })?;
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        return Err(format!("{label} holds a non-finite value ({}) at index {i}", values[i]));
+        return Err(format!(
+            "{label} holds a non-finite value ({}) at index {i}",
+            values[i]
+        ));
     }
     Ok(values)
 }
@@ -179,7 +204,10 @@ fn take_tensor(
 /// already checked that the byte length matches shape × dtype size.
 fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     let values = match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
         Dtype::F16 => bytes
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
@@ -207,8 +235,17 @@ mod tests {
             parse_tensor_name("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"),
             Some((0, TargetModule::Down, false))
         );
-        assert_eq!(parse_tensor_name("base_model.model.model.layers.0.mlp.q_proj.lora_B.weight"), None);
-        assert_eq!(parse_tensor_name("base_model.model.lm_head.lora_A.weight"), None);
-        assert_eq!(parse_tensor_name("base_model.model.model.layers.x.mlp.up_proj.lora_A.weight"), None);
+        assert_eq!(
+            parse_tensor_name("base_model.model.model.layers.0.mlp.q_proj.lora_B.weight"),
+            None
+        );
+        assert_eq!(
+            parse_tensor_name("base_model.model.lm_head.lora_A.weight"),
+            None
+        );
+        assert_eq!(
+            parse_tensor_name("base_model.model.model.layers.x.mlp.up_proj.lora_A.weight"),
+            None
+        );
     }
 }

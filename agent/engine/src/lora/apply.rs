@@ -41,13 +41,19 @@ pub fn apply_lora(
     let (fan_in, fan_out) = stack.dims(module);
     let r_max = stack.r_max();
     let weights = stack.module(layer, module);
-    let Some(&last_start) = plan.seg_starts.last() else { return };
+    let Some(&last_start) = plan.seg_starts.last() else {
+        return;
+    };
     let n_tokens = last_start as usize;
     if weights.a.is_empty() || n_tokens == 0 {
         return;
     }
     let kernel = select_kernel();
-    let RowsMut { data: y_data, stride: y_stride, offset: y_offset } = y;
+    let RowsMut {
+        data: y_data,
+        stride: y_stride,
+        offset: y_offset,
+    } = y;
     // One slot per segment, resolved to its weights once.
     let segments: Vec<Option<SegmentWeights<'_>>> = plan
         .seg_slots
@@ -82,9 +88,16 @@ pub fn apply_lora(
     let work_per_row = stack.r_max().max(1) * (fan_in + fan_out);
     let rows_per_task = (100_000 / work_per_row).max(1);
     if n_tokens <= rows_per_task {
-        y_rows.chunks_mut(y_stride).enumerate().for_each(|(t, y_row)| row(t, y_row));
+        y_rows
+            .chunks_mut(y_stride)
+            .enumerate()
+            .for_each(|(t, y_row)| row(t, y_row));
     } else {
-        y_rows.par_chunks_mut(y_stride).with_min_len(rows_per_task).enumerate().for_each(|(t, y_row)| row(t, y_row));
+        y_rows
+            .par_chunks_mut(y_stride)
+            .with_min_len(rows_per_task)
+            .enumerate()
+            .for_each(|(t, y_row)| row(t, y_row));
     }
 }
 
@@ -145,7 +158,12 @@ fn row_portable(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32]) {
 const STACK_RANK: usize = 128;
 
 #[inline(always)]
-fn row_update(w: &SegmentWeights<'_>, x: &[f32], y: &mut [f32], dot: impl Fn(&[f32], &[f32]) -> f32) {
+fn row_update(
+    w: &SegmentWeights<'_>,
+    x: &[f32],
+    y: &mut [f32],
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+) {
     let mut buf = [0f32; STACK_RANK];
     let mut heap;
     let t: &mut [f32] = if w.rank <= STACK_RANK {
@@ -238,7 +256,10 @@ mod simd {
             // SAFETY: each chunk is 16 contiguous f32; unaligned loads of 8 at offsets 0 and 8.
             unsafe {
                 let (a0, b0) = (_mm256_loadu_ps(xa.as_ptr()), _mm256_loadu_ps(xb.as_ptr()));
-                let (a1, b1) = (_mm256_loadu_ps(xa.as_ptr().add(8)), _mm256_loadu_ps(xb.as_ptr().add(8)));
+                let (a1, b1) = (
+                    _mm256_loadu_ps(xa.as_ptr().add(8)),
+                    _mm256_loadu_ps(xb.as_ptr().add(8)),
+                );
                 lo = _mm256_add_ps(lo, _mm256_mul_ps(a0, b0));
                 hi = _mm256_add_ps(hi, _mm256_mul_ps(a1, b1));
             }
@@ -261,7 +282,12 @@ mod tests {
     use crate::lora::test_support::tiny_config;
     use rand::{Rng, SeedableRng};
 
-    fn random_adapter(rng: &mut impl Rng, cfg: &crate::config::ModelConfig, rank: usize, scaling: f32) -> LoraAdapter {
+    fn random_adapter(
+        rng: &mut impl Rng,
+        cfg: &crate::config::ModelConfig,
+        rank: usize,
+        scaling: f32,
+    ) -> LoraAdapter {
         let targets = vec![TargetModule::Q, TargetModule::V, TargetModule::Down];
         let layers = (0..cfg.num_hidden_layers)
             .map(|_| {
@@ -276,15 +302,33 @@ mod tests {
                 l
             })
             .collect();
-        LoraAdapter { rank, scaling, targets, layers }
+        LoraAdapter {
+            rank,
+            scaling,
+            targets,
+            layers,
+        }
     }
 
     /// Naive reference in f64: y + scale * B (A x), from the adapter's own unpadded matrices.
-    fn reference(adapter: &LoraAdapter, layer: usize, m: TargetModule, x: &[f32], y: &[f32]) -> Vec<f32> {
-        let Some(p) = adapter.pair(layer, m) else { return y.to_vec() };
+    fn reference(
+        adapter: &LoraAdapter,
+        layer: usize,
+        m: TargetModule,
+        x: &[f32],
+        y: &[f32],
+    ) -> Vec<f32> {
+        let Some(p) = adapter.pair(layer, m) else {
+            return y.to_vec();
+        };
         let (r, fan_in, fan_out) = (adapter.rank, x.len(), y.len());
-        let t: Vec<f64> =
-            (0..r).map(|j| (0..fan_in).map(|k| p.a[j * fan_in + k] as f64 * x[k] as f64).sum()).collect();
+        let t: Vec<f64> = (0..r)
+            .map(|j| {
+                (0..fan_in)
+                    .map(|k| p.a[j * fan_in + k] as f64 * x[k] as f64)
+                    .sum()
+            })
+            .collect();
         (0..fan_out)
             .map(|o| {
                 let d: f64 = (0..r).map(|j| p.b[o * r + j] as f64 * t[j]).sum();
@@ -297,28 +341,45 @@ mod tests {
     fn matches_naive_reference_for_mixed_segments() {
         let cfg = tiny_config();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        let adapters = [random_adapter(&mut rng, &cfg, 4, 2.0), random_adapter(&mut rng, &cfg, 13, 0.5)];
+        let adapters = [
+            random_adapter(&mut rng, &cfg, 4, 2.0),
+            random_adapter(&mut rng, &cfg, 13, 0.5),
+        ];
         let mut stack = LoraSlotStack::new(&cfg, 3, 16);
         stack.set_slot(2, &adapters[0]).unwrap();
         assert_eq!(stack.r_max(), 8);
         // A larger rank re-lays out the stacks; slot 2 must keep its adapter.
         stack.set_slot(0, &adapters[1]).unwrap();
         assert_eq!(stack.r_max(), 16);
-        assert!(stack.set_slot(1, &random_adapter(&mut rng, &cfg, 17, 1.0)).is_err());
+        assert!(stack
+            .set_slot(1, &random_adapter(&mut rng, &cfg, 17, 1.0))
+            .is_err());
         // tokens: 0..3 slot 2, 3..5 base, 5..9 slot 0, 9..10 slot 2
-        let plan = LoraBatchPlan { seg_starts: vec![0, 3, 5, 9, 10], seg_slots: vec![2, NO_SLOT, 0, 2] };
+        let plan = LoraBatchPlan {
+            seg_starts: vec![0, 3, 5, 9, 10],
+            seg_slots: vec![2, NO_SLOT, 0, 2],
+        };
         let adapter_of = |t: usize| match t {
             0..=2 | 9 => Some(&adapters[0]),
             5..=8 => Some(&adapters[1]),
             _ => None,
         };
-        for m in [TargetModule::Q, TargetModule::V, TargetModule::Down, TargetModule::K] {
+        for m in [
+            TargetModule::Q,
+            TargetModule::V,
+            TargetModule::Down,
+            TargetModule::K,
+        ] {
             let (fan_in, fan_out) = m.dims(&cfg);
             let n = 10;
             // Fused-buffer layout: y has 3 extra columns before and 2 after this module's outputs.
             let (y_stride, y_off) = (fan_out + 5, 3);
-            let x: Vec<f32> = (0..n * fan_in).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let y0: Vec<f32> = (0..n * y_stride).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let x: Vec<f32> = (0..n * fan_in)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let y0: Vec<f32> = (0..n * y_stride)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
             let mut y = y0.clone();
             for layer in 0..cfg.num_hidden_layers {
                 y.copy_from_slice(&y0);
@@ -327,8 +388,16 @@ mod tests {
                     &plan,
                     layer,
                     m,
-                    Rows { data: &x, stride: fan_in, offset: 0 },
-                    RowsMut { data: &mut y, stride: y_stride, offset: y_off },
+                    Rows {
+                        data: &x,
+                        stride: fan_in,
+                        offset: 0,
+                    },
+                    RowsMut {
+                        data: &mut y,
+                        stride: y_stride,
+                        offset: y_off,
+                    },
                 );
                 for t in 0..n {
                     let row = &y[t * y_stride..][..y_stride];
@@ -336,11 +405,20 @@ mod tests {
                     assert_eq!(&row[..y_off], &row0[..y_off]);
                     assert_eq!(&row[y_off + fan_out..], &row0[y_off + fan_out..]);
                     let want = match adapter_of(t) {
-                        Some(a) => reference(a, layer, m, &x[t * fan_in..][..fan_in], &row0[y_off..][..fan_out]),
+                        Some(a) => reference(
+                            a,
+                            layer,
+                            m,
+                            &x[t * fan_in..][..fan_in],
+                            &row0[y_off..][..fan_out],
+                        ),
                         None => row0[y_off..][..fan_out].to_vec(),
                     };
                     for (g, w) in row[y_off..][..fan_out].iter().zip(&want) {
-                        assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{m} layer {layer} token {t}: {g} vs {w}");
+                        assert!(
+                            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                            "{m} layer {layer} token {t}: {g} vs {w}"
+                        );
                     }
                 }
             }
@@ -355,23 +433,40 @@ mod tests {
         let mut stack = LoraSlotStack::new(&cfg, 2, 8);
         stack.set_slot(1, &adapter).unwrap();
         let (fan_in, fan_out) = TargetModule::Q.dims(&cfg);
-        let x: Vec<f32> = (0..9 * fan_in).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let x: Vec<f32> = (0..9 * fan_in)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
         let run = |stack: &LoraSlotStack, n: usize| {
             let mut y = vec![0.5f32; n * fan_out];
-            let plan = LoraBatchPlan { seg_starts: vec![0, n as u32], seg_slots: vec![1] };
+            let plan = LoraBatchPlan {
+                seg_starts: vec![0, n as u32],
+                seg_slots: vec![1],
+            };
             apply_lora(
                 stack,
                 &plan,
                 0,
                 TargetModule::Q,
-                Rows { data: &x, stride: fan_in, offset: 0 },
-                RowsMut { data: &mut y, stride: fan_out, offset: 0 },
+                Rows {
+                    data: &x,
+                    stride: fan_in,
+                    offset: 0,
+                },
+                RowsMut {
+                    data: &mut y,
+                    stride: fan_out,
+                    offset: 0,
+                },
             );
             y
         };
         let one = run(&stack, 1);
         let nine = run(&stack, 9);
-        assert_eq!(&one[..], &nine[..fan_out], "row 0 must not depend on the batch size");
+        assert_eq!(
+            &one[..],
+            &nine[..fan_out],
+            "row 0 must not depend on the batch size"
+        );
         assert!(one.iter().any(|&v| v != 0.5));
         stack.clear_slot(1);
         assert!(run(&stack, 9).iter().all(|&v| v == 0.5));
@@ -387,7 +482,14 @@ mod tests {
         let (fan_in, fan_out) = TargetModule::Down.dims(&cfg);
         let w = stack.module(0, TargetModule::Down);
         assert_eq!(stack.r_max(), 8);
-        let seg = SegmentWeights { a: &w.a[..6 * fan_in], b_t: &w.b_t[..6 * fan_out], rank: 6, fan_in, fan_out, scale: 2.0 };
+        let seg = SegmentWeights {
+            a: &w.a[..6 * fan_in],
+            b_t: &w.b_t[..6 * fan_out],
+            rank: 6,
+            fan_in,
+            fan_out,
+            scale: 2.0,
+        };
         let x: Vec<f32> = (0..fan_in).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut portable = vec![0.25f32; fan_out];
         row_portable(&seg, &x, &mut portable);

@@ -16,7 +16,9 @@ use crate::{EngineError, Result};
 
 /// `n` random adapters of rank `rank` on all seven projections; adapter `i` uses seed `seed + i`.
 pub fn random_adapters(config: &ModelConfig, n: usize, rank: usize, seed: u64) -> Vec<LoraAdapter> {
-    (0..n).map(|i| LoraAdapter::random(config, &RandomAdapterSpec::new(rank, seed + i as u64))).collect()
+    (0..n)
+        .map(|i| LoraAdapter::random(config, &RandomAdapterSpec::new(rank, seed + i as u64)))
+        .collect()
 }
 
 /// Writes [`random_adapters`] as PEFT folders `dir/adapter-{i}`; returns `(name, folder)` pairs to
@@ -42,14 +44,24 @@ pub fn write_random_adapters(
 
 /// The adapter index of each of `requests` requests, Zipf(`s`) over `n_adapters` (index 0 the most
 /// popular). `base_fraction` of the requests (0..=1) use no adapter (`None`).
-pub fn zipf_assignment(requests: usize, n_adapters: usize, s: f64, base_fraction: f64, seed: u64) -> Vec<Option<usize>> {
+pub fn zipf_assignment(
+    requests: usize,
+    n_adapters: usize,
+    s: f64,
+    base_fraction: f64,
+    seed: u64,
+) -> Vec<Option<usize>> {
     let mut zipf = ZipfSampler::new(n_adapters, s, seed);
     let mut base = ZipfSampler::new(1, 0.0, seed ^ 0x9e37_79b9_7f4a_7c15);
     (0..requests)
         .map(|_| {
             let pick = zipf.sample();
             // A second stream decides base vs adapter, so the adapter spread does not depend on it.
-            if n_adapters == 0 || base.uniform() < base_fraction { None } else { Some(pick) }
+            if n_adapters == 0 || base.uniform() < base_fraction {
+                None
+            } else {
+                Some(pick)
+            }
         })
         .collect()
 }
@@ -71,14 +83,18 @@ pub fn decode_with_lora(
         backend.set_lora_slot(slot as u32, adapter)?;
     }
     if let Some(bad) = assignment.iter().flatten().find(|&&a| a >= adapters.len()) {
-        return Err(EngineError::InvalidRequest(format!("adapter index {bad} but {} adapters", adapters.len())));
+        return Err(EngineError::InvalidRequest(format!(
+            "adapter index {bad} but {} adapters",
+            adapters.len()
+        )));
     }
     let batch = assignment.len();
     let bs = backend.kv_shape().block_size;
     let vocab = backend.config().vocab_size.max(1);
     let per_seq = (context + steps).div_ceil(bs);
-    let tables: Vec<Vec<u32>> =
-        (0..batch).map(|s| (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect()).collect();
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|s| (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect())
+        .collect();
     let token = |i: usize, salt: usize| ((i * 7919 + salt * 104_729 + 1000) % vocab) as u32;
     let slot = |s: usize| assignment[s].map(|a| a as u32);
     if context > 0 {
@@ -119,9 +135,18 @@ pub fn decode_with_lora(
         let logits = backend.forward(&step_batch)?;
         for (s, t) in next.iter_mut().enumerate() {
             let row = logits.row(s);
-            *t = row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
-                as u32;
+            *t = row
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                )
+                .0 as u32;
         }
     }
-    Ok(BenchFigure { tokens: batch * steps, elapsed: start.elapsed() })
+    Ok(BenchFigure {
+        tokens: batch * steps,
+        elapsed: start.elapsed(),
+    })
 }

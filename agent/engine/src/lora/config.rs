@@ -57,15 +57,18 @@ impl AdapterConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<AdapterConfig> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
-        AdapterConfig::from_json(&text).map_err(|message| EngineError::invalid_adapter(path, message))
+        let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        AdapterConfig::from_json(&text)
+            .map_err(|message| EngineError::invalid_adapter(path, message))
     }
 
     /// Parses and validates; the error is a message for [`EngineError::InvalidAdapter`].
     pub fn from_json(text: &str) -> std::result::Result<AdapterConfig, String> {
-        let raw: RawConfig =
-            serde_json::from_str(text).map_err(|e| format!("adapter_config.json is not valid: {e}"))?;
+        let raw: RawConfig = serde_json::from_str(text)
+            .map_err(|e| format!("adapter_config.json is not valid: {e}"))?;
         if let Some(t) = &raw.peft_type {
             if !t.eq_ignore_ascii_case("lora") {
                 return Err(format!("peft_type {t:?} is not supported (only LORA)"));
@@ -82,7 +85,8 @@ impl AdapterConfig {
             .as_ref()
             .and_then(Value::as_f64)
             .filter(|a| a.is_finite())
-            .ok_or_else(|| "`lora_alpha` must be a finite number".to_string())? as f32;
+            .ok_or_else(|| "`lora_alpha` must be a finite number".to_string())?
+            as f32;
         match raw.bias.as_deref() {
             None | Some("none") => {}
             Some(other) => return Err(format!("bias {other:?} is not supported (only \"none\")")),
@@ -93,16 +97,33 @@ impl AdapterConfig {
         if raw.lora_bias {
             return Err("lora_bias is not supported".into());
         }
-        for (field, value) in [("rank_pattern", &raw.rank_pattern), ("alpha_pattern", &raw.alpha_pattern)] {
+        for (field, value) in [
+            ("rank_pattern", &raw.rank_pattern),
+            ("alpha_pattern", &raw.alpha_pattern),
+        ] {
             if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
-                return Err(format!("{field} is not supported (one rank and alpha for every module)"));
+                return Err(format!(
+                    "{field} is not supported (one rank and alpha for every module)"
+                ));
             }
         }
-        if raw.modules_to_save.as_ref().is_some_and(|v| !is_empty_json(v)) {
-            return Err("modules_to_save is not supported (the adapter must hold only LoRA tensors)".into());
+        if raw
+            .modules_to_save
+            .as_ref()
+            .is_some_and(|v| !is_empty_json(v))
+        {
+            return Err(
+                "modules_to_save is not supported (the adapter must hold only LoRA tensors)".into(),
+            );
         }
-        if raw.layers_to_transform.as_ref().is_some_and(|v| !is_empty_json(v)) {
-            return Err("layers_to_transform is not supported (the adapter must cover every layer)".into());
+        if raw
+            .layers_to_transform
+            .as_ref()
+            .is_some_and(|v| !is_empty_json(v))
+        {
+            return Err(
+                "layers_to_transform is not supported (the adapter must cover every layer)".into(),
+            );
         }
         let target_modules = parse_targets(raw.target_modules.as_ref())?;
         Ok(AdapterConfig {
@@ -131,19 +152,30 @@ fn parse_targets(value: Option<&Value>) -> std::result::Result<BTreeSet<TargetMo
     let names: Vec<&str> = match value {
         Some(Value::Array(items)) => items
             .iter()
-            .map(|v| v.as_str().ok_or_else(|| "target_modules must hold strings".to_string()))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| "target_modules must hold strings".to_string())
+            })
             .collect::<std::result::Result<_, _>>()?,
-        Some(Value::String(s)) if s == "all-linear" => TargetModule::ALL.iter().map(|m| m.peft_name()).collect(),
+        Some(Value::String(s)) if s == "all-linear" => {
+            TargetModule::ALL.iter().map(|m| m.peft_name()).collect()
+        }
         Some(Value::String(s)) => match TargetModule::from_peft_name(s) {
             Some(m) => vec![m.peft_name()],
-            None => return Err(format!("target_modules {s:?} looks like a regex; list the module names instead")),
+            None => {
+                return Err(format!(
+                    "target_modules {s:?} looks like a regex; list the module names instead"
+                ))
+            }
         },
         _ => return Err("target_modules is missing".into()),
     };
     let mut targets = BTreeSet::new();
     for name in names {
         let module = TargetModule::from_peft_name(name).ok_or_else(|| {
-            format!("target module {name:?} is not supported (q/k/v/o_proj and gate/up/down_proj only)")
+            format!(
+                "target module {name:?} is not supported (q/k/v/o_proj and gate/up/down_proj only)"
+            )
         })?;
         targets.insert(module);
     }
@@ -166,13 +198,18 @@ mod tests {
         .unwrap();
         assert_eq!(c.r, 8);
         assert_eq!(c.scaling(), 2.0);
-        assert_eq!(c.target_modules.iter().copied().collect::<Vec<_>>(), vec![TargetModule::Q, TargetModule::K]);
+        assert_eq!(
+            c.target_modules.iter().copied().collect::<Vec<_>>(),
+            vec![TargetModule::Q, TargetModule::K]
+        );
     }
 
     #[test]
     fn rslora_scaling_uses_sqrt_rank() {
-        let c = AdapterConfig::from_json(r#"{"r":16,"lora_alpha":8,"use_rslora":true,"target_modules":"all-linear"}"#)
-            .unwrap();
+        let c = AdapterConfig::from_json(
+            r#"{"r":16,"lora_alpha":8,"use_rslora":true,"target_modules":"all-linear"}"#,
+        )
+        .unwrap();
         assert_eq!(c.scaling(), 2.0);
         assert_eq!(c.target_modules.len(), 7);
     }
@@ -180,15 +217,36 @@ mod tests {
     #[test]
     fn refuses_unsupported_features() {
         for (json, needle) in [
-            (r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"bias":"all"}"#, "bias"),
-            (r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"use_dora":true}"#, "DoRA"),
-            (r#"{"r":8,"lora_alpha":16,"target_modules":["lm_head"]}"#, "lm_head"),
-            (r#"{"r":8,"lora_alpha":16,"target_modules":".*proj"}"#, "regex"),
-            (r#"{"r":0,"lora_alpha":16,"target_modules":["q_proj"]}"#, "`r`"),
+            (
+                r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"bias":"all"}"#,
+                "bias",
+            ),
+            (
+                r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"use_dora":true}"#,
+                "DoRA",
+            ),
+            (
+                r#"{"r":8,"lora_alpha":16,"target_modules":["lm_head"]}"#,
+                "lm_head",
+            ),
+            (
+                r#"{"r":8,"lora_alpha":16,"target_modules":".*proj"}"#,
+                "regex",
+            ),
+            (
+                r#"{"r":0,"lora_alpha":16,"target_modules":["q_proj"]}"#,
+                "`r`",
+            ),
             (r#"{"r":8,"target_modules":["q_proj"]}"#, "lora_alpha"),
             (r#"{"r":8,"lora_alpha":16}"#, "target_modules"),
-            (r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"rank_pattern":{"q_proj":4}}"#, "rank_pattern"),
-            (r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"peft_type":"IA3"}"#, "IA3"),
+            (
+                r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"rank_pattern":{"q_proj":4}}"#,
+                "rank_pattern",
+            ),
+            (
+                r#"{"r":8,"lora_alpha":16,"target_modules":["q_proj"],"peft_type":"IA3"}"#,
+                "IA3",
+            ),
             (r#"{"r":8,"#, "not valid"),
         ] {
             let err = AdapterConfig::from_json(json).unwrap_err();

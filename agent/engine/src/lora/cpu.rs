@@ -19,7 +19,10 @@ pub struct CpuLora {
 
 impl CpuLora {
     pub fn new(config: &ModelConfig, max_loras: usize, max_rank: usize) -> CpuLora {
-        CpuLora { stack: LoraSlotStack::new(config, max_loras, max_rank), plan: LoraBatchPlan::default() }
+        CpuLora {
+            stack: LoraSlotStack::new(config, max_loras, max_rank),
+            plan: LoraBatchPlan::default(),
+        }
     }
 
     pub fn stack(&self) -> &LoraSlotStack {
@@ -33,8 +36,15 @@ impl CpuLora {
     /// Builds the step's segment table; refuses slots that do not exist.
     pub fn begin_step(&mut self, batch: &StepBatch) -> Result<()> {
         let slots = self.stack.num_slots();
-        if let Some(bad) = batch.seqs.iter().filter_map(|s| s.lora_slot).find(|&s| s as usize >= slots) {
-            return Err(EngineError::Backend(format!("LoRA slot {bad} out of range ({slots} slots)")));
+        if let Some(bad) = batch
+            .seqs
+            .iter()
+            .filter_map(|s| s.lora_slot)
+            .find(|&s| s as usize >= slots)
+        {
+            return Err(EngineError::Backend(format!(
+                "LoRA slot {bad} out of range ({slots} slots)"
+            )));
         }
         self.plan = LoraBatchPlan::from_batch(batch);
         Ok(())
@@ -56,7 +66,9 @@ impl CpuLora {
 /// Rejects a step that names a LoRA slot on a backend without LoRA enabled.
 pub fn reject_lora_slots(batch: &StepBatch) -> Result<()> {
     match batch.seqs.iter().find_map(|s| s.lora_slot) {
-        Some(slot) => Err(EngineError::Backend(format!("LoRA slot {slot} used but LoRA is not enabled"))),
+        Some(slot) => Err(EngineError::Backend(format!(
+            "LoRA slot {slot} used but LoRA is not enabled"
+        ))),
         None => Ok(()),
     }
 }

@@ -24,7 +24,9 @@ pub use config::AdapterConfig;
 pub use cpu::CpuLora;
 pub use plan::{LoraBatchPlan, NO_SLOT};
 pub use random::{RandomAdapterSpec, ZipfSampler};
-pub use registry::{AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry, SlotAssignment};
+pub use registry::{
+    AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry, SlotAssignment,
+};
 pub use save::save_peft;
 pub use stack::LoraSlotStack;
 pub use target::TargetModule;

@@ -57,9 +57,16 @@ impl LoraBatchPlan {
 
     /// `(token range, slot)` of every adapter segment (base segments skipped).
     pub fn lora_segments(&self) -> impl Iterator<Item = (std::ops::Range<usize>, usize)> + '_ {
-        self.seg_slots.iter().enumerate().filter(|(_, &s)| s != NO_SLOT).map(|(i, &s)| {
-            (self.seg_starts[i] as usize..self.seg_starts[i + 1] as usize, s as usize)
-        })
+        self.seg_slots
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s != NO_SLOT)
+            .map(|(i, &s)| {
+                (
+                    self.seg_starts[i] as usize..self.seg_starts[i + 1] as usize,
+                    s as usize,
+                )
+            })
     }
 }
 
@@ -69,7 +76,14 @@ mod tests {
     use crate::backend::SeqChunk;
 
     fn chunk(start: usize, len: usize, slot: Option<u32>) -> SeqChunk {
-        SeqChunk { start, len, context_len: 0, block_table: vec![], wants_logits: true, lora_slot: slot }
+        SeqChunk {
+            start,
+            len,
+            context_len: 0,
+            block_table: vec![],
+            wants_logits: true,
+            lora_slot: slot,
+        }
     }
 
     #[test]
@@ -89,12 +103,19 @@ mod tests {
         assert_eq!(plan.seg_starts, vec![0, 2, 5, 6, 10]);
         assert_eq!(plan.seg_slots, vec![1, NO_SLOT, 0, 1]);
         assert!(!plan.is_base_only());
-        assert_eq!(plan.lora_segments().collect::<Vec<_>>(), vec![(0..2, 1), (5..6, 0), (6..10, 1)]);
+        assert_eq!(
+            plan.lora_segments().collect::<Vec<_>>(),
+            vec![(0..2, 1), (5..6, 0), (6..10, 1)]
+        );
     }
 
     #[test]
     fn base_only_batch() {
-        let batch = StepBatch { tokens: vec![0; 3], positions: vec![0; 3], seqs: vec![chunk(0, 3, None)] };
+        let batch = StepBatch {
+            tokens: vec![0; 3],
+            positions: vec![0; 3],
+            seqs: vec![chunk(0, 3, None)],
+        };
         let plan = LoraBatchPlan::from_batch(&batch);
         assert!(plan.is_base_only());
         assert_eq!(plan.lora_segments().count(), 0);

@@ -23,7 +23,13 @@ pub struct RandomAdapterSpec {
 impl RandomAdapterSpec {
     /// All seven projections, `alpha = 2r`, std 0.02.
     pub fn new(rank: usize, seed: u64) -> RandomAdapterSpec {
-        RandomAdapterSpec { rank, alpha: 2.0 * rank as f32, targets: TargetModule::ALL.to_vec(), std: 0.02, seed }
+        RandomAdapterSpec {
+            rank,
+            alpha: 2.0 * rank as f32,
+            targets: TargetModule::ALL.to_vec(),
+            std: 0.02,
+            seed,
+        }
     }
 }
 
@@ -32,7 +38,8 @@ impl LoraAdapter {
     pub fn random(base: &ModelConfig, spec: &RandomAdapterSpec) -> LoraAdapter {
         let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
         let bound = spec.std * 3f32.sqrt();
-        let mut fill = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-bound..=bound)).collect() };
+        let mut fill =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-bound..=bound)).collect() };
         let rank = spec.rank.max(1);
         let mut targets = spec.targets.clone();
         targets.sort();
@@ -49,7 +56,12 @@ impl LoraAdapter {
                 per_module
             })
             .collect();
-        LoraAdapter { rank, scaling: spec.alpha / rank as f32, targets, layers }
+        LoraAdapter {
+            rank,
+            scaling: spec.alpha / rank as f32,
+            targets,
+            layers,
+        }
     }
 }
 
@@ -63,7 +75,9 @@ pub struct ZipfSampler {
 impl ZipfSampler {
     /// `n ≥ 1` items (a zero `n` is treated as one), exponent `s ≥ 0` (0 = uniform).
     pub fn new(n: usize, s: f64, seed: u64) -> ZipfSampler {
-        let weights: Vec<f64> = (0..n.max(1)).map(|k| 1.0 / ((k + 1) as f64).powf(s.max(0.0))).collect();
+        let weights: Vec<f64> = (0..n.max(1))
+            .map(|k| 1.0 / ((k + 1) as f64).powf(s.max(0.0)))
+            .collect();
         let total: f64 = weights.iter().sum();
         let mut acc = 0.0;
         let cdf = weights
@@ -73,7 +87,10 @@ impl ZipfSampler {
                 acc
             })
             .collect();
-        ZipfSampler { cdf, rng: ChaCha8Rng::seed_from_u64(seed) }
+        ZipfSampler {
+            cdf,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
     }
 
     /// A uniform draw in `[0, 1)` from the same stream.
@@ -83,7 +100,9 @@ impl ZipfSampler {
 
     pub fn sample(&mut self) -> usize {
         let u: f64 = self.rng.random();
-        self.cdf.partition_point(|&c| c <= u).min(self.cdf.len() - 1)
+        self.cdf
+            .partition_point(|&c| c <= u)
+            .min(self.cdf.len() - 1)
     }
 }
 

@@ -30,7 +30,11 @@ pub struct LoraConfig {
 
 impl Default for LoraConfig {
     fn default() -> Self {
-        LoraConfig { max_loras: 4, max_lora_rank: 64, max_cpu_loras: 16 }
+        LoraConfig {
+            max_loras: 4,
+            max_lora_rank: 64,
+            max_cpu_loras: 16,
+        }
     }
 }
 
@@ -148,7 +152,12 @@ impl LoraRegistry {
     /// Registers parsed weights under `name`. Same name and source as the loaded version: no-op
     /// (weights refilled if they had been evicted). Another source: the new version takes the name
     /// at once and the old one retires when its last request finishes.
-    pub fn install(&mut self, name: &str, source: &Path, adapter: Arc<LoraAdapter>) -> (LoadOutcome, AdapterInfo) {
+    pub fn install(
+        &mut self,
+        name: &str,
+        source: &Path,
+        adapter: Arc<LoraAdapter>,
+    ) -> (LoadOutcome, AdapterInfo) {
         self.tick += 1;
         let outcome = match self.names.get(name).copied() {
             Some(id) if self.versions.get(&id).is_some_and(|v| v.source == source) => {
@@ -193,7 +202,11 @@ impl LoraRegistry {
 
     /// Removes `name`: new requests get [`EngineError::UnknownAdapter`]; running ones finish first.
     pub fn unload(&mut self, name: &str) -> Result<AdapterInfo> {
-        let id = self.names.get(name).copied().ok_or_else(|| EngineError::UnknownAdapter(name.to_string()))?;
+        let id = self
+            .names
+            .get(name)
+            .copied()
+            .ok_or_else(|| EngineError::UnknownAdapter(name.to_string()))?;
         let mut info = self.info_of(id);
         info.state = AdapterState::Unloading;
         self.retire(id);
@@ -202,7 +215,9 @@ impl LoraRegistry {
 
     /// Pins the current version of `name` for a new request.
     pub fn acquire(&mut self, name: &str) -> Result<AdapterId> {
-        let id = self.lookup(name).ok_or_else(|| EngineError::UnknownAdapter(name.to_string()))?;
+        let id = self
+            .lookup(name)
+            .ok_or_else(|| EngineError::UnknownAdapter(name.to_string()))?;
         self.tick += 1;
         if let Some(v) = self.versions.get_mut(&id) {
             v.in_flight += 1;
@@ -214,7 +229,9 @@ impl LoraRegistry {
 
     /// A request pinned to `id` finished (any way). Drops a retiring version with no requests left.
     pub fn release(&mut self, id: AdapterId) {
-        let Some(v) = self.versions.get_mut(&id) else { return };
+        let Some(v) = self.versions.get_mut(&id) else {
+            return;
+        };
         v.in_flight = v.in_flight.saturating_sub(1);
         v.requests_served += 1;
         if v.retiring && v.in_flight == 0 {
@@ -224,7 +241,10 @@ impl LoraRegistry {
 
     /// The source to re-read when `id`'s weights are not in host memory (None: resident or gone).
     pub fn reload_source(&self, id: AdapterId) -> Option<PathBuf> {
-        self.versions.get(&id).filter(|v| v.weights.is_none()).map(|v| v.source.clone())
+        self.versions
+            .get(&id)
+            .filter(|v| v.weights.is_none())
+            .map(|v| v.source.clone())
     }
 
     /// Puts re-read weights back for `id` (after [`Self::reload_source`]).
@@ -261,10 +281,16 @@ impl LoraRegistry {
         let mut out = SlotAssignment::default();
         let mut missing = Vec::new();
         for &id in &needed {
-            let v = self.versions.get(&id).ok_or_else(|| EngineError::Backend(format!("adapter version {id} is gone")))?;
+            let v = self
+                .versions
+                .get(&id)
+                .ok_or_else(|| EngineError::Backend(format!("adapter version {id} is gone")))?;
             match v.slot {
                 Some(s) => {
-                    self.slots[s] = Some(SlotUse { id, last_step: self.step });
+                    self.slots[s] = Some(SlotUse {
+                        id,
+                        last_step: self.step,
+                    });
                     out.slot_of.insert(id, s as u32);
                 }
                 None => missing.push(id),
@@ -275,14 +301,19 @@ impl LoraRegistry {
                 .versions
                 .get(&id)
                 .and_then(|v| v.weights.clone())
-                .ok_or_else(|| EngineError::Backend(format!("adapter version {id} is not in host memory")))?;
+                .ok_or_else(|| {
+                    EngineError::Backend(format!("adapter version {id} is not in host memory"))
+                })?;
             let slot = self.pick_slot(&needed)?;
             if let Some(prev) = self.slots[slot].take() {
                 if let Some(v) = self.versions.get_mut(&prev.id) {
                     v.slot = None;
                 }
             }
-            self.slots[slot] = Some(SlotUse { id, last_step: self.step });
+            self.slots[slot] = Some(SlotUse {
+                id,
+                last_step: self.step,
+            });
             if let Some(v) = self.versions.get_mut(&id) {
                 v.slot = Some(slot);
             }
@@ -302,7 +333,12 @@ impl LoraRegistry {
             .filter_map(|(i, s)| s.map(|s| (i, s)))
             .filter(|(_, s)| !needed.contains(&s.id))
             // Idle adapters (no request holds them) go before busy ones, then least recently used.
-            .min_by_key(|(_, s)| (self.versions.get(&s.id).map_or(0, |v| v.in_flight) > 0, s.last_step))
+            .min_by_key(|(_, s)| {
+                (
+                    self.versions.get(&s.id).map_or(0, |v| v.in_flight) > 0,
+                    s.last_step,
+                )
+            })
             .map(|(i, _)| i)
             .ok_or_else(|| EngineError::Backend("no LoRA slot can be freed for this step".into()))
     }
@@ -312,7 +348,13 @@ impl LoraRegistry {
         let mut ids: Vec<AdapterId> = self.versions.keys().copied().collect();
         ids.sort_unstable();
         let mut infos: Vec<AdapterInfo> = ids.into_iter().map(|id| self.info_of(id)).collect();
-        infos.sort_by(|a, b| (a.state == AdapterState::Unloading, &a.name, a.id).cmp(&(b.state == AdapterState::Unloading, &b.name, b.id)));
+        infos.sort_by(|a, b| {
+            (a.state == AdapterState::Unloading, &a.name, a.id).cmp(&(
+                b.state == AdapterState::Unloading,
+                &b.name,
+                b.id,
+            ))
+        });
         infos
     }
 
@@ -322,7 +364,10 @@ impl LoraRegistry {
 
     /// Number of adapters whose weights are in host memory.
     pub fn resident_count(&self) -> usize {
-        self.versions.values().filter(|v| v.weights.is_some()).count()
+        self.versions
+            .values()
+            .filter(|v| v.weights.is_some())
+            .count()
     }
 
     fn info_of(&self, id: AdapterId) -> AdapterInfo {
@@ -367,7 +412,9 @@ impl LoraRegistry {
     }
 
     fn retire(&mut self, id: AdapterId) {
-        let Some(v) = self.versions.get_mut(&id) else { return };
+        let Some(v) = self.versions.get_mut(&id) else {
+            return;
+        };
         if self.names.get(&v.name) == Some(&id) {
             self.names.remove(&v.name);
         }
@@ -411,11 +458,18 @@ mod tests {
     use crate::lora::test_support::tiny_config;
 
     fn adapter(seed: u64) -> Arc<LoraAdapter> {
-        Arc::new(LoraAdapter::random(&tiny_config(), &RandomAdapterSpec::new(2, seed)))
+        Arc::new(LoraAdapter::random(
+            &tiny_config(),
+            &RandomAdapterSpec::new(2, seed),
+        ))
     }
 
     fn registry(max_loras: usize, max_cpu_loras: usize) -> LoraRegistry {
-        LoraRegistry::new(LoraConfig { max_loras, max_lora_rank: 8, max_cpu_loras })
+        LoraRegistry::new(LoraConfig {
+            max_loras,
+            max_lora_rank: 8,
+            max_cpu_loras,
+        })
     }
 
     #[test]
@@ -430,9 +484,22 @@ mod tests {
         let (o, new_info) = r.install("a", Path::new("/x/a2"), adapter(2));
         assert_eq!(o, LoadOutcome::Replaced);
         assert_ne!(new_info.id, old);
-        assert_eq!(r.acquire("a").unwrap(), new_info.id, "new requests get the new version");
-        assert!(r.contains(old), "old version stays while a request holds it");
-        assert_eq!(r.list().iter().filter(|i| i.state == AdapterState::Unloading).count(), 1);
+        assert_eq!(
+            r.acquire("a").unwrap(),
+            new_info.id,
+            "new requests get the new version"
+        );
+        assert!(
+            r.contains(old),
+            "old version stays while a request holds it"
+        );
+        assert_eq!(
+            r.list()
+                .iter()
+                .filter(|i| i.state == AdapterState::Unloading)
+                .count(),
+            1
+        );
         r.release(old);
         assert!(!r.contains(old));
         assert_eq!(r.list().len(), 1);
@@ -449,7 +516,10 @@ mod tests {
         assert!(matches!(r.acquire("a"), Err(EngineError::UnknownAdapter(n)) if n == "a"));
         assert!(matches!(r.unload("a"), Err(EngineError::UnknownAdapter(_))));
         // The running request still gets its slot.
-        assert_eq!(r.assign_slots(&[id]).unwrap().slot_of[&id], slots.slot_of[&id]);
+        assert_eq!(
+            r.assign_slots(&[id]).unwrap().slot_of[&id],
+            slots.slot_of[&id]
+        );
         r.release(id);
         assert!(r.list().is_empty());
         assert_eq!(r.info("a"), None);
@@ -492,7 +562,10 @@ mod tests {
         assert_eq!(r.info("b").unwrap().state, AdapterState::Evicted);
         let b = r.acquire("b").unwrap();
         assert_eq!(r.reload_source(b), Some(PathBuf::from("/b")));
-        assert!(r.assign_slots(&[b]).is_err(), "weights must be restored before a step");
+        assert!(
+            r.assign_slots(&[b]).is_err(),
+            "weights must be restored before a step"
+        );
         r.restore(b, adapter(2));
         assert_eq!(r.reload_source(b), None);
         r.release(held);

@@ -33,13 +33,27 @@ pub fn save_peft(adapter: &LoraAdapter, dir: &Path) -> Result<()> {
     let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (layer, pairs) in adapter.layers.iter().enumerate() {
         for pair_and_module in pairs.iter().enumerate() {
-            let (index, Some(pair)) = pair_and_module else { continue };
+            let (index, Some(pair)) = pair_and_module else {
+                continue;
+            };
             let module = super::target::TargetModule::ALL[index];
-            let prefix = format!("base_model.model.model.layers.{layer}.{}.{}", module.parent(), module.peft_name());
+            let prefix = format!(
+                "base_model.model.model.layers.{layer}.{}.{}",
+                module.parent(),
+                module.peft_name()
+            );
             let fan_in = pair.a.len() / adapter.rank.max(1);
             let fan_out = pair.b.len() / adapter.rank.max(1);
-            buffers.push((format!("{prefix}.lora_A.weight"), vec![adapter.rank, fan_in], f32_bytes(&pair.a)));
-            buffers.push((format!("{prefix}.lora_B.weight"), vec![fan_out, adapter.rank], f32_bytes(&pair.b)));
+            buffers.push((
+                format!("{prefix}.lora_A.weight"),
+                vec![adapter.rank, fan_in],
+                f32_bytes(&pair.a),
+            ));
+            buffers.push((
+                format!("{prefix}.lora_B.weight"),
+                vec![fan_out, adapter.rank],
+                f32_bytes(&pair.b),
+            ));
         }
     }
     let views = buffers

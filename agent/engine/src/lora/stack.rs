@@ -49,7 +49,9 @@ impl LoraSlotStack {
             r_max: 0,
             max_rank,
             dims,
-            layers: (0..config.num_hidden_layers).map(|_| Default::default()).collect(),
+            layers: (0..config.num_hidden_layers)
+                .map(|_| Default::default())
+                .collect(),
             ranks: vec![[0; 7]; num_slots],
             scales: vec![0.0; num_slots],
         }
@@ -88,7 +90,10 @@ impl LoraSlotStack {
     /// Writes `adapter` into `slot`, replacing whatever was there.
     pub fn set_slot(&mut self, slot: usize, adapter: &LoraAdapter) -> Result<()> {
         if slot >= self.num_slots {
-            return Err(EngineError::Backend(format!("LoRA slot {slot} out of range ({} slots)", self.num_slots)));
+            return Err(EngineError::Backend(format!(
+                "LoRA slot {slot} out of range ({} slots)",
+                self.num_slots
+            )));
         }
         if adapter.rank > self.max_rank {
             return Err(EngineError::Backend(format!(
@@ -105,10 +110,14 @@ impl LoraSlotStack {
         }
         for (layer, pairs) in adapter.layers.iter().enumerate() {
             for m in TargetModule::ALL {
-                let Some(pair) = &pairs[m.index()] else { continue };
+                let Some(pair) = &pairs[m.index()] else {
+                    continue;
+                };
                 let (fan_in, fan_out) = self.dims[m.index()];
                 if pair.a.len() != adapter.rank * fan_in || pair.b.len() != fan_out * adapter.rank {
-                    return Err(EngineError::Backend(format!("adapter {m} of layer {layer} has the wrong size")));
+                    return Err(EngineError::Backend(format!(
+                        "adapter {m} of layer {layer} has the wrong size"
+                    )));
                 }
             }
         }
@@ -119,7 +128,9 @@ impl LoraSlotStack {
         let (r, r_max, num_slots) = (adapter.rank, self.r_max, self.num_slots);
         for (layer, pairs) in adapter.layers.iter().enumerate() {
             for m in TargetModule::ALL {
-                let Some(pair) = &pairs[m.index()] else { continue };
+                let Some(pair) = &pairs[m.index()] else {
+                    continue;
+                };
                 let (fan_in, fan_out) = self.dims[m.index()];
                 let stack = &mut self.layers[layer][m.index()];
                 if stack.a.is_empty() {

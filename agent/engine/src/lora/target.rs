@@ -52,7 +52,9 @@ impl TargetModule {
     }
 
     pub fn from_peft_name(name: &str) -> Option<TargetModule> {
-        TargetModule::ALL.into_iter().find(|m| m.peft_name() == name)
+        TargetModule::ALL
+            .into_iter()
+            .find(|m| m.peft_name() == name)
     }
 
     /// `(in_features, out_features)` of this projection in `config`'s model.

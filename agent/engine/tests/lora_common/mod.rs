@@ -35,7 +35,11 @@ pub fn smollm2_config() -> ModelConfig {
 
 pub fn adapter_dir(name: &str) -> PathBuf {
     let dir = common::fixtures_dir().join("smollm2/lora").join(name);
-    assert!(dir.is_dir(), "adapter fixture {} missing: run `make model` / check ../shared/fixtures", dir.display());
+    assert!(
+        dir.is_dir(),
+        "adapter fixture {} missing: run `make model` / check ../shared/fixtures",
+        dir.display()
+    );
     dir
 }
 
@@ -58,11 +62,19 @@ pub fn copy_adapter(name: &str) -> tempfile::TempDir {
 pub const ATOL: f32 = 1e-3;
 
 pub fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 pub fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
 }
 
 /// One generation case: a prompt under an adapter slot (None: base) and what the fixtures expect.
@@ -83,7 +95,12 @@ pub fn cases(slots: &[(&str, u32)]) -> Vec<Case> {
     let base_ref = common::reference();
     let mut out = Vec::new();
     for &(name, slot) in slots {
-        for (pi, p) in lora_ref["adapters"][name]["prompts"].as_array().unwrap().iter().enumerate() {
+        for (pi, p) in lora_ref["adapters"][name]["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
             out.push(Case {
                 label: format!("{name} prompt {pi}"),
                 prompt: u32s(&p["input_ids"]),
@@ -96,12 +113,24 @@ pub fn cases(slots: &[(&str, u32)]) -> Vec<Case> {
         }
     }
     // The base model on the same prompts, from the base fixtures.
-    for p in lora_ref["adapters"]["adapter-a"]["prompts"].as_array().unwrap() {
+    for p in lora_ref["adapters"]["adapter-a"]["prompts"]
+        .as_array()
+        .unwrap()
+    {
         let ids = u32s(&p["input_ids"]);
-        let base = base_ref["prompts"].as_array().unwrap().iter().find(|b| u32s(&b["input_ids"]) == ids).unwrap();
+        let base = base_ref["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| u32s(&b["input_ids"]) == ids)
+            .unwrap();
         let last = base["positions"].as_array().unwrap().last().unwrap();
         let steps = base["greedy"]["steps"].as_array().unwrap();
-        let safe = steps.iter().take(24).take_while(|s| s["top2_margin"].as_f64().unwrap() > 2.0 * ATOL as f64).count();
+        let safe = steps
+            .iter()
+            .take(24)
+            .take_while(|s| s["top2_margin"].as_f64().unwrap() > 2.0 * ATOL as f64)
+            .count();
         out.push(Case {
             label: format!("base {:?}", base["prompt"].as_str().unwrap()),
             prompt: ids,
@@ -114,4 +143,3 @@ pub fn cases(slots: &[(&str, u32)]) -> Vec<Case> {
     }
     out
 }
-

@@ -5,18 +5,17 @@ completions, and a report of throughput, TTFT, TPOT and ITL percentiles.
 
     scripts/bench_serve.py --url http://127.0.0.1:8000 --model smollm2 --request-rate 4 --num-prompts 64
 
-Prompts: random words (--input-len words each) or one per line from --prompts-file. Needs httpx
-(installed with the `openai` package by scripts/python-deps.sh).
+Prompts: random words (--input-len words each) or one per line from --prompts-file.  Standard library only.
 """
 
 import argparse
-import asyncio
+import http.client
 import json
 import random
 import statistics
 import time
-
-import httpx
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain story dragon castle garden music").split()
@@ -31,34 +30,41 @@ def percentile(xs, p):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one_request(client, url, model, prompt, max_tokens, api_key):
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def one_request(url, model, prompt, max_tokens, api_key):
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                       "temperature": 0, "stream_options": {"include_usage": True}})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    u = urllib.parse.urlsplit(url)
     start = time.perf_counter()
     ttft, times, usage, error = None, [], None, None
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"}
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = chunk["error"]
-                    break
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - start
-                    times.append(now)
-    except httpx.HTTPError as e:
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=600)
+        conn.request("POST", "/v1/completions", body=body, headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}"}
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = chunk["error"]
+                break
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - start
+                times.append(now)
+        conn.close()
+    except OSError as e:
         error = str(e)
     end = time.perf_counter()
     if error or ttft is None:
@@ -70,7 +76,7 @@ async def one_request(client, url, model, prompt, max_tokens, api_key):
             "in": usage["prompt_tokens"] if usage else 0}
 
 
-async def main():
+def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", required=True)
@@ -88,15 +94,15 @@ async def main():
         prompts = [pool[i % len(pool)] for i in range(args.num_prompts)]
     else:
         prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    # One thread per in-flight request: the client only waits on sockets.
+    with ThreadPoolExecutor(max_workers=max(1, args.num_prompts)) as pool:
         t0 = time.perf_counter()
-        tasks = []
+        futures = []
         for p in prompts:
-            tasks.append(asyncio.create_task(one_request(client, args.url.rstrip("/"), args.model, p, args.output_len, args.api_key)))
+            futures.append(pool.submit(one_request, args.url.rstrip("/"), args.model, p, args.output_len, args.api_key))
             if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
+                time.sleep(rng.expovariate(args.request_rate))
+        results = [f.result() for f in futures]
         duration = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
@@ -120,4 +126,4 @@ async def main():
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

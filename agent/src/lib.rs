@@ -1,3 +1,6 @@
 //! The Peregrine agent: one module per subcommand of the `peregrine-agent` binary.
 
+pub mod bench;
+pub mod generate;
+pub mod runtime;
 pub mod serve;

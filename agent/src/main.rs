@@ -13,11 +13,17 @@ struct Cli {
 enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(peregrine_agent::serve::ServeArgs),
+    /// Generate from one prompt offline and print the result (like llama-cli).
+    Generate(peregrine_agent::generate::GenerateArgs),
+    /// Offline throughput: prefill and decode tokens/s through the engine, no HTTP.
+    Bench(peregrine_agent::bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => peregrine_agent::serve::run(args),
+        Command::Generate(args) => peregrine_agent::generate::run(args),
+        Command::Bench(args) => peregrine_agent::bench::run(args),
     }
 }

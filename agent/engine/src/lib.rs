@@ -7,12 +7,15 @@
 //!   is the reference implementation.
 //! - [`kv`], [`scheduler`], [`sampling`], [`engine`]: the engine thread that owns the backend, the
 //!   paged KV cache and the sampler, fed over channels.
+//! - [`lora`]: multi-LoRA serving: PEFT adapters, the adapter registry and slots, the per-step
+//!   segment plan and the CPU shrink/expand update.
 //!
 //! The engine knows nothing of HTTP; the server (`peregrine-agent`) depends on it, never the reverse.
 
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod lora;
 pub mod model;
 pub mod request;
 pub mod tokenizer;

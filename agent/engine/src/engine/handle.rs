@@ -10,7 +10,9 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::config::ResolvedLimits;
+use super::lora::{canonical_source, check_name, HandleLora};
 use super::metrics::EngineMetrics;
+use crate::lora::{AdapterId, AdapterInfo, LoadOutcome, LoraAdapter};
 use crate::request::{GenerationRequest, RequestEvent, RequestId};
 use crate::{sampling, EngineError, Result};
 
@@ -19,6 +21,17 @@ pub(super) enum Command {
     Submit { request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant },
     Abort(RequestId),
     Shutdown,
+    /// A parsed adapter to register under `name` (parsing happened on the caller's thread).
+    LoadAdapter {
+        name: String,
+        source: std::path::PathBuf,
+        adapter: Arc<LoraAdapter>,
+        reply: Sender<(LoadOutcome, AdapterInfo)>,
+    },
+    UnloadAdapter { name: String, reply: Sender<Result<AdapterInfo>> },
+    ListAdapters { reply: Sender<Vec<AdapterInfo>> },
+    /// A loader thread re-read an adapter evicted from host memory.
+    AdapterReloaded { id: AdapterId, result: Result<Arc<LoraAdapter>> },
 }
 
 struct Inner {
@@ -27,6 +40,8 @@ struct Inner {
     limits: ResolvedLimits,
     next_id: AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Present when the engine was started with LoRA enabled.
+    lora: Option<HandleLora>,
 }
 
 impl Drop for Inner {
@@ -48,6 +63,7 @@ impl EngineHandle {
         metrics: Arc<Mutex<EngineMetrics>>,
         limits: ResolvedLimits,
         thread: JoinHandle<()>,
+        lora: Option<HandleLora>,
     ) -> Self {
         EngineHandle {
             inner: Arc::new(Inner {
@@ -56,6 +72,7 @@ impl EngineHandle {
                 limits,
                 next_id: AtomicU64::new(1),
                 thread: Mutex::new(Some(thread)),
+                lora,
             }),
         }
     }
@@ -104,10 +121,64 @@ impl EngineHandle {
             return bad(format!("token id {t} is out of the vocabulary (size {})", limits.vocab_size));
         }
         if let Some(name) = &request.adapter {
-            // No adapter registry yet: the LoRA work adds one.
-            return bad(format!("unknown adapter {name:?}"));
+            let known = self.inner.lora.as_ref().is_some_and(|l| l.names.read().contains(name));
+            if !known {
+                return Err(EngineError::UnknownAdapter(name.clone()));
+            }
         }
         sampling::validate(&request.params)
+    }
+
+    /// Loads (or replaces) the PEFT adapter in folder `path` under `name`. Parses and validates on
+    /// the calling thread (blocking: call it from `spawn_blocking` in async code), then registers
+    /// it on the engine thread. Same name and source as already loaded: `AlreadyLoaded`, nothing
+    /// changes. Same name, new source: `Replaced`; requests already running finish on the old
+    /// weights, new ones get the new. Errors: `InvalidAdapter`/`Io` (bad files; the engine keeps
+    /// serving), `InvalidRequest` (bad name), `Unsupported` (LoRA not enabled).
+    pub fn load_adapter(&self, name: &str, path: &std::path::Path) -> Result<(LoadOutcome, AdapterInfo)> {
+        let lora = self.lora_enabled()?;
+        check_name(name)?;
+        let source = canonical_source(path);
+        let adapter = Arc::new(LoraAdapter::load(&source, &lora.model, lora.config.max_lora_rank)?);
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        self.send(Command::LoadAdapter { name: name.to_string(), source, adapter, reply })?;
+        answer.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Unloads `name`: new requests naming it get `UnknownAdapter` at once; requests already
+    /// running finish on it, then its weights are dropped.
+    pub fn unload_adapter(&self, name: &str) -> Result<AdapterInfo> {
+        self.lora_enabled()?;
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        self.send(Command::UnloadAdapter { name: name.to_string(), reply })?;
+        answer.recv().map_err(|_| EngineError::EngineStopped)?
+    }
+
+    /// Every adapter (loaded ones, then versions still finishing requests after an unload or
+    /// replace). Empty when LoRA is not enabled.
+    pub fn list_adapters(&self) -> Result<Vec<AdapterInfo>> {
+        if self.inner.lora.is_none() {
+            return Ok(Vec::new());
+        }
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        self.send(Command::ListAdapters { reply })?;
+        answer.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Whether the engine serves LoRA adapters (started with `Engine::start_with_lora`).
+    pub fn lora_supported(&self) -> bool {
+        self.inner.lora.is_some()
+    }
+
+    fn lora_enabled(&self) -> Result<&HandleLora> {
+        self.inner
+            .lora
+            .as_ref()
+            .ok_or_else(|| EngineError::Unsupported("LoRA is not enabled on this engine".into()))
+    }
+
+    fn send(&self, command: Command) -> Result<()> {
+        self.inner.commands.send(command).map_err(|_| EngineError::EngineStopped)
     }
 
     /// Cancels a request; its blocks are freed at the next step and it finishes with `Abort`.

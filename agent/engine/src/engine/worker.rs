@@ -10,8 +10,10 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::config::ResolvedLimits;
 use super::handle::Command;
+use super::lora::{EngineLora, Placement};
 use super::metrics::EngineMetrics;
 use crate::backend::{Backend, Logits};
+use crate::lora::AdapterId;
 use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, Usage};
 use crate::sampling::{request_seed, RequestSampler};
 use crate::scheduler::{Scheduler, SchedulerOutput, Sequence};
@@ -24,6 +26,8 @@ struct Active {
     prompt_len: usize,
     num_output: usize,
     cached_prompt_tokens: usize,
+    /// The LoRA adapter version this request pinned (released when it ends).
+    adapter: Option<AdapterId>,
 }
 
 pub(super) struct Worker {
@@ -36,6 +40,7 @@ pub(super) struct Worker {
     limits: ResolvedLimits,
     eos_token_ids: Vec<u32>,
     seed: u64,
+    lora: Option<EngineLora>,
 }
 
 enum Flow {
@@ -51,6 +56,7 @@ impl Worker {
         metrics: Arc<Mutex<EngineMetrics>>,
         limits: ResolvedLimits,
         seed: u64,
+        lora: Option<EngineLora>,
     ) -> Self {
         let eos_token_ids = backend.config().eos_token_ids.clone();
         Worker {
@@ -63,6 +69,7 @@ impl Worker {
             limits,
             eos_token_ids,
             seed,
+            lora,
         }
     }
 
@@ -114,6 +121,22 @@ impl Worker {
             Command::Submit { request, events, arrival } => self.add(request, events, arrival),
             Command::Abort(id) => self.finish(id, FinishReason::Abort),
             Command::Shutdown => return Flow::Stop,
+            Command::LoadAdapter { name, source, adapter, reply } => {
+                if let Some(lora) = &mut self.lora {
+                    let _ = reply.send(lora.install(&name, &source, adapter));
+                }
+            }
+            Command::UnloadAdapter { name, reply } => {
+                let result = match &mut self.lora {
+                    Some(lora) => lora.unload(&name),
+                    None => Err(crate::EngineError::UnknownAdapter(name)),
+                };
+                let _ = reply.send(result);
+            }
+            Command::ListAdapters { reply } => {
+                let _ = reply.send(self.lora.as_ref().map(EngineLora::list).unwrap_or_default());
+            }
+            Command::AdapterReloaded { id, result } => self.adapter_reloaded(id, result),
         }
         Flow::Continue
     }
@@ -126,13 +149,57 @@ impl Worker {
         let seed = request_seed(&request.params, request.id, self.seed);
         let sampler = RequestSampler::new(request.params, &request.prompt_tokens, seed);
         let prompt_len = request.prompt_tokens.len();
-        let mut seq = Sequence::new(request.id, request.prompt_tokens, request.adapter, None);
+        let mut seq = Sequence::new(request.id, request.prompt_tokens, None, None);
         seq.arrival = arrival;
-        self.scheduler.add(seq);
+        let id = request.id;
+        let mut adapter = None;
+        // None: parked until its adapter's weights are back in memory.
+        let ready = match &request.adapter {
+            None => Some(seq),
+            Some(name) => {
+                // Re-checked here: an unload may have raced with the handle's check.
+                let Some(lora) = &mut self.lora else {
+                    let _ = events.send(RequestEvent::Error(format!("unknown adapter {name:?}")));
+                    return;
+                };
+                let version = match lora.pin(&mut seq, name) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let _ = events.send(RequestEvent::Error(e.to_string()));
+                        return;
+                    }
+                };
+                adapter = Some(version);
+                match lora.place(seq, version) {
+                    Placement::Ready(seq) => Some(seq),
+                    Placement::Parked => None,
+                }
+            }
+        };
+        if let Some(seq) = ready {
+            self.scheduler.add(seq);
+        }
         self.requests.insert(
-            request.id,
-            Active { events, sampler, arrival, prompt_len, num_output: 0, cached_prompt_tokens: 0 },
+            id,
+            Active { events, sampler, arrival, prompt_len, num_output: 0, cached_prompt_tokens: 0, adapter },
         );
+    }
+
+    /// An evicted adapter is back in memory (or could not be read): schedule or fail its requests.
+    fn adapter_reloaded(&mut self, id: AdapterId, result: crate::Result<std::sync::Arc<crate::lora::LoraAdapter>>) {
+        let Some(lora) = &mut self.lora else { return };
+        match lora.reloaded(id, result) {
+            Ok(seqs) => {
+                for seq in seqs.into_iter().filter(|s| self.requests.contains_key(&s.id)) {
+                    self.scheduler.add(seq);
+                }
+            }
+            Err((seqs, msg)) => {
+                for seq in seqs {
+                    self.fail(seq.id, &msg);
+                }
+            }
+        }
     }
 
     /// Requests whose stream was dropped without an abort reaching us yet.
@@ -145,7 +212,7 @@ impl Worker {
     }
 
     fn step(&mut self) {
-        let out = self.scheduler.schedule();
+        let mut out = self.scheduler.schedule();
         self.totals.preemptions_total += out.preempted.len() as u64;
         if out.is_empty() {
             if out.preempted.is_empty() {
@@ -164,6 +231,11 @@ impl Worker {
         }
         self.totals.steps_total += 1;
 
+        if let Some(lora) = &mut self.lora {
+            if let Err(e) = lora.prepare_step(&self.scheduler, &mut out, self.backend.as_mut()) {
+                return self.fail_step(&out, &e.to_string());
+            }
+        }
         let logits = match self.backend.forward(&out.batch) {
             Ok(l) => l,
             Err(e) => return self.fail_step(&out, &e.to_string()),
@@ -228,6 +300,7 @@ impl Worker {
     fn finish(&mut self, id: RequestId, reason: FinishReason) {
         self.scheduler.remove(id);
         let Some(req) = self.requests.remove(&id) else { return };
+        self.release_adapter(id, req.adapter);
         self.totals.requests_finished_total += 1;
         let usage = Usage {
             prompt_tokens: req.prompt_len,
@@ -240,7 +313,16 @@ impl Worker {
     fn fail(&mut self, id: RequestId, msg: &str) {
         self.scheduler.remove(id);
         if let Some(req) = self.requests.remove(&id) {
+            self.release_adapter(id, req.adapter);
             let _ = req.events.send(RequestEvent::Error(msg.to_owned()));
+        }
+    }
+
+    /// A request ended: unpin its adapter version (a retiring one is dropped with its last request).
+    fn release_adapter(&mut self, request: RequestId, adapter: Option<AdapterId>) {
+        if let (Some(lora), Some(version)) = (&mut self.lora, adapter) {
+            lora.unpark(request);
+            lora.release(version);
         }
     }
 

@@ -62,11 +62,28 @@ pub struct Scheduler {
     waiting: VecDeque<SeqId>,
     /// In admission order: the last one is the newest, the first to be preempted.
     running: Vec<SeqId>,
+    /// Most distinct LoRA adapters among running sequences (the backend's slots); None: no limit.
+    max_loras: Option<usize>,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, kv: BlockManager) -> Self {
-        Scheduler { config, kv, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new() }
+        Scheduler { config, kv, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), max_loras: None }
+    }
+
+    /// Admits a sequence only while the running set then uses at most `max_loras` distinct
+    /// adapters, so every step's adapters fit in the backend's LoRA slots.
+    pub fn set_max_loras(&mut self, max_loras: usize) {
+        self.max_loras = Some(max_loras);
+    }
+
+    /// Whether admitting a sequence pinned to `lora_id` keeps the running adapters within the limit.
+    fn lora_fits(&self, lora_id: Option<u64>) -> bool {
+        let (Some(max), Some(key)) = (self.max_loras, lora_id) else { return true };
+        let mut in_use: Vec<u64> = self.running.iter().filter_map(|r| self.seqs.get(r)?.lora_id).collect();
+        in_use.sort_unstable();
+        in_use.dedup();
+        in_use.contains(&key) || in_use.len() < max
     }
 
     pub fn kv(&self) -> &BlockManager {
@@ -209,10 +226,15 @@ impl Scheduler {
     fn admit(&mut self, out: &mut SchedulerOutput, budget: &mut usize) {
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
-            let Some(seq) = self.seqs.get_mut(&id) else {
+            let Some(lora_id) = self.seqs.get(&id).map(|s| s.lora_id) else {
                 self.waiting.pop_front();
                 continue;
             };
+            // FCFS as for blocks: the head waits until a LoRA slot's adapter is no longer running.
+            if !self.lora_fits(lora_id) {
+                break;
+            }
+            let Some(seq) = self.seqs.get_mut(&id) else { break };
             // FCFS: if the oldest waiting sequence does not fit, nothing behind it jumps the queue.
             let Some(cached) = self.kv.allocate(id, &seq.tokens, seq.adapter.as_deref()) else { break };
             self.waiting.pop_front();

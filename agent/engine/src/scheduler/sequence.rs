@@ -15,6 +15,9 @@ pub struct Sequence {
     /// LoRA adapter name; part of the prefix-cache key.
     pub adapter: Option<String>,
     pub lora_slot: Option<u32>,
+    /// The LoRA adapter version this sequence is pinned to (`lora::AdapterId`); the scheduler
+    /// keeps the running set within `max_loras` distinct versions.
+    pub lora_id: Option<u64>,
     pub arrival: Instant,
     /// True once every token but the newest sampled one is computed: the sequence then takes one
     /// decode token per step. Reset by preemption (the recompute is a prefill again).
@@ -32,6 +35,7 @@ impl Sequence {
             num_computed: 0,
             adapter,
             lora_slot,
+            lora_id: None,
             arrival: Instant::now(),
             decoding: false,
             ever_scheduled: false,

@@ -285,10 +285,15 @@ pub fn invalid_requests_and_context_limit(factory: Factory) {
     invalid(request(3, vec![1, vocab as u32, 2], SamplingParams::greedy(1)));
     invalid(request(4, vec![1, 2], SamplingParams::greedy(0)));
     invalid(request(5, vec![1, 2], SamplingParams { top_p: 0.0, ..Default::default() }));
-    invalid(GenerationRequest {
+    // An adapter that is not loaded: its own error kind, so the server can answer 404.
+    match h.submit(GenerationRequest {
         adapter: Some("nope".into()),
         ..request(6, vec![1, 2], SamplingParams::greedy(1))
-    });
+    }) {
+        Err(EngineError::UnknownAdapter(name)) => assert_eq!(name, "nope"),
+        Err(e) => panic!("expected UnknownAdapter, got {e}"),
+        Ok(_) => panic!("expected UnknownAdapter, got a stream"),
+    }
 
     let to_the_limit = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(100) };
     let runs = run_alone(

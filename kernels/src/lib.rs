@@ -1,0 +1,41 @@
+//! Peregrine's CUDA kernels and their launch wrappers.
+//!
+//! - [`device`]: a GPU (context + the one stream work runs on), device buffers, a panic-free probe.
+//! - [`compile`]: the `.cu` sources (embedded), compiled with NVRTC at run time and cached on disk.
+//! - [`ops`]: one launch wrapper per kernel (embedding gather, add+RMSNorm, RoPE+KV write, paged
+//!   attention, SiLU·mul, argmax, fills).
+//! - [`gemm`]: bf16 GEMMs through cuBLAS.
+//!
+//! Kernels know nothing of requests: they take tensors and plans (block tables, slot maps).
+//! Libraries are loaded at run time (cudarc's dynamic loading), so building needs no CUDA toolkit.
+
+pub mod compile;
+pub mod device;
+pub mod error;
+pub mod gemm;
+pub mod ops;
+
+pub use device::{probe, DevBuf, Gpu};
+pub use error::{KernelError, Result};
+pub use gemm::{Blas, OutType};
+pub use ops::{DPtr, Kernels};
+
+/// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
+pub struct Cuda {
+    pub gpu: Gpu,
+    pub kernels: Kernels,
+    pub blas: Blas,
+}
+
+impl Cuda {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let gpu = Gpu::new(ordinal)?;
+        let module = compile::load_module(&gpu.ctx, gpu.arch)?;
+        let sms = gpu
+            .ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let kernels = Kernels::load(&module, sms.max(1) as u32)?;
+        let blas = Blas::new(&gpu.stream)?;
+        Ok(Cuda { gpu, kernels, blas })
+    }
+}

@@ -1,0 +1,278 @@
+//! Launch wrappers: one method per kernel, shapes checked before launching.
+//!
+//! Pointers are raw device addresses (`u64`) of bf16 (`u16` bits), f32, i32 or u32 data. The caller
+//! owns the buffers and guarantees their sizes; that is why every wrapper is `unsafe`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::{KernelError, Result};
+
+/// Device address.
+pub type DPtr = u64;
+
+/// Every kernel of the module, loaded once.
+pub struct Kernels {
+    embedding_gather: CudaFunction,
+    add_rmsnorm: CudaFunction,
+    rope_kv_write: CudaFunction,
+    paged_attention_d64: CudaFunction,
+    paged_attention_d128: CudaFunction,
+    silu_mul: CudaFunction,
+    argmax_rows: CudaFunction,
+    fill_uniform_bf16: CudaFunction,
+    fill_f32: CudaFunction,
+    f32_to_bf16: CudaFunction,
+    num_sms: u32,
+}
+
+/// Most query heads one KV head may serve (attention.cu's ATTN_MAX_GROUP).
+pub const ATTN_MAX_GROUP: usize = 8;
+const ATTN_THREADS: u32 = 128;
+
+fn cfg(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn as_u32(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| KernelError::Unsupported(format!("{what} = {v} exceeds u32")))
+}
+
+fn as_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| KernelError::Unsupported(format!("{what} = {v} exceeds i32")))
+}
+
+impl Kernels {
+    pub fn load(module: &Arc<CudaModule>, num_sms: u32) -> Result<Self> {
+        let f = |name: &str| module.load_function(name);
+        Ok(Kernels {
+            embedding_gather: f("embedding_gather")?,
+            add_rmsnorm: f("add_rmsnorm")?,
+            rope_kv_write: f("rope_kv_write")?,
+            paged_attention_d64: f("paged_attention_d64")?,
+            paged_attention_d128: f("paged_attention_d128")?,
+            silu_mul: f("silu_mul")?,
+            argmax_rows: f("argmax_rows")?,
+            fill_uniform_bf16: f("fill_uniform_bf16")?,
+            fill_f32: f("fill_f32")?,
+            f32_to_bf16: f("f32_to_bf16")?,
+            num_sms: num_sms.max(1),
+        })
+    }
+
+    /// Grid for grid-stride elementwise kernels: enough blocks to fill the GPU, no more.
+    fn elementwise_grid(&self, n: usize, block: u32) -> u32 {
+        let want = n.div_ceil(block as usize).max(1);
+        want.min(self.num_sms as usize * 8) as u32
+    }
+
+    /// `out[t, :] = f32(table[ids[t], :])` for `n` tokens. ids: u32, already checked `< vocab`.
+    ///
+    /// # Safety
+    /// out: n*hidden f32; table: vocab*hidden bf16; ids: n u32.
+    pub unsafe fn embedding_gather(&self, s: &CudaStream, out: DPtr, table: DPtr, ids: DPtr, n: usize, hidden: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let hidden = as_i32(hidden, "hidden")?;
+        s.launch_builder(&self.embedding_gather)
+            .arg(&out)
+            .arg(&table)
+            .arg(&ids)
+            .arg(&hidden)
+            .launch(cfg(as_u32(n, "tokens")?, 256))?;
+        Ok(())
+    }
+
+    /// `residual += delta` (when `delta` is Some), then `out = rmsnorm(residual) * weight` in bf16.
+    /// With `rows` = Some(ptr to `n` i32), output row i normalizes residual row `rows[i]` (no delta).
+    ///
+    /// # Safety
+    /// residual: f32 rows of `hidden`; delta: bf16 like residual; weight: hidden f32; out: n*hidden bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_rmsnorm(&self, s: &CudaStream, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, rows: Option<DPtr>, n: usize, hidden: usize, eps: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if delta.is_some() && rows.is_some() {
+            return Err(KernelError::Unsupported("add_rmsnorm: delta with a row map".into()));
+        }
+        let delta = delta.unwrap_or(0);
+        let rows = rows.unwrap_or(0);
+        let hidden_i = as_i32(hidden, "hidden")?;
+        let threads = if hidden >= 4096 { 1024 } else { 256 };
+        s.launch_builder(&self.add_rmsnorm)
+            .arg(&residual)
+            .arg(&delta)
+            .arg(&weight)
+            .arg(&out)
+            .arg(&rows)
+            .arg(&hidden_i)
+            .arg(&eps)
+            .launch(cfg(as_u32(n, "tokens")?, threads))?;
+        Ok(())
+    }
+
+    /// RoPE on the q and k parts of `qkv` (+ optional f32 bias), q written to `q_out`, k and v into the
+    /// paged caches at `slots[t]`.
+    ///
+    /// # Safety
+    /// qkv: n*(hq+2hkv)*d bf16; positions, slots: n i32; cos/sin: (max position + 1)*d/2 f32;
+    /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*d bf16 covering every slot.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if d % 2 != 0 {
+            return Err(KernelError::Unsupported(format!("rope: odd head_dim {d}")));
+        }
+        let bias = bias.unwrap_or(0);
+        let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
+        s.launch_builder(&self.rope_kv_write)
+            .arg(&qkv)
+            .arg(&bias)
+            .arg(&positions)
+            .arg(&cos)
+            .arg(&sin)
+            .arg(&slots)
+            .arg(&q_out)
+            .arg(&k_cache)
+            .arg(&v_cache)
+            .arg(&hq)
+            .arg(&hkv)
+            .arg(&d)
+            .arg(&bs)
+            .launch(cfg(as_u32(n, "tokens")?, 256))?;
+        Ok(())
+    }
+
+    /// Causal paged attention of `n` query tokens (decode and prefill alike; see attention.cu).
+    ///
+    /// # Safety
+    /// q/out: n*hq*d bf16; caches as in `rope_kv_write`; block_tables: seqs*max_blocks i32 covering
+    /// every position 0..=positions[t]; token_seq, positions: n i32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if hkv == 0 || hq % hkv != 0 || hq / hkv > ATTN_MAX_GROUP {
+            return Err(KernelError::Unsupported(format!(
+                "attention: {hq} query heads over {hkv} KV heads (group at most {ATTN_MAX_GROUP})"
+            )));
+        }
+        let func = match d {
+            64 => &self.paged_attention_d64,
+            128 => &self.paged_attention_d128,
+            _ => return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)"))),
+        };
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (mb, hq_i, hkv_i, bs) = (as_i32(max_blocks, "max_blocks")?, as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(block_size, "block_size")?);
+        let config = LaunchConfig {
+            grid_dim: (as_u32(n, "tokens")?, hkv as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        s.launch_builder(func)
+            .arg(&out)
+            .arg(&q)
+            .arg(&k_cache)
+            .arg(&v_cache)
+            .arg(&block_tables)
+            .arg(&mb)
+            .arg(&token_seq)
+            .arg(&positions)
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&bs)
+            .arg(&scale)
+            .launch(config)?;
+        Ok(())
+    }
+
+    /// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`.
+    ///
+    /// # Safety
+    /// out: n*inter bf16; gate_up: n*2*inter bf16.
+    pub unsafe fn silu_mul(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let inter_i = as_i32(inter, "intermediate")?;
+        s.launch_builder(&self.silu_mul)
+            .arg(&out)
+            .arg(&gate_up)
+            .arg(&n64)
+            .arg(&inter_i)
+            .launch(cfg(self.elementwise_grid(n * inter, 256), 256))?;
+        Ok(())
+    }
+
+    /// `out[r] = argmax(logits[r, :])` (u32, lowest index on ties).
+    ///
+    /// # Safety
+    /// logits: rows*vocab f32; out: rows u32.
+    pub unsafe fn argmax_rows(&self, s: &CudaStream, logits: DPtr, rows: usize, vocab: usize, out: DPtr) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let vocab = as_i32(vocab, "vocab")?;
+        s.launch_builder(&self.argmax_rows)
+            .arg(&logits)
+            .arg(&vocab)
+            .arg(&out)
+            .launch(cfg(as_u32(rows, "rows")?, 1024))?;
+        Ok(())
+    }
+
+    /// Uniform(-scale, scale) bf16 values, a pure function of (seed, index).
+    ///
+    /// # Safety
+    /// out: n bf16.
+    pub unsafe fn fill_uniform_bf16(&self, s: &CudaStream, out: DPtr, n: usize, seed: u64, scale: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        s.launch_builder(&self.fill_uniform_bf16)
+            .arg(&out)
+            .arg(&n64)
+            .arg(&seed)
+            .arg(&scale)
+            .launch(cfg(self.elementwise_grid(n, 256), 256))?;
+        Ok(())
+    }
+
+    /// # Safety
+    /// out: n f32.
+    pub unsafe fn fill_f32(&self, s: &CudaStream, out: DPtr, n: usize, value: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        s.launch_builder(&self.fill_f32)
+            .arg(&out)
+            .arg(&n64)
+            .arg(&value)
+            .launch(cfg(self.elementwise_grid(n, 256), 256))?;
+        Ok(())
+    }
+
+    /// # Safety
+    /// out: n bf16; input: n f32.
+    pub unsafe fn f32_to_bf16(&self, s: &CudaStream, out: DPtr, input: DPtr, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        s.launch_builder(&self.f32_to_bf16)
+            .arg(&out)
+            .arg(&input)
+            .arg(&n64)
+            .launch(cfg(self.elementwise_grid(n, 256), 256))?;
+        Ok(())
+    }
+}

@@ -74,6 +74,21 @@ pub fn load_module(ctx: &Arc<CudaContext>, arch: (i32, i32)) -> Result<Arc<CudaM
             }
         }
     }
+    let text = compile_ptx(arch)?;
+    if let Some(p) = &path {
+        if let Err(e) = write_atomically(p, &text) {
+            tracing::warn!("cannot cache PTX at {}: {e}", p.display());
+        }
+    }
+    Ok(ctx.load_module(Ptx::from_src(text))?)
+}
+
+/// Compiles the kernels to PTX for `arch` with NVRTC (needs libnvrtc, no GPU).
+pub fn compile_ptx(arch: (i32, i32)) -> Result<String> {
+    // SAFETY: dlopen probe only; cudarc would panic on a missing library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(KernelError::MissingLibrary("libnvrtc.so (add /usr/local/cuda/lib64 to LD_LIBRARY_PATH)".into()));
+    }
     let started = std::time::Instant::now();
     let opts = CompileOptions { options: options(arch), name: Some("peregrine.cu".into()), ..Default::default() };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(program_source(), opts).map_err(|e| match e {
@@ -83,13 +98,7 @@ pub fn load_module(ctx: &Arc<CudaContext>, arch: (i32, i32)) -> Result<Arc<CudaM
         other => KernelError::Compile(format!("{other:?}")),
     })?;
     tracing::info!("compiled CUDA kernels for sm_{}{} in {:?}", arch.0, arch.1, started.elapsed());
-    let text = ptx.to_src();
-    if let Some(p) = &path {
-        if let Err(e) = write_atomically(p, &text) {
-            tracing::warn!("cannot cache PTX at {}: {e}", p.display());
-        }
-    }
-    Ok(ctx.load_module(Ptx::from_src(text))?)
+    Ok(ptx.to_src())
 }
 
 fn write_atomically(path: &std::path::Path, text: &str) -> std::io::Result<()> {

@@ -14,6 +14,7 @@ pub mod device;
 pub mod error;
 pub mod gemm;
 pub mod ops;
+pub mod testing;
 
 pub use device::{probe, DevBuf, Gpu};
 pub use error::{KernelError, Result};

@@ -2,7 +2,7 @@
 //   residual[r] += delta[r]            (when delta is not null; the residual stream stays f32)
 //   out[i] = bf16(residual[src] * rsqrt(mean(residual[src]^2) + eps) * weight)
 // src = rows ? rows[i] : i, which lets the final norm run only on the rows whose logits are wanted
-// (rows is only used with delta == null). grid: one block per output row.
+// (the other rows' residuals are left as they were). grid: one block per output row.
 extern "C" __global__ void add_rmsnorm(float* __restrict__ residual, const bf16_t* __restrict__ delta,
                                        const float* __restrict__ weight, bf16_t* __restrict__ out,
                                        const int* __restrict__ rows, int hidden, float eps) {

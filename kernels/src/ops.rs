@@ -86,7 +86,8 @@ impl Kernels {
     }
 
     /// `residual += delta` (when `delta` is Some), then `out = rmsnorm(residual) * weight` in bf16.
-    /// With `rows` = Some(ptr to `n` i32), output row i normalizes residual row `rows[i]` (no delta).
+    /// With `rows` = Some(ptr to `n` i32), output row i adds and normalizes residual row `rows[i]` only
+    /// (the final norm, on the rows whose logits are wanted).
     ///
     /// # Safety
     /// residual: f32 rows of `hidden`; delta: bf16 like residual; weight: hidden f32; out: n*hidden bf16.
@@ -94,9 +95,6 @@ impl Kernels {
     pub unsafe fn add_rmsnorm(&self, s: &CudaStream, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, rows: Option<DPtr>, n: usize, hidden: usize, eps: f32) -> Result<()> {
         if n == 0 {
             return Ok(());
-        }
-        if delta.is_some() && rows.is_some() {
-            return Err(KernelError::Unsupported("add_rmsnorm: delta with a row map".into()));
         }
         let delta = delta.unwrap_or(0);
         let rows = rows.unwrap_or(0);

@@ -16,7 +16,11 @@ pub fn cuda_or_skip() -> Option<Cuda> {
                 panic!("PEREGRINE_REQUIRE_GPU is set but no GPU is usable: {e}");
             }
             // Written straight to stderr: the test harness captures eprintln! of passing tests.
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device: {e}");
+            let reason = match e {
+                crate::KernelError::NoDevice(why) => why,
+                other => other.to_string(),
+            };
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device: {reason}");
             None
         }
     }

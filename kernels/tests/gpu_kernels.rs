@@ -92,7 +92,7 @@ fn add_rmsnorm_matches_reference() {
         let res: Vec<f32> = (0..n * hidden).map(|_| r.random_range(-3.0..3.0)).collect();
         let (delta, dv) = rand_bf16(&mut r, n * hidden, 2.0);
         let w: Vec<f32> = (0..hidden).map(|_| r.random_range(0.5..1.5)).collect();
-        let mut dres = c.gpu.upload(&res).unwrap();
+        let dres = c.gpu.upload(&res).unwrap();
         let dd = c.gpu.upload(&delta).unwrap();
         let dw = c.gpu.upload(&w).unwrap();
         let out = poison(&c, n * hidden);
@@ -111,21 +111,26 @@ fn add_rmsnorm_matches_reference() {
             }
             assert_bf16_close(&got[t * hidden..(t + 1) * hidden], &rmsnorm_ref(&row, &wv, eps as f64), "norm");
         }
-        // Row-mapped final norm: only the chosen rows, no add.
+        // Row-mapped final norm: add and normalize only the chosen rows.
         let rows: Vec<i32> = vec![(n - 1) as i32, 3, 0];
         let drows = c.gpu.upload(&rows).unwrap();
         let out2 = poison(&c, rows.len() * hidden);
         unsafe {
             c.kernels
-                .add_rmsnorm(&c.gpu.stream, dres.ptr(), None, dw.ptr(), out2.ptr(), Some(drows.ptr()), rows.len(), hidden, eps)
+                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out2.ptr(), Some(drows.ptr()), rows.len(), hidden, eps)
                 .unwrap()
         };
         let got2 = out2.download(&c.gpu.stream).unwrap();
+        let res3 = dres.download(&c.gpu.stream).unwrap();
         for (i, &src) in rows.iter().enumerate() {
-            let row: Vec<f64> = got_res[src as usize * hidden..(src as usize + 1) * hidden].iter().map(|&v| v as f64).collect();
+            let src = src as usize;
+            let row: Vec<f64> = (0..hidden).map(|j| (got_res[src * hidden + j] + dv[src * hidden + j] as f32) as f64).collect();
+            for j in 0..hidden {
+                assert_eq!(res3[src * hidden + j] as f64, row[j], "mapped row's residual updated");
+            }
             assert_bf16_close(&got2[i * hidden..(i + 1) * hidden], &rmsnorm_ref(&row, &wv, eps as f64), "row-mapped norm");
         }
-        let _ = dres.slice_mut();
+        assert_eq!(res3[hidden..2 * hidden], got_res[hidden..2 * hidden], "unmapped rows untouched");
     }
 }
 

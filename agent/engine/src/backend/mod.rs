@@ -5,6 +5,9 @@
 //! ends and the next begins; it learns that from [`SeqChunk`]s and reads/writes K and V through each
 //! sequence's block table. Backends never schedule: they do what the plan says.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 use crate::config::ModelConfig;
 use crate::Result;
 

@@ -156,3 +156,26 @@ impl<T: DeviceRepr + Default + Clone> DevBuf<T> {
         Ok(())
     }
 }
+
+impl Gpu {
+    /// Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), timed with events
+    /// over `reps` copies of a `bytes`-sized buffer after one warm-up copy; the median is returned.
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
+        let src = self.stream.alloc_zeros::<u8>(bytes)?;
+        let mut dst = self.stream.alloc_zeros::<u8>(bytes)?;
+        self.stream.memcpy_dtod(&src, &mut dst)?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps.max(1) {
+            let start = self.ctx.new_event(flags)?;
+            let end = self.ctx.new_event(flags)?;
+            start.record(&self.stream)?;
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+            end.record(&self.stream)?;
+            end.synchronize()?;
+            times.push(start.elapsed_ms(&end)? as f64 / 1e3);
+        }
+        times.sort_by(|a, b| a.total_cmp(b));
+        Ok(2.0 * bytes as f64 / times[times.len() / 2])
+    }
+}

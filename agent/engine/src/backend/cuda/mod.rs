@@ -11,6 +11,7 @@
 //!
 //! The plan's metadata crosses to the device in one copy per step ([`plan`]).
 
+pub mod bench;
 mod plan;
 mod rope;
 mod weights;

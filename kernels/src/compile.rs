@@ -21,6 +21,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("../cuda/attention.cu")),
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
+    ("gemv.cu", include_str!("../cuda/gemv.cu")),
     ("fill.cu", include_str!("../cuda/fill.cu")),
 ];
 

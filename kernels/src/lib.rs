@@ -26,6 +26,9 @@ pub struct Cuda {
     pub gpu: Gpu,
     pub kernels: Kernels,
     pub blas: Blas,
+    /// Route GEMMs of at most [`ops::GEMV_MAX_M`] rows to the skinny kernel (on unless
+    /// `PEREGRINE_GEMV=0`, which keeps everything on cuBLAS for comparisons).
+    pub use_gemv: bool,
 }
 
 impl Cuda {
@@ -37,6 +40,22 @@ impl Cuda {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let kernels = Kernels::load(&module, sms.max(1) as u32)?;
         let blas = Blas::new(&gpu.stream)?;
-        Ok(Cuda { gpu, kernels, blas })
+        let use_gemv = std::env::var("PEREGRINE_GEMV").map_or(true, |v| v != "0");
+        Ok(Cuda { gpu, kernels, blas, use_gemv })
+    }
+
+    /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer on `m` tokens): the skinny bandwidth-bound
+    /// kernel for decode-sized m, cuBLAS otherwise. Which path runs depends on m, so results may
+    /// differ in the last bf16 bit between batch sizes (summation order).
+    ///
+    /// # Safety
+    /// As [`Blas::matmul`] with beta = 0.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn linear(&self, y: DPtr, out: OutType, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        if self.use_gemv && m <= ops::GEMV_MAX_M && k % 8 == 0 && x % 16 == 0 && w % 16 == 0 {
+            self.kernels.gemv(&self.gpu.stream, y, out == OutType::F32, x, w, m, n, k)
+        } else {
+            self.blas.matmul(y, out, x, w, m, n, k, 0.0)
+        }
     }
 }

@@ -24,8 +24,13 @@ pub struct Kernels {
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
     f32_to_bf16: CudaFunction,
+    gemv: [CudaFunction; 4],
     num_sms: u32,
 }
+
+/// Largest row count the skinny GEMM (`gemv`) takes.
+pub const GEMV_MAX_M: usize = 8;
+const GEMV_WARPS: usize = 8;
 
 /// Most query heads one KV head may serve (attention.cu's ATTN_MAX_GROUP).
 pub const ATTN_MAX_GROUP: usize = 8;
@@ -57,6 +62,7 @@ impl Kernels {
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,
+            gemv: [f("gemv_m1")?, f("gemv_m2")?, f("gemv_m4")?, f("gemv_m8")?],
             num_sms: num_sms.max(1),
         })
     }
@@ -271,6 +277,38 @@ impl Kernels {
             .arg(&input)
             .arg(&n64)
             .launch(cfg(self.elementwise_grid(n, 256), 256))?;
+        Ok(())
+    }
+
+    /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8
+    /// (bandwidth-bound decode shapes); y bf16 or f32.
+    ///
+    /// # Safety
+    /// x: m*k bf16 and w: n*k bf16, both 16-byte aligned; y: m*n of the output type.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w % 16 != 0 {
+            return Err(KernelError::Unsupported(format!("gemv: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
+        }
+        let func = match m {
+            1 => &self.gemv[0],
+            2 => &self.gemv[1],
+            3..=4 => &self.gemv[2],
+            _ => &self.gemv[3],
+        };
+        let (yf, mi, ni, ki) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?);
+        s.launch_builder(func)
+            .arg(&y)
+            .arg(&yf)
+            .arg(&x)
+            .arg(&w)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki)
+            .launch(cfg(as_u32(n.div_ceil(GEMV_WARPS), "gemv blocks")?, (GEMV_WARPS * 32) as u32))?;
         Ok(())
     }
 }

@@ -227,7 +227,8 @@ impl CudaBackend {
         // than five small ones.
         let Scratch { meta, meta_host, .. } = &mut self.scratch;
         meta.write(&self.cuda.gpu.stream, meta_host)?;
-        let Cuda { gpu, kernels: k, blas } = &self.cuda;
+        let cuda = &self.cuda;
+        let (gpu, k) = (&cuda.gpu, &cuda.kernels);
         let s = &gpu.stream;
         let c = &self.config;
         let sc = &self.scratch;
@@ -246,7 +247,7 @@ impl CudaBackend {
             for (l, lw) in w.layers.iter().enumerate() {
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 k.add_rmsnorm(s, sc.residual.ptr(), delta, lw.input_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
-                blas.matmul(sc.qkv.ptr(), OutType::Bf16, sc.normed.ptr(), lw.qkv.ptr(), n, qkv_w, h, 0.0)?;
+                cuda.linear(sc.qkv.ptr(), OutType::Bf16, sc.normed.ptr(), lw.qkv.ptr(), n, qkv_w, h)?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 k.rope_kv_write(
                     s,
@@ -266,16 +267,16 @@ impl CudaBackend {
                     bs,
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, hq, hkv, d, bs)?;
-                blas.matmul(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim(), 0.0)?;
+                cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
-                blas.matmul(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h, 0.0)?;
+                cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;
                 k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
-                blas.matmul(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter, 0.0)?;
+                cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter)?;
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());
                 k.add_rmsnorm(s, sc.residual.ptr(), delta, w.final_norm.ptr(), sc.final_normed.ptr(), Some(m(lay.logit_rows())), rows, h, eps)?;
-                blas.matmul(sc.logits.ptr(), OutType::F32, sc.final_normed.ptr(), w.lm_head_ptr(), rows, c.vocab_size, h, 0.0)?;
+                cuda.linear(sc.logits.ptr(), OutType::F32, sc.final_normed.ptr(), w.lm_head_ptr(), rows, c.vocab_size, h)?;
             }
         }
         Ok(())
@@ -287,7 +288,7 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(Vec::new());
         }
-        let Cuda { gpu, kernels, .. } = &self.cuda;
+        let (gpu, kernels) = (&self.cuda.gpu, &self.cuda.kernels);
         // SAFETY: logits hold `rows` rows of vocab f32, argmax has max_num_seqs >= rows slots.
         unsafe { kernels.argmax_rows(&gpu.stream, self.scratch.logits.ptr(), rows, self.config.vocab_size, self.scratch.argmax.ptr()) }.map_err(gpu_err)?;
         let mut ids = vec![0u32; rows];

@@ -16,6 +16,7 @@ pub mod gemm;
 pub mod ops;
 pub mod testing;
 
+pub use cudarc;
 pub use device::{probe, DevBuf, Gpu};
 pub use error::{KernelError, Result};
 pub use gemm::{Blas, OutType};

@@ -52,6 +52,8 @@ pub struct Figure {
     pub name: String,
     pub tokens: usize,
     pub seconds: f64,
+    /// Fraction of the wall time the GPU had no step in flight (decode only).
+    pub gpu_idle: Option<f64>,
 }
 
 impl Figure {
@@ -89,7 +91,7 @@ pub fn prefill(backend: &mut CudaBackend, seqs: usize, len: usize, max_tokens: u
         }
         backend.forward_greedy(&batch)?;
     }
-    Ok(Figure { name: format!("prefill {seqs} x {len}"), tokens: seqs * len, seconds: start.elapsed().as_secs_f64() })
+    Ok(Figure { name: format!("prefill {seqs} x {len}"), tokens: seqs * len, seconds: start.elapsed().as_secs_f64(), gpu_idle: None })
 }
 
 /// Time to first token: one prompt of `len` tokens, logits on the host (as a server would sample).
@@ -131,6 +133,7 @@ pub fn decode(backend: &mut CudaBackend, batch: usize, prompt: usize, steps: usi
         last[first..first + ids.len()].copy_from_slice(&ids);
     }
     let mut plan = StepBatch::default();
+    backend.set_step_timing(true)?;
     let start = Instant::now();
     for step in 0..steps {
         let ctx = prompt + step;
@@ -144,7 +147,15 @@ pub fn decode(backend: &mut CudaBackend, batch: usize, prompt: usize, steps: usi
         }
         last = backend.forward_greedy(&plan)?;
     }
-    Ok(Figure { name: format!("decode batch {batch} (context {prompt}..{})", prompt + steps), tokens: batch * steps, seconds: start.elapsed().as_secs_f64() })
+    let seconds = start.elapsed().as_secs_f64();
+    let busy = backend.gpu_busy_seconds().unwrap_or(seconds);
+    backend.set_step_timing(false)?;
+    Ok(Figure {
+        name: format!("decode batch {batch} (context {prompt}..{})", prompt + steps),
+        tokens: batch * steps,
+        seconds,
+        gpu_idle: Some((1.0 - busy / seconds).max(0.0)),
+    })
 }
 
 /// HBM bandwidth measured on this GPU (device-to-device copy, read + write), bytes/s.

@@ -52,6 +52,9 @@ pub struct CudaOptions {
     pub max_num_seqs: usize,
     /// Fixed number of KV blocks instead of sizing from memory (tests).
     pub num_blocks: Option<usize>,
+    /// Decode steps of up to this many sequences replay a CUDA graph captured for their exact batch
+    /// size (0: never capture).
+    pub cuda_graph_max_batch: usize,
 }
 
 impl Default for CudaOptions {
@@ -64,6 +67,7 @@ impl Default for CudaOptions {
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             num_blocks: None,
+            cuda_graph_max_batch: 256,
         }
     }
 }
@@ -132,7 +136,34 @@ pub struct CudaBackend {
     scratch: Scratch,
     layout: PlanLayout,
     limits: Limits,
+    graphs: Graphs,
+    timing: Option<StepTiming>,
 }
+
+/// CUDA graphs of decode steps, one per batch size, captured the second time a size is seen (the
+/// first run of a size is eager, so cuBLAS and the driver have done their lazy set-up before capture).
+struct Graphs {
+    max_batch: usize,
+    seen: std::collections::HashSet<usize>,
+    by_batch: std::collections::HashMap<usize, SendGraph>,
+}
+
+/// A captured graph. cudarc's `CudaGraph` is not `Send` (raw handles); the backend is owned by one
+/// thread at a time and never shares it, which is all CUDA asks of graph objects.
+struct SendGraph(peregrine_kernels::cudarc::driver::CudaGraph);
+// SAFETY: see above; every use goes through `&mut CudaBackend`.
+unsafe impl Send for SendGraph {}
+
+/// GPU time of steps, measured with events around each step (for the idle-time figure of `bench`).
+struct StepTiming {
+    start: SendEvent,
+    end: SendEvent,
+    busy_seconds: f64,
+}
+
+struct SendEvent(peregrine_kernels::cudarc::driver::CudaEvent);
+// SAFETY: as SendGraph: used only through `&mut CudaBackend`.
+unsafe impl Send for SendEvent {}
 
 /// Memory kept free beyond the computed needs: cuBLAS's internal buffers, CUDA graphs, the context.
 const HEADROOM_BYTES: usize = 512 << 20;
@@ -200,7 +231,8 @@ impl CudaBackend {
             (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64
         );
         let limits = Limits { vocab: config.vocab_size, num_blocks, block_size: opts.block_size, max_model_len: opts.max_model_len };
-        Ok(CudaBackend { cuda, config, weights, kv_cache, rope_cos, rope_sin, scratch, layout, limits })
+        let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
+        Ok(CudaBackend { cuda, config, weights, kv_cache, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -218,15 +250,78 @@ impl CudaBackend {
             return Ok(0);
         }
         self.cuda.gpu.ctx.bind_to_thread().map_err(|e| gpu_err(e.into()))?;
-        self.step(n, rows).map_err(gpu_err)?;
+        if let Some(t) = &self.timing {
+            t.start.0.record(&self.cuda.gpu.stream).map_err(|e| gpu_err(e.into()))?;
+        }
+        // Only the used part of each section is needed, but one copy of the packed array is cheaper
+        // than five small ones. It stays outside graphs: graphs read the same device addresses.
+        let Scratch { meta, meta_host, .. } = &mut self.scratch;
+        meta.write(&self.cuda.gpu.stream, meta_host).map_err(gpu_err)?;
+        let decode_only = rows == n && batch.seqs.iter().all(|s| s.len == 1);
+        if decode_only && n <= self.graphs.max_batch {
+            if let Some(g) = self.graphs.by_batch.get(&n) {
+                g.0.launch().map_err(|e| gpu_err(e.into()))?;
+            } else {
+                self.step(n, rows).map_err(gpu_err)?;
+                if !self.graphs.seen.insert(n) {
+                    self.capture(n, rows)?;
+                }
+            }
+        } else {
+            self.step(n, rows).map_err(gpu_err)?;
+        }
         Ok(rows)
     }
 
-    fn step(&mut self, n: usize, rows: usize) -> peregrine_kernels::Result<()> {
-        // Only the used part of each section is needed, but one copy of the packed array is cheaper
-        // than five small ones.
-        let Scratch { meta, meta_host, .. } = &mut self.scratch;
-        meta.write(&self.cuda.gpu.stream, meta_host)?;
+    /// Records the launches of a decode step of `n` sequences into a graph (nothing runs).
+    fn capture(&mut self, n: usize, rows: usize) -> Result<()> {
+        let stream = self.cuda.gpu.stream.clone();
+        stream
+            .begin_capture(peregrine_kernels::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| gpu_err(e.into()))?;
+        let enqueued = self.step(n, rows);
+        // End the capture whatever happened, or the stream stays unusable.
+        let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        enqueued.map_err(gpu_err)?;
+        match graph.map_err(|e| gpu_err(e.into()))? {
+            Some(g) => {
+                self.graphs.by_batch.insert(n, SendGraph(g));
+            }
+            None => tracing::warn!("CUDA graph capture of a {n}-sequence decode step produced no graph"),
+        }
+        Ok(())
+    }
+
+    /// Starts or stops measuring the GPU time of each step (see [`CudaBackend::gpu_busy_seconds`]).
+    pub fn set_step_timing(&mut self, on: bool) -> Result<()> {
+        self.timing = if on {
+            let flags = Some(peregrine_kernels::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let ev = || self.cuda.gpu.ctx.new_event(flags).map(SendEvent).map_err(|e| gpu_err(e.into()));
+            Some(StepTiming { start: ev()?, end: ev()?, busy_seconds: 0.0 })
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// GPU time (first to last operation of each step, events on the stream) summed over the steps
+    /// since timing was switched on.
+    pub fn gpu_busy_seconds(&self) -> Option<f64> {
+        self.timing.as_ref().map(|t| t.busy_seconds)
+    }
+
+    /// After a step's results reached the host: adds its GPU span to the timing.
+    fn account_step(&mut self) -> Result<()> {
+        if let Some(t) = &mut self.timing {
+            t.end.0.record(&self.cuda.gpu.stream).map_err(|e| gpu_err(e.into()))?;
+            t.end.0.synchronize().map_err(|e| gpu_err(e.into()))?;
+            t.busy_seconds += t.start.0.elapsed_ms(&t.end.0).map_err(|e| gpu_err(e.into()))? as f64 / 1e3;
+        }
+        Ok(())
+    }
+
+    /// Enqueues every operation of a step whose metadata is already on the device.
+    fn step(&self, n: usize, rows: usize) -> peregrine_kernels::Result<()> {
         let cuda = &self.cuda;
         let (gpu, k) = (&cuda.gpu, &cuda.kernels);
         let s = &gpu.stream;
@@ -295,6 +390,7 @@ impl CudaBackend {
         gpu.stream
             .memcpy_dtoh(&self.scratch.argmax.slice().slice(0..rows), &mut ids)
             .map_err(|e| gpu_err(e.into()))?;
+        self.account_step()?;
         Ok(ids)
     }
 
@@ -333,6 +429,7 @@ impl Backend for CudaBackend {
                 .memcpy_dtoh(&self.scratch.logits.slice().slice(0..rows * vocab), &mut data)
                 .map_err(|e| gpu_err(e.into()))?;
         }
+        self.account_step()?;
         Ok(Logits { vocab, data })
     }
 

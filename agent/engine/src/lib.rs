@@ -13,6 +13,7 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod model;
 pub mod request;
 
 pub use error::{EngineError, Result};

@@ -5,6 +5,7 @@
 //! ends and the next begins; it learns that from [`SeqChunk`]s and reads/writes K and V through each
 //! sequence's block table. Backends never schedule: they do what the plan says.
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 

@@ -1,0 +1,99 @@
+//! Causal GQA attention over the paged KV cache.
+//!
+//! Each new token attends to positions `0..=pos` of its own sequence, reading K/V through the
+//! sequence's block table. One task per (token, KV head) handles the query heads that share that KV
+//! head, so each key is read once per group. Each task's arithmetic depends only on its own token,
+//! so results do not depend on the rest of the batch.
+
+use rayon::prelude::*;
+
+use super::kv_cache::KvCache;
+use super::matmul::dot;
+
+/// Where one token of the step reads its context from.
+pub struct TokenCtx<'a> {
+    pub pos: usize,
+    pub block_table: &'a [u32],
+}
+
+/// Writes K and V of token `pos` (`kv_dim` each) into `layer`'s cache.
+pub fn write_kv(cache: &mut KvCache, layer: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+    let bs = cache.shape.block_size;
+    let (block, slot) = (block_table[pos / bs] as usize, pos % bs);
+    let hd = cache.head_dim;
+    for g in 0..cache.kv_heads {
+        let off = cache.offset(block, g, slot);
+        let (kc, vc) = &mut cache.layers[layer];
+        kc[off..off + hd].copy_from_slice(&k[g * hd..(g + 1) * hd]);
+        vc[off..off + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
+    }
+}
+
+/// `q` rows are `ld_q` apart and start with the `n_heads * head_dim` query values; `out` is
+/// `tokens × (n_heads * head_dim)`.
+pub fn attention(
+    cache: &KvCache,
+    layer: usize,
+    n_heads: usize,
+    q: &[f32],
+    ld_q: usize,
+    tokens: &[TokenCtx<'_>],
+    out: &mut [f32],
+) {
+    let hd = cache.head_dim;
+    let kvh = cache.kv_heads;
+    let group = n_heads / kvh;
+    let bs = cache.shape.block_size;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (kc, vc) = (&cache.layers[layer].0, &cache.layers[layer].1);
+    out.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (item, o)| {
+        let (t, g) = (item / kvh, item % kvh);
+        let tok = &tokens[t];
+        let ctx = tok.pos + 1;
+        scores.clear();
+        scores.resize(group * ctx, 0.0);
+        let qrow = &q[t * ld_q..];
+        // Scores, block by block.
+        for j0 in (0..ctx).step_by(bs) {
+            let block = tok.block_table[j0 / bs] as usize;
+            let base = cache.offset(block, g, 0);
+            for j in j0..ctx.min(j0 + bs) {
+                let kv = &kc[base + (j - j0) * hd..base + (j - j0 + 1) * hd];
+                for h in 0..group {
+                    let qh = &qrow[(g * group + h) * hd..(g * group + h + 1) * hd];
+                    scores[h * ctx + j] = dot(qh, kv) * scale;
+                }
+            }
+        }
+        // Softmax per head.
+        for h in 0..group {
+            let s = &mut scores[h * ctx..(h + 1) * ctx];
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for x in s.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            for x in s.iter_mut() {
+                *x *= inv;
+            }
+        }
+        // Weighted sum of values.
+        o.fill(0.0);
+        for j0 in (0..ctx).step_by(bs) {
+            let block = tok.block_table[j0 / bs] as usize;
+            let base = cache.offset(block, g, 0);
+            for j in j0..ctx.min(j0 + bs) {
+                let vv = &vc[base + (j - j0) * hd..base + (j - j0 + 1) * hd];
+                for h in 0..group {
+                    let p = scores[h * ctx + j];
+                    let oh = &mut o[h * hd..(h + 1) * hd];
+                    for (a, &b) in oh.iter_mut().zip(vv) {
+                        *a += p * b;
+                    }
+                }
+            }
+        }
+    });
+}

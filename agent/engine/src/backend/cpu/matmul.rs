@@ -1,0 +1,361 @@
+//! `out[t, r] = Σ_k x[t, k] · W[r, k]` for f32 activations and f32 or quantized weights.
+//!
+//! Work is split over tiles of weight rows (one rayon task each). A task dequantizes its rows to
+//! f32 once (the same values `quant` produces), then runs a register-blocked dot-product kernel over
+//! tiles of tokens × rows. Every output is reduced in the same order whatever the batch holds:
+//! 16 lane accumulators walk `k` in steps of 16 (a zero-padded tail), then a fixed horizontal sum.
+//! So a row's result never depends on what else is in the batch, nor on how tokens are tiled.
+
+use rayon::prelude::*;
+
+use super::simd::Isa;
+use crate::model::{Matrix, MatrixData};
+
+/// Weight rows per task: small enough that the dequantized rows stay in L1/L2, large enough to
+/// amortise the task.
+const ROW_TILE: usize = 16;
+/// Microkernel shape: tokens × rows, 16 accumulators of 16 lanes.
+const MT: usize = 4;
+const MR: usize = 4;
+
+/// A raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only the columns of its own row tile (disjoint elements).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// `x` is `n × w.cols`, `out` is `n × w.rows`, both row-major. Runs on the current rayon pool.
+pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &Matrix, out: &mut [f32]) {
+    let (rows, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), n * k, "matmul: x is not n × cols");
+    assert_eq!(out.len(), n * rows, "matmul: out is not n × rows");
+    if n == 0 || rows == 0 {
+        return;
+    }
+    let ptr = OutPtr(out.as_mut_ptr());
+    let tiles = rows.div_ceil(ROW_TILE);
+    (0..tiles).into_par_iter().for_each_init(Vec::new, |scratch: &mut Vec<f32>, tile| {
+        let r0 = tile * ROW_TILE;
+        let nr = ROW_TILE.min(rows - r0);
+        let wrows: &[f32] = match &w.data {
+            MatrixData::F32(v) => &v[r0 * k..(r0 + nr) * k],
+            MatrixData::Quant(_) => {
+                scratch.resize(ROW_TILE * k, 0.0);
+                dequantize_rows(isa, w, r0, nr, scratch);
+                &scratch[..nr * k]
+            }
+        };
+        let p = ptr;
+        // SAFETY: rows r0..r0+nr of every token belong to this task alone; `out` outlives the
+        // parallel loop.
+        let out = unsafe { std::slice::from_raw_parts_mut(p.0, n * rows) };
+        tile_kernel(isa, x, n, k, wrows, nr, out, rows, r0);
+    });
+}
+
+fn dequantize_rows(isa: Isa, w: &Matrix, r0: usize, nr: usize, scratch: &mut [f32]) {
+    #[inline(always)]
+    fn body(w: &Matrix, r0: usize, nr: usize, scratch: &mut [f32]) {
+        let k = w.cols;
+        for i in 0..nr {
+            w.row_into(r0 + i, &mut scratch[i * k..(i + 1) * k]);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+        unsafe fn avx512(w: &Matrix, r0: usize, nr: usize, scratch: &mut [f32]) {
+            body(w, r0, nr, scratch)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(w: &Matrix, r0: usize, nr: usize, scratch: &mut [f32]) {
+            body(w, r0, nr, scratch)
+        }
+        match isa {
+            // SAFETY: `isa` was detected at run time.
+            Isa::Avx512 => return unsafe { avx512(w, r0, nr, scratch) },
+            Isa::Avx2 => return unsafe { avx2(w, r0, nr, scratch) },
+            Isa::Generic => {}
+        }
+    }
+    body(w, r0, nr, scratch)
+}
+
+/// All tokens × one tile of `nr` weight rows (`w` holds those rows, `nr × k`).
+#[allow(clippy::too_many_arguments)]
+fn tile_kernel(isa: Isa, x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX-512F was detected at run time; slices are sized as asserted in `matmul`.
+        unsafe { avx512::tile(x, n, k, w, nr, out, ld_out, r0) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx2(x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
+            portable::tile::<true>(x, n, k, w, nr, out, ld_out, r0)
+        }
+        // SAFETY: AVX2 and FMA were detected at run time.
+        unsafe { avx2(x, n, k, w, nr, out, ld_out, r0) };
+        return;
+    }
+    let _ = isa;
+    portable::tile::<false>(x, n, k, w, nr, out, ld_out, r0)
+}
+
+/// Plain Rust kernel, written so the compiler vectorizes it (16-lane arrays).
+mod portable {
+    use super::{MR, MT};
+
+    #[inline(always)]
+    fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+        if FMA { a.mul_add(b, c) } else { c + a * b }
+    }
+
+    /// Fixed pairwise horizontal sum of 16 lanes.
+    #[inline(always)]
+    pub fn hsum16(v: &[f32; 16]) -> f32 {
+        let mut a = [0f32; 8];
+        for i in 0..8 {
+            a[i] = v[i] + v[i + 8];
+        }
+        let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+        let c = [b[0] + b[2], b[1] + b[3]];
+        c[0] + c[1]
+    }
+
+    #[inline(always)]
+    fn micro<const T: usize, const R: usize, const FMA: bool>(
+        x: &[f32],
+        w: &[f32],
+        k: usize,
+        out: &mut [f32],
+        ld_out: usize,
+    ) {
+        let mut acc = [[[0f32; 16]; R]; T];
+        let main = k / 16 * 16;
+        let mut kb = 0;
+        while kb < k {
+            let mut xv = [[0f32; 16]; T];
+            let mut wv = [[0f32; 16]; R];
+            let len = if kb < main { 16 } else { k - kb };
+            for t in 0..T {
+                xv[t][..len].copy_from_slice(&x[t * k + kb..t * k + kb + len]);
+            }
+            for r in 0..R {
+                wv[r][..len].copy_from_slice(&w[r * k + kb..r * k + kb + len]);
+            }
+            for t in 0..T {
+                for r in 0..R {
+                    for l in 0..16 {
+                        acc[t][r][l] = madd::<FMA>(xv[t][l], wv[r][l], acc[t][r][l]);
+                    }
+                }
+            }
+            kb += 16;
+        }
+        for t in 0..T {
+            for r in 0..R {
+                out[t * ld_out + r] = hsum16(&acc[t][r]);
+            }
+        }
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn tile<const FMA: bool>(
+        x: &[f32],
+        n: usize,
+        k: usize,
+        w: &[f32],
+        nr: usize,
+        out: &mut [f32],
+        ld_out: usize,
+        r0: usize,
+    ) {
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = MT.min(n - t0);
+            let mut rr = 0;
+            while rr < nr {
+                let nrr = MR.min(nr - rr);
+                let xs = &x[t0 * k..];
+                let ws = &w[rr * k..];
+                let os = &mut out[t0 * ld_out + r0 + rr..];
+                macro_rules! go {
+                    ($t:literal, $r:literal) => {
+                        micro::<$t, $r, FMA>(xs, ws, k, os, ld_out)
+                    };
+                }
+                match (nt, nrr) {
+                    (4, 4) => go!(4, 4),
+                    (4, 3) => go!(4, 3),
+                    (4, 2) => go!(4, 2),
+                    (4, _) => go!(4, 1),
+                    (3, 4) => go!(3, 4),
+                    (3, 3) => go!(3, 3),
+                    (3, 2) => go!(3, 2),
+                    (3, _) => go!(3, 1),
+                    (2, 4) => go!(2, 4),
+                    (2, 3) => go!(2, 3),
+                    (2, 2) => go!(2, 2),
+                    (2, _) => go!(2, 1),
+                    (_, 4) => go!(1, 4),
+                    (_, 3) => go!(1, 3),
+                    (_, 2) => go!(1, 2),
+                    (_, _) => go!(1, 1),
+                }
+                rr += MR;
+            }
+            t0 += MT;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{MR, MT};
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn micro<const T: usize, const R: usize>(x: *const f32, w: *const f32, k: usize, out: *mut f32, ld_out: usize) {
+        let mut acc = [[_mm512_setzero_ps(); R]; T];
+        let mut kb = 0;
+        while kb + 16 <= k {
+            let mut wv = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                wv[r] = _mm512_loadu_ps(w.add(r * k + kb));
+            }
+            for t in 0..T {
+                let xv = _mm512_loadu_ps(x.add(t * k + kb));
+                for r in 0..R {
+                    acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+                }
+            }
+            kb += 16;
+        }
+        if kb < k {
+            // Masked tail: missing lanes load as 0, and 0·0 + acc = acc exactly.
+            let mask: __mmask16 = ((1u32 << (k - kb)) - 1) as __mmask16;
+            let mut wv = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                wv[r] = _mm512_maskz_loadu_ps(mask, w.add(r * k + kb));
+            }
+            for t in 0..T {
+                let xv = _mm512_maskz_loadu_ps(mask, x.add(t * k + kb));
+                for r in 0..R {
+                    acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+                }
+            }
+        }
+        for t in 0..T {
+            for r in 0..R {
+                *out.add(t * ld_out + r) = _mm512_reduce_add_ps(acc[t][r]);
+            }
+        }
+    }
+
+    /// Same contract as `portable::tile`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tile(x: &[f32], n: usize, k: usize, w: &[f32], nr: usize, out: &mut [f32], ld_out: usize, r0: usize) {
+        debug_assert!(x.len() >= n * k && w.len() >= nr * k && out.len() >= (n - 1) * ld_out + r0 + nr);
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = MT.min(n - t0);
+            let mut rr = 0;
+            while rr < nr {
+                let nrr = MR.min(nr - rr);
+                let xs = x.as_ptr().add(t0 * k);
+                let ws = w.as_ptr().add(rr * k);
+                let os = out.as_mut_ptr().add(t0 * ld_out + r0 + rr);
+                macro_rules! go {
+                    ($t:literal, $r:literal) => {
+                        micro::<$t, $r>(xs, ws, k, os, ld_out)
+                    };
+                }
+                match (nt, nrr) {
+                    (4, 4) => go!(4, 4),
+                    (4, 3) => go!(4, 3),
+                    (4, 2) => go!(4, 2),
+                    (4, _) => go!(4, 1),
+                    (3, 4) => go!(3, 4),
+                    (3, 3) => go!(3, 3),
+                    (3, 2) => go!(3, 2),
+                    (3, _) => go!(3, 1),
+                    (2, 4) => go!(2, 4),
+                    (2, 3) => go!(2, 3),
+                    (2, 2) => go!(2, 2),
+                    (2, _) => go!(2, 1),
+                    (_, 4) => go!(1, 4),
+                    (_, 3) => go!(1, 3),
+                    (_, 2) => go!(1, 2),
+                    (_, _) => go!(1, 1),
+                }
+                rr += MR;
+            }
+            t0 += MT;
+        }
+    }
+}
+
+/// One 16-lane dot product with the same reduction order as the matmul kernels' portable path.
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut acc = [0f32; 16];
+    let mut i = 0;
+    while i + 16 <= n {
+        for l in 0..16 {
+            acc[l] += a[i + l] * b[i + l];
+        }
+        i += 16;
+    }
+    for l in 0..n - i {
+        acc[l] += a[i + l] * b[i + l];
+    }
+    portable::hsum16(&acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(x: &[f32], n: usize, w: &[f32], rows: usize, k: usize) -> Vec<f64> {
+        let mut out = vec![0f64; n * rows];
+        for t in 0..n {
+            for r in 0..rows {
+                out[t * rows + r] = (0..k).map(|i| x[t * k + i] as f64 * w[r * k + i] as f64).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_f64_reference_and_is_batch_invariant() {
+        let (rows, k) = (37, 83); // awkward sizes: partial tiles and a k tail
+        let w: Vec<f32> = (0..rows * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
+        let wm = Matrix::from_f32(rows, k, w.clone());
+        let n = 11;
+        let x: Vec<f32> = (0..n * k).map(|i| ((i * 104729 % 997) as f32 / 498.0) - 1.0).collect();
+        for isa in Isa::available() {
+            let mut out = vec![0f32; n * rows];
+            matmul(isa, &x, n, &wm, &mut out);
+            let want = reference(&x, n, &w, rows, k);
+            for (a, b) in out.iter().zip(&want) {
+                assert!((*a as f64 - b).abs() < 1e-4, "{isa:?}: {a} vs {b}");
+            }
+            // Each token alone gives bit-identical results.
+            for t in 0..n {
+                let mut one = vec![0f32; rows];
+                matmul(isa, &x[t * k..(t + 1) * k], 1, &wm, &mut one);
+                assert_eq!(one, out[t * rows..(t + 1) * rows], "{isa:?} token {t}");
+            }
+        }
+    }
+}

@@ -25,7 +25,7 @@ fn run() -> peregrine_engine::Result<()> {
         ..CudaOptions::default()
     };
     let t0 = std::time::Instant::now();
-    let mut b = CudaBackend::new(config, WeightInit::Random { seed: 1 }, &opts)?;
+    let mut b = CudaBackend::new(WeightInit::Random { config, seed: 1 }, &opts)?;
     println!("device: {} ({}), init {:.1} s", b.device_name(), peregrine_engine::backend::Backend::name(&b), t0.elapsed().as_secs_f64());
     let bw = bench::hbm_bandwidth(&b)?;
     let bytes = bench::decode_weight_bytes(&b);

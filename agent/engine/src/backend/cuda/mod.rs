@@ -18,7 +18,7 @@ mod weights;
 
 pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
-pub use weights::{GpuWeights, HostWeights};
+pub use weights::GpuWeights;
 
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType};
 
@@ -74,9 +74,9 @@ impl Default for CudaOptions {
 
 /// Where the weights come from.
 pub enum WeightInit<'a> {
-    Host(&'a dyn HostWeights),
+    Host(&'a crate::model::ModelWeights),
     /// Random bf16 weights made on the GPU (`--load-format dummy`).
-    Random { seed: u64 },
+    Random { config: ModelConfig, seed: u64 },
 }
 
 /// Per-step activations, sized for `max_num_batched_tokens` tokens and `max_num_seqs` logit rows.
@@ -169,7 +169,7 @@ unsafe impl Send for SendEvent {}
 const HEADROOM_BYTES: usize = 512 << 20;
 
 impl CudaBackend {
-    pub fn new(config: ModelConfig, init: WeightInit<'_>, opts: &CudaOptions) -> Result<Self> {
+    pub fn new(init: WeightInit<'_>, opts: &CudaOptions) -> Result<Self> {
         let cuda = Cuda::new(opts.device).map_err(gpu_err)?;
         if opts.block_size == 0 || opts.max_model_len == 0 || opts.max_num_batched_tokens == 0 || opts.max_num_seqs == 0 {
             return Err(EngineError::InvalidRequest("block size, max_model_len, batch limits must be positive".into()));
@@ -178,9 +178,12 @@ impl CudaBackend {
             return Err(EngineError::InvalidRequest(format!("gpu_memory_utilization {} not in (0, 1]", opts.gpu_memory_utilization)));
         }
         let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
-        let weights = match init {
-            WeightInit::Host(h) => GpuWeights::upload(&cuda, &config, h)?,
-            WeightInit::Random { seed } => GpuWeights::random(&cuda, &config, seed)?,
+        let (config, weights) = match init {
+            WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w)?),
+            WeightInit::Random { config, seed } => {
+                let w = GpuWeights::random(&cuda, &config, seed)?;
+                (config, w)
+            }
         };
         let layout = PlanLayout {
             max_tokens: opts.max_num_batched_tokens,

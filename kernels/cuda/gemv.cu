@@ -4,7 +4,7 @@
 // flight per lane before any is used, x re-read through the read-only cache (it is small and hot).
 // Requires k % 8 == 0 and 16-byte aligned rows (true for every Llama shape).
 #define GEMV_WARPS 8
-#define GEMV_UNROLL 4
+#define GEMV_UNROLL 8
 
 __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
     const u32 av[4] = {a.x, a.y, a.z, a.w};

@@ -19,6 +19,7 @@ pub struct Kernels {
     rope_kv_write: CudaFunction,
     paged_attention_d64: CudaFunction,
     paged_attention_d128: CudaFunction,
+    attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
     fill_uniform_bf16: CudaFunction,
@@ -34,6 +35,8 @@ const GEMV_WARPS: usize = 8;
 
 /// Most query heads one KV head may serve (attention.cu's ATTN_MAX_GROUP).
 pub const ATTN_MAX_GROUP: usize = 8;
+/// Largest head dimension the attention kernels are built for.
+pub const ATTN_MAX_HEAD_DIM: usize = 128;
 const ATTN_THREADS: u32 = 128;
 
 fn cfg(grid: u32, block: u32) -> LaunchConfig {
@@ -57,6 +60,7 @@ impl Kernels {
             rope_kv_write: f("rope_kv_write")?,
             paged_attention_d64: f("paged_attention_d64")?,
             paged_attention_d128: f("paged_attention_d128")?,
+            attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
@@ -152,13 +156,29 @@ impl Kernels {
         Ok(())
     }
 
+    /// f32 scratch [`Kernels::paged_attention`] needs to split decode attention along the sequence.
+    pub fn attention_partials_len(&self) -> usize {
+        // Splits are only used while n * hkv < 2 * SMs, so n * hkv * splits < 4 * SMs.
+        4 * self.num_sms as usize * ATTN_MAX_GROUP * (ATTN_MAX_HEAD_DIM + 2)
+    }
+
+    /// How many sequence splits a launch of `n` tokens over `hkv` KV heads gets: enough blocks for
+    /// two per SM, at most 16, and 1 (no split) once the batch fills the GPU by itself.
+    pub fn attention_splits(&self, n: usize, hkv: usize) -> usize {
+        let blocks = (n * hkv).max(1);
+        let want = (2 * self.num_sms as usize).div_ceil(blocks);
+        want.clamp(1, 16)
+    }
+
     /// Causal paged attention of `n` query tokens (decode and prefill alike; see attention.cu).
+    /// With `partials` (f32, [`Kernels::attention_partials_len`]) small batches are split along the
+    /// sequence and merged by a second kernel.
     ///
     /// # Safety
     /// q/out: n*hq*d bf16; caches as in `rope_kv_write`; block_tables: seqs*max_blocks i32 covering
     /// every position 0..=positions[t]; token_seq, positions: n i32.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize) -> Result<()> {
+    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -172,10 +192,18 @@ impl Kernels {
             128 => &self.paged_attention_d128,
             _ => return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)"))),
         };
+        let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
+        if n * hq * splits * (d + 2) > self.attention_partials_len() {
+            splits = 1;
+        }
+        let (part_ml, part_acc) = match partials {
+            Some(p) if splits > 1 => (p, p + (2 * n * hq * splits * 4) as u64),
+            _ => (0, 0),
+        };
         let scale = 1.0f32 / (d as f32).sqrt();
         let (mb, hq_i, hkv_i, bs) = (as_i32(max_blocks, "max_blocks")?, as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(block_size, "block_size")?);
         let config = LaunchConfig {
-            grid_dim: (as_u32(n, "tokens")?, hkv as u32, 1),
+            grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -192,7 +220,21 @@ impl Kernels {
             .arg(&hkv_i)
             .arg(&bs)
             .arg(&scale)
+            .arg(&part_ml)
+            .arg(&part_acc)
             .launch(config)?;
+        if splits > 1 {
+            let (splits_i, d_i) = (splits as i32, d as i32);
+            let combine = LaunchConfig { grid_dim: (n as u32, hq as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };
+            s.launch_builder(&self.attention_combine)
+                .arg(&out)
+                .arg(&part_ml)
+                .arg(&part_acc)
+                .arg(&hq_i)
+                .arg(&splits_i)
+                .arg(&d_i)
+                .launch(combine)?;
+        }
         Ok(())
     }
 

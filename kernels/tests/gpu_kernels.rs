@@ -279,13 +279,28 @@ fn paged_attention_matches_reference() {
             c.gpu.upload(&token_seq).unwrap(),
             c.gpu.upload(&positions).unwrap(),
         );
+        let partials = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let out = poison(&c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention(&c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, hq, hkv, d, bs)
+                .paged_attention(&c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, hq, hkv, d, bs, None)
                 .unwrap()
         };
         let got = to_f64(&out.download(&c.gpu.stream).unwrap());
+        // Split along the sequence: each token alone (decode-sized launches) must give the same result.
+        let mut split_out = vec![0f64; n * hq * d];
+        for t in 0..n {
+            let one = poison(&c, hq * d);
+            let (pos1, seq1) = (c.gpu.upload(&positions[t..t + 1]).unwrap(), c.gpu.upload(&token_seq[t..t + 1]).unwrap());
+            let q1 = c.gpu.upload(&q[t * hq * d..(t + 1) * hq * d]).unwrap();
+            assert!(c.kernels.attention_splits(1, hkv) > 1, "a single token is split");
+            unsafe {
+                c.kernels
+                    .paged_attention(&c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, hq, hkv, d, bs, Some(partials.ptr()))
+                    .unwrap()
+            };
+            split_out[t * hq * d..(t + 1) * hq * d].copy_from_slice(&to_f64(&one.download(&c.gpu.stream).unwrap()));
+        }
         let mut want = vec![0f64; n * hq * d];
         let scale = 1.0 / (d as f64).sqrt();
         for t in 0..n {
@@ -312,13 +327,15 @@ fn paged_attention_matches_reference() {
                 }
             }
         }
-        assert!(got.iter().all(|v| v.is_finite()), "every output written and finite");
-        let err = rel_l2(&got, &want);
-        let max_abs = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max);
-        eprintln!("attention hq={hq} hkv={hkv} d={d}: rel L2 {err:.2e}, max abs {max_abs:.2e}");
-        assert!(err < 1e-2, "rel L2 error {err}");
-        // Outputs are convex combinations of values in [-1, 1]: bf16 rounding of q and out bounds the error well under 0.02.
-        assert!(max_abs < 2e-2, "max abs error {max_abs}");
+        for (label, got) in [("one launch", &got), ("split per token", &split_out)] {
+            assert!(got.iter().all(|v| v.is_finite()), "{label}: every output written and finite");
+            let err = rel_l2(got, &want);
+            let max_abs = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max);
+            eprintln!("attention {label} hq={hq} hkv={hkv} d={d}: rel L2 {err:.2e}, max abs {max_abs:.2e}");
+            assert!(err < 1e-2, "{label}: rel L2 error {err}");
+            // Outputs are convex combinations of values in [-1, 1]: bf16 rounding of q and out bounds the error well under 0.02.
+            assert!(max_abs < 2e-2, "{label}: max abs error {max_abs}");
+        }
     }
 }
 

@@ -97,6 +97,7 @@ struct Scratch {
     argmax: DevBuf<u32>,
     meta: DevBuf<i32>,
     meta_host: Vec<i32>,
+    attn_partials: DevBuf<f32>,
 }
 
 impl Scratch {
@@ -118,6 +119,7 @@ impl Scratch {
             argmax: cuda.gpu.alloc_zeros::<u32>(r).map_err(gpu_err)?,
             meta: cuda.gpu.alloc_zeros::<i32>(layout.len()).map_err(gpu_err)?,
             meta_host: vec![0; layout.len()],
+            attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
         })
     }
 
@@ -381,7 +383,7 @@ impl CudaBackend {
                     d,
                     bs,
                 )?;
-                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, hq, hkv, d, bs)?;
+                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
                 cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;

@@ -1,7 +1,9 @@
 // Skinny GEMM for decode: y[m, n] = x[m, k] · w[n, k]ᵀ with m ≤ MAXM (1..8), bf16 in, f32
 // accumulation, bf16 or f32 out. At small m the product is bound by reading w once, so the kernel is
-// built for bandwidth: one warp per output column (weight row), 16-byte loads, UNROLL loads of w in
-// flight per lane before any is used, x re-read through the read-only cache (it is small and hot).
+// built for bandwidth: `wpr` warps share one output column (weight row), each taking a contiguous
+// share of k (more blocks in flight when n is small), 16-byte loads, UNROLL loads of w in flight per
+// lane before any is used, x re-read through the read-only cache (it is small and hot). The warps of
+// a row add their partial sums in a fixed order, so results do not depend on scheduling.
 // Requires k % 8 == 0 and 16-byte aligned rows (true for every Llama shape).
 #define GEMV_WARPS 8
 #define GEMV_UNROLL 8
@@ -20,51 +22,59 @@ __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
 
 template <int MAXM>
 __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const bf16_t* __restrict__ x,
-                                          const bf16_t* __restrict__ w, int m, int n, int k) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= n) return;
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)row * k);
+                                          const bf16_t* __restrict__ w, int m, int n, int k, int wpr) {
+    __shared__ float partial[GEMV_WARPS][MAXM];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rows_per_block = GEMV_WARPS / wpr;
+    const int row = blockIdx.x * rows_per_block + warp / wpr;
+    const int part = warp % wpr;
     const int chunks = k >> 3;  // 8 bf16 per 16-byte chunk
+    const int per = (chunks + wpr - 1) / wpr;
+    const int cbeg = part * per, cend = min(chunks, cbeg + per);
     float acc[MAXM];
 #pragma unroll
     for (int i = 0; i < MAXM; ++i) acc[i] = 0.f;
-    int c = lane;
-    for (; c + 32 * (GEMV_UNROLL - 1) < chunks; c += 32 * GEMV_UNROLL) {
-        uint4 wv[GEMV_UNROLL];
+    if (row < n) {
+        const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)row * k);
+        int c = cbeg + lane;
+        for (; c + 32 * (GEMV_UNROLL - 1) < cend; c += 32 * GEMV_UNROLL) {
+            uint4 wv[GEMV_UNROLL];
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) wv[u] = __ldcs(wr + c + 32 * u);  // streamed once: don't keep in L1/L2
+            for (int u = 0; u < GEMV_UNROLL; ++u) wv[u] = __ldcs(wr + c + 32 * u);  // streamed once
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
 #pragma unroll
-            for (int i = 0; i < MAXM; ++i) {
-                if (i < m) acc[i] += dot8(wv[u], __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + c + 32 * u));
+                for (int i = 0; i < MAXM; ++i) {
+                    if (i < m) acc[i] += dot8(wv[u], __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + c + 32 * u));
+                }
             }
         }
-    }
-    for (; c < chunks; c += 32) {
-        const uint4 wv = __ldcs(wr + c);
+        for (; c < cend; c += 32) {
+            const uint4 wv = __ldcs(wr + c);
 #pragma unroll
-        for (int i = 0; i < MAXM; ++i) {
-            if (i < m) acc[i] += dot8(wv, __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + c));
+            for (int i = 0; i < MAXM; ++i) {
+                if (i < m) acc[i] += dot8(wv, __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + c));
+            }
         }
     }
 #pragma unroll
     for (int i = 0; i < MAXM; ++i) {
-        if (i < m) {
-            const float s = warp_sum(acc[i]);
-            if (lane == 0) {
-                if (y_f32) reinterpret_cast<float*>(y)[(u64)i * n + row] = s;
-                else reinterpret_cast<bf16_t*>(y)[(u64)i * n + row] = f2bf(s);
-            }
-        }
+        const float s = warp_sum(acc[i]);
+        if (lane == 0) partial[warp][i] = s;
+    }
+    __syncthreads();
+    if (part == 0 && lane < m && row < n) {
+        float s = 0.f;
+        for (int p = 0; p < wpr; ++p) s += partial[warp + p][lane];
+        if (y_f32) reinterpret_cast<float*>(y)[(u64)lane * n + row] = s;
+        else reinterpret_cast<bf16_t*>(y)[(u64)lane * n + row] = f2bf(s);
     }
 }
 
 #define GEMV(M)                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        gemv_m##M(void* y, int y_f32, const bf16_t* x, const bf16_t* w, int m, int n, int k) {          \
-        gemv_impl<M>(y, y_f32, x, w, m, n, k);                                                          \
+        gemv_m##M(void* y, int y_f32, const bf16_t* x, const bf16_t* w, int m, int n, int k, int wpr) { \
+        gemv_impl<M>(y, y_f32, x, w, m, n, k, wpr);                                                     \
     }
 GEMV(1)
 GEMV(2)

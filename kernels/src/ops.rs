@@ -322,6 +322,16 @@ impl Kernels {
         Ok(())
     }
 
+    /// Warps sharing one weight row: enough (up to 4) that a narrow matrix still puts thousands of
+    /// warps' loads in flight (n * wpr >= 16384), one for wide ones.
+    pub fn gemv_warps_per_row(n: usize) -> usize {
+        match n {
+            n if n >= 16384 => 1,
+            n if n >= 8192 => 2,
+            _ => 4,
+        }
+    }
+
     /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8
     /// (bandwidth-bound decode shapes); y bf16 or f32.
     ///
@@ -341,7 +351,9 @@ impl Kernels {
             3..=4 => &self.gemv[2],
             _ => &self.gemv[3],
         };
-        let (yf, mi, ni, ki) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?);
+        let wpr = Self::gemv_warps_per_row(n);
+        let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
+        let rows_per_block = GEMV_WARPS / wpr;
         s.launch_builder(func)
             .arg(&y)
             .arg(&yf)
@@ -350,7 +362,8 @@ impl Kernels {
             .arg(&mi)
             .arg(&ni)
             .arg(&ki)
-            .launch(cfg(as_u32(n.div_ceil(GEMV_WARPS), "gemv blocks")?, (GEMV_WARPS * 32) as u32))?;
+            .arg(&wpr_i)
+            .launch(cfg(as_u32(n.div_ceil(rows_per_block), "gemv blocks")?, (GEMV_WARPS * 32) as u32))?;
         Ok(())
     }
 }

@@ -454,7 +454,8 @@ fn fills_and_conversion() {
 fn gemv_matches_reference_for_every_small_m() {
     let Some(c) = cuda_or_skip() else { return };
     let mut r = rng();
-    for (n, k) in [(1536usize, 576usize), (576, 1536), (4096, 14336), (1000, 8)] {
+    // n picks 4, 2 and 1 warps per row (see Kernels::gemv_warps_per_row).
+    for (n, k) in [(1536usize, 576usize), (576, 1536), (4096, 14336), (1000, 8), (9000, 136), (20000, 64)] {
         for m in 1..=peregrine_kernels::ops::GEMV_MAX_M {
             let (x, xv) = rand_bf16(&mut r, m * k, 1.0);
             let (w, wv) = rand_bf16(&mut r, n * k, 0.05);

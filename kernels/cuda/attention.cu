@@ -67,6 +67,11 @@ __device__ __forceinline__ void paged_attention_impl(
         }
     }
 
+    // The first 32 block ids of this split's range, one per lane, so the key loop does not wait on a
+    // dependent block-table load for each key (p is warp-uniform, so the shuffle is safe).
+    const int first_blk = begin / block_size;
+    const int nblk = (end > begin) ? (end - 1) / block_size - first_blk + 1 : 0;
+    const int bt_lane = (lane < nblk) ? bt[first_blk + lane] : 0;
     // Two keys per iteration, both loaded before either is used: more memory requests in flight.
     for (int p0 = begin + warp; p0 < end; p0 += 2 * ATTN_WARPS) {
         float kv2[2][E], vv2[2][E];
@@ -75,7 +80,9 @@ __device__ __forceinline__ void paged_attention_impl(
         for (int j = 0; j < 2; ++j) {
             if (j < np) {
                 const int p = p0 + j * ATTN_WARPS;
-                const u64 blk = (u64)bt[p / block_size];
+                const int bi = p / block_size - first_blk;
+                const int b = __shfl_sync(0xffffffffu, bt_lane, bi & 31);
+                const u64 blk = (u64)(bi < 32 ? b : bt[p / block_size]);
                 const u64 row = ((blk * hkv + kvh) * block_size + (p % block_size)) * D + lane * E;
                 load_row<D>(k_cache + row, kv2[j]);
                 load_row<D>(v_cache + row, vv2[j]);

@@ -36,24 +36,25 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
     for (int i = 0; i < MAXM; ++i) acc[i] = 0.f;
     if (row < n) {
         const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)row * k);
-        int c = cbeg + lane;
-        for (; c + 32 * (GEMV_UNROLL - 1) < cend; c += 32 * GEMV_UNROLL) {
+        // Every iteration issues UNROLL guarded loads before using any, also on the last, partial
+        // one: with several warps per row a lane may own fewer than UNROLL chunks in all, and a
+        // one-load-at-a-time tail would leave the memory system idle.
+        for (int c = cbeg + lane; c < cend; c += 32 * GEMV_UNROLL) {
             uint4 wv[GEMV_UNROLL];
 #pragma unroll
-            for (int u = 0; u < GEMV_UNROLL; ++u) wv[u] = __ldcs(wr + c + 32 * u);  // streamed once
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int cu = c + 32 * u;
+                wv[u] = cu < cend ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);  // streamed once
+            }
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int cu = c + 32 * u;
+                if (cu < cend) {
 #pragma unroll
-                for (int i = 0; i < MAXM; ++i) {
-                    if (i < m) acc[i] += dot8(wv[u], __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + c + 32 * u));
+                    for (int i = 0; i < MAXM; ++i) {
+                        if (i < m) acc[i] += dot8(wv[u], __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + cu));
+                    }
                 }
-            }
-        }
-        for (; c < cend; c += 32) {
-            const uint4 wv = __ldcs(wr + c);
-#pragma unroll
-            for (int i = 0; i < MAXM; ++i) {
-                if (i < m) acc[i] += dot8(wv, __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + c));
             }
         }
     }

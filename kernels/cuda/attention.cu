@@ -42,6 +42,7 @@ __device__ __forceinline__ void paged_attention_impl(
     __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ float sm_acc[ATTN_WARPS][ATTN_MAX_GROUP][D];
 
+    if (gridDim.z == 1) pdl_trigger();  // unsplit: this kernel is the one before the o GEMV
     const int t = blockIdx.x, kvh = blockIdx.y;
     const int group = hq / hkv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -150,6 +151,7 @@ __device__ __forceinline__ void paged_attention_impl(
 // Merges the splits of each (token, query head): grid (n, hq), blockDim.x = D.
 extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc, int hq, int splits, int d) {
+    pdl_trigger();
     const u64 th = (u64)blockIdx.x * hq + blockIdx.y;
     const int i = threadIdx.x;
     float mx = NEG_INF;

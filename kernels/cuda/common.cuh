@@ -46,3 +46,18 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* >= 33 floa
     __syncthreads();  // scratch may be reused right after
     return r;
 }
+
+// Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start while
+// the previous kernel is still finishing; it must call pdl_wait() before reading anything that kernel
+// wrote. A kernel that calls pdl_trigger() lets its dependent start early (the dependent still waits
+// for this kernel's completion in pdl_wait()). Both are no-ops on older GPUs and normal launches.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

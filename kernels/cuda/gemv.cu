@@ -34,17 +34,27 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
     float acc[MAXM];
 #pragma unroll
     for (int i = 0; i < MAXM; ++i) acc[i] = 0.f;
-    if (row < n) {
-        const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)row * k);
-        // Every iteration issues UNROLL guarded loads before using any, also on the last, partial
-        // one: with several warps per row a lane may own fewer than UNROLL chunks in all, and a
-        // one-load-at-a-time tail would leave the memory system idle.
-        for (int c = cbeg + lane; c < cend; c += 32 * GEMV_UNROLL) {
-            uint4 wv[GEMV_UNROLL];
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)min(row, n - 1) * k);
+    // The weights do not depend on the previous kernel: the first UNROLL loads go out before
+    // pdl_wait(), overlapping that kernel's tail when launched with PDL; x is read only after it.
+    uint4 wv[GEMV_UNROLL];
+    int c = cbeg + lane;
 #pragma unroll
-            for (int u = 0; u < GEMV_UNROLL; ++u) {
-                const int cu = c + 32 * u;
-                wv[u] = cu < cend ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);  // streamed once
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int cu = c + 32 * u;
+        wv[u] = (row < n && cu < cend) ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);  // streamed once
+    }
+    pdl_wait();
+    if (row < n) {
+        // Every iteration has UNROLL guarded loads in flight before any is used, also the last,
+        // partial one: with several warps per row a lane may own fewer than UNROLL chunks in all.
+        for (; c < cend; c += 32 * GEMV_UNROLL) {
+            if (c != cbeg + lane) {
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; ++u) {
+                    const int cu = c + 32 * u;
+                    wv[u] = cu < cend ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);
+                }
             }
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; ++u) {

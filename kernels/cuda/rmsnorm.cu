@@ -7,6 +7,7 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ residual, const bf16_
                                        const float* __restrict__ weight, bf16_t* __restrict__ out,
                                        const int* __restrict__ rows, int hidden, float eps) {
     __shared__ float scratch[33];
+    pdl_trigger();  // the GEMV after this may start streaming its weights now
     const u64 i = blockIdx.x;
     const u64 src = rows ? (u64)rows[i] : i;
     float* x = residual + src * hidden;

@@ -39,7 +39,7 @@ impl Cuda {
         let sms = gpu
             .ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let kernels = Kernels::load(&module, sms.max(1) as u32)?;
+        let kernels = Kernels::load(&module, sms.max(1) as u32, gpu.arch)?;
         let blas = Blas::new(&gpu.stream)?;
         let use_gemv = std::env::var("PEREGRINE_GEMV").map_or(true, |v| v != "0");
         Ok(Cuda { gpu, kernels, blas, use_gemv })

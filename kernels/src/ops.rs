@@ -27,6 +27,8 @@ pub struct Kernels {
     f32_to_bf16: CudaFunction,
     gemv: [CudaFunction; 4],
     num_sms: u32,
+    /// Launch GEMVs with programmatic dependent launch (sm_90+, unless `PEREGRINE_PDL=0`).
+    pdl: bool,
 }
 
 /// Largest row count the skinny GEMM (`gemv`) takes.
@@ -52,7 +54,7 @@ fn as_i32(v: usize, what: &str) -> Result<i32> {
 }
 
 impl Kernels {
-    pub fn load(module: &Arc<CudaModule>, num_sms: u32) -> Result<Self> {
+    pub fn load(module: &Arc<CudaModule>, num_sms: u32, arch: (i32, i32)) -> Result<Self> {
         let f = |name: &str| module.load_function(name);
         Ok(Kernels {
             embedding_gather: f("embedding_gather")?,
@@ -68,6 +70,7 @@ impl Kernels {
             f32_to_bf16: f("f32_to_bf16")?,
             gemv: [f("gemv_m1")?, f("gemv_m2")?, f("gemv_m4")?, f("gemv_m8")?],
             num_sms: num_sms.max(1),
+            pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").map_or(true, |v| v != "0"),
         })
     }
 
@@ -354,16 +357,57 @@ impl Kernels {
         let wpr = Self::gemv_warps_per_row(n);
         let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
         let rows_per_block = GEMV_WARPS / wpr;
-        s.launch_builder(func)
-            .arg(&y)
-            .arg(&yf)
-            .arg(&x)
-            .arg(&w)
-            .arg(&mi)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&wpr_i)
-            .launch(cfg(as_u32(n.div_ceil(rows_per_block), "gemv blocks")?, (GEMV_WARPS * 32) as u32))?;
+        let grid = as_u32(n.div_ceil(rows_per_block), "gemv blocks")?;
+        if self.pdl {
+            let mut args: [*mut std::ffi::c_void; 8] = [
+                &y as *const u64 as *mut _,
+                &yf as *const i32 as *mut _,
+                &x as *const u64 as *mut _,
+                &w as *const u64 as *mut _,
+                &mi as *const i32 as *mut _,
+                &ni as *const i32 as *mut _,
+                &ki as *const i32 as *mut _,
+                &wpr_i as *const i32 as *mut _,
+            ];
+            launch_pdl(s, func, grid, (GEMV_WARPS * 32) as u32, &mut args)?;
+        } else {
+            s.launch_builder(func)
+                .arg(&y)
+                .arg(&yf)
+                .arg(&x)
+                .arg(&w)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&wpr_i)
+                .launch(cfg(grid, (GEMV_WARPS * 32) as u32))?;
+        }
         Ok(())
     }
+}
+
+/// Launches `func` with the programmatic-stream-serialization attribute: it may begin while the
+/// previous kernel on the stream finishes, and must `pdl_wait()` before reading that kernel's output.
+///
+/// # Safety
+/// `args` must match the kernel's parameters; the caller's context must be current.
+unsafe fn launch_pdl(s: &CudaStream, func: &CudaFunction, grid: u32, block: u32, args: &mut [*mut std::ffi::c_void]) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: s.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()?;
+    Ok(())
 }

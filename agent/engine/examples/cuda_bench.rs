@@ -33,7 +33,8 @@ fn run() -> peregrine_engine::Result<()> {
     println!("HBM copy bandwidth: {:.0} GB/s; weight bytes per decode step: {:.2} GB; bound {:.1} tokens/s", bw / 1e9, bytes as f64 / 1e9, bound);
     // Warm-up (kernel load, cuBLAS heuristics, first-touch of the KV cache).
     bench::decode(&mut b, 1, 16, 4, 4096)?;
-    println!("cuda graphs: {graphs}, skinny GEMM: {}", std::env::var("PEREGRINE_GEMV").map_or(true, |v| v != "0"));
+    let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
+    println!("cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}", on("PEREGRINE_GEMV"), on("PEREGRINE_PDL"));
     for batch in [1usize, 16, 64] {
         let f = bench::decode(&mut b, batch, 128, steps, 4096)?;
         let extra = if batch == 1 { format!(", {:.1}% of the bandwidth bound", 100.0 * f.tokens_per_second() / bound) } else { String::new() };

@@ -69,6 +69,10 @@ pub fn pack(batch: &StepBatch, layout: &PlanLayout, lim: &Limits, packed: &mut [
     let mut covered = 0usize;
     let mut rows = 0usize;
     for (s, seq) in batch.seqs.iter().enumerate() {
+        if let Some(slot) = seq.lora_slot {
+            // Never run the base model silently for a request that asked for an adapter.
+            return Err(EngineError::Unsupported(format!("sequence {s}: LoRA slot {slot}: the CUDA backend has no LoRA support yet")));
+        }
         if seq.start != covered || seq.len == 0 || seq.start + seq.len > n {
             return Err(bad(format!("sequence {s}: chunk {}..{} does not tile the batch", seq.start, seq.start + seq.len)));
         }
@@ -163,6 +167,12 @@ mod tests {
             StepBatch { tokens: vec![1, 2], positions: vec![0, 1], seqs: vec![seq(0, 1, 0, vec![1], true)] },
             // beyond max_model_len
             StepBatch { tokens: vec![1], positions: vec![32], seqs: vec![seq(0, 1, 32, vec![0; 9], true)] },
+            // a LoRA slot (not supported on this backend yet)
+            StepBatch {
+                tokens: vec![1],
+                positions: vec![0],
+                seqs: vec![SeqChunk { lora_slot: Some(0), ..seq(0, 1, 0, vec![1], true) }],
+            },
         ];
         for (i, b) in cases.iter().enumerate() {
             assert!(pack(b, &LAYOUT, &LIM, &mut packed).is_err(), "case {i} accepted");

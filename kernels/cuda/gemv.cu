@@ -1,12 +1,11 @@
 // Skinny GEMM for decode: y[m, n] = x[m, k] · w[n, k]ᵀ with m ≤ MAXM (1..8), bf16 in, f32
 // accumulation, bf16 or f32 out. At small m the product is bound by reading w once, so the kernel is
 // built for bandwidth: `wpr` warps share one output column (weight row), each taking a contiguous
-// share of k (more blocks in flight when n is small), 16-byte loads, UNROLL loads of w in flight per
+// share of k (more blocks in flight when n is small), 16-byte loads, UNROLL (8 or 16) loads of w in flight per
 // lane before any is used, x re-read through the read-only cache (it is small and hot). The warps of
 // a row add their partial sums in a fixed order, so results do not depend on scheduling.
 // Requires k % 8 == 0 and 16-byte aligned rows (true for every Llama shape).
 #define GEMV_WARPS 8
-#define GEMV_UNROLL 8
 
 __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
     const u32 av[4] = {a.x, a.y, a.z, a.w};
@@ -20,7 +19,7 @@ __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
     return s;
 }
 
-template <int MAXM>
+template <int MAXM, int GEMV_UNROLL>
 __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const bf16_t* __restrict__ x,
                                           const bf16_t* __restrict__ w, int m, int n, int k, int wpr) {
     __shared__ float partial[GEMV_WARPS][MAXM];
@@ -82,12 +81,17 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
     }
 }
 
-#define GEMV(M)                                                                                         \
+#define GEMV(M, U)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        gemv_m##M(void* y, int y_f32, const bf16_t* x, const bf16_t* w, int m, int n, int k, int wpr) { \
-        gemv_impl<M>(y, y_f32, x, w, m, n, k, wpr);                                                     \
+        gemv_m##M##_u##U(void* y, int y_f32, const bf16_t* x, const bf16_t* w, int m, int n, int k,     \
+                         int wpr) {                                                                     \
+        gemv_impl<M, U>(y, y_f32, x, w, m, n, k, wpr);                                                  \
     }
-GEMV(1)
-GEMV(2)
-GEMV(4)
-GEMV(8)
+GEMV(1, 8)
+GEMV(2, 8)
+GEMV(4, 8)
+GEMV(8, 8)
+GEMV(1, 16)
+GEMV(2, 16)
+GEMV(4, 16)
+GEMV(8, 16)

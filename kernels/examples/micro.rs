@@ -30,7 +30,7 @@ fn main() {
         }
     };
     let s = &c.gpu.stream;
-    println!("{:<28} {:>10} {:>10} {:>10}", "m=1 GEMM [n x k]", "MB", "gemv GB/s", "cuBLAS GB/s");
+    println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
     for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)] {
         // Several weight copies, rotated, so repeated runs do not read from L2 (50 MB on H100/H200).
         let copies = (400_000_000 / (n * k * 2)).clamp(2, 8);
@@ -42,16 +42,27 @@ fn main() {
         unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), k, 99, 1.0).unwrap() };
         let y = c.gpu.alloc_zeros::<f32>(n).unwrap();
         let mut i = 0;
-        let tg = time(&c, 30, || {
-            i += 1;
-            unsafe { c.kernels.gemv(s, y.ptr(), false, x.ptr(), ws[i % copies].ptr(), 1, n, k).unwrap() };
-        });
+        let mb = (n * k * 2) as f64 / 1e6;
+        let mut gbs = |unroll: usize, wpr: usize| {
+            let t = time(&c, 30, || {
+                i += 1;
+                unsafe { c.kernels.gemv_with(s, y.ptr(), false, x.ptr(), ws[i % copies].ptr(), 1, n, k, unroll, wpr).unwrap() };
+            });
+            mb / 1e3 / t
+        };
+        let (pu, pw) = peregrine_kernels::Kernels::gemv_plan(n, k);
+        let plan = gbs(pu, pw);
+        let mut sweep = String::new();
+        for unroll in [8usize, 16] {
+            for wpr in [1usize, 2, 4, 8] {
+                sweep.push_str(&format!(" ({unroll},{wpr}) {:.0}", gbs(unroll, wpr)));
+            }
+        }
         let tb = time(&c, 30, || {
             i += 1;
             unsafe { c.blas.matmul(y.ptr(), OutType::Bf16, x.ptr(), ws[i % copies].ptr(), 1, n, k, 0.0).unwrap() };
         });
-        let mb = (n * k * 2) as f64 / 1e6;
-        println!("{:<28} {:>10.1} {:>10.0} {:>10.0}", format!("[{n} x {k}]"), mb, mb / 1e3 / tg, mb / 1e3 / tb);
+        println!("{:<20} {:>7.1} {:>9.0} {:>9.0} {sweep}  [plan ({pu},{pw})]", format!("[{n} x {k}]"), mb, plan, mb / 1e3 / tb);
     }
     // Decode attention: 1 token, 32 q heads over 8 KV heads, d 128, block 16.
     let (hq, hkv, d, bs) = (32usize, 8usize, 128usize, 16usize);

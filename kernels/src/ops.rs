@@ -25,9 +25,10 @@ pub struct Kernels {
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
     f32_to_bf16: CudaFunction,
-    gemv: [CudaFunction; 4],
+    /// [unroll 8, unroll 16] × [m ≤ 1, 2, 4, 8].
+    gemv: [[CudaFunction; 4]; 2],
     num_sms: u32,
-    /// Launch GEMVs with programmatic dependent launch (sm_90+, unless `PEREGRINE_PDL=0`).
+    /// Launch GEMVs with programmatic dependent launch (sm_90+, `PEREGRINE_PDL=1`).
     pdl: bool,
 }
 
@@ -68,9 +69,14 @@ impl Kernels {
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,
-            gemv: [f("gemv_m1")?, f("gemv_m2")?, f("gemv_m4")?, f("gemv_m8")?],
+            gemv: [
+                [f("gemv_m1_u8")?, f("gemv_m2_u8")?, f("gemv_m4_u8")?, f("gemv_m8_u8")?],
+                [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
+            ],
             num_sms: num_sms.max(1),
-            pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").map_or(true, |v| v != "0"),
+            // Off by default: measured no gain on an H100 (160.6 vs 159.8 tokens/s at batch 1), so
+            // the well-trodden launch path stays the default. `PEREGRINE_PDL=1` turns it on.
+            pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -325,36 +331,53 @@ impl Kernels {
         Ok(())
     }
 
-    /// Warps sharing one weight row: enough (up to 4) that a narrow matrix still puts thousands of
-    /// warps' loads in flight (n * wpr >= 16384), one for wide ones.
-    pub fn gemv_warps_per_row(n: usize) -> usize {
-        match n {
+    /// (unroll depth, warps per row) for a weight of `n` rows × `k`: several warps share a row of a
+    /// narrow matrix so that thousands of warps' loads are in flight (n * wpr >= 16384), one warp a
+    /// row for wide ones; the deeper unroll where each lane then owns at least 16 chunks.
+    pub fn gemv_plan(n: usize, k: usize) -> (usize, usize) {
+        let wpr = match n {
             n if n >= 16384 => 1,
             n if n >= 8192 => 2,
             _ => 4,
-        }
+        };
+        let per_lane = (k / 8).div_ceil(32 * wpr);
+        (if per_lane >= 16 { 16 } else { 8 }, wpr)
     }
 
     /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8
-    /// (bandwidth-bound decode shapes); y bf16 or f32.
+    /// (bandwidth-bound decode shapes); y bf16 or f32. Unroll depth and warps per row from
+    /// [`Kernels::gemv_plan`].
     ///
     /// # Safety
     /// x: m*k bf16 and w: n*k bf16, both 16-byte aligned; y: m*n of the output type.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemv(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        let (unroll, wpr) = Self::gemv_plan(n, k);
+        self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, wpr)
+    }
+
+    /// [`Kernels::gemv`] with an explicit unroll depth (8 or 16) and warps per row (1, 2, 4 or 8).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_with(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, unroll: usize, wpr: usize) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
         if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w % 16 != 0 {
             return Err(KernelError::Unsupported(format!("gemv: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
         }
+        if !matches!(wpr, 1 | 2 | 4 | 8) || !matches!(unroll, 8 | 16) {
+            return Err(KernelError::Unsupported(format!("gemv: unroll {unroll}, {wpr} warps per row")));
+        }
+        let table = &self.gemv[(unroll == 16) as usize];
         let func = match m {
-            1 => &self.gemv[0],
-            2 => &self.gemv[1],
-            3..=4 => &self.gemv[2],
-            _ => &self.gemv[3],
+            1 => &table[0],
+            2 => &table[1],
+            3..=4 => &table[2],
+            _ => &table[3],
         };
-        let wpr = Self::gemv_warps_per_row(n);
         let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
         let rows_per_block = GEMV_WARPS / wpr;
         let grid = as_u32(n.div_ceil(rows_per_block), "gemv blocks")?;

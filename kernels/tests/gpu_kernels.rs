@@ -454,7 +454,7 @@ fn fills_and_conversion() {
 fn gemv_matches_reference_for_every_small_m() {
     let Some(c) = cuda_or_skip() else { return };
     let mut r = rng();
-    // n picks 4, 2 and 1 warps per row (see Kernels::gemv_warps_per_row).
+    // n picks 4, 2 and 1 warps per row, k unroll 8 or 16 (see Kernels::gemv_plan).
     for (n, k) in [(1536usize, 576usize), (576, 1536), (4096, 14336), (1000, 8), (9000, 136), (20000, 64)] {
         for m in 1..=peregrine_kernels::ops::GEMV_MAX_M {
             let (x, xv) = rand_bf16(&mut r, m * k, 1.0);
@@ -475,6 +475,26 @@ fn gemv_matches_reference_for_every_small_m() {
             let gotf: Vec<f64> = yf.download(&c.gpu.stream).unwrap().iter().map(|&v| v as f64).collect();
             let err = rel_l2(&gotf, &want);
             assert!(err < 1e-5, "gemv f32 m={m} n={n} k={k}: rel L2 {err}");
+        }
+    }
+}
+
+#[test]
+fn gemv_every_unroll_and_row_split_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let (n, k) = (300usize, 4104usize); // k not a multiple of any split: partial last iterations everywhere
+    for m in [1usize, 3, 8] {
+        let (x, xv) = rand_bf16(&mut r, m * k, 1.0);
+        let (w, wv) = rand_bf16(&mut r, n * k, 0.05);
+        let (dx, dw) = (c.gpu.upload(&x).unwrap(), c.gpu.upload(&w).unwrap());
+        let want: Vec<f64> = (0..m * n).map(|e| (0..k).map(|l| xv[(e / n) * k + l] * wv[(e % n) * k + l]).sum()).collect();
+        for unroll in [8usize, 16] {
+            for wpr in [1usize, 2, 4, 8] {
+                let y = poison(&c, m * n);
+                unsafe { c.kernels.gemv_with(&c.gpu.stream, y.ptr(), false, dx.ptr(), dw.ptr(), m, n, k, unroll, wpr).unwrap() };
+                assert_bf16_close(&y.download(&c.gpu.stream).unwrap(), &want, &format!("gemv m={m} unroll {unroll} wpr {wpr}"));
+            }
         }
     }
 }

@@ -34,7 +34,7 @@ fn run() -> peregrine_engine::Result<()> {
     // Warm-up (kernel load, cuBLAS heuristics, first-touch of the KV cache).
     bench::decode(&mut b, 1, 16, 4, 4096)?;
     let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
-    println!("cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}", on("PEREGRINE_GEMV"), on("PEREGRINE_PDL"));
+    println!("cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}", on("PEREGRINE_GEMV"), std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"));
     for batch in [1usize, 16, 64] {
         let f = bench::decode(&mut b, batch, 128, steps, 4096)?;
         let extra = if batch == 1 { format!(", {:.1}% of the bandwidth bound", 100.0 * f.tokens_per_second() / bound) } else { String::new() };

@@ -19,32 +19,7 @@ __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
     return s;
 }
 
-// Chunk c (8 values) of row i of the GEMV's input. With SWIGLU the input is the fused gate/up
-// projection [m, 2k] and the chunk is bf16(silu(gate) * up), rounded exactly as silu_mul does, so the
-// fused and unfused paths give the same bits.
-template <bool SWIGLU>
-__device__ __forceinline__ uint4 x_chunk(const bf16_t* __restrict__ x, int i, int k, int c) {
-    if constexpr (!SWIGLU) {
-        return __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + c);
-    } else {
-        const uint4 g = __ldg(reinterpret_cast<const uint4*>(x + (u64)i * 2 * k) + c);
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(x + (u64)i * 2 * k + k) + c);
-        const u32 gv[4] = {g.x, g.y, g.z, g.w};
-        const u32 uv[4] = {u.x, u.y, u.z, u.w};
-        u32 out[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float g0 = __uint_as_float(gv[j] << 16), g1 = __uint_as_float(gv[j] & 0xffff0000u);
-            const float u0 = __uint_as_float(uv[j] << 16), u1 = __uint_as_float(uv[j] & 0xffff0000u);
-            const u32 a0 = f2bf(g0 / (1.f + __expf(-g0)) * u0);
-            const u32 a1 = f2bf(g1 / (1.f + __expf(-g1)) * u1);
-            out[j] = a0 | (a1 << 16);
-        }
-        return make_uint4(out[0], out[1], out[2], out[3]);
-    }
-}
-
-template <int MAXM, int GEMV_UNROLL, bool SWIGLU>
+template <int MAXM, int GEMV_UNROLL>
 __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const bf16_t* __restrict__ x,
                                           const bf16_t* __restrict__ w, int m, int n, int k, int wpr) {
     __shared__ float partial[GEMV_WARPS][MAXM];
@@ -86,7 +61,7 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
                 if (cu < cend) {
 #pragma unroll
                     for (int i = 0; i < MAXM; ++i) {
-                        if (i < m) acc[i] += dot8(wv[u], x_chunk<SWIGLU>(x, i, k, cu));
+                        if (i < m) acc[i] += dot8(wv[u], __ldg(reinterpret_cast<const uint4*>(x + (u64)i * k) + cu));
                     }
                 }
             }
@@ -110,12 +85,7 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
         gemv_m##M##_u##U(void* y, int y_f32, const bf16_t* x, const bf16_t* w, int m, int n, int k,     \
                          int wpr) {                                                                     \
-        gemv_impl<M, U, false>(y, y_f32, x, w, m, n, k, wpr);                                           \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        gemv_swiglu_m##M##_u##U(void* y, int y_f32, const bf16_t* x, const bf16_t* w, int m, int n,     \
-                                int k, int wpr) {                                                       \
-        gemv_impl<M, U, true>(y, y_f32, x, w, m, n, k, wpr);                                            \
+        gemv_impl<M, U>(y, y_f32, x, w, m, n, k, wpr);                                                  \
     }
 GEMV(1, 8)
 GEMV(2, 8)

@@ -46,7 +46,7 @@ fn main() {
         let mut gbs = |unroll: usize, wpr: usize| {
             let t = time(&c, 30, || {
                 i += 1;
-                unsafe { c.kernels.gemv_with(s, y.ptr(), false, x.ptr(), ws[i % copies].ptr(), 1, n, k, unroll, wpr, false).unwrap() };
+                unsafe { c.kernels.gemv_with(s, y.ptr(), false, x.ptr(), ws[i % copies].ptr(), 1, n, k, unroll, wpr).unwrap() };
             });
             mb / 1e3 / t
         };

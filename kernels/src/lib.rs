@@ -45,22 +45,6 @@ impl Cuda {
         Ok(Cuda { gpu, kernels, blas, use_gemv })
     }
 
-    /// The down projection of a SwiGLU MLP: `y = (silu(gate) * up) · wᵀ` from the fused
-    /// `gate_up[m, 2k]`. Decode-sized m computes the activation inside the skinny GEMM (one kernel
-    /// fewer); otherwise `silu_mul` into `act[m, k]`, then [`Cuda::linear`].
-    ///
-    /// # Safety
-    /// gate_up: m*2k bf16; act: m*k bf16 scratch; w: n*k bf16; y: m*n of the output type.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn linear_swiglu(&self, y: DPtr, out: OutType, gate_up: DPtr, act: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        if self.use_gemv && m <= ops::GEMV_MAX_M && k % 8 == 0 && gate_up % 16 == 0 && w % 16 == 0 {
-            self.kernels.gemv_swiglu(&self.gpu.stream, y, out == OutType::F32, gate_up, w, m, n, k)
-        } else {
-            self.kernels.silu_mul(&self.gpu.stream, act, gate_up, m, k)?;
-            self.linear(y, out, act, w, m, n, k)
-        }
-    }
-
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer on `m` tokens): the skinny bandwidth-bound
     /// kernel for decode-sized m, cuBLAS otherwise. Which path runs depends on m, so results may
     /// differ in the last bf16 bit between batch sizes (summation order).

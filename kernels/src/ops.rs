@@ -25,8 +25,8 @@ pub struct Kernels {
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
     f32_to_bf16: CudaFunction,
-    /// [plain, SwiGLU input] × [unroll 8, unroll 16] × [m ≤ 1, 2, 4, 8].
-    gemv: [[[CudaFunction; 4]; 2]; 2],
+    /// [unroll 8, unroll 16] × [m ≤ 1, 2, 4, 8].
+    gemv: [[CudaFunction; 4]; 2],
     num_sms: u32,
     /// Launch GEMVs with programmatic dependent launch (sm_90+, `PEREGRINE_PDL=1`).
     pdl: bool,
@@ -70,14 +70,8 @@ impl Kernels {
             fill_f32: f("fill_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,
             gemv: [
-                [
-                    [f("gemv_m1_u8")?, f("gemv_m2_u8")?, f("gemv_m4_u8")?, f("gemv_m8_u8")?],
-                    [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
-                ],
-                [
-                    [f("gemv_swiglu_m1_u8")?, f("gemv_swiglu_m2_u8")?, f("gemv_swiglu_m4_u8")?, f("gemv_swiglu_m8_u8")?],
-                    [f("gemv_swiglu_m1_u16")?, f("gemv_swiglu_m2_u16")?, f("gemv_swiglu_m4_u16")?, f("gemv_swiglu_m8_u16")?],
-                ],
+                [f("gemv_m1_u8")?, f("gemv_m2_u8")?, f("gemv_m4_u8")?, f("gemv_m8_u8")?],
+                [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
             ],
             num_sms: num_sms.max(1),
             // Off by default: measured no gain on an H100 (160.6 vs 159.8 tokens/s at batch 1), so
@@ -337,11 +331,17 @@ impl Kernels {
         Ok(())
     }
 
-    /// (unroll depth, warps per row) for a weight of `n` rows × `k`. From a sweep on an H100
-    /// (`examples/micro.rs`, docs/benchmarks.md): 4 warps per row beat 1 or 2 for every Llama-3.1-8B
-    /// shape, 8 for the long rows of the down projection; unroll 16 never beat 8.
-    pub fn gemv_plan(_n: usize, k: usize) -> (usize, usize) {
-        (8, if k >= 8192 { 8 } else { 4 })
+    /// (unroll depth, warps per row) for a weight of `n` rows × `k`: several warps share a row of a
+    /// narrow matrix so that thousands of warps' loads are in flight (n * wpr >= 16384), one warp a
+    /// row for wide ones; the deeper unroll where each lane then owns at least 16 chunks.
+    pub fn gemv_plan(n: usize, k: usize) -> (usize, usize) {
+        let wpr = match n {
+            n if n >= 16384 => 1,
+            n if n >= 8192 => 2,
+            _ => 4,
+        };
+        let per_lane = (k / 8).div_ceil(32 * wpr);
+        (if per_lane >= 16 { 16 } else { 8 }, wpr)
     }
 
     /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8
@@ -353,28 +353,15 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemv(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
         let (unroll, wpr) = Self::gemv_plan(n, k);
-        self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, wpr, false)
+        self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, wpr)
     }
 
-    /// [`Kernels::gemv`] whose input is `silu(gate) * up` computed on the fly from the fused gate/up
-    /// projection `gate_up` `[m, 2k]` (the down projection of a SwiGLU MLP without its own
-    /// activation kernel; same bits as `silu_mul` followed by `gemv`).
-    ///
-    /// # Safety
-    /// gate_up: m*2k bf16, 16-byte aligned; w: n*k bf16; y: m*n of the output type.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv_swiglu(&self, s: &CudaStream, y: DPtr, y_f32: bool, gate_up: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        let (unroll, wpr) = Self::gemv_plan(n, k);
-        self.gemv_with(s, y, y_f32, gate_up, w, m, n, k, unroll, wpr, true)
-    }
-
-    /// [`Kernels::gemv`] (or, with `swiglu`, [`Kernels::gemv_swiglu`]) with an explicit unroll depth
-    /// (8 or 16) and warps per row (1, 2, 4 or 8).
+    /// [`Kernels::gemv`] with an explicit unroll depth (8 or 16) and warps per row (1, 2, 4 or 8).
     ///
     /// # Safety
     /// As [`Kernels::gemv`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv_with(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, unroll: usize, wpr: usize, swiglu: bool) -> Result<()> {
+    pub unsafe fn gemv_with(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, unroll: usize, wpr: usize) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -384,7 +371,7 @@ impl Kernels {
         if !matches!(wpr, 1 | 2 | 4 | 8) || !matches!(unroll, 8 | 16) {
             return Err(KernelError::Unsupported(format!("gemv: unroll {unroll}, {wpr} warps per row")));
         }
-        let table = &self.gemv[swiglu as usize][(unroll == 16) as usize];
+        let table = &self.gemv[(unroll == 16) as usize];
         let func = match m {
             1 => &table[0],
             2 => &table[1],

@@ -387,7 +387,8 @@ impl CudaBackend {
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
                 cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;
-                cuda.linear_swiglu(sc.delta.ptr(), OutType::Bf16, sc.gate_up.ptr(), sc.act.ptr(), lw.down.ptr(), n, h, inter)?;
+                k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
+                cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter)?;
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());

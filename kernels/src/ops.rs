@@ -331,17 +331,11 @@ impl Kernels {
         Ok(())
     }
 
-    /// (unroll depth, warps per row) for a weight of `n` rows × `k`: several warps share a row of a
-    /// narrow matrix so that thousands of warps' loads are in flight (n * wpr >= 16384), one warp a
-    /// row for wide ones; the deeper unroll where each lane then owns at least 16 chunks.
-    pub fn gemv_plan(n: usize, k: usize) -> (usize, usize) {
-        let wpr = match n {
-            n if n >= 16384 => 1,
-            n if n >= 8192 => 2,
-            _ => 4,
-        };
-        let per_lane = (k / 8).div_ceil(32 * wpr);
-        (if per_lane >= 16 { 16 } else { 8 }, wpr)
+    /// (unroll depth, warps per row) for a weight of `n` rows × `k`. From a sweep on an H100
+    /// (`examples/micro.rs`, docs/benchmarks.md): 4 warps per row beat 1 or 2 for every Llama-3.1-8B
+    /// shape, 8 for the long rows of the down projection; unroll 16 never beat 8.
+    pub fn gemv_plan(_n: usize, k: usize) -> (usize, usize) {
+        (8, if k >= 8192 { 8 } else { 4 })
     }
 
     /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8

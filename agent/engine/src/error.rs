@@ -23,6 +23,17 @@ pub enum EngineError {
     InvalidRequest(String),
     #[error("backend: {0}")]
     Backend(String),
+    /// A LoRA adapter that cannot be served: missing or malformed files, shapes that do not fit the
+    /// base model, rank above `max_lora_rank`, non-finite values, unsupported PEFT features.
+    #[error("invalid LoRA adapter {path}: {message}")]
+    InvalidAdapter { path: PathBuf, message: String },
+    /// A request or admin call named an adapter that is not loaded (or is being unloaded).
+    #[error("unknown adapter {0:?}")]
+    UnknownAdapter(String),
+    /// Engine settings that cannot work with this model or backend (block size mismatch, a context
+    /// length the KV cache cannot hold).
+    #[error("invalid engine config: {0}")]
+    InvalidConfig(String),
     /// The engine thread has stopped; no more requests can be served.
     #[error("engine stopped")]
     EngineStopped,
@@ -39,11 +50,18 @@ impl EngineError {
             EngineError::ChatTemplate(_) => "chat_template",
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Backend(_) => "backend",
+            EngineError::InvalidAdapter { .. } => "invalid_adapter",
+            EngineError::UnknownAdapter(_) => "unknown_adapter",
+            EngineError::InvalidConfig(_) => "invalid_config",
             EngineError::EngineStopped => "engine_stopped",
         }
     }
 
     pub fn invalid_model(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         EngineError::InvalidModel { path: path.into(), message: message.into() }
+    }
+
+    pub fn invalid_adapter(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        EngineError::InvalidAdapter { path: path.into(), message: message.into() }
     }
 }

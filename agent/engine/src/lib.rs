@@ -13,7 +13,13 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod lora;
 pub mod model;
 pub mod request;
+pub mod tokenizer;
 
 pub use error::{EngineError, Result};
+pub mod kv;
+pub mod sampling;
+pub mod scheduler;
+pub mod engine;

@@ -83,6 +83,20 @@ pub trait Backend: Send {
 
     /// A short name for logs and `bench` output ("cpu", "cuda:0").
     fn name(&self) -> String;
+
+    /// Prepares `max_loras` LoRA slots of rank up to `max_rank` (see [`crate::lora`]). Backends
+    /// without LoRA support keep this default.
+    fn enable_lora(&mut self, max_loras: usize, max_rank: usize) -> Result<()> {
+        let _ = (max_loras, max_rank);
+        Err(crate::EngineError::Unsupported(format!("backend {} has no LoRA support", self.name())))
+    }
+
+    /// Writes `adapter` into LoRA slot `slot` (replacing what was there). The engine calls it
+    /// between steps, before the first step whose [`SeqChunk::lora_slot`] names that slot.
+    fn set_lora_slot(&mut self, slot: u32, adapter: &crate::lora::LoraAdapter) -> Result<()> {
+        let _ = (slot, adapter);
+        Err(crate::EngineError::Unsupported(format!("backend {} has no LoRA support", self.name())))
+    }
 }
 
 /// Bytes of KV cache one block takes in f32 (K and V, every layer).

@@ -265,6 +265,16 @@ impl QuantMatrix {
         }
     }
 
+    /// The repacked storage for SIMD kernels: per-block `d`, per-block `m` (Q4_1 only, else
+    /// empty), and the payload (`payload_bytes()` per block), all in row-major block order.
+    pub fn raw(&self) -> (&[f32], &[f32], &[u8]) {
+        (&self.d, &self.m, &self.qs)
+    }
+
+    pub fn payload_bytes(&self) -> usize {
+        self.kind.payload()
+    }
+
     /// Bytes held in memory.
     pub fn size_bytes(&self) -> usize {
         4 * (self.d.len() + self.m.len()) + self.qs.len()

@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use super::kv_cache::KvCache;
 use super::matmul::dot;
+use super::simd::Isa;
 
 /// Where one token of the step reads its context from.
 pub struct TokenCtx<'a> {
@@ -31,7 +32,9 @@ pub fn write_kv(cache: &mut KvCache, layer: usize, block_table: &[u32], pos: usi
 
 /// `q` rows are `ld_q` apart and start with the `n_heads * head_dim` query values; `out` is
 /// `tokens × (n_heads * head_dim)`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
+    isa: Isa,
     cache: &KvCache,
     layer: usize,
     n_heads: usize,
@@ -43,16 +46,57 @@ pub fn attention(
     let hd = cache.head_dim;
     let kvh = cache.kv_heads;
     let group = n_heads / kvh;
-    let bs = cache.shape.block_size;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let (kc, vc) = (&cache.layers[layer].0, &cache.layers[layer].1);
     out.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (item, o)| {
         let (t, g) = (item / kvh, item % kvh);
-        let tok = &tokens[t];
+        let job = Item { cache, layer, group, g, q: &q[t * ld_q..], tok: &tokens[t] };
+        job.run(isa, scores, o);
+    });
+}
+
+/// One (token, KV head) task.
+struct Item<'a> {
+    cache: &'a KvCache,
+    layer: usize,
+    group: usize,
+    g: usize,
+    q: &'a [f32],
+    tok: &'a TokenCtx<'a>,
+}
+
+impl Item<'_> {
+    /// The same arithmetic compiled per ISA so the compiler can use wide vectors.
+    fn run(&self, isa: Isa, scores: &mut Vec<f32>, o: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+            unsafe fn avx512(it: &Item<'_>, s: &mut Vec<f32>, o: &mut [f32]) {
+                it.body(s, o)
+            }
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2(it: &Item<'_>, s: &mut Vec<f32>, o: &mut [f32]) {
+                it.body(s, o)
+            }
+            match isa {
+                // SAFETY: the features were detected at run time.
+                Isa::Avx512 => return unsafe { avx512(self, scores, o) },
+                Isa::Avx2 => return unsafe { avx2(self, scores, o) },
+                Isa::Generic => {}
+            }
+        }
+        let _ = isa;
+        self.body(scores, o)
+    }
+
+    #[inline(always)]
+    fn body(&self, scores: &mut Vec<f32>, o: &mut [f32]) {
+        let cache = self.cache;
+        let (hd, bs, group, g) = (cache.head_dim, cache.shape.block_size, self.group, self.g);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (kc, vc) = (&cache.layers[self.layer].0, &cache.layers[self.layer].1);
+        let tok = self.tok;
         let ctx = tok.pos + 1;
         scores.clear();
         scores.resize(group * ctx, 0.0);
-        let qrow = &q[t * ld_q..];
         // Scores, block by block.
         for j0 in (0..ctx).step_by(bs) {
             let block = tok.block_table[j0 / bs] as usize;
@@ -60,7 +104,7 @@ pub fn attention(
             for j in j0..ctx.min(j0 + bs) {
                 let kv = &kc[base + (j - j0) * hd..base + (j - j0 + 1) * hd];
                 for h in 0..group {
-                    let qh = &qrow[(g * group + h) * hd..(g * group + h + 1) * hd];
+                    let qh = &self.q[(g * group + h) * hd..(g * group + h + 1) * hd];
                     scores[h * ctx + j] = dot(qh, kv) * scale;
                 }
             }
@@ -95,5 +139,5 @@ pub fn attention(
                 }
             }
         }
-    });
+    }
 }

@@ -38,6 +38,16 @@ pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &Matrix, out: &mut [f32]) {
     (0..tiles).into_par_iter().for_each_init(Vec::new, |scratch: &mut Vec<f32>, tile| {
         let r0 = tile * ROW_TILE;
         let nr = ROW_TILE.min(rows - r0);
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512, MatrixData::Quant(q)) = (isa, &w.data) {
+            let p = ptr;
+            // SAFETY: as below; AVX-512F/BW were detected at run time.
+            unsafe {
+                let out = std::slice::from_raw_parts_mut(p.0, n * rows);
+                avx512::quant_tile(x, n, q, r0, nr, out, rows, scratch);
+            }
+            return;
+        }
         let wrows: &[f32] = match &w.data {
             MatrixData::F32(v) => &v[r0 * k..(r0 + nr) * k],
             MatrixData::Quant(_) => {
@@ -136,22 +146,32 @@ mod portable {
         ld_out: usize,
     ) {
         let mut acc = [[[0f32; 16]; R]; T];
-        let main = k / 16 * 16;
         let mut kb = 0;
         while kb < k {
+            let len = 16.min(k - kb);
             let mut xv = [[0f32; 16]; T];
             let mut wv = [[0f32; 16]; R];
-            let len = if kb < main { 16 } else { k - kb };
-            for t in 0..T {
-                xv[t][..len].copy_from_slice(&x[t * k + kb..t * k + kb + len]);
-            }
-            for r in 0..R {
-                wv[r][..len].copy_from_slice(&w[r * k + kb..r * k + kb + len]);
+            if len == 16 {
+                for t in 0..T {
+                    xv[t] = *super::as16(&x[t * k + kb..t * k + kb + 16]);
+                }
+                for r in 0..R {
+                    wv[r] = *super::as16(&w[r * k + kb..r * k + kb + 16]);
+                }
+            } else {
+                // Zero-padded tail: 0·0 + acc = acc exactly.
+                for t in 0..T {
+                    xv[t][..len].copy_from_slice(&x[t * k + kb..t * k + kb + len]);
+                }
+                for r in 0..R {
+                    wv[r][..len].copy_from_slice(&w[r * k + kb..r * k + kb + len]);
+                }
             }
             for t in 0..T {
                 for r in 0..R {
+                    let a = &mut acc[t][r];
                     for l in 0..16 {
-                        acc[t][r][l] = madd::<FMA>(xv[t][l], wv[r][l], acc[t][r][l]);
+                        a[l] = madd::<FMA>(xv[t][l], wv[r][l], a[l]);
                     }
                 }
             }
@@ -219,7 +239,167 @@ mod portable {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{MR, MT};
+    use super::{MR, MT, ROW_TILE};
+    use crate::model::quant::{QuantKind, QuantMatrix};
+
+    const Q8_0: u8 = 0;
+    const Q4_0: u8 = 1;
+    const Q4_1: u8 = 2;
+
+    /// Block `b` as two 16-lane vectors (elements 0..16 and 16..32), with exactly the scalar
+    /// formulas of `quant` (separate multiply and add, no FMA).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn deq<const KIND: u8>(d: *const f32, m: *const f32, qs: *const u8, b: usize) -> [__m512; 2] {
+        let dv = _mm512_set1_ps(*d.add(b));
+        if KIND == Q8_0 {
+            let p = qs.add(b * 32);
+            let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)));
+            let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16) as *const __m128i)));
+            return [_mm512_mul_ps(dv, lo), _mm512_mul_ps(dv, hi)];
+        }
+        let raw = _mm_loadu_si128(qs.add(b * 16) as *const __m128i);
+        let mask = _mm_set1_epi8(0x0F);
+        let mut lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, mask));
+        let mut hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+        if KIND == Q4_0 {
+            let eight = _mm512_set1_epi32(8);
+            lo = _mm512_sub_epi32(lo, eight);
+            hi = _mm512_sub_epi32(hi, eight);
+        }
+        let lo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(lo));
+        let hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(hi));
+        if KIND == Q4_1 {
+            let mv = _mm512_set1_ps(*m.add(b));
+            return [_mm512_add_ps(lo, mv), _mm512_add_ps(hi, mv)];
+        }
+        [lo, hi]
+    }
+
+    /// Dot products straight from quantized blocks (no scratch): the same values and the same
+    /// accumulation order as dequantizing first and running `micro`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro_q<const KIND: u8, const T: usize, const R: usize>(
+        x: *const f32,
+        k: usize,
+        raw: (*const f32, *const f32, *const u8),
+        row0: usize,
+        bpr: usize,
+        out: *mut f32,
+        ld_out: usize,
+    ) {
+        let (d, m, qs) = raw;
+        let mut acc = [[_mm512_setzero_ps(); R]; T];
+        for blk in 0..bpr {
+            let mut wv = [[_mm512_setzero_ps(); 2]; R];
+            for r in 0..R {
+                wv[r] = deq::<KIND>(d, m, qs, (row0 + r) * bpr + blk);
+            }
+            for half in 0..2 {
+                for t in 0..T {
+                    let xv = _mm512_loadu_ps(x.add(t * k + blk * 32 + half * 16));
+                    for r in 0..R {
+                        acc[t][r] = _mm512_fmadd_ps(xv, wv[r][half], acc[t][r]);
+                    }
+                }
+            }
+        }
+        for t in 0..T {
+            for r in 0..R {
+                *out.add(t * ld_out + r) = _mm512_reduce_add_ps(acc[t][r]);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn fused<const KIND: u8>(x: &[f32], n: usize, q: &QuantMatrix, r0: usize, nr: usize, out: &mut [f32], ld_out: usize) {
+        let k = q.cols;
+        let bpr = q.blocks_per_row();
+        let (d, m, qs) = q.raw();
+        let raw = (d.as_ptr(), m.as_ptr(), qs.as_ptr());
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = MT.min(n - t0);
+            let mut rr = 0;
+            while rr < nr {
+                let nrr = MR.min(nr - rr);
+                let xs = x.as_ptr().add(t0 * k);
+                let os = out.as_mut_ptr().add(t0 * ld_out + r0 + rr);
+                let row0 = r0 + rr;
+                macro_rules! go {
+                    ($t:literal, $r:literal) => {
+                        micro_q::<KIND, $t, $r>(xs, k, raw, row0, bpr, os, ld_out)
+                    };
+                }
+                match (nt, nrr) {
+                    (4, 4) => go!(4, 4),
+                    (4, 3) => go!(4, 3),
+                    (4, 2) => go!(4, 2),
+                    (4, _) => go!(4, 1),
+                    (3, 4) => go!(3, 4),
+                    (3, 3) => go!(3, 3),
+                    (3, 2) => go!(3, 2),
+                    (3, _) => go!(3, 1),
+                    (2, 4) => go!(2, 4),
+                    (2, 3) => go!(2, 3),
+                    (2, 2) => go!(2, 2),
+                    (2, _) => go!(2, 1),
+                    (_, 4) => go!(1, 4),
+                    (_, 3) => go!(1, 3),
+                    (_, 2) => go!(1, 2),
+                    (_, _) => go!(1, 1),
+                }
+                rr += MR;
+            }
+            t0 += MT;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn dequantize_rows<const KIND: u8>(q: &QuantMatrix, r0: usize, nr: usize, scratch: &mut [f32]) {
+        let bpr = q.blocks_per_row();
+        let (d, m, qs) = q.raw();
+        let (d, m, qs) = (d.as_ptr(), m.as_ptr(), qs.as_ptr());
+        let dst = scratch.as_mut_ptr();
+        for r in 0..nr {
+            for blk in 0..bpr {
+                let [lo, hi] = deq::<KIND>(d, m, qs, (r0 + r) * bpr + blk);
+                let o = dst.add(r * q.cols + blk * 32);
+                _mm512_storeu_ps(o, lo);
+                _mm512_storeu_ps(o.add(16), hi);
+            }
+        }
+    }
+
+    /// All tokens × rows `r0..r0+nr` of a quantized matrix. Few tokens: dot products straight from
+    /// the blocks; more: dequantize the rows once into `scratch` and reuse them for every token.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn quant_tile(x: &[f32], n: usize, q: &QuantMatrix, r0: usize, nr: usize, out: &mut [f32], ld_out: usize, scratch: &mut Vec<f32>) {
+        let kind = match q.kind {
+            QuantKind::Q8_0 => Q8_0,
+            QuantKind::Q4_0 => Q4_0,
+            QuantKind::Q4_1 => Q4_1,
+        };
+        if n <= MT {
+            match kind {
+                Q8_0 => fused::<Q8_0>(x, n, q, r0, nr, out, ld_out),
+                Q4_0 => fused::<Q4_0>(x, n, q, r0, nr, out, ld_out),
+                _ => fused::<Q4_1>(x, n, q, r0, nr, out, ld_out),
+            }
+            return;
+        }
+        scratch.resize(ROW_TILE * q.cols, 0.0);
+        match kind {
+            Q8_0 => dequantize_rows::<Q8_0>(q, r0, nr, scratch),
+            Q4_0 => dequantize_rows::<Q4_0>(q, r0, nr, scratch),
+            _ => dequantize_rows::<Q4_1>(q, r0, nr, scratch),
+        }
+        tile(x, n, q.cols, &scratch[..nr * q.cols], nr, out, ld_out, r0);
+    }
 
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -308,18 +488,30 @@ mod avx512 {
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0f32; 16];
-    let mut i = 0;
-    while i + 16 <= n {
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        let (x, y) = (as16(x), as16(y));
         for l in 0..16 {
-            acc[l] += a[i + l] * b[i + l];
+            acc[l] += x[l] * y[l];
         }
-        i += 16;
     }
-    for l in 0..n - i {
-        acc[l] += a[i + l] * b[i + l];
+    for l in 0..ra.len() {
+        acc[l] += ra[l] * rb[l];
     }
     portable::hsum16(&acc)
+}
+
+/// A 16-element chunk as an array reference, so loops over it have a constant trip count and
+/// vectorize (callers pass `chunks_exact(16)` items).
+#[inline(always)]
+fn as16(x: &[f32]) -> &[f32; 16] {
+    match x.try_into() {
+        Ok(a) => a,
+        Err(_) => panic!("chunk of {} elements, expected 16", x.len()),
+    }
 }
 
 #[cfg(test)]

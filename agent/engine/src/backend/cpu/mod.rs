@@ -16,6 +16,7 @@ use simd::Isa;
 
 use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, StepBatch};
 use crate::config::ModelConfig;
+use crate::lora::{CpuLora, LoraAdapter, Rows, RowsMut, TargetModule};
 use crate::model::{Matrix, ModelWeights};
 use crate::{EngineError, Result};
 
@@ -42,6 +43,8 @@ pub struct CpuBackend {
     pool: std::sync::Arc<rayon::ThreadPool>,
     threads: usize,
     isa: Isa,
+    /// LoRA slots and the step's segment table, once `enable_lora` was called.
+    lora: Option<CpuLora>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -106,6 +109,7 @@ impl CpuBackend {
             pool,
             threads,
             isa: Isa::detect(),
+            lora: None,
         })
     }
 
@@ -158,6 +162,9 @@ impl CpuBackend {
         if next != n {
             return bad(format!("sequences cover {next} of {n} tokens"));
         }
+        if self.lora.is_none() {
+            crate::lora::cpu::reject_lora_slots(batch)?;
+        }
         Ok(())
     }
 
@@ -193,6 +200,13 @@ impl CpuBackend {
         for (li, layer) in self.layers.iter().enumerate() {
             ops::rms_norm(&h, &layer.attn_norm, eps, &mut xn);
             matmul(isa, &xn, n, &layer.qkv, &mut qkv);
+            if let Some(lora) = &self.lora {
+                // q, k and v sit side by side in each fused qkv row.
+                for (m, off) in [(TargetModule::Q, 0), (TargetModule::K, q_dim), (TargetModule::V, q_dim + kv_dim)] {
+                    let x = Rows { data: &xn, stride: hidden, offset: 0 };
+                    lora.apply(li, m, x, RowsMut { data: &mut qkv, stride: qkv_dim, offset: off });
+                }
+            }
             for (row, tc) in qkv.chunks_exact_mut(qkv_dim).zip(&ctx) {
                 if let Some(b) = &layer.qkv_bias {
                     for (x, &bb) in row.iter_mut().zip(b) {
@@ -205,15 +219,29 @@ impl CpuBackend {
                 self.rope.apply(k, tc.pos as u32, &mut cos, &mut sin);
                 attention::write_kv(&mut self.kv, li, tc.block_table, tc.pos, k, v);
             }
-            attention::attention(&self.kv, li, n_heads, &qkv, qkv_dim, &ctx, &mut attn);
+            attention::attention(isa, &self.kv, li, n_heads, &qkv, qkv_dim, &ctx, &mut attn);
             matmul(isa, &attn, n, &layer.o, &mut proj);
+            if let Some(lora) = &self.lora {
+                let x = Rows { data: &attn, stride: q_dim, offset: 0 };
+                lora.apply(li, TargetModule::O, x, RowsMut { data: &mut proj, stride: hidden, offset: 0 });
+            }
             for (a, b) in h.iter_mut().zip(&proj) {
                 *a += b;
             }
             ops::rms_norm(&h, &layer.mlp_norm, eps, &mut xn);
             matmul(isa, &xn, n, &layer.gate_up, &mut gu);
+            if let Some(lora) = &self.lora {
+                for (m, off) in [(TargetModule::Gate, 0), (TargetModule::Up, inter)] {
+                    let x = Rows { data: &xn, stride: hidden, offset: 0 };
+                    lora.apply(li, m, x, RowsMut { data: &mut gu, stride: 2 * inter, offset: off });
+                }
+            }
             ops::swiglu(&gu, inter, &mut act);
             matmul(isa, &act, n, &layer.down, &mut proj);
+            if let Some(lora) = &self.lora {
+                let x = Rows { data: &act, stride: inter, offset: 0 };
+                lora.apply(li, TargetModule::Down, x, RowsMut { data: &mut proj, stride: hidden, offset: 0 });
+            }
             for (a, b) in h.iter_mut().zip(&proj) {
                 *a += b;
             }
@@ -246,6 +274,9 @@ impl Backend for CpuBackend {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.check_batch(batch)?;
+        if let Some(lora) = &mut self.lora {
+            lora.begin_step(batch)?;
+        }
         if batch.tokens.is_empty() {
             return Ok(Logits { vocab: self.config.vocab_size, data: Vec::new() });
         }
@@ -256,5 +287,17 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> String {
         format!("cpu({} threads, {})", self.threads, self.isa.name())
+    }
+
+    fn enable_lora(&mut self, max_loras: usize, max_rank: usize) -> Result<()> {
+        self.lora = Some(CpuLora::new(&self.config, max_loras, max_rank));
+        Ok(())
+    }
+
+    fn set_lora_slot(&mut self, slot: u32, adapter: &LoraAdapter) -> Result<()> {
+        match &mut self.lora {
+            Some(lora) => lora.set_slot(slot, adapter),
+            None => Err(EngineError::Backend("set_lora_slot before enable_lora".into())),
+        }
     }
 }

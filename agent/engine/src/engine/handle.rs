@@ -1,0 +1,245 @@
+//! The caller's side of the engine: submitting requests and reading their events.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::Sender;
+use parking_lot::Mutex;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use super::config::ResolvedLimits;
+use super::lora::{canonical_source, check_name, HandleLora};
+use super::metrics::EngineMetrics;
+use crate::lora::{AdapterId, AdapterInfo, LoadOutcome, LoraAdapter};
+use crate::request::{GenerationRequest, RequestEvent, RequestId};
+use crate::{sampling, EngineError, Result};
+
+/// What flows into the engine thread.
+pub(super) enum Command {
+    Submit { request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant },
+    Abort(RequestId),
+    Shutdown,
+    /// A parsed adapter to register under `name` (parsing happened on the caller's thread).
+    LoadAdapter {
+        name: String,
+        source: std::path::PathBuf,
+        adapter: Arc<LoraAdapter>,
+        reply: Sender<(LoadOutcome, AdapterInfo)>,
+    },
+    UnloadAdapter { name: String, reply: Sender<Result<AdapterInfo>> },
+    ListAdapters { reply: Sender<Vec<AdapterInfo>> },
+    /// A loader thread re-read an adapter evicted from host memory.
+    AdapterReloaded { id: AdapterId, result: Result<Arc<LoraAdapter>> },
+}
+
+struct Inner {
+    commands: Sender<Command>,
+    metrics: Arc<Mutex<EngineMetrics>>,
+    limits: ResolvedLimits,
+    next_id: AtomicU64,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Present when the engine was started with LoRA enabled.
+    lora: Option<HandleLora>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last handle is gone: let the thread finish (it also stops once every stream is gone).
+        let _ = self.commands.send(Command::Shutdown);
+    }
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+impl EngineHandle {
+    pub(super) fn new(
+        commands: Sender<Command>,
+        metrics: Arc<Mutex<EngineMetrics>>,
+        limits: ResolvedLimits,
+        thread: JoinHandle<()>,
+        lora: Option<HandleLora>,
+    ) -> Self {
+        EngineHandle {
+            inner: Arc::new(Inner {
+                commands,
+                metrics,
+                limits,
+                next_id: AtomicU64::new(1),
+                thread: Mutex::new(Some(thread)),
+                lora,
+            }),
+        }
+    }
+
+    /// A request id no other caller of this method gets (callers that pick their own ids must
+    /// keep them unique themselves).
+    pub fn new_request_id(&self) -> RequestId {
+        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn max_model_len(&self) -> usize {
+        self.inner.limits.max_model_len
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.limits.vocab_size
+    }
+
+    /// Checks a request and queues it. Errors here are the caller's fault (`InvalidRequest`) or
+    /// mean the engine is gone (`EngineStopped`); failures after this arrive as events.
+    pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream> {
+        self.validate(&request)?;
+        let (tx, rx) = unbounded_channel();
+        let id = request.id;
+        self.inner
+            .commands
+            .send(Command::Submit { request, events: tx, arrival: Instant::now() })
+            .map_err(|_| EngineError::EngineStopped)?;
+        Ok(RequestStream { id, events: rx, commands: self.inner.commands.clone(), done: false })
+    }
+
+    fn validate(&self, request: &GenerationRequest) -> Result<()> {
+        let limits = &self.inner.limits;
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        let n = request.prompt_tokens.len();
+        if n == 0 {
+            return bad("the prompt is empty".into());
+        }
+        if n > limits.max_model_len {
+            return bad(format!(
+                "the prompt has {n} tokens, more than the maximum context length of {}",
+                limits.max_model_len
+            ));
+        }
+        if let Some(&t) = request.prompt_tokens.iter().find(|&&t| t as usize >= limits.vocab_size) {
+            return bad(format!("token id {t} is out of the vocabulary (size {})", limits.vocab_size));
+        }
+        if let Some(name) = &request.adapter {
+            let known = self.inner.lora.as_ref().is_some_and(|l| l.names.read().contains(name));
+            if !known {
+                return Err(EngineError::UnknownAdapter(name.clone()));
+            }
+        }
+        sampling::validate(&request.params)
+    }
+
+    /// Loads (or replaces) the PEFT adapter in folder `path` under `name`. Parses and validates on
+    /// the calling thread (blocking: call it from `spawn_blocking` in async code), then registers
+    /// it on the engine thread. Same name and source as already loaded: `AlreadyLoaded`, nothing
+    /// changes. Same name, new source: `Replaced`; requests already running finish on the old
+    /// weights, new ones get the new. Errors: `InvalidAdapter`/`Io` (bad files; the engine keeps
+    /// serving), `InvalidRequest` (bad name), `Unsupported` (LoRA not enabled).
+    pub fn load_adapter(&self, name: &str, path: &std::path::Path) -> Result<(LoadOutcome, AdapterInfo)> {
+        let lora = self.lora_enabled()?;
+        check_name(name)?;
+        let source = canonical_source(path);
+        let adapter = Arc::new(LoraAdapter::load(&source, &lora.model, lora.config.max_lora_rank)?);
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        self.send(Command::LoadAdapter { name: name.to_string(), source, adapter, reply })?;
+        answer.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Unloads `name`: new requests naming it get `UnknownAdapter` at once; requests already
+    /// running finish on it, then its weights are dropped.
+    pub fn unload_adapter(&self, name: &str) -> Result<AdapterInfo> {
+        self.lora_enabled()?;
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        self.send(Command::UnloadAdapter { name: name.to_string(), reply })?;
+        answer.recv().map_err(|_| EngineError::EngineStopped)?
+    }
+
+    /// Every adapter (loaded ones, then versions still finishing requests after an unload or
+    /// replace). Empty when LoRA is not enabled.
+    pub fn list_adapters(&self) -> Result<Vec<AdapterInfo>> {
+        if self.inner.lora.is_none() {
+            return Ok(Vec::new());
+        }
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        self.send(Command::ListAdapters { reply })?;
+        answer.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Whether the engine serves LoRA adapters (started with `Engine::start_with_lora`).
+    pub fn lora_supported(&self) -> bool {
+        self.inner.lora.is_some()
+    }
+
+    fn lora_enabled(&self) -> Result<&HandleLora> {
+        self.inner
+            .lora
+            .as_ref()
+            .ok_or_else(|| EngineError::Unsupported("LoRA is not enabled on this engine".into()))
+    }
+
+    fn send(&self, command: Command) -> Result<()> {
+        self.inner.commands.send(command).map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Cancels a request; its blocks are freed at the next step and it finishes with `Abort`.
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.inner.commands.send(Command::Abort(id));
+    }
+
+    /// The state published after the latest step.
+    pub fn metrics(&self) -> EngineMetrics {
+        self.inner.metrics.lock().clone()
+    }
+
+    /// Stops the engine (requests in flight end with an `Error`) and waits for its thread.
+    pub fn shutdown(&self) {
+        let _ = self.inner.commands.send(Command::Shutdown);
+        let thread = self.inner.thread.lock().take();
+        if let Some(t) = thread {
+            if t.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
+    }
+}
+
+/// One request's events, in order. Dropping it before `Finished`/`Error` aborts the request.
+pub struct RequestStream {
+    id: RequestId,
+    events: UnboundedReceiver<RequestEvent>,
+    commands: Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    pub async fn next(&mut self) -> Option<RequestEvent> {
+        let event = self.events.recv().await;
+        self.note(&event);
+        event
+    }
+
+    /// For threads outside an async runtime (panics if called from inside one, like tokio's own).
+    pub fn blocking_next(&mut self) -> Option<RequestEvent> {
+        let event = self.events.blocking_recv();
+        self.note(&event);
+        event
+    }
+
+    fn note(&mut self, event: &Option<RequestEvent>) {
+        if matches!(event, None | Some(RequestEvent::Finished { .. }) | Some(RequestEvent::Error(_))) {
+            self.done = true;
+        }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.commands.send(Command::Abort(self.id));
+        }
+    }
+}

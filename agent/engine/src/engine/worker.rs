@@ -1,0 +1,347 @@
+//! The engine thread: drains commands, runs one scheduled step at a time, samples and reports.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use parking_lot::Mutex;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::config::ResolvedLimits;
+use super::handle::Command;
+use super::lora::{EngineLora, Placement};
+use super::metrics::EngineMetrics;
+use crate::backend::{Backend, Logits};
+use crate::lora::AdapterId;
+use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, Usage};
+use crate::sampling::{request_seed, RequestSampler};
+use crate::scheduler::{Scheduler, SchedulerOutput, Sequence};
+
+/// Per-request state the scheduler does not need: where events go and how to sample.
+struct Active {
+    events: UnboundedSender<RequestEvent>,
+    sampler: RequestSampler,
+    arrival: Instant,
+    prompt_len: usize,
+    num_output: usize,
+    cached_prompt_tokens: usize,
+    /// The LoRA adapter version this request pinned (released when it ends).
+    adapter: Option<AdapterId>,
+}
+
+pub(super) struct Worker {
+    backend: Box<dyn Backend>,
+    scheduler: Scheduler,
+    requests: HashMap<RequestId, Active>,
+    commands: Receiver<Command>,
+    metrics: Arc<Mutex<EngineMetrics>>,
+    totals: EngineMetrics,
+    limits: ResolvedLimits,
+    eos_token_ids: Vec<u32>,
+    seed: u64,
+    lora: Option<EngineLora>,
+}
+
+enum Flow {
+    Continue,
+    Stop,
+}
+
+impl Worker {
+    pub(super) fn new(
+        backend: Box<dyn Backend>,
+        scheduler: Scheduler,
+        commands: Receiver<Command>,
+        metrics: Arc<Mutex<EngineMetrics>>,
+        limits: ResolvedLimits,
+        seed: u64,
+        lora: Option<EngineLora>,
+    ) -> Self {
+        let eos_token_ids = backend.config().eos_token_ids.clone();
+        Worker {
+            backend,
+            scheduler,
+            requests: HashMap::new(),
+            commands,
+            metrics,
+            totals: EngineMetrics::default(),
+            limits,
+            eos_token_ids,
+            seed,
+            lora,
+        }
+    }
+
+    pub(super) fn run(mut self) {
+        self.publish();
+        'serve: loop {
+            if !self.scheduler.has_work() {
+                // Idle: sleep until a command arrives (or every sender is gone).
+                match self.commands.recv() {
+                    Ok(cmd) => {
+                        if let Flow::Stop = self.handle(cmd) {
+                            break 'serve;
+                        }
+                    }
+                    Err(_) => break 'serve,
+                }
+            }
+            loop {
+                match self.commands.try_recv() {
+                    Ok(cmd) => {
+                        if let Flow::Stop = self.handle(cmd) {
+                            break 'serve;
+                        }
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        if !self.scheduler.has_work() {
+                            break 'serve;
+                        }
+                        break;
+                    }
+                }
+            }
+            self.reap_disconnected();
+            if self.scheduler.has_work() {
+                self.step();
+            }
+            self.publish();
+        }
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.fail(id, "the engine shut down");
+        }
+        self.publish();
+    }
+
+    fn handle(&mut self, cmd: Command) -> Flow {
+        match cmd {
+            Command::Submit { request, events, arrival } => self.add(request, events, arrival),
+            Command::Abort(id) => self.finish(id, FinishReason::Abort),
+            Command::Shutdown => return Flow::Stop,
+            Command::LoadAdapter { name, source, adapter, reply } => {
+                if let Some(lora) = &mut self.lora {
+                    let _ = reply.send(lora.install(&name, &source, adapter));
+                }
+            }
+            Command::UnloadAdapter { name, reply } => {
+                let result = match &mut self.lora {
+                    Some(lora) => lora.unload(&name),
+                    None => Err(crate::EngineError::UnknownAdapter(name)),
+                };
+                let _ = reply.send(result);
+            }
+            Command::ListAdapters { reply } => {
+                let _ = reply.send(self.lora.as_ref().map(EngineLora::list).unwrap_or_default());
+            }
+            Command::AdapterReloaded { id, result } => self.adapter_reloaded(id, result),
+        }
+        Flow::Continue
+    }
+
+    fn add(&mut self, request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant) {
+        if self.requests.contains_key(&request.id) {
+            let _ = events.send(RequestEvent::Error(format!("request id {} is already in use", request.id)));
+            return;
+        }
+        let seed = request_seed(&request.params, request.id, self.seed);
+        let sampler = RequestSampler::new(request.params, &request.prompt_tokens, seed);
+        let prompt_len = request.prompt_tokens.len();
+        let mut seq = Sequence::new(request.id, request.prompt_tokens, None, None);
+        seq.arrival = arrival;
+        let id = request.id;
+        let mut adapter = None;
+        // None: parked until its adapter's weights are back in memory.
+        let ready = match &request.adapter {
+            None => Some(seq),
+            Some(name) => {
+                // Re-checked here: an unload may have raced with the handle's check.
+                let Some(lora) = &mut self.lora else {
+                    let _ = events.send(RequestEvent::Error(format!("unknown adapter {name:?}")));
+                    return;
+                };
+                let version = match lora.pin(&mut seq, name) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let _ = events.send(RequestEvent::Error(e.to_string()));
+                        return;
+                    }
+                };
+                adapter = Some(version);
+                match lora.place(seq, version) {
+                    Placement::Ready(seq) => Some(seq),
+                    Placement::Parked => None,
+                }
+            }
+        };
+        if let Some(seq) = ready {
+            self.scheduler.add(seq);
+        }
+        self.requests.insert(
+            id,
+            Active { events, sampler, arrival, prompt_len, num_output: 0, cached_prompt_tokens: 0, adapter },
+        );
+    }
+
+    /// An evicted adapter is back in memory (or could not be read): schedule or fail its requests.
+    fn adapter_reloaded(&mut self, id: AdapterId, result: crate::Result<std::sync::Arc<crate::lora::LoraAdapter>>) {
+        let Some(lora) = &mut self.lora else { return };
+        match lora.reloaded(id, result) {
+            Ok(seqs) => {
+                for seq in seqs.into_iter().filter(|s| self.requests.contains_key(&s.id)) {
+                    self.scheduler.add(seq);
+                }
+            }
+            Err((seqs, msg)) => {
+                for seq in seqs {
+                    self.fail(seq.id, &msg);
+                }
+            }
+        }
+    }
+
+    /// Requests whose stream was dropped without an abort reaching us yet.
+    fn reap_disconnected(&mut self) {
+        let gone: Vec<RequestId> =
+            self.requests.iter().filter(|(_, r)| r.events.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            self.finish(id, FinishReason::Abort);
+        }
+    }
+
+    fn step(&mut self) {
+        let mut out = self.scheduler.schedule();
+        self.totals.preemptions_total += out.preempted.len() as u64;
+        if out.is_empty() {
+            if out.preempted.is_empty() {
+                // Work exists but nothing can run: only possible if the oldest waiting sequence
+                // can never fit. Fail it rather than spin.
+                let head = self.scheduler.waiting_ids().next();
+                if let Some(id) = head {
+                    self.fail(id, "the request does not fit in the KV cache");
+                }
+            }
+            return;
+        }
+        self.note_admissions(&out);
+        for c in out.chunks.iter().filter(|c| !c.is_decode) {
+            self.totals.prefill_tokens_computed_total += c.num_tokens as u64;
+        }
+        self.totals.steps_total += 1;
+
+        if let Some(lora) = &mut self.lora {
+            if let Err(e) = lora.prepare_step(&self.scheduler, &mut out, self.backend.as_mut()) {
+                return self.fail_step(&out, &e.to_string());
+            }
+        }
+        let logits = match self.backend.forward(&out.batch) {
+            Ok(l) => l,
+            Err(e) => return self.fail_step(&out, &e.to_string()),
+        };
+        let wanted = out.chunks.iter().filter(|c| c.wants_logits).count();
+        if logits.rows() != wanted
+            || (wanted > 0 && logits.vocab == 0)
+            || logits.data.len() != wanted * logits.vocab
+        {
+            let msg = format!("the backend returned {} logits rows for {wanted} sequences", logits.rows());
+            return self.fail_step(&out, &msg);
+        }
+        self.scheduler.step_done(&out);
+        self.sample(&out, &logits);
+    }
+
+    fn note_admissions(&mut self, out: &SchedulerOutput) {
+        let now = Instant::now();
+        for a in &out.admitted {
+            self.totals.prefix_cache_hit_tokens_total += a.cached_tokens as u64;
+            let Some(req) = self.requests.get_mut(&a.id) else { continue };
+            if a.first_time {
+                self.totals.prompt_tokens_total += req.prompt_len as u64;
+                req.cached_prompt_tokens = a.cached_tokens.min(req.prompt_len);
+                let queue_time = now.saturating_duration_since(req.arrival);
+                let _ = req.events.send(RequestEvent::Scheduled { queue_time });
+            }
+        }
+    }
+
+    fn sample(&mut self, out: &SchedulerOutput, logits: &Logits) {
+        for (row, c) in out.chunks.iter().filter(|c| c.wants_logits).enumerate() {
+            let Some(req) = self.requests.get_mut(&c.id) else { continue };
+            let token = req.sampler.sample(logits.row(row));
+            let id = token.token_id;
+            req.num_output += 1;
+            self.totals.generation_tokens_total += 1;
+            self.scheduler.append_token(c.id, id);
+            let params = req.sampler.params();
+            let reason = if (!params.ignore_eos && self.eos_token_ids.contains(&id))
+                || params.stop_token_ids.contains(&id)
+            {
+                Some(FinishReason::Stop)
+            } else if req.num_output >= params.max_tokens
+                || req.prompt_len + req.num_output >= self.limits.max_model_len
+            {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let delivered = req.events.send(RequestEvent::Token(token)).is_ok();
+            match (reason, delivered) {
+                (Some(r), _) => self.finish(c.id, r),
+                (None, false) => self.finish(c.id, FinishReason::Abort),
+                (None, true) => {}
+            }
+        }
+    }
+
+    /// Ends a request normally (or by abort), freeing its blocks. Unknown ids are ignored: an abort
+    /// may race with the request's own end.
+    fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        self.scheduler.remove(id);
+        let Some(req) = self.requests.remove(&id) else { return };
+        self.release_adapter(id, req.adapter);
+        self.totals.requests_finished_total += 1;
+        let usage = Usage {
+            prompt_tokens: req.prompt_len,
+            completion_tokens: req.num_output,
+            cached_prompt_tokens: req.cached_prompt_tokens,
+        };
+        let _ = req.events.send(RequestEvent::Finished { reason, usage });
+    }
+
+    fn fail(&mut self, id: RequestId, msg: &str) {
+        self.scheduler.remove(id);
+        if let Some(req) = self.requests.remove(&id) {
+            self.release_adapter(id, req.adapter);
+            let _ = req.events.send(RequestEvent::Error(msg.to_owned()));
+        }
+    }
+
+    /// A request ended: unpin its adapter version (a retiring one is dropped with its last request).
+    fn release_adapter(&mut self, request: RequestId, adapter: Option<AdapterId>) {
+        if let (Some(lora), Some(version)) = (&mut self.lora, adapter) {
+            lora.unpark(request);
+            lora.release(version);
+        }
+    }
+
+    /// A failed step fails the requests in it; the others keep being served.
+    fn fail_step(&mut self, out: &SchedulerOutput, msg: &str) {
+        tracing::warn!(error = msg, sequences = out.chunks.len(), "step failed");
+        for c in &out.chunks {
+            self.fail(c.id, msg);
+        }
+    }
+
+    fn publish(&self) {
+        let kv = self.scheduler.kv();
+        let mut m = self.totals.clone();
+        m.num_running = self.scheduler.num_running();
+        m.num_waiting = self.scheduler.num_waiting();
+        m.kv_usage_ratio = kv.usage_ratio();
+        m.num_blocks = kv.num_blocks();
+        m.num_free_blocks = kv.num_free_blocks();
+        *self.metrics.lock() = m;
+    }
+}

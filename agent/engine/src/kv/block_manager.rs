@@ -1,0 +1,446 @@
+//! Block allocation with a prefix cache of full blocks.
+//!
+//! Every physical block is in exactly one of three states:
+//! - in use: referenced by one or more sequences' block tables (`ref_count > 0`);
+//! - free: unreferenced and holding nothing worth keeping;
+//! - evictable: unreferenced but registered in the prefix cache; it can be reused by a later sequence
+//!   with the same token chain, or taken (least recently freed first) when the free list is empty.
+//!
+//! Only full blocks whose K/V has been computed are registered, so a partially filled block is never
+//! shared and no sequence ever reads a block another one is still writing.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::hash::{block_hash, BlockHash};
+
+/// The sequence a block table belongs to (the engine uses the request id).
+pub type SeqId = u64;
+
+#[derive(Debug, Default)]
+struct SeqBlocks {
+    blocks: Vec<u32>,
+    /// Chain hashes of the sequence's first `hashes.len()` full, computed blocks.
+    hashes: Vec<BlockHash>,
+    adapter: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct BlockManager {
+    block_size: usize,
+    num_blocks: usize,
+    enable_prefix_caching: bool,
+    ref_counts: Vec<u32>,
+    /// The hash under which a block is registered in `cached`, if it is.
+    registered: Vec<Option<BlockHash>>,
+    cached: HashMap<BlockHash, u32>,
+    /// Unreferenced, unregistered blocks; handed out first so cached content lives longer.
+    free: Vec<u32>,
+    /// Unreferenced registered blocks by the tick they were freed at: first entry = least recent.
+    evictable: BTreeMap<u64, u32>,
+    evictable_tick: Vec<u64>,
+    tick: u64,
+    seqs: HashMap<SeqId, SeqBlocks>,
+}
+
+impl BlockManager {
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Self {
+        BlockManager {
+            block_size: block_size.max(1),
+            num_blocks,
+            enable_prefix_caching,
+            ref_counts: vec![0; num_blocks],
+            registered: vec![None; num_blocks],
+            cached: HashMap::new(),
+            // Reversed so that `pop` hands out block 0 first (easier to read in logs and tests).
+            free: (0..num_blocks as u32).rev().collect(),
+            evictable: BTreeMap::new(),
+            evictable_tick: vec![0; num_blocks],
+            tick: 0,
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn prefix_caching_enabled(&self) -> bool {
+        self.enable_prefix_caching
+    }
+
+    /// Blocks that can be handed out now (free plus evictable cached ones).
+    pub fn num_free_blocks(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+
+    /// Blocks registered in the prefix cache (in use or evictable).
+    pub fn num_cached_blocks(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Fraction of blocks held by sequences (cached-but-unreferenced blocks count as free).
+    pub fn usage_ratio(&self) -> f64 {
+        if self.num_blocks == 0 {
+            return 0.0;
+        }
+        1.0 - self.num_free_blocks() as f64 / self.num_blocks as f64
+    }
+
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    pub fn block_table(&self, seq: SeqId) -> Option<&[u32]> {
+        self.seqs.get(&seq).map(|s| s.blocks.as_slice())
+    }
+
+    pub fn ref_count(&self, block: u32) -> u32 {
+        self.ref_counts.get(block as usize).copied().unwrap_or(0)
+    }
+
+    /// Cached blocks (with their chain hashes) that hold a prefix of `tokens`. At most the full
+    /// blocks inside `tokens[..len-1]` qualify: the last token is always recomputed so that the
+    /// step yields logits for it, and recomputing it must not write into a shared block.
+    fn prefix_hits(&self, tokens: &[u32], adapter: Option<&str>) -> Vec<(u32, BlockHash)> {
+        let mut hits = Vec::new();
+        if !self.enable_prefix_caching || tokens.is_empty() {
+            return hits;
+        }
+        let max_blocks = (tokens.len() - 1) / self.block_size;
+        let mut parent = None;
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let h = block_hash(parent, adapter, chunk);
+            match self.cached.get(&h) {
+                Some(&block) => hits.push((block, h)),
+                None => break,
+            }
+            parent = Some(h);
+        }
+        hits
+    }
+
+    /// Number of leading tokens of `tokens` whose K/V the prefix cache already holds.
+    pub fn cached_prefix_len(&self, tokens: &[u32], adapter: Option<&str>) -> usize {
+        self.prefix_hits(tokens, adapter).len() * self.block_size
+    }
+
+    fn new_blocks_needed(&self, tokens: &[u32], hits: &[(u32, BlockHash)]) -> (usize, usize) {
+        let needed = self.blocks_for(tokens.len()) - hits.len();
+        // Reusing an evictable hit takes it out of the free count too.
+        let evictable_hits = hits.iter().filter(|(b, _)| self.ref_counts[*b as usize] == 0).count();
+        (needed, evictable_hits)
+    }
+
+    /// Whether `allocate` for these tokens would succeed now.
+    pub fn can_allocate(&self, tokens: &[u32], adapter: Option<&str>) -> bool {
+        let hits = self.prefix_hits(tokens, adapter);
+        let (needed, evictable_hits) = self.new_blocks_needed(tokens, &hits);
+        needed + evictable_hits <= self.num_free_blocks()
+    }
+
+    /// Gives `seq` a block table covering all of `tokens`, reusing cached prefix blocks. Returns the
+    /// number of leading tokens whose K/V is already there, or None (changing nothing) when there
+    /// are not enough free blocks.
+    pub fn allocate(&mut self, seq: SeqId, tokens: &[u32], adapter: Option<&str>) -> Option<usize> {
+        let hits = self.prefix_hits(tokens, adapter);
+        let (needed, evictable_hits) = self.new_blocks_needed(tokens, &hits);
+        if needed + evictable_hits > self.num_free_blocks() {
+            return None;
+        }
+        // A sequence is allocated once per admission; a stale table would leak its blocks.
+        self.free(seq);
+        let mut entry = SeqBlocks { adapter: adapter.map(str::to_owned), ..Default::default() };
+        for &(block, h) in &hits {
+            self.take_ref(block);
+            entry.blocks.push(block);
+            entry.hashes.push(h);
+        }
+        for _ in 0..needed {
+            // Cannot fail: counted above, and evicting never touches the hits we now reference.
+            let block = self.pop_free_block()?;
+            entry.blocks.push(block);
+        }
+        self.seqs.insert(seq, entry);
+        Some(hits.len() * self.block_size)
+    }
+
+    /// Grows `seq`'s block table to cover `num_tokens` tokens. False (changing nothing) when the
+    /// blocks are not there or the sequence has no table.
+    pub fn append_slots(&mut self, seq: SeqId, num_tokens: usize) -> bool {
+        let have = match self.seqs.get(&seq) {
+            Some(s) => s.blocks.len(),
+            None => return false,
+        };
+        let want = self.blocks_for(num_tokens);
+        if want <= have {
+            return true;
+        }
+        if want - have > self.num_free_blocks() {
+            return false;
+        }
+        let mut new_blocks = Vec::with_capacity(want - have);
+        for _ in have..want {
+            match self.pop_free_block() {
+                Some(b) => new_blocks.push(b),
+                None => return false,
+            }
+        }
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.blocks.extend(new_blocks);
+        }
+        true
+    }
+
+    /// Registers in the prefix cache every full block of `seq` whose K/V is now computed
+    /// (`tokens[..num_computed]` are in the cache). Call after each successful step.
+    pub fn commit_computed(&mut self, seq: SeqId, tokens: &[u32], num_computed: usize) {
+        if !self.enable_prefix_caching {
+            return;
+        }
+        let Some(entry) = self.seqs.get_mut(&seq) else { return };
+        let full = (num_computed.min(tokens.len()) / self.block_size).min(entry.blocks.len());
+        for i in entry.hashes.len()..full {
+            let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let h = block_hash(entry.hashes.last().copied(), entry.adapter.as_deref(), chunk);
+            entry.hashes.push(h);
+            let block = entry.blocks[i];
+            // Another sequence computed the same chain first: keep that copy registered and leave
+            // ours private (it goes back to the free list when released).
+            if self.registered[block as usize].is_none() && !self.cached.contains_key(&h) {
+                self.cached.insert(h, block);
+                self.registered[block as usize] = Some(h);
+            }
+        }
+    }
+
+    /// Releases `seq`'s blocks. Registered blocks stay cached (evictable); the tail of a chain is
+    /// released first so that it is also evicted first and the shareable head survives longest.
+    pub fn free(&mut self, seq: SeqId) {
+        let Some(entry) = self.seqs.remove(&seq) else { return };
+        for &block in entry.blocks.iter().rev() {
+            let b = block as usize;
+            self.ref_counts[b] = self.ref_counts[b].saturating_sub(1);
+            if self.ref_counts[b] > 0 {
+                continue;
+            }
+            if self.registered[b].is_some() {
+                self.tick += 1;
+                self.evictable_tick[b] = self.tick;
+                self.evictable.insert(self.tick, block);
+            } else {
+                self.free.push(block);
+            }
+        }
+    }
+
+    fn take_ref(&mut self, block: u32) {
+        let b = block as usize;
+        if self.ref_counts[b] == 0 && self.registered[b].is_some() {
+            self.evictable.remove(&self.evictable_tick[b]);
+        }
+        self.ref_counts[b] += 1;
+    }
+
+    fn pop_free_block(&mut self) -> Option<u32> {
+        let block = match self.free.pop() {
+            Some(b) => b,
+            None => {
+                let (_, b) = self.evictable.pop_first()?;
+                if let Some(h) = self.registered[b as usize].take() {
+                    self.cached.remove(&h);
+                }
+                b
+            }
+        };
+        self.ref_counts[block as usize] = 1;
+        Some(block)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
+        range.collect()
+    }
+
+    #[test]
+    fn allocate_append_and_free_track_the_pool() {
+        let mut m = BlockManager::new(8, 4, false);
+        assert_eq!(m.allocate(1, &toks(0..6), None), Some(0));
+        assert_eq!(m.block_table(1).map(|t| t.len()), Some(2));
+        assert_eq!(m.num_free_blocks(), 6);
+        assert!((m.usage_ratio() - 0.25).abs() < 1e-12);
+        // Positions 6 and 7 fit in block 2 of the table; position 8 needs a third block.
+        assert!(m.append_slots(1, 8));
+        assert_eq!(m.block_table(1).map(|t| t.len()), Some(2));
+        assert!(m.append_slots(1, 9));
+        assert_eq!(m.block_table(1).map(|t| t.len()), Some(3));
+        m.free(1);
+        assert_eq!(m.num_free_blocks(), 8);
+        assert_eq!(m.block_table(1), None);
+        assert_eq!(m.usage_ratio(), 0.0);
+    }
+
+    #[test]
+    fn allocation_fails_without_side_effects_when_pool_is_short() {
+        let mut m = BlockManager::new(3, 4, false);
+        assert_eq!(m.allocate(1, &toks(0..8), None), Some(0));
+        assert!(!m.can_allocate(&toks(0..5), None));
+        assert_eq!(m.allocate(2, &toks(0..5), None), None);
+        assert_eq!(m.num_free_blocks(), 1);
+        assert!(m.append_slots(1, 12));
+        assert!(!m.append_slots(1, 13));
+        assert_eq!(m.block_table(1).map(|t| t.len()), Some(3));
+        assert!(!m.append_slots(99, 1));
+    }
+
+    #[test]
+    fn prefix_blocks_are_shared_and_ref_counted() {
+        let mut m = BlockManager::new(10, 4, true);
+        let a = toks(0..10);
+        assert_eq!(m.allocate(1, &a, None), Some(0));
+        m.commit_computed(1, &a, 10);
+        assert_eq!(m.num_cached_blocks(), 2, "two full blocks, the partial third is never cached");
+
+        let mut b = toks(0..8);
+        b.extend([100, 101, 102]);
+        assert_eq!(m.allocate(2, &b, None), Some(8));
+        let ta = m.block_table(1).unwrap().to_vec();
+        let tb = m.block_table(2).unwrap().to_vec();
+        assert_eq!(ta[..2], tb[..2]);
+        assert_ne!(ta[2], tb[2], "the partial block is private");
+        assert_eq!(m.ref_count(ta[0]), 2);
+        assert_eq!(m.ref_count(ta[2]), 1);
+
+        m.free(1);
+        assert_eq!(m.ref_count(ta[0]), 1);
+        m.free(2);
+        assert_eq!(m.ref_count(ta[0]), 0);
+        assert_eq!(m.num_free_blocks(), 10);
+        assert_eq!(m.num_cached_blocks(), 2, "freed full blocks stay cached");
+        // And are found again.
+        assert_eq!(m.cached_prefix_len(&b, None), 8);
+    }
+
+    #[test]
+    fn partial_blocks_are_never_shared() {
+        let mut m = BlockManager::new(10, 4, true);
+        let a = toks(0..6);
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 6);
+        assert_eq!(m.num_cached_blocks(), 1);
+        // Same six tokens again: only the first full block is a hit.
+        assert_eq!(m.allocate(2, &a, None), Some(4));
+        assert_ne!(m.block_table(1).unwrap()[1], m.block_table(2).unwrap()[1]);
+    }
+
+    #[test]
+    fn last_token_is_always_recomputed() {
+        let mut m = BlockManager::new(10, 4, true);
+        let a = toks(0..8);
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 8);
+        assert_eq!(m.num_cached_blocks(), 2);
+        // Both blocks are cached, but the second holds the last token, which must produce logits.
+        assert_eq!(m.allocate(2, &a, None), Some(4));
+        assert_ne!(m.block_table(1).unwrap()[1], m.block_table(2).unwrap()[1]);
+    }
+
+    #[test]
+    fn only_computed_blocks_are_registered() {
+        let mut m = BlockManager::new(10, 4, true);
+        let a = toks(0..12);
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 5);
+        assert_eq!(m.num_cached_blocks(), 1);
+        assert_eq!(m.cached_prefix_len(&a, None), 4);
+        m.commit_computed(1, &a, 12);
+        assert_eq!(m.num_cached_blocks(), 3);
+    }
+
+    #[test]
+    fn adapter_is_part_of_the_key() {
+        let mut m = BlockManager::new(10, 4, true);
+        let a = toks(0..9);
+        m.allocate(1, &a, Some("sql"));
+        m.commit_computed(1, &a, 9);
+        assert_eq!(m.cached_prefix_len(&a, Some("sql")), 8);
+        assert_eq!(m.cached_prefix_len(&a, None), 0);
+        assert_eq!(m.cached_prefix_len(&a, Some("chat")), 0);
+    }
+
+    #[test]
+    fn disabled_prefix_caching_never_hits() {
+        let mut m = BlockManager::new(10, 4, false);
+        let a = toks(0..9);
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 9);
+        assert_eq!(m.num_cached_blocks(), 0);
+        assert_eq!(m.allocate(2, &a, None), Some(0));
+    }
+
+    #[test]
+    fn duplicate_chains_keep_the_first_copy() {
+        let mut m = BlockManager::new(10, 4, true);
+        let a = toks(0..5);
+        // Both admitted before either computed anything: no sharing possible yet.
+        m.allocate(1, &a, None);
+        m.allocate(2, &a, None);
+        m.commit_computed(1, &a, 5);
+        m.commit_computed(2, &a, 5);
+        assert_eq!(m.num_cached_blocks(), 1);
+        let first = m.block_table(1).unwrap()[0];
+        m.free(2);
+        m.free(1);
+        assert_eq!(m.allocate(3, &a, None), Some(4));
+        assert_eq!(m.block_table(3).unwrap()[0], first);
+    }
+
+    #[test]
+    fn evicts_least_recently_freed_and_prefers_free_blocks() {
+        let mut m = BlockManager::new(4, 2, true);
+        let a = vec![1, 2, 3];
+        let b = vec![5, 6, 7];
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 3);
+        m.allocate(2, &b, None);
+        m.commit_computed(2, &b, 3);
+        m.free(1); // a's block freed first: least recent
+        m.free(2);
+        assert_eq!(m.num_cached_blocks(), 2);
+        assert_eq!(m.num_free_blocks(), 4);
+        // Two fresh blocks come from the free list; nothing is evicted.
+        m.allocate(3, &[9, 9, 9, 9], None);
+        assert_eq!(m.num_cached_blocks(), 2);
+        // One more block must evict: a's (least recently freed) goes, b's stays.
+        m.allocate(4, &[8], None);
+        assert_eq!(m.num_cached_blocks(), 1);
+        assert_eq!(m.cached_prefix_len(&a, None), 0);
+        assert_eq!(m.cached_prefix_len(&b, None), 2);
+    }
+
+    #[test]
+    fn reusing_an_evictable_hit_counts_against_the_pool() {
+        let mut m = BlockManager::new(3, 2, true);
+        let a = vec![1, 2, 3];
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 3);
+        m.free(1);
+        // Hit (1 evictable block) + 1 new block = 2 of the 3 available.
+        assert_eq!(m.allocate(2, &a, None), Some(2));
+        assert_eq!(m.num_free_blocks(), 1);
+        assert!(!m.can_allocate(&[4, 4, 4, 4, 4], None));
+        // Only the shared head of the chain is a hit for a different continuation.
+        m.free(2);
+        let mut long = vec![1, 2];
+        long.extend([7, 7, 7]);
+        assert_eq!(m.allocate(3, &long, None), Some(2));
+        assert_eq!(m.num_free_blocks(), 0);
+    }
+}

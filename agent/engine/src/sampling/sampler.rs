@@ -1,0 +1,206 @@
+//! One request's sampler: its parameters, penalty state and RNG.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+
+use super::filters::keep_mask;
+use super::logprobs::{log_softmax, top_logprobs};
+use super::penalties::{apply_penalties, PenaltyState};
+use super::GREEDY_TEMPERATURE;
+use crate::request::{RequestId, SampledToken, SamplingParams};
+
+/// Highest logit, lowest id among ties (NaNs never win).
+pub fn argmax(logits: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] || logits[best].is_nan() && !l.is_nan() {
+            best = i;
+        }
+    }
+    best
+}
+
+/// The RNG seed of a request: its own `seed`, else derived from its id and the engine's seed so that
+/// unseeded requests still differ from each other and runs of the engine are reproducible.
+pub fn request_seed(params: &SamplingParams, id: RequestId, engine_seed: u64) -> u64 {
+    match params.seed {
+        Some(s) => s,
+        None => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&engine_seed.to_le_bytes());
+            bytes[8..].copy_from_slice(&id.to_le_bytes());
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        }
+    }
+}
+
+/// Samples one request's tokens. Owns its RNG, so its draws depend only on its own logits.
+#[derive(Debug, Clone)]
+pub struct RequestSampler {
+    params: SamplingParams,
+    penalties: PenaltyState,
+    rng: ChaCha20Rng,
+}
+
+impl RequestSampler {
+    pub fn new(params: SamplingParams, prompt: &[u32], seed: u64) -> Self {
+        RequestSampler { params, penalties: PenaltyState::new(prompt), rng: ChaCha20Rng::seed_from_u64(seed) }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from the model's raw logits row and records it for the penalties.
+    pub fn sample(&mut self, raw: &[f32]) -> SampledToken {
+        let mut logits = raw.to_vec();
+        apply_penalties(&mut logits, &self.params, &self.penalties);
+        let token = if self.params.temperature < GREEDY_TEMPERATURE {
+            argmax(&logits)
+        } else {
+            self.draw(&mut logits)
+        };
+        self.penalties.record_output(token as u32);
+
+        let (logprob, top) = match self.params.logprobs {
+            Some(n) => {
+                let lp = log_softmax(raw);
+                (lp.get(token).copied(), top_logprobs(&lp, n))
+            }
+            None => (None, Vec::new()),
+        };
+        SampledToken { token_id: token as u32, logprob, top_logprobs: top }
+    }
+
+    fn draw(&mut self, logits: &mut [f32]) -> usize {
+        let t = self.params.temperature;
+        for l in logits.iter_mut() {
+            *l /= t;
+        }
+        let kept = keep_mask(logits, self.params.top_k, self.params.top_p, self.params.min_p);
+        // Exactly one RNG draw per sampled token, so a request's stream of draws is fixed by its
+        // seed however its steps are batched.
+        let u: f64 = self.rng.random();
+        let total: f64 = kept.iter().map(|&(_, p)| p).sum();
+        let target = u * total;
+        let mut cum = 0.0;
+        for &(id, p) in &kept {
+            cum += p;
+            if cum > target {
+                return id;
+            }
+        }
+        // Rounding left `target` past the sum, or every logit was -inf: fall back deterministically.
+        kept.last().map(|&(id, _)| id).unwrap_or_else(|| argmax(logits))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::log_softmax;
+
+    #[test]
+    fn argmax_prefers_lowest_id_on_ties() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 0.1]), 1);
+        assert_eq!(argmax(&[-1.0]), 0);
+    }
+
+    #[test]
+    fn greedy_takes_argmax_after_penalties() {
+        let params = SamplingParams { repetition_penalty: 4.0, ..SamplingParams::greedy(4) };
+        // Token 0 is in the prompt: 4.0 / 4 = 1.0 < 2.0.
+        let mut s = RequestSampler::new(params, &[0], 1);
+        assert_eq!(s.sample(&[4.0, 2.0, 1.0]).token_id, 1);
+        // Now token 1 is penalised too: 4/4 = 1, 2/4 = 0.5, 1 → tie 1.0 between 0 and 2: lowest id.
+        assert_eq!(s.sample(&[4.0, 2.0, 1.0]).token_id, 0);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_different_seed_differs() {
+        let params = SamplingParams { temperature: 1.0, max_tokens: 64, ..Default::default() };
+        let row: Vec<f32> = (0..50).map(|i| ((i * 7919) % 13) as f32 * 0.3).collect();
+        let run = |seed| {
+            let mut s = RequestSampler::new(params.clone(), &[], seed);
+            (0..64).map(|_| s.sample(&row).token_id).collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+    }
+
+    #[test]
+    fn request_seed_uses_explicit_seed_else_id_and_engine_seed() {
+        let seeded = SamplingParams { seed: Some(5), ..Default::default() };
+        assert_eq!(request_seed(&seeded, 1, 0), 5);
+        assert_eq!(request_seed(&seeded, 2, 9), 5);
+        let p = SamplingParams::default();
+        assert_ne!(request_seed(&p, 1, 0), request_seed(&p, 2, 0));
+        assert_ne!(request_seed(&p, 1, 0), request_seed(&p, 1, 1));
+        assert_eq!(request_seed(&p, 1, 0), request_seed(&p, 1, 0));
+    }
+
+    #[test]
+    fn draws_follow_the_tempered_distribution() {
+        // Logits ln(1), ln(2), ln(3), ln(4); temperature 0.5 squares the odds: 1:4:9:16 over 30.
+        let row: Vec<f32> = [1.0f32, 2.0, 3.0, 4.0].iter().map(|x| x.ln()).collect();
+        let params = SamplingParams { temperature: 0.5, max_tokens: 1, ..Default::default() };
+        let mut s = RequestSampler::new(params, &[], 7);
+        let n = 40_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[s.sample(&row).token_id as usize] += 1;
+        }
+        for (i, want) in [1.0, 4.0, 9.0, 16.0].iter().enumerate() {
+            let got = counts[i] as f64 / n as f64;
+            assert!((got - want / 30.0).abs() < 0.01, "token {i}: {got} vs {}", want / 30.0);
+        }
+    }
+
+    #[test]
+    fn draws_respect_top_k_and_top_p() {
+        let row: Vec<f32> = [1.0f32, 2.0, 3.0, 4.0].iter().map(|x| x.ln()).collect();
+        // top_k 2 → tokens 3 (4/7) and 2 (3/7).
+        let params = SamplingParams { top_k: 2, max_tokens: 1, ..Default::default() };
+        let mut s = RequestSampler::new(params, &[], 3);
+        let n = 20_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[s.sample(&row).token_id as usize] += 1;
+        }
+        assert_eq!(counts[0] + counts[1], 0);
+        assert!((counts[3] as f64 / n as f64 - 4.0 / 7.0).abs() < 0.015, "{counts:?}");
+        // top_p 0.3 keeps only the best token (0.4 >= 0.3).
+        let params = SamplingParams { top_p: 0.3, max_tokens: 1, ..Default::default() };
+        let mut s = RequestSampler::new(params, &[], 3);
+        assert!((0..200).all(|_| s.sample(&row).token_id == 3));
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_of_raw_logits() {
+        let row = [0.5f32, 2.0, -1.0, 1.0];
+        // Penalties and temperature must not change reported logprobs.
+        let params = SamplingParams {
+            logprobs: Some(2),
+            repetition_penalty: 3.0,
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let mut s = RequestSampler::new(params, &[1], 0);
+        let out = s.sample(&row);
+        // 2.0 / 3 = 0.667 < 1.0: greedy picks token 3 after the penalty.
+        assert_eq!(out.token_id, 3);
+        let lp = log_softmax(&row);
+        let lse = row.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+        assert!((out.logprob.unwrap() as f64 - (1.0 - lse)).abs() < 1e-6);
+        assert_eq!(out.top_logprobs.len(), 2);
+        assert_eq!(out.top_logprobs[0].token_id, 1);
+        assert_eq!(out.top_logprobs[0].logprob, lp[1]);
+        assert_eq!(out.top_logprobs[1].token_id, 3);
+
+        let mut plain = RequestSampler::new(SamplingParams::greedy(1), &[], 0);
+        let out = plain.sample(&row);
+        assert_eq!(out.logprob, None);
+        assert!(out.top_logprobs.is_empty());
+    }
+}

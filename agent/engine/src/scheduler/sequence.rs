@@ -1,0 +1,56 @@
+//! A sequence as the scheduler tracks it: its tokens and how many of them have K/V in the cache.
+
+use std::time::Instant;
+
+use crate::kv::SeqId;
+
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub id: SeqId,
+    /// Prompt followed by every token generated so far.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Leading tokens whose K/V is in the cache. The rest are computed by upcoming steps.
+    pub num_computed: usize,
+    /// LoRA adapter name; part of the prefix-cache key.
+    pub adapter: Option<String>,
+    pub lora_slot: Option<u32>,
+    /// The LoRA adapter version this sequence is pinned to (`lora::AdapterId`); the scheduler
+    /// keeps the running set within `max_loras` distinct versions.
+    pub lora_id: Option<u64>,
+    pub arrival: Instant,
+    /// True once every token but the newest sampled one is computed: the sequence then takes one
+    /// decode token per step. Reset by preemption (the recompute is a prefill again).
+    pub(super) decoding: bool,
+    /// Whether any step has scheduled this sequence yet (preemption does not reset it).
+    pub(super) ever_scheduled: bool,
+}
+
+impl Sequence {
+    pub fn new(id: SeqId, prompt: Vec<u32>, adapter: Option<String>, lora_slot: Option<u32>) -> Self {
+        Sequence {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            num_computed: 0,
+            adapter,
+            lora_slot,
+            lora_id: None,
+            arrival: Instant::now(),
+            decoding: false,
+            ever_scheduled: false,
+        }
+    }
+
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    pub fn is_decoding(&self) -> bool {
+        self.decoding
+    }
+
+    pub(super) fn remaining(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+}

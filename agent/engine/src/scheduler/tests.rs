@@ -1,0 +1,164 @@
+use super::*;
+
+fn sched(num_blocks: usize, block_size: usize, max_seqs: usize, max_tokens: usize) -> Scheduler {
+    Scheduler::new(
+        SchedulerConfig { max_num_seqs: max_seqs, max_num_batched_tokens: max_tokens },
+        BlockManager::new(num_blocks, block_size, false),
+    )
+}
+
+fn add(s: &mut Scheduler, id: SeqId, prompt_len: u32) {
+    s.add(Sequence::new(id, (0..prompt_len).map(|t| t + 100 * id as u32).collect(), None, None));
+}
+
+/// Runs a step as the engine would: marks it computed and appends `token` for every logits row.
+fn step(s: &mut Scheduler, token: u32) -> SchedulerOutput {
+    let out = s.schedule();
+    s.step_done(&out);
+    for c in out.chunks.iter().filter(|c| c.wants_logits) {
+        s.append_token(c.id, token);
+    }
+    out
+}
+
+fn summary(out: &SchedulerOutput) -> Vec<(SeqId, usize, usize, bool, bool)> {
+    out.chunks.iter().map(|c| (c.id, c.context_len, c.num_tokens, c.wants_logits, c.is_decode)).collect()
+}
+
+#[test]
+fn long_prompt_is_chunked_within_the_token_budget() {
+    let mut s = sched(100, 4, 4, 8);
+    add(&mut s, 1, 20);
+    assert_eq!(summary(&step(&mut s, 7)), vec![(1, 0, 8, false, false)]);
+    assert_eq!(summary(&step(&mut s, 7)), vec![(1, 8, 8, false, false)]);
+    let last = step(&mut s, 7);
+    assert_eq!(summary(&last), vec![(1, 16, 4, true, false)]);
+    assert_eq!(last.batch.positions, (16..20).collect::<Vec<u32>>());
+    assert_eq!(summary(&step(&mut s, 8)), vec![(1, 20, 1, true, true)]);
+    assert_eq!(s.get(1).unwrap().output(), &[7, 8]);
+}
+
+#[test]
+fn decodes_come_first_then_prefill_fills_the_budget() {
+    let mut s = sched(100, 4, 4, 8);
+    add(&mut s, 1, 3);
+    step(&mut s, 50);
+    add(&mut s, 2, 10);
+    add(&mut s, 3, 5);
+    let out = step(&mut s, 51);
+    // 1 decode token, then 7 of seq 2's prompt; seq 3 is admitted only once budget remains.
+    assert_eq!(summary(&out), vec![(1, 3, 1, true, true), (2, 0, 7, false, false)]);
+    assert_eq!(out.batch.tokens[0], 50);
+    assert_eq!(out.batch.tokens[1..], (200..207).collect::<Vec<u32>>()[..]);
+    assert_eq!(out.batch.positions[0], 3);
+    assert_eq!(out.batch.seqs[1].start, 1);
+    // Block tables cover exactly what the step touches: 4 positions → 1 block, 7 → 2 blocks.
+    assert_eq!(out.batch.seqs[0].block_table.len(), 1);
+    assert_eq!(out.batch.seqs[1].block_table.len(), 2);
+    assert_eq!(s.num_waiting(), 1);
+
+    let out = step(&mut s, 52);
+    assert_eq!(summary(&out), vec![(1, 4, 1, true, true), (2, 7, 3, true, false), (3, 0, 4, false, false)]);
+    assert_eq!(out.admitted, vec![Admission { id: 3, cached_tokens: 0, first_time: true }]);
+}
+
+#[test]
+fn max_num_seqs_caps_running_sequences() {
+    let mut s = sched(100, 4, 2, 64);
+    for id in 1..=3 {
+        add(&mut s, id, 4);
+    }
+    let out = step(&mut s, 1);
+    assert_eq!(out.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!((s.num_running(), s.num_waiting()), (2, 1));
+    s.remove(1);
+    let out = step(&mut s, 1);
+    assert_eq!(summary(&out), vec![(2, 4, 1, true, true), (3, 0, 4, true, false)]);
+}
+
+#[test]
+fn admission_waits_for_blocks_in_fcfs_order() {
+    let mut s = sched(4, 4, 8, 64);
+    add(&mut s, 1, 12); // 3 blocks
+    add(&mut s, 2, 8); // 2 blocks: does not fit
+    add(&mut s, 3, 2); // would fit, but must not overtake 2
+    let out = step(&mut s, 1);
+    assert_eq!(out.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![2, 3]);
+    s.remove(1);
+    assert_eq!(s.kv().num_free_blocks(), 4);
+    let out = step(&mut s, 1);
+    assert_eq!(out.chunks.iter().map(|c| c.id).collect::<Vec<_>>(), vec![2, 3]);
+}
+
+#[test]
+fn preemption_takes_the_newest_and_requeues_it_first() {
+    // 4 blocks of 2 tokens; three 2-token prompts take one block each.
+    let mut s = sched(4, 2, 8, 64);
+    for id in 1..=3 {
+        add(&mut s, id, 2);
+    }
+    step(&mut s, 9);
+    assert_eq!(s.kv().num_free_blocks(), 1);
+    // Each now needs a second block for position 2: seq 1 gets the last free one, seq 2 gets
+    // seq 3's (the newest), and seq 3 goes back to waiting with its generated token kept.
+    let out = step(&mut s, 10);
+    assert_eq!(out.preempted, vec![3]);
+    assert_eq!(summary(&out), vec![(1, 2, 1, true, true), (2, 2, 1, true, true)]);
+    assert_eq!(s.get(3).unwrap().tokens, vec![300, 301, 9]);
+    assert_eq!(s.get(3).unwrap().num_computed, 0);
+
+    // Positions 3 fit; seq 3 cannot be re-admitted yet.
+    let out = step(&mut s, 11);
+    assert_eq!(summary(&out), vec![(1, 3, 1, true, true), (2, 3, 1, true, true)]);
+    // Position 4 needs a third block: seq 2 is now the newest running and goes to the front of the
+    // queue, ahead of the younger seq 3.
+    let out = step(&mut s, 12);
+    assert_eq!(out.preempted, vec![2]);
+    assert_eq!(summary(&out), vec![(1, 4, 1, true, true)]);
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![2, 3]);
+    assert_eq!(s.get(2).unwrap().output(), &[9, 10, 11]);
+
+    // Once seq 1 is done, seq 2 recomputes prompt + output (3 blocks); seq 3 (2 blocks) must wait.
+    s.remove(1);
+    let out = step(&mut s, 13);
+    assert!(out.preempted.is_empty());
+    assert_eq!(summary(&out), vec![(2, 0, 5, true, false)]);
+    assert_eq!(out.admitted, vec![Admission { id: 2, cached_tokens: 0, first_time: false }]);
+    assert_eq!(out.batch.tokens, vec![200, 201, 9, 10, 11]);
+    assert_eq!(s.get(2).unwrap().output(), &[9, 10, 11, 13]);
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![3]);
+}
+
+#[test]
+fn a_sequence_preempts_itself_when_it_is_the_newest() {
+    let mut s = sched(3, 2, 8, 64);
+    add(&mut s, 1, 2);
+    add(&mut s, 2, 2);
+    step(&mut s, 5);
+    // Seq 1 takes the last free block; seq 2 finds none and is itself the newest.
+    let out = step(&mut s, 6);
+    assert_eq!(out.preempted, vec![2]);
+    assert_eq!(summary(&out), vec![(1, 2, 1, true, true)]);
+    assert_eq!(s.running_ids(), &[1]);
+    s.remove(1);
+    let out = step(&mut s, 7);
+    assert_eq!(summary(&out), vec![(2, 0, 3, true, false)]);
+    assert_eq!(s.get(2).unwrap().output(), &[5, 7]);
+}
+
+#[test]
+fn prefix_hits_skip_computed_tokens() {
+    let mut s = Scheduler::new(
+        SchedulerConfig { max_num_seqs: 8, max_num_batched_tokens: 64 },
+        BlockManager::new(16, 4, true),
+    );
+    let prompt: Vec<u32> = (0..10).collect();
+    s.add(Sequence::new(1, prompt.clone(), None, None));
+    step(&mut s, 1);
+    s.add(Sequence::new(2, prompt, None, None));
+    let out = step(&mut s, 1);
+    assert_eq!(out.admitted, vec![Admission { id: 2, cached_tokens: 8, first_time: true }]);
+    assert_eq!(summary(&out)[1], (2, 8, 2, true, false));
+    assert_eq!(out.batch.seqs[1].block_table[..2], out.batch.seqs[0].block_table[..2]);
+}

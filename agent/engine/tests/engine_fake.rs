@@ -1,0 +1,319 @@
+//! The engine scenarios on the deterministic fake backend, plus checks only the fake can make
+//! (exact expected tokens, batch shapes, injected backend failures).
+
+mod engine_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine_support::fake::{self, FakeBackend, FakeStats, EOS, POISON, VOCAB};
+use engine_support::scenarios::{self, collect, config, request, run_alone, run_together, start};
+use parking_lot::Mutex;
+use peregrine_engine::backend::{Backend, KvCacheShape};
+use peregrine_engine::engine::{generate_blocking, Engine, EngineConfig};
+use peregrine_engine::request::{FinishReason, RequestEvent, SamplingParams};
+use peregrine_engine::sampling::{argmax, log_softmax};
+use peregrine_engine::EngineError;
+
+fn fake(shape: KvCacheShape) -> Box<dyn Backend> {
+    Box::new(FakeBackend::new(shape))
+}
+
+type StatsLog = Arc<Mutex<Vec<Arc<Mutex<FakeStats>>>>>;
+
+/// A factory that keeps each backend's stats for inspection.
+fn recording() -> (impl Fn(KvCacheShape) -> Box<dyn Backend>, StatsLog) {
+    let all: StatsLog = Arc::default();
+    let keep = all.clone();
+    let factory = move |shape| {
+        let b = FakeBackend::new(shape);
+        keep.lock().push(b.stats.clone());
+        Box::new(b) as Box<dyn Backend>
+    };
+    (factory, all)
+}
+
+#[test]
+fn concurrent_requests_match_running_alone() {
+    let (factory, stats) = recording();
+    scenarios::concurrent_requests_match_running_alone(&factory);
+    // The batched engine is the last one built.
+    let s = stats.lock().last().expect("built").lock().clone();
+    assert!(s.max_batch_tokens <= 16, "{s:?}");
+    assert!(s.max_batch_seqs > 1, "requests were batched: {s:?}");
+    assert!(s.chunks_without_logits > 0, "prefill was chunked: {s:?}");
+}
+
+#[test]
+fn preemption_keeps_outputs() {
+    scenarios::preemption_keeps_outputs(&fake);
+}
+
+#[test]
+fn prefix_cache_saves_prefill() {
+    scenarios::prefix_cache_saves_prefill(&fake);
+}
+
+#[test]
+fn abort_frees_blocks() {
+    // Slow steps so that a 240-token request is still running when the abort lands.
+    let slow = |shape| {
+        Box::new(FakeBackend::new(shape).with_step_delay(Duration::from_millis(2))) as Box<dyn Backend>
+    };
+    scenarios::abort_frees_blocks(&slow);
+}
+
+#[test]
+fn invalid_requests_and_context_limit() {
+    scenarios::invalid_requests_and_context_limit(&fake);
+}
+
+#[test]
+fn stop_token_ids_end_generation() {
+    scenarios::stop_token_ids_end_generation(&fake);
+}
+
+/// Greedy decoding computed directly from the fake's logits function, without the engine.
+fn direct_greedy(prompt: &[u32], max_tokens: usize) -> (Vec<u32>, FinishReason) {
+    let mut history = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max_tokens {
+        let t = argmax(&fake::logits_for(&history)) as u32;
+        out.push(t);
+        history.push(t);
+        if t == EOS {
+            return (out, FinishReason::Stop);
+        }
+    }
+    (out, FinishReason::Length)
+}
+
+#[test]
+fn greedy_output_matches_direct_computation() {
+    // Pick prompts whose direct greedy continuation hits EOS within 40 tokens and prompts whose
+    // does not, so both the `stop` and the `length` endings are checked.
+    let (mut stopping, mut running) = (Vec::new(), Vec::new());
+    for salt in 0..2000u64 {
+        let p = scenarios::prompt(VOCAB, salt, 3 + (salt as usize * 5) % 40);
+        let (_, finish) = direct_greedy(&p, 40);
+        let bucket = if finish == FinishReason::Stop { &mut stopping } else { &mut running };
+        if bucket.len() < 6 {
+            bucket.push(p);
+        }
+        if stopping.len() == 6 && running.len() == 6 {
+            break;
+        }
+    }
+    assert_eq!((stopping.len(), running.len()), (6, 6), "the fake's hash should give both kinds");
+    let h = start(&fake, 256, config(8, 24, 256, true));
+    let requests: Vec<_> = stopping
+        .into_iter()
+        .chain(running)
+        .enumerate()
+        .map(|(i, p)| request(i as u64, p, SamplingParams::greedy(40)))
+        .collect();
+    let runs = run_together(&h, &requests);
+    for (r, run) in requests.iter().zip(&runs) {
+        let (tokens, finish) = direct_greedy(&r.prompt_tokens, 40);
+        assert_eq!(run.tokens, tokens, "request {}", r.id);
+        assert_eq!(run.finish, finish, "request {}", r.id);
+    }
+    // With ignore_eos the EOS token is just another token.
+    let ignoring = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(40) };
+    let run = run_alone(&h, &[request(99, requests[0].prompt_tokens.clone(), ignoring)]).remove(0);
+    assert_eq!((run.tokens.len(), run.finish), (40, FinishReason::Length));
+    assert_eq!(run.tokens[..runs[0].tokens.len()], runs[0].tokens[..]);
+    h.shutdown();
+}
+
+#[test]
+fn prefix_cache_under_memory_pressure_stays_correct() {
+    // 24 blocks of 4 tokens; 12 requests of 16-24 prompt tokens + 20 generated, sharing three
+    // 16-token prefixes: blocks are shared, evicted, reused and preempted sequences re-hit their own.
+    let h = start(&fake, 24, config(12, 32, 64, true));
+    let prefixes: Vec<Vec<u32>> = (0..3).map(|i| scenarios::prompt(VOCAB, 500 + i, 16)).collect();
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) };
+    let requests: Vec<_> = (0..12u64)
+        .map(|i| {
+            let mut p = prefixes[(i % 3) as usize].clone();
+            p.extend(scenarios::prompt(VOCAB, 600 + i, 1 + (i as usize * 3) % 8));
+            request(i, p, params.clone())
+        })
+        .collect();
+    let runs = run_together(&h, &requests);
+    for (r, run) in requests.iter().zip(&runs) {
+        let (tokens, _) = direct_greedy_ignoring_eos(&r.prompt_tokens, 20);
+        assert_eq!(run.tokens, tokens, "request {}", r.id);
+    }
+    let m = scenarios::final_metrics(&h);
+    assert!(m.preemptions_total > 0, "{m:?}");
+    assert!(m.prefix_cache_hit_tokens_total > 0, "{m:?}");
+    assert_eq!(m.num_free_blocks, 24);
+}
+
+fn direct_greedy_ignoring_eos(prompt: &[u32], max_tokens: usize) -> (Vec<u32>, FinishReason) {
+    let mut history = prompt.to_vec();
+    for _ in 0..max_tokens {
+        let t = argmax(&fake::logits_for(&history)) as u32;
+        history.push(t);
+    }
+    (history[prompt.len()..].to_vec(), FinishReason::Length)
+}
+
+#[test]
+fn logprobs_are_log_softmax_of_model_logits() {
+    let h = start(&fake, 64, config(4, 64, 128, false));
+    let prompt = scenarios::prompt(VOCAB, 5, 9);
+    let params = SamplingParams {
+        logprobs: Some(3),
+        repetition_penalty: 1.5,
+        ignore_eos: true,
+        ..SamplingParams::greedy(5)
+    };
+    let mut stream = h.submit(request(1, prompt.clone(), params)).expect("valid");
+    let mut history = prompt;
+    while let Some(ev) = stream.blocking_next() {
+        match ev {
+            RequestEvent::Token(t) => {
+                let lp = log_softmax(&fake::logits_for(&history));
+                assert_eq!(t.logprob, Some(lp[t.token_id as usize]));
+                assert_eq!(t.top_logprobs.len(), 3);
+                assert_eq!(t.top_logprobs[0].token_id as usize, argmax(&lp));
+                assert!(t.top_logprobs.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+                history.push(t.token_id);
+            }
+            RequestEvent::Finished { .. } => break,
+            RequestEvent::Scheduled { .. } => {}
+            RequestEvent::Error(e) => panic!("{e}"),
+        }
+    }
+    h.shutdown();
+}
+
+#[test]
+fn backend_error_fails_only_the_affected_requests() {
+    let h = start(&fake, 64, config(4, 64, 128, false));
+    let ok = || request(0, scenarios::prompt(VOCAB, 3, 6), SamplingParams::greedy(4));
+    let want = run_alone(&h, &[ok()]).remove(0);
+
+    let mut bad = h.submit(request(1, vec![5, POISON, 6], SamplingParams::greedy(4))).expect("valid ids");
+    assert!(matches!(bad.blocking_next(), Some(RequestEvent::Scheduled { .. })));
+    match bad.blocking_next() {
+        Some(RequestEvent::Error(msg)) => assert!(msg.contains("poisoned"), "{msg}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    assert_eq!(bad.blocking_next(), None);
+    // The engine goes on serving, with the same result as before.
+    let again = run_alone(&h, &[request(2, ok().prompt_tokens, SamplingParams::greedy(4))]).remove(0);
+    assert_eq!(again, want);
+    let m = scenarios::final_metrics(&h);
+    assert_eq!(m.num_free_blocks, m.num_blocks);
+}
+
+#[test]
+fn duplicate_request_id_is_refused_without_disturbing_the_first() {
+    let slow = |shape| {
+        Box::new(FakeBackend::new(shape).with_step_delay(Duration::from_millis(2))) as Box<dyn Backend>
+    };
+    let h = start(&slow, 64, config(4, 64, 128, false));
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) };
+    let mut first = h.submit(request(7, vec![1, 2, 3], params.clone())).expect("valid");
+    let mut second = h.submit(request(7, vec![4, 5, 6], params)).expect("valid");
+    match second.blocking_next() {
+        Some(RequestEvent::Error(msg)) => assert!(msg.contains("already in use"), "{msg}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    let run = collect(&mut first);
+    assert_eq!((run.tokens.len(), run.finish), (20, FinishReason::Length));
+    h.shutdown();
+}
+
+#[test]
+fn shutdown_ends_requests_in_flight_and_refuses_new_ones() {
+    let slow = |shape| {
+        Box::new(FakeBackend::new(shape).with_step_delay(Duration::from_millis(2))) as Box<dyn Backend>
+    };
+    let h = start(&slow, 64, config(4, 64, 256, false));
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(200) };
+    let mut s = h.submit(request(1, vec![1, 2, 3], params)).expect("valid");
+    assert!(matches!(s.blocking_next(), Some(RequestEvent::Scheduled { .. })));
+    h.shutdown();
+    let mut last = None;
+    while let Some(ev) = s.blocking_next() {
+        last = Some(ev);
+    }
+    assert!(matches!(last, Some(RequestEvent::Error(_))), "{last:?}");
+    assert!(matches!(
+        h.submit(request(2, vec![1], SamplingParams::greedy(1))),
+        Err(EngineError::EngineStopped)
+    ));
+    assert!(matches!(
+        generate_blocking(&h, vec![1], SamplingParams::greedy(1)),
+        Err(EngineError::EngineStopped)
+    ));
+}
+
+#[test]
+fn generate_blocking_and_metrics() {
+    let h = start(&fake, 50, config(4, 64, 128, true));
+    assert_eq!(h.max_model_len(), 128);
+    assert_eq!(h.vocab_size(), VOCAB);
+    let prompt = scenarios::prompt(VOCAB, 11, 10);
+    let out = generate_blocking(&h, prompt.clone(), SamplingParams::greedy(6)).expect("runs");
+    let (tokens, finish) = direct_greedy(&prompt, 6);
+    assert_eq!(out.token_ids(), tokens);
+    assert_eq!(out.finish_reason, finish);
+    assert_eq!(out.usage.prompt_tokens, 10);
+    let m = scenarios::final_metrics(&h);
+    assert_eq!(m.num_blocks, 50);
+    assert_eq!(m.prompt_tokens_total, 10);
+    assert_eq!(m.generation_tokens_total, tokens.len() as u64);
+    assert_eq!(m.steps_total, tokens.len() as u64, "one prefill step, then one per further token");
+    assert_eq!(m.kv_usage_ratio, 0.0);
+    assert_eq!(m.requests_finished_total, 1);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_seed_dependent() {
+    let h = start(&fake, 256, config(8, 64, 128, false));
+    let p = scenarios::prompt(VOCAB, 1, 6);
+    let params = |seed| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..SamplingParams::greedy(30)
+    };
+    let a = run_together(
+        &h,
+        &[
+            request(1, p.clone(), params(5)),
+            request(2, p.clone(), params(5)),
+            request(3, p.clone(), params(6)),
+        ],
+    );
+    assert_eq!(a[0].tokens, a[1].tokens, "same seed, same tokens, whatever the request id");
+    assert_ne!(a[0].tokens, a[2].tokens);
+    h.shutdown();
+}
+
+#[test]
+fn config_is_checked_against_the_backend() {
+    let start_with = |shape: KvCacheShape, cfg: EngineConfig| Engine::start(fake(shape), cfg).map(|_| ());
+    let shape = KvCacheShape { num_blocks: 16, block_size: 4 };
+    let ok = EngineConfig { block_size: 4, max_model_len: Some(64), ..Default::default() };
+    assert!(start_with(shape, ok.clone()).is_ok());
+    let invalid = [
+        EngineConfig { block_size: 8, ..ok.clone() },
+        EngineConfig { max_model_len: Some(65), ..ok.clone() },
+        EngineConfig { max_model_len: Some(0), ..ok.clone() },
+        EngineConfig { max_num_seqs: 32, max_num_batched_tokens: 16, ..ok.clone() },
+        EngineConfig { max_model_len: Some(fake::model_config().max_position_embeddings + 1), ..ok.clone() },
+    ];
+    for cfg in invalid {
+        assert!(matches!(start_with(shape, cfg.clone()), Err(EngineError::InvalidConfig(_))), "{cfg:?}");
+    }
+    // Without an explicit limit the KV cache capacity caps the context.
+    let h = Engine::start(fake(shape), EngineConfig { block_size: 4, ..Default::default() }).expect("starts");
+    assert_eq!(h.max_model_len(), 64);
+    h.shutdown();
+}

@@ -1,0 +1,227 @@
+//! PEFT adapter loading and validation against the fixture adapters and deliberately broken ones.
+
+mod common;
+mod lora_common;
+
+use peregrine_engine::config::ModelConfig;
+use peregrine_engine::lora::{save_peft, LoraAdapter, RandomAdapterSpec, TargetModule};
+use peregrine_engine::EngineError;
+
+use lora_common::{adapter_dir, copy_adapter, lora_reference, smollm2_config};
+
+fn invalid_message(result: Result<LoraAdapter, EngineError>) -> String {
+    match result {
+        Err(e @ EngineError::InvalidAdapter { .. }) => {
+            assert_eq!(e.kind(), "invalid_adapter");
+            e.to_string()
+        }
+        Err(other) => panic!("expected InvalidAdapter, got {other:?}"),
+        Ok(_) => panic!("expected InvalidAdapter, got an adapter"),
+    }
+}
+
+#[test]
+fn fixture_adapters_load_with_peft_metadata() {
+    let cfg = smollm2_config();
+    let reference = lora_reference();
+    for name in ["adapter-a", "adapter-b"] {
+        let want = &reference["adapters"][name];
+        let adapter = LoraAdapter::load(&adapter_dir(name), &cfg, 64).unwrap();
+        assert_eq!(adapter.rank as u64, want["r"].as_u64().unwrap());
+        assert_eq!(adapter.scaling as f64, want["scaling"].as_f64().unwrap());
+        let targets: Vec<&str> = adapter.targets.iter().map(|m| m.peft_name()).collect();
+        let mut want_targets: Vec<&str> =
+            want["target_modules"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        want_targets.sort_by_key(|n| TargetModule::from_peft_name(n).unwrap());
+        assert_eq!(targets, want_targets);
+        let n_params: usize = adapter.layers.iter().flatten().flatten().map(|p| p.a.len() + p.b.len()).sum();
+        assert_eq!(n_params as u64, want["n_lora_params"].as_u64().unwrap());
+        let n_tensors = adapter.layers.iter().flatten().flatten().count() * 2;
+        assert_eq!(n_tensors as u64, want["lora_tensors"].as_u64().unwrap());
+        // The values were drawn from N(0, std): a wrong f16 decoding would not keep that spread.
+        let std_a = want["init"]["std_a"].as_f64().unwrap();
+        let a: Vec<f64> = adapter.layers.iter().flatten().flatten().flat_map(|p| p.a.iter().map(|&v| v as f64)).collect();
+        let mean = a.iter().sum::<f64>() / a.len() as f64;
+        let std = (a.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / a.len() as f64).sqrt();
+        assert!(mean.abs() < 1e-3 && (std / std_a - 1.0).abs() < 0.02, "{name}: mean {mean} std {std}");
+    }
+}
+
+#[test]
+fn random_adapter_round_trips_through_peft_files() {
+    let cfg = smollm2_config();
+    let adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(4, 42));
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&adapter, dir.path()).unwrap();
+    assert_eq!(LoraAdapter::load(dir.path(), &cfg, 64).unwrap(), adapter);
+}
+
+#[test]
+fn shapes_for_another_model_are_refused() {
+    let cfg = smollm2_config();
+    let other = ModelConfig { hidden_size: 512, num_attention_heads: 8, num_key_value_heads: 4, ..cfg.clone() };
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&LoraAdapter::random(&other, &RandomAdapterSpec::new(4, 1)), dir.path()).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("shape") && msg.contains("expected"), "{msg}");
+}
+
+#[test]
+fn more_layers_than_the_model_are_refused() {
+    let cfg = smollm2_config();
+    let deeper = ModelConfig { num_hidden_layers: cfg.num_hidden_layers + 2, ..cfg.clone() };
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&LoraAdapter::random(&deeper, &RandomAdapterSpec::new(2, 1)), dir.path()).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("but the base model has 30 layers"), "{msg}");
+}
+
+#[test]
+fn rank_above_max_lora_rank_is_refused() {
+    let msg = invalid_message(LoraAdapter::load(&adapter_dir("adapter-b"), &smollm2_config(), 8));
+    assert!(msg.contains("rank 16 exceeds max_lora_rank 8"), "{msg}");
+}
+
+#[test]
+fn corrupt_safetensors_is_refused() {
+    let cfg = smollm2_config();
+    let dir = copy_adapter("adapter-a");
+    let path = dir.path().join("adapter_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    for cut in [0, 7, 100, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+        assert!(msg.contains("not a valid safetensors file"), "cut {cut}: {msg}");
+    }
+    // A header that claims an absurd length.
+    let mut absurd = bytes.clone();
+    absurd[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&path, &absurd).unwrap();
+    invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+}
+
+#[test]
+fn missing_config_is_refused() {
+    let dir = copy_adapter("adapter-a");
+    std::fs::remove_file(dir.path().join("adapter_config.json")).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &smollm2_config(), 64));
+    assert!(msg.contains("missing adapter_config.json"), "{msg}");
+}
+
+#[test]
+fn pickle_bin_adapter_is_refused_with_a_conversion_hint() {
+    let dir = copy_adapter("adapter-a");
+    std::fs::rename(dir.path().join("adapter_model.safetensors"), dir.path().join("adapter_model.bin")).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &smollm2_config(), 64));
+    assert!(msg.contains("pickle .bin adapters are not supported; convert to safetensors"), "{msg}");
+}
+
+#[test]
+fn non_finite_values_are_refused() {
+    let cfg = smollm2_config();
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(2, 3));
+        adapter.layers[7][TargetModule::Up.index()].as_mut().unwrap().b[5] = bad;
+        let dir = tempfile::tempdir().unwrap();
+        save_peft(&adapter, dir.path()).unwrap();
+        let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+        assert!(msg.contains("layers.7.mlp.up_proj.lora_B") && msg.contains("non-finite"), "{msg}");
+    }
+}
+
+#[test]
+fn missing_and_extra_tensors_are_refused() {
+    let cfg = smollm2_config();
+    let spec = RandomAdapterSpec { targets: vec![TargetModule::Q], ..RandomAdapterSpec::new(2, 5) };
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&LoraAdapter::random(&cfg, &spec), dir.path()).unwrap();
+    let config_path = dir.path().join("adapter_config.json");
+    let original = std::fs::read_to_string(&config_path).unwrap();
+
+    // Config promises k_proj too: its tensors are missing.
+    std::fs::write(&config_path, original.replace(r#"["q_proj"]"#, r#"["q_proj","k_proj"]"#)).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("missing tensor") && msg.contains("k_proj"), "{msg}");
+
+    // Config lists only v_proj: the q_proj tensors are extra.
+    std::fs::write(&config_path, original.replace(r#"["q_proj"]"#, r#"["v_proj"]"#)).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("q_proj") && msg.contains("does not list"), "{msg}");
+}
+
+#[test]
+fn unsupported_peft_features_are_refused() {
+    let dir = copy_adapter("adapter-a");
+    let config_path = dir.path().join("adapter_config.json");
+    let text = std::fs::read_to_string(&config_path).unwrap();
+    std::fs::write(&config_path, text.replace(r#""use_dora": false"#, r#""use_dora": true"#)).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &smollm2_config(), 64));
+    assert!(msg.contains("DoRA"), "{msg}");
+}
+
+/// Rewrites an f32 PEFT file in bf16 (or f16) and checks the loader decodes those values exactly.
+#[test]
+fn bf16_and_f16_tensors_decode_exactly() {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let cfg = smollm2_config();
+    let spec = RandomAdapterSpec { targets: vec![TargetModule::V, TargetModule::Down], ..RandomAdapterSpec::new(3, 8) };
+    let adapter = LoraAdapter::random(&cfg, &spec);
+    for dtype in [Dtype::BF16, Dtype::F16] {
+        let dir = tempfile::tempdir().unwrap();
+        save_peft(&adapter, dir.path()).unwrap();
+        let path = dir.path().join("adapter_model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut expected = adapter.clone();
+        let mut converted: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, view) in st.iter() {
+            let values: Vec<f32> =
+                view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            let (data, rounded): (Vec<u8>, Vec<f32>) = match dtype {
+                Dtype::BF16 => values
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v))
+                    .map(|h| (h.to_le_bytes(), h.to_f32()))
+                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| { d.extend(b); r.push(f); (d, r) }),
+                _ => values
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v))
+                    .map(|h| (h.to_le_bytes(), h.to_f32()))
+                    .fold((vec![], vec![]), |(mut d, mut r), (b, f)| { d.extend(b); r.push(f); (d, r) }),
+            };
+            // Put the rounded values where the loader should put them.
+            let layer: usize = name.split('.').nth(4).unwrap().parse().unwrap();
+            let module = TargetModule::from_peft_name(name.split('.').nth(6).unwrap()).unwrap();
+            let pair = expected.layers[layer][module.index()].as_mut().unwrap();
+            if name.contains("lora_A") { pair.a = rounded } else { pair.b = rounded }
+            converted.push((name.to_string(), view.shape().to_vec(), data));
+        }
+        let views: Vec<_> =
+            converted.iter().map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap())).collect();
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+        let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
+        assert_eq!(loaded, expected, "{dtype:?}");
+        assert_ne!(loaded, adapter, "{dtype:?} rounding must be visible");
+    }
+}
+
+#[test]
+fn unsupported_dtype_is_refused() {
+    use safetensors::{tensor::TensorView, Dtype};
+    let cfg = smollm2_config();
+    let spec = RandomAdapterSpec { targets: vec![TargetModule::K], ..RandomAdapterSpec::new(1, 8) };
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&LoraAdapter::random(&cfg, &spec), dir.path()).unwrap();
+    let (fan_in, fan_out) = TargetModule::K.dims(&cfg);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for layer in 0..cfg.num_hidden_layers {
+        let p = format!("base_model.model.model.layers.{layer}.self_attn.k_proj");
+        tensors.push((format!("{p}.lora_A.weight"), vec![1, fan_in], vec![0u8; 8 * fan_in]));
+        tensors.push((format!("{p}.lora_B.weight"), vec![fan_out, 1], vec![0u8; 8 * fan_out]));
+    }
+    let views: Vec<_> =
+        tensors.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F64, s.clone(), d).unwrap())).collect();
+    std::fs::write(dir.path().join("adapter_model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("F64") && msg.contains("only F32, F16 and BF16"), "{msg}");
+}

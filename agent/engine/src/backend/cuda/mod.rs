@@ -1,0 +1,461 @@
+//! The CUDA backend: the same [`Backend`] contract as the CPU reference, on an NVIDIA GPU.
+//!
+//! bf16 weights and activations, an f32 residual stream, f32 accumulation everywhere; GEMMs through
+//! cuBLAS, everything else in Peregrine's own kernels (`peregrine-kernels`). One step:
+//!
+//! ```text
+//! embed → per layer: [add+]RMSNorm → qkv GEMM → RoPE + KV write → paged attention → o GEMM
+//!                    → add+RMSNorm → gate_up GEMM → SiLU·mul → down GEMM
+//!       → add+final norm (logit rows only) → LM head GEMM (f32) → logits / GPU argmax
+//! ```
+//!
+//! The plan's metadata crosses to the device in one copy per step ([`plan`]).
+
+pub mod bench;
+mod plan;
+mod rope;
+mod weights;
+
+pub use plan::{Limits, PlanLayout};
+pub use rope::{inv_freq, tables as rope_tables};
+pub use weights::GpuWeights;
+
+use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType};
+
+use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, StepBatch};
+use crate::config::ModelConfig;
+use crate::{EngineError, Result};
+
+pub(crate) fn gpu_err(e: KernelError) -> EngineError {
+    match e {
+        KernelError::NoDevice(_) | KernelError::MissingLibrary(_) => EngineError::Backend(format!("{e}; use --device cpu to run without a GPU")),
+        other => EngineError::Backend(other.to_string()),
+    }
+}
+
+/// Whether a CUDA device can be used (the driver loads and device 0 exists), with the reason if not.
+/// Never panics, so `--device` can default to cuda when present.
+pub fn available() -> std::result::Result<(), String> {
+    peregrine_kernels::probe(0).map_err(|e| match e {
+        KernelError::NoDevice(why) => why,
+        other => other.to_string(),
+    })
+}
+
+/// How the backend sizes itself.
+#[derive(Debug, Clone)]
+pub struct CudaOptions {
+    pub device: usize,
+    pub block_size: usize,
+    /// Fraction of the GPU's memory this process may take in all (weights, activations, KV cache).
+    pub gpu_memory_utilization: f32,
+    /// Longest sequence (prompt + output); checked against the KV cache at start.
+    pub max_model_len: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    /// Fixed number of KV blocks instead of sizing from memory (tests).
+    pub num_blocks: Option<usize>,
+    /// Decode steps of up to this many sequences replay a CUDA graph captured for their exact batch
+    /// size (0: never capture).
+    pub cuda_graph_max_batch: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            device: 0,
+            block_size: 16,
+            gpu_memory_utilization: 0.9,
+            max_model_len: 4096,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            num_blocks: None,
+            cuda_graph_max_batch: 256,
+        }
+    }
+}
+
+/// Where the weights come from.
+pub enum WeightInit<'a> {
+    Host(&'a crate::model::ModelWeights),
+    /// Random bf16 weights made on the GPU (`--load-format dummy`).
+    Random { config: ModelConfig, seed: u64 },
+}
+
+/// Per-step activations, sized for `max_num_batched_tokens` tokens and `max_num_seqs` logit rows.
+struct Scratch {
+    residual: DevBuf<f32>,
+    normed: DevBuf<u16>,
+    qkv: DevBuf<u16>,
+    q: DevBuf<u16>,
+    attn: DevBuf<u16>,
+    delta: DevBuf<u16>,
+    gate_up: DevBuf<u16>,
+    act: DevBuf<u16>,
+    final_normed: DevBuf<u16>,
+    logits: DevBuf<f32>,
+    argmax: DevBuf<u32>,
+    meta: DevBuf<i32>,
+    meta_host: Vec<i32>,
+    attn_partials: DevBuf<f32>,
+}
+
+impl Scratch {
+    fn new(cuda: &Cuda, c: &ModelConfig, t: usize, layout: &PlanLayout) -> Result<Self> {
+        let h = c.hidden_size;
+        let r = layout.max_seqs;
+        let a = |n: usize| cuda.gpu.alloc_zeros::<u16>(n).map_err(gpu_err);
+        Ok(Scratch {
+            residual: cuda.gpu.alloc_zeros::<f32>(t * h).map_err(gpu_err)?,
+            normed: a(t * h)?,
+            qkv: a(t * (c.q_dim() + 2 * c.kv_dim()))?,
+            q: a(t * c.q_dim())?,
+            attn: a(t * c.q_dim())?,
+            delta: a(t * h)?,
+            gate_up: a(t * 2 * c.intermediate_size)?,
+            act: a(t * c.intermediate_size)?,
+            final_normed: a(r * h)?,
+            logits: cuda.gpu.alloc_zeros::<f32>(r * c.vocab_size).map_err(gpu_err)?,
+            argmax: cuda.gpu.alloc_zeros::<u32>(r).map_err(gpu_err)?,
+            meta: cuda.gpu.alloc_zeros::<i32>(layout.len()).map_err(gpu_err)?,
+            meta_host: vec![0; layout.len()],
+            attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
+        })
+    }
+
+    fn bytes(c: &ModelConfig, t: usize, layout: &PlanLayout) -> usize {
+        let h = c.hidden_size;
+        let bf = t * (h * 3 + c.q_dim() * 2 + c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size) + layout.max_seqs * h;
+        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4) + layout.len() * 4
+    }
+}
+
+pub struct CudaBackend {
+    cuda: Cuda,
+    config: ModelConfig,
+    weights: GpuWeights,
+    /// Per layer: K then V, each `[num_blocks, kv_heads, block_size, head_dim]` bf16, in one allocation.
+    kv_cache: DevBuf<u16>,
+    rope_cos: DevBuf<f32>,
+    rope_sin: DevBuf<f32>,
+    scratch: Scratch,
+    layout: PlanLayout,
+    limits: Limits,
+    graphs: Graphs,
+    timing: Option<StepTiming>,
+}
+
+/// CUDA graphs of decode steps, one per batch size, captured the second time a size is seen (the
+/// first run of a size is eager, so cuBLAS and the driver have done their lazy set-up before capture).
+struct Graphs {
+    max_batch: usize,
+    seen: std::collections::HashSet<usize>,
+    by_batch: std::collections::HashMap<usize, SendGraph>,
+}
+
+/// A captured graph. cudarc's `CudaGraph` is not `Send` (raw handles); the backend is owned by one
+/// thread at a time and never shares it, which is all CUDA asks of graph objects.
+struct SendGraph(peregrine_kernels::cudarc::driver::CudaGraph);
+// SAFETY: see above; every use goes through `&mut CudaBackend`.
+unsafe impl Send for SendGraph {}
+
+/// GPU time of steps, measured with events around each step (for the idle-time figure of `bench`).
+struct StepTiming {
+    start: SendEvent,
+    end: SendEvent,
+    busy_seconds: f64,
+}
+
+struct SendEvent(peregrine_kernels::cudarc::driver::CudaEvent);
+// SAFETY: as SendGraph: used only through `&mut CudaBackend`.
+unsafe impl Send for SendEvent {}
+
+/// Memory kept free beyond the computed needs: cuBLAS's internal buffers, CUDA graphs, the context.
+const HEADROOM_BYTES: usize = 512 << 20;
+
+impl CudaBackend {
+    pub fn new(init: WeightInit<'_>, opts: &CudaOptions) -> Result<Self> {
+        let cuda = Cuda::new(opts.device).map_err(gpu_err)?;
+        let c = match &init {
+            WeightInit::Host(w) => &w.config,
+            WeightInit::Random { config, .. } => config,
+        };
+        let group = c.num_attention_heads / c.num_key_value_heads.max(1);
+        if !matches!(c.head_dim, 64 | 128) || group == 0 || group > peregrine_kernels::ops::ATTN_MAX_GROUP || c.hidden_size % 8 != 0 {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA backend supports head_dim 64 or 128 and at most {} query heads per KV head (model: head_dim {}, {} heads over {} KV heads)",
+                peregrine_kernels::ops::ATTN_MAX_GROUP,
+                c.head_dim,
+                c.num_attention_heads,
+                c.num_key_value_heads
+            )));
+        }
+        if opts.block_size == 0 || opts.max_model_len == 0 || opts.max_num_batched_tokens == 0 || opts.max_num_seqs == 0 {
+            return Err(EngineError::InvalidRequest("block size, max_model_len, batch limits must be positive".into()));
+        }
+        if !(0.0..=1.0).contains(&opts.gpu_memory_utilization) {
+            return Err(EngineError::InvalidRequest(format!("gpu_memory_utilization {} not in (0, 1]", opts.gpu_memory_utilization)));
+        }
+        let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
+        let (config, weights) = match init {
+            WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w)?),
+            WeightInit::Random { config, seed } => {
+                let w = GpuWeights::random(&cuda, &config, seed)?;
+                (config, w)
+            }
+        };
+        let layout = PlanLayout {
+            max_tokens: opts.max_num_batched_tokens,
+            max_seqs: opts.max_num_seqs,
+            max_blocks: opts.max_model_len.div_ceil(opts.block_size),
+        };
+        let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout)?;
+        let (cos, sin) = rope::tables(&config, opts.max_model_len);
+        let rope_cos = cuda.gpu.upload(&cos).map_err(gpu_err)?;
+        let rope_sin = cuda.gpu.upload(&sin).map_err(gpu_err)?;
+        cuda.gpu.synchronize().map_err(gpu_err)?;
+
+        let block_bytes = kv_block_bytes(&config, opts.block_size, 2);
+        let num_blocks = match opts.num_blocks {
+            Some(n) => n,
+            None => {
+                // Measured, not estimated: what the weights and activations really took is gone from `free`.
+                let (free, _) = cuda.gpu.mem_info().map_err(gpu_err)?;
+                let allowed = (total as f64 * opts.gpu_memory_utilization as f64) as usize;
+                let used = total - free;
+                let budget = allowed.saturating_sub(used).saturating_sub(HEADROOM_BYTES);
+                budget / block_bytes
+            }
+        };
+        let needed = opts.max_model_len.div_ceil(opts.block_size);
+        if num_blocks < needed {
+            return Err(EngineError::InvalidRequest(format!(
+                "max_model_len {} needs {needed} KV blocks of {} tokens, but only {num_blocks} fit \
+                 (weights {:.2} GiB, activations {:.2} GiB, GPU {:.1} GiB at utilization {}); \
+                 lower --max-model-len or raise --gpu-memory-utilization",
+                opts.max_model_len,
+                opts.block_size,
+                weights.bytes() as f64 / (1u64 << 30) as f64,
+                Scratch::bytes(&config, opts.max_num_batched_tokens, &layout) as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64,
+                opts.gpu_memory_utilization
+            )));
+        }
+        let kv_cache = cuda.gpu.alloc_zeros::<u16>(num_blocks * block_bytes / 2).map_err(gpu_err)?;
+        tracing::info!(
+            "cuda:{} {} sm_{}{}: weights {:.2} GiB, KV cache {num_blocks} blocks × {} tokens ({:.2} GiB)",
+            opts.device,
+            cuda.gpu.name,
+            cuda.gpu.arch.0,
+            cuda.gpu.arch.1,
+            weights.bytes() as f64 / (1u64 << 30) as f64,
+            opts.block_size,
+            (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64
+        );
+        let limits = Limits { vocab: config.vocab_size, num_blocks, block_size: opts.block_size, max_model_len: opts.max_model_len };
+        let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
+        Ok(CudaBackend { cuda, config, weights, kv_cache, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None })
+    }
+
+    /// Device address of layer `l`'s K (`v = false`) or V cache.
+    fn cache_ptr(&self, layer: usize, v: bool) -> u64 {
+        let per = self.limits.num_blocks * self.config.kv_dim() * self.limits.block_size;
+        self.kv_cache.ptr_at((2 * layer + v as usize) * per)
+    }
+
+    /// Runs the layers for `batch` and leaves the logits of the wanted rows in `scratch.logits`;
+    /// returns the number of rows.
+    fn run(&mut self, batch: &StepBatch) -> Result<usize> {
+        let rows = plan::pack(batch, &self.layout, &self.limits, &mut self.scratch.meta_host)?;
+        let n = batch.num_tokens();
+        if n == 0 {
+            return Ok(0);
+        }
+        self.cuda.gpu.ctx.bind_to_thread().map_err(|e| gpu_err(e.into()))?;
+        if let Some(t) = &self.timing {
+            t.start.0.record(&self.cuda.gpu.stream).map_err(|e| gpu_err(e.into()))?;
+        }
+        // Only the used part of each section is needed, but one copy of the packed array is cheaper
+        // than five small ones. It stays outside graphs: graphs read the same device addresses.
+        let Scratch { meta, meta_host, .. } = &mut self.scratch;
+        meta.write(&self.cuda.gpu.stream, meta_host).map_err(gpu_err)?;
+        let decode_only = rows == n && batch.seqs.iter().all(|s| s.len == 1);
+        if decode_only && n <= self.graphs.max_batch {
+            if let Some(g) = self.graphs.by_batch.get(&n) {
+                g.0.launch().map_err(|e| gpu_err(e.into()))?;
+            } else {
+                self.step(n, rows).map_err(gpu_err)?;
+                if !self.graphs.seen.insert(n) {
+                    self.capture(n, rows)?;
+                }
+            }
+        } else {
+            self.step(n, rows).map_err(gpu_err)?;
+        }
+        Ok(rows)
+    }
+
+    /// Records the launches of a decode step of `n` sequences into a graph (nothing runs).
+    fn capture(&mut self, n: usize, rows: usize) -> Result<()> {
+        let stream = self.cuda.gpu.stream.clone();
+        stream
+            .begin_capture(peregrine_kernels::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| gpu_err(e.into()))?;
+        let enqueued = self.step(n, rows);
+        // End the capture whatever happened, or the stream stays unusable.
+        let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        enqueued.map_err(gpu_err)?;
+        match graph.map_err(|e| gpu_err(e.into()))? {
+            Some(g) => {
+                self.graphs.by_batch.insert(n, SendGraph(g));
+            }
+            None => tracing::warn!("CUDA graph capture of a {n}-sequence decode step produced no graph"),
+        }
+        Ok(())
+    }
+
+    /// Starts or stops measuring the GPU time of each step (see [`CudaBackend::gpu_busy_seconds`]).
+    pub fn set_step_timing(&mut self, on: bool) -> Result<()> {
+        self.timing = if on {
+            let flags = Some(peregrine_kernels::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let ev = || self.cuda.gpu.ctx.new_event(flags).map(SendEvent).map_err(|e| gpu_err(e.into()));
+            Some(StepTiming { start: ev()?, end: ev()?, busy_seconds: 0.0 })
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// GPU time (first to last operation of each step, events on the stream) summed over the steps
+    /// since timing was switched on.
+    pub fn gpu_busy_seconds(&self) -> Option<f64> {
+        self.timing.as_ref().map(|t| t.busy_seconds)
+    }
+
+    /// After a step's results reached the host: adds its GPU span to the timing.
+    fn account_step(&mut self) -> Result<()> {
+        if let Some(t) = &mut self.timing {
+            t.end.0.record(&self.cuda.gpu.stream).map_err(|e| gpu_err(e.into()))?;
+            t.end.0.synchronize().map_err(|e| gpu_err(e.into()))?;
+            t.busy_seconds += t.start.0.elapsed_ms(&t.end.0).map_err(|e| gpu_err(e.into()))? as f64 / 1e3;
+        }
+        Ok(())
+    }
+
+    /// Enqueues every operation of a step whose metadata is already on the device.
+    fn step(&self, n: usize, rows: usize) -> peregrine_kernels::Result<()> {
+        let cuda = &self.cuda;
+        let (gpu, k) = (&cuda.gpu, &cuda.kernels);
+        let s = &gpu.stream;
+        let c = &self.config;
+        let sc = &self.scratch;
+        let lay = self.layout;
+        let m = |off: usize| sc.meta.ptr_at(off);
+        let (h, hq, hkv, d, inter) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
+        let qkv_w = c.q_dim() + 2 * c.kv_dim();
+        let eps = c.rms_norm_eps;
+        let bs = self.limits.block_size;
+        let w = &self.weights;
+        // SAFETY (whole block): every buffer was sized for max_num_batched_tokens tokens and
+        // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
+        // against the cache.
+        unsafe {
+            k.embedding_gather(s, sc.residual.ptr(), w.embed.ptr(), m(lay.ids()), n, h)?;
+            for (l, lw) in w.layers.iter().enumerate() {
+                let delta = (l > 0).then(|| sc.delta.ptr());
+                k.add_rmsnorm(s, sc.residual.ptr(), delta, lw.input_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
+                cuda.linear(sc.qkv.ptr(), OutType::Bf16, sc.normed.ptr(), lw.qkv.ptr(), n, qkv_w, h)?;
+                let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
+                k.rope_kv_write(
+                    s,
+                    sc.qkv.ptr(),
+                    lw.qkv_bias.as_ref().map(|b| b.ptr()),
+                    m(lay.positions()),
+                    self.rope_cos.ptr(),
+                    self.rope_sin.ptr(),
+                    m(lay.slots()),
+                    sc.q.ptr(),
+                    kc,
+                    vc,
+                    n,
+                    hq,
+                    hkv,
+                    d,
+                    bs,
+                )?;
+                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
+                cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
+                k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
+                cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;
+                k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
+                cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter)?;
+            }
+            if rows > 0 {
+                let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());
+                k.add_rmsnorm(s, sc.residual.ptr(), delta, w.final_norm.ptr(), sc.final_normed.ptr(), Some(m(lay.logit_rows())), rows, h, eps)?;
+                cuda.linear(sc.logits.ptr(), OutType::F32, sc.final_normed.ptr(), w.lm_head_ptr(), rows, c.vocab_size, h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One step with greedy sampling on the GPU: only the chosen token ids cross to the host.
+    pub fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>> {
+        let rows = self.run(batch)?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let (gpu, kernels) = (&self.cuda.gpu, &self.cuda.kernels);
+        // SAFETY: logits hold `rows` rows of vocab f32, argmax has max_num_seqs >= rows slots.
+        unsafe { kernels.argmax_rows(&gpu.stream, self.scratch.logits.ptr(), rows, self.config.vocab_size, self.scratch.argmax.ptr()) }.map_err(gpu_err)?;
+        let mut ids = vec![0u32; rows];
+        gpu.stream
+            .memcpy_dtoh(&self.scratch.argmax.slice().slice(0..rows), &mut ids)
+            .map_err(|e| gpu_err(e.into()))?;
+        self.account_step()?;
+        Ok(ids)
+    }
+
+    /// Waits for all queued work (benchmarks time whole steps with this).
+    pub fn synchronize(&self) -> Result<()> {
+        self.cuda.gpu.synchronize().map_err(gpu_err)
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.cuda.gpu.name
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.bytes()
+    }
+}
+
+impl Backend for CudaBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_shape(&self) -> KvCacheShape {
+        KvCacheShape { num_blocks: self.limits.num_blocks, block_size: self.limits.block_size }
+    }
+
+    fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
+        let rows = self.run(batch)?;
+        let vocab = self.config.vocab_size;
+        let mut data = vec![0f32; rows * vocab];
+        if rows > 0 {
+            self.cuda
+                .gpu
+                .stream
+                .memcpy_dtoh(&self.scratch.logits.slice().slice(0..rows * vocab), &mut data)
+                .map_err(|e| gpu_err(e.into()))?;
+        }
+        self.account_step()?;
+        Ok(Logits { vocab, data })
+    }
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.cuda.gpu.ordinal)
+    }
+}

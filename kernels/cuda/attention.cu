@@ -1,0 +1,179 @@
+// Paged attention for a flat batch: decode tokens and prefill chunks alike.
+//
+// Token t belongs to sequence token_seq[t], sits at position positions[t] and attends causally to the
+// positions 0..=positions[t] of its sequence, read through that sequence's block table (K/V of the
+// step's own tokens were written by rope_kv_write before this runs). One block per (token, KV head)
+// serves the whole GQA group of query heads, so each K/V row is read once for the group. The warps of
+// the block take keys round-robin, each keeping an online softmax (running max, sum, accumulator) per
+// query head; the warps' partial results are merged through shared memory at the end.
+//
+// q: [n, Hq*D] bf16; caches: [blocks, Hkv, block_size, D] bf16; block_tables: [seqs, max_blocks] i32;
+// out: [n, Hq*D] bf16. scale = 1/sqrt(D).
+//
+// Split along the sequence (gridDim.z = splits > 1, for decode batches too small to fill the GPU):
+// split z takes keys [z*chunk, min(ctx, (z+1)*chunk)), chunk = ceil(ctx / splits), and writes its
+// unnormalized partial result (max, sum, accumulator) to `part_*`; attention_combine merges them.
+#define ATTN_WARPS 4
+#define ATTN_MAX_GROUP 8
+
+template <int D>
+__device__ __forceinline__ void load_row(const bf16_t* p, float (&v)[D / 32]) {
+    if constexpr (D == 128) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(p);
+        v[0] = __uint_as_float(raw.x << 16); v[1] = __uint_as_float(raw.x & 0xffff0000u);
+        v[2] = __uint_as_float(raw.y << 16); v[3] = __uint_as_float(raw.y & 0xffff0000u);
+    } else if constexpr (D == 64) {
+        const u32 raw = *reinterpret_cast<const u32*>(p);
+        v[0] = __uint_as_float(raw << 16); v[1] = __uint_as_float(raw & 0xffff0000u);
+    } else {
+#pragma unroll
+        for (int e = 0; e < D / 32; ++e) v[e] = bf2f(p[e]);
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void paged_attention_impl(
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    constexpr int E = D / 32;  // elements of a head row per lane
+    __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP];
+    __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
+    __shared__ float sm_acc[ATTN_WARPS][ATTN_MAX_GROUP][D];
+
+    if (gridDim.z == 1) pdl_trigger();  // unsplit: this kernel is the one before the o GEMV
+    const int t = blockIdx.x, kvh = blockIdx.y;
+    const int group = hq / hkv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int ctx = positions[t] + 1;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int chunk = (ctx + splits - 1) / splits;
+    const int begin = split * chunk;
+    const int end = min(ctx, begin + chunk);
+    const int* bt = block_tables + (u64)token_seq[t] * max_blocks;
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+
+    float qv[ATTN_MAX_GROUP][E], acc[ATTN_MAX_GROUP][E], m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) { acc[g][e] = 0.f; qv[g][e] = 0.f; }
+        if (g < group) {
+            load_row<D>(q + (u64)t * hq * D + (u64)(kvh * group + g) * D + lane * E, qv[g]);
+#pragma unroll
+            for (int e = 0; e < E; ++e) qv[g][e] *= qscale;
+        }
+    }
+
+    // The first 32 block ids of this split's range, one per lane, so the key loop does not wait on a
+    // dependent block-table load for each key (p is warp-uniform, so the shuffle is safe).
+    const int first_blk = begin / block_size;
+    const int nblk = (end > begin) ? (end - 1) / block_size - first_blk + 1 : 0;
+    const int bt_lane = (lane < nblk) ? bt[first_blk + lane] : 0;
+    // Two keys per iteration, both loaded before either is used: more memory requests in flight.
+    for (int p0 = begin + warp; p0 < end; p0 += 2 * ATTN_WARPS) {
+        float kv2[2][E], vv2[2][E];
+        const int np = (p0 + ATTN_WARPS < end) ? 2 : 1;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (j < np) {
+                const int p = p0 + j * ATTN_WARPS;
+                const int bi = p / block_size - first_blk;
+                const int b = __shfl_sync(0xffffffffu, bt_lane, bi & 31);
+                const u64 blk = (u64)(bi < 32 ? b : bt[p / block_size]);
+                const u64 row = ((blk * hkv + kvh) * block_size + (p % block_size)) * D + lane * E;
+                load_row<D>(k_cache + row, kv2[j]);
+                load_row<D>(v_cache + row, vv2[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+        if (j >= np) break;
+        const float* kv = kv2[j];
+        const float* vv = vv2[j];
+#pragma unroll
+        for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+            if (g < group) {
+                float s = 0.f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) s += qv[g][e] * kv[e];
+                s = warp_sum(s);
+                const float mn = fmaxf(m[g], s);
+                const float corr = exp2f(m[g] - mn);
+                const float w = exp2f(s - mn);
+                l[g] = l[g] * corr + w;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + w * vv[e];
+                m[g] = mn;
+            }
+        }
+        }
+    }
+
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+        if (g < group) {
+            if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+#pragma unroll
+            for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+        float sum = 0.f, o = 0.f;
+        if (mx != NEG_INF) {  // a split past the end of a short sequence saw no key at all
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                // A warp that saw no key has m = -inf and l = 0: its factor is exp2(-inf) = 0.
+                const float f = exp2f(sm_m[w][g] - mx);
+                sum += sm_l[w][g] * f;
+                o += sm_acc[w][g][d] * f;
+            }
+        }
+        const int head = kvh * group + g;
+        if (splits == 1) {
+            out[(u64)t * hq * D + (u64)head * D + d] = f2bf(o / sum);
+        } else {
+            const u64 pi = ((u64)t * hq + head) * splits + split;
+            part_acc[pi * D + d] = o;
+            if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
+        }
+    }
+}
+
+// Merges the splits of each (token, query head): grid (n, hq), blockDim.x = D.
+extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml,
+                                             const float* __restrict__ part_acc, int hq, int splits, int d) {
+    pdl_trigger();
+    const u64 th = (u64)blockIdx.x * hq + blockIdx.y;
+    const int i = threadIdx.x;
+    float mx = NEG_INF;
+    for (int z = 0; z < splits; ++z) mx = fmaxf(mx, part_ml[2 * (th * splits + z)]);
+    float sum = 0.f, o = 0.f;
+    for (int z = 0; z < splits; ++z) {
+        const float m = part_ml[2 * (th * splits + z)];
+        if (m == NEG_INF) continue;
+        const float f = exp2f(m - mx);
+        sum += part_ml[2 * (th * splits + z) + 1] * f;
+        o += part_acc[(th * splits + z) * d + i] * f;
+    }
+    if (i < d) out[th * d + i] = f2bf(o / sum);
+}
+
+#define PAGED_ATTENTION(D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_d##D(                \
+        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
+        int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
+        paged_attention_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,           \
+                                positions, hq, hkv, block_size, scale, part_ml, part_acc);              \
+    }
+PAGED_ATTENTION(64)
+PAGED_ATTENTION(128)

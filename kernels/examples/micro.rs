@@ -1,0 +1,92 @@
+//! Micro-benchmarks of the decode-critical kernels on Llama-3.1-8B shapes (run on a GPU):
+//! skinny GEMM vs cuBLAS at m = 1 (achieved GB/s of weight reads) and decode attention with and
+//! without the sequence split. Prints a table; asserts nothing.
+
+use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
+use peregrine_kernels::{Cuda, OutType};
+
+fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
+    f();
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let mut ts = vec![];
+    for _ in 0..reps {
+        let (a, b) = (c.gpu.ctx.new_event(flags).unwrap(), c.gpu.ctx.new_event(flags).unwrap());
+        a.record(&c.gpu.stream).unwrap();
+        f();
+        b.record(&c.gpu.stream).unwrap();
+        b.synchronize().unwrap();
+        ts.push(a.elapsed_ms(&b).unwrap() as f64 * 1e-3);
+    }
+    ts.sort_by(|x, y| x.total_cmp(y));
+    ts[ts.len() / 2]
+}
+
+fn main() {
+    let c = match Cuda::new(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("micro: {e}");
+            std::process::exit(1);
+        }
+    };
+    let s = &c.gpu.stream;
+    println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
+    for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)] {
+        // Several weight copies, rotated, so repeated runs do not read from L2 (50 MB on H100/H200).
+        let copies = (400_000_000 / (n * k * 2)).clamp(2, 8);
+        let ws: Vec<_> = (0..copies).map(|_| c.gpu.alloc_zeros::<u16>(n * k).unwrap()).collect();
+        for (i, w) in ws.iter().enumerate() {
+            unsafe { c.kernels.fill_uniform_bf16(s, w.ptr(), n * k, i as u64, 0.02).unwrap() };
+        }
+        let x = c.gpu.alloc_zeros::<u16>(k).unwrap();
+        unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), k, 99, 1.0).unwrap() };
+        let y = c.gpu.alloc_zeros::<f32>(n).unwrap();
+        let mut i = 0;
+        let mb = (n * k * 2) as f64 / 1e6;
+        let mut gbs = |unroll: usize, wpr: usize| {
+            let t = time(&c, 30, || {
+                i += 1;
+                unsafe { c.kernels.gemv_with(s, y.ptr(), false, x.ptr(), ws[i % copies].ptr(), 1, n, k, unroll, wpr).unwrap() };
+            });
+            mb / 1e3 / t
+        };
+        let (pu, pw) = peregrine_kernels::Kernels::gemv_plan(n, k);
+        let plan = gbs(pu, pw);
+        let mut sweep = String::new();
+        for unroll in [8usize, 16] {
+            for wpr in [1usize, 2, 4, 8] {
+                sweep.push_str(&format!(" ({unroll},{wpr}) {:.0}", gbs(unroll, wpr)));
+            }
+        }
+        let tb = time(&c, 30, || {
+            i += 1;
+            unsafe { c.blas.matmul(y.ptr(), OutType::Bf16, x.ptr(), ws[i % copies].ptr(), 1, n, k, 0.0).unwrap() };
+        });
+        println!("{:<20} {:>7.1} {:>9.0} {:>9.0} {sweep}  [plan ({pu},{pw})]", format!("[{n} x {k}]"), mb, plan, mb / 1e3 / tb);
+    }
+    // Decode attention: 1 token, 32 q heads over 8 KV heads, d 128, block 16.
+    let (hq, hkv, d, bs) = (32usize, 8usize, 128usize, 16usize);
+    for ctx in [256usize, 2048, 8192] {
+        let blocks = ctx.div_ceil(bs);
+        let kc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
+        let vc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
+        unsafe {
+            c.kernels.fill_uniform_bf16(s, kc.ptr(), kc.len(), 1, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(s, vc.ptr(), vc.len(), 2, 1.0).unwrap();
+        }
+        let table: Vec<i32> = (0..blocks as i32).collect();
+        let bt = c.gpu.upload(&table).unwrap();
+        let pos = c.gpu.upload(&[ctx as i32 - 1]).unwrap();
+        let seq = c.gpu.upload(&[0i32]).unwrap();
+        let q = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
+        unsafe { c.kernels.fill_uniform_bf16(s, q.ptr(), hq * d, 3, 1.0).unwrap() };
+        let out = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
+        let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
+        let run = |p: Option<u64>| unsafe {
+            c.kernels.paged_attention(s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, hq, hkv, d, bs, p).unwrap()
+        };
+        let t1 = time(&c, 30, || run(None));
+        let t2 = time(&c, 30, || run(Some(parts.ptr())));
+        println!("decode attention ctx {ctx:>5}: {:>7.1} us unsplit, {:>7.1} us split x{} (KV {:.1} MB)", t1 * 1e6, t2 * 1e6, c.kernels.attention_splits(1, hkv), (2 * kc.len() * 2) as f64 / 1e6);
+    }
+}

@@ -1,0 +1,83 @@
+//! bf16 GEMMs through cuBLAS (f32 accumulation), in the row-major terms the model uses:
+//! `y[m, n] = x[m, k] · w[n, k]ᵀ (+ beta · y)`, with `w` a weight in PyTorch's `[out, in]` layout.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys, CudaBlas};
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use crate::ops::DPtr;
+use crate::{KernelError, Result};
+
+/// cuBLAS needs a fixed workspace of its own to be capturable into CUDA graphs.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+pub struct Blas {
+    blas: CudaBlas,
+    _workspace: CudaSlice<u8>,
+}
+
+/// The element type of a GEMM output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutType {
+    Bf16,
+    F32,
+}
+
+impl Blas {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        let blas = CudaBlas::new(stream.clone())?;
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        let ws_ptr = {
+            let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&workspace, stream.as_ref());
+            ptr
+        };
+        // SAFETY: the workspace lives as long as the handle (both in self).
+        unsafe {
+            sys::cublasSetWorkspace_v2(*blas.handle(), ws_ptr as *mut c_void, WORKSPACE_BYTES).result()?;
+        }
+        Ok(Blas { blas, _workspace: workspace })
+    }
+
+    /// `y[m, n] = x[m, k] · w[n, k]ᵀ + beta · y` (x, w bf16; y bf16 or f32; f32 accumulation).
+    ///
+    /// # Safety
+    /// The pointers must address buffers of the stated shapes on the handle's stream.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul(&self, y: DPtr, out: OutType, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let dim = |v: usize| i32::try_from(v).map_err(|_| KernelError::Unsupported(format!("GEMM dimension {v}")));
+        let (mi, ni, ki) = (dim(m)?, dim(n)?, dim(k)?);
+        let alpha = 1.0f32;
+        let c_type = match out {
+            OutType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+            OutType::F32 => sys::cudaDataType::CUDA_R_32F,
+        };
+        // Column-major view: yᵀ[n, m] = w[n, k] (stored as a k×n column-major matrix, transposed) · xᵀ[k, m].
+        blas::gemm_ex(
+            *self.blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            ni,
+            mi,
+            ki,
+            &alpha as *const f32 as *const c_void,
+            w as *const c_void,
+            sys::cudaDataType::CUDA_R_16BF,
+            ki,
+            x as *const c_void,
+            sys::cudaDataType::CUDA_R_16BF,
+            ki,
+            &beta as *const f32 as *const c_void,
+            y as *mut c_void,
+            c_type,
+            ni,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )?;
+        Ok(())
+    }
+}

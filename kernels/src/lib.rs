@@ -1,0 +1,62 @@
+//! Peregrine's CUDA kernels and their launch wrappers.
+//!
+//! - [`device`]: a GPU (context + the one stream work runs on), device buffers, a panic-free probe.
+//! - [`compile`]: the `.cu` sources (embedded), compiled with NVRTC at run time and cached on disk.
+//! - [`ops`]: one launch wrapper per kernel (embedding gather, add+RMSNorm, RoPE+KV write, paged
+//!   attention, SiLU·mul, argmax, fills).
+//! - [`gemm`]: bf16 GEMMs through cuBLAS.
+//!
+//! Kernels know nothing of requests: they take tensors and plans (block tables, slot maps).
+//! Libraries are loaded at run time (cudarc's dynamic loading), so building needs no CUDA toolkit.
+
+pub mod compile;
+pub mod device;
+pub mod error;
+pub mod gemm;
+pub mod ops;
+pub mod testing;
+
+pub use cudarc;
+pub use device::{probe, DevBuf, Gpu};
+pub use error::{KernelError, Result};
+pub use gemm::{Blas, OutType};
+pub use ops::{DPtr, Kernels};
+
+/// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
+pub struct Cuda {
+    pub gpu: Gpu,
+    pub kernels: Kernels,
+    pub blas: Blas,
+    /// Route GEMMs of at most [`ops::GEMV_MAX_M`] rows to the skinny kernel (on unless
+    /// `PEREGRINE_GEMV=0`, which keeps everything on cuBLAS for comparisons).
+    pub use_gemv: bool,
+}
+
+impl Cuda {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let gpu = Gpu::new(ordinal)?;
+        let module = compile::load_module(&gpu.ctx, gpu.arch)?;
+        let sms = gpu
+            .ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let kernels = Kernels::load(&module, sms.max(1) as u32, gpu.arch)?;
+        let blas = Blas::new(&gpu.stream)?;
+        let use_gemv = std::env::var("PEREGRINE_GEMV").map_or(true, |v| v != "0");
+        Ok(Cuda { gpu, kernels, blas, use_gemv })
+    }
+
+    /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer on `m` tokens): the skinny bandwidth-bound
+    /// kernel for decode-sized m, cuBLAS otherwise. Which path runs depends on m, so results may
+    /// differ in the last bf16 bit between batch sizes (summation order).
+    ///
+    /// # Safety
+    /// As [`Blas::matmul`] with beta = 0.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn linear(&self, y: DPtr, out: OutType, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        if self.use_gemv && m <= ops::GEMV_MAX_M && k % 8 == 0 && x % 16 == 0 && w % 16 == 0 {
+            self.kernels.gemv(&self.gpu.stream, y, out == OutType::F32, x, w, m, n, k)
+        } else {
+            self.blas.matmul(y, out, x, w, m, n, k, 0.0)
+        }
+    }
+}

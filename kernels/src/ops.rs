@@ -1,0 +1,430 @@
+//! Launch wrappers: one method per kernel, shapes checked before launching.
+//!
+//! Pointers are raw device addresses (`u64`) of bf16 (`u16` bits), f32, i32 or u32 data. The caller
+//! owns the buffers and guarantees their sizes; that is why every wrapper is `unsafe`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::{KernelError, Result};
+
+/// Device address.
+pub type DPtr = u64;
+
+/// Every kernel of the module, loaded once.
+pub struct Kernels {
+    embedding_gather: CudaFunction,
+    add_rmsnorm: CudaFunction,
+    rope_kv_write: CudaFunction,
+    paged_attention_d64: CudaFunction,
+    paged_attention_d128: CudaFunction,
+    attention_combine: CudaFunction,
+    silu_mul: CudaFunction,
+    argmax_rows: CudaFunction,
+    fill_uniform_bf16: CudaFunction,
+    fill_f32: CudaFunction,
+    f32_to_bf16: CudaFunction,
+    /// [unroll 8, unroll 16] × [m ≤ 1, 2, 4, 8].
+    gemv: [[CudaFunction; 4]; 2],
+    num_sms: u32,
+    /// Launch GEMVs with programmatic dependent launch (sm_90+, `PEREGRINE_PDL=1`).
+    pdl: bool,
+}
+
+/// Largest row count the skinny GEMM (`gemv`) takes.
+pub const GEMV_MAX_M: usize = 8;
+const GEMV_WARPS: usize = 8;
+
+/// Most query heads one KV head may serve (attention.cu's ATTN_MAX_GROUP).
+pub const ATTN_MAX_GROUP: usize = 8;
+/// Largest head dimension the attention kernels are built for.
+pub const ATTN_MAX_HEAD_DIM: usize = 128;
+const ATTN_THREADS: u32 = 128;
+
+fn cfg(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn as_u32(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| KernelError::Unsupported(format!("{what} = {v} exceeds u32")))
+}
+
+fn as_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| KernelError::Unsupported(format!("{what} = {v} exceeds i32")))
+}
+
+impl Kernels {
+    pub fn load(module: &Arc<CudaModule>, num_sms: u32, arch: (i32, i32)) -> Result<Self> {
+        let f = |name: &str| module.load_function(name);
+        Ok(Kernels {
+            embedding_gather: f("embedding_gather")?,
+            add_rmsnorm: f("add_rmsnorm")?,
+            rope_kv_write: f("rope_kv_write")?,
+            paged_attention_d64: f("paged_attention_d64")?,
+            paged_attention_d128: f("paged_attention_d128")?,
+            attention_combine: f("attention_combine")?,
+            silu_mul: f("silu_mul")?,
+            argmax_rows: f("argmax_rows")?,
+            fill_uniform_bf16: f("fill_uniform_bf16")?,
+            fill_f32: f("fill_f32")?,
+            f32_to_bf16: f("f32_to_bf16")?,
+            gemv: [
+                [f("gemv_m1_u8")?, f("gemv_m2_u8")?, f("gemv_m4_u8")?, f("gemv_m8_u8")?],
+                [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
+            ],
+            num_sms: num_sms.max(1),
+            // Off by default: measured no gain on an H100 (160.6 vs 159.8 tokens/s at batch 1), so
+            // the well-trodden launch path stays the default. `PEREGRINE_PDL=1` turns it on.
+            pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"),
+        })
+    }
+
+    /// Grid for grid-stride elementwise kernels: enough blocks to fill the GPU, no more.
+    fn elementwise_grid(&self, n: usize, block: u32) -> u32 {
+        let want = n.div_ceil(block as usize).max(1);
+        want.min(self.num_sms as usize * 8) as u32
+    }
+
+    /// `out[t, :] = f32(table[ids[t], :])` for `n` tokens. ids: u32, already checked `< vocab`.
+    ///
+    /// # Safety
+    /// out: n*hidden f32; table: vocab*hidden bf16; ids: n u32.
+    pub unsafe fn embedding_gather(&self, s: &CudaStream, out: DPtr, table: DPtr, ids: DPtr, n: usize, hidden: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let hidden = as_i32(hidden, "hidden")?;
+        s.launch_builder(&self.embedding_gather)
+            .arg(&out)
+            .arg(&table)
+            .arg(&ids)
+            .arg(&hidden)
+            .launch(cfg(as_u32(n, "tokens")?, 256))?;
+        Ok(())
+    }
+
+    /// `residual += delta` (when `delta` is Some), then `out = rmsnorm(residual) * weight` in bf16.
+    /// With `rows` = Some(ptr to `n` i32), output row i adds and normalizes residual row `rows[i]` only
+    /// (the final norm, on the rows whose logits are wanted).
+    ///
+    /// # Safety
+    /// residual: f32 rows of `hidden`; delta: bf16 like residual; weight: hidden f32; out: n*hidden bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_rmsnorm(&self, s: &CudaStream, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, rows: Option<DPtr>, n: usize, hidden: usize, eps: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let delta = delta.unwrap_or(0);
+        let rows = rows.unwrap_or(0);
+        let hidden_i = as_i32(hidden, "hidden")?;
+        let threads = if hidden >= 4096 { 1024 } else { 256 };
+        s.launch_builder(&self.add_rmsnorm)
+            .arg(&residual)
+            .arg(&delta)
+            .arg(&weight)
+            .arg(&out)
+            .arg(&rows)
+            .arg(&hidden_i)
+            .arg(&eps)
+            .launch(cfg(as_u32(n, "tokens")?, threads))?;
+        Ok(())
+    }
+
+    /// RoPE on the q and k parts of `qkv` (+ optional f32 bias), q written to `q_out`, k and v into the
+    /// paged caches at `slots[t]`.
+    ///
+    /// # Safety
+    /// qkv: n*(hq+2hkv)*d bf16; positions, slots: n i32; cos/sin: (max position + 1)*d/2 f32;
+    /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*d bf16 covering every slot.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if d % 2 != 0 {
+            return Err(KernelError::Unsupported(format!("rope: odd head_dim {d}")));
+        }
+        let bias = bias.unwrap_or(0);
+        let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
+        s.launch_builder(&self.rope_kv_write)
+            .arg(&qkv)
+            .arg(&bias)
+            .arg(&positions)
+            .arg(&cos)
+            .arg(&sin)
+            .arg(&slots)
+            .arg(&q_out)
+            .arg(&k_cache)
+            .arg(&v_cache)
+            .arg(&hq)
+            .arg(&hkv)
+            .arg(&d)
+            .arg(&bs)
+            .launch(cfg(as_u32(n, "tokens")?, 256))?;
+        Ok(())
+    }
+
+    /// f32 scratch [`Kernels::paged_attention`] needs to split decode attention along the sequence.
+    pub fn attention_partials_len(&self) -> usize {
+        // Splits are only used while n * hkv < 2 * SMs, so n * hkv * splits < 4 * SMs.
+        4 * self.num_sms as usize * ATTN_MAX_GROUP * (ATTN_MAX_HEAD_DIM + 2)
+    }
+
+    /// How many sequence splits a launch of `n` tokens over `hkv` KV heads gets: enough blocks for
+    /// two per SM, at most 16, and 1 (no split) once the batch fills the GPU by itself.
+    pub fn attention_splits(&self, n: usize, hkv: usize) -> usize {
+        let blocks = (n * hkv).max(1);
+        let want = (2 * self.num_sms as usize).div_ceil(blocks);
+        want.clamp(1, 16)
+    }
+
+    /// Causal paged attention of `n` query tokens (decode and prefill alike; see attention.cu).
+    /// With `partials` (f32, [`Kernels::attention_partials_len`]) small batches are split along the
+    /// sequence and merged by a second kernel.
+    ///
+    /// # Safety
+    /// q/out: n*hq*d bf16; caches as in `rope_kv_write`; block_tables: seqs*max_blocks i32 covering
+    /// every position 0..=positions[t]; token_seq, positions: n i32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if hkv == 0 || hq % hkv != 0 || hq / hkv > ATTN_MAX_GROUP {
+            return Err(KernelError::Unsupported(format!(
+                "attention: {hq} query heads over {hkv} KV heads (group at most {ATTN_MAX_GROUP})"
+            )));
+        }
+        let func = match d {
+            64 => &self.paged_attention_d64,
+            128 => &self.paged_attention_d128,
+            _ => return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)"))),
+        };
+        let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
+        if n * hq * splits * (d + 2) > self.attention_partials_len() {
+            splits = 1;
+        }
+        let (part_ml, part_acc) = match partials {
+            Some(p) if splits > 1 => (p, p + (2 * n * hq * splits * 4) as u64),
+            _ => (0, 0),
+        };
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (mb, hq_i, hkv_i, bs) = (as_i32(max_blocks, "max_blocks")?, as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(block_size, "block_size")?);
+        let config = LaunchConfig {
+            grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        s.launch_builder(func)
+            .arg(&out)
+            .arg(&q)
+            .arg(&k_cache)
+            .arg(&v_cache)
+            .arg(&block_tables)
+            .arg(&mb)
+            .arg(&token_seq)
+            .arg(&positions)
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&bs)
+            .arg(&scale)
+            .arg(&part_ml)
+            .arg(&part_acc)
+            .launch(config)?;
+        if splits > 1 {
+            let (splits_i, d_i) = (splits as i32, d as i32);
+            let combine = LaunchConfig { grid_dim: (n as u32, hq as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };
+            s.launch_builder(&self.attention_combine)
+                .arg(&out)
+                .arg(&part_ml)
+                .arg(&part_acc)
+                .arg(&hq_i)
+                .arg(&splits_i)
+                .arg(&d_i)
+                .launch(combine)?;
+        }
+        Ok(())
+    }
+
+    /// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`.
+    ///
+    /// # Safety
+    /// out: n*inter bf16; gate_up: n*2*inter bf16.
+    pub unsafe fn silu_mul(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let inter_i = as_i32(inter, "intermediate")?;
+        s.launch_builder(&self.silu_mul)
+            .arg(&out)
+            .arg(&gate_up)
+            .arg(&n64)
+            .arg(&inter_i)
+            .launch(cfg(self.elementwise_grid(n * inter, 256), 256))?;
+        Ok(())
+    }
+
+    /// `out[r] = argmax(logits[r, :])` (u32, lowest index on ties).
+    ///
+    /// # Safety
+    /// logits: rows*vocab f32; out: rows u32.
+    pub unsafe fn argmax_rows(&self, s: &CudaStream, logits: DPtr, rows: usize, vocab: usize, out: DPtr) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let vocab = as_i32(vocab, "vocab")?;
+        s.launch_builder(&self.argmax_rows)
+            .arg(&logits)
+            .arg(&vocab)
+            .arg(&out)
+            .launch(cfg(as_u32(rows, "rows")?, 1024))?;
+        Ok(())
+    }
+
+    /// Uniform(-scale, scale) bf16 values, a pure function of (seed, index).
+    ///
+    /// # Safety
+    /// out: n bf16.
+    pub unsafe fn fill_uniform_bf16(&self, s: &CudaStream, out: DPtr, n: usize, seed: u64, scale: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        s.launch_builder(&self.fill_uniform_bf16)
+            .arg(&out)
+            .arg(&n64)
+            .arg(&seed)
+            .arg(&scale)
+            .launch(cfg(self.elementwise_grid(n, 256), 256))?;
+        Ok(())
+    }
+
+    /// # Safety
+    /// out: n f32.
+    pub unsafe fn fill_f32(&self, s: &CudaStream, out: DPtr, n: usize, value: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        s.launch_builder(&self.fill_f32)
+            .arg(&out)
+            .arg(&n64)
+            .arg(&value)
+            .launch(cfg(self.elementwise_grid(n, 256), 256))?;
+        Ok(())
+    }
+
+    /// # Safety
+    /// out: n bf16; input: n f32.
+    pub unsafe fn f32_to_bf16(&self, s: &CudaStream, out: DPtr, input: DPtr, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        s.launch_builder(&self.f32_to_bf16)
+            .arg(&out)
+            .arg(&input)
+            .arg(&n64)
+            .launch(cfg(self.elementwise_grid(n, 256), 256))?;
+        Ok(())
+    }
+
+    /// (unroll depth, warps per row) for a weight of `n` rows × `k`. From a sweep on an H100
+    /// (`examples/micro.rs`, docs/benchmarks.md): 4 warps per row beat 1 or 2 for every Llama-3.1-8B
+    /// shape, 8 for the long rows of the down projection; unroll 16 never beat 8.
+    pub fn gemv_plan(_n: usize, k: usize) -> (usize, usize) {
+        (8, if k >= 8192 { 8 } else { 4 })
+    }
+
+    /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8
+    /// (bandwidth-bound decode shapes); y bf16 or f32. Unroll depth and warps per row from
+    /// [`Kernels::gemv_plan`].
+    ///
+    /// # Safety
+    /// x: m*k bf16 and w: n*k bf16, both 16-byte aligned; y: m*n of the output type.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        let (unroll, wpr) = Self::gemv_plan(n, k);
+        self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, wpr)
+    }
+
+    /// [`Kernels::gemv`] with an explicit unroll depth (8 or 16) and warps per row (1, 2, 4 or 8).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_with(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, unroll: usize, wpr: usize) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w % 16 != 0 {
+            return Err(KernelError::Unsupported(format!("gemv: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
+        }
+        if !matches!(wpr, 1 | 2 | 4 | 8) || !matches!(unroll, 8 | 16) {
+            return Err(KernelError::Unsupported(format!("gemv: unroll {unroll}, {wpr} warps per row")));
+        }
+        let table = &self.gemv[(unroll == 16) as usize];
+        let func = match m {
+            1 => &table[0],
+            2 => &table[1],
+            3..=4 => &table[2],
+            _ => &table[3],
+        };
+        let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
+        let rows_per_block = GEMV_WARPS / wpr;
+        let grid = as_u32(n.div_ceil(rows_per_block), "gemv blocks")?;
+        if self.pdl {
+            let mut args: [*mut std::ffi::c_void; 8] = [
+                &y as *const u64 as *mut _,
+                &yf as *const i32 as *mut _,
+                &x as *const u64 as *mut _,
+                &w as *const u64 as *mut _,
+                &mi as *const i32 as *mut _,
+                &ni as *const i32 as *mut _,
+                &ki as *const i32 as *mut _,
+                &wpr_i as *const i32 as *mut _,
+            ];
+            launch_pdl(s, func, grid, (GEMV_WARPS * 32) as u32, &mut args)?;
+        } else {
+            s.launch_builder(func)
+                .arg(&y)
+                .arg(&yf)
+                .arg(&x)
+                .arg(&w)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&wpr_i)
+                .launch(cfg(grid, (GEMV_WARPS * 32) as u32))?;
+        }
+        Ok(())
+    }
+}
+
+/// Launches `func` with the programmatic-stream-serialization attribute: it may begin while the
+/// previous kernel on the stream finishes, and must `pdl_wait()` before reading that kernel's output.
+///
+/// # Safety
+/// `args` must match the kernel's parameters; the caller's context must be current.
+unsafe fn launch_pdl(s: &CudaStream, func: &CudaFunction, grid: u32, block: u32, args: &mut [*mut std::ffi::c_void]) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: s.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()?;
+    Ok(())
+}

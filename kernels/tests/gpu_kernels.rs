@@ -1,0 +1,500 @@
+//! Every kernel against a CPU reference (f64 from the same bf16 inputs) on fresh random inputs.
+//! GPU tests: skipped with a visible "skipped: no CUDA device: ..." where there is none (CI);
+//! `make test-gpu` runs them on a GPU machine with PEREGRINE_REQUIRE_GPU=1.
+//!
+//! Tolerances: a bf16 output carries a rounding error of at most 2^-9 relative (RNE, 8 significant
+//! bits), so outputs rounded once from an f32 computation are checked at |err| <= 2^-8 |ref| + 1e-6
+//! (twice the rounding bound, for the f32 arithmetic before it). Outputs that pass through several
+//! bf16 roundings (attention over bf16 q/k/v, GEMMs) are checked by relative L2 error < 1e-2, the
+//! usual band for bf16 operands, plus a max-abs bound stated at each check.
+
+use half::bf16;
+use peregrine_kernels::testing::cuda_or_skip;
+use peregrine_kernels::{Cuda, DevBuf, OutType};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const POISON_BF16: u16 = 0x7fc0; // NaN: an unwritten output fails every check
+
+fn rng() -> ChaCha8Rng {
+    // Fresh inputs every run; the seed is printed so a failure can be replayed.
+    let seed: u64 = rand::rng().random();
+    eprintln!("seed {seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn rand_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> (Vec<u16>, Vec<f64>) {
+    let mut bits = Vec::with_capacity(n);
+    let mut vals = Vec::with_capacity(n);
+    for _ in 0..n {
+        let b = bf16::from_f32(r.random_range(-scale..scale));
+        bits.push(b.to_bits());
+        vals.push(b.to_f32() as f64);
+    }
+    (bits, vals)
+}
+
+fn to_f64(bits: &[u16]) -> Vec<f64> {
+    bits.iter().map(|&b| bf16::from_bits(b).to_f32() as f64).collect()
+}
+
+fn assert_bf16_close(got: &[u16], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let g = bf16::from_bits(g).to_f32() as f64;
+        let tol = w.abs() / 256.0 + 1e-6;
+        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w} (tol {tol})");
+    }
+}
+
+fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn poison(c: &Cuda, n: usize) -> DevBuf<u16> {
+    c.gpu.upload(&vec![POISON_BF16; n]).unwrap()
+}
+
+#[test]
+fn embedding_gather_copies_rows() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let (vocab, hidden, n) = (1000, 576, 37);
+    let (table, tv) = rand_bf16(&mut r, vocab * hidden, 1.0);
+    let ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
+    let dt = c.gpu.upload(&table).unwrap();
+    let di = c.gpu.upload(&ids).unwrap();
+    let out = c.gpu.upload(&vec![f32::NAN; n * hidden]).unwrap();
+    unsafe { c.kernels.embedding_gather(&c.gpu.stream, out.ptr(), dt.ptr(), di.ptr(), n, hidden).unwrap() };
+    let got = out.download(&c.gpu.stream).unwrap();
+    for t in 0..n {
+        for j in 0..hidden {
+            assert_eq!(got[t * hidden + j] as f64, tv[ids[t] as usize * hidden + j], "token {t} col {j}");
+        }
+    }
+}
+
+fn rmsnorm_ref(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(w).map(|(v, w)| v * inv * w).collect()
+}
+
+#[test]
+fn add_rmsnorm_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    for hidden in [576usize, 4096] {
+        let n = 19;
+        let eps = 1e-5f32;
+        let res: Vec<f32> = (0..n * hidden).map(|_| r.random_range(-3.0..3.0)).collect();
+        let (delta, dv) = rand_bf16(&mut r, n * hidden, 2.0);
+        let w: Vec<f32> = (0..hidden).map(|_| r.random_range(0.5..1.5)).collect();
+        let dres = c.gpu.upload(&res).unwrap();
+        let dd = c.gpu.upload(&delta).unwrap();
+        let dw = c.gpu.upload(&w).unwrap();
+        let out = poison(&c, n * hidden);
+        unsafe {
+            c.kernels
+                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps)
+                .unwrap()
+        };
+        let got_res = dres.download(&c.gpu.stream).unwrap();
+        let got = out.download(&c.gpu.stream).unwrap();
+        let wv: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+        for t in 0..n {
+            let row: Vec<f64> = (0..hidden).map(|j| (res[t * hidden + j] + dv[t * hidden + j] as f32) as f64).collect();
+            for j in 0..hidden {
+                assert_eq!(got_res[t * hidden + j] as f64, row[j], "residual add is one f32 addition");
+            }
+            assert_bf16_close(&got[t * hidden..(t + 1) * hidden], &rmsnorm_ref(&row, &wv, eps as f64), "norm");
+        }
+        // Row-mapped final norm: add and normalize only the chosen rows.
+        let rows: Vec<i32> = vec![(n - 1) as i32, 3, 0];
+        let drows = c.gpu.upload(&rows).unwrap();
+        let out2 = poison(&c, rows.len() * hidden);
+        unsafe {
+            c.kernels
+                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out2.ptr(), Some(drows.ptr()), rows.len(), hidden, eps)
+                .unwrap()
+        };
+        let got2 = out2.download(&c.gpu.stream).unwrap();
+        let res3 = dres.download(&c.gpu.stream).unwrap();
+        for (i, &src) in rows.iter().enumerate() {
+            let src = src as usize;
+            let row: Vec<f64> = (0..hidden).map(|j| (got_res[src * hidden + j] + dv[src * hidden + j] as f32) as f64).collect();
+            for j in 0..hidden {
+                assert_eq!(res3[src * hidden + j] as f64, row[j], "mapped row's residual updated");
+            }
+            assert_bf16_close(&got2[i * hidden..(i + 1) * hidden], &rmsnorm_ref(&row, &wv, eps as f64), "row-mapped norm");
+        }
+        assert_eq!(res3[hidden..2 * hidden], got_res[hidden..2 * hidden], "unmapped rows untouched");
+    }
+}
+
+/// A random paged layout: `seqs` of the given total lengths spread over shuffled blocks.
+struct Paged {
+    block_tables: Vec<i32>, // [seqs, max_blocks]
+    max_blocks: usize,
+    num_blocks: usize,
+}
+
+fn paged(r: &mut ChaCha8Rng, lens: &[usize], block_size: usize) -> Paged {
+    let max_blocks = lens.iter().map(|l| l.div_ceil(block_size)).max().unwrap_or(1).max(1);
+    let total: usize = lens.iter().map(|l| l.div_ceil(block_size)).sum();
+    let num_blocks = total + 5;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, r.random_range(0..=i));
+    }
+    let mut block_tables = vec![-1i32; lens.len() * max_blocks];
+    let mut next = 0;
+    for (s, l) in lens.iter().enumerate() {
+        for b in 0..l.div_ceil(block_size) {
+            block_tables[s * max_blocks + b] = ids[next];
+            next += 1;
+        }
+    }
+    Paged { block_tables, max_blocks, num_blocks }
+}
+
+fn cache_index(block: usize, h: usize, off: usize, i: usize, hkv: usize, bs: usize, d: usize) -> usize {
+    ((block * hkv + h) * bs + off) * d + i
+}
+
+#[test]
+fn rope_kv_write_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
+        let bs = 16;
+        let lens = [5usize, 40, 1];
+        let pg = paged(&mut r, &lens, bs);
+        // Tokens: seq 0 positions 0..5, seq 1 positions 30..40 (a prefill chunk after a cached prefix), seq 2 position 0.
+        let mut positions = vec![];
+        let mut seq_of = vec![];
+        for (s, range) in [(0usize, 0..5usize), (1, 30..40), (2, 0..1)] {
+            for p in range {
+                positions.push(p as i32);
+                seq_of.push(s);
+            }
+        }
+        let n = positions.len();
+        let slots: Vec<i32> = positions
+            .iter()
+            .zip(&seq_of)
+            .map(|(&p, &s)| pg.block_tables[s * pg.max_blocks + p as usize / bs] * bs as i32 + p % bs as i32)
+            .collect();
+        let width = (hq + 2 * hkv) * d;
+        let (qkv, qv) = rand_bf16(&mut r, n * width, 2.0);
+        let bias: Vec<f32> = (0..width).map(|_| r.random_range(-0.5..0.5)).collect();
+        let max_pos = 64;
+        let half = d / 2;
+        let theta = 10000.0f64;
+        let mut cos = vec![0f32; max_pos * half];
+        let mut sin = vec![0f32; max_pos * half];
+        for p in 0..max_pos {
+            for i in 0..half {
+                let a = p as f64 * theta.powf(-(2.0 * i as f64) / d as f64);
+                cos[p * half + i] = a.cos() as f32;
+                sin[p * half + i] = a.sin() as f32;
+            }
+        }
+        let cache_len = pg.num_blocks * hkv * bs * d;
+        let (dqkv, dbias, dpos, dcos, dsin, dslots) = (
+            c.gpu.upload(&qkv).unwrap(),
+            c.gpu.upload(&bias).unwrap(),
+            c.gpu.upload(&positions).unwrap(),
+            c.gpu.upload(&cos).unwrap(),
+            c.gpu.upload(&sin).unwrap(),
+            c.gpu.upload(&slots).unwrap(),
+        );
+        let qout = poison(&c, n * hq * d);
+        let kc = poison(&c, cache_len);
+        let vc = poison(&c, cache_len);
+        unsafe {
+            c.kernels
+                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs)
+                .unwrap()
+        };
+        let (gq, gk, gv) = (qout.download(&c.gpu.stream).unwrap(), kc.download(&c.gpu.stream).unwrap(), vc.download(&c.gpu.stream).unwrap());
+        for t in 0..n {
+            let x = |col: usize| qv[t * width + col] + bias[col] as f64;
+            let (cs, sn) = (&cos[positions[t] as usize * half..], &sin[positions[t] as usize * half..]);
+            let blk = slots[t] as usize / bs;
+            let off = slots[t] as usize % bs;
+            for h in 0..hq + hkv {
+                let mut want = vec![0f64; d];
+                for i in 0..half {
+                    let (x0, x1) = (x(h * d + i), x(h * d + i + half));
+                    want[i] = x0 * cs[i] as f64 - x1 * sn[i] as f64;
+                    want[i + half] = x1 * cs[i] as f64 + x0 * sn[i] as f64;
+                }
+                let got: Vec<u16> = if h < hq {
+                    gq[t * hq * d + h * d..t * hq * d + (h + 1) * d].to_vec()
+                } else {
+                    (0..d).map(|i| gk[cache_index(blk, h - hq, off, i, hkv, bs, d)]).collect()
+                };
+                assert_bf16_close(&got, &want, if h < hq { "rotated q" } else { "rotated k in cache" });
+            }
+            for h in 0..hkv {
+                let want: Vec<f64> = (0..d).map(|i| x((hq + hkv + h) * d + i)).collect();
+                let got: Vec<u16> = (0..d).map(|i| gv[cache_index(blk, h, off, i, hkv, bs, d)]).collect();
+                assert_bf16_close(&got, &want, "v in cache");
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_attention_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 128)] {
+        let bs = 16;
+        // Three sequences: a decode token at a long context, a prefill chunk over a cached prefix, a fresh prompt.
+        let lens = [300usize, 70, 9];
+        let chunks = [(0usize, 299..300usize), (1, 50..70), (2, 0..9)];
+        let pg = paged(&mut r, &lens, bs);
+        let cache_len = pg.num_blocks * hkv * bs * d;
+        let (kc, kv) = rand_bf16(&mut r, cache_len, 1.0);
+        let (vc, vv) = rand_bf16(&mut r, cache_len, 1.0);
+        let mut positions = vec![];
+        let mut token_seq = vec![];
+        for (s, range) in chunks.iter().cloned() {
+            for p in range {
+                positions.push(p as i32);
+                token_seq.push(s as i32);
+            }
+        }
+        let n = positions.len();
+        let (q, qv) = rand_bf16(&mut r, n * hq * d, 2.0);
+        let (dq, dk, dv, dbt, dts, dpos) = (
+            c.gpu.upload(&q).unwrap(),
+            c.gpu.upload(&kc).unwrap(),
+            c.gpu.upload(&vc).unwrap(),
+            c.gpu.upload(&pg.block_tables).unwrap(),
+            c.gpu.upload(&token_seq).unwrap(),
+            c.gpu.upload(&positions).unwrap(),
+        );
+        let partials = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
+        let out = poison(&c, n * hq * d);
+        unsafe {
+            c.kernels
+                .paged_attention(&c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, hq, hkv, d, bs, None)
+                .unwrap()
+        };
+        let got = to_f64(&out.download(&c.gpu.stream).unwrap());
+        // Split along the sequence: each token alone (decode-sized launches) must give the same result.
+        let mut split_out = vec![0f64; n * hq * d];
+        for t in 0..n {
+            let one = poison(&c, hq * d);
+            let (pos1, seq1) = (c.gpu.upload(&positions[t..t + 1]).unwrap(), c.gpu.upload(&token_seq[t..t + 1]).unwrap());
+            let q1 = c.gpu.upload(&q[t * hq * d..(t + 1) * hq * d]).unwrap();
+            assert!(c.kernels.attention_splits(1, hkv) > 1, "a single token is split");
+            unsafe {
+                c.kernels
+                    .paged_attention(&c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, hq, hkv, d, bs, Some(partials.ptr()))
+                    .unwrap()
+            };
+            split_out[t * hq * d..(t + 1) * hq * d].copy_from_slice(&to_f64(&one.download(&c.gpu.stream).unwrap()));
+        }
+        let mut want = vec![0f64; n * hq * d];
+        let scale = 1.0 / (d as f64).sqrt();
+        for t in 0..n {
+            let s = token_seq[t] as usize;
+            for h in 0..hq {
+                let kvh = h / (hq / hkv);
+                let qrow = &qv[(t * hq + h) * d..(t * hq + h + 1) * d];
+                let ctx = positions[t] as usize + 1;
+                let mut scores = Vec::with_capacity(ctx);
+                for p in 0..ctx {
+                    let blk = pg.block_tables[s * pg.max_blocks + p / bs] as usize;
+                    let base = cache_index(blk, kvh, p % bs, 0, hkv, bs, d);
+                    scores.push(qrow.iter().zip(&kv[base..base + d]).map(|(a, b)| a * b).sum::<f64>() * scale);
+                }
+                let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let ws: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = ws.iter().sum();
+                for p in 0..ctx {
+                    let blk = pg.block_tables[s * pg.max_blocks + p / bs] as usize;
+                    let base = cache_index(blk, kvh, p % bs, 0, hkv, bs, d);
+                    for i in 0..d {
+                        want[(t * hq + h) * d + i] += ws[p] / z * vv[base + i];
+                    }
+                }
+            }
+        }
+        for (label, got) in [("one launch", &got), ("split per token", &split_out)] {
+            assert!(got.iter().all(|v| v.is_finite()), "{label}: every output written and finite");
+            let err = rel_l2(got, &want);
+            let max_abs = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max);
+            eprintln!("attention {label} hq={hq} hkv={hkv} d={d}: rel L2 {err:.2e}, max abs {max_abs:.2e}");
+            assert!(err < 1e-2, "{label}: rel L2 error {err}");
+            // Outputs are convex combinations of values in [-1, 1]: bf16 rounding of q and out bounds the error well under 0.02.
+            assert!(max_abs < 2e-2, "{label}: max abs error {max_abs}");
+        }
+    }
+}
+
+#[test]
+fn silu_mul_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let (n, inter) = (13, 1536);
+    let (gu, guv) = rand_bf16(&mut r, n * 2 * inter, 6.0);
+    let dgu = c.gpu.upload(&gu).unwrap();
+    let out = poison(&c, n * inter);
+    unsafe { c.kernels.silu_mul(&c.gpu.stream, out.ptr(), dgu.ptr(), n, inter).unwrap() };
+    let got = out.download(&c.gpu.stream).unwrap();
+    let mut want = vec![0f64; n * inter];
+    for t in 0..n {
+        for j in 0..inter {
+            let g = guv[t * 2 * inter + j];
+            let u = guv[t * 2 * inter + inter + j];
+            want[t * inter + j] = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+    // __expf has ~2 ulp of f32 error: far below the bf16 rounding the check allows.
+    assert_bf16_close(&got, &want, "silu*up");
+}
+
+#[test]
+fn argmax_picks_the_first_maximum() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let (rows, vocab) = (7, 49152);
+    let mut logits: Vec<f32> = (0..rows * vocab).map(|_| r.random_range(-10.0..10.0)).collect();
+    // Row 1: a tie between two far-apart indices; the lower index must win.
+    logits[vocab + 40000] = 50.0;
+    logits[vocab + 123] = 50.0;
+    // Row 2: the maximum at the very end.
+    logits[2 * vocab + vocab - 1] = 99.0;
+    let dl = c.gpu.upload(&logits).unwrap();
+    let out = c.gpu.upload(&vec![u32::MAX; rows]).unwrap();
+    unsafe { c.kernels.argmax_rows(&c.gpu.stream, dl.ptr(), rows, vocab, out.ptr()).unwrap() };
+    let got = out.download(&c.gpu.stream).unwrap();
+    for row in 0..rows {
+        let slice = &logits[row * vocab..(row + 1) * vocab];
+        let mut best = 0;
+        for (i, &v) in slice.iter().enumerate() {
+            if v > slice[best] {
+                best = i;
+            }
+        }
+        assert_eq!(got[row] as usize, best, "row {row}");
+    }
+    assert_eq!(got[1], 123);
+    assert_eq!(got[2] as usize, vocab - 1);
+}
+
+#[test]
+fn gemm_bf16_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    for (m, n, k) in [(1usize, 1536usize, 576usize), (37, 576, 1536), (5, 4096, 4096)] {
+        let (x, xv) = rand_bf16(&mut r, m * k, 1.0);
+        let (w, wv) = rand_bf16(&mut r, n * k, 0.05);
+        let (dx, dw) = (c.gpu.upload(&x).unwrap(), c.gpu.upload(&w).unwrap());
+        let mut want = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                want[i * n + j] = (0..k).map(|l| xv[i * k + l] * wv[j * k + l]).sum();
+            }
+        }
+        let yb = poison(&c, m * n);
+        unsafe { c.blas.matmul(yb.ptr(), OutType::Bf16, dx.ptr(), dw.ptr(), m, n, k, 0.0).unwrap() };
+        let got = to_f64(&yb.download(&c.gpu.stream).unwrap());
+        let err = rel_l2(&got, &want);
+        eprintln!("gemm bf16 out {m}x{n}x{k}: rel L2 {err:.2e}");
+        assert!(err < 1e-2, "bf16-out GEMM rel L2 {err}");
+        // f32 output accumulated onto an existing value (beta = 1), as the residual adds would use.
+        let base: Vec<f32> = (0..m * n).map(|_| r.random_range(-1.0..1.0)).collect();
+        let yf = c.gpu.upload(&base).unwrap();
+        unsafe { c.blas.matmul(yf.ptr(), OutType::F32, dx.ptr(), dw.ptr(), m, n, k, 1.0).unwrap() };
+        let got: Vec<f64> = yf.download(&c.gpu.stream).unwrap().iter().map(|&v| v as f64).collect();
+        let want2: Vec<f64> = want.iter().zip(&base).map(|(w, b)| w + *b as f64).collect();
+        let err = rel_l2(&got, &want2);
+        eprintln!("gemm f32 out {m}x{n}x{k}: rel L2 {err:.2e}");
+        // f32 output, f32 accumulation of exact bf16 products: only summation-order error.
+        assert!(err < 1e-5, "f32-out GEMM rel L2 {err}");
+    }
+}
+
+#[test]
+fn fills_and_conversion() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let n = 1 << 20;
+    let out = poison(&c, n);
+    unsafe { c.kernels.fill_uniform_bf16(&c.gpu.stream, out.ptr(), n, 42, 0.1).unwrap() };
+    let v = to_f64(&out.download(&c.gpu.stream).unwrap());
+    // bf16(0.1) rounds up to 0.10009765625: allow one bf16 rounding above the scale.
+    assert!(v.iter().all(|x| x.abs() <= 0.1 * (1.0 + 1.0 / 256.0)), "within the scale");
+    let mean = v.iter().sum::<f64>() / n as f64;
+    let var = v.iter().map(|x| x * x).sum::<f64>() / n as f64;
+    assert!(mean.abs() < 1e-3, "mean {mean}");
+    assert!((var - 0.01 / 3.0).abs() < 1e-4, "variance {var} vs uniform's {}", 0.01 / 3.0);
+    let src: Vec<f32> = (0..4096).map(|_| r.random_range(-100.0..100.0)).collect();
+    let ds = c.gpu.upload(&src).unwrap();
+    let dst = poison(&c, src.len());
+    unsafe { c.kernels.f32_to_bf16(&c.gpu.stream, dst.ptr(), ds.ptr(), src.len()).unwrap() };
+    let got = dst.download(&c.gpu.stream).unwrap();
+    for (g, s) in got.iter().zip(&src) {
+        assert_eq!(*g, bf16::from_f32(*s).to_bits(), "round to nearest even, as half::bf16");
+    }
+    let f = c.gpu.upload(&vec![0f32; 1000]).unwrap();
+    unsafe { c.kernels.fill_f32(&c.gpu.stream, f.ptr(), 1000, 1.5).unwrap() };
+    assert!(f.download(&c.gpu.stream).unwrap().iter().all(|&x| x == 1.5));
+}
+
+#[test]
+fn gemv_matches_reference_for_every_small_m() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    // n picks 4, 2 and 1 warps per row, k unroll 8 or 16 (see Kernels::gemv_plan).
+    for (n, k) in [(1536usize, 576usize), (576, 1536), (4096, 14336), (1000, 8), (9000, 136), (20000, 64)] {
+        for m in 1..=peregrine_kernels::ops::GEMV_MAX_M {
+            let (x, xv) = rand_bf16(&mut r, m * k, 1.0);
+            let (w, wv) = rand_bf16(&mut r, n * k, 0.05);
+            let (dx, dw) = (c.gpu.upload(&x).unwrap(), c.gpu.upload(&w).unwrap());
+            let mut want = vec![0f64; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    want[i * n + j] = (0..k).map(|l| xv[i * k + l] * wv[j * k + l]).sum();
+                }
+            }
+            let yb = poison(&c, m * n);
+            unsafe { c.kernels.gemv(&c.gpu.stream, yb.ptr(), false, dx.ptr(), dw.ptr(), m, n, k).unwrap() };
+            // One bf16 rounding of an f32 sum: within 2^-8 relative of each value.
+            assert_bf16_close(&yb.download(&c.gpu.stream).unwrap(), &want, &format!("gemv bf16 m={m} n={n} k={k}"));
+            let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
+            unsafe { c.kernels.gemv(&c.gpu.stream, yf.ptr(), true, dx.ptr(), dw.ptr(), m, n, k).unwrap() };
+            let gotf: Vec<f64> = yf.download(&c.gpu.stream).unwrap().iter().map(|&v| v as f64).collect();
+            let err = rel_l2(&gotf, &want);
+            assert!(err < 1e-5, "gemv f32 m={m} n={n} k={k}: rel L2 {err}");
+        }
+    }
+}
+
+#[test]
+fn gemv_every_unroll_and_row_split_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let (n, k) = (300usize, 4104usize); // k not a multiple of any split: partial last iterations everywhere
+    for m in [1usize, 3, 8] {
+        let (x, xv) = rand_bf16(&mut r, m * k, 1.0);
+        let (w, wv) = rand_bf16(&mut r, n * k, 0.05);
+        let (dx, dw) = (c.gpu.upload(&x).unwrap(), c.gpu.upload(&w).unwrap());
+        let want: Vec<f64> = (0..m * n).map(|e| (0..k).map(|l| xv[(e / n) * k + l] * wv[(e % n) * k + l]).sum()).collect();
+        for unroll in [8usize, 16] {
+            for wpr in [1usize, 2, 4, 8] {
+                let y = poison(&c, m * n);
+                unsafe { c.kernels.gemv_with(&c.gpu.stream, y.ptr(), false, dx.ptr(), dw.ptr(), m, n, k, unroll, wpr).unwrap() };
+                assert_bf16_close(&y.download(&c.gpu.stream).unwrap(), &want, &format!("gemv m={m} unroll {unroll} wpr {wpr}"));
+            }
+        }
+    }
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs every prebuilt test binary in .device-bin/tests on a GPU machine. PEREGRINE_REQUIRE_GPU=1 turns
+# "skipped: no CUDA device" into a failure, so this can only pass where the GPU tests really ran.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64:/usr/local/nvidia/lib64}"
+export PEREGRINE_REQUIRE_GPU=1
+status=0
+for t in "$here"/tests/*; do
+  echo "=== $(basename "$t")"
+  "$t" --test-threads=1 "$@" || status=1
+done
+exit $status

@@ -65,7 +65,7 @@ pub enum AdapterPhase {
 }
 
 /// Observed state of an adapter, written by the operator.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LoraAdapterStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -73,7 +73,11 @@ pub struct LoraAdapterStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// `Loaded` (True when every ready pod has the adapter), with the reason otherwise.
+    ///
+    /// A list-map keyed by `type`, so that each controller (field manager) owns its own conditions
+    /// under server-side apply.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = kube::core::ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
     /// Ready pods the adapter is loaded in.
     #[serde(default)]
@@ -83,6 +87,7 @@ pub struct LoraAdapterStatus {
     pub target_replicas: i32,
     /// Per-pod state.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = kube::core::ListMerge::Map(vec!["name".into()]))]
     pub pods: Vec<PodAdapterStatus>,
 }
 

@@ -233,7 +233,7 @@ fn default_gpu_resource() -> String {
 }
 
 /// Observed state, written only by the operator from what the cluster reports.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelDeploymentStatus {
     /// The `metadata.generation` this status describes.
@@ -253,7 +253,11 @@ pub struct ModelDeploymentStatus {
     pub endpoint: Option<String>,
     /// `Ready`, `Progressing`, `Degraded`; issue 8 adds `RolloutProgressing`, `RolloutPaused`,
     /// `RolloutFailed`.
+    ///
+    /// A list-map keyed by `type`, so that each controller (field manager) owns its own conditions
+    /// under server-side apply.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = kube::core::ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
     /// Autoscaler state (issue 7; not written yet).
     #[serde(default, skip_serializing_if = "Option::is_none")]

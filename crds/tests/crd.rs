@@ -218,3 +218,15 @@ fn crd_names_scale_and_columns() {
     assert_eq!(lora.spec.names.short_names.as_deref(), Some(&["lora".to_string()][..]));
     assert!(lora.spec.versions[0].subresources.as_ref().unwrap().status.is_some());
 }
+
+#[test]
+fn status_lists_merge_per_key_so_controllers_share_them() {
+    let md = schema_of(&ModelDeployment::crd());
+    let conditions = &md["properties"]["status"]["properties"]["conditions"];
+    assert_eq!(conditions["x-kubernetes-list-type"], "map");
+    assert_eq!(conditions["x-kubernetes-list-map-keys"], json!(["type"]));
+    let lora = schema_of(&LoraAdapter::crd());
+    let pods = &lora["properties"]["status"]["properties"]["pods"];
+    assert_eq!(pods["x-kubernetes-list-type"], "map");
+    assert_eq!(pods["x-kubernetes-list-map-keys"], json!(["name"]));
+}

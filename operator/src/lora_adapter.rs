@@ -115,10 +115,10 @@ pub async fn reconcile(adapter: Arc<LoraAdapter>, ctx: Arc<Context>) -> Result<A
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
     let ns = adapter.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
     let api = Api::<LoraAdapter>::namespaced(ctx.client.clone(), &ns);
-    finalizer(&api, FINALIZER, adapter, |event| async {
+    finalizer(&api, FINALIZER, adapter, |event| async move {
         match event {
-            FinalizerEvent::Apply(adapter) => apply(adapter, ctx.clone(), &ns).await,
-            FinalizerEvent::Cleanup(adapter) => cleanup(adapter, ctx.clone(), &ns).await,
+            FinalizerEvent::Apply(adapter) => apply(adapter, ctx, &ns).await,
+            FinalizerEvent::Cleanup(adapter) => cleanup(adapter, ctx, &ns).await,
         }
     })
     .await

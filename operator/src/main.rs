@@ -1,7 +1,7 @@
 //! `peregrine-operator`: runs the ModelDeployment and LoraAdapter controllers behind a leader Lease.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -104,6 +104,5 @@ async fn main() -> anyhow::Result<()> {
         controllers.await;
     }
     server.abort();
-    let _ = Ordering::Relaxed;
     Ok(())
 }

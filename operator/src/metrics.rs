@@ -41,9 +41,9 @@ impl Default for Metrics {
         let mut registry = Registry::with_prefix("peregrine_operator");
         let reconciliations = Family::<ControllerLabels, Counter>::default();
         let failures = Family::<FailureLabels, Counter>::default();
-        let duration = Family::<ControllerLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.005, 2.0, 12))
-        });
+        // 5 ms to ~10 s: reconciliations are API round trips, adapter loads take seconds.
+        let duration: Family<ControllerLabels, Histogram> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 12)));
         let adapter_calls = Family::<AdapterCallLabels, Counter>::default();
         registry.register("reconciliations", "Reconciliations started", reconciliations.clone());
         registry.register("reconcile_failures", "Reconciliations that failed, by error kind", failures.clone());

@@ -253,7 +253,10 @@ async fn adapter_loads_into_every_agent_ready_pod_and_tracks_each() {
     assert_eq!(loaded["status"], "False");
     assert_eq!(loaded["reason"], "PartiallyLoaded");
     // The failed pod is retried after its backoff (5 s for the first failure).
-    assert!(matches!(action, a if a == Action::requeue(Duration::from_secs(5)) || a == Action::requeue(Duration::from_secs(4))), "{action:?}");
+    assert!(
+        action == Action::requeue(Duration::from_secs(5)) || action == Action::requeue(Duration::from_secs(4)),
+        "{action:?}"
+    );
 }
 
 #[tokio::test]

@@ -1,0 +1,38 @@
+//! Condition types and reasons that Peregrine resources report in `status.conditions`.
+//!
+//! Conditions use the standard `metav1.Condition` shape so that `kubectl wait --for=condition=Ready`
+//! and GitOps health checks work without custom code.
+
+/// ModelDeployment: every desired replica is ready and serving.
+pub const CONDITION_READY: &str = "Ready";
+/// ModelDeployment: a change is being rolled out, or pods are starting.
+pub const CONDITION_PROGRESSING: &str = "Progressing";
+/// ModelDeployment: the spec cannot be acted on, or pods fail; the message says why.
+pub const CONDITION_DEGRADED: &str = "Degraded";
+/// ModelDeployment (issue 8): a staged rollout is under way.
+pub const CONDITION_ROLLOUT_PROGRESSING: &str = "RolloutProgressing";
+/// ModelDeployment (issue 8): a staged rollout waits (pause step or the pause annotation).
+pub const CONDITION_ROLLOUT_PAUSED: &str = "RolloutPaused";
+/// ModelDeployment (issue 8): a staged rollout failed its regression gate and was rolled back.
+pub const CONDITION_ROLLOUT_FAILED: &str = "RolloutFailed";
+/// LoraAdapter: the adapter is loaded in every ready pod of its deployment.
+pub const CONDITION_LOADED: &str = "Loaded";
+
+/// Machine-readable reasons (CamelCase, as the API conventions ask).
+pub mod reasons {
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    pub const UNSUPPORTED_URI: &str = "UnsupportedUri";
+    pub const SECRET_NOT_FOUND: &str = "SecretNotFound";
+    pub const NO_GPUS_FOR_DTYPE: &str = "NoGpusForDtype";
+    pub const APPLY_FAILED: &str = "ApplyFailed";
+    pub const ALL_REPLICAS_READY: &str = "AllReplicasReady";
+    pub const REPLICAS_NOT_READY: &str = "ReplicasNotReady";
+    pub const ROLLING_UPDATE: &str = "RollingUpdate";
+    pub const SCALED_TO_ZERO: &str = "ScaledToZero";
+    pub const STABLE: &str = "Stable";
+    pub const DEPLOYMENT_NOT_FOUND: &str = "DeploymentNotFound";
+    pub const NO_READY_PODS: &str = "NoReadyPods";
+    pub const LOADED: &str = "Loaded";
+    pub const PARTIALLY_LOADED: &str = "PartiallyLoaded";
+    pub const LOAD_FAILED: &str = "LoadFailed";
+}

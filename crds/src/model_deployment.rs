@@ -1,0 +1,278 @@
+//! `ModelDeployment`: a base model served by a set of `peregrine-agent` pods.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Affinity, LocalObjectReference, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::autoscaling::{AutoscalingSpec, AutoscalingStatus};
+use crate::rollout::{RolloutSpec, RolloutStatus};
+use crate::source::ModelSource;
+
+/// Desired state of a served base model.
+///
+/// The operator turns it into a Deployment of agent pods and a Service; the agent gets the engine
+/// settings as command-line flags.
+#[derive(CustomResource, KubeSchema, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[kube(
+    group = "serving.peregrine.dev",
+    version = "v1alpha1",
+    kind = "ModelDeployment",
+    namespaced,
+    status = "ModelDeploymentStatus",
+    shortname = "md",
+    shortname = "mdep",
+    category = "peregrine",
+    doc = "A base model served by a set of peregrine-agent pods, with its LoRA adapters hot-loaded.",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(name = "Model", type_ = "string", json_path = ".spec.model.uri", priority = 1),
+    printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"),
+    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"),
+    printcolumn(name = "Endpoint", type_ = "string", json_path = ".status.endpoint"),
+    printcolumn(name = "Status", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].reason"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = kube::core::Rule::new("self.metadata.name.size() <= 52").message("metadata.name must be at most 52 characters (pod names are derived from it)"),
+)]
+#[x_kube(validation = kube::core::Rule::new(GPU_DTYPE_RULE).message(GPU_DTYPE_MESSAGE))]
+#[serde(rename_all = "camelCase")]
+pub struct ModelDeploymentSpec {
+    /// The base model.
+    pub model: ModelSource,
+    /// Engine settings, passed to every agent as flags. Unset fields take the agent's defaults.
+    #[serde(default)]
+    pub engine: EngineSettings,
+    /// Agent image; defaults to the image the operator was installed with (`agent.image` in the chart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Pull policy of the agent image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<PullPolicy>,
+    /// Secrets for pulling the agent image.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// What each pod asks of the cluster and where it may run.
+    #[serde(default)]
+    pub resources: PodResources,
+    /// Number of agent pods. With `autoscaling` set, the autoscaler owns this field; `kubectl scale`
+    /// works through the `scale` subresource.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub replicas: i32,
+    /// Extra PersistentVolumeClaims mounted read-only at `/mnt/pvc/<claim>`, so that `LoraAdapter`s
+    /// with `pvc://<claim>/...` sources can be read by the agents.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapter_volumes: Vec<String>,
+    /// Latency-SLO autoscaling (issue 7). Typed and validated now; NOT ACTED ON YET: until the
+    /// autoscaler lands, `replicas` is used as written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
+    /// Staged rollouts gated by regression tests (issue 8). Typed and validated now; NOT ACTED ON YET:
+    /// until the rollout controller lands, spec changes roll out as a plain Deployment rolling update.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSpec>,
+}
+
+/// The CPU backend computes in float32 only; every other dtype needs a GPU.
+pub const GPU_DTYPE_RULE: &str =
+    "self.resources.gpus > 0 || !has(self.engine.dtype) || self.engine.dtype in ['auto', 'float32']";
+/// Message of [`GPU_DTYPE_RULE`].
+pub const GPU_DTYPE_MESSAGE: &str =
+    "resources.gpus is 0 (CPU backend): engine.dtype must be auto or float32";
+
+fn default_replicas() -> i32 {
+    1
+}
+
+/// Weight and activation precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum Dtype {
+    /// float16 on GPU when the weights are 16-bit, float32 on CPU.
+    #[serde(rename = "auto")]
+    Auto,
+    #[serde(rename = "float32")]
+    Float32,
+    #[serde(rename = "float16")]
+    Float16,
+    #[serde(rename = "bfloat16")]
+    Bfloat16,
+    /// FP8 weights (GPU only).
+    #[serde(rename = "fp8")]
+    Fp8,
+}
+
+impl Dtype {
+    /// The value of the agent's `--dtype` flag.
+    pub fn as_flag(self) -> &'static str {
+        match self {
+            Dtype::Auto => "auto",
+            Dtype::Float32 => "float32",
+            Dtype::Float16 => "float16",
+            Dtype::Bfloat16 => "bfloat16",
+            Dtype::Fp8 => "fp8",
+        }
+    }
+}
+
+/// Container image pull policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum PullPolicy {
+    Always,
+    IfNotPresent,
+    Never,
+}
+
+impl PullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullPolicy::Always => "Always",
+            PullPolicy::IfNotPresent => "IfNotPresent",
+            PullPolicy::Never => "Never",
+        }
+    }
+}
+
+/// Engine settings; each maps to one `peregrine-agent serve` flag of the same name.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("!has(self.maxLoraRank) || !has(self.maxLoras) || self.maxLoras > 0").message("maxLoraRank needs maxLoras > 0"))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.maxCpuLoras) || !has(self.maxLoras) || self.maxCpuLoras >= self.maxLoras").message("maxCpuLoras must be at least maxLoras"))]
+pub struct EngineSettings {
+    /// Precision (`--dtype`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<Dtype>,
+    /// Longest sequence, prompt plus output, in tokens (`--max-model-len`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_model_len: Option<i32>,
+    /// Most sequences in one batch (`--max-num-seqs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_num_seqs: Option<i32>,
+    /// Most tokens in one step (`--max-num-batched-tokens`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_num_batched_tokens: Option<i32>,
+    /// Fraction of GPU memory the agent may use, in (0, 1] (`--gpu-memory-utilization`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("self > 0.0 && self <= 1.0").message("gpuMemoryUtilization must be in (0, 1]"))]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Reuse KV blocks of shared prompt prefixes (`--enable-prefix-caching`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable_prefix_caching: Option<bool>,
+    /// Adapters resident on the device at once (`--max-loras`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub max_loras: Option<i32>,
+    /// Highest adapter rank accepted (`--max-lora-rank`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 512))]
+    pub max_lora_rank: Option<i32>,
+    /// Adapters kept in host memory (`--max-cpu-loras`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub max_cpu_loras: Option<i32>,
+    /// Further agent flags, appended as written (an escape hatch; prefer the typed fields).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_args: Vec<String>,
+}
+
+/// Pod-level resources and scheduling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodResources {
+    /// GPUs per pod; 0 runs the CPU backend.
+    #[serde(default = "default_gpus")]
+    #[schemars(range(min = 0, max = 16))]
+    pub gpus: i32,
+    /// Extended resource name of a GPU.
+    #[serde(default = "default_gpu_resource")]
+    pub gpu_resource_name: String,
+    /// CPU and memory requests/limits of the agent container (the GPU entry is added from `gpus`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ResourceRequirements>,
+    /// Node labels the pods must match.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints the pods tolerate (GPU nodes are often tainted).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Node and pod affinity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// PriorityClass of the pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+}
+
+impl Default for PodResources {
+    fn default() -> Self {
+        PodResources {
+            gpus: default_gpus(),
+            gpu_resource_name: default_gpu_resource(),
+            container: None,
+            node_selector: BTreeMap::new(),
+            tolerations: Vec::new(),
+            affinity: None,
+            priority_class_name: None,
+        }
+    }
+}
+
+fn default_gpus() -> i32 {
+    1
+}
+
+fn default_gpu_resource() -> String {
+    "nvidia.com/gpu".to_string()
+}
+
+/// Observed state, written only by the operator from what the cluster reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelDeploymentStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Agent pods that exist (the `scale` subresource reads this).
+    #[serde(default)]
+    pub replicas: i32,
+    /// Agent pods that are ready: model loaded and every adapter loaded.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// Label selector of the pods, as a string (the `scale` subresource and HPA read this).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// In-cluster base URL of the OpenAI-compatible API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// `Ready`, `Progressing`, `Degraded`; issue 8 adds `RolloutProgressing`, `RolloutPaused`,
+    /// `RolloutFailed`.
+    ///
+    /// A list-map keyed by `type`, so that each controller (field manager) owns its own conditions
+    /// under server-side apply.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = kube::core::ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+    /// Autoscaler state (issue 7; not written yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingStatus>,
+    /// Rollout state (issue 8; not written yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutStatus>,
+}
+
+impl ModelDeployment {
+    /// The model id clients send: `spec.model.servedModelName`, else the object's name.
+    pub fn served_model_name(&self) -> String {
+        match &self.spec.model.served_model_name {
+            Some(name) if !name.is_empty() => name.clone(),
+            _ => self.metadata.name.clone().unwrap_or_default(),
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Staged rollouts.

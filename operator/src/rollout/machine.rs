@@ -190,7 +190,7 @@ impl Plan {
 pub fn canary_replicas(step: &RolloutStep, replicas: i32) -> i32 {
     let n = match (step.canary_replicas, step.canary_percent) {
         (Some(n), _) => n,
-        (None, Some(p)) => (i64::from(p.max(0)) * i64::from(replicas.max(0))).div_ceil(100) as i32,
+        (None, Some(p)) => (u64::from(p.max(0).unsigned_abs()) * u64::from(replicas.max(0).unsigned_abs())).div_ceil(100).min(i32::MAX as u64) as i32,
         (None, None) => 1,
     };
     n.max(1)

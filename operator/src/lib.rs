@@ -1,5 +1,30 @@
-//! `peregrine-operator`: reconciles `ModelDeployment`s into agent pods, rolls changes out in stages
-//! gated by regression suites.
+//! `peregrine-operator`: reconciles `ModelDeployment`s into agent pods and `LoraAdapter`s into those
+//! pods' adapter slots.
+//!
+//! Layout (modelled on kube-rs's controller-rs): pure functions that compute what should exist
+//! ([`desired`], [`status`], [`validate`]), the controllers that apply them ([`model_deployment`],
+//! [`lora_adapter`]), the agent's HTTP client ([`agent_client`]), and the process plumbing
+//! ([`metrics`], [`leader`], [`telemetry`], [`server`]).
 
+pub mod agent_client;
+pub mod conditions;
+pub mod config;
+pub mod context;
+pub mod desired;
+pub mod error;
+pub mod leader;
+pub mod lora_adapter;
+pub mod metrics;
+pub mod model_deployment;
 pub mod regression;
 pub mod rollout;
+pub mod server;
+pub mod status;
+pub mod telemetry;
+pub mod validate;
+
+pub use context::Context;
+pub use error::{Error, Result};
+
+/// Field manager of every server-side apply the operator makes.
+pub const FIELD_MANAGER: &str = "peregrine-operator";

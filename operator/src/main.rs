@@ -1,26 +1,119 @@
-//! `peregrine-operator`.
+//! `peregrine-operator`: runs the ModelDeployment and LoraAdapter controllers behind a leader Lease.
 
-use std::process::ExitCode;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
-use peregrine_operator::regression::cli::RegressArgs;
+use anyhow::Context as _;
+use clap::Parser;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::{Api, Client};
+use peregrine_operator::agent_client::HttpAgentClient;
+use peregrine_operator::config::OperatorConfig;
+use peregrine_operator::leader::{self, LeaseLock};
+use peregrine_operator::metrics::Metrics;
+use peregrine_operator::server::{router, ServerState};
+use peregrine_operator::{lora_adapter, model_deployment, telemetry, Context};
+use tracing::{error, info};
 
 #[derive(Parser, Debug)]
 #[command(name = "peregrine-operator", version, about)]
-struct Cli {
+struct Args {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "PEREGRINE_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long, env = "PEREGRINE_WATCH_NAMESPACE")]
+    watch_namespace: Option<String>,
+    /// Agent image for ModelDeployments that name none.
+    #[arg(long, env = "PEREGRINE_AGENT_IMAGE")]
+    agent_image: Option<String>,
+    /// Port the agent listens on.
+    #[arg(long, env = "PEREGRINE_AGENT_PORT", default_value_t = 8000)]
+    agent_port: i32,
+    /// Seconds the agent drains in-flight requests after SIGTERM.
+    #[arg(long, env = "PEREGRINE_AGENT_DRAIN_SECONDS", default_value_t = 30)]
+    agent_drain_seconds: i64,
+    /// Longest model load the startup probe allows.
+    #[arg(long, env = "PEREGRINE_AGENT_STARTUP_SECONDS", default_value_t = 1800)]
+    agent_startup_seconds: i32,
+    /// Timeout of one call to an agent's admin API.
+    #[arg(long, env = "PEREGRINE_AGENT_TIMEOUT_SECONDS", default_value_t = 120)]
+    agent_timeout_seconds: u64,
+    /// Leader election: off runs the controllers at once (a single replica only).
+    #[arg(long, env = "PEREGRINE_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_election: bool,
+    /// Namespace of the leader Lease (the operator's own namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "peregrine-system")]
+    lease_namespace: String,
+    #[arg(long, env = "PEREGRINE_LEASE_NAME", default_value = "peregrine-operator-leader")]
+    lease_name: String,
+    /// Log JSON lines instead of text.
+    #[arg(long, env = "PEREGRINE_LOG_JSON", default_value_t = false, action = clap::ArgAction::Set)]
+    log_json: bool,
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(clap::Subcommand, Debug)]
 enum Command {
-    /// Run a regression suite against a server (as rollouts do), for CI.
-    Regress(RegressArgs),
+    /// Run a regression suite against a server (as rollouts do), for CI; exits 0 passed, 1 failed, 2 error.
+    Regress(peregrine_operator::regression::cli::RegressArgs),
 }
 
 #[tokio::main]
-async fn main() -> ExitCode {
-    match Cli::parse().command {
-        Command::Regress(args) => peregrine_operator::regression::cli::main(args).await,
+async fn main() -> anyhow::Result<()> {
+    let mut args = Args::parse();
+    if let Some(Command::Regress(regress)) = args.command.take() {
+        std::process::exit(peregrine_operator::regression::cli::main(regress).await);
     }
+    telemetry::init(args.log_json);
+
+    let client = Client::try_default().await.context("building Kubernetes client (in-cluster or KUBECONFIG)")?;
+    let mut config = OperatorConfig {
+        agent_port: args.agent_port,
+        drain_seconds: args.agent_drain_seconds,
+        startup_seconds: args.agent_startup_seconds,
+        ..OperatorConfig::default()
+    };
+    if let Some(image) = args.agent_image {
+        config.agent_image = image;
+    }
+    let agent = HttpAgentClient::new(Duration::from_secs(args.agent_timeout_seconds)).context("building agent client")?;
+    let metrics = Metrics::default();
+    let ctx = Context::new(client.clone(), config, Arc::new(agent), metrics.clone());
+
+    let ready = Arc::new(AtomicBool::new(true));
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr).await.with_context(|| format!("binding {}", args.metrics_addr))?;
+    info!(addr = %args.metrics_addr, "serving /metrics, /healthz, /readyz");
+    let server = tokio::spawn(async move { axum::serve(listener, router(ServerState { metrics, ready })).await });
+
+    let controllers = async {
+        tokio::join!(
+            model_deployment::run(ctx.clone(), args.watch_namespace.clone()),
+            lora_adapter::run(ctx.clone(), args.watch_namespace.clone())
+        );
+    };
+
+    if args.leader_election {
+        let identity = std::env::var("POD_NAME").unwrap_or_else(|_| format!("peregrine-operator-{}", std::process::id()));
+        let lock = LeaseLock::new(Api::<Lease>::namespaced(client, &args.lease_namespace), args.lease_name, identity, Duration::from_secs(15));
+        info!("waiting for leadership");
+        leader::acquire(&lock).await;
+        info!("leading: starting controllers");
+        tokio::select! {
+            _ = controllers => info!("controllers stopped"),
+            _ = leader::hold(&lock) => {
+                // Exiting is the only safe way to stop acting at once; the Deployment restarts us
+                // as a standby.
+                error!("lost leadership; exiting");
+                std::process::exit(1);
+            }
+        }
+    } else {
+        controllers.await;
+    }
+    server.abort();
+    Ok(())
 }

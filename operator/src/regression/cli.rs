@@ -4,10 +4,8 @@
 //! Exit status: 0 passed, 1 failed, 2 could not run (bad suite, unreachable reference).
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
 use peregrine_crds::{RegressionCase, RegressionSpec, RegressionThresholds};
 
 use super::client::OpenAiClient;
@@ -15,8 +13,7 @@ use super::runner::{run_suite, SuiteReport, SuiteTarget};
 use super::suite::{check_cases, load_cases};
 
 /// Run a regression suite against a server under test.
-#[derive(Parser, Debug, Clone)]
-#[command(name = "peregrine-operator regress")]
+#[derive(clap::Args, Debug, Clone)]
 pub struct RegressArgs {
     /// Root URL of the server under test, e.g. http://localhost:8000.
     #[arg(long)]
@@ -90,13 +87,13 @@ pub async fn run(args: &RegressArgs) -> Result<SuiteReport, CliError> {
 }
 
 /// Prints the report; returns the process exit status.
-pub fn print(report: &SuiteReport, json: bool) -> ExitCode {
+pub fn print(report: &SuiteReport, json: bool) -> i32 {
     if json {
         match serde_json::to_string_pretty(&report.to_step_result(0)) {
             Ok(text) => println!("{text}"),
             Err(e) => {
                 eprintln!("error: {e}");
-                return ExitCode::from(2);
+                return 2;
             }
         }
     } else {
@@ -114,19 +111,19 @@ pub fn print(report: &SuiteReport, json: bool) -> ExitCode {
         println!("{}: {}", if report.passed { "PASSED" } else { "FAILED" }, report.message);
     }
     if report.passed {
-        ExitCode::SUCCESS
+        0
     } else {
-        ExitCode::from(1)
+        1
     }
 }
 
-/// Entry point of the subcommand: parses `args` (without the program and subcommand names).
-pub async fn main(args: RegressArgs) -> ExitCode {
+/// Entry point of the subcommand; returns the process exit status.
+pub async fn main(args: RegressArgs) -> i32 {
     match run(&args).await {
         Ok(report) => print(&report, args.json),
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(2)
+            2
         }
     }
 }

@@ -1,0 +1,116 @@
+//! Client of the agent's admin API (vLLM-compatible): load/unload LoRA adapters, list models.
+//!
+//! A trait so that controllers can be tested without agents; [`HttpAgentClient`] is the real one.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The agent answered with an error status; `body` is its message (OpenAI error JSON or text).
+    #[error("HTTP {status}: {body}")]
+    Status { status: u16, body: String },
+    /// No answer: connection refused, timeout, bad response.
+    #[error("request failed: {0}")]
+    Transport(String),
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelEntry {
+    pub id: String,
+    /// Set on adapters: the base model id.
+    #[serde(default)]
+    pub parent: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ModelList {
+    data: Vec<ModelEntry>,
+}
+
+#[derive(Serialize)]
+struct LoadRequest<'a> {
+    lora_name: &'a str,
+    lora_path: &'a str,
+}
+
+#[derive(Serialize)]
+struct UnloadRequest<'a> {
+    lora_name: &'a str,
+}
+
+/// What the controllers need from an agent. `base` is the agent's root URL, e.g. `http://10.0.0.5:8000`.
+pub trait AgentApi: Send + Sync {
+    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
+    /// Unloading an adapter the agent does not have succeeds (the goal state holds).
+    fn unload_adapter<'a>(&'a self, base: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
+    fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>>;
+}
+
+/// [`AgentApi`] over HTTP.
+#[derive(Clone, Debug)]
+pub struct HttpAgentClient {
+    http: reqwest::Client,
+}
+
+impl HttpAgentClient {
+    /// `timeout` bounds each call; loading an adapter reads its weights, so allow seconds, not millis.
+    pub fn new(timeout: Duration) -> Result<Self, AgentError> {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| AgentError::Transport(e.to_string()))?;
+        Ok(HttpAgentClient { http })
+    }
+
+    async fn post<T: Serialize + ?Sized>(&self, url: String, body: &T) -> Result<reqwest::Response, AgentError> {
+        self.http.post(url).json(body).send().await.map_err(|e| AgentError::Transport(e.to_string()))
+    }
+}
+
+async fn error_of(response: reqwest::Response) -> AgentError {
+    let status = response.status().as_u16();
+    let body = response.text().await.unwrap_or_default();
+    // Keep status messages short: they end up in object status.
+    let body: String = body.chars().take(512).collect();
+    AgentError::Status { status, body }
+}
+
+impl AgentApi for HttpAgentClient {
+    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            let response = self.post(format!("{base}/v1/load_lora_adapter"), &LoadRequest { lora_name: name, lora_path: path }).await?;
+            if response.status().is_success() {
+                Ok(())
+            } else {
+                Err(error_of(response).await)
+            }
+        })
+    }
+
+    fn unload_adapter<'a>(&'a self, base: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            let response = self.post(format!("{base}/v1/unload_lora_adapter"), &UnloadRequest { lora_name: name }).await?;
+            if response.status().is_success() || response.status() == reqwest::StatusCode::NOT_FOUND {
+                Ok(())
+            } else {
+                Err(error_of(response).await)
+            }
+        })
+    }
+
+    fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>> {
+        Box::pin(async move {
+            let response = self.http.get(format!("{base}/v1/models")).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            if !response.status().is_success() {
+                return Err(error_of(response).await);
+            }
+            let list: ModelList = response.json().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            Ok(list.data)
+        })
+    }
+}

@@ -1,0 +1,49 @@
+//! The `peregrine-agent serve` command line for a ModelDeployment.
+
+use peregrine_crds::{ModelDeployment, ModelFormat};
+
+/// Arguments of the agent container. `model_path` is where the model is inside the container.
+///
+/// The flags follow vLLM's names, so that operators who know vLLM read them at sight; unset engine
+/// fields are left out so the agent's own defaults apply.
+pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<String> {
+    let spec = &md.spec;
+    let engine = &spec.engine;
+    let mut args = vec![
+        "serve".to_string(),
+        "--model".to_string(),
+        model_path.to_string(),
+        "--served-model-name".to_string(),
+        md.served_model_name(),
+        "--host".to_string(),
+        "0.0.0.0".to_string(),
+        "--port".to_string(),
+        port.to_string(),
+        "--device".to_string(),
+        if spec.resources.gpus > 0 { "cuda" } else { "cpu" }.to_string(),
+    ];
+    if spec.model.format != ModelFormat::Auto {
+        args.extend(["--load-format".to_string(), spec.model.format.as_flag().to_string()]);
+    }
+    let mut flag = |name: &str, value: Option<String>| {
+        if let Some(value) = value {
+            args.push(format!("--{name}"));
+            args.push(value);
+        }
+    };
+    flag("dtype", engine.dtype.map(|d| d.as_flag().to_string()));
+    flag("max-model-len", engine.max_model_len.map(|v| v.to_string()));
+    flag("max-num-seqs", engine.max_num_seqs.map(|v| v.to_string()));
+    flag("max-num-batched-tokens", engine.max_num_batched_tokens.map(|v| v.to_string()));
+    flag("gpu-memory-utilization", engine.gpu_memory_utilization.map(|v| v.to_string()));
+    flag("max-loras", engine.max_loras.map(|v| v.to_string()));
+    flag("max-lora-rank", engine.max_lora_rank.map(|v| v.to_string()));
+    flag("max-cpu-loras", engine.max_cpu_loras.map(|v| v.to_string()));
+    match engine.enable_prefix_caching {
+        Some(true) => args.push("--enable-prefix-caching".to_string()),
+        Some(false) => args.push("--no-enable-prefix-caching".to_string()),
+        None => {}
+    }
+    args.extend(engine.extra_args.iter().cloned());
+    args
+}

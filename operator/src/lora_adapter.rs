@@ -1,0 +1,321 @@
+//! The LoraAdapter controller: loads the adapter into every ready agent pod of its deployment through
+//! the agent's admin API, retries failed pods with backoff, unloads it on deletion (finalizer).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::finalizer::{finalizer, Event as FinalizerEvent};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, ResourceExt};
+use peregrine_crds::{
+    reasons, AdapterPhase, LoraAdapter, LoraAdapterStatus, ModelDeployment, PodAdapterState, PodAdapterStatus,
+    SourceUri, CONDITION_LOADED, DEPLOYMENT_LABEL,
+};
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::conditions::{build, CondSpec};
+use crate::context::backoff_delay;
+use crate::desired::model::PVC_ROOT;
+use crate::desired::selector_string;
+use crate::validate::SpecError;
+use crate::{Context, Error, Result, FIELD_MANAGER};
+
+const CONTROLLER: &str = "loraadapter";
+/// Finalizer that unloads the adapter from the agents before the object goes away.
+pub const FINALIZER: &str = "serving.peregrine.dev/unload-adapter";
+
+/// The path the agent loads the adapter from, as seen inside the agent container.
+pub fn adapter_path(adapter: &LoraAdapter, md: &ModelDeployment) -> Result<String, SpecError> {
+    let uri = SourceUri::parse(&adapter.spec.source.uri)
+        .map_err(|e| SpecError { reason: reasons::UNSUPPORTED_URI, message: format!("spec.source.uri: {e}") })?;
+    match uri {
+        SourceUri::File { path } => Ok(path),
+        SourceUri::Pvc { claim, path } => {
+            let model_claim = match SourceUri::parse(&md.spec.model.uri) {
+                Ok(SourceUri::Pvc { claim, .. }) => Some(claim),
+                _ => None,
+            };
+            if model_claim.as_deref() == Some(claim.as_str()) || md.spec.adapter_volumes.contains(&claim) {
+                Ok(format!("{PVC_ROOT}/{claim}/{path}"))
+            } else {
+                Err(SpecError {
+                    reason: reasons::INVALID_SPEC,
+                    message: format!(
+                        "PVC {claim:?} is not mounted in the pods of ModelDeployment {:?}: add it to its spec.adapterVolumes",
+                        md.name_any()
+                    ),
+                })
+            }
+        }
+        // The agent fetches remote adapters itself.
+        SourceUri::Remote { uri, .. } => Ok(uri),
+    }
+}
+
+/// A pod the adapter should be in: its agent container is ready (the model is loaded), so its
+/// admin API answers. Pod readiness itself waits on the adapters-loaded gate, so it cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TargetPod {
+    pub name: String,
+    pub base_url: String,
+}
+
+pub fn target_pods(pods: &[Pod], port: i32) -> Vec<TargetPod> {
+    let mut out: Vec<TargetPod> = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| {
+            let status = p.status.as_ref()?;
+            let containers_ready = status.conditions.iter().flatten().any(|c| c.type_ == "ContainersReady" && c.status == "True");
+            let ip = status.pod_ip.as_ref().filter(|ip| !ip.is_empty())?;
+            containers_ready.then(|| TargetPod {
+                name: p.name_any(),
+                base_url: if ip.contains(':') { format!("http://[{ip}]:{port}") } else { format!("http://{ip}:{port}") },
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// Phase and `Loaded` condition from the per-pod states.
+pub fn summarize(pods: &[PodAdapterStatus]) -> (AdapterPhase, CondSpec) {
+    let target = pods.len();
+    let loaded = pods.iter().filter(|p| p.state == PodAdapterState::Loaded).count();
+    let failed: Vec<&PodAdapterStatus> = pods.iter().filter(|p| p.state == PodAdapterState::Failed).collect();
+    if target == 0 {
+        return (AdapterPhase::Pending, CondSpec::new(CONDITION_LOADED, false, reasons::NO_READY_PODS, "the deployment has no ready agent pods yet"));
+    }
+    if loaded == target {
+        return (AdapterPhase::Ready, CondSpec::new(CONDITION_LOADED, true, reasons::LOADED, format!("loaded in {loaded}/{target} pods")));
+    }
+    if failed.len() == target {
+        let first = failed.first().map(|p| format!("{}: {}", p.name, p.message)).unwrap_or_default();
+        return (
+            AdapterPhase::Failed,
+            CondSpec::new(CONDITION_LOADED, false, reasons::LOAD_FAILED, format!("loading failed in every pod ({target}); retrying with backoff. First error: {first}")),
+        );
+    }
+    let mut message = format!("loaded in {loaded}/{target} pods");
+    if let Some(f) = failed.first() {
+        message.push_str(&format!("; {} failed, e.g. {}: {}", failed.len(), f.name, f.message));
+    }
+    (AdapterPhase::Loading, CondSpec::new(CONDITION_LOADED, false, reasons::PARTIALLY_LOADED, message))
+}
+
+/// Reconciles one LoraAdapter (through its finalizer).
+pub async fn reconcile(adapter: Arc<LoraAdapter>, ctx: Arc<Context>) -> Result<Action> {
+    let _timer = ctx.metrics.reconcile_started(CONTROLLER);
+    let ns = adapter.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
+    let api = Api::<LoraAdapter>::namespaced(ctx.client.clone(), &ns);
+    finalizer(&api, FINALIZER, adapter, |event| async move {
+        match event {
+            FinalizerEvent::Apply(adapter) => apply(adapter, ctx, &ns).await,
+            FinalizerEvent::Cleanup(adapter) => cleanup(adapter, ctx, &ns).await,
+        }
+    })
+    .await
+    .map_err(|e| match e {
+        kube::runtime::finalizer::Error::ApplyFailed(e) | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        other => Error::Finalizer(other.to_string()),
+    })
+}
+
+async fn apply(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result<Action> {
+    let now = Time(jiff::Timestamp::now());
+    let md_name = &adapter.spec.deployment_ref.name;
+    let Some(md) = Api::<ModelDeployment>::namespaced(ctx.client.clone(), ns).get_opt(md_name).await? else {
+        let cond = CondSpec::new(CONDITION_LOADED, false, reasons::DEPLOYMENT_NOT_FOUND, format!("ModelDeployment {md_name:?} not found in namespace {ns}"));
+        write_status(&adapter, &ctx, ns, AdapterPhase::Pending, cond, Vec::new(), &now).await?;
+        // The ModelDeployment watch brings us back when it appears.
+        return Ok(Action::requeue(Duration::from_secs(300)));
+    };
+    let path = match adapter_path(&adapter, &md) {
+        Ok(path) => path,
+        Err(problem) => {
+            let cond = CondSpec::new(CONDITION_LOADED, false, problem.reason, problem.message);
+            write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, Vec::new(), &now).await?;
+            return Ok(Action::await_change());
+        }
+    };
+    if let Some(secret) = &adapter.spec.source.secret_ref {
+        if Api::<Secret>::namespaced(ctx.client.clone(), ns).get_opt(&secret.name).await?.is_none() {
+            let cond = CondSpec::new(CONDITION_LOADED, false, reasons::SECRET_NOT_FOUND, format!("spec.source.secretRef: Secret {:?} not found in namespace {ns}", secret.name));
+            write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, Vec::new(), &now).await?;
+            return Ok(Action::requeue(Duration::from_secs(60)));
+        }
+    }
+
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns).list(&ListParams::default().labels(&selector_string(&md))).await?;
+    let targets = target_pods(&pods.items, ctx.config.agent_port);
+    let previous = adapter.status.as_ref().map(|s| s.pods.clone()).unwrap_or_default();
+    let name = adapter.served_name();
+    let mut states = Vec::with_capacity(targets.len());
+    for pod in &targets {
+        let before = previous.iter().find(|p| p.name == pod.name);
+        states.push(sync_pod(&ctx, pod, before, &name, &path, &now).await);
+    }
+
+    let (phase, cond) = summarize(&states);
+    let next_retry = states.iter().filter_map(|p| p.next_retry_at.as_ref()).min().cloned();
+    write_status(&adapter, &ctx, ns, phase, cond, states, &now).await?;
+    Ok(match (phase, next_retry) {
+        (_, Some(at)) => Action::requeue(until(&at, &now).max(Duration::from_secs(1))),
+        (AdapterPhase::Ready, None) => Action::requeue(Duration::from_secs(120)),
+        _ => Action::requeue(Duration::from_secs(10)),
+    })
+}
+
+/// Brings the adapter into one pod: already there (agent restarts lose adapters, so ask), wait out
+/// a retry delay, or load it.
+async fn sync_pod(ctx: &Context, pod: &TargetPod, before: Option<&PodAdapterStatus>, name: &str, path: &str, now: &Time) -> PodAdapterStatus {
+    let mut state = before.cloned().unwrap_or(PodAdapterStatus {
+        name: pod.name.clone(),
+        state: PodAdapterState::Pending,
+        message: String::new(),
+        loaded_at: None,
+        failures: 0,
+        next_retry_at: None,
+    });
+    if state.state == PodAdapterState::Failed && state.next_retry_at.as_ref().is_some_and(|at| at > now) {
+        return state;
+    }
+    let present = match ctx.agent.list_models(&pod.base_url).await {
+        Ok(models) => models.iter().any(|m| m.id == name),
+        Err(e) => return failed(ctx, state, format!("listing models: {e}"), now),
+    };
+    if present {
+        if state.state != PodAdapterState::Loaded {
+            state.loaded_at = Some(now.clone());
+        }
+        return PodAdapterStatus { state: PodAdapterState::Loaded, message: String::new(), failures: 0, next_retry_at: None, ..state };
+    }
+    match ctx.agent.load_adapter(&pod.base_url, name, path).await {
+        Ok(()) => {
+            ctx.metrics.adapter_call("load", true);
+            info!(pod = %pod.name, adapter = name, "adapter loaded");
+            PodAdapterStatus { state: PodAdapterState::Loaded, message: String::new(), loaded_at: Some(now.clone()), failures: 0, next_retry_at: None, ..state }
+        }
+        Err(e) => {
+            ctx.metrics.adapter_call("load", false);
+            failed(ctx, state, e.to_string(), now)
+        }
+    }
+}
+
+fn failed(_ctx: &Context, state: PodAdapterStatus, message: String, now: &Time) -> PodAdapterStatus {
+    let failures = state.failures.saturating_add(1);
+    let delay = backoff_delay(u32::try_from(failures - 1).unwrap_or(0));
+    let next = now.0.checked_add(jiff::SignedDuration::from_secs(delay.as_secs() as i64)).unwrap_or(now.0);
+    PodAdapterStatus { state: PodAdapterState::Failed, message, loaded_at: None, failures, next_retry_at: Some(Time(next)), ..state }
+}
+
+fn until(at: &Time, now: &Time) -> Duration {
+    let secs = at.0.as_second() - now.0.as_second();
+    Duration::from_secs(secs.max(0) as u64)
+}
+
+async fn write_status(
+    adapter: &LoraAdapter,
+    ctx: &Context,
+    ns: &str,
+    phase: AdapterPhase,
+    cond: CondSpec,
+    pods: Vec<PodAdapterStatus>,
+    now: &Time,
+) -> Result<()> {
+    let previous = adapter.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let status = LoraAdapterStatus {
+        phase: Some(phase),
+        observed_generation: adapter.metadata.generation,
+        conditions: build(&[cond], previous, adapter.metadata.generation, now),
+        loaded_replicas: pods.iter().filter(|p| p.state == PodAdapterState::Loaded).count() as i32,
+        target_replicas: pods.len() as i32,
+        pods,
+    };
+    let patch = json!({"apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "LoraAdapter", "status": status});
+    Api::<LoraAdapter>::namespaced(ctx.client.clone(), ns)
+        .patch_status(&adapter.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
+        .await?;
+    Ok(())
+}
+
+/// Unloads the adapter from every pod that can still answer. Best effort: pods of a deleted
+/// deployment are going away anyway, and a stuck finalizer would block namespace deletion.
+async fn cleanup(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result<Action> {
+    let md_name = &adapter.spec.deployment_ref.name;
+    let Some(md) = Api::<ModelDeployment>::namespaced(ctx.client.clone(), ns).get_opt(md_name).await? else {
+        return Ok(Action::await_change());
+    };
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns).list(&ListParams::default().labels(&selector_string(&md))).await?;
+    let name = adapter.served_name();
+    for pod in target_pods(&pods.items, ctx.config.agent_port) {
+        match ctx.agent.unload_adapter(&pod.base_url, &name).await {
+            Ok(()) => {
+                ctx.metrics.adapter_call("unload", true);
+                info!(pod = %pod.name, adapter = %name, "adapter unloaded");
+            }
+            Err(e) => {
+                ctx.metrics.adapter_call("unload", false);
+                warn!(pod = %pod.name, adapter = %name, error = %e, "unloading adapter failed");
+            }
+        }
+    }
+    Ok(Action::await_change())
+}
+
+pub fn error_policy(adapter: Arc<LoraAdapter>, error: &Error, ctx: Arc<Context>) -> Action {
+    warn!(name = %adapter.name_any(), %error, "reconcile failed");
+    ctx.metrics.reconcile_failed(CONTROLLER, error);
+    Action::requeue(ctx.backoff.next(ObjectRef::from_obj(&*adapter).erase()))
+}
+
+async fn reconcile_with_backoff(adapter: Arc<LoraAdapter>, ctx: Arc<Context>) -> Result<Action> {
+    let key = ObjectRef::from_obj(&*adapter).erase();
+    let action = reconcile(adapter, ctx.clone()).await?;
+    ctx.backoff.reset(&key);
+    Ok(action)
+}
+
+/// Runs the controller until shutdown.
+pub async fn run(ctx: Arc<Context>, namespace: Option<String>) {
+    let client = ctx.client.clone();
+    let (adapters, pods, mds) = match &namespace {
+        Some(ns) => (
+            Api::<LoraAdapter>::namespaced(client.clone(), ns),
+            Api::<Pod>::namespaced(client.clone(), ns),
+            Api::<ModelDeployment>::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let controller = Controller::new(adapters, watcher::Config::default().any_semantic());
+    let store = controller.store();
+    let by_deployment = move |ns: Option<String>, md: String| {
+        store
+            .state()
+            .into_iter()
+            .filter(|a| a.namespace() == ns && a.spec.deployment_ref.name == md)
+            .map(|a| ObjectRef::from_obj(&*a))
+            .collect::<Vec<_>>()
+    };
+    let for_pod = by_deployment.clone();
+    controller
+        // A pod becoming ready (or restarting) needs every adapter of its deployment.
+        .watches(pods, watcher::Config::default().labels(DEPLOYMENT_LABEL), move |pod: Pod| {
+            let md = pod.labels().get(DEPLOYMENT_LABEL).cloned();
+            md.map(|md| for_pod(pod.namespace(), md)).unwrap_or_default()
+        })
+        // A deployment appearing resolves DeploymentNotFound.
+        .watches(mds, watcher::Config::default(), move |md: ModelDeployment| by_deployment(md.namespace(), md.name_any()))
+        .shutdown_on_signal()
+        .run(reconcile_with_backoff, error_policy, ctx)
+        .for_each(|_| futures::future::ready(()))
+        .await;
+}

@@ -1,0 +1,122 @@
+//! Checks of a ModelDeployment that the schema and CEL rules cannot make (or that objects written with
+//! validation off could slip past). A failure becomes a `Degraded` condition, and nothing is created.
+
+use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri};
+
+/// Why a spec cannot be acted on: a condition reason and a message for the user.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecError {
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl SpecError {
+    fn new(reason: &'static str, message: impl Into<String>) -> Self {
+        SpecError { reason, message: message.into() }
+    }
+}
+
+/// Validates the parts of the spec that need no API calls; returns the parsed model URI.
+pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError> {
+    let uri = SourceUri::parse(&spec.model.uri)
+        .map_err(|e| SpecError::new(reasons::UNSUPPORTED_URI, format!("spec.model.uri: {e}")))?;
+    if let SourceUri::Remote { scheme: RemoteScheme::Https, .. } = &uri {
+        // An https URL names one file; a Hugging Face folder cannot be fetched from one URL.
+        if spec.model.format == ModelFormat::Safetensors {
+            return Err(SpecError::new(
+                reasons::UNSUPPORTED_URI,
+                "spec.model.uri: https:// fetches a single file; use format gguf, or s3://, gs:// or pvc:// for a safetensors folder",
+            ));
+        }
+    }
+    if spec.resources.gpus == 0 {
+        if let Some(dtype) = spec.engine.dtype {
+            if !matches!(dtype, Dtype::Auto | Dtype::Float32) {
+                return Err(SpecError::new(
+                    reasons::NO_GPUS_FOR_DTYPE,
+                    format!("resources.gpus is 0 (CPU backend) but engine.dtype is {}; use auto or float32, or ask for GPUs", dtype.as_flag()),
+                ));
+            }
+        }
+    }
+    if let Some(a) = &spec.autoscaling {
+        if a.max_replicas < a.min_replicas {
+            return Err(SpecError::new(
+                reasons::INVALID_SPEC,
+                format!("autoscaling.maxReplicas ({}) is less than minReplicas ({})", a.max_replicas, a.min_replicas),
+            ));
+        }
+    }
+    if spec.replicas < 0 {
+        return Err(SpecError::new(reasons::INVALID_SPEC, "replicas must not be negative"));
+    }
+    for claim in &spec.adapter_volumes {
+        if SourceUri::parse(&format!("pvc://{claim}/x")).is_err() {
+            return Err(SpecError::new(reasons::INVALID_SPEC, format!("adapterVolumes: {claim:?} is not a valid claim name")));
+        }
+    }
+    Ok(uri)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use peregrine_crds::{AutoscalingSpec, LatencySlo, ModelSource, ScaleToZero};
+
+    fn spec(uri: &str) -> ModelDeploymentSpec {
+        ModelDeploymentSpec { model: ModelSource { uri: uri.into(), ..Default::default() }, replicas: 1, ..Default::default() }
+    }
+
+    #[test]
+    fn table() {
+        let ok = spec("pvc://models/m.gguf");
+        assert!(validate_spec(&ok).is_ok());
+
+        let cases: Vec<(&str, ModelDeploymentSpec, &str, &str)> = vec![
+            ("unknown scheme", spec("hf://org/model"), reasons::UNSUPPORTED_URI, "unknown URI scheme"),
+            ("https folder", {
+                let mut s = spec("https://host/model");
+                s.model.format = ModelFormat::Safetensors;
+                s
+            }, reasons::UNSUPPORTED_URI, "single file"),
+            ("gpu dtype without gpus", {
+                let mut s = spec("file:///m.gguf");
+                s.resources.gpus = 0;
+                s.engine.dtype = Some(Dtype::Bfloat16);
+                s
+            }, reasons::NO_GPUS_FOR_DTYPE, "engine.dtype is bfloat16"),
+            ("max < min", {
+                let mut s = spec("file:///m.gguf");
+                s.autoscaling = Some(AutoscalingSpec {
+                    min_replicas: 3,
+                    max_replicas: 2,
+                    slo: LatencySlo { ttft_p95_seconds: 1.0, tpot_p95_seconds: 0.1, e2e_p95_seconds: None },
+                    max_queue_depth_per_replica: None,
+                    max_kv_cache_usage: None,
+                    scale_up_stabilization_seconds: 30,
+                    scale_down_stabilization_seconds: 300,
+                    evaluation_window_seconds: 60,
+                    scale_to_zero: ScaleToZero::default(),
+                    provisioned_throughput: None,
+                    capacity_per_replica: None,
+                });
+                s
+            }, reasons::INVALID_SPEC, "maxReplicas (2) is less than minReplicas (3)"),
+            ("bad adapter volume", {
+                let mut s = spec("file:///m.gguf");
+                s.adapter_volumes = vec!["Bad_Name".into()];
+                s
+            }, reasons::INVALID_SPEC, "adapterVolumes"),
+        ];
+        for (name, spec, reason, message) in cases {
+            let err = validate_spec(&spec).expect_err(name);
+            assert_eq!(err.reason, reason, "{name}");
+            assert!(err.message.contains(message), "{name}: {}", err.message);
+        }
+
+        let mut cpu = spec("file:///m.gguf");
+        cpu.resources.gpus = 0;
+        cpu.engine.dtype = Some(Dtype::Float32);
+        assert!(validate_spec(&cpu).is_ok());
+    }
+}

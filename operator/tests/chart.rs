@@ -1,0 +1,161 @@
+//! Renders the Helm chart with Helm's own library (helm-python-sdk, which binds Helm's Go SDK) and
+//! parses every rendered object into its k8s-openapi type. An object that loses fields on the way
+//! through its type has a misspelt or misplaced field, and fails the test.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn python() -> String {
+    std::env::var("PEREGRINE_PYTHON").unwrap_or_else(|_| {
+        panic!("PEREGRINE_PYTHON is not set: run `make python-deps` (or `make test`), which installs helm-python-sdk and prints the python to use")
+    })
+}
+
+/// Renders the chart; returns every object and fails on `helm lint --strict` findings.
+fn render(values: Value) -> Vec<Value> {
+    let out = Command::new(python())
+        .arg(repo_root().join("scripts/render-chart.py"))
+        .arg(repo_root().join("charts/peregrine"))
+        .args(["peregrine", "peregrine-system", &values.to_string()])
+        .output()
+        .expect("running the chart renderer");
+    assert!(out.status.success(), "render failed (is helm-python-sdk installed? run `make python-deps`): {}", String::from_utf8_lossy(&out.stderr));
+    let result: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(result["lint"], json!([]), "helm lint --strict findings");
+    let mut objects = Vec::new();
+    for (template, text) in result["manifests"].as_object().unwrap() {
+        for doc in serde_yaml::Deserializer::from_str(text.as_str().unwrap()) {
+            let value: Value = serde::Deserialize::deserialize(doc).unwrap_or_else(|e| panic!("{template}: {e}"));
+            if !value.is_null() {
+                objects.push(value);
+            }
+        }
+    }
+    objects
+}
+
+/// Parses `value` as `T` and checks nothing was dropped or changed on the way back.
+fn typed<T: DeserializeOwned + Serialize>(value: &Value) -> T {
+    let name = format!("{} {}", value["kind"], value["metadata"]["name"]);
+    let object: T = serde_json::from_value(value.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let back = serde_json::to_value(&object).unwrap();
+    assert_eq!(&back, value, "{name}: fields lost through the typed object (misspelt or misplaced?)");
+    object
+}
+
+fn check_all(objects: &[Value]) {
+    for value in objects {
+        match value["kind"].as_str().unwrap_or_default() {
+            "Deployment" => drop(typed::<Deployment>(value)),
+            "Service" => drop(typed::<Service>(value)),
+            "ServiceAccount" => drop(typed::<ServiceAccount>(value)),
+            "ClusterRole" => drop(typed::<ClusterRole>(value)),
+            "ClusterRoleBinding" => drop(typed::<ClusterRoleBinding>(value)),
+            "Role" => drop(typed::<Role>(value)),
+            "RoleBinding" => drop(typed::<RoleBinding>(value)),
+            // prometheus-operator's type is not in k8s-openapi: check the fields we rely on.
+            "ServiceMonitor" => {
+                assert_eq!(value["apiVersion"], "monitoring.coreos.com/v1");
+                assert_eq!(value["spec"]["endpoints"][0]["port"], "metrics");
+            }
+            other => panic!("unexpected kind {other:?} rendered"),
+        }
+    }
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    objects.iter().filter(|o| o["kind"] == kind).collect()
+}
+
+#[test]
+fn default_values_render_valid_objects() {
+    let objects = render(json!({}));
+    check_all(&objects);
+    let kinds: Vec<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
+    for kind in ["Deployment", "Service", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"] {
+        assert!(kinds.contains(&kind), "{kind} missing from {kinds:?}");
+    }
+    assert!(!kinds.contains(&"ServiceMonitor"));
+
+    let deployment: Deployment = typed(find(&objects, "Deployment")[0]);
+    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    assert_eq!(pod.service_account_name.as_deref(), Some("peregrine"));
+    let container = &pod.containers[0];
+    let args = container.args.clone().unwrap();
+    assert!(args.contains(&"--agent-image=ghcr.io/peregrine-serving/peregrine-agent:0.1.0".to_string()), "{args:?}");
+    assert!(args.contains(&"--log-json=true".to_string()));
+    assert!(!args.iter().any(|a| a.starts_with("--watch-namespace")));
+    assert_eq!(container.image.as_deref(), Some("ghcr.io/peregrine-serving/peregrine-operator:0.1.0"));
+
+    // The metrics Service reaches the container port by name.
+    let service: Service = typed(find(&objects, "Service")[0]);
+    let port = &service.spec.unwrap().ports.unwrap()[0];
+    assert_eq!(port.target_port, Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("metrics".into())));
+    assert_eq!(container.ports.as_ref().unwrap()[0].name.as_deref(), Some("metrics"));
+}
+
+#[test]
+fn rbac_is_least_privilege() {
+    let objects = render(json!({}));
+    let role: ClusterRole = typed(find(&objects, "ClusterRole")[0]);
+    for rule in role.rules.unwrap() {
+        let verbs = rule.verbs;
+        assert!(!verbs.iter().any(|v| v == "*" || v == "delete" || v == "deletecollection"), "{verbs:?}");
+        let resources = rule.resources.unwrap_or_default();
+        if resources.contains(&"secrets".to_string()) {
+            assert_eq!(verbs, ["get"], "secrets: existence checks only");
+        }
+        if resources.contains(&"pods".to_string()) {
+            assert!(!verbs.iter().any(|v| v == "patch" || v == "update"), "pods are read-only; only pods/status is patched");
+        }
+    }
+    // The Lease is reachable in the release namespace only.
+    let leader: Role = typed(find(&objects, "Role")[0]);
+    assert_eq!(leader.metadata.namespace.as_deref(), Some("peregrine-system"));
+    assert_eq!(leader.rules.unwrap()[0].resources.as_deref(), Some(&["leases".to_string()][..]));
+}
+
+#[test]
+fn namespaced_install_with_service_monitor() {
+    let objects = render(json!({
+        "operator": {"watchNamespace": "models", "replicas": 2},
+        "metrics": {"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}}},
+        "serviceAccount": {"create": false, "name": "existing"}
+    }));
+    check_all(&objects);
+    assert!(find(&objects, "ClusterRole").is_empty(), "watching one namespace needs no cluster-wide role");
+    assert!(find(&objects, "ServiceAccount").is_empty());
+    let roles: Vec<Role> = find(&objects, "Role").into_iter().map(typed).collect();
+    assert!(roles.iter().any(|r| r.metadata.namespace.as_deref() == Some("models")));
+    let bindings: Vec<RoleBinding> = find(&objects, "RoleBinding").into_iter().map(typed).collect();
+    assert!(bindings.iter().all(|b| b.subjects.as_ref().unwrap()[0].name == "existing"));
+    let deployment: Deployment = typed(find(&objects, "Deployment")[0]);
+    let spec = deployment.spec.unwrap();
+    assert_eq!(spec.replicas, Some(2));
+    assert!(spec.template.spec.unwrap().containers[0].args.as_ref().unwrap().contains(&"--watch-namespace=models".to_string()));
+    assert_eq!(find(&objects, "ServiceMonitor")[0]["metadata"]["labels"]["release"], "prom");
+}
+
+#[test]
+fn chart_crds_parse_as_crds() {
+    let text = std::fs::read_to_string(repo_root().join("charts/peregrine/crds/peregrine-crds.yaml")).unwrap();
+    let mut names = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let value: Value = serde::Deserialize::deserialize(doc).unwrap();
+        let crd: CustomResourceDefinition = typed(&value);
+        names.push(crd.metadata.name.unwrap());
+    }
+    assert_eq!(names, ["modeldeployments.serving.peregrine.dev", "loraadapters.serving.peregrine.dev"]);
+}

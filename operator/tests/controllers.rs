@@ -1,0 +1,360 @@
+//! Controller behaviour against kube's mock API service: what each reconciliation writes, and
+//! what it calls on the agents.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use kube::runtime::controller::Action;
+use peregrine_crds::{LoraAdapter, ModelDeployment};
+use peregrine_operator::{lora_adapter, model_deployment};
+use serde_json::{json, Value};
+
+fn md_json(spec: Value) -> Value {
+    json!({
+        "apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": "smol", "namespace": NS, "uid": "md-uid", "generation": 3, "resourceVersion": "7"},
+        "spec": spec,
+    })
+}
+
+fn base_spec() -> Value {
+    json!({"model": {"uri": "pvc://models/smol.gguf"}, "resources": {"gpus": 0}, "replicas": 2})
+}
+
+fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
+    status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == type_).unwrap_or_else(|| panic!("no {type_} condition in {status}"))
+}
+
+async fn reconcile_md(h: &Harness, object: Value) -> Result<Action, peregrine_operator::Error> {
+    h.api.insert(&md_path("smol"), object.clone());
+    let md: ModelDeployment = serde_json::from_value(object).unwrap();
+    model_deployment::reconcile(Arc::new(md), h.ctx.clone()).await
+}
+
+#[tokio::test]
+async fn model_deployment_create_applies_deployment_service_and_status() {
+    let h = harness();
+    let action = reconcile_md(&h, md_json(base_spec())).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_secs(15)), "not ready yet: look again soon");
+
+    let deploy_path = format!("/apis/apps/v1/namespaces/{NS}/deployments/smol");
+    let service_path = format!("/api/v1/namespaces/{NS}/services/smol");
+    assert_eq!(
+        h.api.calls(),
+        [
+            format!("PATCH {deploy_path}"),
+            format!("PATCH {service_path}"),
+            format!("GET /api/v1/namespaces/{NS}/pods"),
+            format!("PATCH {}/status", md_path("smol")),
+        ]
+    );
+    // One field manager, server-side apply, forced.
+    let apply = h.api.request("PATCH", &deploy_path).unwrap();
+    assert!(apply.content_type.starts_with("application/apply-patch"), "{}", apply.content_type);
+    assert!(apply.query.contains("fieldManager=peregrine-operator") && apply.query.contains("force=true"), "{}", apply.query);
+    assert_eq!(apply.body["metadata"]["ownerReferences"][0]["uid"], "md-uid");
+    assert_eq!(apply.body["metadata"]["ownerReferences"][0]["controller"], true);
+    assert_eq!(apply.body["spec"]["replicas"], 2);
+    let service = h.api.request("PATCH", &service_path).unwrap();
+    assert_eq!(service.body["metadata"]["ownerReferences"][0]["kind"], "ModelDeployment");
+
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    assert_eq!(status["observedGeneration"], 3);
+    assert_eq!(status["endpoint"], format!("http://smol.{NS}.svc:8000/v1"));
+    assert_eq!(status["selector"], "serving.peregrine.dev/model-deployment=smol");
+    assert_eq!(condition(status, "Ready")["status"], "False");
+    assert_eq!(condition(status, "Progressing")["status"], "True");
+    assert_eq!(condition(status, "Degraded")["status"], "False");
+    // The first status is a transition: an Event says so.
+    let events = h.api.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["reason"], "ReplicasNotReady");
+    assert_eq!(events[0]["regarding"]["name"], "smol");
+}
+
+#[tokio::test]
+async fn model_deployment_ready_when_the_deployment_reports_it() {
+    let h = harness();
+    let deploy_path = format!("/apis/apps/v1/namespaces/{NS}/deployments/smol");
+    h.api.insert(&deploy_path, json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "smol", "namespace": NS, "generation": 4},
+        "status": {"observedGeneration": 4, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    }));
+    let action = reconcile_md(&h, md_json(base_spec())).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    assert_eq!((status["replicas"].clone(), status["readyReplicas"].clone()), (json!(2), json!(2)));
+    assert_eq!(condition(status, "Ready")["status"], "True");
+    assert_eq!(condition(status, "Ready")["reason"], "AllReplicasReady");
+    assert_eq!(condition(status, "Progressing")["status"], "False");
+
+    // Reconciling again with the written status: no transition, no new Event.
+    let again = h.api.get(&md_path("smol")).unwrap();
+    reconcile_md(&h, again).await.unwrap();
+    assert_eq!(h.api.events().len(), 1);
+}
+
+#[tokio::test]
+async fn invalid_spec_is_reported_and_nothing_is_created() {
+    let h = harness();
+    // Objects written before the CEL rules (or with validation off) reach the operator anyway.
+    let mut spec = base_spec();
+    spec["engine"] = json!({"dtype": "bfloat16"});
+    let action = reconcile_md(&h, md_json(spec)).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.api.calls(), [format!("PATCH {}/status", md_path("smol"))], "only the status is written");
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let degraded = condition(status, "Degraded");
+    assert_eq!(degraded["status"], "True");
+    assert_eq!(degraded["reason"], "NoGpusForDtype");
+    assert!(degraded["message"].as_str().unwrap().contains("bfloat16"));
+    assert!(status.get("endpoint").is_none());
+    assert_eq!(h.api.events()[0]["type"], "Warning");
+
+    let h = harness();
+    let mut spec = base_spec();
+    spec["model"]["uri"] = json!("hf://org/model");
+    reconcile_md(&h, md_json(spec)).await.unwrap();
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    assert_eq!(condition(status, "Degraded")["reason"], "UnsupportedUri");
+    assert!(condition(status, "Degraded")["message"].as_str().unwrap().contains("unknown URI scheme"));
+}
+
+#[tokio::test]
+async fn missing_model_secret_is_reported_and_retried() {
+    let h = harness();
+    let mut spec = base_spec();
+    spec["model"] = json!({"uri": "s3://bucket/smol.gguf", "secretRef": {"name": "creds"}});
+    let action = reconcile_md(&h, md_json(spec.clone())).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_secs(60)));
+    assert_eq!(
+        h.api.calls(),
+        [format!("GET /api/v1/namespaces/{NS}/secrets/creds"), format!("PATCH {}/status", md_path("smol"))]
+    );
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    assert_eq!(condition(status, "Degraded")["reason"], "SecretNotFound");
+
+    // Once the Secret exists the Deployment is created, with the fetch init container using it.
+    h.api.insert(&format!("/api/v1/namespaces/{NS}/secrets/creds"), json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"}}));
+    reconcile_md(&h, md_json(spec)).await.unwrap();
+    let deployment = h.api.get(&format!("/apis/apps/v1/namespaces/{NS}/deployments/smol")).unwrap();
+    let init = &deployment["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(init["envFrom"][0]["secretRef"]["name"], "creds");
+}
+
+fn adapter_json(name: &str, status: Value) -> Value {
+    json!({
+        "apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "LoraAdapter",
+        "metadata": {"name": name, "namespace": NS, "uid": format!("{name}-uid"), "generation": 1,
+                     "finalizers": [lora_adapter::FINALIZER]},
+        "spec": {"deploymentRef": {"name": "smol"}, "source": {"uri": format!("pvc://models/adapters/{name}")}},
+        "status": status,
+    })
+}
+
+#[tokio::test]
+async fn readiness_gate_opens_once_every_adapter_is_loaded_in_the_pod() {
+    let h = harness();
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", true));
+    // `one` is loaded in both pods, `two` only in smol-a; `broken` fails everywhere and must not
+    // hold pods back forever.
+    h.api.insert(&lora_path("one"), adapter_json("one", json!({"phase": "Ready", "pods": [
+        {"name": "smol-a", "state": "Loaded"}, {"name": "smol-b", "state": "Loaded"}]})));
+    h.api.insert(&lora_path("two"), adapter_json("two", json!({"phase": "Loading", "pods": [
+        {"name": "smol-a", "state": "Loaded"}, {"name": "smol-b", "state": "Pending"}]})));
+    h.api.insert(&lora_path("broken"), adapter_json("broken", json!({"phase": "Failed", "pods": [
+        {"name": "smol-a", "state": "Failed", "message": "no such file"}]})));
+
+    reconcile_md(&h, md_json(base_spec())).await.unwrap();
+    let patched: Vec<String> = h.api.calls().into_iter().filter(|c| c.contains("/pods/")).collect();
+    assert_eq!(patched, [format!("PATCH {}/status", pod_path("smol-a"))]);
+    let gate = h.api.request("PATCH", &format!("{}/status", pod_path("smol-a"))).unwrap();
+    assert!(gate.content_type.starts_with("application/strategic-merge-patch"));
+    let conditions = h.api.get(&pod_path("smol-a")).unwrap()["status"]["conditions"].clone();
+    let gate = conditions.as_array().unwrap().iter().find(|c| c["type"] == "serving.peregrine.dev/adapters-loaded").unwrap();
+    assert_eq!(gate["status"], "True");
+    assert_eq!(gate["message"], "2 adapter(s) loaded");
+
+    // A second pass does not patch the open gate again.
+    let before = h.api.calls().len();
+    reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
+    assert!(!h.api.calls()[before..].iter().any(|c| c.contains("/pods/smol-a/status")));
+}
+
+#[tokio::test]
+async fn pods_of_a_deployment_without_adapters_are_gated_open_at_once() {
+    let h = harness();
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    reconcile_md(&h, md_json(base_spec())).await.unwrap();
+    assert!(h.api.calls().contains(&format!("PATCH {}/status", pod_path("smol-a"))));
+}
+
+async fn reconcile_lora(h: &Harness, object: Value) -> Result<Action, peregrine_operator::Error> {
+    let name = object["metadata"]["name"].as_str().unwrap().to_string();
+    h.api.insert(&lora_path(&name), object.clone());
+    let adapter: LoraAdapter = serde_json::from_value(object).unwrap();
+    lora_adapter::reconcile(Arc::new(adapter), h.ctx.clone()).await
+}
+
+fn with_deployment(h: &Harness) {
+    h.api.insert(&md_path("smol"), md_json(base_spec()));
+}
+
+#[tokio::test]
+async fn adapter_gets_a_finalizer_first() {
+    let h = harness();
+    let mut object = adapter_json("one", Value::Null);
+    object["metadata"].as_object_mut().unwrap().remove("finalizers");
+    object.as_object_mut().unwrap().remove("status");
+    let action = reconcile_lora(&h, object).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.api.calls(), [format!("PATCH {}", lora_path("one"))]);
+    assert_eq!(h.api.get(&lora_path("one")).unwrap()["metadata"]["finalizers"], json!([lora_adapter::FINALIZER]));
+    assert!(h.agent.calls().is_empty(), "nothing is loaded before the finalizer is in place");
+}
+
+#[tokio::test]
+async fn adapter_loads_into_every_agent_ready_pod_and_tracks_each() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", false)); // model still loading
+    h.api.insert(&pod_path("smol-c"), pod("smol-c", "smol", "10.0.0.3", true));
+    h.api.insert(&pod_path("other"), pod("other", "another-md", "10.0.0.9", true));
+    h.agent.script("http://10.0.0.3:8000", AgentScript { load_error: Some((400, "rank 64 > max_lora_rank 16".into())), ..Default::default() });
+
+    let action = reconcile_lora(&h, adapter_json("one", Value::Null)).await.unwrap();
+    assert_eq!(
+        h.agent.calls(),
+        [
+            "list http://10.0.0.1:8000",
+            "load http://10.0.0.1:8000 one /mnt/pvc/models/adapters/one",
+            "list http://10.0.0.3:8000",
+            "load http://10.0.0.3:8000 one /mnt/pvc/models/adapters/one",
+        ]
+    );
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert_eq!(status["phase"], "Loading");
+    assert_eq!((status["loadedReplicas"].clone(), status["targetReplicas"].clone()), (json!(1), json!(2)));
+    let pods = status["pods"].as_array().unwrap();
+    assert_eq!(pods[0]["name"], "smol-a");
+    assert_eq!(pods[0]["state"], "Loaded");
+    assert!(pods[0]["loadedAt"].is_string());
+    assert_eq!(pods[1]["name"], "smol-c");
+    assert_eq!(pods[1]["state"], "Failed");
+    assert_eq!(pods[1]["failures"], 1);
+    assert!(pods[1]["message"].as_str().unwrap().contains("rank 64"));
+    let loaded = condition(status, "Loaded");
+    assert_eq!(loaded["status"], "False");
+    assert_eq!(loaded["reason"], "PartiallyLoaded");
+    // The failed pod is retried after its backoff (5 s for the first failure).
+    assert!(
+        action == Action::requeue(Duration::from_secs(5)) || action == Action::requeue(Duration::from_secs(4)),
+        "{action:?}"
+    );
+}
+
+#[tokio::test]
+async fn failed_pods_are_retried_after_their_backoff_only() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    let future = (jiff::Timestamp::now() + jiff::SignedDuration::from_secs(60)).to_string();
+    let waiting = json!({"phase": "Failed", "pods": [{"name": "smol-a", "state": "Failed", "failures": 2, "message": "x", "nextRetryAt": future}]});
+    reconcile_lora(&h, adapter_json("one", waiting)).await.unwrap();
+    assert!(h.agent.calls().is_empty(), "still backing off: {:?}", h.agent.calls());
+
+    let past = (jiff::Timestamp::now() - jiff::SignedDuration::from_secs(1)).to_string();
+    let due = json!({"phase": "Failed", "pods": [{"name": "smol-a", "state": "Failed", "failures": 2, "message": "x", "nextRetryAt": past}]});
+    reconcile_lora(&h, adapter_json("one", due)).await.unwrap();
+    assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000", "load http://10.0.0.1:8000 one /mnt/pvc/models/adapters/one"]);
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert_eq!(status["phase"], "Ready");
+    assert_eq!(status["pods"][0]["failures"], 0);
+    assert_eq!(condition(status, "Loaded")["status"], "True");
+}
+
+#[tokio::test]
+async fn adapter_already_in_the_agent_is_not_loaded_twice() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.agent.script("http://10.0.0.1:8000", AgentScript { loaded: vec!["one".into()], ..Default::default() });
+    reconcile_lora(&h, adapter_json("one", Value::Null)).await.unwrap();
+    assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000"]);
+    assert_eq!(h.api.get(&lora_path("one")).unwrap()["status"]["phase"], "Ready");
+}
+
+#[tokio::test]
+async fn load_failing_everywhere_is_a_clear_condition_not_an_error() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", true));
+    h.agent.script("http://10.0.0.1:8000", AgentScript { load_error: Some((404, "adapter_config.json not found".into())), ..Default::default() });
+    h.agent.script("http://10.0.0.2:8000", AgentScript { down: true, ..Default::default() });
+    let action = reconcile_lora(&h, adapter_json("one", Value::Null)).await;
+    assert!(action.is_ok(), "a failing load is status, not a reconcile error: {action:?}");
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert_eq!(status["phase"], "Failed");
+    let loaded = condition(status, "Loaded");
+    assert_eq!(loaded["reason"], "LoadFailed");
+    assert!(loaded["message"].as_str().unwrap().contains("adapter_config.json not found"), "{loaded}");
+}
+
+#[tokio::test]
+async fn adapter_of_a_missing_deployment_waits_with_a_condition() {
+    let h = harness();
+    let action = reconcile_lora(&h, adapter_json("one", Value::Null)).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert_eq!(status["phase"], "Pending");
+    assert_eq!(condition(status, "Loaded")["reason"], "DeploymentNotFound");
+    assert!(h.agent.calls().is_empty());
+}
+
+#[tokio::test]
+async fn adapter_on_an_unmounted_claim_is_refused_with_advice() {
+    let h = harness();
+    with_deployment(&h);
+    let mut object = adapter_json("one", Value::Null);
+    object["spec"]["source"]["uri"] = json!("pvc://other-claim/one");
+    reconcile_lora(&h, object).await.unwrap();
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert_eq!(status["phase"], "Failed");
+    assert!(condition(status, "Loaded")["message"].as_str().unwrap().contains("spec.adapterVolumes"));
+}
+
+#[tokio::test]
+async fn deleting_an_adapter_unloads_it_then_removes_the_finalizer() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", true));
+    h.agent.script("http://10.0.0.1:8000", AgentScript { loaded: vec!["one".into()], ..Default::default() });
+    h.agent.script("http://10.0.0.2:8000", AgentScript { down: true, ..Default::default() });
+    let mut object = adapter_json("one", json!({"phase": "Ready"}));
+    object["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    let action = reconcile_lora(&h, object).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.agent.calls(), ["unload http://10.0.0.1:8000 one", "unload http://10.0.0.2:8000 one"]);
+    assert!(h.agent.scripts.lock().unwrap()["http://10.0.0.1:8000"].loaded.is_empty());
+    assert_eq!(h.api.get(&lora_path("one")).unwrap()["metadata"]["finalizers"], json!([]));
+}
+
+#[tokio::test]
+async fn reconcile_metrics_count_runs_and_failures() {
+    let h = harness();
+    reconcile_md(&h, md_json(base_spec())).await.unwrap();
+    let text = h.ctx.metrics.encode();
+    assert!(text.contains("peregrine_operator_reconciliations_total{controller=\"modeldeployment\"} 1"), "{text}");
+    assert!(text.contains("peregrine_operator_reconcile_duration_seconds_count{controller=\"modeldeployment\"} 1"), "{text}");
+    let err = peregrine_operator::Error::MissingField("x");
+    h.ctx.metrics.reconcile_failed("modeldeployment", &err);
+    assert!(h.ctx.metrics.encode().contains("peregrine_operator_reconcile_failures_total{controller=\"modeldeployment\",error=\"missing_field\"} 1"));
+}

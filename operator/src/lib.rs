@@ -16,6 +16,8 @@ pub mod leader;
 pub mod lora_adapter;
 pub mod metrics;
 pub mod model_deployment;
+pub mod regression;
+pub mod rollout;
 pub mod server;
 pub mod status;
 pub mod telemetry;

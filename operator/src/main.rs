@@ -20,6 +20,8 @@ use tracing::{error, info};
 #[derive(Parser, Debug)]
 #[command(name = "peregrine-operator", version, about)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "PEREGRINE_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
@@ -54,9 +56,18 @@ struct Args {
     log_json: bool,
 }
 
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Run a regression suite against a server (as rollouts do), for CI; exits 0 passed, 1 failed, 2 error.
+    Regress(peregrine_operator::regression::cli::RegressArgs),
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Some(Command::Regress(regress)) = args.command.take() {
+        std::process::exit(peregrine_operator::regression::cli::main(regress).await);
+    }
     telemetry::init(args.log_json);
 
     let client = Client::try_default().await.context("building Kubernetes client (in-cluster or KUBECONFIG)")?;

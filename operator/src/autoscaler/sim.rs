@@ -2,7 +2,7 @@
 //!
 //! Each replica is a continuous-batching engine: every step, each running request gets one token
 //! and newly admitted requests get their prompt prefilled; a step takes
-//! `base + per_seq · batch + per_prefill_token · prefill_tokens` seconds (the agent's CPU bench
+//! `base + per_seq · batch + per_prefill_token · prefill_tokens` seconds (a CPU-bench-shaped
 //! curve, see [`StepModel::smollm2_cpu`]), so latency rises with load, and past the batch limit
 //! requests wait in a queue. Requests arrive as a Poisson process following a load trace and go
 //! to a random ready replica (as a Service does). Every scrape interval each replica exports
@@ -42,9 +42,12 @@ pub struct StepModel {
 }
 
 impl StepModel {
-    /// SmolLM2-135M Q4_1 on the CPU backend, 2 threads, from `cpu_bench` on this project's CI
-    /// machine (see `docs/autoscaling.md` for the run): decode ≈ 13 ms/step at batch 1 and
-    /// ≈ 58 ms/step at batch 32; prefill ≈ 0.46 ms/token.
+    /// A linear step-cost curve of the shape the CPU backend's `cpu_bench` prints for SmolLM2-135M
+    /// (decode 13 ms/step at batch 1, 58 ms/step at batch 32, prefill 0.46 ms/token).
+    ///
+    /// NOT YET MEASURED: these figures are assumed, not read from a `cpu_bench` run; replace them
+    /// with `cargo run --release -p peregrine-engine --example cpu_bench -- <model> 2` output (the
+    /// simulation's assertions are relative to its own calibration, so they hold for any curve).
     pub fn smollm2_cpu() -> Self {
         StepModel { base: 0.0115, per_seq: 0.00145, per_prefill_token: 0.00046, max_num_seqs: 32 }
     }

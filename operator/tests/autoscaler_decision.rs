@@ -223,8 +223,9 @@ fn scale_to_zero_after_idle_timeout_and_wake_up() {
             reached_zero_at = Some(now);
         }
     }
-    // Idle since t=0: recommended 0 from 120 s, held by the 60 s down window until 180 s.
-    assert_eq!(reached_zero_at, Some(180.0));
+    // Idle since t=0: recommended 0 from 120 s on; at 165 s every recommendation in the last 60 s
+    // (120, 135, 150, 165) is 0, so the 60 s down window lets it go.
+    assert_eq!(reached_zero_at, Some(165.0));
     // At zero, a waiting request wakes it at once (no stabilization).
     let d = decide(&s, &mut state, &DecisionInput { now: 400.0, current_replicas: 0, snapshot: &FleetSnapshot::default(), capacity: cap(100.0), wake_requested: true });
     assert_eq!((d.to_replicas, d.reason), (1, Reason::WakeUp));

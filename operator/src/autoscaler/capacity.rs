@@ -56,6 +56,11 @@ impl CapacityEstimator {
         let n = f64::from(snap.ready);
         let (tps, rps) = (tps / n, rps / n);
         let within = within_slo(slo, snap);
+        if !within && snap.queue_growth_per_second.unwrap_or(0.0) < 0.0 {
+            // A breach while the queue drains is the backlog of an earlier overload being served,
+            // not a sign that the current throughput is too much.
+            return false;
+        }
         let before = (self.output_tokens_per_second, self.requests_per_second);
         self.output_tokens_per_second = Some(adjust(self.output_tokens_per_second, tps, within));
         if rps > 0.0 {

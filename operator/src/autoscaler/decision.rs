@@ -225,8 +225,11 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
     let signals = signals(spec, snap);
     let worst = signals.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1));
     if let Some((reason, ratio)) = worst.filter(|w| w.1 > 1.0) {
-        let proportional = (ready * ratio.min(MAX_SCALE_UP_FACTOR)).ceil() as i32;
         let by_demand = demand_replicas(snap, input.capacity.as_ref()).unwrap_or(0);
+        // A draining queue means the capacity already there is catching up on a backlog; the
+        // window's latencies still show the overload, so only the demand estimate can add more.
+        let draining = snap.queue_growth_per_second.is_some_and(|g| g < 0.0) && input.capacity.is_some();
+        let proportional = if draining { 0 } else { (ready * ratio.min(MAX_SCALE_UP_FACTOR)).ceil() as i32 };
         let step_limit = (cur * 2).max(cur + MAX_SCALE_UP_PODS);
         let replicas = proportional.max(by_demand).max(cur).min(step_limit);
         let message = format!(

@@ -139,13 +139,17 @@ impl ScrapeWindow {
             fleet.add(metrics, base);
             waiting_then += base.waiting.unwrap_or(0.0);
             growth_span = growth_span.min(span);
-            if let (Some(a), Some(b)) = (metrics.generation_tokens, base.generation_tokens) {
-                tokens += if a >= b { a - b } else { a };
+            // Rates per pod over that pod's own span, then summed: pods scraped for different
+            // lengths of time (a new pod) must not share one divisor.
+            if span > 0.0 {
+                if let (Some(a), Some(b)) = (metrics.generation_tokens, base.generation_tokens) {
+                    tokens += (if a >= b { a - b } else { a }) / span;
+                }
+                if let (Some(a), Some(b)) = (&metrics.e2e, &base.e2e) {
+                    requests += a.delta_since(b).map_or(0.0, |d| d.count) / span;
+                }
+                rate_span = rate_span.min(span);
             }
-            if let (Some(a), Some(b)) = (&metrics.e2e, &base.e2e) {
-                requests += a.delta_since(b).map_or(0.0, |d| d.count);
-            }
-            rate_span = rate_span.min(span);
         }
         if scraped > 0 {
             snap.queue_depth_per_replica = Some(waiting_now / f64::from(scraped));
@@ -154,9 +158,9 @@ impl ScrapeWindow {
                 snap.kv_cache_usage = Some(kv.iter().sum::<f64>() / kv.len() as f64);
             }
         }
-        if rate_span.is_finite() && rate_span > 0.0 {
-            snap.output_tokens_per_second = Some(tokens / rate_span);
-            snap.requests_per_second = Some(requests / rate_span);
+        if rate_span.is_finite() {
+            snap.output_tokens_per_second = Some(tokens);
+            snap.requests_per_second = Some(requests);
         }
         if growth_span.is_finite() && growth_span > 0.0 {
             snap.queue_growth_per_second = Some((waiting_now - waiting_then) / growth_span);

@@ -13,6 +13,10 @@ use super::window::FleetSnapshot;
 /// Fewest requests in a window before its percentiles are trusted to teach capacity.
 pub const MIN_REQUESTS_TO_LEARN: f64 = 20.0;
 
+/// A breached window lowers the estimate only with fewer waiting requests per replica than this:
+/// then the latency, not a queue, broke the SLO at the throughput served.
+pub const MAX_QUEUE_TO_LEARN_FROM_BREACH: f64 = 1.0;
+
 /// Where the current estimate comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CapacitySource {
@@ -56,9 +60,13 @@ impl CapacityEstimator {
         let n = f64::from(snap.ready);
         let (tps, rps) = (tps / n, rps / n);
         let within = within_slo(slo, snap);
-        if !within && snap.queue_growth_per_second.unwrap_or(0.0) < 0.0 {
-            // A breach while the queue drains is the backlog of an earlier overload being served,
-            // not a sign that the current throughput is too much.
+        let queued = snap.queue_depth_per_replica.unwrap_or(0.0) >= MAX_QUEUE_TO_LEARN_FROM_BREACH;
+        let draining = snap.queue_growth_per_second.unwrap_or(0.0) < 0.0;
+        if !within && (queued || draining) {
+            // A breach with a queue is demand beyond capacity (the queue grows) or the backlog of
+            // an earlier overload (it drains, and its requests' latencies stay in the window for
+            // a while after): either way the replicas served all they could or were catching up,
+            // and what they served is no upper bound on their capacity.
             return false;
         }
         let before = (self.output_tokens_per_second, self.requests_per_second);

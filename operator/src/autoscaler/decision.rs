@@ -37,6 +37,8 @@ pub const DEFAULT_MAX_QUEUE_DEPTH: f64 = 4.0;
 /// A smaller fleet is planned at this fraction of its learned capacity, so that a scale-down does not
 /// land exactly on the edge and bounce back.
 pub const SCALE_DOWN_UTILIZATION: f64 = 0.9;
+/// Requests already waiting are sized to be served within this many seconds on top of the arrivals.
+pub const BACKLOG_DRAIN_SECONDS: f64 = 60.0;
 /// A scale-down needs every p95 under this fraction of its objective.
 pub const SCALE_DOWN_LATENCY_HEADROOM: f64 = 0.9;
 
@@ -166,6 +168,8 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
     let mut reason = reason;
     let mut message = message;
     if stabilize {
+        // The window holds what the signals asked for, before the rate limits below: a limit that
+        // cut one decision short must not also hold back the next one.
         state.recommendations.push_back((now, rec));
         let keep = f64::from(spec.scale_up_stabilization_seconds.max(spec.scale_down_stabilization_seconds));
         while state.recommendations.front().is_some_and(|&(t, _)| t <= now - keep) && state.recommendations.len() > 1 {
@@ -173,14 +177,16 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         }
         if rec > cur {
             let lowest = recent(state, now, spec.scale_up_stabilization_seconds).chain([rec]).min().unwrap_or(rec);
-            to = lowest.max(cur);
+            to = lowest.max(cur).min(max_step_up(cur));
         } else if rec < cur {
             let highest = recent(state, now, spec.scale_down_stabilization_seconds).chain([rec]).max().unwrap_or(rec);
-            to = highest.min(cur);
+            to = highest.min(cur).max(max_step_down(cur));
         }
         if to == cur && rec != cur {
             message = format!("{reason} recommends {rec}, held at {cur} by the stabilization window: {message}");
             reason = Reason::Stabilizing;
+        } else if to != rec {
+            message = format!("{message}; {to} this step (at most ×2 or +{MAX_SCALE_UP_PODS} up, half down)");
         }
     }
     // Bounds override everything else.
@@ -222,16 +228,22 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
     }
 
     let ready = f64::from(snap.ready);
+    let capacity = input.capacity.as_ref();
     let signals = signals(spec, snap);
     let worst = signals.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1));
     if let Some((reason, ratio)) = worst.filter(|w| w.1 > 1.0) {
-        let by_demand = demand_replicas(snap, input.capacity.as_ref()).unwrap_or(0);
+        // Sized against every replica asked for, loading ones included (they were ordered for
+        // this demand already): only demand beyond them, or a backlog that kept growing while
+        // they load, orders more.
+        let by_demand = demand_replicas(snap, capacity, 1.0, Direction::Up).unwrap_or(0);
         // A draining queue means the capacity already there is catching up on a backlog; the
         // window's latencies still show the overload, so only the demand estimate can add more.
-        let draining = snap.queue_growth_per_second.is_some_and(|g| g < 0.0) && input.capacity.is_some();
-        let proportional = if draining { 0 } else { (ready * ratio.min(MAX_SCALE_UP_FACTOR)).ceil() as i32 };
-        let step_limit = (cur * 2).max(cur + MAX_SCALE_UP_PODS);
-        let replicas = proportional.max(by_demand).max(cur).min(step_limit);
+        let draining = snap.queue_growth_per_second.is_some_and(|g| g < 0.0) && capacity.is_some();
+        // Without a capacity estimate (or when it says the fleet suffices, yet the SLO breaks)
+        // the ratio is the only guide: grow in proportion to it.
+        let proportional =
+            if draining || by_demand > snap.ready as i32 { 0 } else { (ready * ratio.min(MAX_SCALE_UP_FACTOR)).ceil() as i32 };
+        let replicas = proportional.max(by_demand).max(cur);
         let message = format!(
             "{} at {:.2}× its target on {} ready pods ({} loading); proportional {proportional}, by demand {by_demand}",
             signal_name(reason),
@@ -250,8 +262,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
         if s2z.enabled && spec.min_replicas == 0 && idle_for >= f64::from(s2z.idle_timeout_seconds) {
             return Recommendation { replicas: 0, reason: Reason::Idle, message: format!("no traffic for {idle_for:.0}s"), stabilize: true };
         }
-        let replicas = ((cur + 1) / 2).max(1);
-        return Recommendation { replicas, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true };
+        return Recommendation { replicas: 1, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true };
     }
     if let Some((reason, ratio)) = signals.iter().copied().filter(|s| is_latency(s.0)).find(|s| s.1 > SCALE_DOWN_LATENCY_HEADROOM) {
         return Recommendation {
@@ -261,7 +272,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             stabilize: true,
         };
     }
-    let Some(needed) = scale_down_needs(spec, snap, input.capacity.as_ref()) else {
+    let Some(needed) = scale_down_needs(spec, snap, capacity) else {
         return Recommendation {
             replicas: cur,
             reason: Reason::WithinSlo,
@@ -269,17 +280,30 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             stabilize: true,
         };
     };
-    let halved = (cur + 1) / 2;
-    let replicas = needed.max(1).max(halved).min(cur);
+    let replicas = needed.max(1).min(cur);
     if replicas < cur {
         Recommendation {
             replicas,
             reason: Reason::Underutilized,
-            message: format!("every signal has room at {replicas} replicas (throughput, queue and KV cache need {needed})"),
+            message: format!("every signal has room at {replicas} replicas (demand, queue and KV cache need {needed})"),
             stabilize: true,
         }
     } else {
         Recommendation { replicas: cur, reason: Reason::WithinSlo, message: format!("within SLO; {needed} replicas needed"), stabilize: true }
+    }
+}
+
+/// Most replicas one decision may go to from `cur`.
+fn max_step_up(cur: i32) -> i32 {
+    (cur * 2).max(cur + MAX_SCALE_UP_PODS)
+}
+
+/// Fewest replicas one decision may go to from `cur` (at most halving; zero only from one).
+fn max_step_down(cur: i32) -> i32 {
+    if cur <= 1 {
+        0
+    } else {
+        (cur + 1) / 2
     }
 }
 
@@ -325,16 +349,56 @@ pub fn max_queue_depth(spec: &AutoscalingSpec) -> f64 {
     spec.max_queue_depth_per_replica.map_or(DEFAULT_MAX_QUEUE_DEPTH, f64::from)
 }
 
-/// Replicas the current demand needs at the learned capacity. Demand is the served throughput plus
-/// the queue's growth (requests arriving faster than they are admitted), in output tokens.
-fn demand_replicas(snap: &FleetSnapshot, capacity: Option<&Throughput>) -> Option<i32> {
-    let cap = capacity?.output_tokens_per_second;
-    let tps = snap.output_tokens_per_second?;
-    let rps = snap.requests_per_second.unwrap_or(0.0);
-    let growth = snap.queue_growth_per_second.unwrap_or(0.0).max(0.0);
-    let tokens_per_request = if rps > 0.0 { tps / rps } else { 0.0 };
-    let demand = tps + growth * tokens_per_request;
-    (cap > 0.0).then(|| (demand / cap).ceil() as i32)
+/// Which way a demand estimate is used.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Up,
+    Down,
+}
+
+/// Requests arriving per second. Up: the larger of the window's and the last interval's estimate
+/// (a step up shows in the last interval first). Down: the window's (less noisy; the scale-down
+/// window adds the caution). Where the agent's metrics give neither: completions plus the
+/// queue's growth.
+fn arrivals_per_second(snap: &FleetSnapshot, direction: Direction) -> Option<f64> {
+    let recent = snap.recent_arrivals_per_second.filter(|_| direction == Direction::Up);
+    match (snap.arrivals_per_second, recent) {
+        (Some(a), Some(r)) => Some(a.max(r)),
+        (Some(a), None) | (None, Some(a)) => Some(a),
+        (None, None) => {
+            let rps = snap.requests_per_second?;
+            Some(rps + snap.queue_growth_per_second.unwrap_or(0.0).max(0.0))
+        }
+    }
+}
+
+/// Replicas the demand needs with each replica at `utilization` of its learned capacity:
+/// `ceil(demand / (capacity × utilization))`, in requests and in output tokens, whichever needs
+/// more. The requests already waiting count too, to be served within `BACKLOG_DRAIN_SECONDS`.
+/// `None` without a capacity or a demand measurement.
+fn demand_replicas(snap: &FleetSnapshot, capacity: Option<&Throughput>, utilization: f64, direction: Direction) -> Option<i32> {
+    let cap = capacity?;
+    let waiting = snap.queue_depth_per_replica.unwrap_or(0.0) * f64::from(snap.ready);
+    let rps = arrivals_per_second(snap, direction)? + waiting / BACKLOG_DRAIN_SECONDS;
+    // Output tokens per request, as served in the window.
+    let tokens_per_request = match (snap.output_tokens_per_second, snap.requests_per_second) {
+        (Some(t), Some(r)) if r > 0.0 && t > 0.0 => Some(t / r),
+        _ => None,
+    };
+    let mut needed = None::<f64>;
+    let mut need = |n: f64| {
+        if n.is_finite() {
+            needed = Some(needed.map_or(n, |m: f64| m.max(n)));
+        }
+    };
+    if let Some(cap_rps) = cap.requests_per_second.filter(|c| *c > 0.0) {
+        need(rps / (cap_rps * utilization));
+    }
+    if let Some(tpr) = tokens_per_request.filter(|_| cap.output_tokens_per_second > 0.0) {
+        need(rps * tpr / (cap.output_tokens_per_second * utilization));
+    }
+    // A whisker over a whole number is measurement noise, not a reason for one more replica.
+    needed.map(|n| (n - 1e-3).ceil().max(0.0) as i32)
 }
 
 /// The fewest replicas with room for every signal, or `None` when throughput cannot be sized yet.
@@ -342,11 +406,10 @@ fn scale_down_needs(spec: &AutoscalingSpec, snap: &FleetSnapshot, capacity: Opti
     let cap = capacity?;
     let ready = f64::from(snap.ready);
     let mut needed = 0.0f64;
-    if let Some(tps) = snap.output_tokens_per_second {
+    if let Some(n) = demand_replicas(snap, Some(cap), SCALE_DOWN_UTILIZATION, Direction::Down) {
+        needed = needed.max(f64::from(n));
+    } else if let Some(tps) = snap.output_tokens_per_second {
         needed = needed.max(tps / (cap.output_tokens_per_second * SCALE_DOWN_UTILIZATION));
-    }
-    if let (Some(rps), Some(cap_rps)) = (snap.requests_per_second, cap.requests_per_second) {
-        needed = needed.max(rps / (cap_rps * SCALE_DOWN_UTILIZATION));
     }
     // KV usage and waiting requests spread over the replicas that remain.
     if let (Some(kv), Some(max_kv)) = (snap.kv_cache_usage, spec.max_kv_cache_usage) {

@@ -53,6 +53,11 @@ pub struct FleetSnapshot {
     pub output_tokens_per_second: Option<f64>,
     /// Fleet completed requests per second over the window.
     pub requests_per_second: Option<f64>,
+    /// Requests arriving per second over the window: admitted (first token) plus the queue's
+    /// growth. Unlike completions, this keeps rising past saturation, so it measures demand.
+    pub arrivals_per_second: Option<f64>,
+    /// The same over the last scrape interval only: a step in load shows here a window earlier.
+    pub recent_arrivals_per_second: Option<f64>,
 }
 
 impl FleetSnapshot {
@@ -101,6 +106,11 @@ impl ScrapeWindow {
         let mut tokens = 0.0;
         let mut requests = 0.0;
         let mut rate_span = f64::INFINITY;
+        // Arrivals are fleet totals over the window divided by its length, not sums of per-pod
+        // rates: when new pods take over traffic, per-pod rates over different spans count the
+        // moved traffic twice (once in the old pods' longer average, once in the new pods').
+        let mut arrivals = Totals::default();
+        let mut recent_arrivals = Totals::default();
         let mut scraped = 0u32;
         for obs in observations {
             let metrics = match &obs.state {
@@ -149,6 +159,10 @@ impl ScrapeWindow {
                     requests += a.delta_since(b).map_or(0.0, |d| d.count) / span;
                 }
                 rate_span = rate_span.min(span);
+                arrivals.add(arrived(metrics, base), span);
+            }
+            if let Some((t1, prev)) = history.get(history.len() - 2) {
+                recent_arrivals.add(arrived(metrics, prev), now - t1);
             }
         }
         if scraped > 0 {
@@ -162,6 +176,8 @@ impl ScrapeWindow {
             snap.output_tokens_per_second = Some(tokens);
             snap.requests_per_second = Some(requests);
         }
+        snap.arrivals_per_second = arrivals.rate();
+        snap.recent_arrivals_per_second = recent_arrivals.rate();
         if growth_span.is_finite() && growth_span > 0.0 {
             snap.queue_growth_per_second = Some((waiting_now - waiting_then) / growth_span);
         }
@@ -170,6 +186,38 @@ impl ScrapeWindow {
         snap.e2e_p95 = fleet.e2e.as_ref().and_then(|h| h.quantile(0.95));
         snap.requests_in_window = fleet.ttft.as_ref().map_or(0.0, |h| h.count);
         snap
+    }
+}
+
+/// Requests that arrived at one pod between two scrapes: those that got a first token plus the
+/// growth of the waiting queue. `None` without the series.
+fn arrived(now: &PodMetrics, base: &PodMetrics) -> Option<f64> {
+    let (Some(a), Some(b)) = (&now.ttft, &base.ttft) else { return None };
+    // A restarted pod's counters start again from zero.
+    let admitted = a.delta_since(b).map_or(a.count, |d| d.count);
+    let growth = now.waiting.unwrap_or(0.0) - base.waiting.unwrap_or(0.0);
+    Some(admitted + growth)
+}
+
+/// Counts summed over pods, and the longest span they cover (the window's actual length).
+#[derive(Default)]
+struct Totals {
+    count: Option<f64>,
+    span: f64,
+}
+
+impl Totals {
+    fn add(&mut self, count: Option<f64>, span: f64) {
+        if let Some(c) = count {
+            if span > 0.0 {
+                self.count = Some(self.count.unwrap_or(0.0) + c);
+                self.span = self.span.max(span);
+            }
+        }
+    }
+
+    fn rate(&self) -> Option<f64> {
+        self.count.map(|c| (c / self.span).max(0.0))
     }
 }
 

@@ -2,10 +2,22 @@
 //! slow ramp down, spike, idle. Run with `--nocapture` to read the minute-by-minute table.
 
 use peregrine_crds::{LatencySlo, Throughput};
+use peregrine_operator::autoscaler::decision::BACKLOG_DRAIN_SECONDS;
 use peregrine_operator::autoscaler::sim::{self, SimConfig, StepModel, Workload};
 
-/// Minutes after a load rise during which the fleet may still be catching up.
-const REACTION_MINUTES: usize = 4;
+/// Minutes after a load rise during which the fleet may still be catching up: the rise is seen at
+/// the next scrape, must persist through the scale-up stabilization window, the new pods load,
+/// and then the backlog queued meanwhile is drained (the policy sizes for that within
+/// `BACKLOG_DRAIN_SECONDS`). Per-minute p95s count requests by finish time, so one more minute
+/// passes before a minute holds only requests that arrived after the backlog was gone.
+/// With the standard scenario: 15 + 30 + 60 + 60 = 165 s → 3 minutes, + 1 = 4.
+fn reaction_minutes(config: &SimConfig) -> usize {
+    let seconds = config.scrape_interval
+        + f64::from(config.spec.scale_up_stabilization_seconds)
+        + config.startup_seconds
+        + BACKLOG_DRAIN_SECONDS;
+    (seconds / 60.0).ceil() as usize + 1
+}
 
 #[test]
 fn standard_trace_holds_the_slo_without_flapping_near_oracle_cost() {
@@ -33,6 +45,7 @@ fn standard_trace_holds_the_slo_without_flapping_near_oracle_cost() {
     let min = spec.min_replicas;
     let oracle = move |load: f64| ((load / per_replica_rps).ceil() as i32).max(min);
     let report = sim::run(&config, &trace, &oracle);
+    let reaction = reaction_minutes(&config);
     println!("capacity per replica at the SLO: {per_replica_rps:.2} req/s");
     println!("{}", report.table());
     println!("replica changes (seconds, replicas): {:?}", report.changes);
@@ -42,15 +55,16 @@ fn standard_trace_holds_the_slo_without_flapping_near_oracle_cost() {
     let judged: Vec<_> = report
         .rows
         .iter()
-        .filter(|r| r.finished > 0 && !rises.iter().any(|&m| r.minute >= m && r.minute < m + REACTION_MINUTES))
+        .filter(|r| r.finished > 0 && !rises.iter().any(|&m| r.minute >= m && r.minute < m + reaction))
         .collect();
     let held = judged.iter().filter(|r| r.within_slo(&slo)).count();
     let share = held as f64 / judged.len() as f64;
+    println!("reaction bound {reaction} min; SLO held in {held}/{} judged minutes ({:.1} %)", judged.len(), share * 100.0);
     assert!(share >= 0.95, "SLO held in {held}/{} judged minutes ({:.1} %)", judged.len(), share * 100.0);
-    // ... and the reaction is bounded: within REACTION_MINUTES of each rise the SLO holds again.
+    // ... and the reaction is bounded: within reaction of each rise the SLO holds again.
     for &m in &rises {
-        let recovered = report.rows[m..(m + REACTION_MINUTES + 1).min(report.rows.len())].iter().any(|r| r.within_slo(&slo) && r.finished > 0);
-        assert!(recovered, "no recovery within {REACTION_MINUTES} minutes of the rise at minute {m}");
+        let recovered = report.rows[m..(m + reaction + 1).min(report.rows.len())].iter().any(|r| r.within_slo(&slo) && r.finished > 0);
+        assert!(recovered, "no recovery within {reaction} minutes of the rise at minute {m}");
     }
 
     // 2. No oscillation: direction reversals at least one scale-down stabilization window apart.
@@ -70,5 +84,6 @@ fn standard_trace_holds_the_slo_without_flapping_near_oracle_cost() {
 
     // 3. Cost within 20 % of an oracle that knows the trace in advance.
     let ratio = report.gpu_minutes / report.oracle_gpu_minutes;
+    println!("direction reversals at {reversals:?} s; GPU-minutes ×{ratio:.3} of the oracle");
     assert!((0.8..=1.2).contains(&ratio), "GPU-minutes {:.1} vs oracle {:.1} (×{ratio:.3})", report.gpu_minutes, report.oracle_gpu_minutes);
 }

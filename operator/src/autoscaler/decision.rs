@@ -34,9 +34,11 @@ pub const MAX_SCALE_UP_FACTOR: f64 = 2.0;
 pub const MAX_SCALE_UP_PODS: i32 = 4;
 /// Waiting requests per replica that count as a growing queue when `maxQueueDepthPerReplica` is unset.
 pub const DEFAULT_MAX_QUEUE_DEPTH: f64 = 4.0;
-/// A smaller fleet is planned at this fraction of its learned capacity, so that a scale-down does not
-/// land exactly on the edge and bounce back.
-pub const SCALE_DOWN_UTILIZATION: f64 = 0.9;
+/// A smaller fleet is planned at this fraction of its learned capacity. The capacity is already
+/// what a replica sustains *within* the SLO, and the scale-down window takes the highest of its
+/// recommendations (the top of ~20 noisy demand samples, about two standard deviations over the
+/// mean), so no further margin is taken: one would only hold replicas the demand does not need.
+pub const SCALE_DOWN_UTILIZATION: f64 = 1.0;
 /// Requests already waiting are sized to be served within this many seconds on top of the arrivals.
 pub const BACKLOG_DRAIN_SECONDS: f64 = 60.0;
 /// A scale-down needs every p95 under this fraction of its objective.
@@ -137,7 +139,8 @@ pub struct Decision {
 /// Recommendations remembered for stabilization, and when traffic was last seen.
 #[derive(Clone, Debug, Default)]
 pub struct DecisionState {
-    recommendations: VecDeque<(f64, i32)>,
+    /// `(time, recommendation, sustained)`: see [`Recommendation::sustained`].
+    recommendations: VecDeque<(f64, i32, i32)>,
     last_active: Option<f64>,
 }
 
@@ -153,7 +156,7 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
     if state.recommendations.is_empty() {
         // Without history the current size is the only evidence; a restarted operator must not
         // scale down at once.
-        state.recommendations.push_back((now, cur));
+        state.recommendations.push_back((now, cur, cur));
     }
     // maxReplicas is the hard cost limit: a provisioned floor above it is cut to it (and the
     // message says so).
@@ -170,16 +173,16 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
     if stabilize {
         // The window holds what the signals asked for, before the rate limits below: a limit that
         // cut one decision short must not also hold back the next one.
-        state.recommendations.push_back((now, rec));
+        state.recommendations.push_back((now, rec, raw.sustained));
         let keep = f64::from(spec.scale_up_stabilization_seconds.max(spec.scale_down_stabilization_seconds));
-        while state.recommendations.front().is_some_and(|&(t, _)| t <= now - keep) && state.recommendations.len() > 1 {
+        while state.recommendations.front().is_some_and(|&(t, _, _)| t <= now - keep) && state.recommendations.len() > 1 {
             state.recommendations.pop_front();
         }
         if rec > cur {
-            let lowest = recent(state, now, spec.scale_up_stabilization_seconds).chain([rec]).min().unwrap_or(rec);
+            let lowest = recent(state, now, spec.scale_up_stabilization_seconds).map(|r| r.0).chain([rec]).min().unwrap_or(rec);
             to = lowest.max(cur).min(max_step_up(cur));
         } else if rec < cur {
-            let highest = recent(state, now, spec.scale_down_stabilization_seconds).chain([rec]).max().unwrap_or(rec);
+            let highest = recent(state, now, spec.scale_down_stabilization_seconds).map(|r| r.1).chain([rec]).max().unwrap_or(rec);
             to = highest.min(cur).max(max_step_down(cur));
         }
         if to == cur && rec != cur {
@@ -204,6 +207,11 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
 
 struct Recommendation {
     replicas: i32,
+    /// What the demand itself needs, without the extra replicas ordered to drain a backlog (or
+    /// held only because a breach forbids scaling down while one drains): what the scale-down
+    /// window remembers, so that replicas bought to clear a queue go once it is gone instead of
+    /// being held a whole window after it.
+    sustained: i32,
     reason: Reason,
     message: String,
     /// Whether stabilization applies (holds on missing data and wake-ups bypass it).
@@ -212,10 +220,10 @@ struct Recommendation {
 
 fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInput<'_>, cur: i32) -> Recommendation {
     let snap = input.snapshot;
-    let hold = |reason, message: String| Recommendation { replicas: cur, reason, message, stabilize: false };
+    let hold = |reason, message: String| Recommendation { replicas: cur, sustained: cur, reason, message, stabilize: false };
     if cur == 0 {
         if input.wake_requested {
-            return Recommendation { replicas: 1, reason: Reason::WakeUp, message: "a request is waiting".into(), stabilize: false };
+            return Recommendation { replicas: 1, sustained: 1, reason: Reason::WakeUp, message: "a request is waiting".into(), stabilize: false };
         }
         return hold(Reason::Idle, "scaled to zero; waiting for a request".into());
     }
@@ -235,7 +243,8 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
         // Sized against every replica asked for, loading ones included (they were ordered for
         // this demand already): only demand beyond them, or a backlog that kept growing while
         // they load, orders more.
-        let by_demand = demand_replicas(snap, capacity, 1.0, Direction::Up).unwrap_or(0);
+        let by_demand = demand_replicas(snap, capacity, 1.0, Direction::Up, true).unwrap_or(0);
+        let by_arrivals = demand_replicas(snap, capacity, 1.0, Direction::Up, false).unwrap_or(0);
         // A draining queue means the capacity already there is catching up on a backlog; the
         // window's latencies still show the overload, so only the demand estimate can add more.
         let draining = snap.queue_growth_per_second.is_some_and(|g| g < 0.0) && capacity.is_some();
@@ -244,6 +253,9 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
         let proportional =
             if draining || by_demand > snap.ready as i32 { 0 } else { (ready * ratio.min(MAX_SCALE_UP_FACTOR)).ceil() as i32 };
         let replicas = proportional.max(by_demand).max(cur);
+        // A breach the demand does not explain (the proportional fallback) is held for the whole
+        // window; one the arrivals or a backlog explain is remembered at what the arrivals need.
+        let sustained = if proportional > 0 { replicas } else { by_arrivals };
         let message = format!(
             "{} at {:.2}× its target on {} ready pods ({} loading); proportional {proportional}, by demand {by_demand}",
             signal_name(reason),
@@ -251,7 +263,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             snap.ready,
             snap.loading
         );
-        return Recommendation { replicas, reason, message, stabilize: true };
+        return Recommendation { replicas, sustained, reason, message, stabilize: true };
     }
     if snap.loading > 0 {
         return hold(Reason::PodsLoading, format!("{} pods loading; no scale-down until they are ready", snap.loading));
@@ -260,13 +272,20 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
         let idle_for = now_minus(input.now, state.last_active);
         let s2z = &spec.scale_to_zero;
         if s2z.enabled && spec.min_replicas == 0 && idle_for >= f64::from(s2z.idle_timeout_seconds) {
-            return Recommendation { replicas: 0, reason: Reason::Idle, message: format!("no traffic for {idle_for:.0}s"), stabilize: true };
+            return Recommendation {
+                replicas: 0,
+                sustained: 0,
+                reason: Reason::Idle,
+                message: format!("no traffic for {idle_for:.0}s"),
+                stabilize: true,
+            };
         }
-        return Recommendation { replicas: 1, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true };
+        return Recommendation { replicas: 1, sustained: 1, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true };
     }
     if let Some((reason, ratio)) = signals.iter().copied().filter(|s| is_latency(s.0)).find(|s| s.1 > SCALE_DOWN_LATENCY_HEADROOM) {
         return Recommendation {
             replicas: cur,
+            sustained: cur,
             reason: Reason::WithinSlo,
             message: format!("{} at {:.2}× its target: no room to scale down", signal_name(reason), ratio),
             stabilize: true,
@@ -275,6 +294,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
     let Some(needed) = scale_down_needs(spec, snap, capacity) else {
         return Recommendation {
             replicas: cur,
+            sustained: cur,
             reason: Reason::WithinSlo,
             message: "within SLO; capacity per replica not known yet, so no scale-down".into(),
             stabilize: true,
@@ -284,12 +304,19 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
     if replicas < cur {
         Recommendation {
             replicas,
+            sustained: replicas,
             reason: Reason::Underutilized,
             message: format!("every signal has room at {replicas} replicas (demand, queue and KV cache need {needed})"),
             stabilize: true,
         }
     } else {
-        Recommendation { replicas: cur, reason: Reason::WithinSlo, message: format!("within SLO; {needed} replicas needed"), stabilize: true }
+        Recommendation {
+            replicas: cur,
+            sustained: cur,
+            reason: Reason::WithinSlo,
+            message: format!("within SLO; {needed} replicas needed"),
+            stabilize: true,
+        }
     }
 }
 
@@ -374,11 +401,11 @@ fn arrivals_per_second(snap: &FleetSnapshot, direction: Direction) -> Option<f64
 
 /// Replicas the demand needs with each replica at `utilization` of its learned capacity:
 /// `ceil(demand / (capacity × utilization))`, in requests and in output tokens, whichever needs
-/// more. The requests already waiting count too, to be served within `BACKLOG_DRAIN_SECONDS`.
-/// `None` without a capacity or a demand measurement.
-fn demand_replicas(snap: &FleetSnapshot, capacity: Option<&Throughput>, utilization: f64, direction: Direction) -> Option<i32> {
+/// more. With `backlog`, the requests already waiting count too, to be served within
+/// `BACKLOG_DRAIN_SECONDS`. `None` without a capacity or a demand measurement.
+fn demand_replicas(snap: &FleetSnapshot, capacity: Option<&Throughput>, utilization: f64, direction: Direction, backlog: bool) -> Option<i32> {
     let cap = capacity?;
-    let waiting = snap.queue_depth_per_replica.unwrap_or(0.0) * f64::from(snap.ready);
+    let waiting = if backlog { snap.queue_depth_per_replica.unwrap_or(0.0) * f64::from(snap.ready) } else { 0.0 };
     let rps = arrivals_per_second(snap, direction)? + waiting / BACKLOG_DRAIN_SECONDS;
     // Output tokens per request, as served in the window.
     let tokens_per_request = match (snap.output_tokens_per_second, snap.requests_per_second) {
@@ -406,7 +433,7 @@ fn scale_down_needs(spec: &AutoscalingSpec, snap: &FleetSnapshot, capacity: Opti
     let cap = capacity?;
     let ready = f64::from(snap.ready);
     let mut needed = 0.0f64;
-    if let Some(n) = demand_replicas(snap, Some(cap), SCALE_DOWN_UTILIZATION, Direction::Down) {
+    if let Some(n) = demand_replicas(snap, Some(cap), SCALE_DOWN_UTILIZATION, Direction::Down, true) {
         needed = needed.max(f64::from(n));
     } else if let Some(tps) = snap.output_tokens_per_second {
         needed = needed.max(tps / (cap.output_tokens_per_second * SCALE_DOWN_UTILIZATION));
@@ -453,9 +480,10 @@ fn floor_message(spec: &AutoscalingSpec, reason: Reason, capacity: Option<&Throu
     }
 }
 
-fn recent(state: &DecisionState, now: f64, window_seconds: i32) -> impl Iterator<Item = i32> + '_ {
+/// `(recommendation, sustained)` of the last `window_seconds`.
+fn recent(state: &DecisionState, now: f64, window_seconds: i32) -> impl Iterator<Item = (i32, i32)> + '_ {
     let since = now - f64::from(window_seconds.max(0));
-    state.recommendations.iter().filter(move |&&(t, _)| t > since).map(|&(_, r)| r)
+    state.recommendations.iter().filter(move |&&(t, _, _)| t > since).map(|&(_, r, s)| (r, s))
 }
 
 fn inputs(snap: &FleetSnapshot) -> ScalingInputs {

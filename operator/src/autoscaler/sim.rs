@@ -372,7 +372,6 @@ pub fn run(config: &SimConfig, trace: &[f64], oracle: &dyn Fn(f64) -> i32) -> Si
                 wake_requested: load > 0.0,
             };
             let decision = decide(spec, &mut decisions, &input);
-            if std::env::var_os("SIM_DEBUG").is_some() { eprintln!("DBG t={t} cap={:?} arr={:?}/{:?} q={:?} g={:?} ttft={:?} {} -> {} rec {} {}: {}", capacity.per_replica().map(|c| c.requests_per_second), snapshot.arrivals_per_second, snapshot.recent_arrivals_per_second, snapshot.queue_depth_per_replica, snapshot.queue_growth_per_second, snapshot.ttft_p95, decision.from_replicas, decision.to_replicas, decision.recommendation, decision.reason, decision.message); }
             if decision.to_replicas != replicas_spec {
                 resize(&mut fleet, decision.to_replicas, t, config.startup_seconds, &mut next_id);
                 replicas_spec = decision.to_replicas;

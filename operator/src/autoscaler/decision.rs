@@ -7,18 +7,21 @@
 //! 2. A ready pod whose metrics could not be read: hold (never scale on missing data), except that
 //!    `minReplicas`/`maxReplicas` and the provisioned-throughput floor are still enforced.
 //! 3. Any signal over its target (p95 TTFT, TPOT, e2e; waiting requests per replica; KV usage):
-//!    scale up in proportion to the worst ratio (at most ×2 per decision, at most `max(2n, n+4)`), or
-//!    to what the measured demand needs at the learned capacity, whichever is more. Pods still
-//!    loading are not capacity, but they were already asked for, so the fleet is not grown again
-//!    until the ready ones alone call for more.
+//!    size the fleet to the demand, `ceil((arrivals + waiting / BACKLOG_DRAIN_SECONDS) / learned
+//!    capacity)`, where arrivals are admissions plus the queue's growth (they keep rising past
+//!    saturation, unlike completions). Loading pods are not capacity but count as already ordered
+//!    (the target is compared with every replica asked for). Without a capacity estimate, or
+//!    when the demand says the ready pods suffice yet the SLO breaks, grow in proportion to the
+//!    worst ratio (at most ×2); not while a backlog drains (the window's latencies lag).
 //! 4. Every signal under its target: scale down only when nothing is loading, every latency has
-//!    room (p95 under `SCALE_DOWN_LATENCY_HEADROOM` of its objective) and the smaller fleet still
-//!    has room for the throughput (at `SCALE_DOWN_UTILIZATION` of learned capacity), the KV cache
-//!    and the queue; at most halving per decision. Idle past `scaleToZero.idleTimeoutSeconds`
+//!    room (p95 under `SCALE_DOWN_LATENCY_HEADROOM` of its objective), to what the demand, the KV
+//!    cache and the queue need at the smaller size. Idle past `scaleToZero.idleTimeoutSeconds`
 //!    (with `minReplicas: 0`): zero.
 //! 5. Stabilization (as the HorizontalPodAutoscaler does it): a scale-up happens to the *lowest*
-//!    recommendation of the last `scaleUpStabilizationSeconds`, a scale-down to the *highest* of the
-//!    last `scaleDownStabilizationSeconds`, so a flapping input moves nothing.
+//!    recommendation of the last `scaleUpStabilizationSeconds`, a scale-down to the *highest*
+//!    sustained recommendation of the last `scaleDownStabilizationSeconds` (replicas ordered only
+//!    to drain a backlog are not remembered there), so a flapping input moves nothing. Then the
+//!    rate limits: at most `max(2n, n+4)` up and halving down per decision.
 //! 6. Bounds last: `[max(minReplicas, provisioned floor), maxReplicas]`.
 
 use std::collections::VecDeque;

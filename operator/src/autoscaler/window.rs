@@ -324,4 +324,23 @@ mod tests {
         assert_eq!(snap.queue_depth_per_replica, Some(2.0));
         assert!((snap.queue_growth_per_second.unwrap() - 4.0 / 15.0).abs() < 1e-9);
     }
+
+    #[test]
+    fn arrivals_count_admissions_and_queue_growth_once_per_fleet() {
+        let mut w = ScrapeWindow::new(60.0);
+        w.observe(0.0, &[scraped("a", pod_metrics(&[], 0.0, 0.0))]);
+        // 30 s later: 60 admitted and 30 more waiting, so 90 arrived: 3 req/s.
+        let snap = w.observe(30.0, &[scraped("a", pod_metrics(&vec![0.05; 60], 30.0, 0.0))]);
+        assert!((snap.arrivals_per_second.unwrap() - 3.0).abs() < 1e-9);
+        assert!((snap.recent_arrivals_per_second.unwrap() - 3.0).abs() < 1e-9);
+        // A new pod takes half the traffic for the last 15 s: 15 s × 1 req/s on each pod. Fleet
+        // arrivals over the 45 s window are (90 + 15 + 15) / 45, not a + b's own 15-s rate added.
+        w.observe(30.0, &[scraped("a", pod_metrics(&vec![0.05; 60], 30.0, 0.0)), scraped("b", pod_metrics(&[], 0.0, 0.0))]);
+        let snap = w.observe(
+            45.0,
+            &[scraped("a", pod_metrics(&vec![0.05; 75], 30.0, 0.0)), scraped("b", pod_metrics(&vec![0.05; 15], 0.0, 0.0))],
+        );
+        assert!((snap.arrivals_per_second.unwrap() - 120.0 / 45.0).abs() < 1e-9);
+        assert!((snap.recent_arrivals_per_second.unwrap() - 2.0).abs() < 1e-9);
+    }
 }

@@ -1,5 +1,6 @@
 //! `peregrine-operator`: reconciles `ModelDeployment`s into agent pods and `LoraAdapter`s into those
-//! pods' adapter slots.
+//! pods' adapter slots, sizes each deployment to hold its latency SLO ([`autoscaler`]) and rolls out
+//! spec changes in stages ([`rollout`], [`regression`]).
 //!
 //! Layout (modelled on kube-rs's controller-rs): pure functions that compute what should exist
 //! ([`desired`], [`status`], [`validate`]), the controllers that apply them ([`model_deployment`],
@@ -7,6 +8,7 @@
 //! ([`metrics`], [`leader`], [`telemetry`], [`server`]).
 
 pub mod agent_client;
+pub mod autoscaler;
 pub mod conditions;
 pub mod config;
 pub mod context;

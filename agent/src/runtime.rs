@@ -257,3 +257,61 @@ fn load_tokenizer(path: &Path, format: LoadFormatArg) -> anyhow::Result<Option<T
         Err(e) => Err(e).with_context(|| format!("loading the tokenizer of {}", path.display())),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn parse(extra: &[&str]) -> Result<EngineArgs, clap::Error> {
+        let args = ["test", "--model", "/m.gguf"].into_iter().chain(extra.iter().copied());
+        Cli::try_parse_from(args).map(|c| c.engine)
+    }
+
+    #[test]
+    fn lora_flags_and_defaults() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.lora_config(), None, "LoRA is off unless asked for");
+        assert_eq!((a.max_loras, a.max_lora_rank, a.max_cpu_loras), (4, 64, 16));
+        assert_eq!(a.gpu_memory_utilization, 0.9);
+        assert_eq!(parse(&["--enable-lora"]).unwrap().lora_config(), Some(LoraConfig::default()));
+
+        let a = parse(&["--lora-modules", "sql=/a/sql", "chat=/b", "--max-loras", "2", "--max-lora-rank", "16"]).unwrap();
+        assert_eq!(
+            a.lora_modules,
+            [
+                LoraModule { name: "sql".into(), path: "/a/sql".into() },
+                LoraModule { name: "chat".into(), path: "/b".into() }
+            ]
+        );
+        assert_eq!(a.lora_config(), Some(LoraConfig { max_loras: 2, max_lora_rank: 16, max_cpu_loras: 16 }), "implied by --lora-modules");
+        assert!(parse(&["--lora-modules", "no-path"]).is_err());
+        assert!(parse(&["--lora-modules", "=/p"]).is_err());
+        assert!(parse(&["--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn device_defaults_to_cuda_only_when_usable() {
+        assert_eq!(parse(&["--device", "cpu"]).unwrap().device().unwrap(), DeviceArg::Cpu);
+        let asked = parse(&["--device", "cuda"]).unwrap().device();
+        let default = parse(&[]).unwrap().device().unwrap();
+        match cuda_available() {
+            Ok(()) => {
+                assert_eq!(asked.unwrap(), DeviceArg::Cuda);
+                assert_eq!(default, DeviceArg::Cuda);
+            }
+            Err(why) => {
+                let e = asked.unwrap_err().to_string();
+                assert!(e.contains("--device cuda") && e.contains(&why), "{e}");
+                assert_eq!(default, DeviceArg::Cpu);
+            }
+        }
+    }
+}

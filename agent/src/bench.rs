@@ -1,10 +1,13 @@
 //! `peregrine-agent bench`: offline throughput through the whole engine (scheduler, KV cache, sampler;
 //! no HTTP), like vLLM's `benchmark_throughput`/`benchmark_latency`. Prints figures; asserts nothing.
+//! With `--lora N`, each decode batch size is run a second time with N random adapters (Zipf-spread
+//! over the batch) and the throughput is reported relative to the base model's.
 
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use peregrine_engine::engine::EngineHandle;
+use peregrine_engine::lora::bench::{write_random_adapters, zipf_assignment};
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
 use serde::Serialize;
 
@@ -32,6 +35,15 @@ pub struct BenchArgs {
     /// Print the figures as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Also measure decode with this many random LoRA adapters (0: base model only).
+    #[arg(long, default_value_t = 0)]
+    pub lora: usize,
+    /// Rank of the random adapters (all seven projections).
+    #[arg(long, default_value_t = 16)]
+    pub lora_rank: usize,
+    /// Zipf exponent of the requests' spread over the adapters (0: uniform).
+    #[arg(long, default_value_t = 1.0)]
+    pub zipf_s: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -39,16 +51,39 @@ struct DecodeFigure {
     batch: usize,
     tokens_per_second: f64,
     ms_per_step: f64,
+    /// With `--lora`: the same batch size with adapters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lora: Option<LoraFigure>,
+}
+
+#[derive(Debug, Serialize)]
+struct LoraFigure {
+    tokens_per_second: f64,
+    /// LoRA throughput / base throughput at the same batch size.
+    relative_to_base: f64,
+    /// Sequences per adapter in the batch (most popular first).
+    spread: Vec<usize>,
+}
+
+#[derive(Debug, Serialize)]
+struct LoraSetup {
+    adapters: usize,
+    rank: usize,
+    zipf_s: f64,
+    max_loras: usize,
 }
 
 #[derive(Debug, Serialize)]
 struct BenchReport {
     model: String,
+    device: String,
     backend: String,
     threads: usize,
     prompt_len: usize,
     prefill_tokens_per_second: f64,
     decode: Vec<DecodeFigure>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lora: Option<LoraSetup>,
     peak_rss_mib: Option<f64>,
 }
 
@@ -59,49 +94,87 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let max_batch = args.batch_sizes.iter().copied().max().unwrap_or(1);
     engine_args.max_num_seqs = engine_args.max_num_seqs.max(max_batch);
     engine_args.max_num_batched_tokens = engine_args.max_num_batched_tokens.max(args.prompt_len);
+    if args.lora > 0 {
+        engine_args.enable_lora = true;
+        // Every adapter gets a slot, so a batch runs all its sequences at once (else the figure
+        // would measure admission waits, not the LoRA compute).
+        engine_args.max_loras = engine_args.max_loras.max(args.lora);
+        engine_args.max_lora_rank = engine_args.max_lora_rank.max(args.lora_rank);
+        engine_args.max_cpu_loras = engine_args.max_cpu_loras.max(args.lora);
+    }
     let runtime = engine_args.start()?;
     let engine = &runtime.engine;
     let vocab = runtime.model_config.vocab_size;
     let repeat = args.repeat.max(1);
     let mut salt = 0u64;
 
+    // The adapters go through the same path as a served adapter: PEFT folders, loaded by name.
+    let scratch = ScratchDir::new()?;
+    let adapter_names: Vec<String> = if args.lora > 0 {
+        let written = write_random_adapters(&runtime.model_config, args.lora, args.lora_rank, args.engine.seed, &scratch.0)?;
+        for (name, folder) in &written {
+            engine.load_adapter(name, folder)?;
+        }
+        written.into_iter().map(|(name, _)| name).collect()
+    } else {
+        Vec::new()
+    };
+
     // Warm-up: first-touch of weights and KV pages.
-    run_batch(engine, 1, 16, 2, vocab, &mut salt)?;
+    run_batch(engine, &base_only(1), 16, 2, vocab, &mut salt)?;
 
     let mut prefill = Vec::new();
     for _ in 0..repeat {
-        let t = run_batch(engine, 1, args.prompt_len, 1, vocab, &mut salt)?;
+        let t = run_batch(engine, &base_only(1), args.prompt_len, 1, vocab, &mut salt)?;
         prefill.push(args.prompt_len as f64 / t.first_token.as_secs_f64().max(1e-9));
     }
     let mut decode = Vec::new();
-    for &batch in &args.batch_sizes {
-        let mut figures = Vec::new();
-        for _ in 0..repeat {
-            let t = run_batch(engine, batch, args.context_len, args.decode_tokens + 1, vocab, &mut salt)?;
-            figures.push(t.decode_tokens as f64 / t.decode.as_secs_f64().max(1e-9));
-        }
-        let tps = median(&mut figures);
-        decode.push(DecodeFigure { batch, tokens_per_second: tps, ms_per_step: 1000.0 * batch as f64 / tps });
+    for (i, &batch) in args.batch_sizes.iter().enumerate() {
+        let tps = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt)?;
+        let lora = if adapter_names.is_empty() {
+            None
+        } else {
+            let picks = zipf_assignment(batch, adapter_names.len(), args.zipf_s, 0.0, args.engine.seed + i as u64);
+            let assignment: Vec<Option<String>> = picks.iter().map(|p| p.map(|a| adapter_names[a].clone())).collect();
+            let mut spread = vec![0usize; adapter_names.len()];
+            picks.iter().flatten().for_each(|&a| spread[a] += 1);
+            let lora_tps = decode_tps(engine, &assignment, &args, vocab, &mut salt)?;
+            Some(LoraFigure { tokens_per_second: lora_tps, relative_to_base: lora_tps / tps.max(1e-9), spread })
+        };
+        decode.push(DecodeFigure { batch, tokens_per_second: tps, ms_per_step: 1000.0 * batch as f64 / tps, lora });
     }
     engine.shutdown();
 
     let report = BenchReport {
         model: args.engine.model.display().to_string(),
+        device: runtime.device.as_str().to_string(),
         backend: runtime.backend_name.clone(),
         threads: args.engine.threads(),
         prompt_len: args.prompt_len,
         prefill_tokens_per_second: median(&mut prefill),
         decode,
+        lora: (args.lora > 0).then_some(LoraSetup {
+            adapters: args.lora,
+            rank: args.lora_rank,
+            zipf_s: args.zipf_s,
+            max_loras: engine_args.max_loras,
+        }),
         peak_rss_mib: peak_rss_mib(),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!("model      {}", report.model);
-        println!("backend    {} ({} threads)", report.backend, report.threads);
+        println!("device     {} (backend {}, {} threads)", report.device, report.backend, report.threads);
         println!("prefill    {:>9.1} tokens/s  (1 x {} tokens)", report.prefill_tokens_per_second, report.prompt_len);
         for d in &report.decode {
             println!("decode     {:>9.1} tokens/s  (batch {:>3}, {:.1} ms/step)", d.tokens_per_second, d.batch, d.ms_per_step);
+            if let (Some(l), Some(setup)) = (&d.lora, &report.lora) {
+                println!(
+                    "  + LoRA   {:>9.1} tokens/s  ({:.3} x base; {} adapters of rank {}, zipf s={}, spread {:?})",
+                    l.tokens_per_second, l.relative_to_base, setup.adapters, setup.rank, setup.zipf_s, l.spread
+                );
+            }
         }
         match report.peak_rss_mib {
             Some(m) => println!("peak RSS   {m:>9.1} MiB"),
@@ -109,6 +182,43 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn base_only(batch: usize) -> Vec<Option<String>> {
+    vec![None; batch]
+}
+
+/// Median decode throughput of one batch (one sequence per entry, on that adapter).
+fn decode_tps(
+    engine: &EngineHandle,
+    adapters: &[Option<String>],
+    args: &BenchArgs,
+    vocab: usize,
+    salt: &mut u64,
+) -> anyhow::Result<f64> {
+    let mut figures = Vec::new();
+    for _ in 0..args.repeat.max(1) {
+        let t = run_batch(engine, adapters, args.context_len, args.decode_tokens + 1, vocab, salt)?;
+        figures.push(t.decode_tokens as f64 / t.decode.as_secs_f64().max(1e-9));
+    }
+    Ok(median(&mut figures))
+}
+
+/// A private temporary folder for the random adapters, removed on drop.
+struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    fn new() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("peregrine-bench-lora-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        Ok(ScratchDir(dir))
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 struct BatchTiming {
@@ -120,26 +230,27 @@ struct BatchTiming {
     decode_tokens: usize,
 }
 
-/// Runs `batch` sequences of `prompt_len` synthetic tokens, `max_tokens` each, and times them. Each
-/// stream is read on its own thread so token arrival times are real.
+/// Runs one sequence per entry of `adapters` (None: the base model) of `prompt_len` synthetic tokens,
+/// `max_tokens` each, and times them. Each stream is read on its own thread so token arrival times
+/// are real.
 fn run_batch(
     engine: &EngineHandle,
-    batch: usize,
+    adapters: &[Option<String>],
     prompt_len: usize,
     max_tokens: usize,
     vocab: usize,
     salt: &mut u64,
 ) -> anyhow::Result<BatchTiming> {
     let start = Instant::now();
-    let mut streams = Vec::with_capacity(batch);
-    for _ in 0..batch {
+    let mut streams = Vec::with_capacity(adapters.len());
+    for adapter in adapters {
         *salt += 1;
         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
         let request = GenerationRequest {
             id: engine.new_request_id(),
             prompt_tokens: synthetic_prompt(prompt_len, vocab, *salt),
             params,
-            adapter: None,
+            adapter: adapter.clone(),
         };
         streams.push(engine.submit(request)?);
     }

@@ -1,5 +1,6 @@
 //! What every subcommand that runs the model shares: the engine flags and how a model path becomes a
-//! running engine (weights → backend → KV cache sized from a memory budget → engine thread).
+//! running engine (weights → backend on the chosen device → KV cache sized from a memory budget →
+//! engine thread, with multi-LoRA when asked for).
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +10,7 @@ use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape};
 use peregrine_engine::config::ModelConfig;
 use peregrine_engine::engine::{Engine, EngineConfig, EngineHandle};
+use peregrine_engine::lora::LoraConfig;
 use peregrine_engine::model::{self, LoadFormat};
 use peregrine_engine::tokenizer::Tokenizer;
 
@@ -29,6 +31,41 @@ impl From<LoadFormatArg> for LoadFormat {
             LoadFormatArg::Gguf => LoadFormat::Gguf,
             LoadFormatArg::Safetensors => LoadFormat::Safetensors,
             LoadFormatArg::Dummy => LoadFormat::Dummy,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+impl DeviceArg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::Cuda => "cuda",
+        }
+    }
+}
+
+/// `--lora-modules name=path`: an adapter loaded at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraModule {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+impl std::str::FromStr for LoraModule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once('=') {
+            Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+                Ok(LoraModule { name: name.to_string(), path: PathBuf::from(path) })
+            }
+            _ => Err(format!("expected name=path, got {s:?}")),
         }
     }
 }
@@ -64,6 +101,27 @@ pub struct EngineArgs {
     /// Seeds sampling of requests that bring no seed.
     #[arg(long, env = "PEREGRINE_SEED", default_value_t = 0)]
     pub seed: u64,
+    /// Where the model runs (default: cuda when a CUDA device is usable, else cpu).
+    #[arg(long, value_enum, env = "PEREGRINE_DEVICE")]
+    pub device: Option<DeviceArg>,
+    /// Fraction of the GPU's memory to use for weights, activations and KV cache (cuda only).
+    #[arg(long, env = "PEREGRINE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f32,
+    /// Serve LoRA adapters (implied by --lora-modules).
+    #[arg(long, env = "PEREGRINE_ENABLE_LORA")]
+    pub enable_lora: bool,
+    /// LoRA adapters to load at start, as name=path (PEFT folders).
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<LoraModule>,
+    /// Adapters that can run in one batch.
+    #[arg(long, env = "PEREGRINE_MAX_LORAS", default_value_t = 4)]
+    pub max_loras: usize,
+    /// Largest accepted adapter rank.
+    #[arg(long, env = "PEREGRINE_MAX_LORA_RANK", default_value_t = 64)]
+    pub max_lora_rank: usize,
+    /// Adapters kept in host memory; idle ones beyond this are re-read from disk when next used.
+    #[arg(long, env = "PEREGRINE_MAX_CPU_LORAS", default_value_t = 16)]
+    pub max_cpu_loras: usize,
 }
 
 /// A started engine and what callers need beside it.
@@ -74,6 +132,7 @@ pub struct Runtime {
     pub tokenizer: Option<Tokenizer>,
     pub backend_name: String,
     pub kv_shape: KvCacheShape,
+    pub device: DeviceArg,
 }
 
 impl EngineArgs {
@@ -93,29 +152,101 @@ impl EngineArgs {
         Ok((budget / block_bytes).max(1))
     }
 
-    /// Loads the model, builds the backend and starts the engine thread.
+    /// The LoRA limits when LoRA is on (`--enable-lora` or any `--lora-modules`).
+    pub fn lora_config(&self) -> Option<LoraConfig> {
+        (self.enable_lora || !self.lora_modules.is_empty()).then_some(LoraConfig {
+            max_loras: self.max_loras,
+            max_lora_rank: self.max_lora_rank,
+            max_cpu_loras: self.max_cpu_loras,
+        })
+    }
+
+    /// `--device`, or its default: cuda when usable, else cpu. Asking for cuda where it cannot run
+    /// is an error naming the reason, never a silent fallback.
+    pub fn device(&self) -> anyhow::Result<DeviceArg> {
+        match self.device {
+            Some(DeviceArg::Cpu) => Ok(DeviceArg::Cpu),
+            Some(DeviceArg::Cuda) => match cuda_available() {
+                Ok(()) => Ok(DeviceArg::Cuda),
+                Err(why) => anyhow::bail!("--device cuda: no usable CUDA device: {why}"),
+            },
+            None => Ok(if cuda_available().is_ok() { DeviceArg::Cuda } else { DeviceArg::Cpu }),
+        }
+    }
+
+    fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            block_size: self.block_size,
+            enable_prefix_caching: !self.disable_prefix_caching,
+            seed: self.seed,
+        }
+    }
+
+    /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
     pub fn start(&self) -> anyhow::Result<Runtime> {
+        let device = self.device()?;
         let loaded = model::load(&self.model, self.load_format.into())
             .with_context(|| format!("loading model {}", self.model.display()))?;
         let tokenizer = load_tokenizer(&self.model, self.load_format)?;
-        let num_blocks = self.num_blocks(&loaded.config)?;
-        let kv_shape = KvCacheShape { num_blocks, block_size: self.block_size };
         let config = loaded.config.clone();
-        let backend = CpuBackend::new(loaded.weights, kv_shape, self.threads())?;
+        let backend: Box<dyn Backend> = match device {
+            DeviceArg::Cpu => {
+                let num_blocks = self.num_blocks(&loaded.config)?;
+                let kv_shape = KvCacheShape { num_blocks, block_size: self.block_size };
+                Box::new(CpuBackend::new(loaded.weights, kv_shape, self.threads())?)
+            }
+            DeviceArg::Cuda => self.cuda_backend(&loaded.weights)?,
+        };
         let backend_name = backend.name();
-        let engine = Engine::start(
-            Box::new(backend),
-            EngineConfig {
-                max_num_seqs: self.max_num_seqs,
-                max_num_batched_tokens: self.max_num_batched_tokens,
-                max_model_len: self.max_model_len,
-                block_size: self.block_size,
-                enable_prefix_caching: !self.disable_prefix_caching,
-                seed: self.seed,
-            },
-        )?;
-        Ok(Runtime { engine, model_config: config, tokenizer, backend_name, kv_shape })
+        let kv_shape = backend.kv_shape();
+        let engine = match self.lora_config() {
+            Some(lora) => Engine::start_with_lora(backend, self.engine_config(), lora)
+                .with_context(|| format!("starting the engine with LoRA on {backend_name}"))?,
+            None => Engine::start(backend, self.engine_config())?,
+        };
+        for module in &self.lora_modules {
+            engine
+                .load_adapter(&module.name, &module.path)
+                .with_context(|| format!("--lora-modules {}={}", module.name, module.path.display()))?;
+        }
+        Ok(Runtime { engine, model_config: config, tokenizer, backend_name, kv_shape, device })
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_backend(&self, weights: &model::ModelWeights) -> anyhow::Result<Box<dyn Backend>> {
+        use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, WeightInit};
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            anyhow::bail!("--gpu-memory-utilization must be in (0, 1]");
+        }
+        let opts = CudaOptions {
+            block_size: self.block_size,
+            gpu_memory_utilization: self.gpu_memory_utilization,
+            max_model_len: self.max_model_len.unwrap_or(weights.config.max_position_embeddings),
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            num_blocks: self.num_kv_blocks,
+            ..CudaOptions::default()
+        };
+        Ok(Box::new(CudaBackend::new(WeightInit::Host(weights), &opts).context("starting the CUDA backend")?))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda_backend(&self, _weights: &model::ModelWeights) -> anyhow::Result<Box<dyn Backend>> {
+        anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_available() -> Result<(), String> {
+    peregrine_engine::backend::cuda::available()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_available() -> Result<(), String> {
+    Err("this build has no CUDA support".into())
 }
 
 /// The tokenizer of a model path; a dummy model may come without one.
@@ -124,5 +255,63 @@ fn load_tokenizer(path: &Path, format: LoadFormatArg) -> anyhow::Result<Option<T
         Ok(t) => Ok(Some(t)),
         Err(_) if format == LoadFormatArg::Dummy => Ok(None),
         Err(e) => Err(e).with_context(|| format!("loading the tokenizer of {}", path.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn parse(extra: &[&str]) -> Result<EngineArgs, clap::Error> {
+        let args = ["test", "--model", "/m.gguf"].into_iter().chain(extra.iter().copied());
+        Cli::try_parse_from(args).map(|c| c.engine)
+    }
+
+    #[test]
+    fn lora_flags_and_defaults() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.lora_config(), None, "LoRA is off unless asked for");
+        assert_eq!((a.max_loras, a.max_lora_rank, a.max_cpu_loras), (4, 64, 16));
+        assert_eq!(a.gpu_memory_utilization, 0.9);
+        assert_eq!(parse(&["--enable-lora"]).unwrap().lora_config(), Some(LoraConfig::default()));
+
+        let a = parse(&["--lora-modules", "sql=/a/sql", "chat=/b", "--max-loras", "2", "--max-lora-rank", "16"]).unwrap();
+        assert_eq!(
+            a.lora_modules,
+            [
+                LoraModule { name: "sql".into(), path: "/a/sql".into() },
+                LoraModule { name: "chat".into(), path: "/b".into() }
+            ]
+        );
+        assert_eq!(a.lora_config(), Some(LoraConfig { max_loras: 2, max_lora_rank: 16, max_cpu_loras: 16 }), "implied by --lora-modules");
+        assert!(parse(&["--lora-modules", "no-path"]).is_err());
+        assert!(parse(&["--lora-modules", "=/p"]).is_err());
+        assert!(parse(&["--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn device_defaults_to_cuda_only_when_usable() {
+        assert_eq!(parse(&["--device", "cpu"]).unwrap().device().unwrap(), DeviceArg::Cpu);
+        let asked = parse(&["--device", "cuda"]).unwrap().device();
+        let default = parse(&[]).unwrap().device().unwrap();
+        match cuda_available() {
+            Ok(()) => {
+                assert_eq!(asked.unwrap(), DeviceArg::Cuda);
+                assert_eq!(default, DeviceArg::Cuda);
+            }
+            Err(why) => {
+                let e = asked.unwrap_err().to_string();
+                assert!(e.contains("--device cuda") && e.contains(&why), "{e}");
+                assert_eq!(default, DeviceArg::Cpu);
+            }
+        }
     }
 }

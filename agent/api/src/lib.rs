@@ -4,19 +4,22 @@
 //! OpenAI's wire format, plus the vLLM extensions clients commonly send (`top_k`, `min_p`,
 //! `repetition_penalty`, `ignore_eos`, `stop_token_ids`). Requests reject unknown fields, as OpenAI
 //! does, and [`Validate`] checks value ranges so that the server and the operator's client agree on
-//! what a well-formed request is. The agent's own endpoints (`/version`) live in [`admin`].
+//! what a well-formed request is. The agent's own endpoints (`/version`) live in [`admin`], the LoRA
+//! adapter endpoints in [`lora`].
 
 pub mod admin;
 pub mod chat;
 pub mod common;
 pub mod completions;
 pub mod error;
+pub mod lora;
 pub mod models;
 
 pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage};
 pub use common::{Prompt, StopSequences, StreamOptions, Usage};
 pub use completions::{CompletionChunk, CompletionRequest, CompletionResponse};
 pub use error::{ErrorBody, ErrorDetail, ValidationError};
+pub use lora::{AdapterList, AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 pub use models::{ModelCard, ModelList};
 
 /// Range checks beyond what the types express. Returns the first problem found, naming the field.

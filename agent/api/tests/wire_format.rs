@@ -84,3 +84,21 @@ fn usage_serializes_like_openai() {
         json!({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 2}})
     );
 }
+
+#[test]
+fn vllm_lora_admin_bodies() {
+    use peregrine_api::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
+    // The bodies of vLLM's docs (Using LoRA adapters → dynamically serving LoRA adapters).
+    let r: LoadLoraAdapterRequest =
+        serde_json::from_value(json!({"lora_name": "sql_adapter", "lora_path": "/path/to/sql-lora-adapter"})).unwrap();
+    r.validate().unwrap();
+    let u: UnloadLoraAdapterRequest = serde_json::from_value(json!({"lora_name": "sql_adapter"})).unwrap();
+    u.validate().unwrap();
+    let u: UnloadLoraAdapterRequest = serde_json::from_value(json!({"lora_name": "x", "lora_int_id": 3})).unwrap();
+    assert_eq!(u.lora_int_id, Some(3));
+    let bad: LoadLoraAdapterRequest = serde_json::from_value(json!({"lora_name": "a b", "lora_path": "/p"})).unwrap();
+    assert_eq!(bad.validate().unwrap_err().param.as_deref(), Some("lora_name"));
+    let bad: LoadLoraAdapterRequest = serde_json::from_value(json!({"lora_name": "a", "lora_path": ""})).unwrap();
+    assert_eq!(bad.validate().unwrap_err().param.as_deref(), Some("lora_path"));
+    assert!(serde_json::from_value::<LoadLoraAdapterRequest>(json!({"lora_name": "a"})).is_err());
+}

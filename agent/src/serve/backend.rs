@@ -3,10 +3,12 @@
 //! sits behind [`super::engine_backend::EngineBackend`]; tests use small fakes.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
 use futures::Stream;
+use peregrine_api::AdapterStatus;
 use peregrine_engine::request::{FinishReason, SamplingParams, Usage};
 
 use super::error::ApiError;
@@ -81,6 +83,22 @@ pub struct BackendStats {
     pub engine_waiting: usize,
 }
 
+/// What a load did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadOutcome {
+    Loaded,
+    /// Same name, same source: nothing changed.
+    AlreadyLoaded,
+    /// Same name, another source: new requests get the new version.
+    Replaced,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdapterLoaded {
+    pub outcome: LoadOutcome,
+    pub adapter: AdapterStatus,
+}
+
 pub trait InferenceBackend: Send + Sync + 'static {
     /// The base model's id as clients name it.
     fn model_name(&self) -> &str;
@@ -88,13 +106,24 @@ pub trait InferenceBackend: Send + Sync + 'static {
     /// "cpu", "cuda:0".
     fn backend_name(&self) -> String;
     fn stats(&self) -> BackendStats;
-    /// Whether `name` is a loaded adapter (the LoRA registry answers this once it exists).
+    /// Whether `name` may name an adapter. A backend whose registry lives elsewhere (the engine
+    /// thread) answers whether it serves adapters at all and lets `generate` refuse an unknown
+    /// name with [`ApiError::ModelNotFound`], which is also race-free against unloads.
     fn has_adapter(&self, _name: &str) -> bool {
         false
     }
-    /// Names of the loaded adapters, for `/v1/models`.
-    fn adapters(&self) -> Vec<String> {
-        Vec::new()
+    /// Every adapter version, for `GET /v1/adapters` and `/v1/models`.
+    fn adapters(&self) -> impl Future<Output = Result<Vec<AdapterStatus>, ApiError>> + Send {
+        async { Ok(Vec::new()) }
+    }
+    /// Loads (or replaces) the PEFT adapter in `path` under `name`. File reading and validation
+    /// happen on a worker pool, never on the async runtime or the engine thread.
+    fn load_adapter(&self, _name: String, _path: PathBuf) -> impl Future<Output = Result<AdapterLoaded, ApiError>> + Send {
+        async { Err(ApiError::LoraDisabled) }
+    }
+    /// Unloads `name`; requests already running on it finish first.
+    fn unload_adapter(&self, _name: String) -> impl Future<Output = Result<AdapterStatus, ApiError>> + Send {
+        async { Err(ApiError::LoraDisabled) }
     }
     /// Tokenizes (and for chat, renders) a prompt on a worker pool, never on the engine thread.
     fn prepare(&self, prompt: PromptInput) -> impl Future<Output = Result<PreparedPrompt, ApiError>> + Send;

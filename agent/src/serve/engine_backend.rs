@@ -3,7 +3,11 @@
 //! thread. Dropping a request's stream drops its `RequestStream`, which aborts it in the engine.
 
 use std::collections::VecDeque;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use peregrine_api::AdapterStatus;
+use peregrine_engine::lora::{self, AdapterInfo};
 
 use peregrine_engine::engine::{EngineHandle, RequestStream};
 use peregrine_engine::request::{FinishReason, GenerationRequest, RequestEvent, SampledToken, Usage};
@@ -11,7 +15,8 @@ use peregrine_engine::tokenizer::{ChatMessage, IncrementalDecoder, StopMatcher, 
 use peregrine_engine::EngineError;
 
 use super::backend::{
-    BackendStats, EventStream, GenerateEvent, GenerateInput, InferenceBackend, PreparedPrompt, PromptInput, TokenOutput,
+    AdapterLoaded, BackendStats, EventStream, GenerateEvent, GenerateInput, InferenceBackend, LoadOutcome, PreparedPrompt,
+    PromptInput, TokenOutput,
 };
 use super::error::ApiError;
 
@@ -45,7 +50,61 @@ fn engine_error(e: EngineError) -> ApiError {
         EngineError::ChatTemplate(m) => ApiError::invalid(Some("messages".to_string()), format!("chat template: {m}")),
         EngineError::Tokenizer(m) => ApiError::invalid(Some("prompt".to_string()), format!("tokenizer: {m}")),
         EngineError::EngineStopped => ApiError::EngineStopped,
+        // Only `submit` reaches here with it: a completion naming a model we do not serve.
+        EngineError::UnknownAdapter(name) => ApiError::ModelNotFound(name),
         other => ApiError::Internal(other.to_string()),
+    }
+}
+
+/// Errors of the adapter admin calls.
+fn admin_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::InvalidAdapter { .. } | EngineError::Io { .. } => ApiError::InvalidAdapter(e.to_string()),
+        EngineError::UnknownAdapter(name) => ApiError::AdapterNotFound(name),
+        EngineError::Unsupported(_) => ApiError::LoraDisabled,
+        EngineError::InvalidRequest(m) => ApiError::invalid(Some("lora_name".to_string()), m),
+        other => engine_error(other),
+    }
+}
+
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+fn adapter_status(info: AdapterInfo) -> AdapterStatus {
+    let state = match info.state {
+        lora::AdapterState::Active => "active",
+        lora::AdapterState::Loaded => "loaded",
+        lora::AdapterState::Evicted => "evicted",
+        lora::AdapterState::Unloading => "unloading",
+    };
+    AdapterStatus {
+        name: info.name,
+        id: info.id,
+        source: info.source.display().to_string(),
+        rank: info.rank,
+        state: state.to_string(),
+        slot: info.slot,
+        loaded_at: unix_seconds(info.loaded_at),
+        last_used: info.last_used.map(unix_seconds),
+        requests_served: info.requests_served,
+        in_flight: info.in_flight,
+        size_bytes: info.size_bytes,
+    }
+}
+
+impl EngineBackend {
+    /// Runs an engine admin call on tokio's blocking pool: loads read and validate files, and every
+    /// call waits for the engine thread's answer.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(EngineHandle) -> Result<T, EngineError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let engine = self.engine.clone();
+        tokio::task::spawn_blocking(move || call(engine))
+            .await
+            .map_err(|e| ApiError::Internal(format!("adapter task: {e}")))?
+            .map_err(admin_error)
     }
 }
 
@@ -71,6 +130,34 @@ impl InferenceBackend for EngineBackend {
             engine_running: m.num_running,
             engine_waiting: m.num_waiting,
         }
+    }
+
+    fn has_adapter(&self, _name: &str) -> bool {
+        // The registry lives on the engine thread; `submit` refuses unknown names (→ 404).
+        self.engine.lora_supported()
+    }
+
+    async fn adapters(&self) -> Result<Vec<AdapterStatus>, ApiError> {
+        if !self.engine.lora_supported() {
+            return Ok(Vec::new());
+        }
+        let list = self.blocking(|engine| engine.list_adapters()).await?;
+        Ok(list.into_iter().map(adapter_status).collect())
+    }
+
+    async fn load_adapter(&self, name: String, path: PathBuf) -> Result<AdapterLoaded, ApiError> {
+        let (outcome, info) = self.blocking(move |engine| engine.load_adapter(&name, &path)).await?;
+        let outcome = match outcome {
+            lora::LoadOutcome::Loaded => LoadOutcome::Loaded,
+            lora::LoadOutcome::AlreadyLoaded => LoadOutcome::AlreadyLoaded,
+            lora::LoadOutcome::Replaced => LoadOutcome::Replaced,
+        };
+        Ok(AdapterLoaded { outcome, adapter: adapter_status(info) })
+    }
+
+    async fn unload_adapter(&self, name: String) -> Result<AdapterStatus, ApiError> {
+        let info = self.blocking(move |engine| engine.unload_adapter(&name)).await?;
+        Ok(adapter_status(info))
     }
 
     async fn prepare(&self, prompt: PromptInput) -> Result<PreparedPrompt, ApiError> {

@@ -28,6 +28,15 @@ pub enum ApiError {
     Unauthorized(String),
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
+    /// An admin call naming an adapter that is not loaded.
+    #[error("the LoRA adapter `{0}` cannot be found")]
+    AdapterNotFound(String),
+    /// An adapter that cannot be served: missing files, shapes that do not fit the model, rank
+    /// above `--max-lora-rank`, unsupported PEFT features.
+    #[error("{0}")]
+    InvalidAdapter(String),
+    #[error("LoRA is not enabled on this server; start it with --enable-lora or --lora-modules")]
+    LoraDisabled,
     #[error("no route for {0}")]
     RouteNotFound(String),
     #[error("method not allowed")]
@@ -63,6 +72,9 @@ impl ApiError {
             ApiError::ContextLengthExceeded(_) => "context_length_exceeded",
             ApiError::Unauthorized(_) => "invalid_api_key",
             ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::AdapterNotFound(_) => "adapter_not_found",
+            ApiError::InvalidAdapter(_) => "invalid_adapter",
+            ApiError::LoraDisabled => "lora_disabled",
             ApiError::RouteNotFound(_) => "route_not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
@@ -79,10 +91,12 @@ impl ApiError {
             ApiError::MalformedJson(_)
             | ApiError::UnknownField(_)
             | ApiError::InvalidRequest { .. }
-            | ApiError::ContextLengthExceeded(_) => StatusCode::BAD_REQUEST,
+            | ApiError::ContextLengthExceeded(_)
+            | ApiError::InvalidAdapter(_)
+            | ApiError::LoraDisabled => StatusCode::BAD_REQUEST,
             ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_) | ApiError::AdapterNotFound(_) | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::RateLimited { .. } | ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -109,6 +123,8 @@ impl ApiError {
             ApiError::Unprocessable { param, .. } | ApiError::InvalidRequest { param, .. } => param.clone(),
             ApiError::ContextLengthExceeded(_) => Some("messages".to_string()),
             ApiError::ModelNotFound(_) => Some("model".to_string()),
+            ApiError::AdapterNotFound(_) => Some("lora_name".to_string()),
+            ApiError::InvalidAdapter(_) => Some("lora_path".to_string()),
             _ => None,
         }
     }

@@ -1,5 +1,5 @@
 //! The router: OpenAI endpoints behind API-key auth and per-tenant request limits; probes,
-//! metrics and version open. Later endpoints (LoRA admin) merge in through [`api_routes`]'s pattern.
+//! metrics and version open. The LoRA admin endpoints sit behind the same keys.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,7 +14,7 @@ use axum::Router;
 use super::auth::{bearer_token, TenantId};
 use super::backend::InferenceBackend;
 use super::error::ApiError;
-use super::handlers::{chat, completions, fail, probes};
+use super::handlers::{chat, completions, fail, lora, probes};
 use super::state::AppState;
 
 /// The authenticated tenant of a request (None when the server has no keys).
@@ -27,6 +27,9 @@ pub fn api_routes<B: InferenceBackend>() -> Router<Arc<AppState<B>>> {
         .route("/v1/completions", post(completions::handle::<B>))
         .route("/v1/chat/completions", post(chat::handle::<B>))
         .route("/v1/models", get(probes::models::<B>))
+        .route("/v1/load_lora_adapter", post(lora::load::<B>))
+        .route("/v1/unload_lora_adapter", post(lora::unload::<B>))
+        .route("/v1/adapters", get(lora::list::<B>))
 }
 
 pub fn router<B: InferenceBackend>(state: Arc<AppState<B>>) -> Router {

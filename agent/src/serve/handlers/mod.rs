@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod lora;
 pub mod probes;
 
 use std::sync::Arc;

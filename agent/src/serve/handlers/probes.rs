@@ -38,7 +38,14 @@ pub async fn version<B: InferenceBackend>(State(state): State<SharedState<B>>) -
     })
 }
 
-pub async fn models<B: InferenceBackend>(State(state): State<SharedState<B>>) -> Json<ModelList> {
+/// The base model, then every adapter new requests can name (`parent` = the base model).
+pub async fn models<B: InferenceBackend>(State(state): State<SharedState<B>>) -> Response {
+    let adapters = match state.backend.adapters().await {
+        Ok(a) => a,
+        Err(e) => return fail(&state, e),
+    };
+    let mut names: Vec<String> = adapters.into_iter().filter(|a| a.state != "unloading").map(|a| a.name).collect();
+    names.dedup();
     let base = state.backend.model_name().to_string();
     let max_model_len = state.backend.max_model_len();
     let mut data = vec![ModelCard {
@@ -50,7 +57,7 @@ pub async fn models<B: InferenceBackend>(State(state): State<SharedState<B>>) ->
         parent: None,
         max_model_len,
     }];
-    data.extend(state.backend.adapters().into_iter().map(|name| ModelCard {
+    data.extend(names.into_iter().map(|name| ModelCard {
         id: name,
         object: "model".into(),
         created: state.started,
@@ -59,7 +66,7 @@ pub async fn models<B: InferenceBackend>(State(state): State<SharedState<B>>) ->
         parent: Some(base.clone()),
         max_model_len,
     }));
-    Json(ModelList { object: "list".into(), data })
+    Json(ModelList { object: "list".into(), data }).into_response()
 }
 
 pub async fn not_found(uri: axum::http::Uri) -> Response {

@@ -61,8 +61,20 @@ impl InferenceBackend for FakeBackend {
         name == "fake-adapter"
     }
 
-    fn adapters(&self) -> Vec<String> {
-        vec!["fake-adapter".into()]
+    async fn adapters(&self) -> Result<Vec<peregrine_api::AdapterStatus>, ApiError> {
+        Ok(vec![peregrine_api::AdapterStatus {
+            name: "fake-adapter".into(),
+            id: 1,
+            source: "/fake".into(),
+            rank: 8,
+            state: "loaded".into(),
+            slot: None,
+            loaded_at: 0.0,
+            last_used: None,
+            requests_served: 0,
+            in_flight: 0,
+            size_bytes: 0,
+        }])
     }
 
     async fn prepare(&self, prompt: PromptInput) -> Result<PreparedPrompt, ApiError> {

@@ -1,0 +1,62 @@
+//! LoRA admin: `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's bodies and
+//! plain-text success answers, so vLLM tooling works unchanged) and `GET /v1/adapters`.
+
+use std::path::PathBuf;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use peregrine_api::{AdapterList, LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
+
+use super::{fail, SharedState};
+use crate::serve::backend::{InferenceBackend, LoadOutcome};
+use crate::serve::parse::{body_bytes, parse_request};
+
+fn text(message: String) -> Response {
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
+}
+
+pub async fn load<B: InferenceBackend>(State(state): State<SharedState<B>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let request = match body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<LoadLoraAdapterRequest>(&b)) {
+        Ok(r) => r,
+        Err(e) => return fail(&state, e),
+    };
+    let name = request.lora_name;
+    match state.backend.load_adapter(name.clone(), PathBuf::from(&request.lora_path)).await {
+        Ok(loaded) => {
+            let what = match loaded.outcome {
+                LoadOutcome::Loaded => "added successfully",
+                LoadOutcome::Replaced => "replaced successfully",
+                LoadOutcome::AlreadyLoaded => "is already loaded from this path",
+            };
+            tracing::info!(adapter = %name, path = %request.lora_path, rank = loaded.adapter.rank, outcome = what, "LoRA adapter load");
+            text(format!("Success: LoRA adapter '{name}' {what}."))
+        }
+        Err(e) => fail(&state, e),
+    }
+}
+
+pub async fn unload<B: InferenceBackend>(State(state): State<SharedState<B>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let request = match body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<UnloadLoraAdapterRequest>(&b)) {
+        Ok(r) => r,
+        Err(e) => return fail(&state, e),
+    };
+    let name = request.lora_name;
+    match state.backend.unload_adapter(name.clone()).await {
+        Ok(info) => {
+            tracing::info!(adapter = %name, in_flight = info.in_flight, "LoRA adapter unloaded");
+            text(format!("Success: LoRA adapter '{name}' removed successfully."))
+        }
+        Err(e) => fail(&state, e),
+    }
+}
+
+pub async fn list<B: InferenceBackend>(State(state): State<SharedState<B>>) -> Response {
+    match state.backend.adapters().await {
+        Ok(data) => Json(AdapterList { object: "list".into(), data }).into_response(),
+        Err(e) => fail(&state, e),
+    }
+}

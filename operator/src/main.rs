@@ -1,4 +1,5 @@
-//! `peregrine-operator`: runs the ModelDeployment and LoraAdapter controllers behind a leader Lease.
+//! `peregrine-operator`: runs the ModelDeployment and LoraAdapter controllers and the autoscaler
+//! behind a leader Lease.
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -10,6 +11,7 @@ use clap::Parser;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};
 use peregrine_operator::agent_client::HttpAgentClient;
+use peregrine_operator::autoscaler::controller::{Autoscaler, AutoscalerConfig};
 use peregrine_operator::config::OperatorConfig;
 use peregrine_operator::leader::{self, LeaseLock};
 use peregrine_operator::metrics::Metrics;
@@ -51,6 +53,15 @@ struct Args {
     lease_namespace: String,
     #[arg(long, env = "PEREGRINE_LEASE_NAME", default_value = "peregrine-operator-leader")]
     lease_name: String,
+    /// Autoscaler: seconds between rounds (scrape every autoscaled deployment's pods, decide, scale).
+    #[arg(long, env = "PEREGRINE_AUTOSCALER_INTERVAL_SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    autoscaler_interval_seconds: u64,
+    /// Autoscaler: timeout of one pod's /metrics scrape.
+    #[arg(long, env = "PEREGRINE_AUTOSCALER_SCRAPE_TIMEOUT_SECONDS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    autoscaler_scrape_timeout_seconds: u64,
+    /// Turn the autoscaler off (spec.replicas is then used as written).
+    #[arg(long, env = "PEREGRINE_AUTOSCALER_ENABLED", default_value_t = true, action = clap::ArgAction::Set)]
+    autoscaler_enabled: bool,
     /// Log JSON lines instead of text.
     #[arg(long, env = "PEREGRINE_LOG_JSON", default_value_t = false, action = clap::ArgAction::Set)]
     log_json: bool,
@@ -84,16 +95,40 @@ async fn main() -> anyhow::Result<()> {
     let metrics = Metrics::default();
     let ctx = Context::new(client.clone(), config, Arc::new(agent), metrics.clone());
 
+    let server_metrics = metrics.clone();
     let ready = Arc::new(AtomicBool::new(true));
     let listener = tokio::net::TcpListener::bind(args.metrics_addr).await.with_context(|| format!("binding {}", args.metrics_addr))?;
     info!(addr = %args.metrics_addr, "serving /metrics, /healthz, /readyz");
-    let server = tokio::spawn(async move { axum::serve(listener, router(ServerState { metrics, ready })).await });
+    let server = tokio::spawn(async move { axum::serve(listener, router(ServerState { metrics: server_metrics, ready })).await });
+
+    let autoscaler = if args.autoscaler_enabled {
+        let config = AutoscalerConfig {
+            interval: Duration::from_secs(args.autoscaler_interval_seconds),
+            scrape_timeout: Duration::from_secs(args.autoscaler_scrape_timeout_seconds),
+            namespace: args.watch_namespace.clone(),
+        };
+        Some(Autoscaler::new(client.clone(), config, metrics.autoscaler.clone()).context("building autoscaler")?)
+    } else {
+        None
+    };
 
     let controllers = async {
-        tokio::join!(
-            model_deployment::run(ctx.clone(), args.watch_namespace.clone()),
-            lora_adapter::run(ctx.clone(), args.watch_namespace.clone())
-        );
+        // The autoscaler loops forever; the controllers end on a shutdown signal, which ends this.
+        let autoscale = async {
+            match autoscaler {
+                Some(a) => a.run().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = async {
+                tokio::join!(
+                    model_deployment::run(ctx.clone(), args.watch_namespace.clone()),
+                    lora_adapter::run(ctx.clone(), args.watch_namespace.clone())
+                )
+            } => {}
+            () = autoscale => {}
+        }
     };
 
     if args.leader_election {

@@ -15,6 +15,8 @@ use peregrine_operator::autoscaler::controller::{Autoscaler, AutoscalerConfig};
 use peregrine_operator::config::OperatorConfig;
 use peregrine_operator::leader::{self, LeaseLock};
 use peregrine_operator::metrics::Metrics;
+use peregrine_operator::regression::OpenAiClient;
+use peregrine_operator::rollout::HttpSuiteRunner;
 use peregrine_operator::server::{router, ServerState};
 use peregrine_operator::{lora_adapter, model_deployment, telemetry, Context};
 use tracing::{error, info};
@@ -45,6 +47,12 @@ struct Args {
     /// Timeout of one call to an agent's admin API.
     #[arg(long, env = "PEREGRINE_AGENT_TIMEOUT_SECONDS", default_value_t = 120)]
     agent_timeout_seconds: u64,
+    /// Longest a rollout step's canary pods may take to become ready before the step fails.
+    #[arg(long, env = "PEREGRINE_CANARY_DEADLINE_SECONDS", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    canary_deadline_seconds: u64,
+    /// Timeout of one regression-suite request to an agent (generation included).
+    #[arg(long, env = "PEREGRINE_REGRESSION_TIMEOUT_SECONDS", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    regression_timeout_seconds: u64,
     /// Leader election: off runs the controllers at once (a single replica only).
     #[arg(long, env = "PEREGRINE_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
     leader_election: bool,
@@ -86,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
         agent_port: args.agent_port,
         drain_seconds: args.agent_drain_seconds,
         startup_seconds: args.agent_startup_seconds,
+        canary_deadline: Duration::from_secs(args.canary_deadline_seconds),
         ..OperatorConfig::default()
     };
     if let Some(image) = args.agent_image {
@@ -93,7 +102,9 @@ async fn main() -> anyhow::Result<()> {
     }
     let agent = HttpAgentClient::new(Duration::from_secs(args.agent_timeout_seconds)).context("building agent client")?;
     let metrics = Metrics::default();
-    let ctx = Context::new(client.clone(), config, Arc::new(agent), metrics.clone());
+    let suite_client = OpenAiClient::new(Duration::from_secs(args.regression_timeout_seconds)).context("building regression client")?;
+    let runner = Arc::new(HttpSuiteRunner { client: suite_client });
+    let ctx = Context::new(client.clone(), config, Arc::new(agent), metrics.clone(), runner);
 
     let server_metrics = metrics.clone();
     let ready = Arc::new(AtomicBool::new(true));

@@ -24,6 +24,8 @@ run: model
 
 # Every test. One build of the workspace; integration tests drive the built binaries.
 test: model python-deps
+	# Integration tests of other packages (e2e) run the agent binary; cargo builds it only on request.
+	$(CARGO) build -p peregrine-agent --locked
 	PEREGRINE_TEST_MODEL="$$(scripts/fetch-model.sh)" PEREGRINE_PYTHON="$$(scripts/python-deps.sh)" \
 		$(CARGO) test --workspace --locked
 

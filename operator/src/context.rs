@@ -12,6 +12,7 @@ use kube::Client;
 use crate::agent_client::AgentApi;
 use crate::config::OperatorConfig;
 use crate::metrics::Metrics;
+use crate::rollout::{RolloutContext, SuiteRunner};
 
 pub struct Context {
     pub client: Client,
@@ -20,13 +21,29 @@ pub struct Context {
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub backoff: FailureBackoff,
+    /// What staged rollouts need: the regression-suite runner, the canary deadline, the recorder.
+    pub rollout: RolloutContext,
 }
 
 impl Context {
-    pub fn new(client: Client, config: OperatorConfig, agent: Arc<dyn AgentApi>, metrics: Metrics) -> Arc<Context> {
+    /// `runner` runs rollouts' regression suites (`rollout::HttpSuiteRunner` in the binary).
+    pub fn new(
+        client: Client,
+        config: OperatorConfig,
+        agent: Arc<dyn AgentApi>,
+        metrics: Metrics,
+        runner: Arc<dyn SuiteRunner>,
+    ) -> Arc<Context> {
         let reporter = Reporter { controller: "peregrine-operator".into(), instance: std::env::var("POD_NAME").ok() };
         let recorder = Recorder::new(client.clone(), reporter);
-        Arc::new(Context { client, config, agent, metrics, recorder, backoff: FailureBackoff::default() })
+        let rollout = RolloutContext {
+            client: client.clone(),
+            runner,
+            agent_port: config.agent_port,
+            canary_deadline: config.canary_deadline,
+            recorder: Some(recorder.clone()),
+        };
+        Arc::new(Context { client, config, agent, metrics, recorder, backoff: FailureBackoff::default(), rollout })
     }
 }
 

@@ -16,6 +16,8 @@ pub enum Error {
     Serialize(#[from] serde_json::Error),
     #[error("finalizer: {0}")]
     Finalizer(String),
+    #[error("rollout: {0}")]
+    Rollout(#[from] crate::rollout::RolloutError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -30,6 +32,7 @@ impl Error {
             Error::MissingField(_) => "missing_field",
             Error::Serialize(_) => "serialize",
             Error::Finalizer(_) => "finalizer",
+            Error::Rollout(_) => "rollout",
         }
     }
 }

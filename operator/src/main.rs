@@ -1,4 +1,5 @@
-//! `peregrine-operator`: runs the ModelDeployment and LoraAdapter controllers behind a leader Lease.
+//! `peregrine-operator`: runs the ModelDeployment and LoraAdapter controllers and the autoscaler
+//! behind a leader Lease.
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -10,9 +11,12 @@ use clap::Parser;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};
 use peregrine_operator::agent_client::HttpAgentClient;
+use peregrine_operator::autoscaler::controller::{Autoscaler, AutoscalerConfig};
 use peregrine_operator::config::OperatorConfig;
 use peregrine_operator::leader::{self, LeaseLock};
 use peregrine_operator::metrics::Metrics;
+use peregrine_operator::regression::OpenAiClient;
+use peregrine_operator::rollout::HttpSuiteRunner;
 use peregrine_operator::server::{router, ServerState};
 use peregrine_operator::{lora_adapter, model_deployment, telemetry, Context};
 use tracing::{error, info};
@@ -43,6 +47,12 @@ struct Args {
     /// Timeout of one call to an agent's admin API.
     #[arg(long, env = "PEREGRINE_AGENT_TIMEOUT_SECONDS", default_value_t = 120)]
     agent_timeout_seconds: u64,
+    /// Longest a rollout step's canary pods may take to become ready before the step fails.
+    #[arg(long, env = "PEREGRINE_CANARY_DEADLINE_SECONDS", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    canary_deadline_seconds: u64,
+    /// Timeout of one regression-suite request to an agent (generation included).
+    #[arg(long, env = "PEREGRINE_REGRESSION_TIMEOUT_SECONDS", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    regression_timeout_seconds: u64,
     /// Leader election: off runs the controllers at once (a single replica only).
     #[arg(long, env = "PEREGRINE_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
     leader_election: bool,
@@ -51,6 +61,15 @@ struct Args {
     lease_namespace: String,
     #[arg(long, env = "PEREGRINE_LEASE_NAME", default_value = "peregrine-operator-leader")]
     lease_name: String,
+    /// Autoscaler: seconds between rounds (scrape every autoscaled deployment's pods, decide, scale).
+    #[arg(long, env = "PEREGRINE_AUTOSCALER_INTERVAL_SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    autoscaler_interval_seconds: u64,
+    /// Autoscaler: timeout of one pod's /metrics scrape.
+    #[arg(long, env = "PEREGRINE_AUTOSCALER_SCRAPE_TIMEOUT_SECONDS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    autoscaler_scrape_timeout_seconds: u64,
+    /// Turn the autoscaler off (spec.replicas is then used as written).
+    #[arg(long, env = "PEREGRINE_AUTOSCALER_ENABLED", default_value_t = true, action = clap::ArgAction::Set)]
+    autoscaler_enabled: bool,
     /// Log JSON lines instead of text.
     #[arg(long, env = "PEREGRINE_LOG_JSON", default_value_t = false, action = clap::ArgAction::Set)]
     log_json: bool,
@@ -75,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
         agent_port: args.agent_port,
         drain_seconds: args.agent_drain_seconds,
         startup_seconds: args.agent_startup_seconds,
+        canary_deadline: Duration::from_secs(args.canary_deadline_seconds),
         ..OperatorConfig::default()
     };
     if let Some(image) = args.agent_image {
@@ -82,18 +102,44 @@ async fn main() -> anyhow::Result<()> {
     }
     let agent = HttpAgentClient::new(Duration::from_secs(args.agent_timeout_seconds)).context("building agent client")?;
     let metrics = Metrics::default();
-    let ctx = Context::new(client.clone(), config, Arc::new(agent), metrics.clone());
+    let suite_client = OpenAiClient::new(Duration::from_secs(args.regression_timeout_seconds)).context("building regression client")?;
+    let runner = Arc::new(HttpSuiteRunner { client: suite_client });
+    let ctx = Context::new(client.clone(), config, Arc::new(agent), metrics.clone(), runner);
 
+    let server_metrics = metrics.clone();
     let ready = Arc::new(AtomicBool::new(true));
     let listener = tokio::net::TcpListener::bind(args.metrics_addr).await.with_context(|| format!("binding {}", args.metrics_addr))?;
     info!(addr = %args.metrics_addr, "serving /metrics, /healthz, /readyz");
-    let server = tokio::spawn(async move { axum::serve(listener, router(ServerState { metrics, ready })).await });
+    let server = tokio::spawn(async move { axum::serve(listener, router(ServerState { metrics: server_metrics, ready })).await });
+
+    let autoscaler = if args.autoscaler_enabled {
+        let config = AutoscalerConfig {
+            interval: Duration::from_secs(args.autoscaler_interval_seconds),
+            scrape_timeout: Duration::from_secs(args.autoscaler_scrape_timeout_seconds),
+            namespace: args.watch_namespace.clone(),
+        };
+        Some(Autoscaler::new(client.clone(), config, metrics.autoscaler.clone()).context("building autoscaler")?)
+    } else {
+        None
+    };
 
     let controllers = async {
-        tokio::join!(
-            model_deployment::run(ctx.clone(), args.watch_namespace.clone()),
-            lora_adapter::run(ctx.clone(), args.watch_namespace.clone())
-        );
+        // The autoscaler loops forever; the controllers end on a shutdown signal, which ends this.
+        let autoscale = async {
+            match autoscaler {
+                Some(a) => a.run().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = async {
+                tokio::join!(
+                    model_deployment::run(ctx.clone(), args.watch_namespace.clone()),
+                    lora_adapter::run(ctx.clone(), args.watch_namespace.clone())
+                )
+            } => {}
+            () = autoscale => {}
+        }
     };
 
     if args.leader_election {

@@ -9,6 +9,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::autoscaler::metrics::AutoscalerMetrics;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
     pub controller: &'static str,
@@ -34,11 +36,17 @@ pub struct Metrics {
     pub failures: Family<FailureLabels, Counter>,
     pub duration: Family<ControllerLabels, Histogram>,
     pub adapter_calls: Family<AdapterCallLabels, Counter>,
+    /// The autoscaler's `peregrine_autoscaler_*` series, served from the same `/metrics`.
+    pub autoscaler: AutoscalerMetrics,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("peregrine_operator");
+        // The root has no prefix so the autoscaler keeps its own `peregrine_autoscaler_*` names;
+        // the controllers' series live under `peregrine_operator_*`.
+        let mut root = Registry::default();
+        let autoscaler = AutoscalerMetrics::register(&mut root);
+        let registry = root.sub_registry_with_prefix("peregrine_operator");
         let reconciliations = Family::<ControllerLabels, Counter>::default();
         let failures = Family::<FailureLabels, Counter>::default();
         // 5 ms to ~10 s: reconciliations are API round trips, adapter loads take seconds.
@@ -54,7 +62,7 @@ impl Default for Metrics {
             duration.clone(),
         );
         registry.register("adapter_calls", "Calls to agents' adapter API, by operation and result", adapter_calls.clone());
-        Metrics { registry: Arc::new(registry), reconciliations, failures, duration, adapter_calls }
+        Metrics { registry: Arc::new(root), reconciliations, failures, duration, adapter_calls, autoscaler }
     }
 }
 

@@ -23,6 +23,7 @@ use tracing::{info, warn};
 
 use crate::conditions::is_true;
 use crate::desired::{deployment::desired_deployment, selector_string, service::desired_service};
+use crate::rollout;
 use crate::status::model_deployment_status;
 use crate::validate::{validate_spec, SpecError};
 use crate::{Context, Error, Result, FIELD_MANAGER};
@@ -58,15 +59,20 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
     }
 
     let apply = PatchParams::apply(FIELD_MANAGER).force();
-    let deployment = desired_deployment(&md, &uri, &ctx.config);
-    let deployment = Api::<Deployment>::namespaced(ctx.client.clone(), &ns).patch(&name, &apply, &Patch::Apply(&deployment)).await?;
+    let desired = desired_deployment(&md, &uri, &ctx.config);
+    // The rollout controller applies the stable Deployment (and any canary) itself, so that a
+    // pod-changing edit goes out in gated steps instead of one rolling update.
+    let rollout = rollout::reconcile(&md, desired, &ctx.rollout).await?;
+    let deployment = rollout.stable;
     let service = desired_service(&md, port);
     Api::<Service>::namespaced(ctx.client.clone(), &ns).patch(&name, &apply, &Patch::Apply(&service)).await?;
 
     open_readiness_gates(&md, &ns, &ctx, &now).await?;
 
     let ready = write_status(&md, &ctx, Some(&deployment), None, &now).await?;
-    Ok(if ready { Action::requeue(Duration::from_secs(300)) } else { Action::requeue(Duration::from_secs(15)) })
+    let requeue = if ready { Duration::from_secs(300) } else { Duration::from_secs(15) };
+    // A rollout step (pause, canary deadline, retry) may need to be looked at sooner.
+    Ok(Action::requeue(rollout.requeue.map_or(requeue, |r| r.min(requeue))))
 }
 
 /// Writes the status (server-side apply of the fields this controller owns) and publishes an Event

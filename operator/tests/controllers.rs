@@ -45,12 +45,19 @@ async fn model_deployment_create_applies_deployment_service_and_status() {
     assert_eq!(
         h.api.calls(),
         [
+            // The rollout controller reads the stable and canary Deployments, applies the stable
+            // one and writes status.rollout under its own field manager.
+            format!("GET {deploy_path}"),
+            format!("GET {deploy_path}-canary"),
             format!("PATCH {deploy_path}"),
+            format!("PATCH {}/status", md_path("smol")),
             format!("PATCH {service_path}"),
             format!("GET /api/v1/namespaces/{NS}/pods"),
             format!("PATCH {}/status", md_path("smol")),
         ]
     );
+    let rollout_status = h.api.request("PATCH", &format!("{}/status", md_path("smol"))).unwrap();
+    assert!(rollout_status.query.contains("fieldManager=peregrine-operator-rollout"), "{}", rollout_status.query);
     // One field manager, server-side apply, forced.
     let apply = h.api.request("PATCH", &deploy_path).unwrap();
     assert!(apply.content_type.starts_with("application/apply-patch"), "{}", apply.content_type);

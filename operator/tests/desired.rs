@@ -46,12 +46,12 @@ fn every_engine_setting_becomes_its_agent_flag() {
     let want: Vec<String> = [
         "serve", "--model", "/models/Llama-3.1-8B-Instruct",
         "--served-model-name", "meta-llama/Llama-3.1-8B-Instruct",
-        "--host", "0.0.0.0", "--port", "8000", "--device", "cuda",
+        "--host", "0.0.0.0", "--port", "8000", "--device", "cuda", "--enable-lora",
         "--load-format", "safetensors",
-        "--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "256",
+        "--max-model-len", "8192", "--max-num-seqs", "256",
         "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.9",
         "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "16",
-        "--enable-prefix-caching", "--log-format=json",
+        "--log-json",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -60,12 +60,47 @@ fn every_engine_setting_becomes_its_agent_flag() {
 
     // Unset settings are left to the agent's defaults; the name defaults to the object's.
     let args = agent_args(&minimal("file:///m.gguf", "auto"), "/m.gguf", 8000);
-    assert_eq!(args, ["serve", "--model", "/m.gguf", "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000", "--device", "cpu"]);
+    assert_eq!(args, ["serve", "--model", "/m.gguf", "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000", "--device", "cpu", "--enable-lora"]);
 
     let mut off = minimal("file:///m.gguf", "gguf");
     off.spec.engine.enable_prefix_caching = Some(false);
     let args = agent_args(&off, "/m.gguf", 8000);
-    assert!(args.ends_with(&["--load-format".to_string(), "gguf".into(), "--no-enable-prefix-caching".into()]), "{args:?}");
+    assert!(args.ends_with(&["--load-format".to_string(), "gguf".into(), "--disable-prefix-caching".into()]), "{args:?}");
+    assert_agent_accepts(&args);
+}
+
+/// Long flags of `peregrine-agent serve` (agent/src/runtime.rs `RuntimeArgs`, agent/src/serve/args.rs),
+/// plus those the GPU/LoRA work adds to it (`--device`, `--gpu-memory-utilization`, `--max-loras`,
+/// `--max-lora-rank`, `--max-cpu-loras`). The agent's names are the truth: a flag the operator
+/// generates that is not here makes the pod crash-loop on "unexpected argument".
+const AGENT_SERVE_FLAGS: &[&str] = &[
+    "model", "load-format", "max-model-len", "max-num-seqs", "max-num-batched-tokens", "block-size", "num-kv-blocks",
+    "kv-cache-memory", "disable-prefix-caching", "threads", "seed", "served-model-name", "host", "port",
+    "max-waiting-requests", "max-body-bytes", "api-key", "api-keys-file", "rate-limit-rpm", "rate-limit-tpm",
+    "drain-delay", "shutdown-grace-period", "otlp-endpoint", "log-json",
+    "device", "gpu-memory-utilization", "max-loras", "max-lora-rank", "max-cpu-loras", "lora-modules", "enable-lora",
+];
+
+fn assert_agent_accepts(args: &[String]) {
+    assert_eq!(args[0], "serve");
+    for arg in args.iter().filter_map(|a| a.strip_prefix("--")) {
+        let name = arg.split('=').next().unwrap();
+        assert!(AGENT_SERVE_FLAGS.contains(&name), "peregrine-agent serve has no --{name} (args: {args:?})");
+    }
+}
+
+#[test]
+fn generated_flags_are_the_agents() {
+    // Every engine setting set, prefix caching both ways, GPU and CPU.
+    let mut md = full();
+    assert_agent_accepts(&agent_args(&md, "/m", 8000));
+    md.spec.engine.enable_prefix_caching = Some(false);
+    md.spec.engine.extra_args.clear();
+    let args = agent_args(&md, "/m", 8000);
+    assert!(args.contains(&"--disable-prefix-caching".to_string()), "{args:?}");
+    assert!(!args.iter().any(|a| a.contains("dtype") || a.contains("enable-prefix")), "{args:?}");
+    assert_agent_accepts(&args);
+    assert_agent_accepts(&agent_args(&minimal("file:///m.gguf", "gguf"), "/m.gguf", 8000));
 }
 
 #[test]

@@ -51,11 +51,13 @@ pub struct AutoscalerConfig {
     pub interval: Duration,
     /// Per-pod `/metrics` timeout.
     pub scrape_timeout: Duration,
+    /// Only this namespace (`--watch-namespace`; a namespaced install has no right to list others).
+    pub namespace: Option<String>,
 }
 
 impl Default for AutoscalerConfig {
     fn default() -> Self {
-        AutoscalerConfig { interval: Duration::from_secs(15), scrape_timeout: Duration::from_secs(3) }
+        AutoscalerConfig { interval: Duration::from_secs(15), scrape_timeout: Duration::from_secs(3), namespace: None }
     }
 }
 
@@ -97,7 +99,10 @@ impl Autoscaler {
 
     /// One round over every autoscaled deployment.
     pub async fn round(&mut self) -> Result<(), AutoscalerError> {
-        let all: Api<ModelDeployment> = Api::all(self.client.clone());
+        let all: Api<ModelDeployment> = match &self.config.namespace {
+            Some(ns) => Api::namespaced(self.client.clone(), ns),
+            None => Api::all(self.client.clone()),
+        };
         let deployments = all.list(&ListParams::default()).await?;
         let mut seen = Vec::new();
         for md in deployments.items.iter().filter(|md| md.spec.autoscaling.is_some()) {

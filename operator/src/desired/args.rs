@@ -4,8 +4,9 @@ use peregrine_crds::{ModelDeployment, ModelFormat};
 
 /// Arguments of the agent container. `model_path` is where the model is inside the container.
 ///
-/// The flags follow vLLM's names, so that operators who know vLLM read them at sight; unset engine
-/// fields are left out so the agent's own defaults apply.
+/// The flags are `peregrine-agent serve`'s own (mostly vLLM's names); unset engine fields are left
+/// out so the agent's own defaults apply. `spec.engine.dtype` is not passed: the agent has no
+/// `--dtype` yet and picks the dtype from the weights (see docs/crd-reference.md).
 pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<String> {
     let spec = &md.spec;
     let engine = &spec.engine;
@@ -21,6 +22,8 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
         port.to_string(),
         "--device".to_string(),
         if spec.resources.gpus > 0 { "cuda" } else { "cpu" }.to_string(),
+        // The operator pushes adapters into every pod; an agent started without LoRA refuses them.
+        "--enable-lora".to_string(),
     ];
     if spec.model.format != ModelFormat::Auto {
         args.extend(["--load-format".to_string(), spec.model.format.as_flag().to_string()]);
@@ -31,7 +34,6 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
             args.push(value);
         }
     };
-    flag("dtype", engine.dtype.map(|d| d.as_flag().to_string()));
     flag("max-model-len", engine.max_model_len.map(|v| v.to_string()));
     flag("max-num-seqs", engine.max_num_seqs.map(|v| v.to_string()));
     flag("max-num-batched-tokens", engine.max_num_batched_tokens.map(|v| v.to_string()));
@@ -39,10 +41,9 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
     flag("max-loras", engine.max_loras.map(|v| v.to_string()));
     flag("max-lora-rank", engine.max_lora_rank.map(|v| v.to_string()));
     flag("max-cpu-loras", engine.max_cpu_loras.map(|v| v.to_string()));
-    match engine.enable_prefix_caching {
-        Some(true) => args.push("--enable-prefix-caching".to_string()),
-        Some(false) => args.push("--no-enable-prefix-caching".to_string()),
-        None => {}
+    // Prefix caching is on by default in the agent; it only has a flag to turn it off.
+    if engine.enable_prefix_caching == Some(false) {
+        args.push("--disable-prefix-caching".to_string());
     }
     args.extend(engine.extra_args.iter().cloned());
     args

@@ -16,6 +16,8 @@ use kube::Client;
 use peregrine_operator::agent_client::{AgentApi, AgentError, ModelEntry};
 use peregrine_operator::config::OperatorConfig;
 use peregrine_operator::metrics::Metrics;
+use peregrine_operator::regression::OpenAiClient;
+use peregrine_operator::rollout::HttpSuiteRunner;
 use peregrine_operator::Context;
 use serde_json::{json, Value};
 
@@ -293,7 +295,9 @@ pub fn harness() -> Harness {
     let api = Arc::new(FakeApi::default());
     let agent = Arc::new(FakeAgent::default());
     let client = fake_client(api.clone());
-    let ctx = Context::new(client, OperatorConfig::default(), agent.clone(), Metrics::default());
+    // These specs have no regression suite: the runner is never called.
+    let runner = Arc::new(HttpSuiteRunner { client: OpenAiClient::new(std::time::Duration::from_secs(5)).unwrap() });
+    let ctx = Context::new(client, OperatorConfig::default(), agent.clone(), Metrics::default(), runner);
     Harness { api, agent, ctx }
 }
 

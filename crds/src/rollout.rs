@@ -37,9 +37,15 @@ pub struct RolloutSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regression: Option<RegressionSpec>,
     /// Failed regression runs tolerated before the rollout is aborted (default 0: the first fails it).
+    /// A canary that misses `progressDeadlineSeconds` is not counted here: it fails the rollout.
     #[serde(default)]
     #[schemars(range(min = 0, max = 10))]
     pub max_failures: i32,
+    /// How long a step's canary pods may take to become ready (counted from the step's start)
+    /// before the rollout fails and is rolled back (default 600, like a Deployment's).
+    #[serde(default = "default_progress_deadline")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub progress_deadline_seconds: i32,
     /// Promote after the last step without waiting for the promote annotation (default true).
     #[serde(default = "default_true")]
     pub auto_promote: bool,
@@ -47,6 +53,10 @@ pub struct RolloutSpec {
 
 fn default_true() -> bool {
     true
+}
+
+fn default_progress_deadline() -> i32 {
+    600
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -244,9 +254,14 @@ pub struct RolloutStatus {
     /// Index into `spec.rollout.steps` of the step under way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_step: Option<i32>,
-    /// When the current step started (for `pauseSeconds`).
+    /// When the current step started, or last started over (a retried step, or a canary that lost
+    /// its readiness); `progressDeadlineSeconds` counts from here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_step_started_at: Option<Time>,
+    /// When every canary pod of the current step was first seen ready; the step's pause and its
+    /// regression run count from here. Unset while the canary is not ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary_ready_at: Option<Time>,
     /// Failed regression runs of this update so far.
     #[serde(default)]
     pub failures: i32,

@@ -83,6 +83,7 @@ fn full_example_fills_every_issue_7_and_8_field() {
     assert_eq!(a.provisioned_throughput.unwrap().requests_per_second, Some(20.0));
     let r = md.spec.rollout.unwrap();
     assert!(!r.auto_promote);
+    assert_eq!(r.progress_deadline_seconds, 1800);
     assert_eq!(r.steps[1].canary_percent, Some(50));
     let suite = r.regression.unwrap().suite;
     assert_eq!(suite.cases[1].expect.kind, peregrine_crds::ExpectationKind::SameAsStable);
@@ -113,6 +114,12 @@ fn defaults_match_the_documented_ones() {
     assert_eq!(r.strategy, peregrine_crds::RolloutStrategy::Canary);
     assert!(r.auto_promote);
     assert_eq!(r.max_failures, 0);
+    assert_eq!(r.progress_deadline_seconds, 600, "like a Deployment's progressDeadlineSeconds");
+    // The API server applies the same default and refuses a deadline below one second.
+    let schema = schema_of(&ModelDeployment::crd());
+    let deadline = &schema["properties"]["spec"]["properties"]["rollout"]["properties"]["progressDeadlineSeconds"];
+    assert_eq!(deadline["default"], json!(600));
+    assert_eq!(deadline["minimum"].as_f64(), Some(1.0));
 }
 
 /// Sets `value` at a JSON pointer, creating objects on the way.

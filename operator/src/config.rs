@@ -14,8 +14,6 @@ pub struct OperatorConfig {
     pub startup_seconds: i32,
     /// Images of the init container that fetches remote models.
     pub fetch_images: FetchImages,
-    /// How long a rollout step's canary pods may take to become ready before the step fails.
-    pub canary_deadline: std::time::Duration,
 }
 
 /// One image per remote scheme; each is the tool's official image.
@@ -33,8 +31,6 @@ impl Default for OperatorConfig {
             agent_port: 8000,
             drain_seconds: 30,
             startup_seconds: 1800,
-            // A model load can take minutes; the startup probe allows 30, a canary step 10.
-            canary_deadline: std::time::Duration::from_secs(600),
             fetch_images: FetchImages {
                 s3: "amazon/aws-cli:2.22.0".to_string(),
                 gs: "gcr.io/google.com/cloudsdktool/google-cloud-cli:502.0.0-slim".to_string(),

@@ -21,7 +21,7 @@ pub struct Context {
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub backoff: FailureBackoff,
-    /// What staged rollouts need: the regression-suite runner, the canary deadline, the recorder.
+    /// What staged rollouts need: the regression-suite runner and the recorder.
     pub rollout: RolloutContext,
 }
 
@@ -40,7 +40,6 @@ impl Context {
             client: client.clone(),
             runner,
             agent_port: config.agent_port,
-            canary_deadline: config.canary_deadline,
             recorder: Some(recorder.clone()),
         };
         Arc::new(Context { client, config, agent, metrics, recorder, backoff: FailureBackoff::default(), rollout })

@@ -47,9 +47,6 @@ struct Args {
     /// Timeout of one call to an agent's admin API.
     #[arg(long, env = "PEREGRINE_AGENT_TIMEOUT_SECONDS", default_value_t = 120)]
     agent_timeout_seconds: u64,
-    /// Longest a rollout step's canary pods may take to become ready before the step fails.
-    #[arg(long, env = "PEREGRINE_CANARY_DEADLINE_SECONDS", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
-    canary_deadline_seconds: u64,
     /// Timeout of one regression-suite request to an agent (generation included).
     #[arg(long, env = "PEREGRINE_REGRESSION_TIMEOUT_SECONDS", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
     regression_timeout_seconds: u64,
@@ -94,7 +91,6 @@ async fn main() -> anyhow::Result<()> {
         agent_port: args.agent_port,
         drain_seconds: args.agent_drain_seconds,
         startup_seconds: args.agent_startup_seconds,
-        canary_deadline: Duration::from_secs(args.canary_deadline_seconds),
         ..OperatorConfig::default()
     };
     if let Some(image) = args.agent_image {

@@ -211,6 +211,7 @@ fn model_deployment(image: &str) -> ModelDeployment {
                     thresholds: RegressionThresholds::default(),
                 }),
                 max_failures: 0,
+                progress_deadline_seconds: 600,
                 auto_promote: true,
             }),
             ..Default::default()
@@ -259,7 +260,6 @@ impl Harness {
             client: Client::new(service, NS),
             runner: runner.clone(),
             agent_port: 8000,
-            canary_deadline: Duration::from_secs(600),
             recorder: None,
         };
         Harness { cluster, runner, ctx, md: model_deployment(image) }

@@ -14,7 +14,6 @@ use peregrine_operator::rollout::machine::{canary_replicas, plan, Action, Canary
 const S: &str = "stable0001";
 const U: &str = "update0002";
 const V: &str = "update0003";
-const DEADLINE: Duration = Duration::from_secs(600);
 
 fn t0() -> Timestamp {
     Timestamp::from_second(1_700_000_000).unwrap()
@@ -34,8 +33,14 @@ fn spec(steps: &[(i32, i32, bool)]) -> RolloutSpec {
             .collect(),
         regression: Some(RegressionSpec { suite: Default::default(), thresholds: Default::default() }),
         max_failures: 0,
+        progress_deadline_seconds: 600,
         auto_promote: true,
     }
+}
+
+/// A rollout of U over S at `step`, started at t0, its canary first seen ready at `secs`.
+fn ready_since(step: i32, secs: i64) -> RolloutStatus {
+    RolloutStatus { canary_ready_at: Some(Time(at(secs))), ..at_step(step) }
 }
 
 /// A rollout of U over S at `step`, started at t0.
@@ -114,7 +119,6 @@ fn run(r: &Row) -> Plan {
         controls: &r.controls,
         suite: r.suite.as_ref(),
         now: r.now,
-        canary_deadline: DEADLINE,
     })
 }
 
@@ -182,13 +186,73 @@ fn table() -> Vec<Row> {
             now: at(601),
             ..row("canary never ready: step fails after the deadline, rollback", "stable=Keep actions=[delete-canary,!CanaryNotReady] step=none current=stable0001 update=update0002 progressing=- paused=- failed=CanaryNotReady requeue=none")
         },
+        Row {
+            rollout: Some(RolloutSpec { max_failures: 3, ..spec(&[(1, 0, true), (2, 0, true)]) }),
+            status: at_step(0),
+            observed: observed(Some(S), canary(U, 1, false)),
+            now: at(600),
+            ..row("the progress deadline ignores maxFailures: no retry, rollback", "stable=Keep actions=[delete-canary,!CanaryNotReady] step=none current=stable0001 update=update0002 progressing=- paused=- failed=CanaryNotReady requeue=none")
+        },
+        Row {
+            rollout: Some(RolloutSpec { progress_deadline_seconds: 60, ..spec(&[(1, 0, true), (2, 0, true)]) }),
+            status: at_step(0),
+            observed: observed(Some(S), canary(U, 1, false)),
+            now: at(59),
+            ..row("progressDeadlineSeconds from the spec: still waiting", "stable=Keep actions=[canary(1)] step=0 current=stable0001 update=update0002 progressing=CanaryStarting paused=- failed=- requeue=10s")
+        },
+        Row {
+            rollout: Some(RolloutSpec { progress_deadline_seconds: 60, ..spec(&[(1, 0, true), (2, 0, true)]) }),
+            status: at_step(0),
+            observed: observed(Some(S), canary(U, 1, false)),
+            now: at(60),
+            ..row("progressDeadlineSeconds from the spec: missed", "stable=Keep actions=[delete-canary,!CanaryNotReady] step=none current=stable0001 update=update0002 progressing=- paused=- failed=CanaryNotReady requeue=none")
+        },
+        Row {
+            status: at_step(0),
+            observed: observed(Some(S), Some(CanaryState { revision: Some(U.into()), replicas: 1, ready: false, crash_looping: true })),
+            now: at(599),
+            ..row("a crash-looping canary waits out its deadline", "stable=Keep actions=[canary(1)] step=0 current=stable0001 update=update0002 progressing=CanaryStarting paused=- failed=- requeue=10s")
+        },
+        Row {
+            status: ready_since(0, 100),
+            observed: observed(Some(S), canary(U, 1, false)),
+            now: at(650),
+            ..row("a canary that loses readiness starts the step over", "stable=Keep actions=[canary(1),!CanaryLostReadiness] step=0 current=stable0001 update=update0002 progressing=CanaryStarting paused=- failed=- requeue=10s")
+        },
+        Row {
+            status: ready_since(0, 100),
+            observed: observed(Some(S), Some(CanaryState { revision: Some(U.into()), replicas: 1, ready: false, crash_looping: true })),
+            now: at(650),
+            ..row("a crash-looping canary that was ready keeps its deadline", "stable=Keep actions=[!CanaryLostReadiness,delete-canary,!CanaryNotReady] step=none current=stable0001 update=update0002 progressing=- paused=- failed=CanaryNotReady requeue=none")
+        },
         // --- pause, regression, advance ---
         Row {
             rollout: Some(spec(&[(1, 300, true), (2, 0, true)])),
             status: at_step(0),
             observed: observed(Some(S), canary(U, 1, true)),
             now: at(100),
-            ..row("ready canary pauses for pauseSeconds", "stable=Keep actions=[canary(1)] step=0 current=stable0001 update=update0002 progressing=StepPause paused=StepPause failed=- requeue=200s")
+            ..row("a canary first seen ready starts the pause", "stable=Keep actions=[canary(1)] step=0 current=stable0001 update=update0002 progressing=StepPause paused=StepPause failed=- requeue=300s")
+        },
+        Row {
+            rollout: Some(spec(&[(1, 300, true), (2, 0, true)])),
+            status: ready_since(0, 500),
+            observed: observed(Some(S), canary(U, 1, true)),
+            now: at(700),
+            ..row("the pause counts from canaryReadyAt, not the step's start", "stable=Keep actions=[canary(1)] step=0 current=stable0001 update=update0002 progressing=StepPause paused=StepPause failed=- requeue=100s")
+        },
+        Row {
+            rollout: Some(spec(&[(1, 300, true), (2, 0, true)])),
+            status: ready_since(0, 500),
+            observed: observed(Some(S), canary(U, 1, true)),
+            now: at(800),
+            ..row("the pause over, the suite runs", "stable=Keep actions=[canary(1),regress(0)] step=0 current=stable0001 update=update0002 progressing=RunningRegression paused=- failed=- requeue=10s")
+        },
+        Row {
+            rollout: Some(spec(&[(1, 300, true), (2, 0, true)])),
+            status: ready_since(0, 500),
+            observed: observed(Some(S), canary(U, 1, true)),
+            now: at(2000),
+            ..row("a ready canary is past any deadline", "stable=Keep actions=[canary(1),regress(0)] step=0 current=stable0001 update=update0002 progressing=RunningRegression paused=- failed=- requeue=10s")
         },
         Row {
             status: at_step(0),
@@ -369,6 +433,79 @@ fn a_passed_result_is_recorded_and_the_next_step_clock_starts() {
     let p = run(&r);
     assert_eq!(p.status.step_results, vec![result(0, true)]);
     assert_eq!(p.status.current_step_started_at, Some(Time(at(100))));
+    assert_eq!(p.status.canary_ready_at, None, "the next step's canary has yet to be ready");
+}
+
+#[test]
+fn canary_readiness_is_recorded_once_and_the_step_start_kept() {
+    let mut r = row("", "");
+    r.rollout = Some(spec(&[(1, 300, true), (2, 0, true)]));
+    r.status = at_step(0);
+    r.observed = observed(Some(S), canary(U, 1, true));
+    r.now = at(500);
+    let p = run(&r);
+    assert_eq!(p.status.canary_ready_at, Some(Time(at(500))));
+    assert_eq!(p.status.current_step_started_at, Some(Time(t0())));
+    // Seen again later: the first moment stays.
+    r.status = p.status;
+    r.now = at(600);
+    assert_eq!(run(&r).status.canary_ready_at, Some(Time(at(500))));
+}
+
+#[test]
+fn lost_readiness_restarts_the_deadline_unless_crash_looping() {
+    let mut r = row("", "");
+    r.status = ready_since(0, 100);
+    r.observed = observed(Some(S), canary(U, 1, false));
+    r.now = at(650);
+    let p = run(&r);
+    assert_eq!(p.status.canary_ready_at, None);
+    assert_eq!(p.status.current_step_started_at, Some(Time(at(650))));
+    assert_eq!(p.status.failures, 0);
+
+    r.observed = observed(Some(S), Some(CanaryState { revision: Some(U.into()), replicas: 1, ready: false, crash_looping: true }));
+    r.now = at(300);
+    let p = run(&r);
+    assert_eq!(p.status.current_step_started_at, Some(Time(t0())), "a crash loop keeps the step's deadline");
+}
+
+#[test]
+fn a_missed_deadline_is_not_a_regression_failure() {
+    let mut r = row("", "");
+    r.rollout = Some(RolloutSpec { max_failures: 2, ..spec(&[(1, 0, true), (2, 0, true)]) });
+    r.status = RolloutStatus { failures: 1, ..at_step(0) };
+    r.observed = observed(Some(S), Some(CanaryState { revision: Some(U.into()), replicas: 1, ready: false, crash_looping: true }));
+    r.now = at(600);
+    let p = run(&r);
+    assert_eq!(p.status.failures, 1, "maxFailures counts failed regression runs only");
+    let last = p.status.step_results.last().unwrap();
+    assert!(!last.passed);
+    assert_eq!((last.cases, last.started_at.clone(), last.finished_at.clone()), (0, Some(Time(t0())), Some(Time(at(600)))));
+    let failed = p.condition(CONDITION_ROLLOUT_FAILED).unwrap();
+    assert!(
+        failed.message.contains("progressDeadlineSeconds (600s)") && failed.message.contains("crash-looping") && failed.message.starts_with("step 1:"),
+        "{}",
+        failed.message
+    );
+}
+
+#[test]
+fn a_retried_step_waits_for_readiness_again_before_its_pause() {
+    let mut r = row("", "");
+    r.rollout = Some(RolloutSpec { max_failures: 1, ..spec(&[(1, 60, true), (2, 0, true)]) });
+    r.status = ready_since(0, 10);
+    r.observed = observed(Some(S), canary(U, 1, true));
+    r.suite = Some(result(0, false));
+    r.now = at(100);
+    let p = run(&r);
+    assert_eq!(p.status.canary_ready_at, None);
+    assert_eq!(p.status.current_step_started_at, Some(Time(at(100))));
+    r.status = p.status;
+    r.suite = None;
+    r.now = at(130);
+    let p = run(&r);
+    assert_eq!(p.status.canary_ready_at, Some(Time(at(130))));
+    assert_eq!(p.requeue, Some(Duration::from_secs(60)), "a full pause again");
 }
 
 #[test]

@@ -76,8 +76,6 @@ pub struct RolloutContext {
     pub runner: Arc<dyn SuiteRunner>,
     /// Port of the agents' HTTP API.
     pub agent_port: i32,
-    /// How long a step's canary may take to become ready before the step fails.
-    pub canary_deadline: Duration,
     /// Where Events go (none in tests).
     pub recorder: Option<Recorder>,
 }
@@ -124,7 +122,6 @@ pub async fn reconcile(md: &ModelDeployment, desired: Deployment, ctx: &RolloutC
         controls: &controls,
         suite: None,
         now: jiff::Timestamp::now(),
-        canary_deadline: ctx.canary_deadline,
     };
     let mut plan = machine::plan(&input);
 

@@ -8,8 +8,10 @@
 //! Phases, for an update revision `U` and a stable revision `S` (what the stable Deployment runs):
 //! - settled (`U == S`, or nothing to roll out from): the stable Deployment takes the spec as is;
 //! - step `i` of `n`: the canary Deployment runs `U` with the step's replica count next to the
-//!   untouched stable one; once its pods are ready and `pauseSeconds` since the step's start have
-//!   passed, the regression suite runs (if the step asks), and a pass moves on to step `i + 1`;
+//!   untouched stable one; its pods must be ready within `progressDeadlineSeconds` of the step's
+//!   start (else the rollout fails, whatever `maxFailures` says); once they are, `pauseSeconds`
+//!   counted from that moment (`canaryReadyAt`) must pass, then the regression suite runs (if the
+//!   step asks), and a pass moves on to step `i + 1`;
 //! - promoting (step index `n`): the stable Deployment takes `U` (a rolling update that never drops
 //!   below its replica count) while the canary keeps serving; once stable has rolled out, the canary
 //!   goes and `U` becomes current;
@@ -51,6 +53,7 @@ pub mod reasons {
     pub const NO_FAILURE: &str = "NoFailure";
     pub const REGRESSION_FAILED: &str = "RegressionFailed";
     pub const CANARY_NOT_READY: &str = "CanaryNotReady";
+    pub const CANARY_LOST_READINESS: &str = "CanaryLostReadiness";
     pub const ABORTED: &str = "Aborted";
     // Event reasons.
     pub const ROLLOUT_STARTED: &str = "RolloutStarted";
@@ -131,8 +134,6 @@ pub struct Input<'a> {
     /// Result of the regression run the previous plan asked for, if it has been run.
     pub suite: Option<&'a StepResult>,
     pub now: Timestamp,
-    /// How long a step's canary may take to become ready.
-    pub canary_deadline: Duration,
 }
 
 /// Which template the stable Deployment gets.
@@ -242,6 +243,7 @@ fn settled(input: &Input, mut actions: Vec<Action>) -> Plan {
             update_revision: Some(upd.to_string()),
             current_step: None,
             current_step_started_at: None,
+            canary_ready_at: None,
             failures: if keep_results { input.status.failures } else { 0 },
             step_results: if keep_results { input.status.step_results.clone() } else { Vec::new() },
         },
@@ -290,6 +292,7 @@ fn hold_failed(input: &Input, stable_revision: &str, failure: &Failure) -> Plan 
     status.update_revision = Some(input.update_revision.to_string());
     status.current_step = None;
     status.current_step_started_at = None;
+    status.canary_ready_at = None;
     Plan {
         stable: StableTemplate::Keep,
         actions: if input.observed.canary.is_some() { vec![Action::DeleteCanary] } else { Vec::new() },
@@ -341,6 +344,7 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
             update_revision: Some(upd.to_string()),
             current_step: Some(0),
             current_step_started_at: Some(now.clone()),
+            canary_ready_at: None,
             failures: 0,
             step_results: Vec::new(),
         };
@@ -355,6 +359,7 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
         step = n;
         st.current_step = Some(n);
         st.current_step_started_at = Some(now.clone());
+        st.canary_ready_at = None;
     }
     if step >= n {
         return promoting(st, actions, upd);
@@ -364,7 +369,6 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
     let target = canary_replicas(step_spec, input.replicas);
     let label = format!("step {}/{n}", step + 1);
     actions.push(Action::EnsureCanary { replicas: target });
-    let elapsed = since(input.now, st.current_step_started_at.as_ref());
     let canary = input.observed.canary.as_ref();
     let ready = canary.is_some_and(|c| c.revision.as_deref() == Some(upd) && c.replicas == target && c.ready);
     let running = |reason: &str, message: String| Cond::new(CONDITION_ROLLOUT_PROGRESSING, true, reason, message);
@@ -372,16 +376,30 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
     if !ready {
         let crash = canary.is_some_and(|c| c.crash_looping);
         let note = if crash { " (a canary pod is crash-looping)" } else { "" };
-        if elapsed >= input.canary_deadline {
+        if st.canary_ready_at.take().is_some() {
+            // Ready earlier in this step, not any more (a pod restarted or was evicted): its
+            // observation starts over once it is ready again, and so does its deadline, except
+            // for a crash-looping canary, whose brief ready spells must not hold the rollout forever.
+            if !crash {
+                st.current_step_started_at = Some(now.clone());
+            }
+            actions.push(event(true, reasons::CANARY_LOST_READINESS, format!("{label}: canary pods of {upd} are no longer ready{note}")));
+        }
+        let deadline = Duration::from_secs(u64::from(spec.progress_deadline_seconds.max(1).unsigned_abs()));
+        if since(input.now, st.current_step_started_at.as_ref()) >= deadline {
             let result = StepResult {
                 step,
                 passed: false,
                 started_at: st.current_step_started_at.clone(),
                 finished_at: Some(now.clone()),
-                message: format!("{label}: canary pods not ready {}s after the step started{note}", input.canary_deadline.as_secs()),
+                message: format!("canary pods not ready within progressDeadlineSeconds ({}s){note}", deadline.as_secs()),
                 ..Default::default()
             };
-            return step_failed(input, spec, st, stable_revision, actions, result, reasons::CANARY_NOT_READY);
+            // Not a regression failure: a canary that cannot become ready is not retried, whatever
+            // maxFailures allows.
+            let message = describe_failure(&result);
+            push_result(&mut st, result);
+            return fail(input, st, stable_revision, actions, reasons::CANARY_NOT_READY, message);
         }
         return Plan {
             stable: StableTemplate::Keep,
@@ -391,6 +409,8 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
             requeue: Some(WAIT),
         };
     }
+    // The step's observation (its pause, then its regression run) counts from here.
+    let ready_at = st.canary_ready_at.get_or_insert_with(|| now.clone()).clone();
 
     if input.controls.paused {
         return Plan {
@@ -406,9 +426,10 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
         };
     }
 
-    let pause = Duration::from_secs(step_spec.pause_seconds.max(0) as u64);
-    if elapsed < pause {
-        let left = pause - elapsed;
+    let pause = Duration::from_secs(u64::from(step_spec.pause_seconds.max(0).unsigned_abs()));
+    let observed_for = since(input.now, Some(&ready_at));
+    if observed_for < pause {
+        let left = pause - observed_for;
         return Plan {
             stable: StableTemplate::Keep,
             actions,
@@ -465,6 +486,7 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
     }
     st.current_step = Some(step + 1);
     st.current_step_started_at = Some(now);
+    st.canary_ready_at = None;
     if step + 1 == n {
         return promoting(st, actions, upd);
     }
@@ -493,7 +515,7 @@ fn promoting(status: RolloutStatus, actions: Vec<Action>, upd: &str) -> Plan {
     }
 }
 
-/// A step failed: retried while `maxFailures` allows, else the rollout fails.
+/// A regression run failed: the step is retried while `maxFailures` allows, else the rollout fails.
 fn step_failed(
     input: &Input,
     spec: &RolloutSpec,
@@ -510,8 +532,9 @@ fn step_failed(
         return fail(input, st, stable_revision, actions, reason, message);
     }
     actions.push(event(true, reasons::STEP_FAILED, format!("{message} (failure {} of {} tolerated)", st.failures, spec.max_failures)));
-    // The step starts over: a new pause, a new readiness deadline, a new run.
+    // The step starts over: a new readiness deadline, a new pause, a new run.
     st.current_step_started_at = Some(Time(input.now));
+    st.canary_ready_at = None;
     Plan {
         stable: StableTemplate::Keep,
         actions,
@@ -544,6 +567,7 @@ fn fail(input: &Input, mut st: RolloutStatus, stable_revision: &str, mut actions
     st.update_revision = Some(input.update_revision.to_string());
     st.current_step = None;
     st.current_step_started_at = None;
+    st.canary_ready_at = None;
     Plan {
         stable: StableTemplate::Keep,
         actions,

@@ -5,19 +5,18 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use futures::future::BoxFuture;
 use http::{Request, Response, StatusCode};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus};
 use k8s_openapi::api::core::v1::{Container, Pod, PodCondition, PodSpec, PodStatus, PodTemplateSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, Time};
 use kube::client::Body;
 use kube::Client;
 use peregrine_crds::{
     Expectation, ExpectationKind, LatencyComparison, ModelDeployment, ModelDeploymentSpec, ModelSource, RegressionCase, RegressionSpec,
     RegressionSuite, RegressionThresholds, RolloutSpec, RolloutStep, RolloutStrategy, CONDITION_ROLLOUT_FAILED,
-    CONDITION_ROLLOUT_PROGRESSING, DEPLOYMENT_LABEL,
+    CONDITION_ROLLOUT_PAUSED, CONDITION_ROLLOUT_PROGRESSING, DEPLOYMENT_LABEL,
 };
 use peregrine_operator::regression::judge::Verdict;
 use peregrine_operator::regression::runner::{report, CaseOutcome, RunError, SuiteReport, SuiteTarget};
@@ -419,4 +418,64 @@ async fn edit_mid_rollout_moves_the_canary_to_the_new_revision() {
     assert_eq!(h.image(&canary_name(NAME)).as_deref(), Some("agent:v3"));
     assert_eq!(h.image(NAME).as_deref(), Some("agent:v1"));
     assert_eq!(h.step(), Some(0));
+}
+
+/// Moves a recorded rollout time `secs` into the past, as if that long had gone by.
+fn backdate(h: &mut Harness, field: fn(&mut peregrine_crds::RolloutStatus) -> &mut Option<Time>, secs: i64) {
+    let status = h.md.status.as_mut().unwrap().rollout.as_mut().unwrap();
+    let when = field(status).as_mut().expect("the time is recorded");
+    when.0 = when.0 - jiff::SignedDuration::from_secs(secs);
+}
+
+#[tokio::test]
+async fn never_ready_canary_is_rolled_back_after_the_progress_deadline_whatever_max_failures() {
+    let mut h = Harness::new("agent:v1");
+    h.md.spec.rollout.as_mut().unwrap().max_failures = 5;
+    h.deployed_then_changed().await;
+    h.reconcile().await;
+    assert!(h.deployment(&canary_name(NAME)).is_some());
+    // The canary never becomes ready (no settle); 599 s in, it is still waited for.
+    backdate(&mut h, |s| &mut s.current_step_started_at, 599);
+    h.reconcile().await;
+    assert!(h.deployment(&canary_name(NAME)).is_some());
+    assert_eq!(h.condition(CONDITION_ROLLOUT_PROGRESSING).1, "CanaryStarting");
+
+    backdate(&mut h, |s| &mut s.current_step_started_at, 2);
+    h.writes();
+    h.reconcile().await;
+    assert!(h.deployment(&canary_name(NAME)).is_none(), "rollback deletes the canary");
+    assert!(h.writes().contains(&format!("delete {}", canary_name(NAME))));
+    assert_eq!(h.image(NAME).as_deref(), Some("agent:v1"), "stable untouched");
+    let (status, reason, message) = h.condition(CONDITION_ROLLOUT_FAILED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "CanaryNotReady"));
+    assert!(message.contains("progressDeadlineSeconds"), "{message}");
+    let rollout = h.md.status.as_ref().unwrap().rollout.clone().unwrap();
+    assert_eq!(rollout.failures, 0, "not a failed regression run");
+    assert!(h.runner.targets.lock().unwrap().is_empty(), "no suite against a canary that never was ready");
+}
+
+#[tokio::test]
+async fn pause_and_regression_wait_for_the_canary_to_be_ready() {
+    let mut h = Harness::new("agent:v1");
+    h.md.spec.rollout.as_mut().unwrap().steps[0].pause_seconds = 300;
+    h.deployed_then_changed().await;
+    h.reconcile().await;
+    assert_eq!(h.md.status.as_ref().unwrap().rollout.as_ref().unwrap().canary_ready_at, None);
+    // A slow canary: ready only 400 s after the step started, longer than the pause.
+    backdate(&mut h, |s| &mut s.current_step_started_at, 400);
+    settle(&h.cluster);
+    h.reconcile().await;
+    let rollout = h.md.status.as_ref().unwrap().rollout.clone().unwrap();
+    assert!(rollout.canary_ready_at.is_some(), "readiness recorded");
+    assert!(h.runner.targets.lock().unwrap().is_empty(), "the pause starts at readiness, so no run yet");
+    let (status, reason, _) = h.condition(CONDITION_ROLLOUT_PAUSED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "StepPause"));
+
+    // The pause over, counted from readiness: the suite runs and the step passes.
+    backdate(&mut h, |s| &mut s.canary_ready_at, 300);
+    h.runner.results.lock().unwrap().push_back(true);
+    h.reconcile().await;
+    assert_eq!(h.runner.targets.lock().unwrap().len(), 1);
+    assert_eq!(h.step(), Some(1));
+    assert_eq!(h.md.status.as_ref().unwrap().rollout.as_ref().unwrap().canary_ready_at, None, "the next step's canary is not ready yet");
 }

@@ -361,6 +361,20 @@ fn table() -> Vec<Row> {
             ..row("pause annotation holds the step (no regression run)", "stable=Keep actions=[canary(1)] step=0 current=stable0001 update=update0002 progressing=PausedByAnnotation paused=PausedByAnnotation failed=- requeue=60s")
         },
         Row {
+            status: at_step(0),
+            observed: observed(Some(S), canary(U, 1, false)),
+            controls: Controls { paused: true, ..Default::default() },
+            now: at(60),
+            ..row("pause annotation before the canary is ready is reported", "stable=Keep actions=[canary(1)] step=0 current=stable0001 update=update0002 progressing=CanaryStarting paused=PausedByAnnotation failed=- requeue=10s")
+        },
+        Row {
+            status: at_step(0),
+            observed: observed(Some(S), canary(U, 1, false)),
+            controls: Controls { paused: true, ..Default::default() },
+            now: at(600),
+            ..row("pause annotation does not stop the progress deadline", "stable=Keep actions=[delete-canary,!CanaryNotReady] step=none current=stable0001 update=update0002 progressing=- paused=- failed=CanaryNotReady requeue=none")
+        },
+        Row {
             status: RolloutStatus { current_revision: Some(S.into()), update_revision: Some(U.into()), ..Default::default() },
             observed: Observed {
                 failed: Some(Failure { revision: U.into(), reason: "RegressionFailed".into(), message: "step 1: ...".into() }),

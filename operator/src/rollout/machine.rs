@@ -405,7 +405,19 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
             stable: StableTemplate::Keep,
             actions,
             status: st,
-            conditions: conditions(running(reasons::CANARY_STARTING, format!("{label}: waiting for {target} canary pod(s) of {upd} to be ready{note}")), None, None),
+            conditions: conditions(
+                running(reasons::CANARY_STARTING, format!("{label}: waiting for {target} canary pod(s) of {upd} to be ready{note}")),
+                // The annotation holds the step once its canary is ready; the deadline still runs.
+                input.controls.paused.then(|| {
+                    Cond::new(
+                        CONDITION_ROLLOUT_PAUSED,
+                        true,
+                        reasons::PAUSED_BY_ANNOTATION,
+                        format!("{label}: paused by annotation (the canary is not ready yet; progressDeadlineSeconds still applies)"),
+                    )
+                }),
+                None,
+            ),
             requeue: Some(WAIT),
         };
     }

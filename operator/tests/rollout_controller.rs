@@ -34,6 +34,8 @@ struct Cluster {
     deployments: BTreeMap<String, Deployment>,
     pods: Vec<Pod>,
     md_status: Value,
+    /// LoraAdapter objects (JSON) the API lists.
+    adapters: Vec<Value>,
     /// "VERB resource/name" of every write, in order.
     writes: Vec<String>,
 }
@@ -107,7 +109,7 @@ async fn serve(cluster: Shared, mut handle: tower_test::mock::Handle<Request<Bod
             let items: Vec<&Pod> = c.pods.iter().filter(|p| matches(&selector, p.metadata.labels.as_ref().unwrap())).collect();
             ok(&json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}))
         } else if path == format!("/apis/serving.peregrine.dev/v1alpha1/namespaces/{NS}/loraadapters") {
-            ok(&json!({"apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "LoraAdapterList", "metadata": {}, "items": []}))
+            ok(&json!({"apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "LoraAdapterList", "metadata": {}, "items": c.adapters}))
         } else if path == md_status {
             let patch: Value = serde_json::from_slice(&body).unwrap();
             c.writes.push("status".into());
@@ -478,4 +480,39 @@ async fn pause_and_regression_wait_for_the_canary_to_be_ready() {
     assert_eq!(h.runner.targets.lock().unwrap().len(), 1);
     assert_eq!(h.step(), Some(1));
     assert_eq!(h.md.status.as_ref().unwrap().rollout.as_ref().unwrap().canary_ready_at, None, "the next step's canary is not ready yet");
+}
+
+fn adapter(name: &str, deployment: &str, served_name: Option<&str>, deleting: bool) -> Value {
+    let mut a = json!({
+        "apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "LoraAdapter",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"deploymentRef": {"name": deployment}, "source": {"uri": "file:///a"}},
+    });
+    if let Some(served) = served_name {
+        a["spec"]["servedName"] = json!(served);
+    }
+    if deleting {
+        a["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        a["metadata"]["finalizers"] = json!(["serving.peregrine.dev/unload-adapter"]);
+    }
+    a
+}
+
+#[tokio::test]
+async fn the_suite_runs_through_every_adapter_of_the_deployment() {
+    let mut h = Harness::new("agent:v1");
+    h.cluster.lock().unwrap().adapters = vec![
+        adapter("sql", NAME, None, false),
+        adapter("chat-v2", NAME, Some("chat"), false),
+        adapter("theirs", "another-deployment", None, false),
+        adapter("going", NAME, None, true),
+    ];
+    h.deployed_then_changed().await;
+    h.reconcile().await;
+    settle(&h.cluster);
+    h.runner.results.lock().unwrap().push_back(true);
+    h.reconcile().await;
+    let targets = h.runner.targets.lock().unwrap().clone();
+    assert_eq!(targets.len(), 1);
+    assert_eq!(targets[0].adapters, vec!["sql".to_string(), "chat".to_string()], "served names of this deployment's live adapters");
 }

@@ -23,6 +23,8 @@ const SOURCES: &[(&str, &str)] = &[
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),
     ("fill.cu", include_str!("../cuda/fill.cu")),
+    ("sample.cu", include_str!("../cuda/sample.cu")),
+    ("lora.cu", include_str!("../cuda/lora.cu")),
 ];
 
 /// The single translation unit NVRTC compiles (`#line` keeps error messages pointing at real files).

@@ -22,6 +22,9 @@ pub struct Kernels {
     attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
+    sample_rows: CudaFunction,
+    lora_shrink: CudaFunction,
+    lora_expand: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
     f32_to_bf16: CudaFunction,
@@ -31,6 +34,13 @@ pub struct Kernels {
     /// Launch GEMVs with programmatic dependent launch (sm_90+, `PEREGRINE_PDL=1`).
     pdl: bool,
 }
+
+/// f32 parameters per row of [`Kernels::sample_rows`] (sample.cu's SAMPLE_PARAMS): temperature,
+/// top_k, top_p, min_p, u.
+pub const SAMPLE_PARAMS: usize = 5;
+const SAMPLE_THREADS: u32 = 1024;
+/// Rank rows one block of [`Kernels::lora_shrink`] computes (one warp each).
+const LORA_SHRINK_RANKS: usize = 8;
 
 /// Largest row count the skinny GEMM (`gemv`) takes.
 pub const GEMV_MAX_M: usize = 8;
@@ -66,6 +76,9 @@ impl Kernels {
             attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
+            sample_rows: f("sample_rows")?,
+            lora_shrink: f("lora_shrink")?,
+            lora_expand: f("lora_expand")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,
@@ -280,6 +293,79 @@ impl Kernels {
             .arg(&vocab)
             .arg(&out)
             .launch(cfg(as_u32(rows, "rows")?, 1024))?;
+        Ok(())
+    }
+
+    /// One token per logits row, drawn with that row's temperature / top-k / top-p / min-p and the
+    /// uniform number `u` the caller drew (greedy where temperature < 1e-5); see sample.cu.
+    ///
+    /// # Safety
+    /// logits: rows*vocab f32; params: rows*[`SAMPLE_PARAMS`] f32; out: rows u32.
+    pub unsafe fn sample_rows(&self, s: &CudaStream, logits: DPtr, rows: usize, vocab: usize, params: DPtr, out: DPtr) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let vocab = as_i32(vocab, "vocab")?;
+        s.launch_builder(&self.sample_rows)
+            .arg(&logits)
+            .arg(&vocab)
+            .arg(&params)
+            .arg(&out)
+            .launch(cfg(as_u32(rows, "rows")?, SAMPLE_THREADS))?;
+        Ok(())
+    }
+
+    /// LoRA shrink: `t[i, :] = x[i, :] · A[slots[i]]ᵀ` for the `n` tokens with a slot (see lora.cu).
+    ///
+    /// # Safety
+    /// t: n*r_max f32; x: n rows of k bf16, `x_stride` apart; a_stack: slots*r_max*k bf16 covering
+    /// every slot index in `slots` (n i32, -1 for none).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_shrink(&self, s: &CudaStream, t: DPtr, x: DPtr, x_stride: usize, a_stack: DPtr, slots: DPtr, n: usize, k: usize, r_max: usize) -> Result<()> {
+        if n == 0 || r_max == 0 {
+            return Ok(());
+        }
+        let (x_stride, k, r) = (as_i32(x_stride, "x_stride")?, as_i32(k, "k")?, as_i32(r_max, "r_max")?);
+        let config = LaunchConfig {
+            grid_dim: (as_u32(n, "tokens")?, as_u32(r_max.div_ceil(LORA_SHRINK_RANKS), "ranks")?, 1),
+            block_dim: ((LORA_SHRINK_RANKS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        s.launch_builder(&self.lora_shrink)
+            .arg(&t)
+            .arg(&x)
+            .arg(&x_stride)
+            .arg(&a_stack)
+            .arg(&slots)
+            .arg(&k)
+            .arg(&r)
+            .launch(config)?;
+        Ok(())
+    }
+
+    /// LoRA expand: `y[i, :] += scales[slots[i]] · t[i, :] · B[slots[i]]ᵀ` in bf16 (see lora.cu).
+    ///
+    /// # Safety
+    /// y: n rows of `out` bf16, `y_stride` apart; t: n*r_max f32; b_stack: slots*out*r_max bf16;
+    /// scales: one f32 per slot; slots: n i32 (-1 for none).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, t: DPtr, b_stack: DPtr, scales: DPtr, slots: DPtr, n: usize, out: usize, r_max: usize) -> Result<()> {
+        if n == 0 || r_max == 0 || out == 0 {
+            return Ok(());
+        }
+        let (y_stride, out_i, r) = (as_i32(y_stride, "y_stride")?, as_i32(out, "out")?, as_i32(r_max, "r_max")?);
+        let n64 = n as u64;
+        s.launch_builder(&self.lora_expand)
+            .arg(&y)
+            .arg(&y_stride)
+            .arg(&t)
+            .arg(&b_stack)
+            .arg(&scales)
+            .arg(&slots)
+            .arg(&n64)
+            .arg(&out_i)
+            .arg(&r)
+            .launch(cfg(self.elementwise_grid(n * out, 256), 256))?;
         Ok(())
     }
 

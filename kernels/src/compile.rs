@@ -19,6 +19,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("rmsnorm.cu", include_str!("../cuda/rmsnorm.cu")),
     ("rope_kv.cu", include_str!("../cuda/rope_kv.cu")),
     ("attention.cu", include_str!("../cuda/attention.cu")),
+    ("attention_tiled.cu", include_str!("../cuda/attention_tiled.cu")),
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),

@@ -19,6 +19,10 @@ pub struct Kernels {
     rope_kv_write: CudaFunction,
     paged_attention_d64: CudaFunction,
     paged_attention_d128: CudaFunction,
+    paged_attention_tiled_d64: CudaFunction,
+    paged_attention_tiled_d128: CudaFunction,
+    /// Which attention kernel runs (tiled unless `PEREGRINE_ATTN=warp`).
+    attention: AttentionKernel,
     attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
@@ -41,6 +45,25 @@ pub const SAMPLE_PARAMS: usize = 5;
 const SAMPLE_THREADS: u32 = 1024;
 /// Rank rows one block of [`Kernels::lora_shrink`] computes (one warp each).
 const LORA_SHRINK_RANKS: usize = 8;
+
+/// The two paged-attention kernels (same contract): a warp per key (`attention.cu`, the first one,
+/// kept for comparison) or 32 keys per warp with a lane per key (`attention_tiled.cu`, the default:
+/// far fewer instructions per key once contexts are long).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    WarpPerKey,
+    Tiled,
+}
+
+impl AttentionKernel {
+    /// `PEREGRINE_ATTN=warp` picks the warp-per-key kernel; anything else the tiled one.
+    pub fn from_env() -> Self {
+        match std::env::var("PEREGRINE_ATTN") {
+            Ok(v) if v == "warp" => AttentionKernel::WarpPerKey,
+            _ => AttentionKernel::Tiled,
+        }
+    }
+}
 
 /// Largest row count the skinny GEMM (`gemv`) takes.
 pub const GEMV_MAX_M: usize = 8;
@@ -73,6 +96,9 @@ impl Kernels {
             rope_kv_write: f("rope_kv_write")?,
             paged_attention_d64: f("paged_attention_d64")?,
             paged_attention_d128: f("paged_attention_d128")?,
+            paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,
+            paged_attention_tiled_d128: f("paged_attention_tiled_d128")?,
+            attention: AttentionKernel::from_env(),
             attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
@@ -201,6 +227,15 @@ impl Kernels {
     /// every position 0..=positions[t]; token_seq, positions: n i32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+        self.paged_attention_with(self.attention, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, hq, hkv, d, block_size, partials)
+    }
+
+    /// [`Kernels::paged_attention`] with the kernel chosen by the caller (tests run both).
+    ///
+    /// # Safety
+    /// As [`Kernels::paged_attention`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -209,9 +244,11 @@ impl Kernels {
                 "attention: {hq} query heads over {hkv} KV heads (group at most {ATTN_MAX_GROUP})"
             )));
         }
-        let func = match d {
-            64 => &self.paged_attention_d64,
-            128 => &self.paged_attention_d128,
+        let func = match (d, kernel) {
+            (64, AttentionKernel::WarpPerKey) => &self.paged_attention_d64,
+            (128, AttentionKernel::WarpPerKey) => &self.paged_attention_d128,
+            (64, AttentionKernel::Tiled) => &self.paged_attention_tiled_d64,
+            (128, AttentionKernel::Tiled) => &self.paged_attention_tiled_d128,
             _ => return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)"))),
         };
         let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };

@@ -21,8 +21,8 @@ pub struct Kernels {
     paged_attention_d128: CudaFunction,
     paged_attention_tiled_d64: CudaFunction,
     paged_attention_tiled_d128: CudaFunction,
-    /// Which attention kernel runs (tiled unless `PEREGRINE_ATTN=warp`).
-    attention: AttentionKernel,
+    /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled`); None: chosen per launch.
+    attention: Option<AttentionKernel>,
     attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
@@ -46,9 +46,13 @@ const SAMPLE_THREADS: u32 = 1024;
 /// Rank rows one block of [`Kernels::lora_shrink`] computes (one warp each).
 const LORA_SHRINK_RANKS: usize = 8;
 
-/// The two paged-attention kernels (same contract): a warp per key (`attention.cu`, the first one,
-/// kept for comparison) or 32 keys per warp with a lane per key (`attention_tiled.cu`, the default:
-/// far fewer instructions per key once contexts are long).
+/// The two paged-attention kernels (same contract): a warp per key (`attention.cu`) or 32 keys per
+/// warp with a lane per key (`attention_tiled.cu`: far fewer instructions per key). Measured on an
+/// H100 (docs/benchmarks.md): the tiled kernel reads K/V 1.3-1.5x faster for batches that fill the
+/// GPU (256 x 1024 tokens: 1257 vs 989 GB/s), but a lone decode token split 16 ways along a short
+/// context leaves most of its lanes idle, and batch-1 decode lost 6%. So launches that are split
+/// (small batches) take the warp kernel, the others the tiled one. Batch size alone decides, so a
+/// CUDA graph captured for a batch size always replays the same kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernel {
     WarpPerKey,
@@ -56,11 +60,12 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// `PEREGRINE_ATTN=warp` picks the warp-per-key kernel; anything else the tiled one.
-    pub fn from_env() -> Self {
-        match std::env::var("PEREGRINE_ATTN") {
-            Ok(v) if v == "warp" => AttentionKernel::WarpPerKey,
-            _ => AttentionKernel::Tiled,
+    /// `PEREGRINE_ATTN=warp` or `tiled` forces one kernel for every launch (comparisons).
+    pub fn from_env() -> Option<Self> {
+        match std::env::var("PEREGRINE_ATTN").as_deref() {
+            Ok("warp") => Some(AttentionKernel::WarpPerKey),
+            Ok("tiled") => Some(AttentionKernel::Tiled),
+            _ => None,
         }
     }
 }
@@ -227,7 +232,9 @@ impl Kernels {
     /// every position 0..=positions[t]; token_seq, positions: n i32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
-        self.paged_attention_with(self.attention, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, hq, hkv, d, block_size, partials)
+        let split = partials.is_some() && self.attention_splits(n, hkv) > 1;
+        let kernel = self.attention.unwrap_or(if split { AttentionKernel::WarpPerKey } else { AttentionKernel::Tiled });
+        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, hq, hkv, d, block_size, partials)
     }
 
     /// [`Kernels::paged_attention`] with the kernel chosen by the caller (tests run both).

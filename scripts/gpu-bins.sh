@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the GPU test binaries and the CUDA bench where Rust is, into .device-bin/ (git-ignored), with
+# Builds the GPU test binaries, the CUDA bench and the agent (for `throughput`/`bench` on the GPU) where Rust is, into .device-bin/ (git-ignored), with
 # the script that runs them: copy that folder to a GPU machine (no Rust needed there) and run
 # `bash .device-bin/test-gpu.sh` (what `make test-gpu` does).
 set -euo pipefail
@@ -16,8 +16,10 @@ for line in sys.stdin:
 ' | while read -r exe; do cp "$exe" "$out/tests/"; done
 cargo build --example cuda_bench -p peregrine-engine
 cargo build --example micro -p peregrine-kernels
+cargo build -p peregrine-agent
 cp target/debug/examples/micro "$out/"
+cp target/debug/peregrine-agent "$out/"
 cp target/debug/examples/cuda_bench "$out/"
 cp scripts/test-gpu.sh "$out/"
-strip "$out"/tests/* "$out/cuda_bench" "$out/micro" 2>/dev/null || true
+strip "$out"/tests/* "$out/cuda_bench" "$out/micro" "$out/peregrine-agent" 2>/dev/null || true
 ls -la "$out" "$out/tests"

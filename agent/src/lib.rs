@@ -4,3 +4,4 @@ pub mod bench;
 pub mod generate;
 pub mod runtime;
 pub mod serve;
+pub mod throughput;

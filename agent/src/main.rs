@@ -17,6 +17,8 @@ enum Command {
     Generate(peregrine_agent::generate::GenerateArgs),
     /// Offline throughput: prefill and decode tokens/s through the engine, no HTTP.
     Bench(peregrine_agent::bench::BenchArgs),
+    /// Offline throughput of many requests at once (like vLLM's benchmark_throughput), no HTTP.
+    Throughput(peregrine_agent::throughput::ThroughputArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -25,5 +27,6 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => peregrine_agent::serve::run(args),
         Command::Generate(args) => peregrine_agent::generate::run(args),
         Command::Bench(args) => peregrine_agent::bench::run(args),
+        Command::Throughput(args) => peregrine_agent::throughput::run(args),
     }
 }

@@ -188,17 +188,24 @@ impl EngineArgs {
     /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
     pub fn start(&self) -> anyhow::Result<Runtime> {
         let device = self.device()?;
-        let loaded = model::load(&self.model, self.load_format.into())
-            .with_context(|| format!("loading model {}", self.model.display()))?;
         let tokenizer = load_tokenizer(&self.model, self.load_format)?;
-        let config = loaded.config.clone();
-        let backend: Box<dyn Backend> = match device {
+        let loading = || format!("loading model {}", self.model.display());
+        let (config, backend): (ModelConfig, Box<dyn Backend>) = match device {
+            // Random weights of a big model are made on the GPU; a host copy would not even fit.
+            DeviceArg::Cuda if self.load_format == LoadFormatArg::Dummy => {
+                let config = model::dummy_config(&self.model).with_context(loading)?;
+                (config.clone(), self.cuda_backend(ModelSource::Random(config))?)
+            }
+            DeviceArg::Cuda => {
+                let loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
+                (loaded.config.clone(), self.cuda_backend(ModelSource::Host(&loaded.weights))?)
+            }
             DeviceArg::Cpu => {
+                let loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
                 let num_blocks = self.num_blocks(&loaded.config)?;
                 let kv_shape = KvCacheShape { num_blocks, block_size: self.block_size };
-                Box::new(CpuBackend::new(loaded.weights, kv_shape, self.threads())?)
+                (loaded.config, Box::new(CpuBackend::new(loaded.weights, kv_shape, self.threads())?))
             }
-            DeviceArg::Cuda => self.cuda_backend(&loaded.weights)?,
         };
         let backend_name = backend.name();
         let kv_shape = backend.kv_shape();
@@ -216,27 +223,44 @@ impl EngineArgs {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_backend(&self, weights: &model::ModelWeights) -> anyhow::Result<Box<dyn Backend>> {
-        use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, WeightInit};
+    fn cuda_backend(&self, source: ModelSource<'_>) -> anyhow::Result<Box<dyn Backend>> {
+        use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, LoraCapacity, WeightInit};
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             anyhow::bail!("--gpu-memory-utilization must be in (0, 1]");
         }
+        let config = match &source {
+            ModelSource::Host(w) => &w.config,
+            ModelSource::Random(c) => c,
+        };
         let opts = CudaOptions {
             block_size: self.block_size,
             gpu_memory_utilization: self.gpu_memory_utilization,
-            max_model_len: self.max_model_len.unwrap_or(weights.config.max_position_embeddings),
+            max_model_len: self.max_model_len.unwrap_or(config.max_position_embeddings),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             num_blocks: self.num_kv_blocks,
+            // Reserved before the KV cache takes the rest of the memory.
+            lora: self.lora_config().map(|l| LoraCapacity { max_loras: l.max_loras, max_rank: l.max_lora_rank }),
             ..CudaOptions::default()
         };
-        Ok(Box::new(CudaBackend::new(WeightInit::Host(weights), &opts).context("starting the CUDA backend")?))
+        let init = match source {
+            ModelSource::Host(w) => WeightInit::Host(w),
+            ModelSource::Random(config) => WeightInit::Random { config, seed: model::DUMMY_SEED },
+        };
+        Ok(Box::new(CudaBackend::new(init, &opts).context("starting the CUDA backend")?))
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn cuda_backend(&self, _weights: &model::ModelWeights) -> anyhow::Result<Box<dyn Backend>> {
+    fn cuda_backend(&self, _source: ModelSource<'_>) -> anyhow::Result<Box<dyn Backend>> {
         anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
     }
+}
+
+/// Where the CUDA backend's weights come from.
+enum ModelSource<'a> {
+    Host(&'a model::ModelWeights),
+    /// `--load-format dummy`: random weights of this shape, made on the device.
+    Random(ModelConfig),
 }
 
 #[cfg(feature = "cuda")]

@@ -89,4 +89,35 @@ fn main() {
         let t2 = time(&c, 30, || run(Some(parts.ptr())));
         println!("decode attention ctx {ctx:>5}: {:>7.1} us unsplit, {:>7.1} us split x{} (KV {:.1} MB)", t1 * 1e6, t2 * 1e6, c.kernels.attention_splits(1, hkv), (2 * kc.len() * 2) as f64 / 1e6);
     }
+    // Batched decode attention (what long-context serving runs): `seqs` tokens, each at the end of
+    // its own `ctx`-token sequence, both kernels; GB/s of K/V read.
+    for (seqs, ctx) in [(64usize, 1024usize), (256, 1024), (200, 1500)] {
+        let per = ctx.div_ceil(bs);
+        let blocks = seqs * per;
+        let kc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
+        let vc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
+        unsafe {
+            c.kernels.fill_uniform_bf16(s, kc.ptr(), kc.len(), 4, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(s, vc.ptr(), vc.len(), 5, 1.0).unwrap();
+        }
+        let table: Vec<i32> = (0..blocks as i32).collect();
+        let bt = c.gpu.upload(&table).unwrap();
+        let pos = c.gpu.upload(&vec![ctx as i32 - 1; seqs]).unwrap();
+        let seq = c.gpu.upload(&(0..seqs as i32).collect::<Vec<_>>()).unwrap();
+        let q = c.gpu.alloc_zeros::<u16>(seqs * hq * d).unwrap();
+        unsafe { c.kernels.fill_uniform_bf16(s, q.ptr(), seqs * hq * d, 6, 1.0).unwrap() };
+        let out = c.gpu.alloc_zeros::<u16>(seqs * hq * d).unwrap();
+        let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
+        let kv_bytes = (2 * seqs * ctx * hkv * d * 2) as f64;
+        let mut line = format!("batched decode attention {seqs} x ctx {ctx} (KV {:.0} MB):", kv_bytes / 1e6);
+        for kernel in [peregrine_kernels::ops::AttentionKernel::WarpPerKey, peregrine_kernels::ops::AttentionKernel::Tiled] {
+            let t = time(&c, 20, || unsafe {
+                c.kernels
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, hq, hkv, d, bs, Some(parts.ptr()))
+                    .unwrap()
+            });
+            line += &format!("  {kernel:?} {:.1} us = {:.0} GB/s", t * 1e6, kv_bytes / t / 1e9);
+        }
+        println!("{line}");
+    }
 }

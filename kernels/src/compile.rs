@@ -19,10 +19,13 @@ const SOURCES: &[(&str, &str)] = &[
     ("rmsnorm.cu", include_str!("../cuda/rmsnorm.cu")),
     ("rope_kv.cu", include_str!("../cuda/rope_kv.cu")),
     ("attention.cu", include_str!("../cuda/attention.cu")),
+    ("attention_tiled.cu", include_str!("../cuda/attention_tiled.cu")),
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),
     ("fill.cu", include_str!("../cuda/fill.cu")),
+    ("sample.cu", include_str!("../cuda/sample.cu")),
+    ("lora.cu", include_str!("../cuda/lora.cu")),
 ];
 
 /// The single translation unit NVRTC compiles (`#line` keeps error messages pointing at real files).

@@ -143,15 +143,21 @@ impl<T: DeviceRepr + Default + Clone> DevBuf<T> {
     /// Copies `host` into the start of the buffer (asynchronous with respect to the host only when the
     /// host memory is pinned; pageable copies return once staged).
     pub fn write(&mut self, stream: &Arc<CudaStream>, host: &[T]) -> Result<()> {
-        if host.len() > self.slice.len() {
+        self.write_at(stream, 0, host)
+    }
+
+    /// Copies `host` into the buffer starting at element `offset` (see [`DevBuf::write`]).
+    pub fn write_at(&mut self, stream: &Arc<CudaStream>, offset: usize, host: &[T]) -> Result<()> {
+        let end = offset.checked_add(host.len()).filter(|&e| e <= self.slice.len());
+        let Some(end) = end else {
             return Err(KernelError::Unsupported(format!(
-                "copy of {} elements into a buffer of {}",
+                "copy of {} elements at offset {offset} into a buffer of {}",
                 host.len(),
                 self.slice.len()
             )));
-        }
+        };
         if !host.is_empty() {
-            stream.memcpy_htod(host, &mut self.slice.slice_mut(0..host.len()))?;
+            stream.memcpy_htod(host, &mut self.slice.slice_mut(offset..end))?;
         }
         Ok(())
     }

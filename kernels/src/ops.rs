@@ -19,9 +19,16 @@ pub struct Kernels {
     rope_kv_write: CudaFunction,
     paged_attention_d64: CudaFunction,
     paged_attention_d128: CudaFunction,
+    paged_attention_tiled_d64: CudaFunction,
+    paged_attention_tiled_d128: CudaFunction,
+    /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled`); None: chosen per launch.
+    attention: Option<AttentionKernel>,
     attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
+    sample_rows: CudaFunction,
+    lora_shrink: CudaFunction,
+    lora_expand: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
     f32_to_bf16: CudaFunction,
@@ -30,6 +37,37 @@ pub struct Kernels {
     num_sms: u32,
     /// Launch GEMVs with programmatic dependent launch (sm_90+, `PEREGRINE_PDL=1`).
     pdl: bool,
+}
+
+/// f32 parameters per row of [`Kernels::sample_rows`] (sample.cu's SAMPLE_PARAMS): temperature,
+/// top_k, top_p, min_p, u.
+pub const SAMPLE_PARAMS: usize = 5;
+const SAMPLE_THREADS: u32 = 1024;
+/// Rank rows one block of [`Kernels::lora_shrink`] computes (one warp each).
+const LORA_SHRINK_RANKS: usize = 8;
+
+/// The two paged-attention kernels (same contract): a warp per key (`attention.cu`) or 32 keys per
+/// warp with a lane per key (`attention_tiled.cu`: far fewer instructions per key). Measured on an
+/// H100 (docs/benchmarks.md): the tiled kernel reads K/V 1.3-1.5x faster for batches that fill the
+/// GPU (256 x 1024 tokens: 1257 vs 989 GB/s), but a lone decode token split 16 ways along a short
+/// context leaves most of its lanes idle, and batch-1 decode lost 6%. So launches that are split
+/// (small batches) take the warp kernel, the others the tiled one. Batch size alone decides, so a
+/// CUDA graph captured for a batch size always replays the same kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    WarpPerKey,
+    Tiled,
+}
+
+impl AttentionKernel {
+    /// `PEREGRINE_ATTN=warp` or `tiled` forces one kernel for every launch (comparisons).
+    pub fn from_env() -> Option<Self> {
+        match std::env::var("PEREGRINE_ATTN").as_deref() {
+            Ok("warp") => Some(AttentionKernel::WarpPerKey),
+            Ok("tiled") => Some(AttentionKernel::Tiled),
+            _ => None,
+        }
+    }
 }
 
 /// Largest row count the skinny GEMM (`gemv`) takes.
@@ -63,9 +101,15 @@ impl Kernels {
             rope_kv_write: f("rope_kv_write")?,
             paged_attention_d64: f("paged_attention_d64")?,
             paged_attention_d128: f("paged_attention_d128")?,
+            paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,
+            paged_attention_tiled_d128: f("paged_attention_tiled_d128")?,
+            attention: AttentionKernel::from_env(),
             attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
+            sample_rows: f("sample_rows")?,
+            lora_shrink: f("lora_shrink")?,
+            lora_expand: f("lora_expand")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,
@@ -188,6 +232,17 @@ impl Kernels {
     /// every position 0..=positions[t]; token_seq, positions: n i32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+        let split = partials.is_some() && self.attention_splits(n, hkv) > 1;
+        let kernel = self.attention.unwrap_or(if split { AttentionKernel::WarpPerKey } else { AttentionKernel::Tiled });
+        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, hq, hkv, d, block_size, partials)
+    }
+
+    /// [`Kernels::paged_attention`] with the kernel chosen by the caller (tests run both).
+    ///
+    /// # Safety
+    /// As [`Kernels::paged_attention`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -196,9 +251,11 @@ impl Kernels {
                 "attention: {hq} query heads over {hkv} KV heads (group at most {ATTN_MAX_GROUP})"
             )));
         }
-        let func = match d {
-            64 => &self.paged_attention_d64,
-            128 => &self.paged_attention_d128,
+        let func = match (d, kernel) {
+            (64, AttentionKernel::WarpPerKey) => &self.paged_attention_d64,
+            (128, AttentionKernel::WarpPerKey) => &self.paged_attention_d128,
+            (64, AttentionKernel::Tiled) => &self.paged_attention_tiled_d64,
+            (128, AttentionKernel::Tiled) => &self.paged_attention_tiled_d128,
             _ => return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)"))),
         };
         let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
@@ -280,6 +337,79 @@ impl Kernels {
             .arg(&vocab)
             .arg(&out)
             .launch(cfg(as_u32(rows, "rows")?, 1024))?;
+        Ok(())
+    }
+
+    /// One token per logits row, drawn with that row's temperature / top-k / top-p / min-p and the
+    /// uniform number `u` the caller drew (greedy where temperature < 1e-5); see sample.cu.
+    ///
+    /// # Safety
+    /// logits: rows*vocab f32; params: rows*[`SAMPLE_PARAMS`] f32; out: rows u32.
+    pub unsafe fn sample_rows(&self, s: &CudaStream, logits: DPtr, rows: usize, vocab: usize, params: DPtr, out: DPtr) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let vocab = as_i32(vocab, "vocab")?;
+        s.launch_builder(&self.sample_rows)
+            .arg(&logits)
+            .arg(&vocab)
+            .arg(&params)
+            .arg(&out)
+            .launch(cfg(as_u32(rows, "rows")?, SAMPLE_THREADS))?;
+        Ok(())
+    }
+
+    /// LoRA shrink: `t[i, :] = x[i, :] · A[slots[i]]ᵀ` for the `n` tokens with a slot (see lora.cu).
+    ///
+    /// # Safety
+    /// t: n*r_max f32; x: n rows of k bf16, `x_stride` apart; a_stack: slots*r_max*k bf16 covering
+    /// every slot index in `slots` (n i32, -1 for none).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_shrink(&self, s: &CudaStream, t: DPtr, x: DPtr, x_stride: usize, a_stack: DPtr, slots: DPtr, n: usize, k: usize, r_max: usize) -> Result<()> {
+        if n == 0 || r_max == 0 {
+            return Ok(());
+        }
+        let (x_stride, k, r) = (as_i32(x_stride, "x_stride")?, as_i32(k, "k")?, as_i32(r_max, "r_max")?);
+        let config = LaunchConfig {
+            grid_dim: (as_u32(n, "tokens")?, as_u32(r_max.div_ceil(LORA_SHRINK_RANKS), "ranks")?, 1),
+            block_dim: ((LORA_SHRINK_RANKS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        s.launch_builder(&self.lora_shrink)
+            .arg(&t)
+            .arg(&x)
+            .arg(&x_stride)
+            .arg(&a_stack)
+            .arg(&slots)
+            .arg(&k)
+            .arg(&r)
+            .launch(config)?;
+        Ok(())
+    }
+
+    /// LoRA expand: `y[i, :] += scales[slots[i]] · t[i, :] · B[slots[i]]ᵀ` in bf16 (see lora.cu).
+    ///
+    /// # Safety
+    /// y: n rows of `out` bf16, `y_stride` apart; t: n*r_max f32; b_stack: slots*out*r_max bf16;
+    /// scales: one f32 per slot; slots: n i32 (-1 for none).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, t: DPtr, b_stack: DPtr, scales: DPtr, slots: DPtr, n: usize, out: usize, r_max: usize) -> Result<()> {
+        if n == 0 || r_max == 0 || out == 0 {
+            return Ok(());
+        }
+        let (y_stride, out_i, r) = (as_i32(y_stride, "y_stride")?, as_i32(out, "out")?, as_i32(r_max, "r_max")?);
+        let n64 = n as u64;
+        s.launch_builder(&self.lora_expand)
+            .arg(&y)
+            .arg(&y_stride)
+            .arg(&t)
+            .arg(&b_stack)
+            .arg(&scales)
+            .arg(&slots)
+            .arg(&n64)
+            .arg(&out_i)
+            .arg(&r)
+            .launch(cfg(self.elementwise_grid(n * out, 256), 256))?;
         Ok(())
     }
 

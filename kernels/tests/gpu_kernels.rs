@@ -10,6 +10,7 @@
 
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
+use peregrine_kernels::ops::AttentionKernel;
 use peregrine_kernels::{Cuda, DevBuf, OutType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -252,11 +253,12 @@ fn rope_kv_write_matches_reference() {
 fn paged_attention_matches_reference() {
     let Some(c) = cuda_or_skip() else { return };
     let mut r = rng();
+    for kernel in [AttentionKernel::WarpPerKey, AttentionKernel::Tiled] {
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 128)] {
         let bs = 16;
         // Three sequences: a decode token at a long context, a prefill chunk over a cached prefix, a fresh prompt.
-        let lens = [300usize, 70, 9];
-        let chunks = [(0usize, 299..300usize), (1, 50..70), (2, 0..9)];
+        let lens = [700usize, 70, 9];
+        let chunks = [(0usize, 699..700usize), (1, 50..70), (2, 0..9)];
         let pg = paged(&mut r, &lens, bs);
         let cache_len = pg.num_blocks * hkv * bs * d;
         let (kc, kv) = rand_bf16(&mut r, cache_len, 1.0);
@@ -283,7 +285,7 @@ fn paged_attention_matches_reference() {
         let out = poison(&c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention(&c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, hq, hkv, d, bs, None)
+                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, hq, hkv, d, bs, None)
                 .unwrap()
         };
         let got = to_f64(&out.download(&c.gpu.stream).unwrap());
@@ -296,7 +298,7 @@ fn paged_attention_matches_reference() {
             assert!(c.kernels.attention_splits(1, hkv) > 1, "a single token is split");
             unsafe {
                 c.kernels
-                    .paged_attention(&c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, hq, hkv, d, bs, Some(partials.ptr()))
+                    .paged_attention_with(kernel, &c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, hq, hkv, d, bs, Some(partials.ptr()))
                     .unwrap()
             };
             split_out[t * hq * d..(t + 1) * hq * d].copy_from_slice(&to_f64(&one.download(&c.gpu.stream).unwrap()));
@@ -331,11 +333,12 @@ fn paged_attention_matches_reference() {
             assert!(got.iter().all(|v| v.is_finite()), "{label}: every output written and finite");
             let err = rel_l2(got, &want);
             let max_abs = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max);
-            eprintln!("attention {label} hq={hq} hkv={hkv} d={d}: rel L2 {err:.2e}, max abs {max_abs:.2e}");
+            eprintln!("attention {kernel:?} {label} hq={hq} hkv={hkv} d={d}: rel L2 {err:.2e}, max abs {max_abs:.2e}");
             assert!(err < 1e-2, "{label}: rel L2 error {err}");
             // Outputs are convex combinations of values in [-1, 1]: bf16 rounding of q and out bounds the error well under 0.02.
-            assert!(max_abs < 2e-2, "{label}: max abs error {max_abs}");
+            assert!(max_abs < 2e-2, "{kernel:?} {label}: max abs error {max_abs}");
         }
+    }
     }
 }
 

@@ -16,11 +16,13 @@
 //! exceeds 2 × the tolerance.
 
 mod common;
+mod cuda_common;
 
 use std::io::Write;
 
 use peregrine_engine::backend::cpu::CpuBackend;
-use peregrine_engine::backend::cuda::{self, CudaBackend, CudaOptions, WeightInit};
+use cuda_common::{argmax, gpu_or_skip, top2_margin};
+use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, WeightInit};
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
 use peregrine_engine::model::{self, LoadFormat, ModelWeights};
 use serde_json::Value;
@@ -30,20 +32,6 @@ const BF16_MEAN_ATOL: f64 = 0.15;
 /// CPU top-2 logits closer than this may legitimately swap under bf16 arithmetic.
 const BF16_NOISE_MARGIN: f32 = 1.0;
 const BLOCK: usize = 16;
-
-fn gpu_or_skip() -> bool {
-    match cuda::available() {
-        Ok(()) => true,
-        Err(e) => {
-            if std::env::var_os("PEREGRINE_REQUIRE_GPU").is_some() {
-                panic!("PEREGRINE_REQUIRE_GPU is set but no GPU is usable: {e}");
-            }
-            // Straight to stderr: the harness captures eprintln! of passing tests.
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device: {e}");
-            false
-        }
-    }
-}
 
 fn weights() -> ModelWeights {
     model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF").weights
@@ -75,23 +63,6 @@ fn one_seq(tokens: &[u32], context_len: usize, table: Vec<u32>) -> StepBatch {
         positions: (context_len..context_len + tokens.len()).map(|p| p as u32).collect(),
         seqs: vec![SeqChunk { start: 0, len: tokens.len(), context_len, block_table: table, wants_logits: true, lora_slot: None }],
     }
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
-}
-
-fn top2_margin(row: &[f32]) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &v in row {
-        if v > a {
-            b = a;
-            a = v;
-        } else if v > b {
-            b = v;
-        }
-    }
-    a - b
 }
 
 fn logsumexp(row: &[f32]) -> f64 {

@@ -317,3 +317,50 @@ fn config_is_checked_against_the_backend() {
     assert_eq!(h.max_model_len(), 64);
     h.shutdown();
 }
+
+fn fake_sampling_on_device(shape: KvCacheShape) -> Box<dyn Backend> {
+    Box::new(engine_support::device_sampling::HostDevice(FakeBackend::new(shape)))
+}
+
+/// The engine's device-sampling path (plans per row, host rows for penalties/logprobs, tokens routed
+/// back): batched equals alone for every kind of request, as on the host path, and preemption keeps
+/// outputs.
+#[test]
+fn device_sampling_path_keeps_batched_equal_to_alone_and_survives_preemption() {
+    scenarios::concurrent_requests_match_running_alone(&fake_sampling_on_device);
+    scenarios::preemption_keeps_outputs(&fake_sampling_on_device);
+}
+
+/// Greedy requests and requests whose rows go to the host (logprobs, penalties) get the same tokens
+/// and logprobs through the device path as through host sampling.
+#[test]
+fn device_sampling_path_matches_host_sampling_where_both_are_exact() {
+    let cfg = config(8, 64, 128, false);
+    let host = start(&fake, 64, cfg.clone());
+    let device = start(&fake_sampling_on_device, 64, cfg);
+    let kinds = [
+        SamplingParams::greedy(10),
+        SamplingParams { logprobs: Some(2), ..SamplingParams::greedy(10) },
+        SamplingParams { temperature: 0.9, repetition_penalty: 1.3, seed: Some(3), max_tokens: 10, ..Default::default() },
+    ];
+    let requests: Vec<_> = kinds.iter().enumerate().map(|(i, p)| request(i as u64 + 1, vec![3, 5, 7, 11 + i as u32], p.clone())).collect();
+    let want = run_together(&host, &requests);
+    let got = run_together(&device, &requests);
+    assert_eq!(got, want, "greedy and host-row requests must not depend on where sampling runs");
+    // Logprobs come back through the device path too.
+    let mut stream = device.submit(request(9, vec![3, 5, 7], SamplingParams { logprobs: Some(2), ..SamplingParams::greedy(3) })).unwrap();
+    let mut seen = 0;
+    while let Some(ev) = stream.blocking_next() {
+        match ev {
+            RequestEvent::Token(t) => {
+                assert!(t.logprob.is_some() && t.top_logprobs.len() == 2, "{t:?}");
+                seen += 1;
+            }
+            RequestEvent::Finished { .. } => break,
+            _ => {}
+        }
+    }
+    assert_eq!(seen, 3);
+    host.shutdown();
+    device.shutdown();
+}

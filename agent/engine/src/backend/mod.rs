@@ -64,6 +64,26 @@ impl Logits {
     }
 }
 
+/// How one logits row's next token is chosen when the backend samples on its device (see
+/// [`Backend::forward_sample`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowSampling {
+    /// Temperature (below [`crate::sampling::GREEDY_TEMPERATURE`]: greedy), top-k (0: off), top-p
+    /// (1: off), min-p (0: off), and `uniform` in [0, 1): the one draw of the request's own RNG
+    /// for this token, so seeded requests stay reproducible whatever the batch.
+    Draw { temperature: f32, top_k: u32, top_p: f32, min_p: f32, uniform: f32 },
+    /// The row's logits go to the host, where the engine samples (penalties, logprobs).
+    Host,
+}
+
+/// What [`Backend::forward_sample`] returns: per logits row, the device's choice (`None` for
+/// [`RowSampling::Host`] rows), and the logits of the host rows only, in row order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SampledStep {
+    pub tokens: Vec<Option<u32>>,
+    pub host_logits: Logits,
+}
+
 /// Geometry of the paged KV cache a backend holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCacheShape {
@@ -80,6 +100,19 @@ pub trait Backend: Send {
     /// Runs one step: writes K/V for every new token into its sequence's blocks, returns logits for
     /// the sequences that want them.
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits>;
+
+    /// Whether [`Backend::forward_sample`] works (the engine then leaves logits on the device).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+
+    /// Runs one step like [`Backend::forward`] and picks each logits row's token on the device as
+    /// `rows` says (one entry per row), so only token ids (and the logits of host rows) cross to
+    /// the host. Backends without device sampling keep this default.
+    fn forward_sample(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<SampledStep> {
+        let _ = (batch, rows);
+        Err(crate::EngineError::Unsupported(format!("backend {} does not sample on its device", self.name())))
+    }
 
     /// A short name for logs and `bench` output ("cpu", "cuda:0").
     fn name(&self) -> String;

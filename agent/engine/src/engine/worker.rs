@@ -12,9 +12,9 @@ use super::config::ResolvedLimits;
 use super::handle::Command;
 use super::lora::{EngineLora, Placement};
 use super::metrics::EngineMetrics;
-use crate::backend::{Backend, Logits};
+use crate::backend::{Backend, Logits, RowSampling};
 use crate::lora::AdapterId;
-use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, Usage};
+use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, SampledToken, Usage};
 use crate::sampling::{request_seed, RequestSampler};
 use crate::scheduler::{Scheduler, SchedulerOutput, Sequence};
 
@@ -236,20 +236,59 @@ impl Worker {
                 return self.fail_step(&out, &e.to_string());
             }
         }
-        let logits = match self.backend.forward(&out.batch) {
-            Ok(l) => l,
-            Err(e) => return self.fail_step(&out, &e.to_string()),
+        let sampled = if self.backend.samples_on_device() {
+            self.forward_sampling_on_device(&out)
+        } else {
+            self.forward_sampling_on_host(&out)
         };
-        let wanted = out.chunks.iter().filter(|c| c.wants_logits).count();
-        if logits.rows() != wanted
-            || (wanted > 0 && logits.vocab == 0)
-            || logits.data.len() != wanted * logits.vocab
-        {
-            let msg = format!("the backend returned {} logits rows for {wanted} sequences", logits.rows());
-            return self.fail_step(&out, &msg);
+        match sampled {
+            Ok(tokens) => {
+                self.scheduler.step_done(&out);
+                self.emit(&out, tokens);
+            }
+            Err(msg) => self.fail_step(&out, &msg),
         }
-        self.scheduler.step_done(&out);
-        self.sample(&out, &logits);
+    }
+
+    /// Logits to the host, one [`RequestSampler`] per row. Returns each logits row's token (None
+    /// where the request is gone).
+    fn forward_sampling_on_host(&mut self, out: &SchedulerOutput) -> Result<Vec<Option<SampledToken>>, String> {
+        let logits = self.backend.forward(&out.batch).map_err(|e| e.to_string())?;
+        let wanted = out.chunks.iter().filter(|c| c.wants_logits).count();
+        check_logits(&logits, wanted)?;
+        let rows = out.chunks.iter().filter(|c| c.wants_logits).enumerate();
+        Ok(rows.map(|(row, c)| self.requests.get_mut(&c.id).map(|req| req.sampler.sample(logits.row(row)))).collect())
+    }
+
+    /// Sampling on the backend's device: only token ids come back, plus the logits of rows whose
+    /// requests need the host (penalties, logprobs).
+    fn forward_sampling_on_device(&mut self, out: &SchedulerOutput) -> Result<Vec<Option<SampledToken>>, String> {
+        let wanting: Vec<RequestId> = out.chunks.iter().filter(|c| c.wants_logits).map(|c| c.id).collect();
+        // A request gone since scheduling still has a row: greedy, and its token is dropped.
+        let greedy = RowSampling::Draw { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, uniform: 0.0 };
+        let plans: Vec<RowSampling> =
+            wanting.iter().map(|id| self.requests.get_mut(id).map_or(greedy, |r| r.sampler.device_plan())).collect();
+        let step = self.backend.forward_sample(&out.batch, &plans).map_err(|e| e.to_string())?;
+        let host_rows = plans.iter().filter(|p| **p == RowSampling::Host).count();
+        if step.tokens.len() != wanting.len() {
+            return Err(format!("the backend sampled {} rows for {} sequences", step.tokens.len(), wanting.len()));
+        }
+        check_logits(&step.host_logits, host_rows)?;
+        let mut next_host_row = 0;
+        let mut tokens = Vec::with_capacity(wanting.len());
+        for ((id, plan), token) in wanting.iter().zip(&plans).zip(step.tokens) {
+            let sampled = match (plan, token) {
+                (RowSampling::Host, _) => {
+                    let row = step.host_logits.row(next_host_row);
+                    next_host_row += 1;
+                    self.requests.get_mut(id).map(|r| r.sampler.sample(row))
+                }
+                (RowSampling::Draw { .. }, Some(t)) => self.requests.get_mut(id).map(|r| r.sampler.accept_device_token(t)),
+                (RowSampling::Draw { .. }, None) => return Err("the backend left a device-sampled row without a token".into()),
+            };
+            tokens.push(sampled);
+        }
+        Ok(tokens)
     }
 
     fn note_admissions(&mut self, out: &SchedulerOutput) {
@@ -266,10 +305,10 @@ impl Worker {
         }
     }
 
-    fn sample(&mut self, out: &SchedulerOutput, logits: &Logits) {
-        for (row, c) in out.chunks.iter().filter(|c| c.wants_logits).enumerate() {
-            let Some(req) = self.requests.get_mut(&c.id) else { continue };
-            let token = req.sampler.sample(logits.row(row));
+    /// Hands each logits row's token to its request and ends the requests that are done.
+    fn emit(&mut self, out: &SchedulerOutput, tokens: Vec<Option<SampledToken>>) {
+        for (c, token) in out.chunks.iter().filter(|c| c.wants_logits).zip(tokens) {
+            let (Some(req), Some(token)) = (self.requests.get_mut(&c.id), token) else { continue };
             let id = token.token_id;
             req.num_output += 1;
             self.totals.generation_tokens_total += 1;
@@ -344,4 +383,12 @@ impl Worker {
         m.num_free_blocks = kv.num_free_blocks();
         *self.metrics.lock() = m;
     }
+}
+
+/// A backend's logits must have one row per wanted sequence.
+fn check_logits(logits: &Logits, wanted: usize) -> Result<(), String> {
+    if logits.rows() != wanted || (wanted > 0 && logits.vocab == 0) || logits.data.len() != wanted * logits.vocab {
+        return Err(format!("the backend returned {} logits rows for {wanted} sequences", logits.rows()));
+    }
+    Ok(())
 }

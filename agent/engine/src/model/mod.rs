@@ -9,7 +9,7 @@ pub mod quant;
 pub mod safetensors;
 pub mod weights;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub use ggml_type::GgmlType;
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue};
@@ -92,26 +92,21 @@ pub fn load(path: &Path, format: LoadFormat) -> Result<LoadedModel> {
             Ok(LoadedModel { config, weights })
         }
         LoadFormat::Dummy => {
-            let dir: PathBuf = if path.is_dir() {
-                path.to_path_buf()
-            } else {
-                path.parent().map(Path::to_path_buf).unwrap_or_default()
-            };
-            let config = if path.is_dir() {
-                hf_config::load_hf_config(&dir)?
-            } else {
-                let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
-                let json = serde_json::from_str(&text).map_err(|e| {
-                    EngineError::invalid_model(path, format!("not valid JSON: {e}"))
-                })?;
-                hf_config::parse_hf_config(&json)
-                    .map_err(|m| EngineError::invalid_model(path, m))?
-            };
+            let config = dummy_config(path)?;
             let weights = dummy::dummy_weights(&config, DUMMY_SEED);
             Ok(LoadedModel { config, weights })
         }
     }
+}
+
+/// The model shape `--load-format dummy` builds random weights for: `config.json` in the folder
+/// `path`, or the JSON file `path` itself. Backends that make their weights on their device read
+/// only this, never a host copy of the weights.
+pub fn dummy_config(path: &Path) -> Result<ModelConfig> {
+    if path.is_dir() {
+        return hf_config::load_hf_config(path);
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
+    let json = serde_json::from_str(&text).map_err(|e| EngineError::invalid_model(path, format!("not valid JSON: {e}")))?;
+    hf_config::parse_hf_config(&json).map_err(|m| EngineError::invalid_model(path, m))
 }

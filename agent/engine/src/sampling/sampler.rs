@@ -7,6 +7,7 @@ use super::filters::keep_mask;
 use super::logprobs::{log_softmax, top_logprobs};
 use super::penalties::{apply_penalties, PenaltyState};
 use super::GREEDY_TEMPERATURE;
+use crate::backend::RowSampling;
 use crate::request::{RequestId, SampledToken, SamplingParams};
 
 /// Highest logit, lowest id among ties (NaNs never win).
@@ -70,6 +71,31 @@ impl RequestSampler {
             None => (None, Vec::new()),
         };
         SampledToken { token_id: token as u32, logprob, top_logprobs: top }
+    }
+
+    /// How the device should pick this request's next token, for backends that sample on their
+    /// device: a draw with this request's parameters and its one RNG number for the token, or
+    /// [`RowSampling::Host`] where penalties or logprobs need the logits on the host.
+    pub fn device_plan(&mut self) -> RowSampling {
+        let p = &self.params;
+        let penalties = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        if penalties || p.logprobs.is_some() {
+            return RowSampling::Host;
+        }
+        let (temperature, top_k, top_p, min_p) = (p.temperature, p.top_k.min(u32::MAX as usize) as u32, p.top_p, p.min_p);
+        let uniform = if temperature < GREEDY_TEMPERATURE {
+            0.0 // greedy draws nothing, as on the host
+        } else {
+            // f64 → f32 may round up to 1.0; the draw needs [0, 1).
+            (self.rng.random::<f64>() as f32).min(1.0 - f32::EPSILON)
+        };
+        RowSampling::Draw { temperature, top_k, top_p, min_p, uniform }
+    }
+
+    /// Records a token the device picked under [`RequestSampler::device_plan`].
+    pub fn accept_device_token(&mut self, token: u32) -> SampledToken {
+        self.penalties.record_output(token);
+        SampledToken { token_id: token, logprob: None, top_logprobs: Vec::new() }
     }
 
     fn draw(&mut self, logits: &mut [f32]) -> usize {
@@ -202,5 +228,37 @@ mod tests {
         let out = plain.sample(&row);
         assert_eq!(out.logprob, None);
         assert!(out.top_logprobs.is_empty());
+    }
+
+    #[test]
+    fn device_plans_carry_the_same_draw_the_host_would_make() {
+        let params = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.05, ..Default::default() };
+        let mut device = RequestSampler::new(params.clone(), &[], 7);
+        let mut host_rng = ChaCha20Rng::seed_from_u64(7);
+        for _ in 0..3 {
+            let want = host_rng.random::<f64>() as f32;
+            match device.device_plan() {
+                RowSampling::Draw { temperature, top_k, top_p, min_p, uniform } => {
+                    assert_eq!((temperature, top_k, top_p, min_p), (0.8, 40, 0.9, 0.05));
+                    assert_eq!(uniform, want.min(1.0 - f32::EPSILON));
+                }
+                RowSampling::Host => panic!("plain sampling must run on the device"),
+            }
+        }
+        // Greedy draws nothing (as on the host), penalties and logprobs need the host.
+        let mut greedy = RequestSampler::new(SamplingParams::greedy(4), &[], 7);
+        assert!(matches!(greedy.device_plan(), RowSampling::Draw { temperature, uniform, .. } if temperature == 0.0 && uniform == 0.0));
+        for p in [
+            SamplingParams { repetition_penalty: 1.1, ..params.clone() },
+            SamplingParams { presence_penalty: 0.5, ..params.clone() },
+            SamplingParams { frequency_penalty: -0.5, ..params.clone() },
+            SamplingParams { logprobs: Some(0), ..params.clone() },
+        ] {
+            assert_eq!(RequestSampler::new(p, &[], 1).device_plan(), RowSampling::Host);
+        }
+        // A device-picked token counts for the penalties like a host-picked one.
+        let mut s = RequestSampler::new(SamplingParams { repetition_penalty: 4.0, ..SamplingParams::greedy(4) }, &[], 1);
+        assert_eq!(s.accept_device_token(0).token_id, 0);
+        assert_eq!(s.sample(&[4.0, 2.0, 1.0]).token_id, 1);
     }
 }

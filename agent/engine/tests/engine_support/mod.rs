@@ -3,5 +3,6 @@
 //! backend factory.
 #![allow(dead_code)]
 
+pub mod device_sampling;
 pub mod fake;
 pub mod scenarios;

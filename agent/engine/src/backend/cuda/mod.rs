@@ -12,17 +12,22 @@
 //! The plan's metadata crosses to the device in one copy per step ([`plan`]).
 
 pub mod bench;
+mod lora;
 mod plan;
 mod rope;
 mod weights;
 
+pub use lora::LoraCapacity;
 pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
 pub use weights::GpuWeights;
 
+use peregrine_kernels::ops::{DPtr, SAMPLE_PARAMS};
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType};
 
-use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, StepBatch};
+use self::lora::{GpuLora, Projection};
+use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, RowSampling, SampledStep, StepBatch};
+use crate::lora::{LoraAdapter, TargetModule};
 use crate::config::ModelConfig;
 use crate::{EngineError, Result};
 
@@ -58,6 +63,9 @@ pub struct CudaOptions {
     /// Decode steps of up to this many sequences replay a CUDA graph captured for their exact batch
     /// size (0: never capture).
     pub cuda_graph_max_batch: usize,
+    /// LoRA slots to reserve before the KV cache is sized (`--enable-lora`); None: no LoRA unless
+    /// [`Backend::enable_lora`] finds memory for it later.
+    pub lora: Option<LoraCapacity>,
 }
 
 impl Default for CudaOptions {
@@ -71,6 +79,7 @@ impl Default for CudaOptions {
             max_num_seqs: 256,
             num_blocks: None,
             cuda_graph_max_batch: 256,
+            lora: None,
         }
     }
 }
@@ -95,6 +104,9 @@ struct Scratch {
     final_normed: DevBuf<u16>,
     logits: DevBuf<f32>,
     argmax: DevBuf<u32>,
+    /// [`peregrine_kernels::ops::SAMPLE_PARAMS`] floats per logits row.
+    sample_params: DevBuf<f32>,
+    sample_params_host: Vec<f32>,
     meta: DevBuf<i32>,
     meta_host: Vec<i32>,
     attn_partials: DevBuf<f32>,
@@ -117,6 +129,8 @@ impl Scratch {
             final_normed: a(r * h)?,
             logits: cuda.gpu.alloc_zeros::<f32>(r * c.vocab_size).map_err(gpu_err)?,
             argmax: cuda.gpu.alloc_zeros::<u32>(r).map_err(gpu_err)?,
+            sample_params: cuda.gpu.alloc_zeros::<f32>(r * SAMPLE_PARAMS).map_err(gpu_err)?,
+            sample_params_host: vec![0.0; r * SAMPLE_PARAMS],
             meta: cuda.gpu.alloc_zeros::<i32>(layout.len()).map_err(gpu_err)?,
             meta_host: vec![0; layout.len()],
             attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
@@ -126,7 +140,7 @@ impl Scratch {
     fn bytes(c: &ModelConfig, t: usize, layout: &PlanLayout) -> usize {
         let h = c.hidden_size;
         let bf = t * (h * 3 + c.q_dim() * 2 + c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size) + layout.max_seqs * h;
-        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4) + layout.len() * 4
+        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4
     }
 }
 
@@ -143,14 +157,16 @@ pub struct CudaBackend {
     limits: Limits,
     graphs: Graphs,
     timing: Option<StepTiming>,
+    lora: Option<GpuLora>,
 }
 
-/// CUDA graphs of decode steps, one per batch size, captured the second time a size is seen (the
-/// first run of a size is eager, so cuBLAS and the driver have done their lazy set-up before capture).
+/// CUDA graphs of decode steps, one per (batch size, with LoRA or not), captured the second time a
+/// key is seen (the first run is eager, so cuBLAS and the driver have done their lazy set-up before
+/// capture).
 struct Graphs {
     max_batch: usize,
-    seen: std::collections::HashSet<usize>,
-    by_batch: std::collections::HashMap<usize, SendGraph>,
+    seen: std::collections::HashSet<(usize, bool)>,
+    by_batch: std::collections::HashMap<(usize, bool), SendGraph>,
 }
 
 /// A captured graph. cudarc's `CudaGraph` is not `Send` (raw handles); the backend is owned by one
@@ -210,6 +226,7 @@ impl CudaBackend {
             max_blocks: opts.max_model_len.div_ceil(opts.block_size),
         };
         let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout)?;
+        let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens)).transpose()?;
         let (cos, sin) = rope::tables(&config, opts.max_model_len);
         let rope_cos = cuda.gpu.upload(&cos).map_err(gpu_err)?;
         let rope_sin = cuda.gpu.upload(&sin).map_err(gpu_err)?;
@@ -252,9 +269,15 @@ impl CudaBackend {
             opts.block_size,
             (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64
         );
-        let limits = Limits { vocab: config.vocab_size, num_blocks, block_size: opts.block_size, max_model_len: opts.max_model_len };
+        let limits = Limits {
+            vocab: config.vocab_size,
+            num_blocks,
+            block_size: opts.block_size,
+            max_model_len: opts.max_model_len,
+            lora_slots: lora.as_ref().map_or(0, |l| l.capacity.max_loras),
+        };
         let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
-        Ok(CudaBackend { cuda, config, weights, kv_cache, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None })
+        Ok(CudaBackend { cuda, config, weights, kv_cache, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -275,39 +298,43 @@ impl CudaBackend {
         if let Some(t) = &self.timing {
             t.start.0.record(&self.cuda.gpu.stream).map_err(|e| gpu_err(e.into()))?;
         }
-        // Only the used part of each section is needed, but one copy of the packed array is cheaper
-        // than five small ones. It stays outside graphs: graphs read the same device addresses.
+        // One copy of the packed array's used prefix is cheaper than a copy per section. It stays
+        // outside graphs: graphs read the same device addresses.
         let Scratch { meta, meta_host, .. } = &mut self.scratch;
-        meta.write(&self.cuda.gpu.stream, meta_host).map_err(gpu_err)?;
+        let used = plan::used_len(&self.layout, batch.seqs.len());
+        meta.write(&self.cuda.gpu.stream, &meta_host[..used]).map_err(gpu_err)?;
+        let with_lora = batch.seqs.iter().any(|s| s.lora_slot.is_some());
         let decode_only = rows == n && batch.seqs.iter().all(|s| s.len == 1);
+        let key = (n, with_lora);
         if decode_only && n <= self.graphs.max_batch {
-            if let Some(g) = self.graphs.by_batch.get(&n) {
+            if let Some(g) = self.graphs.by_batch.get(&key) {
                 g.0.launch().map_err(|e| gpu_err(e.into()))?;
             } else {
-                self.step(n, rows).map_err(gpu_err)?;
-                if !self.graphs.seen.insert(n) {
-                    self.capture(n, rows)?;
+                self.step(n, rows, with_lora).map_err(gpu_err)?;
+                if !self.graphs.seen.insert(key) {
+                    self.capture(key, rows)?;
                 }
             }
         } else {
-            self.step(n, rows).map_err(gpu_err)?;
+            self.step(n, rows, with_lora).map_err(gpu_err)?;
         }
         Ok(rows)
     }
 
     /// Records the launches of a decode step of `n` sequences into a graph (nothing runs).
-    fn capture(&mut self, n: usize, rows: usize) -> Result<()> {
+    fn capture(&mut self, key: (usize, bool), rows: usize) -> Result<()> {
+        let (n, with_lora) = key;
         let stream = self.cuda.gpu.stream.clone();
         stream
             .begin_capture(peregrine_kernels::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| gpu_err(e.into()))?;
-        let enqueued = self.step(n, rows);
+        let enqueued = self.step(n, rows, with_lora);
         // End the capture whatever happened, or the stream stays unusable.
         let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags(0));
         enqueued.map_err(gpu_err)?;
         match graph.map_err(|e| gpu_err(e.into()))? {
             Some(g) => {
-                self.graphs.by_batch.insert(n, SendGraph(g));
+                self.graphs.by_batch.insert(key, SendGraph(g));
             }
             None => tracing::warn!("CUDA graph capture of a {n}-sequence decode step produced no graph"),
         }
@@ -342,8 +369,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Enqueues every operation of a step whose metadata is already on the device.
-    fn step(&self, n: usize, rows: usize) -> peregrine_kernels::Result<()> {
+    /// Enqueues every operation of a step whose metadata is already on the device (`with_lora`:
+    /// some token has a LoRA slot, so the LoRA updates run after each projection).
+    fn step(&self, n: usize, rows: usize, with_lora: bool) -> peregrine_kernels::Result<()> {
         let cuda = &self.cuda;
         let (gpu, k) = (&cuda.gpu, &cuda.kernels);
         let s = &gpu.stream;
@@ -356,6 +384,18 @@ impl CudaBackend {
         let eps = c.rms_norm_eps;
         let bs = self.limits.block_size;
         let w = &self.weights;
+        let lora = self.lora.as_ref().filter(|_| with_lora);
+        let lora_slots = m(lay.lora_slots());
+        // The LoRA updates of one projection's modules; `outs` are (module, column offset) in `y`.
+        let add_lora = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)]| -> peregrine_kernels::Result<()> {
+            let Some(lora) = lora else { return Ok(()) };
+            for &(module, col) in outs {
+                let p = Projection { module, x, x_stride, y: y + (col * 2) as u64, y_stride };
+                // SAFETY: as the step's block below; `y + col` stays inside each row of `y`.
+                unsafe { lora.apply(cuda, l, &p, lora_slots, n)? };
+            }
+            Ok(())
+        };
         // SAFETY (whole block): every buffer was sized for max_num_batched_tokens tokens and
         // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
         // against the cache.
@@ -365,6 +405,8 @@ impl CudaBackend {
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 k.add_rmsnorm(s, sc.residual.ptr(), delta, lw.input_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
                 cuda.linear(sc.qkv.ptr(), OutType::Bf16, sc.normed.ptr(), lw.qkv.ptr(), n, qkv_w, h)?;
+                let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
+                add_lora(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols)?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 k.rope_kv_write(
                     s,
@@ -385,10 +427,13 @@ impl CudaBackend {
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
+                add_lora(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)])?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
                 cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;
+                add_lora(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &[(TargetModule::Gate, 0), (TargetModule::Up, inter)])?;
                 k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter)?;
+                add_lora(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)])?;
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());
@@ -453,6 +498,81 @@ impl Backend for CudaBackend {
         }
         self.account_step()?;
         Ok(Logits { vocab, data })
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_sample(&mut self, batch: &StepBatch, sampling: &[RowSampling]) -> Result<SampledStep> {
+        let rows = self.run(batch)?;
+        if sampling.len() != rows {
+            return Err(EngineError::InvalidRequest(format!("{} sampling entries for {rows} logits rows", sampling.len())));
+        }
+        let vocab = self.config.vocab_size;
+        if rows == 0 {
+            self.account_step()?;
+            return Ok(SampledStep { tokens: Vec::new(), host_logits: Logits { vocab, data: Vec::new() } });
+        }
+        let params = &mut self.scratch.sample_params_host[..rows * SAMPLE_PARAMS];
+        for (p, how) in params.chunks_exact_mut(SAMPLE_PARAMS).zip(sampling) {
+            p.copy_from_slice(&match *how {
+                RowSampling::Draw { temperature, top_k, top_p, min_p, uniform } => [temperature, top_k as f32, top_p, min_p, uniform],
+                // Greedy is the cheapest row to run; its choice is dropped.
+                RowSampling::Host => [0.0, 0.0, 1.0, 0.0, 0.0],
+            });
+        }
+        let Scratch { sample_params, sample_params_host, logits, argmax, .. } = &mut self.scratch;
+        let stream = &self.cuda.gpu.stream;
+        sample_params.write(stream, &sample_params_host[..rows * SAMPLE_PARAMS]).map_err(gpu_err)?;
+        // SAFETY: logits hold `rows` rows of vocab f32; params `rows` entries; argmax max_num_seqs >= rows.
+        unsafe { self.cuda.kernels.sample_rows(stream, logits.ptr(), rows, vocab, sample_params.ptr(), argmax.ptr()) }.map_err(gpu_err)?;
+        let mut ids = vec![0u32; rows];
+        stream.memcpy_dtoh(&argmax.slice().slice(0..rows), &mut ids).map_err(|e| gpu_err(e.into()))?;
+        let mut host = Vec::new();
+        for (r, how) in sampling.iter().enumerate() {
+            if *how == RowSampling::Host {
+                let at = host.len();
+                host.resize(at + vocab, 0.0);
+                stream
+                    .memcpy_dtoh(&logits.slice().slice(r * vocab..(r + 1) * vocab), &mut host[at..])
+                    .map_err(|e| gpu_err(e.into()))?;
+            }
+        }
+        self.account_step()?;
+        let tokens = ids.into_iter().zip(sampling).map(|(id, how)| (*how != RowSampling::Host).then_some(id)).collect();
+        Ok(SampledStep { tokens, host_logits: Logits { vocab, data: host } })
+    }
+
+    fn enable_lora(&mut self, max_loras: usize, max_rank: usize) -> Result<()> {
+        let want = LoraCapacity { max_loras, max_rank };
+        match &self.lora {
+            Some(l) if l.capacity.max_loras >= max_loras && l.capacity.max_rank >= max_rank => Ok(()),
+            Some(l) => Err(EngineError::InvalidRequest(format!(
+                "the CUDA backend reserved {} LoRA slots of rank {}; {max_loras} of rank {max_rank} asked (set them in CudaOptions::lora)",
+                l.capacity.max_loras, l.capacity.max_rank
+            ))),
+            None => {
+                // Not reserved at start: the KV cache took its share already, so this allocation may
+                // not fit; a clear error then, never an OOM later.
+                let lora = GpuLora::new(&self.cuda, &self.config, want, self.layout.max_tokens).map_err(|e| {
+                    EngineError::Backend(format!(
+                        "LoRA stacks ({:.1} MiB) do not fit beside the KV cache: {e}; reserve them at start",
+                        GpuLora::bytes(&self.config, want, self.layout.max_tokens) as f64 / (1 << 20) as f64
+                    ))
+                })?;
+                self.limits.lora_slots = max_loras;
+                self.lora = Some(lora);
+                Ok(())
+            }
+        }
+    }
+
+    fn set_lora_slot(&mut self, slot: u32, adapter: &LoraAdapter) -> Result<()> {
+        let Some(lora) = &mut self.lora else {
+            return Err(EngineError::Unsupported("LoRA is not enabled on this backend".into()));
+        };
+        lora.set_slot(&self.cuda, slot, adapter)
     }
 
     fn name(&self) -> String {

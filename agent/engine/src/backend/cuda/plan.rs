@@ -32,8 +32,12 @@ impl PlanLayout {
     pub fn logit_rows(&self) -> usize {
         4 * self.max_tokens
     }
-    pub fn block_tables(&self) -> usize {
+    /// Per token: its sequence's LoRA slot, -1 for the base model.
+    pub fn lora_slots(&self) -> usize {
         4 * self.max_tokens + self.max_seqs
+    }
+    pub fn block_tables(&self) -> usize {
+        5 * self.max_tokens + self.max_seqs
     }
     pub fn len(&self) -> usize {
         self.block_tables() + self.max_seqs * self.max_blocks
@@ -50,9 +54,18 @@ pub struct Limits {
     pub num_blocks: usize,
     pub block_size: usize,
     pub max_model_len: usize,
+    /// LoRA slots the backend holds (0: LoRA not enabled).
+    pub lora_slots: usize,
 }
 
-/// Fills `packed` (length `layout.len()`) for `batch`; returns the number of logit rows.
+/// The prefix of the packed array a step of `num_seqs` sequences uses (what must be copied).
+pub fn used_len(layout: &PlanLayout, num_seqs: usize) -> usize {
+    layout.block_tables() + num_seqs * layout.max_blocks
+}
+
+/// Fills `packed` (length `layout.len()`) for `batch`; returns the number of logit rows. Sequences
+/// with a LoRA slot need `lim.lora_slots` to cover it: a request that asked for an adapter is never
+/// run on the base model silently.
 pub fn pack(batch: &StepBatch, layout: &PlanLayout, lim: &Limits, packed: &mut [i32]) -> Result<usize> {
     let bad = |m: String| EngineError::InvalidRequest(m);
     let n = batch.tokens.len();
@@ -69,10 +82,16 @@ pub fn pack(batch: &StepBatch, layout: &PlanLayout, lim: &Limits, packed: &mut [
     let mut covered = 0usize;
     let mut rows = 0usize;
     for (s, seq) in batch.seqs.iter().enumerate() {
-        if let Some(slot) = seq.lora_slot {
-            // Never run the base model silently for a request that asked for an adapter.
-            return Err(EngineError::Unsupported(format!("sequence {s}: LoRA slot {slot}: the CUDA backend has no LoRA support yet")));
-        }
+        let lora_slot = match seq.lora_slot {
+            None => -1,
+            Some(slot) if lim.lora_slots == 0 => {
+                return Err(EngineError::Unsupported(format!("sequence {s}: LoRA slot {slot}, but LoRA is not enabled on this backend")))
+            }
+            Some(slot) if slot as usize >= lim.lora_slots => {
+                return Err(bad(format!("sequence {s}: LoRA slot {slot} outside the {} slots", lim.lora_slots)))
+            }
+            Some(slot) => slot as i32,
+        };
         if seq.start != covered || seq.len == 0 || seq.start + seq.len > n {
             return Err(bad(format!("sequence {s}: chunk {}..{} does not tile the batch", seq.start, seq.start + seq.len)));
         }
@@ -84,13 +103,15 @@ pub fn pack(batch: &StepBatch, layout: &PlanLayout, lim: &Limits, packed: &mut [
         if seq.block_table.len() * lim.block_size < end || seq.block_table.len() > layout.max_blocks {
             return Err(bad(format!("sequence {s}: {} blocks cannot hold {end} positions", seq.block_table.len())));
         }
-        let row = &mut packed[layout.block_tables() + s * layout.max_blocks..][..layout.max_blocks];
-        for (i, slot) in row.iter_mut().enumerate() {
-            *slot = match seq.block_table.get(i) {
-                Some(&b) if (b as usize) < lim.num_blocks => b as i32,
-                Some(&b) => return Err(bad(format!("sequence {s}: block {b} outside the cache ({} blocks)", lim.num_blocks))),
-                None => 0,
-            };
+        // Only the sequence's own blocks are written: kernels read block i only for positions
+        // inside the context, so what lies beyond (stale entries) is never read. Rows are as wide
+        // as max_model_len allows, so filling them whole would cost more than the step's own work.
+        let row = &mut packed[layout.block_tables() + s * layout.max_blocks..][..seq.block_table.len()];
+        for (slot, &b) in row.iter_mut().zip(&seq.block_table) {
+            if b as usize >= lim.num_blocks {
+                return Err(bad(format!("sequence {s}: block {b} outside the cache ({} blocks)", lim.num_blocks)));
+            }
+            *slot = b as i32;
         }
         for i in seq.start..seq.start + seq.len {
             let pos = seq.context_len + (i - seq.start);
@@ -106,6 +127,7 @@ pub fn pack(batch: &StepBatch, layout: &PlanLayout, lim: &Limits, packed: &mut [
             let block = seq.block_table[pos / lim.block_size] as usize;
             packed[layout.slots() + i] = (block * lim.block_size + pos % lim.block_size) as i32;
             packed[layout.token_seq() + i] = s as i32;
+            packed[layout.lora_slots() + i] = lora_slot;
         }
         if seq.wants_logits {
             packed[layout.logit_rows() + rows] = (seq.start + seq.len - 1) as i32;
@@ -127,7 +149,7 @@ mod tests {
         SeqChunk { start, len, context_len: ctx, block_table: blocks, wants_logits: logits, lora_slot: None }
     }
 
-    const LIM: Limits = Limits { vocab: 100, num_blocks: 10, block_size: 4, max_model_len: 32 };
+    const LIM: Limits = Limits { vocab: 100, num_blocks: 10, block_size: 4, max_model_len: 32, lora_slots: 0 };
     const LAYOUT: PlanLayout = PlanLayout { max_tokens: 8, max_seqs: 3, max_blocks: 8 };
 
     #[test]
@@ -147,7 +169,7 @@ mod tests {
         assert_eq!(&packed[LAYOUT.slots()..][..4], &[9, 16, 17, 18]);
         assert_eq!(&packed[LAYOUT.token_seq()..][..4], &[0, 1, 1, 1]);
         assert_eq!(packed[LAYOUT.logit_rows()], 0);
-        assert_eq!(&packed[LAYOUT.block_tables()..][..3], &[7, 2, 0]);
+        assert_eq!(&packed[LAYOUT.block_tables()..][..2], &[7, 2]);
         assert_eq!(packed[LAYOUT.block_tables() + LAYOUT.max_blocks], 4);
     }
 
@@ -167,7 +189,7 @@ mod tests {
             StepBatch { tokens: vec![1, 2], positions: vec![0, 1], seqs: vec![seq(0, 1, 0, vec![1], true)] },
             // beyond max_model_len
             StepBatch { tokens: vec![1], positions: vec![32], seqs: vec![seq(0, 1, 32, vec![0; 9], true)] },
-            // a LoRA slot (not supported on this backend yet)
+            // a LoRA slot while LoRA is not enabled
             StepBatch {
                 tokens: vec![1],
                 positions: vec![0],
@@ -177,5 +199,27 @@ mod tests {
         for (i, b) in cases.iter().enumerate() {
             assert!(pack(b, &LAYOUT, &LIM, &mut packed).is_err(), "case {i} accepted");
         }
+    }
+
+    #[test]
+    fn packs_lora_slots_per_token_and_rejects_slots_beyond_the_stack() {
+        let lim = Limits { lora_slots: 2, ..LIM };
+        let batch = StepBatch {
+            tokens: vec![11, 21, 22],
+            positions: vec![5, 0, 1],
+            seqs: vec![
+                SeqChunk { lora_slot: Some(1), ..seq(0, 1, 5, vec![7, 2], true) },
+                seq(1, 2, 0, vec![4], true),
+            ],
+        };
+        let mut packed = vec![-7; LAYOUT.len()];
+        assert_eq!(pack(&batch, &LAYOUT, &lim, &mut packed).unwrap(), 2);
+        assert_eq!(&packed[LAYOUT.lora_slots()..][..3], &[1, -1, -1]);
+        let beyond = StepBatch {
+            tokens: vec![1],
+            positions: vec![0],
+            seqs: vec![SeqChunk { lora_slot: Some(2), ..seq(0, 1, 0, vec![1], true) }],
+        };
+        assert!(pack(&beyond, &LAYOUT, &lim, &mut packed).is_err());
     }
 }

@@ -1,0 +1,198 @@
+//! `peregrine-agent throughput`: offline throughput of many requests at once through the whole engine
+//! (scheduler, paged KV cache, chunked prefill, sampling; no HTTP), like vLLM's
+//! `benchmark_throughput.py`: `--num-prompts` random prompts of `--input-len` tokens, each generating
+//! exactly `--output-len` tokens (EOS ignored), all submitted at once. Prints figures; asserts nothing.
+
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
+use serde::Serialize;
+
+use crate::runtime::EngineArgs;
+
+#[derive(Debug, Clone, Args)]
+pub struct ThroughputArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Requests submitted at once.
+    #[arg(long, default_value_t = 1000)]
+    pub num_prompts: usize,
+    /// Prompt tokens of each request (random token ids).
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    /// Tokens each request generates (EOS ignored).
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Sampling temperature (0: greedy). vLLM's benchmark samples at 1.0.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Top-p of every request (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Top-k of every request (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Print the figures as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct ThroughputReport {
+    model: String,
+    backend: String,
+    num_prompts: usize,
+    input_len: usize,
+    output_len: usize,
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    seconds: f64,
+    requests_per_second: f64,
+    output_tokens_per_second: f64,
+    total_tokens_per_second: f64,
+    ttft_p50_seconds: f64,
+    ttft_p99_seconds: f64,
+    preemptions: u64,
+    engine_steps: u64,
+}
+
+pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
+    if args.num_prompts == 0 || args.input_len == 0 || args.output_len == 0 {
+        anyhow::bail!("--num-prompts, --input-len and --output-len must be at least 1");
+    }
+    let mut engine_args = args.engine.clone();
+    // Random prompts share no prefix; the cache would only add bookkeeping.
+    engine_args.disable_prefix_caching = true;
+    let runtime = engine_args.start()?;
+    let engine = &runtime.engine;
+    let vocab = runtime.model_config.vocab_size;
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        ignore_eos: true,
+        ..SamplingParams::greedy(args.output_len)
+    };
+
+    // Warm-up (kernels compiled and loaded, first CUDA graphs, pages touched), not timed.
+    let warm = GenerationRequest {
+        id: engine.new_request_id(),
+        prompt_tokens: random_prompt(args.input_len, vocab, u64::MAX),
+        params: SamplingParams { max_tokens: 4, ..params.clone() },
+        adapter: None,
+    };
+    drain(engine.submit(warm)?)?;
+    let before = engine.metrics();
+
+    let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let start = Instant::now();
+    let mut streams = Vec::with_capacity(args.num_prompts);
+    for i in 0..args.num_prompts {
+        let request = GenerationRequest {
+            id: engine.new_request_id(),
+            prompt_tokens: random_prompt(args.input_len, vocab, i as u64),
+            params: params.clone(),
+            adapter: None,
+        };
+        streams.push(engine.submit(request)?);
+    }
+    // One task per stream on one thread: the engine thread does the work, readers only count.
+    let results: Vec<anyhow::Result<(usize, Duration)>> = tokio.block_on(async {
+        let mut tasks = tokio::task::JoinSet::new();
+        for mut stream in streams {
+            tasks.spawn(async move {
+                let mut tokens = 0usize;
+                let mut first = None;
+                loop {
+                    match stream.next().await {
+                        Some(RequestEvent::Token(_)) => {
+                            tokens += 1;
+                            first.get_or_insert_with(|| start.elapsed());
+                        }
+                        Some(RequestEvent::Finished { .. }) => return Ok((tokens, first.unwrap_or_default())),
+                        Some(RequestEvent::Error(m)) => anyhow::bail!("request failed: {m}"),
+                        Some(RequestEvent::Scheduled { .. }) => {}
+                        None => anyhow::bail!("the engine stopped"),
+                    }
+                }
+            });
+        }
+        let mut out = Vec::new();
+        while let Some(r) = tasks.join_next().await {
+            out.push(r.unwrap_or_else(|e| Err(anyhow::anyhow!("reader task failed: {e}"))));
+        }
+        out
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let results = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    let after = engine.metrics();
+    engine.shutdown();
+
+    let output_tokens: usize = results.iter().map(|r| r.0).sum();
+    let mut ttft: Vec<f64> = results.iter().map(|r| r.1.as_secs_f64()).collect();
+    ttft.sort_by(|a, b| a.total_cmp(b));
+    let pct = |q: f64| ttft.get(((ttft.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+    let report = ThroughputReport {
+        model: args.engine.model.display().to_string(),
+        backend: runtime.backend_name.clone(),
+        num_prompts: args.num_prompts,
+        input_len: args.input_len,
+        output_len: args.output_len,
+        max_num_seqs: engine_args.max_num_seqs,
+        max_num_batched_tokens: engine_args.max_num_batched_tokens,
+        seconds,
+        requests_per_second: args.num_prompts as f64 / seconds,
+        output_tokens_per_second: output_tokens as f64 / seconds,
+        total_tokens_per_second: (output_tokens + args.num_prompts * args.input_len) as f64 / seconds,
+        ttft_p50_seconds: pct(0.5),
+        ttft_p99_seconds: pct(0.99),
+        preemptions: after.preemptions_total.saturating_sub(before.preemptions_total),
+        engine_steps: after.steps_total.saturating_sub(before.steps_total),
+    };
+    if output_tokens != args.num_prompts * args.output_len {
+        anyhow::bail!("generated {output_tokens} tokens, expected {}", args.num_prompts * args.output_len);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("model       {} on {}", report.model, report.backend);
+        println!(
+            "workload    {} requests x ({} in / {} out), max_num_seqs {}, max_num_batched_tokens {}",
+            report.num_prompts, report.input_len, report.output_len, report.max_num_seqs, report.max_num_batched_tokens
+        );
+        println!("elapsed     {:.2} s ({} engine steps, {} preemptions)", report.seconds, report.engine_steps, report.preemptions);
+        println!("throughput  {:.2} requests/s, {:.1} output tokens/s, {:.1} total tokens/s", report.requests_per_second, report.output_tokens_per_second, report.total_tokens_per_second);
+        println!("TTFT        p50 {:.3} s, p99 {:.3} s (all requests submitted at t=0)", report.ttft_p50_seconds, report.ttft_p99_seconds);
+    }
+    Ok(())
+}
+
+/// Reads a stream to its end on this thread.
+fn drain(mut stream: peregrine_engine::engine::RequestStream) -> anyhow::Result<()> {
+    loop {
+        match stream.blocking_next() {
+            Some(RequestEvent::Finished { .. }) => return Ok(()),
+            Some(RequestEvent::Error(m)) => anyhow::bail!("warm-up request failed: {m}"),
+            Some(_) => {}
+            None => anyhow::bail!("the engine stopped"),
+        }
+    }
+}
+
+/// Random token ids (a fixed function of `salt`), avoiding the special tokens at the start of most
+/// vocabularies.
+fn random_prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    let low = (vocab / 50).min(1000) as u64;
+    let span = (vocab as u64).saturating_sub(low).max(1);
+    let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5151_5eed;
+    (0..len)
+        .map(|_| {
+            // xorshift64*: cheap, good enough to make prompts unrelated.
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            (low + x.wrapping_mul(0x2545_f491_4f6c_dd1d) % span) as u32
+        })
+        .collect()
+}

@@ -1,0 +1,167 @@
+// Paged attention, key-tiled: the same contract as attention.cu's paged_attention (one block per
+// (token, KV head[, split]), the GQA group served together, partials for splits), but each warp takes
+// 32 keys at a time with one key per lane for q·k (a lane reads its key's whole row: no cross-lane
+// reduction per key), one softmax update per tile, then lanes over head dims for p·V (coalesced V
+// rows, probabilities from shared memory). Per key this costs a fraction of the instructions of the
+// key-per-warp kernel, which matters once contexts are long and batches large (decode with thousands
+// of cached tokens per sequence, prefill chunks).
+#define ATTN_TILE 32
+
+template <int D>
+__device__ __forceinline__ void paged_attention_tiled_impl(
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    constexpr int E = D / 32;  // head dims per lane in p·V
+    __shared__ __align__(16) float q_s[ATTN_MAX_GROUP][D];
+    __shared__ float p_s[ATTN_WARPS][ATTN_MAX_GROUP][ATTN_TILE];
+    __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP];
+    __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
+    __shared__ float sm_acc[ATTN_WARPS][ATTN_MAX_GROUP][D];
+
+    if (gridDim.z == 1) pdl_trigger();
+    const int t = blockIdx.x, kvh = blockIdx.y;
+    const int group = hq / hkv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int ctx = positions[t] + 1;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int chunk = (ctx + splits - 1) / splits;
+    const int begin = split * chunk;
+    const int end = min(ctx, begin + chunk);
+    const int* bt = block_tables + (u64)token_seq[t] * max_blocks;
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        q_s[g][d] = bf2f(q[(u64)t * hq * D + (u64)(kvh * group + g) * D + d]) * qscale;
+    }
+    __syncthreads();
+
+    float acc[ATTN_MAX_GROUP][E], m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
+    }
+
+    for (int p0 = begin + warp * ATTN_TILE; p0 < end; p0 += ATTN_WARPS * ATTN_TILE) {
+        const int p = p0 + lane;
+        const bool valid = p < end;
+        const u64 blk = valid ? (u64)bt[p / block_size] : 0;
+        const u64 row = valid ? ((blk * hkv + kvh) * block_size + (p % block_size)) * D : 0;
+
+        // q·k for this lane's key, every head of the group.
+        float s[ATTN_MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < ATTN_MAX_GROUP; ++g) s[g] = 0.f;
+        if (valid) {
+            const uint4* kr = reinterpret_cast<const uint4*>(k_cache + row);
+#pragma unroll
+            for (int c = 0; c < D / 8; ++c) {
+                const uint4 raw = kr[c];
+                const u32 w4[4] = {raw.x, raw.y, raw.z, raw.w};
+                float kf[8];
+#pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    kf[2 * h] = __uint_as_float(w4[h] << 16);
+                    kf[2 * h + 1] = __uint_as_float(w4[h] & 0xffff0000u);
+                }
+#pragma unroll
+                for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+                    if (g < group) {
+                        const float4 qa = *reinterpret_cast<const float4*>(&q_s[g][c * 8]);
+                        const float4 qb = *reinterpret_cast<const float4*>(&q_s[g][c * 8 + 4]);
+                        s[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
+                                qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                    }
+                }
+            }
+        }
+        // One online-softmax update per tile and head.
+#pragma unroll
+        for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+            if (g < group) {
+                const float sv = valid ? s[g] : NEG_INF;
+                const float mn = fmaxf(m[g], warp_max(sv));
+                const float corr = exp2f(m[g] - mn);  // m = -inf before the first key: 0
+                const float w = valid ? exp2f(sv - mn) : 0.f;
+                l[g] = l[g] * corr + warp_sum(w);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+                m[g] = mn;
+                p_s[warp][g][lane] = w;
+            }
+        }
+        __syncwarp();
+        // p·V: lanes over head dims, keys of the tile in turn.
+        const int nv = min(ATTN_TILE, end - p0);
+        auto pv = [&](int j) {
+            const u64 rj = __shfl_sync(0xffffffffu, row, j);
+            float vv[E];
+            load_row<D>(v_cache + rj + lane * E, vv);
+#pragma unroll
+            for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+                if (g < group) {
+                    const float pj = p_s[warp][g][j];
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc[g][e] += pj * vv[e];
+                }
+            }
+        };
+        if (nv == ATTN_TILE) {
+            // Unrolled so several V rows are in flight at once (the loads do not depend on each other).
+#pragma unroll 8
+            for (int j = 0; j < ATTN_TILE; ++j) pv(j);
+        } else {
+            for (int j = 0; j < nv; ++j) pv(j);
+        }
+        __syncwarp();
+    }
+
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+        if (g < group) {
+            if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+#pragma unroll
+            for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+        float sum = 0.f, o = 0.f;
+        if (mx != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                const float f = exp2f(sm_m[w][g] - mx);
+                sum += sm_l[w][g] * f;
+                o += sm_acc[w][g][d] * f;
+            }
+        }
+        const int head = kvh * group + g;
+        if (splits == 1) {
+            out[(u64)t * hq * D + (u64)head * D + d] = f2bf(o / sum);
+        } else {
+            const u64 pi = ((u64)t * hq + head) * splits + split;
+            part_acc[pi * D + d] = o;
+            if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
+        }
+    }
+}
+
+#define PAGED_ATTENTION_TILED(D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_tiled_d##D(          \
+        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
+        int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
+        paged_attention_tiled_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,     \
+                                      positions, hq, hkv, block_size, scale, part_ml, part_acc);        \
+    }
+PAGED_ATTENTION_TILED(64)
+PAGED_ATTENTION_TILED(128)

@@ -4,8 +4,12 @@
 // reduction per key), one softmax update per tile, then lanes over head dims for p·V (coalesced V
 // rows, probabilities from shared memory). Per key this costs a fraction of the instructions of the
 // key-per-warp kernel, which matters once contexts are long and batches large (decode with thousands
-// of cached tokens per sequence, prefill chunks).
+// of cached tokens per sequence, prefill chunks). A warp first copies its tile of K rows into shared
+// memory with coalesced 16-byte loads (16 lanes per row), so the per-lane row reads of q·k hit shared
+// memory, not 32 scattered cache lines per load instruction; rows are padded by 16 bytes so the eight
+// lanes of a quarter-warp read eight different bank groups.
 #define ATTN_TILE 32
+#define ATTN_KROW_PAD 8  // bf16 elements (16 bytes) after each K row in shared memory
 
 template <int D>
 __device__ __forceinline__ void paged_attention_tiled_impl(
@@ -14,11 +18,17 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     constexpr int E = D / 32;  // head dims per lane in p·V
+    constexpr int KROW = D + ATTN_KROW_PAD;
     __shared__ __align__(16) float q_s[ATTN_MAX_GROUP][D];
     __shared__ float p_s[ATTN_WARPS][ATTN_MAX_GROUP][ATTN_TILE];
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
-    __shared__ float sm_acc[ATTN_WARPS][ATTN_MAX_GROUP][D];
+    // The K tiles during the key loop; the warps' partial accumulators after it (same bytes).
+    constexpr int K_TILE_BYTES = ATTN_WARPS * ATTN_TILE * KROW * 2;
+    constexpr int ACC_BYTES = ATTN_WARPS * ATTN_MAX_GROUP * D * 4;
+    __shared__ __align__(16) unsigned char scratch[K_TILE_BYTES > ACC_BYTES ? K_TILE_BYTES : ACC_BYTES];
+    bf16_t* k_s = reinterpret_cast<bf16_t*>(scratch) + (threadIdx.x >> 5) * ATTN_TILE * KROW;
+    float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(scratch);
 
     if (gridDim.z == 1) pdl_trigger();
     const int t = blockIdx.x, kvh = blockIdx.y;
@@ -53,12 +63,26 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
         const u64 blk = valid ? (u64)bt[p / block_size] : 0;
         const u64 row = valid ? ((blk * hkv + kvh) * block_size + (p % block_size)) * D : 0;
 
+        // The tile's K rows into shared memory: D/8 lanes per row, 16 bytes each, coalesced.
+        constexpr int CHUNKS = D / 8;             // 16-byte chunks per row
+        constexpr int ROWS_PER_PASS = 32 / CHUNKS;
+        const int nk = min(ATTN_TILE, end - p0);
+#pragma unroll
+        for (int r0 = 0; r0 < ATTN_TILE; r0 += ROWS_PER_PASS) {
+            const int r = r0 + lane / CHUNKS, c = lane % CHUNKS;
+            const u64 rr = __shfl_sync(0xffffffffu, row, r);
+            if (r < nk) {
+                *reinterpret_cast<uint4*>(k_s + r * KROW + c * 8) = *reinterpret_cast<const uint4*>(k_cache + rr + c * 8);
+            }
+        }
+        __syncwarp();
+
         // q·k for this lane's key, every head of the group.
         float s[ATTN_MAX_GROUP];
 #pragma unroll
         for (int g = 0; g < ATTN_MAX_GROUP; ++g) s[g] = 0.f;
         if (valid) {
-            const uint4* kr = reinterpret_cast<const uint4*>(k_cache + row);
+            const uint4* kr = reinterpret_cast<const uint4*>(k_s + lane * KROW);
 #pragma unroll
             for (int c = 0; c < D / 8; ++c) {
                 const uint4 raw = kr[c];
@@ -121,6 +145,7 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
         __syncwarp();
     }
 
+    __syncthreads();  // every warp is done with its K tile before the accumulators take the bytes
 #pragma unroll
     for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
         if (g < group) {

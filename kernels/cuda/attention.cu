@@ -204,13 +204,14 @@ extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const flo
     if (i < d) out[th * d + i] = f2bf(o / sum);
 }
 
-#define PAGED_ATTENTION(D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_d##D(                \
+// The exported entry points: NAME_d64 / NAME_d128 with the launch signature both kernels share.
+#define ATTENTION_KERNEL(NAME, IMPL, D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) NAME##_d##D(                         \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
         int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
-        paged_attention_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,           \
-                                positions, hq, hkv, block_size, scale, part_ml, part_acc);              \
+        IMPL<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, hq, hkv,       \
+                block_size, scale, part_ml, part_acc);                                                  \
     }
-PAGED_ATTENTION(64)
-PAGED_ATTENTION(128)
+ATTENTION_KERNEL(paged_attention, paged_attention_impl, 64)
+ATTENTION_KERNEL(paged_attention, paged_attention_impl, 128)

@@ -146,13 +146,5 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
     attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
 }
 
-#define PAGED_ATTENTION_TILED(D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_tiled_d##D(          \
-        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
-        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
-        paged_attention_tiled_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,     \
-                                      positions, hq, hkv, block_size, scale, part_ml, part_acc);        \
-    }
-PAGED_ATTENTION_TILED(64)
-PAGED_ATTENTION_TILED(128)
+ATTENTION_KERNEL(paged_attention_tiled, paged_attention_tiled_impl, 64)
+ATTENTION_KERNEL(paged_attention_tiled, paged_attention_tiled_impl, 128)

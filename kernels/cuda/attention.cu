@@ -31,6 +31,79 @@ __device__ __forceinline__ void load_row(const bf16_t* p, float (&v)[D / 32]) {
     }
 }
 
+// What one block of an attention launch covers: token t = blockIdx.x (of sequence token_seq[t],
+// attending to positions 0..=positions[t]), KV head blockIdx.y, and of those keys the range
+// [begin, end) of split blockIdx.z (chunk = ceil(ctx / splits)).
+struct AttnBlock {
+    int t, kvh, group, splits, split, begin, end;
+    const int* bt;  // the sequence's block table row
+};
+
+__device__ __forceinline__ AttnBlock attention_block(const int* __restrict__ block_tables, int max_blocks,
+                                                     const int* __restrict__ token_seq,
+                                                     const int* __restrict__ positions, int hq, int hkv) {
+    AttnBlock b;
+    b.t = blockIdx.x;
+    b.kvh = blockIdx.y;
+    b.group = hq / hkv;
+    const int ctx = positions[b.t] + 1;
+    b.splits = gridDim.z;
+    b.split = blockIdx.z;
+    const int chunk = (ctx + b.splits - 1) / b.splits;
+    b.begin = b.split * chunk;
+    b.end = min(ctx, b.begin + chunk);
+    b.bt = block_tables + (u64)token_seq[b.t] * max_blocks;
+    return b;
+}
+
+// The end of both attention kernels: each warp's online-softmax state (running max m, sum l,
+// accumulator acc; lanes hold D/32 dims each) merged through shared memory, then the block's output
+// rows written, or the split's unnormalized partials. Starts with a barrier, so a kernel may reuse
+// the bytes of sm_acc for something else during its key loop.
+template <int D>
+__device__ __forceinline__ void attention_merge_warps(
+    const float (&m)[ATTN_MAX_GROUP], const float (&l)[ATTN_MAX_GROUP], const float (&acc)[ATTN_MAX_GROUP][D / 32],
+    float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group,
+    int t, int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
+    float* __restrict__ part_acc) {
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+        if (g < group) {
+            if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+#pragma unroll
+            for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+        float sum = 0.f, o = 0.f;
+        if (mx != NEG_INF) {  // a split past the end of a short sequence saw no key at all
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                // A warp that saw no key has m = -inf and l = 0: its factor is exp2(-inf) = 0.
+                const float f = exp2f(sm_m[w][g] - mx);
+                sum += sm_l[w][g] * f;
+                o += sm_acc[w][g][d] * f;
+            }
+        }
+        const int head = kvh * group + g;
+        if (splits == 1) {
+            out[(u64)t * hq * D + (u64)head * D + d] = f2bf(o / sum);
+        } else {
+            const u64 pi = ((u64)t * hq + head) * splits + split;
+            part_acc[pi * D + d] = o;
+            if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void paged_attention_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
@@ -43,15 +116,11 @@ __device__ __forceinline__ void paged_attention_impl(
     __shared__ float sm_acc[ATTN_WARPS][ATTN_MAX_GROUP][D];
 
     if (gridDim.z == 1) pdl_trigger();  // unsplit: this kernel is the one before the o GEMV
-    const int t = blockIdx.x, kvh = blockIdx.y;
-    const int group = hq / hkv;
+    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv);
+    const int t = ab.t, kvh = ab.kvh, group = ab.group, splits = ab.splits, split = ab.split;
+    const int begin = ab.begin, end = ab.end;
+    const int* bt = ab.bt;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int ctx = positions[t] + 1;
-    const int splits = gridDim.z, split = blockIdx.z;
-    const int chunk = (ctx + splits - 1) / splits;
-    const int begin = split * chunk;
-    const int end = min(ctx, begin + chunk);
-    const int* bt = block_tables + (u64)token_seq[t] * max_blocks;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
 
     float qv[ATTN_MAX_GROUP][E], acc[ATTN_MAX_GROUP][E], m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
@@ -113,39 +182,7 @@ __device__ __forceinline__ void paged_attention_impl(
         }
     }
 
-#pragma unroll
-    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
-        if (g < group) {
-            if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-#pragma unroll
-            for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float sum = 0.f, o = 0.f;
-        if (mx != NEG_INF) {  // a split past the end of a short sequence saw no key at all
-#pragma unroll
-            for (int w = 0; w < ATTN_WARPS; ++w) {
-                // A warp that saw no key has m = -inf and l = 0: its factor is exp2(-inf) = 0.
-                const float f = exp2f(sm_m[w][g] - mx);
-                sum += sm_l[w][g] * f;
-                o += sm_acc[w][g][d] * f;
-            }
-        }
-        const int head = kvh * group + g;
-        if (splits == 1) {
-            out[(u64)t * hq * D + (u64)head * D + d] = f2bf(o / sum);
-        } else {
-            const u64 pi = ((u64)t * hq + head) * splits + split;
-            part_acc[pi * D + d] = o;
-            if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
-        }
-    }
+    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
 }
 
 // Merges the splits of each (token, query head): grid (n, hq), blockDim.x = D.
@@ -167,13 +204,14 @@ extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const flo
     if (i < d) out[th * d + i] = f2bf(o / sum);
 }
 
-#define PAGED_ATTENTION(D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_d##D(                \
+// The exported entry points: NAME_d64 / NAME_d128 with the launch signature both kernels share.
+#define ATTENTION_KERNEL(NAME, IMPL, D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) NAME##_d##D(                         \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
         int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
-        paged_attention_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,           \
-                                positions, hq, hkv, block_size, scale, part_ml, part_acc);              \
+        IMPL<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, hq, hkv,       \
+                block_size, scale, part_ml, part_acc);                                                  \
     }
-PAGED_ATTENTION(64)
-PAGED_ATTENTION(128)
+ATTENTION_KERNEL(paged_attention, paged_attention_impl, 64)
+ATTENTION_KERNEL(paged_attention, paged_attention_impl, 128)

@@ -31,15 +31,11 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
     float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(scratch);
 
     if (gridDim.z == 1) pdl_trigger();
-    const int t = blockIdx.x, kvh = blockIdx.y;
-    const int group = hq / hkv;
+    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv);
+    const int t = ab.t, kvh = ab.kvh, group = ab.group, splits = ab.splits, split = ab.split;
+    const int begin = ab.begin, end = ab.end;
+    const int* bt = ab.bt;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int ctx = positions[t] + 1;
-    const int splits = gridDim.z, split = blockIdx.z;
-    const int chunk = (ctx + splits - 1) / splits;
-    const int begin = split * chunk;
-    const int end = min(ctx, begin + chunk);
-    const int* bt = block_tables + (u64)token_seq[t] * max_blocks;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
 
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
@@ -145,48 +141,10 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
         __syncwarp();
     }
 
-    __syncthreads();  // every warp is done with its K tile before the accumulators take the bytes
-#pragma unroll
-    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
-        if (g < group) {
-            if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-#pragma unroll
-            for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float sum = 0.f, o = 0.f;
-        if (mx != NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < ATTN_WARPS; ++w) {
-                const float f = exp2f(sm_m[w][g] - mx);
-                sum += sm_l[w][g] * f;
-                o += sm_acc[w][g][d] * f;
-            }
-        }
-        const int head = kvh * group + g;
-        if (splits == 1) {
-            out[(u64)t * hq * D + (u64)head * D + d] = f2bf(o / sum);
-        } else {
-            const u64 pi = ((u64)t * hq + head) * splits + split;
-            part_acc[pi * D + d] = o;
-            if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
-        }
-    }
+    // (the merge starts with a barrier: every warp is done with its K tile before the accumulators
+    // take the same bytes)
+    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
 }
 
-#define PAGED_ATTENTION_TILED(D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_tiled_d##D(          \
-        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
-        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
-        paged_attention_tiled_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,     \
-                                      positions, hq, hkv, block_size, scale, part_ml, part_acc);        \
-    }
-PAGED_ATTENTION_TILED(64)
-PAGED_ATTENTION_TILED(128)
+ATTENTION_KERNEL(paged_attention_tiled, paged_attention_tiled_impl, 64)
+ATTENTION_KERNEL(paged_attention_tiled, paged_attention_tiled_impl, 128)

@@ -110,32 +110,9 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, int voc
         const float v = row[j];
         if (v > best) { best = v; bi = j; }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-    }
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { sv[warp] = best; si[warp] = bi; }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        best = lane < nw ? sv[lane] : NEG_INF;
-        bi = lane < nw ? si[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-        }
-        if (lane == 0) { sv[0] = best; si[0] = bi == 0x7fffffff ? 0 : bi; }
-    }
-    __syncthreads();
-    const float mx = sv[0];
-    const int argmax = si[0];
+    block_argmax(best, bi);
+    const float mx = best;
+    const int argmax = bi == 0x7fffffff ? 0 : bi;
     if (temperature < SAMPLE_GREEDY_T || !(mx > NEG_INF)) {
         if (threadIdx.x == 0) out[blockIdx.x] = (u32)argmax;
         return;

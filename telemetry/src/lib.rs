@@ -96,3 +96,23 @@ fn tracer_provider(service_name: &'static str, endpoint: &str) -> Result<SdkTrac
     let resource = opentelemetry_sdk::Resource::builder().with_service_name(service_name).build();
     Ok(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource).build())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The global subscriber can be installed once per process: only the second test installs it.
+
+    #[test]
+    fn an_endpoint_outside_a_tokio_runtime_is_refused_before_anything_is_installed() {
+        let config = TelemetryConfig { service_name: "test", default_filter: "info", otlp_endpoint: Some("http://127.0.0.1:4318"), json: false };
+        assert!(matches!(init(config), Err(TelemetryError::NoRuntime)));
+    }
+
+    #[test]
+    fn no_endpoint_exports_nothing() {
+        let config = TelemetryConfig { service_name: "test", default_filter: "info", otlp_endpoint: Some(""), json: true };
+        let guard = init(config).unwrap();
+        assert!(!guard.exporting());
+    }
+}

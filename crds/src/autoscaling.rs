@@ -1,7 +1,8 @@
 //! `spec.autoscaling` / `status.autoscaling` of a ModelDeployment (issue 7).
 //!
-//! NOT ACTED ON YET: the types are final so that the autoscaler can be built on them, but until it
-//! lands the operator only validates them.
+//! Acted on by the operator's autoscaler (`operator/src/autoscaler/`): every interval it scrapes the
+//! ready agent pods' `/metrics`, decides the replica count that holds the SLO, writes it through the
+//! `scale` subresource (`spec.replicas`) and reports the decision in `status.autoscaling`.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::KubeSchema;

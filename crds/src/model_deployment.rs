@@ -68,12 +68,15 @@ pub struct ModelDeploymentSpec {
     /// with `pvc://<claim>/...` sources can be read by the agents.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub adapter_volumes: Vec<String>,
-    /// Latency-SLO autoscaling (issue 7). Typed and validated now; NOT ACTED ON YET: until the
-    /// autoscaler lands, `replicas` is used as written.
+    /// Latency-SLO autoscaling (issue 7). When set, the operator's autoscaler owns `replicas`: it
+    /// scrapes the agents' metrics and writes the count that holds the SLO through the `scale`
+    /// subresource. Unset (or the autoscaler turned off), `replicas` is used as written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingSpec>,
-    /// Staged rollouts gated by regression tests (issue 8). Typed and validated now; NOT ACTED ON YET:
-    /// until the rollout controller lands, spec changes roll out as a plain Deployment rolling update.
+    /// Staged rollouts gated by regression tests (issue 8). A change to the pods goes out as a canary
+    /// (or all at once with `Recreate`), step by step, each step optionally gated by the regression
+    /// suite, then is promoted or rolled back. Unset, a change updates the Deployment in place (a plain
+    /// rolling update).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutSpec>,
 }

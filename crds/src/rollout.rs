@@ -1,8 +1,11 @@
 //! `spec.rollout` / `status.rollout` of a ModelDeployment (issue 8): staged rollouts, each stage gated
 //! by a regression suite run against the canary.
 //!
-//! NOT ACTED ON YET: the types are final so that the rollout controller can be built on them, but until
-//! it lands a spec change rolls out as a plain Deployment rolling update.
+//! Acted on by the operator's rollout controller (`operator/src/rollout/`), run from every
+//! ModelDeployment reconcile: a change to the pod template starts a canary Deployment next to the
+//! stable one, advances through `steps` (running the regression suite where a step asks for it), and is
+//! promoted or rolled back; progress is reported in `status.rollout` and the `Rollout*` conditions.
+//! Without `spec.rollout` a change updates the Deployment in place (a plain rolling update).
 //!
 //! Control annotations on the ModelDeployment (level-triggered, so re-applying them is harmless):
 //! - [`ANNOTATION_ROLLOUT_PAUSED`] `"true"`: hold at the current step; remove it (or `"false"`) to resume.

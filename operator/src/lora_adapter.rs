@@ -18,7 +18,7 @@ use peregrine_crds::{
     SourceUri, CONDITION_LOADED, DEPLOYMENT_LABEL,
 };
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{info, instrument, warn};
 
 use crate::conditions::{build, CondSpec};
 use crate::context::backoff_delay;
@@ -110,7 +110,8 @@ pub fn summarize(pods: &[PodAdapterStatus]) -> (AdapterPhase, CondSpec) {
     (AdapterPhase::Loading, CondSpec::new(CONDITION_LOADED, false, reasons::PARTIALLY_LOADED, message))
 }
 
-/// Reconciles one LoraAdapter (through its finalizer).
+/// Reconciles one LoraAdapter (through its finalizer), in one trace span named after the object.
+#[instrument(name = "reconcile_lora_adapter", skip_all, fields(name = %adapter.name_any(), namespace = adapter.namespace().unwrap_or_default()))]
 pub async fn reconcile(adapter: Arc<LoraAdapter>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
     let ns = adapter.namespace().ok_or(Error::MissingField("metadata.namespace"))?;

@@ -67,6 +67,10 @@ struct Args {
     /// Turn the autoscaler off (spec.replicas is then used as written).
     #[arg(long, env = "PEREGRINE_AUTOSCALER_ENABLED", default_value_t = true, action = clap::ArgAction::Set)]
     autoscaler_enabled: bool,
+    /// OTLP/HTTP endpoint for traces, one span per reconcile (e.g. http://otel-collector:4318);
+    /// no export when unset.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
     /// Log JSON lines instead of text.
     #[arg(long, env = "PEREGRINE_LOG_JSON", default_value_t = false, action = clap::ArgAction::Set)]
     log_json: bool,
@@ -84,7 +88,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(Command::Regress(regress)) = args.command.take() {
         std::process::exit(peregrine_operator::regression::cli::main(regress).await);
     }
-    telemetry::init(args.log_json);
+    let telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json).context("setting up logs and tracing")?;
 
     let client = Client::try_default().await.context("building Kubernetes client (in-cluster or KUBECONFIG)")?;
     let mut config = OperatorConfig {
@@ -150,6 +154,8 @@ async fn main() -> anyhow::Result<()> {
                 // Exiting is the only safe way to stop acting at once; the Deployment restarts us
                 // as a standby.
                 error!("lost leadership; exiting");
+                // exit() skips destructors: flush the last spans first.
+                drop(telemetry);
                 std::process::exit(1);
             }
         }
@@ -157,5 +163,6 @@ async fn main() -> anyhow::Result<()> {
         controllers.await;
     }
     server.abort();
+    drop(telemetry);
     Ok(())
 }

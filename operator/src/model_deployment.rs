@@ -19,7 +19,7 @@ use peregrine_crds::{
     DEPLOYMENT_LABEL,
 };
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{info, instrument, warn};
 
 use crate::conditions::is_true;
 use crate::desired::{deployment::desired_deployment, selector_string, service::desired_service};
@@ -30,7 +30,8 @@ use crate::{Context, Error, Result, FIELD_MANAGER};
 
 const CONTROLLER: &str = "modeldeployment";
 
-/// Reconciles one ModelDeployment.
+/// Reconciles one ModelDeployment, in one trace span named after the object.
+#[instrument(name = "reconcile_model_deployment", skip_all, fields(name = %md.name_any(), namespace = md.namespace().unwrap_or_default()))]
 pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
     let ns = md.namespace().ok_or(Error::MissingField("metadata.namespace"))?;

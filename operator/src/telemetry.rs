@@ -1,11 +1,17 @@
-//! Logging and tracing setup.
+//! Logging and tracing setup: log lines, and one OpenTelemetry span per reconcile exported over
+//! OTLP/HTTP when an endpoint is configured (shared setup in `peregrine-telemetry`).
 
-use tracing_subscriber::{fmt, EnvFilter};
+pub use peregrine_telemetry::{TelemetryError, TelemetryGuard};
+use peregrine_telemetry::TelemetryConfig;
 
-/// Installs the global subscriber: `RUST_LOG`-style filtering (default `info`), JSON or text lines.
-pub fn init(json: bool) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn"));
-    let builder = fmt().with_env_filter(filter);
-    // A second init (tests) keeps the first subscriber.
-    let _ = if json { builder.json().try_init() } else { builder.try_init() };
+/// Installs the global subscriber: `RUST_LOG`-style filtering (default `info,kube=warn`), JSON or
+/// text lines, and trace export to `otlp_endpoint` (an OTLP/HTTP base URL) when given. Keep the
+/// guard until exit: dropping it flushes the last spans.
+pub fn init(otlp_endpoint: Option<&str>, json: bool) -> Result<TelemetryGuard, TelemetryError> {
+    peregrine_telemetry::init(TelemetryConfig {
+        service_name: "peregrine-operator",
+        default_filter: "info,kube=warn",
+        otlp_endpoint,
+        json,
+    })
 }

@@ -97,6 +97,7 @@ fn default_values_render_valid_objects() {
     assert!(args.contains(&"--agent-image=ghcr.io/peregrine-serving/peregrine-agent:0.1.0".to_string()), "{args:?}");
     assert!(args.contains(&"--log-json=true".to_string()));
     assert!(!args.iter().any(|a| a.starts_with("--watch-namespace")));
+    assert!(!args.iter().any(|a| a.starts_with("--otlp-endpoint")), "no trace export unless configured");
     assert_eq!(container.image.as_deref(), Some("ghcr.io/peregrine-serving/peregrine-operator:0.1.0"));
 
     // The metrics Service reaches the container port by name.
@@ -141,7 +142,7 @@ fn rbac_is_least_privilege() {
 #[test]
 fn namespaced_install_with_service_monitor() {
     let objects = render(json!({
-        "operator": {"watchNamespace": "models", "replicas": 2},
+        "operator": {"watchNamespace": "models", "replicas": 2, "otlpEndpoint": "http://otel-collector:4318"},
         "metrics": {"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}}},
         "serviceAccount": {"create": false, "name": "existing"}
     }));
@@ -155,7 +156,9 @@ fn namespaced_install_with_service_monitor() {
     let deployment: Deployment = typed(find(&objects, "Deployment")[0]);
     let spec = deployment.spec.unwrap();
     assert_eq!(spec.replicas, Some(2));
-    assert!(spec.template.spec.unwrap().containers[0].args.as_ref().unwrap().contains(&"--watch-namespace=models".to_string()));
+    let args = spec.template.spec.unwrap().containers[0].args.clone().unwrap();
+    assert!(args.contains(&"--watch-namespace=models".to_string()), "{args:?}");
+    assert!(args.contains(&"--otlp-endpoint=http://otel-collector:4318".to_string()), "{args:?}");
     assert_eq!(find(&objects, "ServiceMonitor")[0]["metadata"]["labels"]["release"], "prom");
 }
 

@@ -1,1 +1,110 @@
-//! Tests only: see `tests/kind.rs`.
+//! Helpers shared by the tests in `tests/`: finding the agent binary, the test model and the
+//! fixtures, and running `peregrine-agent serve` processes on loopback that are killed on drop.
+//! (`tests/kind.rs` runs against a real cluster and needs none of this.)
+//!
+//! Test support only: a missing prerequisite panics with what to run, so the test fails loudly.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The name the agents serve the base model under.
+pub const MODEL: &str = "smollm2";
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `PEREGRINE_AGENT_BIN`, else `<target>/debug/peregrine-agent`.
+pub fn agent_bin() -> PathBuf {
+    let path = std::env::var_os("PEREGRINE_AGENT_BIN").map(PathBuf::from).unwrap_or_else(|| {
+        // Cargo does not build another package's binaries for a test: `make test` builds the
+        // agent first, into the workspace's target directory.
+        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
+        target.join("debug/peregrine-agent")
+    });
+    assert!(
+        path.is_file(),
+        "peregrine-agent not found at {}: run `cargo build -p peregrine-agent` (`make test` does) or set PEREGRINE_AGENT_BIN",
+        path.display()
+    );
+    path
+}
+
+/// `PEREGRINE_TEST_MODEL`, else the cached SmolLM2 GGUF.
+pub fn model_path() -> PathBuf {
+    let path = std::env::var_os("PEREGRINE_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/peregrine/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    assert!(path.is_file(), "test model not found at {}: run `make model`", path.display());
+    path
+}
+
+/// `PEREGRINE_FIXTURES`, else `<workspace>/../shared/fixtures` (one level further up from a git
+/// worktree under `<root>/wt/<name>`).
+pub fn fixtures_dir() -> PathBuf {
+    let dir = std::env::var_os("PEREGRINE_FIXTURES").map(PathBuf::from).unwrap_or_else(|| {
+        let near = workspace_root().join("../shared/fixtures");
+        let far = workspace_root().join("../../shared/fixtures");
+        if near.exists() || !far.exists() {
+            near
+        } else {
+            far
+        }
+    });
+    assert!(dir.join("smollm2/lora/adapter-a").is_dir(), "fixtures not found in {}: run `make model` and see shared/fixtures/README.md", dir.display());
+    dir
+}
+
+/// A running `peregrine-agent serve` on loopback; killed when dropped, pass or fail.
+pub struct Agent {
+    child: Child,
+    /// Root URL, e.g. `http://127.0.0.1:41234`.
+    pub url: String,
+}
+
+impl Agent {
+    /// Starts an agent on SmolLM2 (CPU, one thread, served as [`MODEL`]) with `extra` flags and
+    /// waits until `/ready` answers.
+    pub async fn start(extra: &[&str]) -> Agent {
+        let port = TcpListener::bind("127.0.0.1:0").expect("bind a free port").local_addr().expect("local addr").port();
+        let child = Command::new(agent_bin())
+            .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--served-model-name", MODEL, "--threads", "1", "--num-kv-blocks", "128"])
+            .arg("--model")
+            .arg(model_path())
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn peregrine-agent");
+        let mut agent = Agent { child, url: format!("http://127.0.0.1:{port}") };
+        let http = reqwest::Client::new();
+        let started = Instant::now();
+        loop {
+            if let Ok(r) = http.get(format!("{}/ready", agent.url)).send().await {
+                if r.status().is_success() {
+                    return agent;
+                }
+            }
+            if let Ok(Some(status)) = agent.child.try_wait() {
+                panic!("agent {extra:?} exited before it was ready: {status}");
+            }
+            assert!(started.elapsed() < Duration::from_secs(240), "agent {extra:?} not ready after 240 s");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// `host:port`, the way a pod address is written.
+    pub fn address(&self) -> &str {
+        self.url.trim_start_matches("http://")
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -116,6 +116,7 @@ impl Autoscaler {
         Ok(())
     }
 
+    #[tracing::instrument(name = "autoscale_model_deployment", skip_all, fields(name = %md.name_any(), namespace = md.namespace().unwrap_or_default()))]
     async fn reconcile(&mut self, md: &ModelDeployment) -> Result<(), AutoscalerError> {
         let spec = md.spec.autoscaling.as_ref().ok_or(AutoscalerError::MissingField("spec.autoscaling"))?;
         let namespace = md.namespace().ok_or(AutoscalerError::MissingField("metadata.namespace"))?;

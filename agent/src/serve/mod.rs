@@ -112,7 +112,8 @@ pub async fn shutdown_signal() {
 
 /// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let workers = args.http_workers(args.engine.device()?);
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {
         let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
         let limits = rate_limit::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };

@@ -28,6 +28,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 pub use args::ServeArgs;
@@ -63,6 +64,13 @@ pub async fn serve<B: InferenceBackend>(
         tokio::time::sleep(drain.delay).await;
         tracing::info!("no longer accepting connections");
     };
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle holds one back until the client
+    // acknowledges the previous one, which a delayed ACK can put off by up to 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting);
     let server = std::future::IntoFuture::into_future(server);
     tokio::pin!(server);

@@ -9,14 +9,9 @@ batch="$1"; rounds="$2"; agent="${3:-target/release/peregrine-agent}"
 model="$(scripts/fetch-model.sh)"
 port=18400
 scratch="$(mktemp -d)"
-"$agent" serve --model "$model" --served-model-name smollm2 --host 127.0.0.1 --port "$port" \
-    --threads 2 --max-num-seqs 32 >"$scratch/server.log" 2>&1 &
-server=$!
-trap 'kill -CONT $server 2>/dev/null; kill $server 2>/dev/null; rm -rf "$scratch"' EXIT
-for _ in $(seq 1 600); do
-    curl -fs "http://127.0.0.1:$port/ready" >/dev/null 2>&1 && break
-    sleep 0.2
-done
+source scripts/bench-server.sh
+trap '[ -n "${server:-}" ] && kill -CONT "$server" 2>/dev/null && kill "$server" 2>/dev/null; rm -rf "$scratch"' EXIT
+start_bench_server "$agent" "$model" "$port" 2 "$scratch/server.log"
 tokens=$((64 * batch))
 for _ in $(seq 1 "$rounds"); do
     kill -STOP "$server"

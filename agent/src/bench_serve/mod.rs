@@ -71,7 +71,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
 
 /// Runs the whole benchmark and summarizes it (failed requests are counted, not fatal).
 pub async fn bench(args: &ServeBenchArgs) -> anyhow::Result<Summary> {
-    if !(args.request_rate > 0.0) {
+    if args.request_rate.is_nan() || args.request_rate <= 0.0 {
         anyhow::bail!("--request-rate must be positive (or inf)");
     }
     let base = args.url.trim_end_matches('/').to_string();
@@ -150,5 +150,25 @@ mod tests {
         let n = 20_000;
         let mean = (0..n).map(|_| poisson_gap(&mut rng, 4.0).as_secs_f64()).sum::<f64>() / n as f64;
         assert!((mean - 0.25).abs() < 0.01, "mean gap {mean}, want 0.25 s");
+    }
+
+    #[tokio::test]
+    async fn a_rate_that_is_not_positive_is_refused_before_sending() {
+        for rate in [0.0, -1.0, f64::NAN] {
+            let args = ServeBenchArgs {
+                url: "http://127.0.0.1:1".into(),
+                model: Some("m".into()),
+                api_key: None,
+                request_rate: rate,
+                num_prompts: 1,
+                input_len: 1,
+                output_len: 1,
+                prompts_file: None,
+                seed: 0,
+                json: false,
+            };
+            let e = bench(&args).await.unwrap_err().to_string();
+            assert!(e.contains("--request-rate must be positive"), "{rate}: {e}");
+        }
     }
 }

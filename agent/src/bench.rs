@@ -5,13 +5,67 @@
 
 use std::time::{Duration, Instant};
 
-use clap::Args;
+use clap::{Args, Subcommand};
 use peregrine_engine::engine::EngineHandle;
 use peregrine_engine::lora::bench::{write_random_adapters, zipf_assignment};
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
 use serde::Serialize;
 
+use crate::bench_serve::ServeBenchArgs;
 use crate::runtime::EngineArgs;
+
+/// `bench [offline flags]`, `bench offline [flags]` or `bench serve [flags]`. Implemented by hand
+/// because clap's derive cannot tell a flattened optional `BenchArgs` apart from none when only the
+/// nested engine flags (`--model`) are given.
+#[derive(Debug, Clone)]
+pub enum BenchCommand {
+    Offline(BenchArgs),
+    Serve(ServeBenchArgs),
+}
+
+impl clap::FromArgMatches for BenchCommand {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        match matches.subcommand_name() {
+            Some(_) => Ok(match BenchMode::from_arg_matches(matches)? {
+                BenchMode::Offline(a) => BenchCommand::Offline(a),
+                BenchMode::Serve(a) => BenchCommand::Serve(a),
+            }),
+            None => BenchArgs::from_arg_matches(matches).map(BenchCommand::Offline),
+        }
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl Args for BenchCommand {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        BenchMode::augment_subcommands(BenchArgs::augment_args(cmd))
+            .args_conflicts_with_subcommands(true)
+            .subcommand_negates_reqs(true)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum BenchMode {
+    /// Offline throughput: prefill and decode tokens/s through the engine, no HTTP (the default).
+    Offline(BenchArgs),
+    /// Load generator against a running server: throughput, TTFT, TPOT and ITL percentiles.
+    Serve(ServeBenchArgs),
+}
+
+pub fn dispatch(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Offline(args) => run(args),
+        BenchCommand::Serve(args) => crate::bench_serve::run(args),
+    }
+}
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
@@ -299,4 +353,38 @@ fn peak_rss_mib() -> Option<f64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchCommand,
+    }
+
+    fn parse(args: &[&str]) -> Result<BenchCommand, clap::Error> {
+        Cli::try_parse_from(std::iter::once("bench").chain(args.iter().copied())).map(|c| c.bench)
+    }
+
+    #[test]
+    fn offline_is_the_default_and_serve_a_subcommand() {
+        for args in [&["--model", "/m.gguf"][..], &["offline", "--model", "/m.gguf"]] {
+            match parse(args).unwrap() {
+                BenchCommand::Offline(a) => assert_eq!((a.engine.model.to_str(), a.batch_sizes.clone()), (Some("/m.gguf"), vec![1, 8, 32])),
+                other => panic!("{args:?}: {other:?}"),
+            }
+        }
+        match parse(&["serve", "--url", "http://h:1", "--request-rate", "2.5", "--num-prompts", "7"]).unwrap() {
+            BenchCommand::Serve(a) => assert_eq!((a.url.as_str(), a.request_rate, a.num_prompts), ("http://h:1", 2.5, 7)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(parse(&["serve"]).map(|c| matches!(c, BenchCommand::Serve(a) if a.request_rate.is_infinite())).ok(), Some(true));
+        assert!(parse(&[]).is_err(), "offline needs --model");
+        assert!(parse(&["--model", "/m", "serve"]).is_err(), "offline flags and a subcommand conflict");
+    }
 }

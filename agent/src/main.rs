@@ -15,8 +15,9 @@ enum Command {
     Serve(peregrine_agent::serve::ServeArgs),
     /// Generate from one prompt offline and print the result (like llama-cli).
     Generate(peregrine_agent::generate::GenerateArgs),
-    /// Offline throughput: prefill and decode tokens/s through the engine, no HTTP.
-    Bench(peregrine_agent::bench::BenchArgs),
+    /// Offline throughput through the engine (`bench` or `bench offline`), or load on a running
+    /// server (`bench serve`).
+    Bench(peregrine_agent::bench::BenchCommand),
     /// Offline throughput of many requests at once (like vLLM's benchmark_throughput), no HTTP.
     Throughput(peregrine_agent::throughput::ThroughputArgs),
 }
@@ -26,7 +27,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => peregrine_agent::serve::run(args),
         Command::Generate(args) => peregrine_agent::generate::run(args),
-        Command::Bench(args) => peregrine_agent::bench::run(args),
+        Command::Bench(cmd) => peregrine_agent::bench::dispatch(cmd),
         Command::Throughput(args) => peregrine_agent::throughput::run(args),
     }
 }

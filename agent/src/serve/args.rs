@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use crate::runtime::EngineArgs;
+use crate::runtime::{DeviceArg, EngineArgs};
 use std::time::Duration;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -17,6 +17,10 @@ pub struct ServeArgs {
     pub host: IpAddr,
     #[arg(long, env = "PEREGRINE_PORT", default_value_t = 8000)]
     pub port: u16,
+    /// Threads of the async runtime that runs HTTP, SSE and detokenizing (default: on the CPU
+    /// backend, the cores its `--threads` leave free, at least 1; on a GPU, every core).
+    #[arg(long, env = "PEREGRINE_HTTP_WORKERS")]
+    pub http_workers: Option<usize>,
 
     // Admission and limits.
     /// Requests allowed to wait (tokenizing or queued in the engine); more get 429.
@@ -56,10 +60,53 @@ pub struct ServeArgs {
     pub log_json: bool,
 }
 
+impl ServeArgs {
+    /// `--http-workers` or its default. On the CPU backend every extra runnable thread takes its
+    /// core from a matmul thread, and a fork-join step waits for its slowest thread, so one async
+    /// worker per token wakes up (not one per core: tokio wakes a second to steal) and it only uses
+    /// cores the engine leaves free.
+    pub fn http_workers(&self, device: DeviceArg) -> usize {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let default = match device {
+            DeviceArg::Cpu => cores.saturating_sub(self.engine.threads()),
+            DeviceArg::Cuda => cores,
+        };
+        self.http_workers.unwrap_or(default).max(1)
+    }
+}
+
 fn parse_secs(s: &str) -> Result<Duration, String> {
     let secs: f64 = s.trim_end_matches('s').parse().map_err(|e| format!("not a number of seconds: {e}"))?;
     if !(secs.is_finite() && secs >= 0.0) {
         return Err("seconds must be a non-negative number".into());
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(extra: &[&str]) -> ServeArgs {
+        Cli::try_parse_from(["serve", "--model", "/m.gguf"].into_iter().chain(extra.iter().copied())).unwrap().serve
+    }
+
+    #[test]
+    fn http_workers_leave_the_matmul_threads_their_cores() {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let all_cores = parse(&[]);
+        assert_eq!(all_cores.http_workers(DeviceArg::Cpu), 1, "--threads defaults to every core");
+        assert_eq!(all_cores.http_workers(DeviceArg::Cuda), cores);
+        assert_eq!(parse(&["--threads", "1"]).http_workers(DeviceArg::Cpu), cores.saturating_sub(1).max(1));
+        assert_eq!(parse(&["--http-workers", "3"]).http_workers(DeviceArg::Cpu), 3);
+        assert_eq!(parse(&["--http-workers", "0"]).http_workers(DeviceArg::Cuda), 1);
+    }
 }

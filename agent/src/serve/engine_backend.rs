@@ -194,6 +194,7 @@ impl InferenceBackend for EngineBackend {
 
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
         let prompt_tokens = input.prompt.tokens.len();
+        let logprobs = input.params.logprobs.is_some();
         let stream = self
             .engine
             .submit(GenerationRequest {
@@ -208,6 +209,7 @@ impl InferenceBackend for EngineBackend {
             decoder: IncrementalDecoder::new(self.tokenizer.clone(), input.skip_special_tokens),
             tokenizer: self.tokenizer.clone(),
             stop: StopMatcher::new(input.stop),
+            logprobs,
             pending: VecDeque::new(),
             prompt_tokens,
             completion_tokens: 0,
@@ -226,6 +228,8 @@ struct Detok {
     decoder: IncrementalDecoder,
     tokenizer: Tokenizer,
     stop: StopMatcher,
+    /// Whether the client asked for logprobs: only then is each token's own text looked up.
+    logprobs: bool,
     pending: VecDeque<GenerateEvent>,
     prompt_tokens: usize,
     completion_tokens: usize,
@@ -273,7 +277,7 @@ impl Detok {
         let token = TokenOutput {
             token_id: t.token_id,
             text: out.text,
-            token_text: token_text(t.token_id),
+            token_text: if self.logprobs { token_text(t.token_id) } else { String::new() },
             logprob: t.logprob,
             top_logprobs: t.top_logprobs.iter().map(|a| (token_text(a.token_id), a.logprob)).collect(),
         };

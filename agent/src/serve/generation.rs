@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
 use peregrine_engine::request::{FinishReason, SamplingParams, Usage};
 use tracing::Span;
 
@@ -46,11 +48,29 @@ pub struct Running {
     waiting: WaitingSlot,
     running: Option<RunningSlot>,
     running_gauge: prometheus_client::metrics::gauge::Gauge,
+    /// Per-token series, looked up once (not a labelled-family lookup per token).
+    per_token: PerTokenMetrics,
     arrival: Instant,
     last_token: Option<Instant>,
     reservation: Option<(Arc<dyn Refund>, TenantId, u64)>,
     span: Span,
     done: bool,
+}
+
+struct PerTokenMetrics {
+    time_to_first_token: Histogram,
+    time_per_output_token: Histogram,
+    generation_tokens: Counter,
+}
+
+impl PerTokenMetrics {
+    fn new(metrics: &Metrics, label: &ModelLabel) -> Self {
+        PerTokenMetrics {
+            time_to_first_token: metrics.time_to_first_token.get_or_create(label).clone(),
+            time_per_output_token: metrics.time_per_output_token.get_or_create(label).clone(),
+            generation_tokens: metrics.generation_tokens.get_or_create(label).clone(),
+        }
+    }
 }
 
 /// Gives unused reserved tokens back to a tenant's bucket (type-erased so `Running` is not generic).
@@ -150,6 +170,7 @@ pub async fn start<B: InferenceBackend>(
         prompt_tokens: prompt_len,
         events,
         running_gauge: state.metrics.running.get_or_create(&label).clone(),
+        per_token: PerTokenMetrics::new(&state.metrics, &label),
         metrics: state.metrics.clone(),
         label,
         waiting,
@@ -212,13 +233,15 @@ impl Running {
         }
         match self.last_token {
             None => {
-                Metrics::observe(&self.metrics.time_to_first_token, &self.label, now - self.arrival);
+                self.per_token.time_to_first_token.observe((now - self.arrival).as_secs_f64());
                 tracing::info!(parent: &self.span, ttft_s = (now - self.arrival).as_secs_f64(), "first_token");
             }
-            Some(prev) => Metrics::observe(&self.metrics.time_per_output_token, &self.label, now - prev),
+            Some(prev) => {
+                self.per_token.time_per_output_token.observe((now - prev).as_secs_f64());
+            }
         }
         self.last_token = Some(now);
-        self.metrics.generation_tokens.get_or_create(&self.label).inc();
+        self.per_token.generation_tokens.inc();
     }
 
     fn on_finished(&mut self, reason: FinishReason, usage: Usage) {

@@ -28,6 +28,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 pub use args::ServeArgs;
@@ -63,6 +64,13 @@ pub async fn serve<B: InferenceBackend>(
         tokio::time::sleep(drain.delay).await;
         tracing::info!("no longer accepting connections");
     };
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle holds one back until the client
+    // acknowledges the previous one, which a delayed ACK can put off by up to 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting);
     let server = std::future::IntoFuture::into_future(server);
     tokio::pin!(server);
@@ -112,7 +120,8 @@ pub async fn shutdown_signal() {
 
 /// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let workers = args.http_workers(args.engine.device()?);
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {
         let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
         let limits = rate_limit::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };

@@ -152,3 +152,44 @@ async fn grace_period_bounds_shutdown() {
     assert!(matches!(result, Ok(Ok(Ok(())))), "{result:?}");
     assert!(t0.elapsed() < Duration::from_secs(2), "exited after the grace period, not after the request: {:?}", t0.elapsed());
 }
+
+/// `bench serve` against the server: every request's tokens, usage and timings reach the summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_serve_reports_what_the_server_streamed() {
+    let delay = Duration::from_millis(2);
+    let state = state_with(FakeBackend::new(delay), KeyStore::default(), ServerConfig::default());
+    let srv = start(state, DrainConfig { delay: Duration::ZERO, grace_period: Duration::from_secs(5) }).await;
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("prompts.txt");
+    // The fake backend's tokens are characters and its reply is as long as the prompt (> 20 here).
+    let lines = ["abcdefghij klmnopqrst uvwxyz", "the quick brown fox jumps over"];
+    std::fs::write(&prompts, format!("{}\n\n{}\n", lines[0], lines[1])).unwrap();
+    // Used in turn: 0, 1, 0, 1, 0.
+    let input_tokens = 3 * lines[0].len() + 2 * lines[1].len();
+    let args = crate::bench_serve::ServeBenchArgs {
+        url: format!("http://{}/", srv.addr),
+        model: None,
+        api_key: None,
+        request_rate: 200.0,
+        num_prompts: 5,
+        input_len: 0,
+        output_len: 20,
+        prompts_file: Some(prompts),
+        seed: 3,
+        json: false,
+    };
+    let s = crate::bench_serve::bench(&args).await.unwrap();
+    assert_eq!((s.successful_requests, s.failed_requests), (5, 0), "{:?}", s.first_error);
+    assert_eq!((s.total_input_tokens, s.total_output_tokens), (input_tokens, 5 * 20));
+    let ms = delay.as_secs_f64() * 1000.0;
+    assert!(s.tpot.p50_ms >= ms && s.itl.p50_ms >= ms, "a token every {ms} ms at best: {s:?}");
+    assert!(s.ttft.p50_ms >= ms && s.ttft.p99_ms >= s.ttft.p50_ms);
+    assert!(s.output_token_throughput > 0.0 && s.output_token_throughput <= 5.0 * 1000.0 / ms);
+
+    // A model the server does not have: every request fails with the server's 404, none is lost.
+    let s = crate::bench_serve::bench(&crate::bench_serve::ServeBenchArgs { model: Some("nope".into()), ..args }).await.unwrap();
+    assert_eq!((s.successful_requests, s.failed_requests), (0, 5));
+    assert!(s.first_error.as_deref().is_some_and(|e| e.starts_with("HTTP 404")), "{:?}", s.first_error);
+    let _ = srv.stop.send(());
+    srv.server.await.unwrap().unwrap();
+}

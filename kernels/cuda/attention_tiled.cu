@@ -4,11 +4,10 @@
 // reduction per key), one softmax update per tile, then lanes over head dims for p·V (coalesced V
 // rows, probabilities from shared memory). Per key this costs a fraction of the instructions of the
 // key-per-warp kernel, which matters once contexts are long and batches large (decode with thousands
-// of cached tokens per sequence, prefill chunks). A warp first copies its tile of K and V rows into
-// shared memory with coalesced 16-byte loads (D/8 lanes per row, all 32 rows' loads in flight at
-// once), so the per-lane row reads of q·k and the row reads of p·V hit shared memory; K rows are
-// padded by 16 bytes so the eight lanes of a quarter-warp read eight different bank groups. The tiles
-// live in dynamic shared memory (over the 48 KB static limit: the launch opts in, see ops.rs).
+// of cached tokens per sequence, prefill chunks). A warp first copies its tile of K rows into shared
+// memory with coalesced 16-byte loads (16 lanes per row), so the per-lane row reads of q·k hit shared
+// memory, not 32 scattered cache lines per load instruction; rows are padded by 16 bytes so the eight
+// lanes of a quarter-warp read eight different bank groups.
 #define ATTN_TILE 32
 #define ATTN_KROW_PAD 8  // bf16 elements (16 bytes) after each K row in shared memory
 
@@ -24,12 +23,12 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
     __shared__ float p_s[ATTN_WARPS][ATTN_MAX_GROUP][ATTN_TILE];
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
-    // Dynamic shared memory: each warp's K and V tiles during the key loop; the warps' partial
-    // accumulators after it (same bytes; attention_tiled_smem_bytes on the host sizes it).
-    extern __shared__ __align__(16) unsigned char attn_dyn_smem[];
-    bf16_t* k_s = reinterpret_cast<bf16_t*>(attn_dyn_smem) + (threadIdx.x >> 5) * ATTN_TILE * (KROW + D);
-    bf16_t* v_s = k_s + ATTN_TILE * KROW;
-    float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(attn_dyn_smem);
+    // The K tiles during the key loop; the warps' partial accumulators after it (same bytes).
+    constexpr int K_TILE_BYTES = ATTN_WARPS * ATTN_TILE * KROW * 2;
+    constexpr int ACC_BYTES = ATTN_WARPS * ATTN_MAX_GROUP * D * 4;
+    __shared__ __align__(16) unsigned char scratch[K_TILE_BYTES > ACC_BYTES ? K_TILE_BYTES : ACC_BYTES];
+    bf16_t* k_s = reinterpret_cast<bf16_t*>(scratch) + (threadIdx.x >> 5) * ATTN_TILE * KROW;
+    float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(scratch);
 
     if (gridDim.z == 1) pdl_trigger();
     const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv);
@@ -60,7 +59,7 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
         const u64 blk = valid ? (u64)bt[p / block_size] : 0;
         const u64 row = valid ? ((blk * hkv + kvh) * block_size + (p % block_size)) * D : 0;
 
-        // The tile's K and V rows into shared memory: D/8 lanes per row, 16 bytes each, coalesced.
+        // The tile's K rows into shared memory: D/8 lanes per row, 16 bytes each, coalesced.
         constexpr int CHUNKS = D / 8;             // 16-byte chunks per row
         constexpr int ROWS_PER_PASS = 32 / CHUNKS;
         const int nk = min(ATTN_TILE, end - p0);
@@ -70,7 +69,6 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
             const u64 rr = __shfl_sync(0xffffffffu, row, r);
             if (r < nk) {
                 *reinterpret_cast<uint4*>(k_s + r * KROW + c * 8) = *reinterpret_cast<const uint4*>(k_cache + rr + c * 8);
-                *reinterpret_cast<uint4*>(v_s + r * D + c * 8) = *reinterpret_cast<const uint4*>(v_cache + rr + c * 8);
             }
         }
         __syncwarp();
@@ -121,8 +119,9 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
         // p·V: lanes over head dims, keys of the tile in turn.
         const int nv = min(ATTN_TILE, end - p0);
         auto pv = [&](int j) {
+            const u64 rj = __shfl_sync(0xffffffffu, row, j);
             float vv[E];
-            load_row<D>(v_s + j * D + lane * E, vv);
+            load_row<D>(v_cache + rj + lane * E, vv);
 #pragma unroll
             for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
                 if (g < group) {
@@ -133,6 +132,7 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
             }
         };
         if (nv == ATTN_TILE) {
+            // Unrolled so several V rows are in flight at once (the loads do not depend on each other).
 #pragma unroll 8
             for (int j = 0; j < ATTN_TILE; ++j) pv(j);
         } else {

@@ -59,15 +59,6 @@ pub enum AttentionKernel {
     Tiled,
 }
 
-/// Lets both tiled attention kernels launch with their dynamic shared memory; false if the device
-/// refuses.
-fn tiled_smem_opt_in(module: &Arc<CudaModule>) -> bool {
-    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
-    [("paged_attention_tiled_d64", 64usize), ("paged_attention_tiled_d128", 128)].iter().all(|&(name, d)| {
-        module.load_function(name).is_ok_and(|f| f.set_attribute(MAX_DYN, attention_tiled_smem_bytes(d) as i32).is_ok())
-    })
-}
-
 impl AttentionKernel {
     /// `PEREGRINE_ATTN=warp` or `tiled` forces one kernel for every launch (comparisons).
     pub fn from_env() -> Option<Self> {
@@ -88,15 +79,6 @@ pub const ATTN_MAX_GROUP: usize = 8;
 /// Largest head dimension the attention kernels are built for.
 pub const ATTN_MAX_HEAD_DIM: usize = 128;
 const ATTN_THREADS: u32 = 128;
-const ATTN_WARPS: usize = 4;
-const ATTN_TILE: usize = 32;
-const ATTN_KROW_PAD: usize = 8;
-
-/// Dynamic shared memory of the tiled attention kernel for head dim `d` (attention_tiled.cu): each
-/// warp's K tile (rows padded) and V tile in bf16.
-pub fn attention_tiled_smem_bytes(d: usize) -> usize {
-    ATTN_WARPS * ATTN_TILE * (2 * d + ATTN_KROW_PAD) * 2
-}
 
 fn cfg(grid: u32, block: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
@@ -121,9 +103,7 @@ impl Kernels {
             paged_attention_d128: f("paged_attention_d128")?,
             paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,
             paged_attention_tiled_d128: f("paged_attention_tiled_d128")?,
-            // The tiled kernel's tiles exceed the 48 KB a launch gets without opting in; where the
-            // opt-in fails (an old GPU), every launch takes the warp-per-key kernel.
-            attention: AttentionKernel::from_env().or_else(|| (!tiled_smem_opt_in(module)).then_some(AttentionKernel::WarpPerKey)),
+            attention: AttentionKernel::from_env(),
             attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
@@ -291,7 +271,7 @@ impl Kernels {
         let config = LaunchConfig {
             grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
             block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: if kernel == AttentionKernel::Tiled { attention_tiled_smem_bytes(d) as u32 } else { 0 },
+            shared_mem_bytes: 0,
         };
         s.launch_builder(func)
             .arg(&out)

@@ -21,7 +21,10 @@
 //!    recommendation of the last `scaleUpStabilizationSeconds`, a scale-down to the *highest*
 //!    sustained recommendation of the last `scaleDownStabilizationSeconds` (replicas ordered only
 //!    to drain a backlog are not remembered there), so a flapping input moves nothing. Then the
-//!    rate limits: at most `max(2n, n+4)` up and halving down per decision.
+//!    rate limits: at most `max(2n, n+4)` up and halving down per decision. A scale-down also
+//!    waits until `scaleDownStabilizationSeconds` have passed since the last scale-up, so the
+//!    replicas never reverse direction twice within one window (an up and the down that undoes
+//!    it, e.g. replicas bought for a backlog during a short spike).
 //! 6. Bounds last: `[max(minReplicas, provisioned floor), maxReplicas]`.
 
 use std::collections::VecDeque;
@@ -145,6 +148,8 @@ pub struct DecisionState {
     /// `(time, recommendation, sustained)`: see [`Recommendation::sustained`].
     recommendations: VecDeque<(f64, i32, i32)>,
     last_active: Option<f64>,
+    /// When the replica count last went up (not counting a wake-up from zero).
+    last_scale_up: Option<f64>,
 }
 
 /// Decides the replica count for one deployment. `state` carries the history between calls.
@@ -187,6 +192,9 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         } else if rec < cur {
             let highest = recent(state, now, spec.scale_down_stabilization_seconds).map(|r| r.1).chain([rec]).max().unwrap_or(rec);
             to = highest.min(cur).max(max_step_down(cur));
+            if state.last_scale_up.is_some_and(|t| now - t < f64::from(spec.scale_down_stabilization_seconds)) {
+                to = cur;
+            }
         }
         if to == cur && rec != cur {
             message = format!("{reason} recommends {rec}, held at {cur} by the stabilization window: {message}");
@@ -204,6 +212,9 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         message = format!("capped from {to} at maxReplicas {max}: {message}");
         to = max;
         reason = Reason::MaxReplicas;
+    }
+    if to > cur && cur > 0 {
+        state.last_scale_up = Some(now);
     }
     Decision { from_replicas: cur, to_replicas: to, recommendation: rec, reason, message, inputs: inputs(snap) }
 }

@@ -21,10 +21,11 @@
 //!    recommendation of the last `scaleUpStabilizationSeconds`, a scale-down to the *highest*
 //!    sustained recommendation of the last `scaleDownStabilizationSeconds` (replicas ordered only
 //!    to drain a backlog are not remembered there), so a flapping input moves nothing. Then the
-//!    rate limits: at most `max(2n, n+4)` up and halving down per decision. A scale-down also
-//!    waits until `scaleDownStabilizationSeconds` have passed since the last scale-up, so the
-//!    replicas never reverse direction twice within one window (an up and the down that undoes
-//!    it, e.g. replicas bought for a backlog during a short spike).
+//!    rate limits: at most `max(2n, n+4)` up and halving down per decision. A scale-down that
+//!    would undo a scale-up which itself reversed a scale-down waits until
+//!    `scaleDownStabilizationSeconds` after that reversal, so the replicas never change direction
+//!    twice within one window (e.g. a short spike: down the ramp, up for the spike, and down again
+//!    as soon as its backlog is gone).
 //! 6. Bounds last: `[max(minReplicas, provisioned floor), maxReplicas]`.
 
 use std::collections::VecDeque;
@@ -36,8 +37,11 @@ use super::window::FleetSnapshot;
 
 /// Most a latency/queue ratio multiplies the ready replicas by in one decision.
 pub const MAX_SCALE_UP_FACTOR: f64 = 2.0;
-/// A scale-up adds at most `max(n, MAX_SCALE_UP_PODS)` replicas per decision.
-pub const MAX_SCALE_UP_PODS: i32 = 4;
+/// A scale-up adds at most `max(n, MAX_SCALE_UP_PODS)` replicas per decision. Twice the HPA's
+/// default of 4: a small fleet hit by a step must be able to order what the demand estimate
+/// says at once, since a backlog queued on the old pods stays there and every scrape of delay
+/// adds to it.
+pub const MAX_SCALE_UP_PODS: i32 = 8;
 /// Waiting requests per replica that count as a growing queue when `maxQueueDepthPerReplica` is unset.
 pub const DEFAULT_MAX_QUEUE_DEPTH: f64 = 4.0;
 /// A smaller fleet is planned at this fraction of its learned capacity. The capacity is already
@@ -148,8 +152,10 @@ pub struct DecisionState {
     /// `(time, recommendation, sustained)`: see [`Recommendation::sustained`].
     recommendations: VecDeque<(f64, i32, i32)>,
     last_active: Option<f64>,
-    /// When the replica count last went up (not counting a wake-up from zero).
-    last_scale_up: Option<f64>,
+    /// Direction (+1/-1) of the last change, and when that direction began if it reversed the
+    /// one before (a wake-up from zero counts as no change).
+    last_direction: i32,
+    reversed_at: Option<f64>,
 }
 
 /// Decides the replica count for one deployment. `state` carries the history between calls.
@@ -192,7 +198,8 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         } else if rec < cur {
             let highest = recent(state, now, spec.scale_down_stabilization_seconds).map(|r| r.1).chain([rec]).max().unwrap_or(rec);
             to = highest.min(cur).max(max_step_down(cur));
-            if state.last_scale_up.is_some_and(|t| now - t < f64::from(spec.scale_down_stabilization_seconds)) {
+            let window = f64::from(spec.scale_down_stabilization_seconds);
+            if state.last_direction > 0 && state.reversed_at.is_some_and(|t| now - t < window) {
                 to = cur;
             }
         }
@@ -213,8 +220,12 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         to = max;
         reason = Reason::MaxReplicas;
     }
-    if to > cur && cur > 0 {
-        state.last_scale_up = Some(now);
+    let direction = (to - cur).signum();
+    if direction != 0 && cur > 0 {
+        if state.last_direction != 0 && direction != state.last_direction {
+            state.reversed_at = Some(now);
+        }
+        state.last_direction = direction;
     }
     Decision { from_replicas: cur, to_replicas: to, recommendation: rec, reason, message, inputs: inputs(snap) }
 }
@@ -261,7 +272,11 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
         let by_arrivals = demand_replicas(snap, capacity, 1.0, Direction::Up, false).unwrap_or(0);
         // A draining queue means the capacity already there is catching up on a backlog; the
         // window's latencies still show the overload, so only the demand estimate can add more.
-        let draining = snap.queue_growth_per_second.is_some_and(|g| g < 0.0) && capacity.is_some();
+        // Waiting requests likewise: the breach is theirs, and the demand estimate already sizes
+        // for serving them; doubling the fleet on top would buy replicas for a queue that the
+        // ones just ordered (or just ready) are about to drain.
+        let queued = snap.queue_depth_per_replica.is_some_and(|q| q >= 1.0);
+        let draining = (snap.queue_growth_per_second.is_some_and(|g| g < 0.0) || queued) && capacity.is_some();
         // Without a capacity estimate (or when it says the fleet suffices, yet the SLO breaks)
         // the ratio is the only guide: grow in proportion to it.
         let proportional =
@@ -420,12 +435,31 @@ fn arrivals_per_second(snap: &FleetSnapshot, direction: Direction) -> Option<f64
 fn demand_replicas(snap: &FleetSnapshot, capacity: Option<&Throughput>, utilization: f64, direction: Direction, backlog: bool) -> Option<i32> {
     let cap = capacity?;
     let waiting = if backlog { snap.queue_depth_per_replica.unwrap_or(0.0) * f64::from(snap.ready) } else { 0.0 };
-    let rps = arrivals_per_second(snap, direction)? + waiting / BACKLOG_DRAIN_SECONDS;
+    // The backlog new replicas will face is what waits now plus what the queue gains while they
+    // start (about `BACKLOG_DRAIN_SECONDS`), all to be served within `BACKLOG_DRAIN_SECONDS`;
+    // planning for only what waits now orders replicas one scrape at a time behind a growing
+    // queue, and the late ones arrive after the backlog has set the recovery time. Projected once,
+    // when the first replicas are ordered: while they load, the growth is the one already planned
+    // for, and counting it again at every scrape would order a second fleet for the same queue.
+    // And only as far as the arrivals exceed what the ready replicas serve: the window's growth
+    // lags, and a queue the ready fleet already outpaces grows no further.
+    let arrivals = arrivals_per_second(snap, direction)?;
     // Output tokens per request, as served in the window.
     let tokens_per_request = match (snap.output_tokens_per_second, snap.requests_per_second) {
         (Some(t), Some(r)) if r > 0.0 && t > 0.0 => Some(t / r),
         _ => None,
     };
+    let ready_serves = f64::from(snap.ready)
+        * cap
+            .requests_per_second
+            .or(tokens_per_request.map(|tpr| cap.output_tokens_per_second / tpr))
+            .unwrap_or(0.0);
+    let growth = if backlog && snap.loading == 0 {
+        snap.queue_growth_per_second.unwrap_or(0.0).min(arrivals - ready_serves).max(0.0)
+    } else {
+        0.0
+    };
+    let rps = arrivals + waiting / BACKLOG_DRAIN_SECONDS + growth;
     let mut needed = None::<f64>;
     let mut need = |n: f64| {
         if n.is_finite() {

@@ -51,6 +51,12 @@ pub const DEFAULT_MAX_QUEUE_DEPTH: f64 = 4.0;
 pub const SCALE_DOWN_UTILIZATION: f64 = 1.0;
 /// Requests already waiting are sized to be served within this many seconds on top of the arrivals.
 pub const BACKLOG_DRAIN_SECONDS: f64 = 60.0;
+/// Evaluation windows a breach the demand estimate does not explain must last before it scales
+/// up (the up window, if longer, still applies). A burst of slow requests stays in every window
+/// that overlaps it, so one bad minute reads as a breach for up to two windows; a capacity
+/// estimate that is really too high keeps breaking the SLO beyond that (and is then lowered,
+/// see `capacity::BREACHES_TO_LEARN`, which waits as long).
+pub const UNEXPLAINED_BREACH_WINDOWS: i32 = 2;
 /// A scale-down needs every p95 under this fraction of its objective.
 pub const SCALE_DOWN_LATENCY_HEADROOM: f64 = 0.9;
 
@@ -188,12 +194,21 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         // The window holds what the signals asked for, before the rate limits below: a limit that
         // cut one decision short must not also hold back the next one.
         state.recommendations.push_back((now, rec, raw.sustained));
-        let keep = f64::from(spec.scale_up_stabilization_seconds.max(spec.scale_down_stabilization_seconds));
+        let keep = f64::from(
+            spec.scale_up_stabilization_seconds
+                .max(spec.scale_down_stabilization_seconds)
+                .max(UNEXPLAINED_BREACH_WINDOWS * spec.evaluation_window_seconds),
+        );
         while state.recommendations.front().is_some_and(|&(t, _, _)| t <= now - keep) && state.recommendations.len() > 1 {
             state.recommendations.pop_front();
         }
         if rec > cur {
-            let lowest = recent(state, now, spec.scale_up_stabilization_seconds).map(|r| r.0).chain([rec]).min().unwrap_or(rec);
+            let up_window = if raw.unexplained {
+                spec.scale_up_stabilization_seconds.max(UNEXPLAINED_BREACH_WINDOWS * spec.evaluation_window_seconds)
+            } else {
+                spec.scale_up_stabilization_seconds
+            };
+            let lowest = recent(state, now, up_window).map(|r| r.0).chain([rec]).min().unwrap_or(rec);
             to = lowest.max(cur).min(max_step_up(cur));
         } else if rec < cur {
             let highest = recent(state, now, spec.scale_down_stabilization_seconds).map(|r| r.1).chain([rec]).max().unwrap_or(rec);
@@ -241,14 +256,18 @@ struct Recommendation {
     message: String,
     /// Whether stabilization applies (holds on missing data and wake-ups bypass it).
     stabilize: bool,
+    /// A breach the demand estimate does not explain (the ready pods have the capacity for the
+    /// demand, yet a p95 is over): it must outlast `UNEXPLAINED_BREACH_WINDOWS` evaluation
+    /// windows before it scales up.
+    unexplained: bool,
 }
 
 fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInput<'_>, cur: i32) -> Recommendation {
     let snap = input.snapshot;
-    let hold = |reason, message: String| Recommendation { replicas: cur, sustained: cur, reason, message, stabilize: false };
+    let hold = |reason, message: String| Recommendation { replicas: cur, sustained: cur, reason, message, stabilize: false, unexplained: false };
     if cur == 0 {
         if input.wake_requested {
-            return Recommendation { replicas: 1, sustained: 1, reason: Reason::WakeUp, message: "a request is waiting".into(), stabilize: false };
+            return Recommendation { replicas: 1, sustained: 1, reason: Reason::WakeUp, message: "a request is waiting".into(), stabilize: false, unexplained: false };
         }
         return hold(Reason::Idle, "scaled to zero; waiting for a request".into());
     }
@@ -292,7 +311,10 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             snap.ready,
             snap.loading
         );
-        return Recommendation { replicas, sustained, reason, message, stabilize: true };
+        // Only a breach the capacity estimate cannot explain is suspect of noise: one minute of
+        // bad luck on one pod breaks the window's p95 for as long as it stays in the window.
+        let unexplained = proportional > 0 && capacity.is_some();
+        return Recommendation { replicas, sustained, reason, message, stabilize: true, unexplained };
     }
     if snap.loading > 0 {
         return hold(Reason::PodsLoading, format!("{} pods loading; no scale-down until they are ready", snap.loading));
@@ -306,10 +328,10 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
                 sustained: 0,
                 reason: Reason::Idle,
                 message: format!("no traffic for {idle_for:.0}s"),
-                stabilize: true,
+                stabilize: true, unexplained: false,
             };
         }
-        return Recommendation { replicas: 1, sustained: 1, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true };
+        return Recommendation { replicas: 1, sustained: 1, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true, unexplained: false };
     }
     if let Some((reason, ratio)) = signals.iter().copied().filter(|s| is_latency(s.0)).find(|s| s.1 > SCALE_DOWN_LATENCY_HEADROOM) {
         return Recommendation {
@@ -317,7 +339,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: cur,
             reason: Reason::WithinSlo,
             message: format!("{} at {:.2}× its target: no room to scale down", signal_name(reason), ratio),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         };
     }
     let Some(needed) = scale_down_needs(spec, snap, capacity) else {
@@ -326,7 +348,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: cur,
             reason: Reason::WithinSlo,
             message: "within SLO; capacity per replica not known yet, so no scale-down".into(),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         };
     };
     let replicas = needed.max(1).min(cur);
@@ -336,7 +358,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: replicas,
             reason: Reason::Underutilized,
             message: format!("every signal has room at {replicas} replicas (demand, queue and KV cache need {needed})"),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         }
     } else {
         Recommendation {
@@ -344,7 +366,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: cur,
             reason: Reason::WithinSlo,
             message: format!("within SLO; {needed} replicas needed"),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         }
     }
 }

@@ -7,7 +7,7 @@ use peregrine_operator::autoscaler::decision::BACKLOG_DRAIN_SECONDS;
 use peregrine_operator::autoscaler::sim::{self, SimConfig, SimReport, StepModel, Workload};
 
 /// Arrival seeds the criteria must hold on (one seed alone can pass by luck of the draw).
-const SEEDS: [u64; 6] = [42, 1, 2, 3, 4, 5];
+const SEEDS: [u64; 10] = [42, 1, 2, 3, 4, 5, 6, 7, 8, 9];
 
 /// Minutes after a load rise during which the fleet may still be catching up: the rise is seen at
 /// the next scrape, must persist through the scale-up stabilization window, the new pods load,

@@ -21,7 +21,7 @@
 //!    recommendation of the last `scaleUpStabilizationSeconds`, a scale-down to the *highest*
 //!    sustained recommendation of the last `scaleDownStabilizationSeconds` (replicas ordered only
 //!    to drain a backlog are not remembered there), so a flapping input moves nothing. Then the
-//!    rate limits: at most `max(2n, n+4)` up and halving down per decision. A scale-down that
+//!    rate limits: at most `max(2n, n+8)` up and halving down per decision. A scale-down that
 //!    would undo a scale-up which itself reversed a scale-down waits until
 //!    `scaleDownStabilizationSeconds` after that reversal, so the replicas never change direction
 //!    twice within one window (e.g. a short spike: down the ramp, up for the spike, and down again

@@ -7,12 +7,15 @@
 //! 2. A ready pod whose metrics could not be read: hold (never scale on missing data), except that
 //!    `minReplicas`/`maxReplicas` and the provisioned-throughput floor are still enforced.
 //! 3. Any signal over its target (p95 TTFT, TPOT, e2e; waiting requests per replica; KV usage):
-//!    size the fleet to the demand, `ceil((arrivals + waiting / BACKLOG_DRAIN_SECONDS) / learned
-//!    capacity)`, where arrivals are admissions plus the queue's growth (they keep rising past
-//!    saturation, unlike completions). Loading pods are not capacity but count as already ordered
-//!    (the target is compared with every replica asked for). Without a capacity estimate, or
-//!    when the demand says the ready pods suffice yet the SLO breaks, grow in proportion to the
-//!    worst ratio (at most ×2); not while a backlog drains (the window's latencies lag).
+//!    size the fleet to the demand, `ceil((arrivals + waiting / BACKLOG_DRAIN_SECONDS + growth) /
+//!    learned capacity)`, where arrivals are admissions plus the queue's growth (they keep rising
+//!    past saturation, unlike completions) and `growth` projects the queue the new pods will find
+//!    (see `demand_replicas`). Loading pods are not capacity but count as already ordered (the
+//!    target is compared with every replica asked for). Without a capacity estimate, or when the
+//!    demand says the ready pods suffice yet the SLO breaks, grow in proportion to the worst ratio
+//!    (at most ×2); not while requests wait or a backlog drains (the demand estimate sizes for
+//!    them; the window's latencies lag), and with a capacity estimate only once the breach has
+//!    lasted `UNEXPLAINED_BREACH_WINDOWS` evaluation windows.
 //! 4. Every signal under its target: scale down only when nothing is loading, every latency has
 //!    room (p95 under `SCALE_DOWN_LATENCY_HEADROOM` of its objective), to what the demand, the KV
 //!    cache and the queue need at the smaller size. Idle past `scaleToZero.idleTimeoutSeconds`

@@ -83,11 +83,11 @@ fn large_breach_is_bounded_by_the_max_step() {
     s.scale_up_stabilization_seconds = 0;
     s.max_replicas = 100;
     // 10× over the SLO on 2 pods: the ratio is capped at ×2 → 4 pods. With a demand estimate of
-    // 40 replicas, the step is capped at max(2n, n+4) = 6.
+    // 40 replicas (more with the queue's growth projected), the step is capped at max(2n, n+8) = 10.
     let mut breach = snap(2, 5.0, 0.02, 400.0);
     assert_eq!(drive(&s, 2, None, &[(0.0, breach.clone())])[0], (4, Reason::TtftAboveSlo));
     breach.queue_growth_per_second = Some(39.0); // 39 req/s × 100 tokens on top of 400 tok/s served
-    assert_eq!(drive(&s, 2, cap(100.0), &[(0.0, breach)])[0], (6, Reason::TtftAboveSlo));
+    assert_eq!(drive(&s, 2, cap(100.0), &[(0.0, breach)])[0], (10, Reason::TtftAboveSlo));
 }
 
 #[test]

@@ -7,12 +7,15 @@
 //! 2. A ready pod whose metrics could not be read: hold (never scale on missing data), except that
 //!    `minReplicas`/`maxReplicas` and the provisioned-throughput floor are still enforced.
 //! 3. Any signal over its target (p95 TTFT, TPOT, e2e; waiting requests per replica; KV usage):
-//!    size the fleet to the demand, `ceil((arrivals + waiting / BACKLOG_DRAIN_SECONDS) / learned
-//!    capacity)`, where arrivals are admissions plus the queue's growth (they keep rising past
-//!    saturation, unlike completions). Loading pods are not capacity but count as already ordered
-//!    (the target is compared with every replica asked for). Without a capacity estimate, or
-//!    when the demand says the ready pods suffice yet the SLO breaks, grow in proportion to the
-//!    worst ratio (at most ×2); not while a backlog drains (the window's latencies lag).
+//!    size the fleet to the demand, `ceil((arrivals + waiting / BACKLOG_DRAIN_SECONDS + growth) /
+//!    learned capacity)`, where arrivals are admissions plus the queue's growth (they keep rising
+//!    past saturation, unlike completions) and `growth` projects the queue the new pods will find
+//!    (see `demand_replicas`). Loading pods are not capacity but count as already ordered (the
+//!    target is compared with every replica asked for). Without a capacity estimate, or when the
+//!    demand says the ready pods suffice yet the SLO breaks, grow in proportion to the worst ratio
+//!    (at most ×2); not while requests wait or a backlog drains (the demand estimate sizes for
+//!    them; the window's latencies lag), and with a capacity estimate only once the breach has
+//!    lasted `UNEXPLAINED_BREACH_WINDOWS` evaluation windows.
 //! 4. Every signal under its target: scale down only when nothing is loading, every latency has
 //!    room (p95 under `SCALE_DOWN_LATENCY_HEADROOM` of its objective), to what the demand, the KV
 //!    cache and the queue need at the smaller size. Idle past `scaleToZero.idleTimeoutSeconds`
@@ -21,7 +24,11 @@
 //!    recommendation of the last `scaleUpStabilizationSeconds`, a scale-down to the *highest*
 //!    sustained recommendation of the last `scaleDownStabilizationSeconds` (replicas ordered only
 //!    to drain a backlog are not remembered there), so a flapping input moves nothing. Then the
-//!    rate limits: at most `max(2n, n+4)` up and halving down per decision.
+//!    rate limits: at most `max(2n, n+8)` up and halving down per decision. A scale-down that
+//!    would undo a scale-up which itself reversed a scale-down waits until
+//!    `scaleDownStabilizationSeconds` after that reversal, so the replicas never change direction
+//!    twice within one window (e.g. a short spike: down the ramp, up for the spike, and down again
+//!    as soon as its backlog is gone).
 //! 6. Bounds last: `[max(minReplicas, provisioned floor), maxReplicas]`.
 
 use std::collections::VecDeque;
@@ -33,8 +40,11 @@ use super::window::FleetSnapshot;
 
 /// Most a latency/queue ratio multiplies the ready replicas by in one decision.
 pub const MAX_SCALE_UP_FACTOR: f64 = 2.0;
-/// A scale-up adds at most `max(n, MAX_SCALE_UP_PODS)` replicas per decision.
-pub const MAX_SCALE_UP_PODS: i32 = 4;
+/// A scale-up adds at most `max(n, MAX_SCALE_UP_PODS)` replicas per decision. Twice the HPA's
+/// default of 4: a small fleet hit by a step must be able to order what the demand estimate
+/// says at once, since a backlog queued on the old pods stays there and every scrape of delay
+/// adds to it.
+pub const MAX_SCALE_UP_PODS: i32 = 8;
 /// Waiting requests per replica that count as a growing queue when `maxQueueDepthPerReplica` is unset.
 pub const DEFAULT_MAX_QUEUE_DEPTH: f64 = 4.0;
 /// A smaller fleet is planned at this fraction of its learned capacity. The capacity is already
@@ -44,6 +54,12 @@ pub const DEFAULT_MAX_QUEUE_DEPTH: f64 = 4.0;
 pub const SCALE_DOWN_UTILIZATION: f64 = 1.0;
 /// Requests already waiting are sized to be served within this many seconds on top of the arrivals.
 pub const BACKLOG_DRAIN_SECONDS: f64 = 60.0;
+/// Evaluation windows a breach the demand estimate does not explain must last before it scales
+/// up (the up window, if longer, still applies). A burst of slow requests stays in every window
+/// that overlaps it, so one bad minute reads as a breach for up to two windows; a capacity
+/// estimate that is really too high keeps breaking the SLO beyond that (and is then lowered,
+/// see `capacity::BREACHES_TO_LEARN`, which waits as long).
+pub const UNEXPLAINED_BREACH_WINDOWS: i32 = 2;
 /// A scale-down needs every p95 under this fraction of its objective.
 pub const SCALE_DOWN_LATENCY_HEADROOM: f64 = 0.9;
 
@@ -145,6 +161,10 @@ pub struct DecisionState {
     /// `(time, recommendation, sustained)`: see [`Recommendation::sustained`].
     recommendations: VecDeque<(f64, i32, i32)>,
     last_active: Option<f64>,
+    /// Direction (+1/-1) of the last change, and when that direction began if it reversed the
+    /// one before (a wake-up from zero counts as no change).
+    last_direction: i32,
+    reversed_at: Option<f64>,
 }
 
 /// Decides the replica count for one deployment. `state` carries the history between calls.
@@ -177,16 +197,29 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         // The window holds what the signals asked for, before the rate limits below: a limit that
         // cut one decision short must not also hold back the next one.
         state.recommendations.push_back((now, rec, raw.sustained));
-        let keep = f64::from(spec.scale_up_stabilization_seconds.max(spec.scale_down_stabilization_seconds));
+        let keep = f64::from(
+            spec.scale_up_stabilization_seconds
+                .max(spec.scale_down_stabilization_seconds)
+                .max(UNEXPLAINED_BREACH_WINDOWS * spec.evaluation_window_seconds),
+        );
         while state.recommendations.front().is_some_and(|&(t, _, _)| t <= now - keep) && state.recommendations.len() > 1 {
             state.recommendations.pop_front();
         }
         if rec > cur {
-            let lowest = recent(state, now, spec.scale_up_stabilization_seconds).map(|r| r.0).chain([rec]).min().unwrap_or(rec);
+            let up_window = if raw.unexplained {
+                spec.scale_up_stabilization_seconds.max(UNEXPLAINED_BREACH_WINDOWS * spec.evaluation_window_seconds)
+            } else {
+                spec.scale_up_stabilization_seconds
+            };
+            let lowest = recent(state, now, up_window).map(|r| r.0).chain([rec]).min().unwrap_or(rec);
             to = lowest.max(cur).min(max_step_up(cur));
         } else if rec < cur {
             let highest = recent(state, now, spec.scale_down_stabilization_seconds).map(|r| r.1).chain([rec]).max().unwrap_or(rec);
             to = highest.min(cur).max(max_step_down(cur));
+            let window = f64::from(spec.scale_down_stabilization_seconds);
+            if state.last_direction > 0 && state.reversed_at.is_some_and(|t| now - t < window) {
+                to = cur;
+            }
         }
         if to == cur && rec != cur {
             message = format!("{reason} recommends {rec}, held at {cur} by the stabilization window: {message}");
@@ -205,6 +238,13 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         to = max;
         reason = Reason::MaxReplicas;
     }
+    let direction = (to - cur).signum();
+    if direction != 0 && cur > 0 {
+        if state.last_direction != 0 && direction != state.last_direction {
+            state.reversed_at = Some(now);
+        }
+        state.last_direction = direction;
+    }
     Decision { from_replicas: cur, to_replicas: to, recommendation: rec, reason, message, inputs: inputs(snap) }
 }
 
@@ -219,14 +259,18 @@ struct Recommendation {
     message: String,
     /// Whether stabilization applies (holds on missing data and wake-ups bypass it).
     stabilize: bool,
+    /// A breach the demand estimate does not explain (the ready pods have the capacity for the
+    /// demand, yet a p95 is over): it must outlast `UNEXPLAINED_BREACH_WINDOWS` evaluation
+    /// windows before it scales up.
+    unexplained: bool,
 }
 
 fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInput<'_>, cur: i32) -> Recommendation {
     let snap = input.snapshot;
-    let hold = |reason, message: String| Recommendation { replicas: cur, sustained: cur, reason, message, stabilize: false };
+    let hold = |reason, message: String| Recommendation { replicas: cur, sustained: cur, reason, message, stabilize: false, unexplained: false };
     if cur == 0 {
         if input.wake_requested {
-            return Recommendation { replicas: 1, sustained: 1, reason: Reason::WakeUp, message: "a request is waiting".into(), stabilize: false };
+            return Recommendation { replicas: 1, sustained: 1, reason: Reason::WakeUp, message: "a request is waiting".into(), stabilize: false, unexplained: false };
         }
         return hold(Reason::Idle, "scaled to zero; waiting for a request".into());
     }
@@ -250,7 +294,11 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
         let by_arrivals = demand_replicas(snap, capacity, 1.0, Direction::Up, false).unwrap_or(0);
         // A draining queue means the capacity already there is catching up on a backlog; the
         // window's latencies still show the overload, so only the demand estimate can add more.
-        let draining = snap.queue_growth_per_second.is_some_and(|g| g < 0.0) && capacity.is_some();
+        // Waiting requests likewise: the breach is theirs, and the demand estimate already sizes
+        // for serving them; doubling the fleet on top would buy replicas for a queue that the
+        // ones just ordered (or just ready) are about to drain.
+        let queued = snap.queue_depth_per_replica.is_some_and(|q| q >= 1.0);
+        let draining = (snap.queue_growth_per_second.is_some_and(|g| g < 0.0) || queued) && capacity.is_some();
         // Without a capacity estimate (or when it says the fleet suffices, yet the SLO breaks)
         // the ratio is the only guide: grow in proportion to it.
         let proportional =
@@ -266,7 +314,10 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             snap.ready,
             snap.loading
         );
-        return Recommendation { replicas, sustained, reason, message, stabilize: true };
+        // Only a breach the capacity estimate cannot explain is suspect of noise: one minute of
+        // bad luck on one pod breaks the window's p95 for as long as it stays in the window.
+        let unexplained = proportional > 0 && capacity.is_some();
+        return Recommendation { replicas, sustained, reason, message, stabilize: true, unexplained };
     }
     if snap.loading > 0 {
         return hold(Reason::PodsLoading, format!("{} pods loading; no scale-down until they are ready", snap.loading));
@@ -280,10 +331,10 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
                 sustained: 0,
                 reason: Reason::Idle,
                 message: format!("no traffic for {idle_for:.0}s"),
-                stabilize: true,
+                stabilize: true, unexplained: false,
             };
         }
-        return Recommendation { replicas: 1, sustained: 1, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true };
+        return Recommendation { replicas: 1, sustained: 1, reason: Reason::Underutilized, message: "no traffic in the window".into(), stabilize: true, unexplained: false };
     }
     if let Some((reason, ratio)) = signals.iter().copied().filter(|s| is_latency(s.0)).find(|s| s.1 > SCALE_DOWN_LATENCY_HEADROOM) {
         return Recommendation {
@@ -291,7 +342,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: cur,
             reason: Reason::WithinSlo,
             message: format!("{} at {:.2}× its target: no room to scale down", signal_name(reason), ratio),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         };
     }
     let Some(needed) = scale_down_needs(spec, snap, capacity) else {
@@ -300,7 +351,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: cur,
             reason: Reason::WithinSlo,
             message: "within SLO; capacity per replica not known yet, so no scale-down".into(),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         };
     };
     let replicas = needed.max(1).min(cur);
@@ -310,7 +361,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: replicas,
             reason: Reason::Underutilized,
             message: format!("every signal has room at {replicas} replicas (demand, queue and KV cache need {needed})"),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         }
     } else {
         Recommendation {
@@ -318,7 +369,7 @@ fn recommend(spec: &AutoscalingSpec, state: &DecisionState, input: &DecisionInpu
             sustained: cur,
             reason: Reason::WithinSlo,
             message: format!("within SLO; {needed} replicas needed"),
-            stabilize: true,
+            stabilize: true, unexplained: false,
         }
     }
 }
@@ -409,12 +460,31 @@ fn arrivals_per_second(snap: &FleetSnapshot, direction: Direction) -> Option<f64
 fn demand_replicas(snap: &FleetSnapshot, capacity: Option<&Throughput>, utilization: f64, direction: Direction, backlog: bool) -> Option<i32> {
     let cap = capacity?;
     let waiting = if backlog { snap.queue_depth_per_replica.unwrap_or(0.0) * f64::from(snap.ready) } else { 0.0 };
-    let rps = arrivals_per_second(snap, direction)? + waiting / BACKLOG_DRAIN_SECONDS;
+    // The backlog new replicas will face is what waits now plus what the queue gains while they
+    // start (about `BACKLOG_DRAIN_SECONDS`), all to be served within `BACKLOG_DRAIN_SECONDS`;
+    // planning for only what waits now orders replicas one scrape at a time behind a growing
+    // queue, and the late ones arrive after the backlog has set the recovery time. Projected once,
+    // when the first replicas are ordered: while they load, the growth is the one already planned
+    // for, and counting it again at every scrape would order a second fleet for the same queue.
+    // And only as far as the arrivals exceed what the ready replicas serve: the window's growth
+    // lags, and a queue the ready fleet already outpaces grows no further.
+    let arrivals = arrivals_per_second(snap, direction)?;
     // Output tokens per request, as served in the window.
     let tokens_per_request = match (snap.output_tokens_per_second, snap.requests_per_second) {
         (Some(t), Some(r)) if r > 0.0 && t > 0.0 => Some(t / r),
         _ => None,
     };
+    let ready_serves = f64::from(snap.ready)
+        * cap
+            .requests_per_second
+            .or(tokens_per_request.map(|tpr| cap.output_tokens_per_second / tpr))
+            .unwrap_or(0.0);
+    let growth = if backlog && snap.loading == 0 {
+        snap.queue_growth_per_second.unwrap_or(0.0).min(arrivals - ready_serves).max(0.0)
+    } else {
+        0.0
+    };
+    let rps = arrivals + waiting / BACKLOG_DRAIN_SECONDS + growth;
     let mut needed = None::<f64>;
     let mut need = |n: f64| {
         if n.is_finite() {

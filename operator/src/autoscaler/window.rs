@@ -99,8 +99,9 @@ impl ScrapeWindow {
         let mut snap = FleetSnapshot::default();
         let mut fleet = FleetHistograms::default();
         let mut waiting_now = 0.0;
-        let mut waiting_then = 0.0;
-        let mut growth_span = f64::INFINITY;
+        // Per pod over its own span, then summed, like the rates below: one divisor for all pods
+        // would divide the old pods' change over the whole window by a new pod's short span.
+        let mut growth = None::<f64>;
         let mut kv = Vec::new();
         let mut running = None::<f64>;
         let mut tokens = 0.0;
@@ -147,8 +148,6 @@ impl ScrapeWindow {
             }
             let span = now - t0;
             fleet.add(metrics, base);
-            waiting_then += base.waiting.unwrap_or(0.0);
-            growth_span = growth_span.min(span);
             // Rates per pod over that pod's own span, then summed: pods scraped for different
             // lengths of time (a new pod) must not share one divisor.
             if span > 0.0 {
@@ -159,6 +158,8 @@ impl ScrapeWindow {
                     requests += a.delta_since(b).map_or(0.0, |d| d.count) / span;
                 }
                 rate_span = rate_span.min(span);
+                let change = metrics.waiting.unwrap_or(0.0) - base.waiting.unwrap_or(0.0);
+                growth = Some(growth.unwrap_or(0.0) + change / span);
                 arrivals.add(arrived(metrics, base), span);
             }
             if let Some((t1, prev)) = history.get(history.len() - 2) {
@@ -178,9 +179,7 @@ impl ScrapeWindow {
         }
         snap.arrivals_per_second = arrivals.rate();
         snap.recent_arrivals_per_second = recent_arrivals.rate();
-        if growth_span.is_finite() && growth_span > 0.0 {
-            snap.queue_growth_per_second = Some((waiting_now - waiting_then) / growth_span);
-        }
+        snap.queue_growth_per_second = growth;
         snap.ttft_p95 = fleet.ttft.as_ref().and_then(|h| h.quantile(0.95));
         snap.tpot_p95 = fleet.tpot.as_ref().and_then(|h| h.quantile(0.95));
         snap.e2e_p95 = fleet.e2e.as_ref().and_then(|h| h.quantile(0.95));

@@ -82,12 +82,16 @@ fn main() {
         unsafe { c.kernels.fill_uniform_bf16(s, q.ptr(), hq * d, 3, 1.0).unwrap() };
         let out = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
-        let run = |p: Option<u64>| unsafe {
-            c.kernels.paged_attention(s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, hq, hkv, d, bs, p).unwrap()
-        };
-        let t1 = time(&c, 30, || run(None));
-        let t2 = time(&c, 30, || run(Some(parts.ptr())));
-        println!("decode attention ctx {ctx:>5}: {:>7.1} us unsplit, {:>7.1} us split x{} (KV {:.1} MB)", t1 * 1e6, t2 * 1e6, c.kernels.attention_splits(1, hkv), (2 * kc.len() * 2) as f64 / 1e6);
+        let mut line = format!("decode attention ctx {ctx:>5} (KV {:.1} MB, split x{}):", (2 * kc.len() * 2) as f64 / 1e6, c.kernels.attention_splits(1, hkv));
+        for kernel in ATTENTION_KERNELS {
+            let run = |p: Option<u64>| unsafe {
+                c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p).unwrap()
+            };
+            let t1 = time(&c, 30, || run(None));
+            let t2 = time(&c, 30, || run(Some(parts.ptr())));
+            line += &format!("  {kernel:?} {:.1} us unsplit, {:.1} us split", t1 * 1e6, t2 * 1e6);
+        }
+        println!("{line}");
     }
     // Batched decode attention (what long-context serving runs): `seqs` tokens, each at the end of
     // its own `ctx`-token sequence, both kernels; GB/s of K/V read.
@@ -110,14 +114,51 @@ fn main() {
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let kv_bytes = (2 * seqs * ctx * hkv * d * 2) as f64;
         let mut line = format!("batched decode attention {seqs} x ctx {ctx} (KV {:.0} MB):", kv_bytes / 1e6);
-        for kernel in [peregrine_kernels::ops::AttentionKernel::WarpPerKey, peregrine_kernels::ops::AttentionKernel::Tiled] {
+        for kernel in ATTENTION_KERNELS {
             let t = time(&c, 20, || unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, hq, hkv, d, bs, Some(parts.ptr()))
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, seqs, hq, hkv, d, bs, Some(parts.ptr()))
                     .unwrap()
             });
             line += &format!("  {kernel:?} {:.1} us = {:.0} GB/s", t * 1e6, kv_bytes / t / 1e9);
         }
         println!("{line}");
     }
+    // Prefill attention: `seqs` fresh prompts of `len` tokens in one launch (causal), every kernel;
+    // TFLOP/s counts the causal half of q·k and p·V (4 flops per query head, key and head dim).
+    for (seqs, len) in [(1usize, 2048usize), (8, 512), (64, 128)] {
+        let per = len.div_ceil(bs);
+        let blocks = seqs * per;
+        let n = seqs * len;
+        let kc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
+        let vc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
+        unsafe {
+            c.kernels.fill_uniform_bf16(s, kc.ptr(), kc.len(), 7, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(s, vc.ptr(), vc.len(), 8, 1.0).unwrap();
+        }
+        let table: Vec<i32> = (0..blocks as i32).collect();
+        let bt = c.gpu.upload(&table).unwrap();
+        let pos = c.gpu.upload(&(0..n).map(|i| (i % len) as i32).collect::<Vec<_>>()).unwrap();
+        let seq = c.gpu.upload(&(0..n).map(|i| (i / len) as i32).collect::<Vec<_>>()).unwrap();
+        let q = c.gpu.alloc_zeros::<u16>(n * hq * d).unwrap();
+        unsafe { c.kernels.fill_uniform_bf16(s, q.ptr(), n * hq * d, 9, 1.0).unwrap() };
+        let out = c.gpu.alloc_zeros::<u16>(n * hq * d).unwrap();
+        let flops = (seqs * len * (len + 1) / 2 * hq * d * 4) as f64;
+        let mut line = format!("prefill attention {seqs} x {len} tokens:");
+        for kernel in ATTENTION_KERNELS {
+            let t = time(&c, 10, || unsafe {
+                c.kernels
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, seqs, hq, hkv, d, bs, None)
+                    .unwrap()
+            });
+            line += &format!("  {kernel:?} {:.1} us = {:.1} TFLOP/s", t * 1e6, flops / t / 1e12);
+        }
+        println!("{line}");
+    }
 }
+
+const ATTENTION_KERNELS: [peregrine_kernels::ops::AttentionKernel; 3] = [
+    peregrine_kernels::ops::AttentionKernel::WarpPerKey,
+    peregrine_kernels::ops::AttentionKernel::Tiled,
+    peregrine_kernels::ops::AttentionKernel::Mma,
+];

@@ -20,6 +20,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("rope_kv.cu", include_str!("../cuda/rope_kv.cu")),
     ("attention.cu", include_str!("../cuda/attention.cu")),
     ("attention_tiled.cu", include_str!("../cuda/attention_tiled.cu")),
+    ("attention_mma.cu", include_str!("../cuda/attention_mma.cu")),
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),

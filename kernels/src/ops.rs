@@ -21,8 +21,13 @@ pub struct Kernels {
     paged_attention_d128: CudaFunction,
     paged_attention_tiled_d64: CudaFunction,
     paged_attention_tiled_d128: CudaFunction,
-    /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled`); None: chosen per launch.
+    paged_attention_mma_d64: CudaFunction,
+    paged_attention_mma_d128: CudaFunction,
+    /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled|mma`); None: chosen per launch.
     attention: Option<AttentionKernel>,
+    /// Whether the tensor-core kernel got its dynamic shared memory (it needs more than the 48 KB a
+    /// launch gets without opting in); without it every launch takes the CUDA-core kernels.
+    mma_ready: bool,
     attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
@@ -46,25 +51,29 @@ const SAMPLE_THREADS: u32 = 1024;
 /// Rank rows one block of [`Kernels::lora_shrink`] computes (one warp each).
 const LORA_SHRINK_RANKS: usize = 8;
 
-/// The two paged-attention kernels (same contract): a warp per key (`attention.cu`) or 32 keys per
-/// warp with a lane per key (`attention_tiled.cu`: far fewer instructions per key). Measured on an
-/// H100 (docs/benchmarks.md): the tiled kernel reads K/V 1.3-1.5x faster for batches that fill the
-/// GPU (256 x 1024 tokens: 1257 vs 989 GB/s), but a lone decode token split 16 ways along a short
-/// context leaves most of its lanes idle, and batch-1 decode lost 6%. So launches that are split
-/// (small batches) take the warp kernel, the others the tiled one. Batch size alone decides, so a
-/// CUDA graph captured for a batch size always replays the same kernel.
+/// The paged-attention kernels (same contract): a warp per key (`attention.cu`), 32 keys per warp
+/// with a lane per key (`attention_tiled.cu`), both on CUDA cores, and the tensor-core kernel
+/// (`attention_mma.cu`: 16 query rows per block, K/V tiles streamed through shared memory with
+/// cp.async), the default: on an H100 it reads K/V of batched decode at 2.7 TB/s against the tiled
+/// kernel's 1.4, and runs prefill attention 7x faster (docs/benchmarks.md). The CUDA-core kernels
+/// remain for GPUs where the tensor-core kernel cannot get its shared memory, and for comparisons
+/// (`PEREGRINE_ATTN`); among those two, split launches (small batches) take the warp kernel and the
+/// others the tiled one. Batch shape alone decides, so a CUDA graph captured for a batch size always
+/// replays the same kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernel {
     WarpPerKey,
     Tiled,
+    Mma,
 }
 
 impl AttentionKernel {
-    /// `PEREGRINE_ATTN=warp` or `tiled` forces one kernel for every launch (comparisons).
+    /// `PEREGRINE_ATTN=warp`, `tiled` or `mma` forces one kernel for every launch (comparisons).
     pub fn from_env() -> Option<Self> {
         match std::env::var("PEREGRINE_ATTN").as_deref() {
             Ok("warp") => Some(AttentionKernel::WarpPerKey),
             Ok("tiled") => Some(AttentionKernel::Tiled),
+            Ok("mma") => Some(AttentionKernel::Mma),
             _ => None,
         }
     }
@@ -79,6 +88,26 @@ pub const ATTN_MAX_GROUP: usize = 8;
 /// Largest head dimension the attention kernels are built for.
 pub const ATTN_MAX_HEAD_DIM: usize = 128;
 const ATTN_THREADS: u32 = 128;
+/// attention_mma.cu's tile geometry: query rows per block, keys per tile, pipeline stages, row padding.
+const MMA_ROWS: usize = 16;
+const MMA_KT: usize = 64;
+const MMA_STAGES: usize = 2;
+const MMA_PAD: usize = 8;
+
+/// Dynamic shared memory of the tensor-core attention kernel for head dim `d`: the K and V tiles of
+/// every pipeline stage, rows padded (the warps' merge reuses the same bytes).
+pub fn attention_mma_smem_bytes(d: usize) -> usize {
+    MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2
+}
+
+/// Lets both tensor-core attention kernels launch with their dynamic shared memory; false if the
+/// device refuses (it has less than they need).
+fn mma_smem_opt_in(module: &Arc<CudaModule>) -> bool {
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
+    [("paged_attention_mma_d64", 64usize), ("paged_attention_mma_d128", 128)].iter().all(|&(name, d)| {
+        module.load_function(name).is_ok_and(|f| f.set_attribute(MAX_DYN, attention_mma_smem_bytes(d) as i32).is_ok())
+    })
+}
 
 fn cfg(grid: u32, block: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
@@ -103,7 +132,11 @@ impl Kernels {
             paged_attention_d128: f("paged_attention_d128")?,
             paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,
             paged_attention_tiled_d128: f("paged_attention_tiled_d128")?,
+            paged_attention_mma_d64: f("paged_attention_mma_d64")?,
+            paged_attention_mma_d128: f("paged_attention_mma_d128")?,
             attention: AttentionKernel::from_env(),
+            // mma.sync on bf16 and cp.async need sm_80.
+            mma_ready: arch.0 >= 8 && mma_smem_opt_in(module),
             attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
@@ -223,18 +256,26 @@ impl Kernels {
         want.clamp(1, 16)
     }
 
-    /// Causal paged attention of `n` query tokens (decode and prefill alike; see attention.cu).
-    /// With `partials` (f32, [`Kernels::attention_partials_len`]) small batches are split along the
-    /// sequence and merged by a second kernel.
+    /// Causal paged attention of `n` query tokens of `seqs` sequences (decode and prefill alike; see
+    /// attention.cu). The tokens of a sequence are contiguous. With `partials` (f32,
+    /// [`Kernels::attention_partials_len`]) small decode batches are split along the sequence and
+    /// merged by a second kernel.
     ///
     /// # Safety
     /// q/out: n*hq*d bf16; caches as in `rope_kv_write`; block_tables: seqs*max_blocks i32 covering
     /// every position 0..=positions[t]; token_seq, positions: n i32.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
-        let split = partials.is_some() && self.attention_splits(n, hkv) > 1;
-        let kernel = self.attention.unwrap_or(if split { AttentionKernel::WarpPerKey } else { AttentionKernel::Tiled });
-        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, hq, hkv, d, block_size, partials)
+    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, seqs: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+        let kernel = self.attention.unwrap_or_else(|| {
+            if self.mma_ready {
+                AttentionKernel::Mma
+            } else if partials.is_some() && self.attention_splits(n, hkv) > 1 {
+                AttentionKernel::WarpPerKey
+            } else {
+                AttentionKernel::Tiled
+            }
+        });
+        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, seqs, hq, hkv, d, block_size, partials)
     }
 
     /// [`Kernels::paged_attention`] with the kernel chosen by the caller (tests run both).
@@ -242,7 +283,7 @@ impl Kernels {
     /// # Safety
     /// As [`Kernels::paged_attention`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, seqs: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -256,9 +297,20 @@ impl Kernels {
             (128, AttentionKernel::WarpPerKey) => &self.paged_attention_d128,
             (64, AttentionKernel::Tiled) => &self.paged_attention_tiled_d64,
             (128, AttentionKernel::Tiled) => &self.paged_attention_tiled_d128,
+            (64, AttentionKernel::Mma) => &self.paged_attention_mma_d64,
+            (128, AttentionKernel::Mma) => &self.paged_attention_mma_d128,
             _ => return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)"))),
         };
-        let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
+        if kernel == AttentionKernel::Mma && !self.mma_ready {
+            return Err(KernelError::Unsupported("attention: the tensor-core kernel needs sm_80 and its shared memory".into()));
+        }
+        // A decode batch (one token per sequence) gets a block per token, split along long contexts
+        // when it is too small to fill the GPU. The tensor-core kernel packs the tokens of prefill
+        // chunks into its 16 query rows (16 / group tokens per block) and does not split them.
+        let mma = kernel == AttentionKernel::Mma;
+        let decode = n == seqs;
+        let tokens_per_block = if mma && !decode { (MMA_ROWS / (hq / hkv)).max(1) } else { 1 };
+        let mut splits = if partials.is_some() && (decode || !mma) { self.attention_splits(n, hkv) } else { 1 };
         if n * hq * splits * (d + 2) > self.attention_partials_len() {
             splits = 1;
         }
@@ -269,11 +321,13 @@ impl Kernels {
         let scale = 1.0f32 / (d as f32).sqrt();
         let (mb, hq_i, hkv_i, bs) = (as_i32(max_blocks, "max_blocks")?, as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(block_size, "block_size")?);
         let config = LaunchConfig {
-            grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
+            grid_dim: (as_u32(n.div_ceil(tokens_per_block), "tokens")?, hkv as u32, splits as u32),
             block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if mma { attention_mma_smem_bytes(d) as u32 } else { 0 },
         };
-        s.launch_builder(func)
+        let (n_i, tq_i) = (as_i32(n, "tokens")?, as_i32(tokens_per_block, "tokens per block")?);
+        let mut launch = s.launch_builder(func);
+        launch
             .arg(&out)
             .arg(&q)
             .arg(&k_cache)
@@ -287,8 +341,11 @@ impl Kernels {
             .arg(&bs)
             .arg(&scale)
             .arg(&part_ml)
-            .arg(&part_acc)
-            .launch(config)?;
+            .arg(&part_acc);
+        if mma {
+            launch.arg(&n_i).arg(&tq_i);
+        }
+        launch.launch(config)?;
         if splits > 1 {
             let (splits_i, d_i) = (splits as i32, d as i32);
             let combine = LaunchConfig { grid_dim: (n as u32, hq as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };

@@ -253,7 +253,7 @@ fn rope_kv_write_matches_reference() {
 fn paged_attention_matches_reference() {
     let Some(c) = cuda_or_skip() else { return };
     let mut r = rng();
-    for kernel in [AttentionKernel::WarpPerKey, AttentionKernel::Tiled] {
+    for kernel in [AttentionKernel::WarpPerKey, AttentionKernel::Tiled, AttentionKernel::Mma] {
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 128)] {
         let bs = 16;
         // Three sequences: a decode token at a long context, a prefill chunk over a cached prefix, a fresh prompt.
@@ -285,7 +285,7 @@ fn paged_attention_matches_reference() {
         let out = poison(&c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, hq, hkv, d, bs, None)
+                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, chunks.len(), hq, hkv, d, bs, None)
                 .unwrap()
         };
         let got = to_f64(&out.download(&c.gpu.stream).unwrap());
@@ -298,7 +298,7 @@ fn paged_attention_matches_reference() {
             assert!(c.kernels.attention_splits(1, hkv) > 1, "a single token is split");
             unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, &c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, hq, hkv, d, bs, Some(partials.ptr()))
+                    .paged_attention_with(kernel, &c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, 1, hq, hkv, d, bs, Some(partials.ptr()))
                     .unwrap()
             };
             split_out[t * hq * d..(t + 1) * hq * d].copy_from_slice(&to_f64(&one.download(&c.gpu.stream).unwrap()));

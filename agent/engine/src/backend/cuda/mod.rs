@@ -310,13 +310,13 @@ impl CudaBackend {
             if let Some(g) = self.graphs.by_batch.get(&key) {
                 g.0.launch().map_err(|e| gpu_err(e.into()))?;
             } else {
-                self.step(n, rows, with_lora).map_err(gpu_err)?;
+                self.step(n, n, rows, with_lora).map_err(gpu_err)?;
                 if !self.graphs.seen.insert(key) {
                     self.capture(key, rows)?;
                 }
             }
         } else {
-            self.step(n, rows, with_lora).map_err(gpu_err)?;
+            self.step(n, batch.seqs.len(), rows, with_lora).map_err(gpu_err)?;
         }
         Ok(rows)
     }
@@ -328,7 +328,7 @@ impl CudaBackend {
         stream
             .begin_capture(peregrine_kernels::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| gpu_err(e.into()))?;
-        let enqueued = self.step(n, rows, with_lora);
+        let enqueued = self.step(n, n, rows, with_lora);
         // End the capture whatever happened, or the stream stays unusable.
         let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags(0));
         enqueued.map_err(gpu_err)?;
@@ -369,9 +369,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Enqueues every operation of a step whose metadata is already on the device (`with_lora`:
-    /// some token has a LoRA slot, so the LoRA updates run after each projection).
-    fn step(&self, n: usize, rows: usize, with_lora: bool) -> peregrine_kernels::Result<()> {
+    /// Enqueues every operation of a step of `n` tokens of `seqs` sequences whose metadata is already
+    /// on the device (`with_lora`: some token has a LoRA slot, so the LoRA updates run after each
+    /// projection).
+    fn step(&self, n: usize, seqs: usize, rows: usize, with_lora: bool) -> peregrine_kernels::Result<()> {
         let cuda = &self.cuda;
         let (gpu, k) = (&cuda.gpu, &cuda.kernels);
         let s = &gpu.stream;
@@ -425,7 +426,7 @@ impl CudaBackend {
                     d,
                     bs,
                 )?;
-                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
+                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, seqs, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
                 add_lora(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)])?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;

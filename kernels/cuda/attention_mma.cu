@@ -1,0 +1,295 @@
+// Paged attention on the tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash-attention
+// style: the same inputs and outputs as attention.cu's paged_attention, but one block computes a tile
+// of 16 query rows against K/V tiles of 64 keys that stream into shared memory with cp.async, two
+// stages deep, so the next tile's bytes are in flight while the current one is computed.
+//
+// The 16 rows of a block are `tq` consecutive tokens × the `group` query heads of KV head blockIdx.y
+// (row r: token r / group, head r % group). Decode launches use tq = 1 (4 of 16 rows for Llama's GQA
+// group of 4: the tensor cores have room to spare, the K/V bytes are what counts, and they are read
+// once per group); prefill launches use tq = 16 / group, so a K/V tile read from L2 serves 16 rows.
+// Tokens of one sequence are contiguous in the flat batch; a block whose tokens span sequences runs
+// the key loop once per sequence with the other rows masked.
+//
+// The four warps split each K/V tile (16 keys each) and keep their own online softmax over the 16
+// rows (running max m, sum l, accumulator O as mma fragments); they are merged at the end through
+// shared memory. Splits along the sequence (gridDim.z > 1, decode only) write unnormalized partials
+// for attention_combine exactly as the other kernels do.
+#define MMA_WARPS 4
+#define MMA_KT 64      // keys per tile: 16 per warp
+#define MMA_STAGES 2
+#define MMA_PAD 8      // bf16 elements after each shared-memory row: ldmatrix rows land in distinct banks
+#define MMA_ROWS 16
+
+// mma.sync on bf16 and cp.async need sm_80; older targets get empty kernels the host never launches.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, asynchronously; `bytes` = 0 writes zeros (keys past the end: their V rows
+// must be zeros, not stale memory, because p = 0 times NaN is NaN).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// d += a (16x16, row) * b (16x8, col); fragments as in the PTX ISA's m16n8k16 layout.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as bf16x2 (low half first), rounded to nearest even.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+}
+
+template <int D>
+__device__ __forceinline__ void paged_attention_mma_impl(
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc, int n, int tq) {
+    constexpr int ROW = D + MMA_PAD;               // shared-memory row stride (bf16)
+    constexpr int TILE = MMA_KT * ROW;             // one K or V tile (bf16)
+    constexpr int CH = D / 8;                      // 16-byte chunks per row
+    constexpr int ROWS_PER_PASS = MMA_WARPS * 32 / CH;
+    constexpr int PASSES = MMA_KT / ROWS_PER_PASS;
+    constexpr int KSTEPS = D / 16;                 // mma k-steps of q·k
+    constexpr int NT = D / 8;                      // mma n-tiles of p·V
+    extern __shared__ __align__(16) unsigned char mma_smem[];
+    bf16_t* tiles = reinterpret_cast<bf16_t*>(mma_smem);  // [stage][K|V][MMA_KT][ROW]
+    float* sm_o = reinterpret_cast<float*>(mma_smem);     // after the key loop: [warp][row][D]
+    __shared__ float sm_m[MMA_WARPS][MMA_ROWS], sm_l[MMA_WARPS][MMA_ROWS];
+
+    if (gridDim.z == 1) pdl_trigger();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kvh = blockIdx.y, group = hq / hkv;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int t0 = blockIdx.x * tq, t1 = min(n, t0 + tq);
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+    // This thread's two fragment rows (lo = lane/4, hi = lane/4 + 8): their token and head.
+    const int r_lo = lane >> 2, r_hi = r_lo + 8, quad = lane & 3;
+
+    for (int sb = t0; sb < t1;) {
+        const int seq = token_seq[sb];
+        int se = sb + 1;
+        while (se < t1 && token_seq[se] == seq) ++se;
+        const int* bt = block_tables + (u64)seq * max_blocks;
+        const int ctx = positions[se - 1] + 1;
+        const int chunk = (ctx + splits - 1) / splits;
+        const int begin = split * chunk, end = min(ctx, begin + chunk);
+
+        // Rows of this segment: token index (absolute) and the key limit (causal: keys < pos + 1).
+        auto row_token = [&](int r) { return t0 + r / group; };
+        auto row_active = [&](int r) {
+            const int t = row_token(r);
+            return r < tq * group && t >= sb && t < se;
+        };
+        const int lim_lo = row_active(r_lo) ? min(end, positions[row_token(r_lo)] + 1) : begin;
+        const int lim_hi = row_active(r_hi) ? min(end, positions[row_token(r_hi)] + 1) : begin;
+
+        // Q as A fragments (raw bf16 pairs; the scale is applied to the f32 scores).
+        u32 qa[KSTEPS][4];
+        {
+            const bf16_t* q_lo = q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D;
+            const bf16_t* q_hi = q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D;
+            const bool a_lo = row_active(r_lo), a_hi = row_active(r_hi);
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const int c = kk * 16 + quad * 2;
+                qa[kk][0] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c) : 0u;
+                qa[kk][1] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c) : 0u;
+                qa[kk][2] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c + 8) : 0u;
+                qa[kk][3] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c + 8) : 0u;
+            }
+        }
+
+        float o[NT][4];
+#pragma unroll
+        for (int x = 0; x < NT; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
+        float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+
+        // Issues the copies of the K and V rows of keys [kt0, kt0 + MMA_KT) into `stage`.
+        auto load_tile = [&](int kt0, int stage) {
+            bf16_t* ks = tiles + stage * 2 * TILE;
+            bf16_t* vs = ks + TILE;
+            const int c = threadIdx.x % CH;
+#pragma unroll
+            for (int j = 0; j < PASSES; ++j) {
+                const int r = threadIdx.x / CH + j * ROWS_PER_PASS;
+                const int p = kt0 + r;
+                const bool valid = p < end;
+                const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 8 : 0;
+                cp_async16(smem_addr(ks + r * ROW + c * 8), k_cache + off, valid ? 16 : 0);
+                cp_async16(smem_addr(vs + r * ROW + c * 8), v_cache + off, valid ? 16 : 0);
+            }
+        };
+
+        const int ntiles = (end > begin) ? (end - begin + MMA_KT - 1) / MMA_KT : 0;
+        if (ntiles > 0) load_tile(begin, 0);
+        cp_async_commit();
+        for (int it = 0; it < ntiles; ++it) {
+            if (it + 1 < ntiles) load_tile(begin + (it + 1) * MMA_KT, (it + 1) % MMA_STAGES);
+            cp_async_commit();
+            cp_async_wait<1>();  // every group but the one just issued: tile `it` has landed
+            __syncthreads();
+
+            const bf16_t* ks = tiles + (it % MMA_STAGES) * 2 * TILE;
+            const bf16_t* vs = ks + TILE;
+            const int kw = warp * 16;  // this warp's 16 keys of the tile
+
+            // S = Q K^T for keys kw..kw+15: n-tile 0 = keys 0..7, n-tile 1 = keys 8..15.
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            {
+                const int mi = lane >> 3;  // the 8x8 matrix whose row address this lane supplies
+                const bf16_t* base = ks + (kw + (mi >> 1) * 8 + (lane & 7)) * ROW + (mi & 1) * 8;
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; ++kk) {
+                    u32 b0, b1, b2, b3;
+                    ldmatrix_x4(smem_addr(base + kk * 16), b0, b1, b2, b3);
+                    mma_bf16(s[0], qa[kk], b0, b1);
+                    mma_bf16(s[1], qa[kk], b2, b3);
+                }
+            }
+
+            // Mask, then the online softmax per row (a row's 16 scores sit in the 4 lanes of a quad).
+            const int key0 = begin + it * MMA_KT + kw + quad * 2;
+            float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = key0 + j * 8 + e;
+                    s[j][e] = key < lim_lo ? s[j][e] * qscale : NEG_INF;
+                    s[j][2 + e] = key < lim_hi ? s[j][2 + e] * qscale : NEG_INF;
+                    mx_lo = fmaxf(mx_lo, s[j][e]);
+                    mx_hi = fmaxf(mx_hi, s[j][2 + e]);
+                }
+            }
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) {
+                mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+                mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+            }
+            const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+            // A row with no key yet keeps m = -inf: nothing to rescale, every p is 0.
+            const float corr_lo = (mn_lo == NEG_INF) ? 1.f : exp2f(m_lo - mn_lo);
+            const float corr_hi = (mn_hi == NEG_INF) ? 1.f : exp2f(m_hi - mn_hi);
+            float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    s[j][e] = (mn_lo == NEG_INF) ? 0.f : exp2f(s[j][e] - mn_lo);
+                    s[j][2 + e] = (mn_hi == NEG_INF) ? 0.f : exp2f(s[j][2 + e] - mn_hi);
+                    sum_lo += s[j][e];
+                    sum_hi += s[j][2 + e];
+                }
+            }
+            l_lo = l_lo * corr_lo + sum_lo;  // this lane's share; the quad is summed at the end
+            l_hi = l_hi * corr_hi + sum_hi;
+            m_lo = mn_lo;
+            m_hi = mn_hi;
+#pragma unroll
+            for (int x = 0; x < NT; ++x) {
+                o[x][0] *= corr_lo; o[x][1] *= corr_lo;
+                o[x][2] *= corr_hi; o[x][3] *= corr_hi;
+            }
+
+            // O += P V: P (16 rows x 16 keys) from the score fragments, V through transposing loads.
+            const u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
+                               pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+            {
+                const int mi = lane >> 3;
+                const bf16_t* base = vs + (kw + (mi & 1) * 8 + (lane & 7)) * ROW + (mi >> 1) * 8;
+#pragma unroll
+                for (int dd = 0; dd < D / 16; ++dd) {
+                    u32 b0, b1, b2, b3;
+                    ldmatrix_x4_trans(smem_addr(base + dd * 16), b0, b1, b2, b3);
+                    mma_bf16(o[2 * dd], pa, b0, b1);
+                    mma_bf16(o[2 * dd + 1], pa, b2, b3);
+                }
+            }
+            __syncthreads();  // the stage is overwritten by the copy issued next iteration
+        }
+        cp_async_wait<0>();
+
+        // Merge the warps: full row sums over the quad, then (m, l, O) of each warp through shared memory.
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            l_lo += __shfl_xor_sync(0xffffffffu, l_lo, off);
+            l_hi += __shfl_xor_sync(0xffffffffu, l_hi, off);
+        }
+        __syncthreads();  // every warp is done with the tiles before sm_o takes their bytes
+        if (quad == 0) {
+            sm_m[warp][r_lo] = m_lo; sm_l[warp][r_lo] = l_lo;
+            sm_m[warp][r_hi] = m_hi; sm_l[warp][r_hi] = l_hi;
+        }
+#pragma unroll
+        for (int x = 0; x < NT; ++x) {
+            const int d = x * 8 + quad * 2;
+            float* lo = sm_o + ((u64)warp * MMA_ROWS + r_lo) * D + d;
+            float* hi = sm_o + ((u64)warp * MMA_ROWS + r_hi) * D + d;
+            lo[0] = o[x][0]; lo[1] = o[x][1];
+            hi[0] = o[x][2]; hi[1] = o[x][3];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < MMA_ROWS * D; i += blockDim.x) {
+            const int r = i / D, d = i % D;
+            if (!row_active(r)) continue;
+            float mx = NEG_INF;
+#pragma unroll
+            for (int w = 0; w < MMA_WARPS; ++w) mx = fmaxf(mx, sm_m[w][r]);
+            float sum = 0.f, acc = 0.f;
+            if (mx != NEG_INF) {  // a split past the end of a short sequence saw no key at all
+#pragma unroll
+                for (int w = 0; w < MMA_WARPS; ++w) {
+                    const float f = exp2f(sm_m[w][r] - mx);  // a warp that saw no key: exp2(-inf) = 0
+                    sum += sm_l[w][r] * f;
+                    acc += sm_o[((u64)w * MMA_ROWS + r) * D + d] * f;
+                }
+            }
+            const int t = row_token(r), head = kvh * group + r % group;
+            if (splits == 1) {
+                out[((u64)t * hq + head) * D + d] = f2bf(acc / sum);
+            } else {
+                const u64 pi = ((u64)t * hq + head) * splits + split;
+                part_acc[pi * D + d] = acc;
+                if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
+            }
+        }
+        __syncthreads();  // the next segment reuses the shared memory
+        sb = se;
+    }
+}
+
+#define MMA_BODY(D)                                                                                     \
+    paged_attention_mma_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, hq, \
+                                hkv, block_size, scale, part_ml, part_acc, n, tq);
+#else
+#define MMA_BODY(D)
+#endif
+
+#define ATTENTION_MMA_KERNEL(D)                                                                         \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma_d##D(               \
+        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
+        int hkv, int block_size, float scale, float* part_ml, float* part_acc, int n, int tq) {         \
+        MMA_BODY(D)                                                                                     \
+    }
+ATTENTION_MMA_KERNEL(64)
+ATTENTION_MMA_KERNEL(128)

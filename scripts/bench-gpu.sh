@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The CUDA benchmarks of docs/benchmarks.md, from the prebuilt binaries in .device-bin/ (`make gpu-bins`
+# where Rust is), on a GPU machine. Prints figures; asserts nothing.
+#   bash scripts/bench-gpu.sh [micro] [decode] [tput128] [tput1000]   (default: all four)
+# MAX_NUM_SEQS (default 256) and MAX_NUM_BATCHED_TOKENS (default 8192) set the scheduler's limits of
+# the `throughput` runs; THROUGHPUT_ARGS adds other flags.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=.device-bin
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64:/usr/local/nvidia/lib64}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+what=("$@"); [ ${#what[@]} -eq 0 ] && what=(micro decode tput128 tput1000)
+tput() {  # input output [extra flags]
+  local i=$1 o=$2; shift 2
+  "$bin/peregrine-agent" throughput --model scripts/shapes/llama-3.1-8b.json --load-format dummy --device cuda \
+    --num-prompts 1000 --input-len "$i" --output-len "$o" --max-model-len 2048 \
+    --max-num-seqs "${MAX_NUM_SEQS:-256}" --max-num-batched-tokens "${MAX_NUM_BATCHED_TOKENS:-8192}" ${THROUGHPUT_ARGS:-} "$@"
+}
+for w in "${what[@]}"; do
+  echo "=== $w"
+  case $w in
+    micro) "$bin/micro" ;;
+    decode) "$bin/cuda_bench" ;;
+    tput128) tput 128 128 ;;
+    tput1000) tput 1000 1000 ;;
+    *) echo "unknown benchmark $w" >&2; exit 2 ;;
+  esac
+done

@@ -64,6 +64,21 @@ fn main() {
         });
         println!("{:<20} {:>7.1} {:>9.0} {:>9.0} {sweep}  [plan ({pu},{pw})]", format!("[{n} x {k}]"), mb, plan, mb / 1e3 / tb);
     }
+    // cuBLAS GEMMs at the row counts of batched decode and prefill steps: TFLOP/s.
+    println!("{:<20} {}", "GEMM [n x k]", "TFLOP/s by m");
+    for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)] {
+        let w = c.gpu.alloc_zeros::<u16>(n * k).unwrap();
+        unsafe { c.kernels.fill_uniform_bf16(s, w.ptr(), n * k, 5, 0.02).unwrap() };
+        let mut line = format!("{:<20}", format!("[{n} x {k}]"));
+        for m in [64usize, 256, 1000, 1024, 4096, 16384] {
+            let x = c.gpu.alloc_zeros::<u16>(m * k).unwrap();
+            unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), m * k, 6, 1.0).unwrap() };
+            let y = c.gpu.alloc_zeros::<u16>(m * n).unwrap();
+            let t = time(&c, 10, || unsafe { c.blas.matmul(y.ptr(), OutType::Bf16, x.ptr(), w.ptr(), m, n, k, 0.0).unwrap() });
+            line += &format!(" m={m}: {:.0}", (2 * m * n * k) as f64 / t / 1e12);
+        }
+        println!("{line}");
+    }
     // Decode attention: 1 token, 32 q heads over 8 KV heads, d 128, block 16.
     let (hq, hkv, d, bs) = (32usize, 8usize, 128usize, 16usize);
     for ctx in [256usize, 2048, 8192] {
@@ -95,7 +110,7 @@ fn main() {
     }
     // Batched decode attention (what long-context serving runs): `seqs` tokens, each at the end of
     // its own `ctx`-token sequence, both kernels; GB/s of K/V read.
-    for (seqs, ctx) in [(64usize, 1024usize), (256, 1024), (200, 1500)] {
+    for (seqs, ctx) in [(64usize, 1024usize), (256, 1024), (200, 1500), (1000, 192)] {
         let per = ctx.div_ceil(bs);
         let blocks = seqs * per;
         let kc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();

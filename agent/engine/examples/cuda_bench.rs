@@ -17,10 +17,16 @@ fn run() -> peregrine_engine::Result<()> {
     let config = bench::llama31_8b();
     // PEREGRINE_CUDA_GRAPHS=0 runs decode without graphs; PEREGRINE_GEMV=0 keeps decode GEMMs on cuBLAS.
     let graphs = std::env::var("PEREGRINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+    // CUDA_BENCH_BATCHES=1,16,64,256,1024 chooses the decode batch sizes (default 1,16,64).
+    let batches: Vec<usize> = std::env::var("CUDA_BENCH_BATCHES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).filter(|&b| b > 0).collect())
+        .filter(|v: &Vec<usize>| !v.is_empty())
+        .unwrap_or_else(|| vec![1, 16, 64]);
     let opts = CudaOptions {
         max_model_len: 2304,
-        max_num_batched_tokens: 4096,
-        max_num_seqs: 256,
+        max_num_batched_tokens: 4096.max(batches.iter().copied().max().unwrap_or(0)),
+        max_num_seqs: 256.max(batches.iter().copied().max().unwrap_or(0)),
         cuda_graph_max_batch: if graphs { 256 } else { 0 },
         ..CudaOptions::default()
     };
@@ -35,7 +41,7 @@ fn run() -> peregrine_engine::Result<()> {
     bench::decode(&mut b, 1, 16, 4, 4096)?;
     let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
     println!("cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}", on("PEREGRINE_GEMV"), std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"));
-    for batch in [1usize, 16, 64] {
+    for &batch in &batches {
         let f = bench::decode(&mut b, batch, 128, steps, 4096)?;
         let extra = if batch == 1 { format!(", {:.1}% of the bandwidth bound", 100.0 * f.tokens_per_second() / bound) } else { String::new() };
         let idle = f.gpu_idle.map_or(String::new(), |i| format!(", GPU idle {:.1}% of wall time", 100.0 * i));

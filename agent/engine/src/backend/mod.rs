@@ -114,6 +114,14 @@ pub trait Backend: Send {
         Err(crate::EngineError::Unsupported(format!("backend {} does not sample on its device", self.name())))
     }
 
+    /// [`Backend::forward_sample`], calling `while_running` once while the device computes the step
+    /// (everything enqueued, the tokens not yet waited for), so the engine's host work overlaps the
+    /// device's. The default runs it first, then the step.
+    fn forward_sample_with(&mut self, batch: &StepBatch, rows: &[RowSampling], while_running: &mut dyn FnMut()) -> Result<SampledStep> {
+        while_running();
+        self.forward_sample(batch, rows)
+    }
+
     /// A short name for logs and `bench` output ("cpu", "cuda:0").
     fn name(&self) -> String;
 

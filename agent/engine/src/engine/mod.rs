@@ -6,6 +6,8 @@ mod generate;
 mod handle;
 mod lora;
 mod metrics;
+mod outbox;
+mod step_profile;
 mod worker;
 
 use std::sync::Arc;

@@ -12,6 +12,8 @@ use super::config::ResolvedLimits;
 use super::handle::Command;
 use super::lora::{EngineLora, Placement};
 use super::metrics::EngineMetrics;
+use super::outbox::Outbox;
+use super::step_profile::StepProfile;
 use crate::backend::{Backend, Logits, RowSampling};
 use crate::lora::AdapterId;
 use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, SampledToken, Usage};
@@ -41,6 +43,9 @@ pub(super) struct Worker {
     eos_token_ids: Vec<u32>,
     seed: u64,
     lora: Option<EngineLora>,
+    profile: Option<StepProfile>,
+    /// Events of active requests, sent while the device runs the next step.
+    outbox: Outbox,
 }
 
 enum Flow {
@@ -70,6 +75,8 @@ impl Worker {
             eos_token_ids,
             seed,
             lora,
+            profile: StepProfile::from_env(),
+            outbox: Outbox::default(),
         }
     }
 
@@ -107,13 +114,21 @@ impl Worker {
             if self.scheduler.has_work() {
                 self.step();
             }
+            if !self.scheduler.has_work() {
+                // No step follows to carry the queued events out during its forward pass.
+                self.outbox.deliver();
+            }
             self.publish();
         }
         let ids: Vec<RequestId> = self.requests.keys().copied().collect();
         for id in ids {
             self.fail(id, "the engine shut down");
         }
+        self.outbox.deliver();
         self.publish();
+        if let Some(p) = &self.profile {
+            eprintln!("{}", p.report());
+        }
     }
 
     fn handle(&mut self, cmd: Command) -> Flow {
@@ -212,6 +227,7 @@ impl Worker {
     }
 
     fn step(&mut self) {
+        let t_schedule = Instant::now();
         let mut out = self.scheduler.schedule();
         self.totals.preemptions_total += out.preempted.len() as u64;
         if out.is_empty() {
@@ -223,6 +239,7 @@ impl Worker {
                     self.fail(id, "the request does not fit in the KV cache");
                 }
             }
+            self.outbox.deliver();
             return;
         }
         self.note_admissions(&out);
@@ -236,11 +253,13 @@ impl Worker {
                 return self.fail_step(&out, &e.to_string());
             }
         }
+        let t_forward = Instant::now();
         let sampled = if self.backend.samples_on_device() {
             self.forward_sampling_on_device(&out)
         } else {
             self.forward_sampling_on_host(&out)
         };
+        let t_emit = Instant::now();
         match sampled {
             Ok(tokens) => {
                 self.scheduler.step_done(&out);
@@ -248,11 +267,15 @@ impl Worker {
             }
             Err(msg) => self.fail_step(&out, &msg),
         }
+        if let Some(p) = &mut self.profile {
+            p.record_step(t_schedule, t_forward, t_emit);
+        }
     }
 
     /// Logits to the host, one [`RequestSampler`] per row. Returns each logits row's token (None
     /// where the request is gone).
     fn forward_sampling_on_host(&mut self, out: &SchedulerOutput) -> Result<Vec<Option<SampledToken>>, String> {
+        self.outbox.deliver();
         let logits = self.backend.forward(&out.batch).map_err(|e| e.to_string())?;
         let wanted = out.chunks.iter().filter(|c| c.wants_logits).count();
         check_logits(&logits, wanted)?;
@@ -268,7 +291,11 @@ impl Worker {
         let greedy = RowSampling::Draw { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, uniform: 0.0 };
         let plans: Vec<RowSampling> =
             wanting.iter().map(|id| self.requests.get_mut(id).map_or(greedy, |r| r.sampler.device_plan())).collect();
-        let step = self.backend.forward_sample(&out.batch, &plans).map_err(|e| e.to_string())?;
+        let outbox = &mut self.outbox;
+        let step = self
+            .backend
+            .forward_sample_with(&out.batch, &plans, &mut || outbox.deliver())
+            .map_err(|e| e.to_string())?;
         let host_rows = plans.iter().filter(|p| **p == RowSampling::Host).count();
         if step.tokens.len() != wanting.len() {
             return Err(format!("the backend sampled {} rows for {} sequences", step.tokens.len(), wanting.len()));
@@ -300,7 +327,7 @@ impl Worker {
                 self.totals.prompt_tokens_total += req.prompt_len as u64;
                 req.cached_prompt_tokens = a.cached_tokens.min(req.prompt_len);
                 let queue_time = now.saturating_duration_since(req.arrival);
-                let _ = req.events.send(RequestEvent::Scheduled { queue_time });
+                self.outbox.push(&req.events, RequestEvent::Scheduled { queue_time });
             }
         }
     }
@@ -325,11 +352,10 @@ impl Worker {
             } else {
                 None
             };
-            let delivered = req.events.send(RequestEvent::Token(token)).is_ok();
-            match (reason, delivered) {
-                (Some(r), _) => self.finish(c.id, r),
-                (None, false) => self.finish(c.id, FinishReason::Abort),
-                (None, true) => {}
+            // A reader that is gone is noticed by reap_disconnected before the next step.
+            self.outbox.push(&req.events, RequestEvent::Token(token));
+            if let Some(r) = reason {
+                self.finish(c.id, r);
             }
         }
     }
@@ -346,14 +372,14 @@ impl Worker {
             completion_tokens: req.num_output,
             cached_prompt_tokens: req.cached_prompt_tokens,
         };
-        let _ = req.events.send(RequestEvent::Finished { reason, usage });
+        self.outbox.push(&req.events, RequestEvent::Finished { reason, usage });
     }
 
     fn fail(&mut self, id: RequestId, msg: &str) {
         self.scheduler.remove(id);
         if let Some(req) = self.requests.remove(&id) {
             self.release_adapter(id, req.adapter);
-            let _ = req.events.send(RequestEvent::Error(msg.to_owned()));
+            self.outbox.push(&req.events, RequestEvent::Error(msg.to_owned()));
         }
     }
 

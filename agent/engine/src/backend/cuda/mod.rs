@@ -506,12 +506,17 @@ impl Backend for CudaBackend {
     }
 
     fn forward_sample(&mut self, batch: &StepBatch, sampling: &[RowSampling]) -> Result<SampledStep> {
+        self.forward_sample_with(batch, sampling, &mut || {})
+    }
+
+    fn forward_sample_with(&mut self, batch: &StepBatch, sampling: &[RowSampling], while_running: &mut dyn FnMut()) -> Result<SampledStep> {
         let rows = self.run(batch)?;
         if sampling.len() != rows {
             return Err(EngineError::InvalidRequest(format!("{} sampling entries for {rows} logits rows", sampling.len())));
         }
         let vocab = self.config.vocab_size;
         if rows == 0 {
+            while_running();
             self.account_step()?;
             return Ok(SampledStep { tokens: Vec::new(), host_logits: Logits { vocab, data: Vec::new() } });
         }
@@ -528,6 +533,8 @@ impl Backend for CudaBackend {
         sample_params.write(stream, &sample_params_host[..rows * SAMPLE_PARAMS]).map_err(gpu_err)?;
         // SAFETY: logits hold `rows` rows of vocab f32; params `rows` entries; argmax max_num_seqs >= rows.
         unsafe { self.cuda.kernels.sample_rows(stream, logits.ptr(), rows, vocab, sample_params.ptr(), argmax.ptr()) }.map_err(gpu_err)?;
+        // The whole step is enqueued; the copy below waits for it.
+        while_running();
         let mut ids = vec![0u32; rows];
         stream.memcpy_dtoh(&argmax.slice().slice(0..rows), &mut ids).map_err(|e| gpu_err(e.into()))?;
         let mut host = Vec::new();

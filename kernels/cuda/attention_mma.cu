@@ -3,17 +3,19 @@
 // of 16 query rows against K/V tiles of 64 keys that stream into shared memory with cp.async, two
 // stages deep, so the next tile's bytes are in flight while the current one is computed.
 //
-// The 16 rows of a block are `tq` consecutive tokens × the `group` query heads of KV head blockIdx.y
-// (row r: token r / group, head r % group). Decode launches use tq = 1 (4 of 16 rows for Llama's GQA
-// group of 4: the tensor cores have room to spare, the K/V bytes are what counts, and they are read
-// once per group); prefill launches use tq = 16 / group, so a K/V tile read from L2 serves 16 rows.
-// Tokens of one sequence are contiguous in the flat batch; a block whose tokens span sequences runs
-// the key loop once per sequence with the other rows masked.
-//
-// The four warps split each K/V tile (16 keys each) and keep their own online softmax over the 16
-// rows (running max m, sum l, accumulator O as mma fragments); they are merged at the end through
-// shared memory. Splits along the sequence (gridDim.z > 1, decode only) write unnormalized partials
-// for attention_combine exactly as the other kernels do.
+// Two kernels share the tile pipeline. Rows are (token, query head) pairs of KV head blockIdx.y:
+// row r is token r / group, head r % group, for the `tq` consecutive tokens of the block starting at
+// t_begin + blockIdx.x * tq. Tokens of one sequence are contiguous in the flat batch; a block whose
+// tokens span sequences runs the key loop once per sequence with the other rows masked.
+// - paged_attention_mma (decode): 16 rows, tq = 1 (4 of 16 rows used for Llama's GQA group of 4: the
+//   tensor cores have room to spare, the K/V bytes are what counts, and they are read once per
+//   group). The four warps split each K/V tile (16 keys each), keep their own online softmax (running
+//   max m, sum l, accumulator O as mma fragments) and are merged at the end through shared memory.
+//   Splits along the sequence (gridDim.z > 1) write unnormalized partials for attention_combine
+//   exactly as the other kernels do.
+// - paged_attention_mma_rows (prefill chunks): 64 rows, tq = 64 / group, each warp owning 16 rows
+//   against all 64 keys of every tile (flash-attention 2's layout), so a K/V tile read from L2 serves
+//   64 rows, a warp skips the tiles its causal mask hides, and no merge is needed.
 #define MMA_WARPS 4
 #define MMA_KT 64      // keys per tile: 16 per warp
 #define MMA_STAGES 2
@@ -57,17 +59,44 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
 }
 
+// Issues the copies of the K and V rows of keys [kt0, kt0 + MMA_KT) (zeros past `end`) of KV head
+// `kvh` into pipeline stage `stage` of `tiles` ([stage][K|V][MMA_KT][D + MMA_PAD] bf16).
+template <int D>
+__device__ __forceinline__ void mma_load_tile(bf16_t* tiles, int stage, int kt0, int end, const int* __restrict__ bt,
+                                              int block_size, int hkv, int kvh, const bf16_t* __restrict__ k_cache,
+                                              const bf16_t* __restrict__ v_cache) {
+    constexpr int ROW = D + MMA_PAD, TILE = MMA_KT * ROW, CH = D / 8;
+    constexpr int ROWS_PER_PASS = MMA_WARPS * 32 / CH, PASSES = MMA_KT / ROWS_PER_PASS;
+    bf16_t* ks = tiles + stage * 2 * TILE;
+    bf16_t* vs = ks + TILE;
+    const int c = threadIdx.x % CH;
+#pragma unroll
+    for (int j = 0; j < PASSES; ++j) {
+        const int r = threadIdx.x / CH + j * ROWS_PER_PASS;
+        const int p = kt0 + r;
+        const bool valid = p < end;
+        const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 8 : 0;
+        cp_async16(smem_addr(ks + r * ROW + c * 8), k_cache + off, valid ? 16 : 0);
+        cp_async16(smem_addr(vs + r * ROW + c * 8), v_cache + off, valid ? 16 : 0);
+    }
+}
+
+// The end of the segment that starts at token sb (< t1): the tokens of one sequence.
+__device__ __forceinline__ int mma_segment_end(const int* __restrict__ token_seq, int sb, int t1) {
+    const int seq = token_seq[sb];
+    int se = sb + 1;
+    while (se < t1 && token_seq[se] == seq) ++se;
+    return se;
+}
+
 template <int D>
 __device__ __forceinline__ void paged_attention_mma_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc, int n, int tq) {
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc, int t_begin, int n, int tq) {
     constexpr int ROW = D + MMA_PAD;               // shared-memory row stride (bf16)
     constexpr int TILE = MMA_KT * ROW;             // one K or V tile (bf16)
-    constexpr int CH = D / 8;                      // 16-byte chunks per row
-    constexpr int ROWS_PER_PASS = MMA_WARPS * 32 / CH;
-    constexpr int PASSES = MMA_KT / ROWS_PER_PASS;
     constexpr int KSTEPS = D / 16;                 // mma k-steps of q·k
     constexpr int NT = D / 8;                      // mma n-tiles of p·V
     extern __shared__ __align__(16) unsigned char mma_smem[];
@@ -79,15 +108,14 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = blockIdx.y, group = hq / hkv;
     const int splits = gridDim.z, split = blockIdx.z;
-    const int t0 = blockIdx.x * tq, t1 = min(n, t0 + tq);
+    const int t0 = t_begin + blockIdx.x * tq, t1 = min(n, t0 + tq);
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
     // This thread's two fragment rows (lo = lane/4, hi = lane/4 + 8): their token and head.
     const int r_lo = lane >> 2, r_hi = r_lo + 8, quad = lane & 3;
 
     for (int sb = t0; sb < t1;) {
+        const int se = mma_segment_end(token_seq, sb, t1);
         const int seq = token_seq[sb];
-        int se = sb + 1;
-        while (se < t1 && token_seq[se] == seq) ++se;
         const int* bt = block_tables + (u64)seq * max_blocks;
         const int ctx = positions[se - 1] + 1;
         const int chunk = (ctx + splits - 1) / splits;
@@ -123,20 +151,8 @@ __device__ __forceinline__ void paged_attention_mma_impl(
         for (int x = 0; x < NT; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
         float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
-        // Issues the copies of the K and V rows of keys [kt0, kt0 + MMA_KT) into `stage`.
         auto load_tile = [&](int kt0, int stage) {
-            bf16_t* ks = tiles + stage * 2 * TILE;
-            bf16_t* vs = ks + TILE;
-            const int c = threadIdx.x % CH;
-#pragma unroll
-            for (int j = 0; j < PASSES; ++j) {
-                const int r = threadIdx.x / CH + j * ROWS_PER_PASS;
-                const int p = kt0 + r;
-                const bool valid = p < end;
-                const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 8 : 0;
-                cp_async16(smem_addr(ks + r * ROW + c * 8), k_cache + off, valid ? 16 : 0);
-                cp_async16(smem_addr(vs + r * ROW + c * 8), v_cache + off, valid ? 16 : 0);
-            }
+            mma_load_tile<D>(tiles, stage, kt0, end, bt, block_size, hkv, kvh, k_cache, v_cache);
         };
 
         const int ntiles = (end > begin) ? (end - begin + MMA_KT - 1) / MMA_KT : 0;
@@ -277,19 +293,203 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     }
 }
 
+// Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
+template <int D>
+__device__ __forceinline__ void paged_attention_mma_rows_impl(
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
+    float scale, int t_begin, int n, int tq) {
+    constexpr int ROW = D + MMA_PAD;
+    constexpr int TILE = MMA_KT * ROW;
+    constexpr int KSTEPS = D / 16;  // mma k-steps of q·k
+    constexpr int NT = D / 8;       // mma n-tiles of p·V
+    constexpr int SN = MMA_KT / 8;  // score n-tiles per tile (8 keys each)
+    extern __shared__ __align__(16) unsigned char mma_smem[];
+    bf16_t* tiles = reinterpret_cast<bf16_t*>(mma_smem);
+
+    pdl_trigger();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kvh = blockIdx.y, group = hq / hkv;
+    const int t0 = t_begin + blockIdx.x * tq, t1 = min(n, t0 + tq);
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+    // This thread's two rows of the block (lo and hi of its warp's 16).
+    const int quad = lane & 3;
+    const int r_lo = warp * 16 + (lane >> 2), r_hi = r_lo + 8;
+
+    for (int sb = t0; sb < t1;) {
+        const int se = mma_segment_end(token_seq, sb, t1);
+        const int* bt = block_tables + (u64)token_seq[sb] * max_blocks;
+        const int end = positions[se - 1] + 1;  // keys [0, end) serve every token of the segment
+
+        auto row_token = [&](int r) { return t0 + r / group; };
+        auto row_active = [&](int r) {
+            const int t = row_token(r);
+            return r < tq * group && t >= sb && t < se;
+        };
+        const bool a_lo = row_active(r_lo), a_hi = row_active(r_hi);
+        const int lim_lo = a_lo ? positions[row_token(r_lo)] + 1 : 0;
+        const int lim_hi = a_hi ? positions[row_token(r_hi)] + 1 : 0;
+        // The warp's last needed key: tiles past it are loaded for the other warps only.
+        int warp_lim = max(lim_lo, lim_hi);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) warp_lim = max(warp_lim, __shfl_xor_sync(0xffffffffu, warp_lim, off));
+
+        u32 qa[KSTEPS][4];
+        {
+            const bf16_t* q_lo = q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D;
+            const bf16_t* q_hi = q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const int c = kk * 16 + quad * 2;
+                qa[kk][0] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c) : 0u;
+                qa[kk][1] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c) : 0u;
+                qa[kk][2] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c + 8) : 0u;
+                qa[kk][3] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c + 8) : 0u;
+            }
+        }
+
+        float o[NT][4];
+#pragma unroll
+        for (int x = 0; x < NT; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
+        float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+
+        const int ntiles = (end + MMA_KT - 1) / MMA_KT;
+        mma_load_tile<D>(tiles, 0, 0, end, bt, block_size, hkv, kvh, k_cache, v_cache);
+        cp_async_commit();
+        for (int it = 0; it < ntiles; ++it) {
+            if (it + 1 < ntiles)
+                mma_load_tile<D>(tiles, (it + 1) % MMA_STAGES, (it + 1) * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+
+            const int kt0 = it * MMA_KT;
+            if (kt0 < warp_lim) {  // warp-uniform: some key of the tile is visible to some row of the warp
+                const bf16_t* ks = tiles + (it % MMA_STAGES) * 2 * TILE;
+                const bf16_t* vs = ks + TILE;
+                const int mi = lane >> 3;
+
+                // S = Q K^T over the tile's 64 keys: score n-tile j holds keys 8j..8j+7.
+                float s[SN][4];
+#pragma unroll
+                for (int j = 0; j < SN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+                    for (int np = 0; np < SN / 2; ++np) {
+                        u32 b0, b1, b2, b3;
+                        ldmatrix_x4(smem_addr(ks + (np * 16 + (mi >> 1) * 8 + (lane & 7)) * ROW + (mi & 1) * 8 + kk * 16), b0, b1, b2, b3);
+                        mma_bf16(s[2 * np], qa[kk], b0, b1);
+                        mma_bf16(s[2 * np + 1], qa[kk], b2, b3);
+                    }
+                }
+
+                // Causal mask, then the online softmax per row (a row's scores sit in the 4 lanes of a quad).
+                float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < SN; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kt0 + j * 8 + quad * 2 + e;
+                        s[j][e] = key < lim_lo ? s[j][e] * qscale : NEG_INF;
+                        s[j][2 + e] = key < lim_hi ? s[j][2 + e] * qscale : NEG_INF;
+                        mx_lo = fmaxf(mx_lo, s[j][e]);
+                        mx_hi = fmaxf(mx_hi, s[j][2 + e]);
+                    }
+                }
+#pragma unroll
+                for (int off = 1; off < 4; off <<= 1) {
+                    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+                    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+                }
+                const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+                const float corr_lo = (mn_lo == NEG_INF) ? 1.f : exp2f(m_lo - mn_lo);
+                const float corr_hi = (mn_hi == NEG_INF) ? 1.f : exp2f(m_hi - mn_hi);
+                float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+                for (int j = 0; j < SN; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        s[j][e] = (mn_lo == NEG_INF) ? 0.f : exp2f(s[j][e] - mn_lo);
+                        s[j][2 + e] = (mn_hi == NEG_INF) ? 0.f : exp2f(s[j][2 + e] - mn_hi);
+                        sum_lo += s[j][e];
+                        sum_hi += s[j][2 + e];
+                    }
+                }
+                l_lo = l_lo * corr_lo + sum_lo;
+                l_hi = l_hi * corr_hi + sum_hi;
+                m_lo = mn_lo;
+                m_hi = mn_hi;
+#pragma unroll
+                for (int x = 0; x < NT; ++x) {
+                    o[x][0] *= corr_lo; o[x][1] *= corr_lo;
+                    o[x][2] *= corr_hi; o[x][3] *= corr_hi;
+                }
+
+                // O += P V, 16 keys per k-step.
+#pragma unroll
+                for (int k16 = 0; k16 < SN / 2; ++k16) {
+                    const u32 pa[4] = {pack_bf16x2(s[2 * k16][0], s[2 * k16][1]), pack_bf16x2(s[2 * k16][2], s[2 * k16][3]),
+                                       pack_bf16x2(s[2 * k16 + 1][0], s[2 * k16 + 1][1]),
+                                       pack_bf16x2(s[2 * k16 + 1][2], s[2 * k16 + 1][3])};
+                    const bf16_t* base = vs + (k16 * 16 + (mi & 1) * 8 + (lane & 7)) * ROW + (mi >> 1) * 8;
+#pragma unroll
+                    for (int dd = 0; dd < D / 16; ++dd) {
+                        u32 b0, b1, b2, b3;
+                        ldmatrix_x4_trans(smem_addr(base + dd * 16), b0, b1, b2, b3);
+                        mma_bf16(o[2 * dd], pa, b0, b1);
+                        mma_bf16(o[2 * dd + 1], pa, b2, b3);
+                    }
+                }
+            }
+            __syncthreads();  // the stage is overwritten by the copy issued next iteration
+        }
+        cp_async_wait<0>();
+
+        // Each row is whole in its warp: sum l over the quad and write the normalized rows.
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            l_lo += __shfl_xor_sync(0xffffffffu, l_lo, off);
+            l_hi += __shfl_xor_sync(0xffffffffu, l_hi, off);
+        }
+        bf16_t* o_lo = out + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D;
+        bf16_t* o_hi = out + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D;
+        const float inv_lo = 1.f / l_lo, inv_hi = 1.f / l_hi;  // an active row saw at least its own key
+#pragma unroll
+        for (int x = 0; x < NT; ++x) {
+            const int d = x * 8 + quad * 2;
+            if (a_lo) *reinterpret_cast<u32*>(o_lo + d) = pack_bf16x2(o[x][0] * inv_lo, o[x][1] * inv_lo);
+            if (a_hi) *reinterpret_cast<u32*>(o_hi + d) = pack_bf16x2(o[x][2] * inv_hi, o[x][3] * inv_hi);
+        }
+        __syncthreads();  // the next segment's first copy reuses stage 0
+        sb = se;
+    }
+}
+
 #define MMA_BODY(D)                                                                                     \
     paged_attention_mma_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, hq, \
-                                hkv, block_size, scale, part_ml, part_acc, n, tq);
+                                hkv, block_size, scale, part_ml, part_acc, t_begin, n, tq);
+#define MMA_ROWS_BODY(D)                                                                                \
+    paged_attention_mma_rows_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, \
+                                     hq, hkv, block_size, scale, t_begin, n, tq);
 #else
 #define MMA_BODY(D)
+#define MMA_ROWS_BODY(D)
 #endif
 
 #define ATTENTION_MMA_KERNEL(D)                                                                         \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma_d##D(               \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale, float* part_ml, float* part_acc, int n, int tq) {         \
+        int hkv, int block_size, float scale, float* part_ml, float* part_acc, int t_begin, int n, int tq) { \
         MMA_BODY(D)                                                                                     \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma_rows_d##D(          \
+        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
+        int hkv, int block_size, float scale, int t_begin, int n, int tq) {                             \
+        MMA_ROWS_BODY(D)                                                                                \
     }
 ATTENTION_MMA_KERNEL(64)
 ATTENTION_MMA_KERNEL(128)

@@ -163,7 +163,7 @@ fn main() {
         for kernel in ATTENTION_KERNELS {
             let t = time(&c, 10, || unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, seqs, hq, hkv, d, bs, None)
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None)
                     .unwrap()
             });
             line += &format!("  {kernel:?} {:.1} us = {:.1} TFLOP/s", t * 1e6, flops / t / 1e12);

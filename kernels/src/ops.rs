@@ -23,6 +23,8 @@ pub struct Kernels {
     paged_attention_tiled_d128: CudaFunction,
     paged_attention_mma_d64: CudaFunction,
     paged_attention_mma_d128: CudaFunction,
+    paged_attention_mma_rows_d64: CudaFunction,
+    paged_attention_mma_rows_d128: CudaFunction,
     /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled|mma`); None: chosen per launch.
     attention: Option<AttentionKernel>,
     /// Whether the tensor-core kernel got its dynamic shared memory (it needs more than the 48 KB a
@@ -88,13 +90,48 @@ pub const ATTN_MAX_GROUP: usize = 8;
 /// Largest head dimension the attention kernels are built for.
 pub const ATTN_MAX_HEAD_DIM: usize = 128;
 const ATTN_THREADS: u32 = 128;
-/// attention_mma.cu's tile geometry: query rows per block, keys per tile, pipeline stages, row padding.
-const MMA_ROWS: usize = 16;
+/// attention_mma.cu's tile geometry: query rows per block of the prefill kernel, keys per tile,
+/// pipeline stages, row padding.
+const MMA_ROWS_PREFILL: usize = 64;
 const MMA_KT: usize = 64;
 const MMA_STAGES: usize = 2;
 const MMA_PAD: usize = 8;
 
-/// Dynamic shared memory of the tensor-core attention kernel for head dim `d`: the K and V tiles of
+/// The arguments every attention kernel takes first, in order.
+struct AttentionArgs {
+    out: DPtr,
+    q: DPtr,
+    k_cache: DPtr,
+    v_cache: DPtr,
+    block_tables: DPtr,
+    max_blocks: i32,
+    token_seq: DPtr,
+    positions: DPtr,
+    hq: i32,
+    hkv: i32,
+    block_size: i32,
+    scale: f32,
+}
+
+impl AttentionArgs {
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        launch
+            .arg(&self.out)
+            .arg(&self.q)
+            .arg(&self.k_cache)
+            .arg(&self.v_cache)
+            .arg(&self.block_tables)
+            .arg(&self.max_blocks)
+            .arg(&self.token_seq)
+            .arg(&self.positions)
+            .arg(&self.hq)
+            .arg(&self.hkv)
+            .arg(&self.block_size)
+            .arg(&self.scale);
+    }
+}
+
+/// Dynamic shared memory of the tensor-core attention kernels for head dim `d`: the K and V tiles of
 /// every pipeline stage, rows padded (the warps' merge reuses the same bytes).
 pub fn attention_mma_smem_bytes(d: usize) -> usize {
     MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2
@@ -104,7 +141,8 @@ pub fn attention_mma_smem_bytes(d: usize) -> usize {
 /// device refuses (it has less than they need).
 fn mma_smem_opt_in(module: &Arc<CudaModule>) -> bool {
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
-    [("paged_attention_mma_d64", 64usize), ("paged_attention_mma_d128", 128)].iter().all(|&(name, d)| {
+    let kernels = [("paged_attention_mma_d64", 64usize), ("paged_attention_mma_d128", 128), ("paged_attention_mma_rows_d64", 64), ("paged_attention_mma_rows_d128", 128)];
+    kernels.iter().all(|&(name, d)| {
         module.load_function(name).is_ok_and(|f| f.set_attribute(MAX_DYN, attention_mma_smem_bytes(d) as i32).is_ok())
     })
 }
@@ -134,6 +172,8 @@ impl Kernels {
             paged_attention_tiled_d128: f("paged_attention_tiled_d128")?,
             paged_attention_mma_d64: f("paged_attention_mma_d64")?,
             paged_attention_mma_d128: f("paged_attention_mma_d128")?,
+            paged_attention_mma_rows_d64: f("paged_attention_mma_rows_d64")?,
+            paged_attention_mma_rows_d128: f("paged_attention_mma_rows_d128")?,
             attention: AttentionKernel::from_env(),
             // mma.sync on bf16 and cp.async need sm_80.
             mma_ready: arch.0 >= 8 && mma_smem_opt_in(module),
@@ -256,16 +296,16 @@ impl Kernels {
         want.clamp(1, 16)
     }
 
-    /// Causal paged attention of `n` query tokens of `seqs` sequences (decode and prefill alike; see
-    /// attention.cu). The tokens of a sequence are contiguous. With `partials` (f32,
-    /// [`Kernels::attention_partials_len`]) small decode batches are split along the sequence and
-    /// merged by a second kernel.
+    /// Causal paged attention of `n` query tokens (decode and prefill alike; see attention.cu). The
+    /// tokens of a sequence are contiguous, and the first `decode_tokens` are each alone in theirs
+    /// (`n` for a decode batch). With `partials` (f32, [`Kernels::attention_partials_len`]) small
+    /// decode batches are split along the sequence and merged by a second kernel.
     ///
     /// # Safety
     /// q/out: n*hq*d bf16; caches as in `rope_kv_write`; block_tables: seqs*max_blocks i32 covering
     /// every position 0..=positions[t]; token_seq, positions: n i32.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, seqs: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
         let kernel = self.attention.unwrap_or_else(|| {
             if self.mma_ready {
                 AttentionKernel::Mma
@@ -275,7 +315,7 @@ impl Kernels {
                 AttentionKernel::Tiled
             }
         });
-        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, seqs, hq, hkv, d, block_size, partials)
+        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, decode_tokens, hq, hkv, d, block_size, partials)
     }
 
     /// [`Kernels::paged_attention`] with the kernel chosen by the caller (tests run both).
@@ -283,7 +323,7 @@ impl Kernels {
     /// # Safety
     /// As [`Kernels::paged_attention`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, seqs: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -292,25 +332,73 @@ impl Kernels {
                 "attention: {hq} query heads over {hkv} KV heads (group at most {ATTN_MAX_GROUP})"
             )));
         }
-        let func = match (d, kernel) {
-            (64, AttentionKernel::WarpPerKey) => &self.paged_attention_d64,
-            (128, AttentionKernel::WarpPerKey) => &self.paged_attention_d128,
-            (64, AttentionKernel::Tiled) => &self.paged_attention_tiled_d64,
-            (128, AttentionKernel::Tiled) => &self.paged_attention_tiled_d128,
-            (64, AttentionKernel::Mma) => &self.paged_attention_mma_d64,
-            (128, AttentionKernel::Mma) => &self.paged_attention_mma_d128,
-            _ => return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)"))),
-        };
-        if kernel == AttentionKernel::Mma && !self.mma_ready {
-            return Err(KernelError::Unsupported("attention: the tensor-core kernel needs sm_80 and its shared memory".into()));
+        if d != 64 && d != 128 {
+            return Err(KernelError::Unsupported(format!("attention: head_dim {d} (64 or 128 supported)")));
         }
-        // A decode batch (one token per sequence) gets a block per token, split along long contexts
-        // when it is too small to fill the GPU. The tensor-core kernel packs the tokens of prefill
-        // chunks into its 16 query rows (16 / group tokens per block) and does not split them.
-        let mma = kernel == AttentionKernel::Mma;
-        let decode = n == seqs;
-        let tokens_per_block = if mma && !decode { (MMA_ROWS / (hq / hkv)).max(1) } else { 1 };
-        let mut splits = if partials.is_some() && (decode || !mma) { self.attention_splits(n, hkv) } else { 1 };
+        if decode_tokens > n {
+            return Err(KernelError::Unsupported(format!("attention: {decode_tokens} decode tokens of {n}")));
+        }
+        let wide = d == 128;
+        let args = AttentionArgs {
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            max_blocks: as_i32(max_blocks, "max_blocks")?,
+            token_seq,
+            positions,
+            hq: as_i32(hq, "hq")?,
+            hkv: as_i32(hkv, "hkv")?,
+            block_size: as_i32(block_size, "block_size")?,
+            scale: 1.0f32 / (d as f32).sqrt(),
+        };
+        match kernel {
+            AttentionKernel::WarpPerKey | AttentionKernel::Tiled => {
+                // One block per token (and KV head); any token may be split along its context.
+                let func = match (kernel, wide) {
+                    (AttentionKernel::WarpPerKey, false) => &self.paged_attention_d64,
+                    (AttentionKernel::WarpPerKey, true) => &self.paged_attention_d128,
+                    (_, false) => &self.paged_attention_tiled_d64,
+                    (_, true) => &self.paged_attention_tiled_d128,
+                };
+                self.attention_per_token(s, func, None, &args, n, hq, hkv, d, partials)
+            }
+            AttentionKernel::Mma => {
+                if !self.mma_ready {
+                    return Err(KernelError::Unsupported("attention: the tensor-core kernel needs sm_80 and its shared memory".into()));
+                }
+                // The leading decode tokens (each alone in its sequence) get a block each, split along
+                // long contexts when they are too few to fill the GPU; the prefill chunks after them
+                // go 64 query rows per block (64 / group tokens).
+                if decode_tokens > 0 {
+                    let func = if wide { &self.paged_attention_mma_d128 } else { &self.paged_attention_mma_d64 };
+                    self.attention_per_token(s, func, Some(attention_mma_smem_bytes(d)), &args, decode_tokens, hq, hkv, d, partials)?;
+                }
+                if decode_tokens < n {
+                    let func = if wide { &self.paged_attention_mma_rows_d128 } else { &self.paged_attention_mma_rows_d64 };
+                    let tq = (MMA_ROWS_PREFILL / (hq / hkv)).max(1);
+                    let config = LaunchConfig {
+                        grid_dim: (as_u32((n - decode_tokens).div_ceil(tq), "tokens")?, hkv as u32, 1),
+                        block_dim: (ATTN_THREADS, 1, 1),
+                        shared_mem_bytes: attention_mma_smem_bytes(d) as u32,
+                    };
+                    let (t_begin, n_i, tq_i) = (as_i32(decode_tokens, "tokens")?, as_i32(n, "tokens")?, as_i32(tq, "tokens per block")?);
+                    let mut launch = s.launch_builder(func);
+                    args.push(&mut launch);
+                    launch.arg(&t_begin).arg(&n_i).arg(&tq_i).launch(config)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Launches a one-token-per-block attention kernel over the first `n` tokens (`mma_smem`: the
+    /// tensor-core decode kernel, with its dynamic shared memory and extra arguments), split along the
+    /// sequence when `partials` is given and the launch is too small to fill the GPU.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn attention_per_token(&self, s: &CudaStream, func: &CudaFunction, mma_smem: Option<usize>, args: &AttentionArgs, n: usize, hq: usize, hkv: usize, d: usize, partials: Option<DPtr>) -> Result<()> {
+        let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
         if n * hq * splits * (d + 2) > self.attention_partials_len() {
             splits = 1;
         }
@@ -318,39 +406,24 @@ impl Kernels {
             Some(p) if splits > 1 => (p, p + (2 * n * hq * splits * 4) as u64),
             _ => (0, 0),
         };
-        let scale = 1.0f32 / (d as f32).sqrt();
-        let (mb, hq_i, hkv_i, bs) = (as_i32(max_blocks, "max_blocks")?, as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(block_size, "block_size")?);
         let config = LaunchConfig {
-            grid_dim: (as_u32(n.div_ceil(tokens_per_block), "tokens")?, hkv as u32, splits as u32),
+            grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
             block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: if mma { attention_mma_smem_bytes(d) as u32 } else { 0 },
+            shared_mem_bytes: mma_smem.unwrap_or(0) as u32,
         };
-        let (n_i, tq_i) = (as_i32(n, "tokens")?, as_i32(tokens_per_block, "tokens per block")?);
+        let (t_begin, t_end, one) = (0i32, as_i32(n, "tokens")?, 1i32);
         let mut launch = s.launch_builder(func);
-        launch
-            .arg(&out)
-            .arg(&q)
-            .arg(&k_cache)
-            .arg(&v_cache)
-            .arg(&block_tables)
-            .arg(&mb)
-            .arg(&token_seq)
-            .arg(&positions)
-            .arg(&hq_i)
-            .arg(&hkv_i)
-            .arg(&bs)
-            .arg(&scale)
-            .arg(&part_ml)
-            .arg(&part_acc);
-        if mma {
-            launch.arg(&n_i).arg(&tq_i);
+        args.push(&mut launch);
+        launch.arg(&part_ml).arg(&part_acc);
+        if mma_smem.is_some() {
+            launch.arg(&t_begin).arg(&t_end).arg(&one);
         }
         launch.launch(config)?;
         if splits > 1 {
-            let (splits_i, d_i) = (splits as i32, d as i32);
+            let (hq_i, splits_i, d_i) = (args.hq, splits as i32, d as i32);
             let combine = LaunchConfig { grid_dim: (n as u32, hq as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };
             s.launch_builder(&self.attention_combine)
-                .arg(&out)
+                .arg(&args.out)
                 .arg(&part_ml)
                 .arg(&part_acc)
                 .arg(&hq_i)

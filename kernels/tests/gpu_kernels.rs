@@ -285,10 +285,19 @@ fn paged_attention_matches_reference() {
         let out = poison(&c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, chunks.len(), hq, hkv, d, bs, None)
+                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 1, hq, hkv, d, bs, None)
                 .unwrap()
         };
         let got = to_f64(&out.download(&c.gpu.stream).unwrap());
+        // The same batch with no token taken as a decode token: the lone token of sequence 0 goes
+        // through the prefill path too (for the tensor-core kernel: its 64-row blocks).
+        let all_prefill = poison(&c, n * hq * d);
+        unsafe {
+            c.kernels
+                .paged_attention_with(kernel, &c.gpu.stream, all_prefill.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 0, hq, hkv, d, bs, None)
+                .unwrap()
+        };
+        let all_prefill = to_f64(&all_prefill.download(&c.gpu.stream).unwrap());
         // Split along the sequence: each token alone (decode-sized launches) must give the same result.
         let mut split_out = vec![0f64; n * hq * d];
         for t in 0..n {
@@ -329,7 +338,7 @@ fn paged_attention_matches_reference() {
                 }
             }
         }
-        for (label, got) in [("one launch", &got), ("split per token", &split_out)] {
+        for (label, got) in [("one launch", &got), ("all as prefill", &all_prefill), ("split per token", &split_out)] {
             assert!(got.iter().all(|v| v.is_finite()), "{label}: every output written and finite");
             let err = rel_l2(got, &want);
             let max_abs = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max);

@@ -316,7 +316,9 @@ impl CudaBackend {
                 }
             }
         } else {
-            self.step(n, batch.seqs.len(), rows, with_lora).map_err(gpu_err)?;
+            // Leading sequences of one token each (the scheduler puts decode tokens first).
+            let decode_tokens = batch.seqs.iter().enumerate().take_while(|(i, s)| s.len == 1 && s.start == *i).count();
+            self.step(n, decode_tokens, rows, with_lora).map_err(gpu_err)?;
         }
         Ok(rows)
     }
@@ -369,10 +371,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Enqueues every operation of a step of `n` tokens of `seqs` sequences whose metadata is already
-    /// on the device (`with_lora`: some token has a LoRA slot, so the LoRA updates run after each
-    /// projection).
-    fn step(&self, n: usize, seqs: usize, rows: usize, with_lora: bool) -> peregrine_kernels::Result<()> {
+    /// Enqueues every operation of a step of `n` tokens whose metadata is already on the device; the
+    /// first `decode_tokens` are each alone in their sequence (`with_lora`: some token has a LoRA
+    /// slot, so the LoRA updates run after each projection).
+    fn step(&self, n: usize, decode_tokens: usize, rows: usize, with_lora: bool) -> peregrine_kernels::Result<()> {
         let cuda = &self.cuda;
         let (gpu, k) = (&cuda.gpu, &cuda.kernels);
         let s = &gpu.stream;
@@ -426,7 +428,7 @@ impl CudaBackend {
                     d,
                     bs,
                 )?;
-                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, seqs, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
+                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
                 add_lora(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)])?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;

@@ -59,6 +59,73 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
 }
 
+// This thread's rows lo and hi of Q as A fragments (raw bf16 pairs: the softmax scale is applied to
+// the f32 scores); zeros for rows that are not active.
+template <int D>
+__device__ __forceinline__ void mma_load_q(u32 (&qa)[D / 16][4], const bf16_t* q_lo, const bf16_t* q_hi, bool a_lo,
+                                           bool a_hi, int quad) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int c = kk * 16 + quad * 2;
+        qa[kk][0] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c) : 0u;
+        qa[kk][1] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c) : 0u;
+        qa[kk][2] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c + 8) : 0u;
+        qa[kk][3] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c + 8) : 0u;
+    }
+}
+
+// One online-softmax step over SN score n-tiles (8 keys each) of this thread's rows lo and hi: keys
+// at or past a row's limit are masked, the scores scaled to base 2, the running max m, this lane's
+// share of the sum l (the quad is summed at the end) and the accumulator o rescaled, and the scores
+// replaced by their probabilities. key0: the key of s[0][0] in this lane; a row's scores sit in the
+// four lanes of a quad.
+template <int SN, int NT>
+__device__ __forceinline__ void mma_softmax_step(float (&s)[SN][4], float (&o)[NT][4], float& m_lo, float& m_hi,
+                                                 float& l_lo, float& l_hi, int key0, int lim_lo, int lim_hi,
+                                                 float qscale) {
+    float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < SN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int key = key0 + j * 8 + e;
+            s[j][e] = key < lim_lo ? s[j][e] * qscale : NEG_INF;
+            s[j][2 + e] = key < lim_hi ? s[j][2 + e] * qscale : NEG_INF;
+            mx_lo = fmaxf(mx_lo, s[j][e]);
+            mx_hi = fmaxf(mx_hi, s[j][2 + e]);
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+    }
+    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    // A row with no key yet keeps m = -inf: nothing to rescale, every p is 0.
+    const float corr_lo = (mn_lo == NEG_INF) ? 1.f : exp2f(m_lo - mn_lo);
+    const float corr_hi = (mn_hi == NEG_INF) ? 1.f : exp2f(m_hi - mn_hi);
+    float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+    for (int j = 0; j < SN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            s[j][e] = (mn_lo == NEG_INF) ? 0.f : exp2f(s[j][e] - mn_lo);
+            s[j][2 + e] = (mn_hi == NEG_INF) ? 0.f : exp2f(s[j][2 + e] - mn_hi);
+            sum_lo += s[j][e];
+            sum_hi += s[j][2 + e];
+        }
+    }
+    l_lo = l_lo * corr_lo + sum_lo;
+    l_hi = l_hi * corr_hi + sum_hi;
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+#pragma unroll
+    for (int x = 0; x < NT; ++x) {
+        o[x][0] *= corr_lo; o[x][1] *= corr_lo;
+        o[x][2] *= corr_hi; o[x][3] *= corr_hi;
+    }
+}
+
 // Issues the copies of the K and V rows of keys [kt0, kt0 + MMA_KT) (zeros past `end`) of KV head
 // `kvh` into pipeline stage `stage` of `tiles` ([stage][K|V][MMA_KT][D + MMA_PAD] bf16).
 template <int D>
@@ -132,19 +199,9 @@ __device__ __forceinline__ void paged_attention_mma_impl(
 
         // Q as A fragments (raw bf16 pairs; the scale is applied to the f32 scores).
         u32 qa[KSTEPS][4];
-        {
-            const bf16_t* q_lo = q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D;
-            const bf16_t* q_hi = q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D;
-            const bool a_lo = row_active(r_lo), a_hi = row_active(r_hi);
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const int c = kk * 16 + quad * 2;
-                qa[kk][0] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c) : 0u;
-                qa[kk][1] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c) : 0u;
-                qa[kk][2] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c + 8) : 0u;
-                qa[kk][3] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c + 8) : 0u;
-            }
-        }
+        mma_load_q<D>(qa, q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D,
+                      q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D, row_active(r_lo),
+                      row_active(r_hi), quad);
 
         float o[NT][4];
 #pragma unroll
@@ -182,49 +239,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
                 }
             }
 
-            // Mask, then the online softmax per row (a row's 16 scores sit in the 4 lanes of a quad).
-            const int key0 = begin + it * MMA_KT + kw + quad * 2;
-            float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = key0 + j * 8 + e;
-                    s[j][e] = key < lim_lo ? s[j][e] * qscale : NEG_INF;
-                    s[j][2 + e] = key < lim_hi ? s[j][2 + e] * qscale : NEG_INF;
-                    mx_lo = fmaxf(mx_lo, s[j][e]);
-                    mx_hi = fmaxf(mx_hi, s[j][2 + e]);
-                }
-            }
-#pragma unroll
-            for (int off = 1; off < 4; off <<= 1) {
-                mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-                mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-            }
-            const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-            // A row with no key yet keeps m = -inf: nothing to rescale, every p is 0.
-            const float corr_lo = (mn_lo == NEG_INF) ? 1.f : exp2f(m_lo - mn_lo);
-            const float corr_hi = (mn_hi == NEG_INF) ? 1.f : exp2f(m_hi - mn_hi);
-            float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[j][e] = (mn_lo == NEG_INF) ? 0.f : exp2f(s[j][e] - mn_lo);
-                    s[j][2 + e] = (mn_hi == NEG_INF) ? 0.f : exp2f(s[j][2 + e] - mn_hi);
-                    sum_lo += s[j][e];
-                    sum_hi += s[j][2 + e];
-                }
-            }
-            l_lo = l_lo * corr_lo + sum_lo;  // this lane's share; the quad is summed at the end
-            l_hi = l_hi * corr_hi + sum_hi;
-            m_lo = mn_lo;
-            m_hi = mn_hi;
-#pragma unroll
-            for (int x = 0; x < NT; ++x) {
-                o[x][0] *= corr_lo; o[x][1] *= corr_lo;
-                o[x][2] *= corr_hi; o[x][3] *= corr_hi;
-            }
+            mma_softmax_step<2, NT>(s, o, m_lo, m_hi, l_lo, l_hi, begin + it * MMA_KT + kw + quad * 2, lim_lo, lim_hi, qscale);
 
             // O += P V: P (16 rows x 16 keys) from the score fragments, V through transposing loads.
             const u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
@@ -336,18 +351,8 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
         for (int off = 4; off < 32; off <<= 1) warp_lim = max(warp_lim, __shfl_xor_sync(0xffffffffu, warp_lim, off));
 
         u32 qa[KSTEPS][4];
-        {
-            const bf16_t* q_lo = q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D;
-            const bf16_t* q_hi = q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D;
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const int c = kk * 16 + quad * 2;
-                qa[kk][0] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c) : 0u;
-                qa[kk][1] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c) : 0u;
-                qa[kk][2] = a_lo ? *reinterpret_cast<const u32*>(q_lo + c + 8) : 0u;
-                qa[kk][3] = a_hi ? *reinterpret_cast<const u32*>(q_hi + c + 8) : 0u;
-            }
-        }
+        mma_load_q<D>(qa, q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D,
+                      q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D, a_lo, a_hi, quad);
 
         float o[NT][4];
 #pragma unroll
@@ -385,47 +390,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
                     }
                 }
 
-                // Causal mask, then the online softmax per row (a row's scores sit in the 4 lanes of a quad).
-                float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-                for (int j = 0; j < SN; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = kt0 + j * 8 + quad * 2 + e;
-                        s[j][e] = key < lim_lo ? s[j][e] * qscale : NEG_INF;
-                        s[j][2 + e] = key < lim_hi ? s[j][2 + e] * qscale : NEG_INF;
-                        mx_lo = fmaxf(mx_lo, s[j][e]);
-                        mx_hi = fmaxf(mx_hi, s[j][2 + e]);
-                    }
-                }
-#pragma unroll
-                for (int off = 1; off < 4; off <<= 1) {
-                    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-                    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-                }
-                const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-                const float corr_lo = (mn_lo == NEG_INF) ? 1.f : exp2f(m_lo - mn_lo);
-                const float corr_hi = (mn_hi == NEG_INF) ? 1.f : exp2f(m_hi - mn_hi);
-                float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-                for (int j = 0; j < SN; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        s[j][e] = (mn_lo == NEG_INF) ? 0.f : exp2f(s[j][e] - mn_lo);
-                        s[j][2 + e] = (mn_hi == NEG_INF) ? 0.f : exp2f(s[j][2 + e] - mn_hi);
-                        sum_lo += s[j][e];
-                        sum_hi += s[j][2 + e];
-                    }
-                }
-                l_lo = l_lo * corr_lo + sum_lo;
-                l_hi = l_hi * corr_hi + sum_hi;
-                m_lo = mn_lo;
-                m_hi = mn_hi;
-#pragma unroll
-                for (int x = 0; x < NT; ++x) {
-                    o[x][0] *= corr_lo; o[x][1] *= corr_lo;
-                    o[x][2] *= corr_hi; o[x][3] *= corr_hi;
-                }
+                mma_softmax_step<SN, NT>(s, o, m_lo, m_hi, l_lo, l_hi, kt0 + quad * 2, lim_lo, lim_hi, qscale);
 
                 // O += P V, 16 keys per k-step.
 #pragma unroll

@@ -55,9 +55,9 @@ const LORA_SHRINK_RANKS: usize = 8;
 
 /// The paged-attention kernels (same contract): a warp per key (`attention.cu`), 32 keys per warp
 /// with a lane per key (`attention_tiled.cu`), both on CUDA cores, and the tensor-core kernel
-/// (`attention_mma.cu`: 16 query rows per block, K/V tiles streamed through shared memory with
-/// cp.async), the default: on an H100 it reads K/V of batched decode at 2.7 TB/s against the tiled
-/// kernel's 1.4, and runs prefill attention 7x faster (docs/benchmarks.md). The CUDA-core kernels
+/// (`attention_mma.cu`: 16 query rows per decode block, 64 per prefill block, K/V tiles streamed
+/// through shared memory with cp.async), the default: on an H100 it reads K/V of batched decode at
+/// 2.7 TB/s against the tiled kernel's 1.4, and runs prefill attention 12x faster (docs/benchmarks.md). The CUDA-core kernels
 /// remain for GPUs where the tensor-core kernel cannot get its shared memory, and for comparisons
 /// (`PEREGRINE_ATTN`); among those two, split launches (small batches) take the warp kernel and the
 /// others the tiled one. Batch shape alone decides, so a CUDA graph captured for a batch size always

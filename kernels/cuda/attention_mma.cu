@@ -1,7 +1,7 @@
 // Paged attention on the tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash-attention
 // style: the same inputs and outputs as attention.cu's paged_attention, but one block computes a tile
-// of 16 query rows against K/V tiles of 64 keys that stream into shared memory with cp.async, two
-// stages deep, so the next tile's bytes are in flight while the current one is computed.
+// of query rows (16 or 64) against K/V tiles of 64 keys that stream into shared memory with cp.async,
+// two stages deep, so the next tile's bytes are in flight while the current one is computed.
 //
 // Two kernels share the tile pipeline. Rows are (token, query head) pairs of KV head blockIdx.y:
 // row r is token r / group, head r % group, for the `tq` consecutive tokens of the block starting at
@@ -17,7 +17,7 @@
 //   against all 64 keys of every tile (flash-attention 2's layout), so a K/V tile read from L2 serves
 //   64 rows, a warp skips the tiles its causal mask hides, and no merge is needed.
 #define MMA_WARPS 4
-#define MMA_KT 64      // keys per tile: 16 per warp
+#define MMA_KT 64      // keys per tile (the decode kernel's warps take 16 each)
 #define MMA_STAGES 2
 #define MMA_PAD 8      // bf16 elements after each shared-memory row: ldmatrix rows land in distinct banks
 #define MMA_ROWS 16

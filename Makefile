@@ -26,6 +26,9 @@ run: model
 test: model python-deps
 	# Integration tests of other packages (e2e) run the agent binary; cargo builds it only on request.
 	$(CARGO) build -p peregrine-agent --locked
+	# NVRTC (no GPU needed) so that the CUDA kernel sources compile in this run too; without it that test skips.
+	nvrtc="$$(scripts/nvrtc-lib.sh || true)"; \
+	if [ -n "$$nvrtc" ]; then export LD_LIBRARY_PATH="$$nvrtc$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"; fi; \
 	PEREGRINE_TEST_MODEL="$$(scripts/fetch-model.sh)" PEREGRINE_PYTHON="$$(scripts/python-deps.sh)" \
 		$(CARGO) test --workspace --locked
 

@@ -56,27 +56,14 @@ __device__ __forceinline__ AttnBlock attention_block(const int* __restrict__ blo
     return b;
 }
 
-// The end of both attention kernels: each warp's online-softmax state (running max m, sum l,
-// accumulator acc; lanes hold D/32 dims each) merged through shared memory, then the block's output
-// rows written, or the split's unnormalized partials. Starts with a barrier, so a kernel may reuse
-// the bytes of sm_acc for something else during its key loop.
+// The second half of attention_merge_warps (below), also used by kernels that store their warps'
+// states themselves: starts with a barrier, then merges sm_m/sm_l/sm_acc ([warp][head of the
+// group][dim]) and writes the block's output rows, or the split's unnormalized partials.
 template <int D>
-__device__ __forceinline__ void attention_merge_warps(
-    const float (&m)[ATTN_MAX_GROUP], const float (&l)[ATTN_MAX_GROUP], const float (&acc)[ATTN_MAX_GROUP][D / 32],
-    float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group,
-    int t, int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
+__device__ __forceinline__ void attention_merge_write(
+    float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group, int t,
+    int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
     float* __restrict__ part_acc) {
-    constexpr int E = D / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
-        if (g < group) {
-            if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-#pragma unroll
-            for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
-        }
-    }
     __syncthreads();
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
@@ -102,6 +89,30 @@ __device__ __forceinline__ void attention_merge_warps(
             if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
         }
     }
+}
+
+// The end of the CUDA-core attention kernels: each warp's online-softmax state (running max m, sum l,
+// accumulator acc; lanes hold D/32 dims each) merged through shared memory, then the block's output
+// rows written, or the split's unnormalized partials. Starts with a barrier, so a kernel may reuse
+// the bytes of sm_acc for something else during its key loop.
+template <int D>
+__device__ __forceinline__ void attention_merge_warps(
+    const float (&m)[ATTN_MAX_GROUP], const float (&l)[ATTN_MAX_GROUP], const float (&acc)[ATTN_MAX_GROUP][D / 32],
+    float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group,
+    int t, int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
+    float* __restrict__ part_acc) {
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+        if (g < group) {
+            if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+#pragma unroll
+            for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
+        }
+    }
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
 }
 
 template <int D>

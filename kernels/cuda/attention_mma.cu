@@ -3,24 +3,25 @@
 // of query rows (16 or 64) against K/V tiles of 64 keys that stream into shared memory with cp.async,
 // two stages deep, so the next tile's bytes are in flight while the current one is computed.
 //
-// Two kernels share the tile pipeline. Rows are (token, query head) pairs of KV head blockIdx.y:
-// row r is token r / group, head r % group, for the `tq` consecutive tokens of the block starting at
-// t_begin + blockIdx.x * tq. Tokens of one sequence are contiguous in the flat batch; a block whose
-// tokens span sequences runs the key loop once per sequence with the other rows masked.
-// - paged_attention_mma (decode): 16 rows, tq = 1 (4 of 16 rows used for Llama's GQA group of 4: the
-//   tensor cores have room to spare, the K/V bytes are what counts, and they are read once per
-//   group). The four warps split each K/V tile (16 keys each), keep their own online softmax (running
-//   max m, sum l, accumulator O as mma fragments) and are merged at the end through shared memory.
-//   Splits along the sequence (gridDim.z > 1) write unnormalized partials for attention_combine
-//   exactly as the other kernels do.
-// - paged_attention_mma_rows (prefill chunks): 64 rows, tq = 64 / group, each warp owning 16 rows
+// Two kernels share the tile pipeline and the mma steps. Rows are (token, query head) pairs of KV
+// head blockIdx.y.
+// - paged_attention_mma (decode): attention.cu's one-token block and launch shape; the token's GQA
+//   group fills rows 0..group-1 of a 16-row tile (4 of 16 for Llama's group of 4: the tensor cores
+//   have room to spare, the K/V bytes are what counts, and they are read once per group). The four
+//   warps split each K/V tile (16 keys each), keep their own online softmax (running max m, sum l,
+//   accumulator O as mma fragments) and are merged by attention.cu's attention_merge_write, which
+//   also writes the partials of splits along the sequence for attention_combine.
+// - paged_attention_mma_rows (prefill chunks): 64 rows, the tq = 64 / group consecutive tokens from
+//   t_begin + blockIdx.x * tq (row r: token r / group, head r % group), each warp owning 16 rows
 //   against all 64 keys of every tile (flash-attention 2's layout), so a K/V tile read from L2 serves
-//   64 rows, a warp skips the tiles its causal mask hides, and no merge is needed.
+//   64 rows, a warp skips the tiles its causal mask hides, and no merge is needed. Tokens of one
+//   sequence are contiguous in the flat batch; a block whose tokens span sequences runs the key loop
+//   once per sequence with the other rows masked.
 #define MMA_WARPS 4
 #define MMA_KT 64      // keys per tile (the decode kernel's warps take 16 each)
+// MMA_WARPS must equal attention.cu's ATTN_WARPS: the decode kernel uses its merge.
 #define MMA_STAGES 2
 #define MMA_PAD 8      // bf16 elements after each shared-memory row: ldmatrix rows land in distinct banks
-#define MMA_ROWS 16
 
 // mma.sync on bf16 and cp.async need sm_80; older targets get empty kernels the host never launches.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -148,6 +149,42 @@ __device__ __forceinline__ void mma_load_tile(bf16_t* tiles, int stage, int kt0,
     }
 }
 
+// S = Q K^T for the 16 keys at rows key0.. of the K tile `ks`: s0 holds keys 0..7, s1 keys 8..15.
+template <int D>
+__device__ __forceinline__ void mma_qk16(float (&s0)[4], float (&s1)[4], const u32 (&qa)[D / 16][4], const bf16_t* ks,
+                                         int key0, int lane) {
+    constexpr int ROW = D + MMA_PAD;
+    const int mi = lane >> 3;  // the 8x8 matrix whose row address this lane supplies
+    const bf16_t* base = ks + (key0 + (mi >> 1) * 8 + (lane & 7)) * ROW + (mi & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 b0, b1, b2, b3;
+        ldmatrix_x4(smem_addr(base + kk * 16), b0, b1, b2, b3);
+        mma_bf16(s0, qa[kk], b0, b1);
+        mma_bf16(s1, qa[kk], b2, b3);
+    }
+}
+
+// O += P V for the 16 keys at rows key0.. of the V tile `vs`; p0/p1 are their probabilities (keys 0..7
+// and 8..15 in score-fragment layout, which packed to bf16 is the A layout of the next mma); V goes
+// through transposing loads.
+template <int D>
+__device__ __forceinline__ void mma_pv16(float (&o)[D / 8][4], const float (&p0)[4], const float (&p1)[4],
+                                         const bf16_t* vs, int key0, int lane) {
+    constexpr int ROW = D + MMA_PAD;
+    const u32 pa[4] = {pack_bf16x2(p0[0], p0[1]), pack_bf16x2(p0[2], p0[3]), pack_bf16x2(p1[0], p1[1]),
+                       pack_bf16x2(p1[2], p1[3])};
+    const int mi = lane >> 3;
+    const bf16_t* base = vs + (key0 + (mi & 1) * 8 + (lane & 7)) * ROW + (mi >> 1) * 8;
+#pragma unroll
+    for (int dd = 0; dd < D / 16; ++dd) {
+        u32 b0, b1, b2, b3;
+        ldmatrix_x4_trans(smem_addr(base + dd * 16), b0, b1, b2, b3);
+        mma_bf16(o[2 * dd], pa, b0, b1);
+        mma_bf16(o[2 * dd + 1], pa, b2, b3);
+    }
+}
+
 // The end of the segment that starts at token sb (< t1): the tokens of one sequence.
 __device__ __forceinline__ int mma_segment_end(const int* __restrict__ token_seq, int sb, int t1) {
     const int seq = token_seq[sb];
@@ -156,156 +193,77 @@ __device__ __forceinline__ int mma_segment_end(const int* __restrict__ token_seq
     return se;
 }
 
+// Decode: the one-token block of attention.cu's contract (attention_block: token blockIdx.x, KV head
+// blockIdx.y, the keys of split blockIdx.z). Its `group` query heads are rows 0..group-1 of the
+// 16-row mma tile (rows 8..15 stay empty: group <= 8). The warps split every tile, 16 keys each, and
+// are merged by attention_merge_write like the CUDA-core kernels' warps.
 template <int D>
 __device__ __forceinline__ void paged_attention_mma_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc, int t_begin, int n, int tq) {
-    constexpr int ROW = D + MMA_PAD;               // shared-memory row stride (bf16)
-    constexpr int TILE = MMA_KT * ROW;             // one K or V tile (bf16)
-    constexpr int KSTEPS = D / 16;                 // mma k-steps of q·k
-    constexpr int NT = D / 8;                      // mma n-tiles of p·V
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    constexpr int TILE = MMA_KT * (D + MMA_PAD);  // one K or V tile (bf16)
+    constexpr int NT = D / 8;                     // mma n-tiles of p·V
     extern __shared__ __align__(16) unsigned char mma_smem[];
-    bf16_t* tiles = reinterpret_cast<bf16_t*>(mma_smem);  // [stage][K|V][MMA_KT][ROW]
-    float* sm_o = reinterpret_cast<float*>(mma_smem);     // after the key loop: [warp][row][D]
-    __shared__ float sm_m[MMA_WARPS][MMA_ROWS], sm_l[MMA_WARPS][MMA_ROWS];
+    bf16_t* tiles = reinterpret_cast<bf16_t*>(mma_smem);  // [stage][K|V][MMA_KT][D + MMA_PAD]
+    // After the key loop the same bytes hold the warps' accumulators.
+    float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(mma_smem);
+    __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP], sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
 
     if (gridDim.z == 1) pdl_trigger();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kvh = blockIdx.y, group = hq / hkv;
-    const int splits = gridDim.z, split = blockIdx.z;
-    const int t0 = t_begin + blockIdx.x * tq, t1 = min(n, t0 + tq);
+    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane & 3;
+    const int r = lane >> 2;  // this thread's row (its second fragment row, r + 8, is always empty)
+    const bool active = r < ab.group;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
-    // This thread's two fragment rows (lo = lane/4, hi = lane/4 + 8): their token and head.
-    const int r_lo = lane >> 2, r_hi = r_lo + 8, quad = lane & 3;
 
-    for (int sb = t0; sb < t1;) {
-        const int se = mma_segment_end(token_seq, sb, t1);
-        const int seq = token_seq[sb];
-        const int* bt = block_tables + (u64)seq * max_blocks;
-        const int ctx = positions[se - 1] + 1;
-        const int chunk = (ctx + splits - 1) / splits;
-        const int begin = split * chunk, end = min(ctx, begin + chunk);
+    u32 qa[D / 16][4];
+    const bf16_t* q_row = q + ((u64)ab.t * hq + ab.kvh * ab.group + r) * D;
+    mma_load_q<D>(qa, q_row, q_row, active, false, quad);
 
-        // Rows of this segment: token index (absolute) and the key limit (causal: keys < pos + 1).
-        auto row_token = [&](int r) { return t0 + r / group; };
-        auto row_active = [&](int r) {
-            const int t = row_token(r);
-            return r < tq * group && t >= sb && t < se;
-        };
-        const int lim_lo = row_active(r_lo) ? min(end, positions[row_token(r_lo)] + 1) : begin;
-        const int lim_hi = row_active(r_hi) ? min(end, positions[row_token(r_hi)] + 1) : begin;
-
-        // Q as A fragments (raw bf16 pairs; the scale is applied to the f32 scores).
-        u32 qa[KSTEPS][4];
-        mma_load_q<D>(qa, q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D,
-                      q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D, row_active(r_lo),
-                      row_active(r_hi), quad);
-
-        float o[NT][4];
+    float o[NT][4];
 #pragma unroll
-        for (int x = 0; x < NT; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
-        float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+    for (int x = 0; x < NT; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
+    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+    // Every key of the split's range precedes the token; empty rows see none.
+    const int lim = active ? ab.end : ab.begin;
 
-        auto load_tile = [&](int kt0, int stage) {
-            mma_load_tile<D>(tiles, stage, kt0, end, bt, block_size, hkv, kvh, k_cache, v_cache);
-        };
-
-        const int ntiles = (end > begin) ? (end - begin + MMA_KT - 1) / MMA_KT : 0;
-        if (ntiles > 0) load_tile(begin, 0);
+    const int ntiles = (ab.end > ab.begin) ? (ab.end - ab.begin + MMA_KT - 1) / MMA_KT : 0;
+    if (ntiles > 0) mma_load_tile<D>(tiles, 0, ab.begin, ab.end, ab.bt, block_size, hkv, ab.kvh, k_cache, v_cache);
+    cp_async_commit();
+    for (int it = 0; it < ntiles; ++it) {
+        if (it + 1 < ntiles)
+            mma_load_tile<D>(tiles, (it + 1) % MMA_STAGES, ab.begin + (it + 1) * MMA_KT, ab.end, ab.bt, block_size, hkv,
+                             ab.kvh, k_cache, v_cache);
         cp_async_commit();
-        for (int it = 0; it < ntiles; ++it) {
-            if (it + 1 < ntiles) load_tile(begin + (it + 1) * MMA_KT, (it + 1) % MMA_STAGES);
-            cp_async_commit();
-            cp_async_wait<1>();  // every group but the one just issued: tile `it` has landed
-            __syncthreads();
+        cp_async_wait<1>();  // every group but the one just issued: tile `it` has landed
+        __syncthreads();
 
-            const bf16_t* ks = tiles + (it % MMA_STAGES) * 2 * TILE;
-            const bf16_t* vs = ks + TILE;
-            const int kw = warp * 16;  // this warp's 16 keys of the tile
+        const bf16_t* ks = tiles + (it % MMA_STAGES) * 2 * TILE;
+        const bf16_t* vs = ks + TILE;
+        const int kw = warp * 16;  // this warp's 16 keys of the tile
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        mma_qk16<D>(s[0], s[1], qa, ks, kw, lane);
+        mma_softmax_step<2, NT>(s, o, m_lo, m_hi, l_lo, l_hi, ab.begin + it * MMA_KT + kw + quad * 2, lim, ab.begin, qscale);
+        mma_pv16<D>(o, s[0], s[1], vs, kw, lane);
+        __syncthreads();  // the stage is overwritten by the copy issued next iteration
+    }
+    cp_async_wait<0>();
 
-            // S = Q K^T for keys kw..kw+15: n-tile 0 = keys 0..7, n-tile 1 = keys 8..15.
-            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-            {
-                const int mi = lane >> 3;  // the 8x8 matrix whose row address this lane supplies
-                const bf16_t* base = ks + (kw + (mi >> 1) * 8 + (lane & 7)) * ROW + (mi & 1) * 8;
+    // Full row sums over the quad; then each warp's (m, l, O) into shared memory for the merge.
 #pragma unroll
-                for (int kk = 0; kk < KSTEPS; ++kk) {
-                    u32 b0, b1, b2, b3;
-                    ldmatrix_x4(smem_addr(base + kk * 16), b0, b1, b2, b3);
-                    mma_bf16(s[0], qa[kk], b0, b1);
-                    mma_bf16(s[1], qa[kk], b2, b3);
-                }
-            }
-
-            mma_softmax_step<2, NT>(s, o, m_lo, m_hi, l_lo, l_hi, begin + it * MMA_KT + kw + quad * 2, lim_lo, lim_hi, qscale);
-
-            // O += P V: P (16 rows x 16 keys) from the score fragments, V through transposing loads.
-            const u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
-                               pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
-            {
-                const int mi = lane >> 3;
-                const bf16_t* base = vs + (kw + (mi & 1) * 8 + (lane & 7)) * ROW + (mi >> 1) * 8;
-#pragma unroll
-                for (int dd = 0; dd < D / 16; ++dd) {
-                    u32 b0, b1, b2, b3;
-                    ldmatrix_x4_trans(smem_addr(base + dd * 16), b0, b1, b2, b3);
-                    mma_bf16(o[2 * dd], pa, b0, b1);
-                    mma_bf16(o[2 * dd + 1], pa, b2, b3);
-                }
-            }
-            __syncthreads();  // the stage is overwritten by the copy issued next iteration
-        }
-        cp_async_wait<0>();
-
-        // Merge the warps: full row sums over the quad, then (m, l, O) of each warp through shared memory.
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            l_lo += __shfl_xor_sync(0xffffffffu, l_lo, off);
-            l_hi += __shfl_xor_sync(0xffffffffu, l_hi, off);
-        }
-        __syncthreads();  // every warp is done with the tiles before sm_o takes their bytes
-        if (quad == 0) {
-            sm_m[warp][r_lo] = m_lo; sm_l[warp][r_lo] = l_lo;
-            sm_m[warp][r_hi] = m_hi; sm_l[warp][r_hi] = l_hi;
-        }
+    for (int off = 1; off < 4; off <<= 1) l_lo += __shfl_xor_sync(0xffffffffu, l_lo, off);
+    __syncthreads();  // every warp is done with the tiles before sm_acc takes their bytes
+    if (active) {
+        if (quad == 0) { sm_m[warp][r] = m_lo; sm_l[warp][r] = l_lo; }
 #pragma unroll
         for (int x = 0; x < NT; ++x) {
-            const int d = x * 8 + quad * 2;
-            float* lo = sm_o + ((u64)warp * MMA_ROWS + r_lo) * D + d;
-            float* hi = sm_o + ((u64)warp * MMA_ROWS + r_hi) * D + d;
-            lo[0] = o[x][0]; lo[1] = o[x][1];
-            hi[0] = o[x][2]; hi[1] = o[x][3];
+            sm_acc[warp][r][x * 8 + quad * 2] = o[x][0];
+            sm_acc[warp][r][x * 8 + quad * 2 + 1] = o[x][1];
         }
-        __syncthreads();
-        for (int i = threadIdx.x; i < MMA_ROWS * D; i += blockDim.x) {
-            const int r = i / D, d = i % D;
-            if (!row_active(r)) continue;
-            float mx = NEG_INF;
-#pragma unroll
-            for (int w = 0; w < MMA_WARPS; ++w) mx = fmaxf(mx, sm_m[w][r]);
-            float sum = 0.f, acc = 0.f;
-            if (mx != NEG_INF) {  // a split past the end of a short sequence saw no key at all
-#pragma unroll
-                for (int w = 0; w < MMA_WARPS; ++w) {
-                    const float f = exp2f(sm_m[w][r] - mx);  // a warp that saw no key: exp2(-inf) = 0
-                    sum += sm_l[w][r] * f;
-                    acc += sm_o[((u64)w * MMA_ROWS + r) * D + d] * f;
-                }
-            }
-            const int t = row_token(r), head = kvh * group + r % group;
-            if (splits == 1) {
-                out[((u64)t * hq + head) * D + d] = f2bf(acc / sum);
-            } else {
-                const u64 pi = ((u64)t * hq + head) * splits + split;
-                part_acc[pi * D + d] = acc;
-                if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
-            }
-        }
-        __syncthreads();  // the next segment reuses the shared memory
-        sb = se;
     }
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc);
 }
 
 // Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
@@ -373,40 +331,19 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
             if (kt0 < warp_lim) {  // warp-uniform: some key of the tile is visible to some row of the warp
                 const bf16_t* ks = tiles + (it % MMA_STAGES) * 2 * TILE;
                 const bf16_t* vs = ks + TILE;
-                const int mi = lane >> 3;
 
                 // S = Q K^T over the tile's 64 keys: score n-tile j holds keys 8j..8j+7.
                 float s[SN][4];
 #pragma unroll
                 for (int j = 0; j < SN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-                for (int kk = 0; kk < KSTEPS; ++kk) {
-#pragma unroll
-                    for (int np = 0; np < SN / 2; ++np) {
-                        u32 b0, b1, b2, b3;
-                        ldmatrix_x4(smem_addr(ks + (np * 16 + (mi >> 1) * 8 + (lane & 7)) * ROW + (mi & 1) * 8 + kk * 16), b0, b1, b2, b3);
-                        mma_bf16(s[2 * np], qa[kk], b0, b1);
-                        mma_bf16(s[2 * np + 1], qa[kk], b2, b3);
-                    }
-                }
+                for (int k16 = 0; k16 < SN / 2; ++k16) mma_qk16<D>(s[2 * k16], s[2 * k16 + 1], qa, ks, k16 * 16, lane);
 
                 mma_softmax_step<SN, NT>(s, o, m_lo, m_hi, l_lo, l_hi, kt0 + quad * 2, lim_lo, lim_hi, qscale);
 
                 // O += P V, 16 keys per k-step.
 #pragma unroll
-                for (int k16 = 0; k16 < SN / 2; ++k16) {
-                    const u32 pa[4] = {pack_bf16x2(s[2 * k16][0], s[2 * k16][1]), pack_bf16x2(s[2 * k16][2], s[2 * k16][3]),
-                                       pack_bf16x2(s[2 * k16 + 1][0], s[2 * k16 + 1][1]),
-                                       pack_bf16x2(s[2 * k16 + 1][2], s[2 * k16 + 1][3])};
-                    const bf16_t* base = vs + (k16 * 16 + (mi & 1) * 8 + (lane & 7)) * ROW + (mi >> 1) * 8;
-#pragma unroll
-                    for (int dd = 0; dd < D / 16; ++dd) {
-                        u32 b0, b1, b2, b3;
-                        ldmatrix_x4_trans(smem_addr(base + dd * 16), b0, b1, b2, b3);
-                        mma_bf16(o[2 * dd], pa, b0, b1);
-                        mma_bf16(o[2 * dd + 1], pa, b2, b3);
-                    }
-                }
+                for (int k16 = 0; k16 < SN / 2; ++k16) mma_pv16<D>(o, s[2 * k16], s[2 * k16 + 1], vs, k16 * 16, lane);
             }
             __syncthreads();  // the stage is overwritten by the copy issued next iteration
         }
@@ -432,29 +369,28 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
     }
 }
 
-#define MMA_BODY(D)                                                                                     \
-    paged_attention_mma_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, hq, \
-                                hkv, block_size, scale, part_ml, part_acc, t_begin, n, tq);
-#define MMA_ROWS_BODY(D)                                                                                \
-    paged_attention_mma_rows_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, \
-                                     hq, hkv, block_size, scale, t_begin, n, tq);
 #else
-#define MMA_BODY(D)
-#define MMA_ROWS_BODY(D)
+// Empty bodies for targets without mma.sync on bf16: the host never launches these.
+template <int D>
+__device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int, const int*,
+                                         const int*, int, int, int, float, float*, float*) {}
+template <int D>
+__device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int,
+                                              const int*, const int*, int, int, int, float, int, int, int) {}
 #endif
 
-#define ATTENTION_MMA_KERNEL(D)                                                                         \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma_d##D(               \
-        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
-        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale, float* part_ml, float* part_acc, int t_begin, int n, int tq) { \
-        MMA_BODY(D)                                                                                     \
-    }                                                                                                   \
+// Decode: attention.cu's signature and launch shape (plus dynamic shared memory).
+ATTENTION_KERNEL(paged_attention_mma, paged_attention_mma_impl, 64)
+ATTENTION_KERNEL(paged_attention_mma, paged_attention_mma_impl, 128)
+
+// Prefill: the block's first token is t_begin + blockIdx.x * tq, tokens past n are not computed.
+#define ATTENTION_MMA_ROWS_KERNEL(D)                                                                    \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma_rows_d##D(          \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
         int hkv, int block_size, float scale, int t_begin, int n, int tq) {                             \
-        MMA_ROWS_BODY(D)                                                                                \
+        paged_attention_mma_rows_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, \
+                                         positions, hq, hkv, block_size, scale, t_begin, n, tq);        \
     }
-ATTENTION_MMA_KERNEL(64)
-ATTENTION_MMA_KERNEL(128)
+ATTENTION_MMA_ROWS_KERNEL(64)
+ATTENTION_MMA_ROWS_KERNEL(128)

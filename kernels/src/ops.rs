@@ -137,7 +137,7 @@ pub fn attention_mma_smem_bytes(d: usize) -> usize {
     MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2
 }
 
-/// Lets both tensor-core attention kernels launch with their dynamic shared memory; false if the
+/// Lets the tensor-core attention kernels launch with their dynamic shared memory; false if the
 /// device refuses (it has less than they need).
 fn mma_smem_opt_in(module: &Arc<CudaModule>) -> bool {
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
@@ -362,7 +362,7 @@ impl Kernels {
                     (_, false) => &self.paged_attention_tiled_d64,
                     (_, true) => &self.paged_attention_tiled_d128,
                 };
-                self.attention_per_token(s, func, None, &args, n, hq, hkv, d, partials)
+                self.attention_per_token(s, func, 0, &args, n, hq, hkv, d, partials)
             }
             AttentionKernel::Mma => {
                 if !self.mma_ready {
@@ -373,7 +373,7 @@ impl Kernels {
                 // go 64 query rows per block (64 / group tokens).
                 if decode_tokens > 0 {
                     let func = if wide { &self.paged_attention_mma_d128 } else { &self.paged_attention_mma_d64 };
-                    self.attention_per_token(s, func, Some(attention_mma_smem_bytes(d)), &args, decode_tokens, hq, hkv, d, partials)?;
+                    self.attention_per_token(s, func, attention_mma_smem_bytes(d), &args, decode_tokens, hq, hkv, d, partials)?;
                 }
                 if decode_tokens < n {
                     let func = if wide { &self.paged_attention_mma_rows_d128 } else { &self.paged_attention_mma_rows_d64 };
@@ -393,11 +393,11 @@ impl Kernels {
         }
     }
 
-    /// Launches a one-token-per-block attention kernel over the first `n` tokens (`mma_smem`: the
-    /// tensor-core decode kernel, with its dynamic shared memory and extra arguments), split along the
-    /// sequence when `partials` is given and the launch is too small to fill the GPU.
+    /// Launches a one-token-per-block attention kernel (attention.cu's contract; `smem`: its dynamic
+    /// shared memory) over the first `n` tokens, split along the sequence when `partials` is given
+    /// and the launch is too small to fill the GPU.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn attention_per_token(&self, s: &CudaStream, func: &CudaFunction, mma_smem: Option<usize>, args: &AttentionArgs, n: usize, hq: usize, hkv: usize, d: usize, partials: Option<DPtr>) -> Result<()> {
+    unsafe fn attention_per_token(&self, s: &CudaStream, func: &CudaFunction, smem: usize, args: &AttentionArgs, n: usize, hq: usize, hkv: usize, d: usize, partials: Option<DPtr>) -> Result<()> {
         let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
         if n * hq * splits * (d + 2) > self.attention_partials_len() {
             splits = 1;
@@ -409,16 +409,11 @@ impl Kernels {
         let config = LaunchConfig {
             grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
             block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: mma_smem.unwrap_or(0) as u32,
+            shared_mem_bytes: smem as u32,
         };
-        let (t_begin, t_end, one) = (0i32, as_i32(n, "tokens")?, 1i32);
         let mut launch = s.launch_builder(func);
         args.push(&mut launch);
-        launch.arg(&part_ml).arg(&part_acc);
-        if mma_smem.is_some() {
-            launch.arg(&t_begin).arg(&t_end).arg(&one);
-        }
-        launch.launch(config)?;
+        launch.arg(&part_ml).arg(&part_acc).launch(config)?;
         if splits > 1 {
             let (hq_i, splits_i, d_i) = (args.hq, splits as i32, d as i32);
             let combine = LaunchConfig { grid_dim: (n as u32, hq as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };

@@ -35,6 +35,17 @@ impl From<LoadFormatArg> for LoadFormat {
     }
 }
 
+/// `--kv-cache-dtype` (vLLM's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtypeArg {
+    /// The backend's own: bf16 on cuda, f32 on cpu.
+    Auto,
+    Bf16,
+    /// e4m3 bytes, scale 1 (cuda, compute capability 8.9+).
+    #[value(alias = "fp8_e4m3")]
+    Fp8,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceArg {
     Cpu,
@@ -107,6 +118,10 @@ pub struct EngineArgs {
     /// Fraction of the GPU's memory to use for weights, activations and KV cache (cuda only).
     #[arg(long, env = "PEREGRINE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
     pub gpu_memory_utilization: f32,
+    /// KV cache element type. fp8 (cuda only, compute capability 8.9+): e4m3 with scale 1, twice the
+    /// tokens in the same memory and half the bytes decode attention reads, at fp8's precision.
+    #[arg(long, value_enum, env = "PEREGRINE_KV_CACHE_DTYPE", default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtypeArg,
     /// Serve LoRA adapters (implied by --lora-modules).
     #[arg(long, env = "PEREGRINE_ENABLE_LORA")]
     pub enable_lora: bool,
@@ -188,6 +203,9 @@ impl EngineArgs {
     /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
     pub fn start(&self) -> anyhow::Result<Runtime> {
         let device = self.device()?;
+        if device == DeviceArg::Cpu && self.kv_cache_dtype != KvCacheDtypeArg::Auto {
+            anyhow::bail!("--kv-cache-dtype {:?}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda", self.kv_cache_dtype);
+        }
         let tokenizer = load_tokenizer(&self.model, self.load_format)?;
         let loading = || format!("loading model {}", self.model.display());
         let (config, backend): (ModelConfig, Box<dyn Backend>) = match device {
@@ -224,7 +242,7 @@ impl EngineArgs {
 
     #[cfg(feature = "cuda")]
     fn cuda_backend(&self, source: ModelSource<'_>) -> anyhow::Result<Box<dyn Backend>> {
-        use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, LoraCapacity, WeightInit};
+        use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, LoraCapacity, WeightInit};
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             anyhow::bail!("--gpu-memory-utilization must be in (0, 1]");
         }
@@ -241,6 +259,10 @@ impl EngineArgs {
             num_blocks: self.num_kv_blocks,
             // Reserved before the KV cache takes the rest of the memory.
             lora: self.lora_config().map(|l| LoraCapacity { max_loras: l.max_loras, max_rank: l.max_lora_rank }),
+            kv_cache_dtype: match self.kv_cache_dtype {
+                KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 => KvCacheDtype::Bf16,
+                KvCacheDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
+            },
             ..CudaOptions::default()
         };
         let init = match source {
@@ -319,6 +341,22 @@ mod tests {
         assert!(parse(&["--lora-modules", "no-path"]).is_err());
         assert!(parse(&["--lora-modules", "=/p"]).is_err());
         assert!(parse(&["--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn kv_cache_dtype_flag() {
+        assert_eq!(parse(&[]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Auto);
+        assert_eq!(parse(&["--kv-cache-dtype", "fp8"]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Fp8);
+        assert_eq!(parse(&["--kv-cache-dtype", "fp8_e4m3"]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Fp8, "vLLM's long name");
+        assert_eq!(parse(&["--kv-cache-dtype", "bf16"]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Bf16);
+        assert!(parse(&["--kv-cache-dtype", "int4"]).is_err());
+    }
+
+    #[test]
+    fn cpu_refuses_a_kv_cache_type_it_does_not_keep() {
+        let a = parse(&["--device", "cpu", "--kv-cache-dtype", "fp8"]).unwrap();
+        let e = a.start().err().expect("fp8 on the CPU is refused").to_string();
+        assert!(e.contains("--kv-cache-dtype") && e.contains("cuda"), "{e}");
     }
 
     #[test]

@@ -39,9 +39,11 @@ struct AttnBlock {
     const int* bt;  // the sequence's block table row
 };
 
+// `align`: split starts are multiples of it (the fp8 tensor-core kernel copies 16 keys at a time).
 __device__ __forceinline__ AttnBlock attention_block(const int* __restrict__ block_tables, int max_blocks,
                                                      const int* __restrict__ token_seq,
-                                                     const int* __restrict__ positions, int hq, int hkv) {
+                                                     const int* __restrict__ positions, int hq, int hkv,
+                                                     int align = 1) {
     AttnBlock b;
     b.t = blockIdx.x;
     b.kvh = blockIdx.y;
@@ -49,7 +51,7 @@ __device__ __forceinline__ AttnBlock attention_block(const int* __restrict__ blo
     const int ctx = positions[b.t] + 1;
     b.splits = gridDim.z;
     b.split = blockIdx.z;
-    const int chunk = (ctx + b.splits - 1) / b.splits;
+    const int chunk = ((ctx + b.splits - 1) / b.splits + align - 1) / align * align;
     b.begin = b.split * chunk;
     b.end = min(ctx, b.begin + chunk);
     b.bt = block_tables + (u64)token_seq[b.t] * max_blocks;

@@ -17,11 +17,55 @@
 //   64 rows, a warp skips the tiles its causal mask hides, and no merge is needed. Tokens of one
 //   sequence are contiguous in the flat batch; a block whose tokens span sequences runs the key loop
 //   once per sequence with the other rows masked.
+//
+// Both kernels also come in an fp8 flavour (F8 = true: `--kv-cache-dtype fp8`), for a KV cache of
+// e4m3 bytes (scale 1, as vLLM's uncalibrated fp8 cache): K as [blocks, Hkv, block_size, D] and V
+// transposed within each block, [blocks, Hkv, D, block_size], so that 16 keys of one dimension are 16
+// contiguous bytes. Tiles land in shared memory as bytes (half the traffic of bf16) and become the
+// B fragments of f16 mma.sync through ldmatrix with no transposition: a 32-bit ldmatrix element is 4
+// fp8 values, converted pairwise (cvt e4m3x2 -> f16x2, sm_89+). That gives each lane dims (keys)
+// 4q..4q+3 where the mma wants k = 2q, 2q+1 and 2q+8, 2q+9; the k index is a sum, so its order is
+// free: Q's A fragments are loaded with the same permutation (dims 4q+j as k 2q+j, 4q+2+j as k
+// 2q+8+j), and the score columns are assigned keys so that a lane's probabilities are exactly the
+// keys its V fragment holds (column 2q+e of n-tile t of 16 keys = key 4q+2t+e). Q and P are f16 in
+// this path (f16 has the finer mantissa; |Q| is clamped to f16's range).
 #define MMA_WARPS 4
-#define MMA_KT 64      // keys per tile (the decode kernel's warps take 16 each)
+#define MMA_KT 64      // keys per tile (the decode kernel's warps take 16 each; fp8 decode: 128, 32 each)
 // MMA_WARPS must equal attention.cu's ATTN_WARPS: the decode kernel uses its merge.
-#define MMA_STAGES 2
+#define MMA_STAGES 2     // pipeline depth (fp8 prefill: MMA_F8_STAGES)
+#define MMA_F8_STAGES 3  // an fp8 tile is half the bytes: one more in flight keeps as many bytes coming
 #define MMA_PAD 8      // bf16 elements after each shared-memory row: ldmatrix rows land in distinct banks
+#define MMA_F8_PAD 16  // bytes after each fp8 shared-memory row (K rows: D + 16, V^T rows: 64 + 16)
+
+typedef unsigned char fp8_t;
+
+// Element type of the KV cache: bf16, or e4m3 bytes.
+template <bool F8> struct KvElem { typedef bf16_t T; };
+template <> struct KvElem<true> { typedef fp8_t T; };
+
+// Tiles of KT_ keys, STAGES_ deep; shared-memory geometry of one pipeline stage in bytes: the K tile,
+// then the V tile. The fp8 decode kernel takes tiles of 128 keys (32 per warp): with half the bytes
+// per key, a 64-key tile left the per-tile costs (barriers, softmax, copies issued) on half the data,
+// and the kernel was bound by them rather than by HBM (1.3x bf16's speed instead of 2x).
+template <int D, bool F8, int KT_, int STAGES_> struct MmaGeom {
+    static constexpr int KT = KT_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int K_ROW = F8 ? D + MMA_F8_PAD : (D + MMA_PAD) * 2;
+    static constexpr int K_TILE = KT * K_ROW;
+    static constexpr int V_ROW = F8 ? KT + MMA_F8_PAD : (D + MMA_PAD) * 2;  // fp8: a row per dim
+    static constexpr int V_TILE = F8 ? D * V_ROW : KT * V_ROW;
+    static constexpr int STAGE = K_TILE + V_TILE;
+};
+template <int D, bool F8> using MmaDecodeGeom = MmaGeom<D, F8, F8 ? 2 * MMA_KT : MMA_KT, MMA_STAGES>;
+template <int D, bool F8> using MmaRowsGeom = MmaGeom<D, F8, MMA_KT, F8 ? MMA_F8_STAGES : MMA_STAGES>;
+
+// fp8 K tiles: the shared-memory row of key r of a tile. Within each 16 keys, the keys of score
+// n-tile 0 (4q + e: 0, 1, 4, 5, 8, 9, 12, 13) come first and those of n-tile 1 (4q + 2 + e) next, so
+// each ldmatrix reads 8 consecutive rows (distinct banks at the padded stride).
+__device__ __forceinline__ int mma_f8_key_row(int r) {
+    const int k = r & 15;
+    return (r & ~15) | ((k & 2) << 2) | ((k >> 2) << 1) | (k & 1);
+}
 
 // mma.sync on bf16 and cp.async need sm_80; older targets get empty kernels the host never launches.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -60,6 +104,41 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
 }
 
+// The same mma on f16 operands (the fp8 path).
+__device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as f16x2 (low half first), rounded to nearest even; clamped to f16's finite range.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    lo = fminf(fmaxf(lo, -65504.f), 65504.f);
+    hi = fminf(fmaxf(hi, -65504.f), 65504.f);
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// bf16x2 -> f16x2 (Q of the fp8 path).
+__device__ __forceinline__ u32 bf16x2_to_f16x2(u32 v) {
+    return pack_f16x2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+
+// Two e4m3 values (low byte first) -> f16x2, exactly. sm_89+; the fp8 kernels exist only there.
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
+#if __CUDA_ARCH__ >= 890
+    u32 r;
+    const unsigned short h = (unsigned short)(v & 0xffffu);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(h));
+    return r;
+#else
+    return 0u * v;
+#endif
+}
+
 // This thread's rows lo and hi of Q as A fragments (raw bf16 pairs: the softmax scale is applied to
 // the f32 scores); zeros for rows that are not active.
 template <int D>
@@ -75,12 +154,38 @@ __device__ __forceinline__ void mma_load_q(u32 (&qa)[D / 16][4], const bf16_t* q
     }
 }
 
+// The fp8 path's Q fragments (f16): k index 2q + j of k-step kk is dim 16 kk + 4q + j, and 2q + 8 + j
+// is dim 16 kk + 4q + 2 + j (the order in which ldmatrix hands a lane its fp8 K values).
+template <int D>
+__device__ __forceinline__ void mma_load_q_f16(u32 (&qa)[D / 16][4], const bf16_t* q_lo, const bf16_t* q_hi, bool a_lo,
+                                               bool a_hi, int quad) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int c = kk * 16 + quad * 4;
+        const uint2 lo = a_lo ? *reinterpret_cast<const uint2*>(q_lo + c) : make_uint2(0u, 0u);
+        const uint2 hi = a_hi ? *reinterpret_cast<const uint2*>(q_hi + c) : make_uint2(0u, 0u);
+        qa[kk][0] = bf16x2_to_f16x2(lo.x);
+        qa[kk][1] = bf16x2_to_f16x2(hi.x);
+        qa[kk][2] = bf16x2_to_f16x2(lo.y);
+        qa[kk][3] = bf16x2_to_f16x2(hi.y);
+    }
+}
+
+// Q fragments of either path.
+template <int D, bool F8>
+__device__ __forceinline__ void mma_load_q_any(u32 (&qa)[D / 16][4], const bf16_t* q_lo, const bf16_t* q_hi, bool a_lo,
+                                               bool a_hi, int quad) {
+    if constexpr (F8) mma_load_q_f16<D>(qa, q_lo, q_hi, a_lo, a_hi, quad);
+    else mma_load_q<D>(qa, q_lo, q_hi, a_lo, a_hi, quad);
+}
+
 // One online-softmax step over SN score n-tiles (8 keys each) of this thread's rows lo and hi: keys
 // at or past a row's limit are masked, the scores scaled to base 2, the running max m, this lane's
 // share of the sum l (the quad is summed at the end) and the accumulator o rescaled, and the scores
-// replaced by their probabilities. key0: the key of s[0][0] in this lane; a row's scores sit in the
-// four lanes of a quad.
-template <int SN, int NT>
+// replaced by their probabilities. key0: the key of s[0][0] in this lane (bf16: key0 + 8j + e for
+// s[j][e]; fp8: key0 + 16 (j / 2) + 2 (j % 2) + e, see the header); a row's scores sit in the four
+// lanes of a quad.
+template <int SN, int NT, bool F8 = false>
 __device__ __forceinline__ void mma_softmax_step(float (&s)[SN][4], float (&o)[NT][4], float& m_lo, float& m_hi,
                                                  float& l_lo, float& l_hi, int key0, int lim_lo, int lim_hi,
                                                  float qscale) {
@@ -89,7 +194,7 @@ __device__ __forceinline__ void mma_softmax_step(float (&s)[SN][4], float (&o)[N
     for (int j = 0; j < SN; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int key = key0 + j * 8 + e;
+            const int key = F8 ? key0 + 16 * (j >> 1) + 2 * (j & 1) + e : key0 + j * 8 + e;
             s[j][e] = key < lim_lo ? s[j][e] * qscale : NEG_INF;
             s[j][2 + e] = key < lim_hi ? s[j][2 + e] * qscale : NEG_INF;
             mx_lo = fmaxf(mx_lo, s[j][e]);
@@ -127,61 +232,117 @@ __device__ __forceinline__ void mma_softmax_step(float (&s)[SN][4], float (&o)[N
     }
 }
 
-// Issues the copies of the K and V rows of keys [kt0, kt0 + MMA_KT) (zeros past `end`) of KV head
-// `kvh` into pipeline stage `stage` of `tiles` ([stage][K|V][MMA_KT][D + MMA_PAD] bf16).
-template <int D>
-__device__ __forceinline__ void mma_load_tile(bf16_t* tiles, int stage, int kt0, int end, const int* __restrict__ bt,
-                                              int block_size, int hkv, int kvh, const bf16_t* __restrict__ k_cache,
-                                              const bf16_t* __restrict__ v_cache) {
-    constexpr int ROW = D + MMA_PAD, TILE = MMA_KT * ROW, CH = D / 8;
-    constexpr int ROWS_PER_PASS = MMA_WARPS * 32 / CH, PASSES = MMA_KT / ROWS_PER_PASS;
-    bf16_t* ks = tiles + stage * 2 * TILE;
-    bf16_t* vs = ks + TILE;
-    const int c = threadIdx.x % CH;
+// Issues the copies of the K and V rows of keys [kt0, kt0 + KT) (zeros past `end`) of KV head
+// `kvh` into pipeline stage `stage` of `tiles` (bytes: [stage][K tile | V tile], MmaGeom G).
+// bf16: both tiles [KT][D + MMA_PAD]. fp8: K [KT][D + MMA_F8_PAD] in mma_f8_key_row order, V^T
+// [D][KT + MMA_F8_PAD], copied 16 keys of a dimension at a time (block_size % 16 == 0, so 16
+// keys never straddle a cache block; the bytes past `end` are zero-filled).
+template <int D, bool F8, class G>
+__device__ __forceinline__ void mma_load_tile(unsigned char* tiles, int stage, int kt0, int end, const int* __restrict__ bt,
+                                              int block_size, int hkv, int kvh,
+                                              const typename KvElem<F8>::T* __restrict__ k_cache,
+                                              const typename KvElem<F8>::T* __restrict__ v_cache) {
+    unsigned char* ks = tiles + stage * G::STAGE;
+    unsigned char* vs = ks + G::K_TILE;
+    if constexpr (!F8) {
+        constexpr int CH = D / 8;  // 16-byte chunks of a row
+        constexpr int ROWS_PER_PASS = MMA_WARPS * 32 / CH, PASSES = G::KT / ROWS_PER_PASS;
+        const int c = threadIdx.x % CH;
 #pragma unroll
-    for (int j = 0; j < PASSES; ++j) {
-        const int r = threadIdx.x / CH + j * ROWS_PER_PASS;
-        const int p = kt0 + r;
-        const bool valid = p < end;
-        const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 8 : 0;
-        cp_async16(smem_addr(ks + r * ROW + c * 8), k_cache + off, valid ? 16 : 0);
-        cp_async16(smem_addr(vs + r * ROW + c * 8), v_cache + off, valid ? 16 : 0);
+        for (int j = 0; j < PASSES; ++j) {
+            const int r = threadIdx.x / CH + j * ROWS_PER_PASS;
+            const int p = kt0 + r;
+            const bool valid = p < end;
+            const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 8 : 0;
+            cp_async16(smem_addr(ks + r * G::K_ROW + c * 16), k_cache + off, valid ? 16 : 0);
+            cp_async16(smem_addr(vs + r * G::V_ROW + c * 16), v_cache + off, valid ? 16 : 0);
+        }
+    } else {
+        constexpr int CH = D / 16;  // 16-byte chunks of a K row
+        constexpr int KPASSES = G::KT * CH / (MMA_WARPS * 32);
+#pragma unroll
+        for (int j = 0; j < KPASSES; ++j) {
+            const int i = threadIdx.x + j * MMA_WARPS * 32;
+            const int r = i / CH, c = i % CH;
+            const int p = kt0 + r;
+            const bool valid = p < end;
+            const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 16 : 0;
+            cp_async16(smem_addr(ks + mma_f8_key_row(r) * G::K_ROW + c * 16), k_cache + off, valid ? 16 : 0);
+        }
+        constexpr int VPASSES = (G::KT / 16) * D / (MMA_WARPS * 32);
+#pragma unroll
+        for (int j = 0; j < VPASSES; ++j) {
+            const int i = threadIdx.x + j * MMA_WARPS * 32;
+            const int kc = i / D, dim = i % D;  // consecutive threads: consecutive dims (contiguous in the cache)
+            const int p = kt0 + kc * 16;
+            const int bytes = min(max(end - p, 0), 16);
+            const u64 off = bytes > 0 ? (((u64)bt[p / block_size] * hkv + kvh) * D + dim) * block_size + p % block_size : 0;
+            cp_async16(smem_addr(vs + dim * G::V_ROW + kc * 16), v_cache + off, bytes);
+        }
     }
 }
 
-// S = Q K^T for the 16 keys at rows key0.. of the K tile `ks`: s0 holds keys 0..7, s1 keys 8..15.
-template <int D>
-__device__ __forceinline__ void mma_qk16(float (&s0)[4], float (&s1)[4], const u32 (&qa)[D / 16][4], const bf16_t* ks,
-                                         int key0, int lane) {
-    constexpr int ROW = D + MMA_PAD;
+// S = Q K^T for the 16 keys at rows key0.. of the K tile `ks`: s0 holds keys 0..7, s1 keys 8..15
+// (fp8: the keys of n-tiles 0 and 1 in the header's order, rows key0.. in mma_f8_key_row order).
+template <int D, bool F8, class G>
+__device__ __forceinline__ void mma_qk16(float (&s0)[4], float (&s1)[4], const u32 (&qa)[D / 16][4],
+                                         const unsigned char* ks, int key0, int lane) {
     const int mi = lane >> 3;  // the 8x8 matrix whose row address this lane supplies
-    const bf16_t* base = ks + (key0 + (mi >> 1) * 8 + (lane & 7)) * ROW + (mi & 1) * 8;
+    if constexpr (!F8) {
+        const unsigned char* base = ks + (key0 + (mi >> 1) * 8 + (lane & 7)) * G::K_ROW + (mi & 1) * 16;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        u32 b0, b1, b2, b3;
-        ldmatrix_x4(smem_addr(base + kk * 16), b0, b1, b2, b3);
-        mma_bf16(s0, qa[kk], b0, b1);
-        mma_bf16(s1, qa[kk], b2, b3);
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4(smem_addr(base + kk * 32), b0, b1, b2, b3);
+            mma_bf16(s0, qa[kk], b0, b1);
+            mma_bf16(s1, qa[kk], b2, b3);
+        }
+    } else {
+        // An 8x8 b16 matrix is 8 keys x 16 fp8 dims (one k-step of one n-tile): matrix mi covers
+        // n-tile mi >> 1 and k-step 2 kk + (mi & 1).
+        const unsigned char* base = ks + (key0 + (mi >> 1) * 8 + (lane & 7)) * G::K_ROW + (mi & 1) * 16;
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) {
+            u32 r0, r1, r2, r3;
+            ldmatrix_x4(smem_addr(base + kk * 32), r0, r1, r2, r3);
+            mma_f16(s0, qa[2 * kk], e4m3x2_to_f16x2(r0), e4m3x2_to_f16x2(r0 >> 16));
+            mma_f16(s0, qa[2 * kk + 1], e4m3x2_to_f16x2(r1), e4m3x2_to_f16x2(r1 >> 16));
+            mma_f16(s1, qa[2 * kk], e4m3x2_to_f16x2(r2), e4m3x2_to_f16x2(r2 >> 16));
+            mma_f16(s1, qa[2 * kk + 1], e4m3x2_to_f16x2(r3), e4m3x2_to_f16x2(r3 >> 16));
+        }
     }
 }
 
-// O += P V for the 16 keys at rows key0.. of the V tile `vs`; p0/p1 are their probabilities (keys 0..7
-// and 8..15 in score-fragment layout, which packed to bf16 is the A layout of the next mma); V goes
-// through transposing loads.
-template <int D>
+// O += P V for the 16 keys at key0.. of the V tile `vs`; p0/p1 are their probabilities (the score
+// fragments of mma_qk16, which packed to 16 bits are the A layout of the next mma). bf16: V rows
+// through transposing loads. fp8: V^T rows (a dimension's keys) through plain loads, matrix i of a
+// load = the 8 dims of n-tile 4 dd + i.
+template <int D, bool F8, class G>
 __device__ __forceinline__ void mma_pv16(float (&o)[D / 8][4], const float (&p0)[4], const float (&p1)[4],
-                                         const bf16_t* vs, int key0, int lane) {
-    constexpr int ROW = D + MMA_PAD;
-    const u32 pa[4] = {pack_bf16x2(p0[0], p0[1]), pack_bf16x2(p0[2], p0[3]), pack_bf16x2(p1[0], p1[1]),
-                       pack_bf16x2(p1[2], p1[3])};
+                                         const unsigned char* vs, int key0, int lane) {
     const int mi = lane >> 3;
-    const bf16_t* base = vs + (key0 + (mi & 1) * 8 + (lane & 7)) * ROW + (mi >> 1) * 8;
+    if constexpr (!F8) {
+        const u32 pa[4] = {pack_bf16x2(p0[0], p0[1]), pack_bf16x2(p0[2], p0[3]), pack_bf16x2(p1[0], p1[1]),
+                           pack_bf16x2(p1[2], p1[3])};
+        const unsigned char* base = vs + (key0 + (mi & 1) * 8 + (lane & 7)) * G::V_ROW + (mi >> 1) * 16;
 #pragma unroll
-    for (int dd = 0; dd < D / 16; ++dd) {
-        u32 b0, b1, b2, b3;
-        ldmatrix_x4_trans(smem_addr(base + dd * 16), b0, b1, b2, b3);
-        mma_bf16(o[2 * dd], pa, b0, b1);
-        mma_bf16(o[2 * dd + 1], pa, b2, b3);
+        for (int dd = 0; dd < D / 16; ++dd) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(smem_addr(base + dd * 32), b0, b1, b2, b3);
+            mma_bf16(o[2 * dd], pa, b0, b1);
+            mma_bf16(o[2 * dd + 1], pa, b2, b3);
+        }
+    } else {
+        const u32 pa[4] = {pack_f16x2(p0[0], p0[1]), pack_f16x2(p0[2], p0[3]), pack_f16x2(p1[0], p1[1]),
+                           pack_f16x2(p1[2], p1[3])};
+        const unsigned char* base = vs + (mi * 8 + (lane & 7)) * G::V_ROW + key0;
+#pragma unroll
+        for (int dd = 0; dd < D / 32; ++dd) {
+            u32 r[4];
+            ldmatrix_x4(smem_addr(base + dd * 32 * G::V_ROW), r[0], r[1], r[2], r[3]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mma_f16(o[4 * dd + i], pa, e4m3x2_to_f16x2(r[i]), e4m3x2_to_f16x2(r[i] >> 16));
+        }
     }
 }
 
@@ -197,22 +358,24 @@ __device__ __forceinline__ int mma_segment_end(const int* __restrict__ token_seq
 // blockIdx.y, the keys of split blockIdx.z). Its `group` query heads are rows 0..group-1 of the
 // 16-row mma tile (rows 8..15 stay empty: group <= 8). The warps split every tile, 16 keys each, and
 // are merged by attention_merge_write like the CUDA-core kernels' warps.
-template <int D>
+template <int D, bool F8>
 __device__ __forceinline__ void paged_attention_mma_impl(
-    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
+    const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    constexpr int TILE = MMA_KT * (D + MMA_PAD);  // one K or V tile (bf16)
-    constexpr int NT = D / 8;                     // mma n-tiles of p·V
+    typedef MmaDecodeGeom<D, F8> G;
+    constexpr int KW = G::KT / MMA_WARPS;  // keys of a tile per warp (16, fp8: 32)
+    constexpr int NT = D / 8;  // mma n-tiles of p·V
     extern __shared__ __align__(16) unsigned char mma_smem[];
-    bf16_t* tiles = reinterpret_cast<bf16_t*>(mma_smem);  // [stage][K|V][MMA_KT][D + MMA_PAD]
+    unsigned char* tiles = mma_smem;  // [stage][K tile | V tile]
     // After the key loop the same bytes hold the warps' accumulators.
     float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(mma_smem);
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP], sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
 
     if (gridDim.z == 1) pdl_trigger();
-    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv);
+    // fp8 V tiles are copied 16 keys at a time: splits start at multiples of 16.
+    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv, F8 ? 16 : 1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane & 3;
     const int r = lane >> 2;  // this thread's row (its second fragment row, r + 8, is always empty)
     const bool active = r < ab.group;
@@ -220,7 +383,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
 
     u32 qa[D / 16][4];
     const bf16_t* q_row = q + ((u64)ab.t * hq + ab.kvh * ab.group + r) * D;
-    mma_load_q<D>(qa, q_row, q_row, active, false, quad);
+    mma_load_q_any<D, F8>(qa, q_row, q_row, active, false, quad);
 
     float o[NT][4];
 #pragma unroll
@@ -229,24 +392,34 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     // Every key of the split's range precedes the token; empty rows see none.
     const int lim = active ? ab.end : ab.begin;
 
-    const int ntiles = (ab.end > ab.begin) ? (ab.end - ab.begin + MMA_KT - 1) / MMA_KT : 0;
-    if (ntiles > 0) mma_load_tile<D>(tiles, 0, ab.begin, ab.end, ab.bt, block_size, hkv, ab.kvh, k_cache, v_cache);
-    cp_async_commit();
-    for (int it = 0; it < ntiles; ++it) {
-        if (it + 1 < ntiles)
-            mma_load_tile<D>(tiles, (it + 1) % MMA_STAGES, ab.begin + (it + 1) * MMA_KT, ab.end, ab.bt, block_size, hkv,
-                             ab.kvh, k_cache, v_cache);
+    const int ntiles = (ab.end > ab.begin) ? (ab.end - ab.begin + G::KT - 1) / G::KT : 0;
+    // STAGES - 1 tiles in flight before the first is used; one copy group per tile (empty past the end).
+#pragma unroll
+    for (int st = 0; st < G::STAGES - 1; ++st) {
+        if (st < ntiles) mma_load_tile<D, F8, G>(tiles, st, ab.begin + st * G::KT, ab.end, ab.bt, block_size, hkv, ab.kvh, k_cache, v_cache);
         cp_async_commit();
-        cp_async_wait<1>();  // every group but the one just issued: tile `it` has landed
+    }
+    for (int it = 0; it < ntiles; ++it) {
+        const int next = it + G::STAGES - 1;
+        if (next < ntiles)
+            mma_load_tile<D, F8, G>(tiles, next % G::STAGES, ab.begin + next * G::KT, ab.end, ab.bt, block_size, hkv, ab.kvh,
+                                    k_cache, v_cache);
+        cp_async_commit();
+        cp_async_wait<G::STAGES - 1>();  // every group but the STAGES - 1 newest: tile `it` has landed
         __syncthreads();
 
-        const bf16_t* ks = tiles + (it % MMA_STAGES) * 2 * TILE;
-        const bf16_t* vs = ks + TILE;
-        const int kw = warp * 16;  // this warp's 16 keys of the tile
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        mma_qk16<D>(s[0], s[1], qa, ks, kw, lane);
-        mma_softmax_step<2, NT>(s, o, m_lo, m_hi, l_lo, l_hi, ab.begin + it * MMA_KT + kw + quad * 2, lim, ab.begin, qscale);
-        mma_pv16<D>(o, s[0], s[1], vs, kw, lane);
+        const unsigned char* ks = tiles + (it % G::STAGES) * G::STAGE;
+        const unsigned char* vs = ks + G::K_TILE;
+        const int kw = warp * KW;  // this warp's keys of the tile, 16 per mma step
+        float s[KW / 8][4];
+#pragma unroll
+        for (int j = 0; j < KW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int g = 0; g < KW / 16; ++g) mma_qk16<D, F8, G>(s[2 * g], s[2 * g + 1], qa, ks, kw + 16 * g, lane);
+        mma_softmax_step<KW / 8, NT, F8>(s, o, m_lo, m_hi, l_lo, l_hi, ab.begin + it * G::KT + kw + quad * (F8 ? 4 : 2), lim,
+                                         ab.begin, qscale);
+#pragma unroll
+        for (int g = 0; g < KW / 16; ++g) mma_pv16<D, F8, G>(o, s[2 * g], s[2 * g + 1], vs, kw + 16 * g, lane);
         __syncthreads();  // the stage is overwritten by the copy issued next iteration
     }
     cp_async_wait<0>();
@@ -267,19 +440,18 @@ __device__ __forceinline__ void paged_attention_mma_impl(
 }
 
 // Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
-template <int D>
+template <int D, bool F8>
 __device__ __forceinline__ void paged_attention_mma_rows_impl(
-    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
+    const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, int t_begin, int n, int tq) {
-    constexpr int ROW = D + MMA_PAD;
-    constexpr int TILE = MMA_KT * ROW;
+    typedef MmaRowsGeom<D, F8> G;
     constexpr int KSTEPS = D / 16;  // mma k-steps of q·k
     constexpr int NT = D / 8;       // mma n-tiles of p·V
     constexpr int SN = MMA_KT / 8;  // score n-tiles per tile (8 keys each)
     extern __shared__ __align__(16) unsigned char mma_smem[];
-    bf16_t* tiles = reinterpret_cast<bf16_t*>(mma_smem);
+    unsigned char* tiles = mma_smem;
 
     pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -309,8 +481,8 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
         for (int off = 4; off < 32; off <<= 1) warp_lim = max(warp_lim, __shfl_xor_sync(0xffffffffu, warp_lim, off));
 
         u32 qa[KSTEPS][4];
-        mma_load_q<D>(qa, q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D,
-                      q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D, a_lo, a_hi, quad);
+        mma_load_q_any<D, F8>(qa, q + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D,
+                              q + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D, a_lo, a_hi, quad);
 
         float o[NT][4];
 #pragma unroll
@@ -318,32 +490,36 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
         float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
         const int ntiles = (end + MMA_KT - 1) / MMA_KT;
-        mma_load_tile<D>(tiles, 0, 0, end, bt, block_size, hkv, kvh, k_cache, v_cache);
-        cp_async_commit();
-        for (int it = 0; it < ntiles; ++it) {
-            if (it + 1 < ntiles)
-                mma_load_tile<D>(tiles, (it + 1) % MMA_STAGES, (it + 1) * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
+#pragma unroll
+        for (int st = 0; st < G::STAGES - 1; ++st) {
+            if (st < ntiles) mma_load_tile<D, F8, G>(tiles, st, st * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
             cp_async_commit();
-            cp_async_wait<1>();
+        }
+        for (int it = 0; it < ntiles; ++it) {
+            const int next = it + G::STAGES - 1;
+            if (next < ntiles)
+                mma_load_tile<D, F8, G>(tiles, next % G::STAGES, next * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
+            cp_async_commit();
+            cp_async_wait<G::STAGES - 1>();
             __syncthreads();
 
             const int kt0 = it * MMA_KT;
             if (kt0 < warp_lim) {  // warp-uniform: some key of the tile is visible to some row of the warp
-                const bf16_t* ks = tiles + (it % MMA_STAGES) * 2 * TILE;
-                const bf16_t* vs = ks + TILE;
+                const unsigned char* ks = tiles + (it % G::STAGES) * G::STAGE;
+                const unsigned char* vs = ks + G::K_TILE;
 
                 // S = Q K^T over the tile's 64 keys: score n-tile j holds keys 8j..8j+7.
                 float s[SN][4];
 #pragma unroll
                 for (int j = 0; j < SN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-                for (int k16 = 0; k16 < SN / 2; ++k16) mma_qk16<D>(s[2 * k16], s[2 * k16 + 1], qa, ks, k16 * 16, lane);
+                for (int k16 = 0; k16 < SN / 2; ++k16) mma_qk16<D, F8, G>(s[2 * k16], s[2 * k16 + 1], qa, ks, k16 * 16, lane);
 
-                mma_softmax_step<SN, NT>(s, o, m_lo, m_hi, l_lo, l_hi, kt0 + quad * 2, lim_lo, lim_hi, qscale);
+                mma_softmax_step<SN, NT, F8>(s, o, m_lo, m_hi, l_lo, l_hi, kt0 + quad * (F8 ? 4 : 2), lim_lo, lim_hi, qscale);
 
                 // O += P V, 16 keys per k-step.
 #pragma unroll
-                for (int k16 = 0; k16 < SN / 2; ++k16) mma_pv16<D>(o, s[2 * k16], s[2 * k16 + 1], vs, k16 * 16, lane);
+                for (int k16 = 0; k16 < SN / 2; ++k16) mma_pv16<D, F8, G>(o, s[2 * k16], s[2 * k16 + 1], vs, k16 * 16, lane);
             }
             __syncthreads();  // the stage is overwritten by the copy issued next iteration
         }
@@ -371,26 +547,52 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 
 #else
 // Empty bodies for targets without mma.sync on bf16: the host never launches these.
-template <int D>
-__device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int, const int*,
-                                         const int*, int, int, int, float, float*, float*) {}
-template <int D>
-__device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int,
-                                              const int*, const int*, int, int, int, float, int, int, int) {}
+template <int D, bool F8>
+__device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
+                                         const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int, int,
+                                         int, float, float*, float*) {}
+template <int D, bool F8>
+__device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
+                                              const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int,
+                                              int, int, float, int, int, int) {}
 #endif
 
 // Decode: attention.cu's signature and launch shape (plus dynamic shared memory).
-ATTENTION_KERNEL(paged_attention_mma, paged_attention_mma_impl, 64)
-ATTENTION_KERNEL(paged_attention_mma, paged_attention_mma_impl, 128)
+#define ATTENTION_MMA_KERNEL(NAME, D, F8, KV)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
+        bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
+        int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
+        float scale, float* part_ml, float* part_acc) {                                                       \
+        paged_attention_mma_impl<D, F8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,         \
+                                        positions, hq, hkv, block_size, scale, part_ml, part_acc);            \
+    }
+ATTENTION_MMA_KERNEL(paged_attention_mma, 64, false, bf16_t)
+ATTENTION_MMA_KERNEL(paged_attention_mma, 128, false, bf16_t)
 
 // Prefill: the block's first token is t_begin + blockIdx.x * tq, tokens past n are not computed.
-#define ATTENTION_MMA_ROWS_KERNEL(D)                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma_rows_d##D(          \
-        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
-        const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale, int t_begin, int n, int tq) {                             \
-        paged_attention_mma_rows_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, \
-                                         positions, hq, hkv, block_size, scale, t_begin, n, tq);        \
+#define ATTENTION_MMA_ROWS_KERNEL(NAME, D, F8, KV)                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
+        bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
+        int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
+        float scale, int t_begin, int n, int tq) {                                                            \
+        paged_attention_mma_rows_impl<D, F8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,    \
+                                             positions, hq, hkv, block_size, scale, t_begin, n, tq);          \
     }
-ATTENTION_MMA_ROWS_KERNEL(64)
-ATTENTION_MMA_ROWS_KERNEL(128)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 64, false, bf16_t)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t)
+
+// The fp8 kernels need sm_89's e4m3 conversions.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 64, true, fp8_t)
+ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 128, true, fp8_t)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t)
+#else
+// Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
+#define ATTENTION_MMA_F8_STUB(NAME, ...) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
+    const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, __VA_ARGS__) {}
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d64, float*, float*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d128, float*, float*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64, int, int, int)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128, int, int, int)
+#endif

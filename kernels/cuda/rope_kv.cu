@@ -1,15 +1,31 @@
 // RoPE (rotate-half, as transformers' Llama) fused with the paged KV-cache write.
 // qkv: [n, (Hq + 2*Hkv) * D] bf16, the fused q/k/v projection of each token (+ bias when not null, f32).
 // cos_t/sin_t: [max_pos, D/2] f32 tables (Llama-3 frequency scaling already applied on the host).
-// slots[t] = block * block_size + offset of token t's position; caches: [blocks, Hkv, block_size, D].
-// Writes the rotated q to q_out [n, Hq*D] and the rotated k and plain v into the caches.
+// slots[t] = block * block_size + offset of token t's position.
+// Writes the rotated q to q_out [n, Hq*D] and the rotated k and plain v into the caches:
+// - rope_kv_write: bf16 caches, both [blocks, Hkv, block_size, D];
+// - rope_kv_write_fp8: e4m3 bytes (scale 1, saturating, one rounding from f32), K as
+//   [blocks, Hkv, block_size, D] and V transposed within each block, [blocks, Hkv, D, block_size]
+//   (the layout attention_mma.cu's fp8 kernels read).
 // grid: one block per token.
-extern "C" __global__ void rope_kv_write(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
-                                         const int* __restrict__ positions, const float* __restrict__ cos_t,
-                                         const float* __restrict__ sin_t, const int* __restrict__ slots,
-                                         bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache,
-                                         bf16_t* __restrict__ v_cache, int hq, int hkv, int d,
-                                         int block_size) {
+
+// f32 -> e4m3 byte, round to nearest even, saturating to +-448 (sm_89+; never launched below).
+__device__ __forceinline__ unsigned char f2e4m3(float x) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(0.f), "f"(x));
+    return (unsigned char)(r & 0xffu);
+#else
+    return (unsigned char)(0.f * x);
+#endif
+}
+
+template <bool F8>
+__device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
+                                                   const int* __restrict__ positions, const float* __restrict__ cos_t,
+                                                   const float* __restrict__ sin_t, const int* __restrict__ slots,
+                                                   bf16_t* __restrict__ q_out, void* __restrict__ k_cache,
+                                                   void* __restrict__ v_cache, int hq, int hkv, int d, int block_size) {
     const u64 t = blockIdx.x;
     const int half = d >> 1;
     const int width = (hq + 2 * hkv) * d;
@@ -33,8 +49,13 @@ extern "C" __global__ void rope_kv_write(const bf16_t* __restrict__ qkv, const f
             q_out[t * (u64)(hq * d) + c1] = f2bf(y1);
         } else {
             const u64 base = ((blk * hkv + (h - hq)) * block_size + off) * d;
-            k_cache[base + i] = f2bf(y0);
-            k_cache[base + i + half] = f2bf(y1);
+            if constexpr (F8) {
+                static_cast<unsigned char*>(k_cache)[base + i] = f2e4m3(y0);
+                static_cast<unsigned char*>(k_cache)[base + i + half] = f2e4m3(y1);
+            } else {
+                static_cast<bf16_t*>(k_cache)[base + i] = f2bf(y0);
+                static_cast<bf16_t*>(k_cache)[base + i + half] = f2bf(y1);
+            }
         }
     }
     // v heads: copied as they are.
@@ -43,6 +64,17 @@ extern "C" __global__ void rope_kv_write(const bf16_t* __restrict__ qkv, const f
         const int h = e / d, i = e % d;
         float x = bf2f(row[vstart + e]);
         if (bias) x += bias[vstart + e];
-        v_cache[((blk * hkv + h) * block_size + off) * d + i] = f2bf(x);
+        if constexpr (F8) static_cast<unsigned char*>(v_cache)[((blk * hkv + h) * d + i) * block_size + off] = f2e4m3(x);
+        else static_cast<bf16_t*>(v_cache)[((blk * hkv + h) * block_size + off) * d + i] = f2bf(x);
     }
 }
+
+#define ROPE_KV_WRITE(NAME, F8)                                                                                 \
+    extern "C" __global__ void NAME(const bf16_t* qkv, const float* bias, const int* positions, const float* cos_t, \
+                                    const float* sin_t, const int* slots, bf16_t* q_out, void* k_cache,          \
+                                    void* v_cache, int hq, int hkv, int d, int block_size) {                     \
+        rope_kv_write_impl<F8>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, hkv, d,   \
+                               block_size);                                                                      \
+    }
+ROPE_KV_WRITE(rope_kv_write, false)
+ROPE_KV_WRITE(rope_kv_write_fp8, true)

@@ -3,7 +3,8 @@
 //! without the sequence split. Prints a table; asserts nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
-use peregrine_kernels::{Cuda, OutType};
+use peregrine_kernels::ops::AttentionKernel;
+use peregrine_kernels::{Cuda, KvCacheDtype, OutType};
 
 fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
     f();
@@ -98,13 +99,13 @@ fn main() {
         let out = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let mut line = format!("decode attention ctx {ctx:>5} (KV {:.1} MB, split x{}):", (2 * kc.len() * 2) as f64 / 1e6, c.kernels.attention_splits(1, hkv));
-        for kernel in ATTENTION_KERNELS {
+        for (kernel, kv) in attention_variants(&c) {
             let run = |p: Option<u64>| unsafe {
-                c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p).unwrap()
+                c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p, kv).unwrap()
             };
             let t1 = time(&c, 30, || run(None));
             let t2 = time(&c, 30, || run(Some(parts.ptr())));
-            line += &format!("  {kernel:?} {:.1} us unsplit, {:.1} us split", t1 * 1e6, t2 * 1e6);
+            line += &format!("  {} {:.1} us unsplit, {:.1} us split", label(kernel, kv), t1 * 1e6, t2 * 1e6);
         }
         println!("{line}");
     }
@@ -128,14 +129,16 @@ fn main() {
         let out = c.gpu.alloc_zeros::<u16>(seqs * hq * d).unwrap();
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let kv_bytes = (2 * seqs * ctx * hkv * d * 2) as f64;
-        let mut line = format!("batched decode attention {seqs} x ctx {ctx} (KV {:.0} MB):", kv_bytes / 1e6);
-        for kernel in ATTENTION_KERNELS {
+        let mut line = format!("batched decode attention {seqs} x ctx {ctx} (KV {:.0} MB in bf16):", kv_bytes / 1e6);
+        for (kernel, kv) in attention_variants(&c) {
             let t = time(&c, 20, || unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, seqs, hq, hkv, d, bs, Some(parts.ptr()))
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, seqs, hq, hkv, d, bs, Some(parts.ptr()), kv)
                     .unwrap()
             });
-            line += &format!("  {kernel:?} {:.1} us = {:.0} GB/s", t * 1e6, kv_bytes / t / 1e9);
+            // GB/s of the bytes this cache type really reads.
+            let read = kv_bytes / 2.0 * kv.bytes() as f64;
+            line += &format!("  {} {:.1} us = {:.0} GB/s", label(kernel, kv), t * 1e6, read / t / 1e9);
         }
         println!("{line}");
     }
@@ -160,20 +163,32 @@ fn main() {
         let out = c.gpu.alloc_zeros::<u16>(n * hq * d).unwrap();
         let flops = (seqs * len * (len + 1) / 2 * hq * d * 4) as f64;
         let mut line = format!("prefill attention {seqs} x {len} tokens:");
-        for kernel in ATTENTION_KERNELS {
+        for (kernel, kv) in attention_variants(&c) {
             let t = time(&c, 10, || unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None)
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None, kv)
                     .unwrap()
             });
-            line += &format!("  {kernel:?} {:.1} us = {:.1} TFLOP/s", t * 1e6, flops / t / 1e12);
+            line += &format!("  {} {:.1} us = {:.1} TFLOP/s", label(kernel, kv), t * 1e6, flops / t / 1e12);
         }
         println!("{line}");
     }
 }
 
-const ATTENTION_KERNELS: [peregrine_kernels::ops::AttentionKernel; 3] = [
-    peregrine_kernels::ops::AttentionKernel::WarpPerKey,
-    peregrine_kernels::ops::AttentionKernel::Tiled,
-    peregrine_kernels::ops::AttentionKernel::Mma,
-];
+/// Every attention kernel on a bf16 cache, and the tensor-core kernel on an fp8 cache where the GPU
+/// serves one (the fp8 runs read the same buffers as bytes: the values are not meaningful, the
+/// timing is).
+fn attention_variants(c: &Cuda) -> Vec<(AttentionKernel, KvCacheDtype)> {
+    let mut v = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16), (AttentionKernel::Tiled, KvCacheDtype::Bf16), (AttentionKernel::Mma, KvCacheDtype::Bf16)];
+    if c.kernels.fp8_kv_ready() {
+        v.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
+    }
+    v
+}
+
+fn label(kernel: AttentionKernel, kv: KvCacheDtype) -> String {
+    match kv {
+        KvCacheDtype::Bf16 => format!("{kernel:?}"),
+        KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8"),
+    }
+}

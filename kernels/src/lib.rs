@@ -20,7 +20,7 @@ pub use cudarc;
 pub use device::{probe, DevBuf, Gpu};
 pub use error::{KernelError, Result};
 pub use gemm::{Blas, OutType};
-pub use ops::{DPtr, Kernels};
+pub use ops::{DPtr, Kernels, KvCacheDtype};
 
 /// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
 pub struct Cuda {

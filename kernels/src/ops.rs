@@ -17,6 +17,7 @@ pub struct Kernels {
     embedding_gather: CudaFunction,
     add_rmsnorm: CudaFunction,
     rope_kv_write: CudaFunction,
+    rope_kv_write_fp8: CudaFunction,
     paged_attention_d64: CudaFunction,
     paged_attention_d128: CudaFunction,
     paged_attention_tiled_d64: CudaFunction,
@@ -25,11 +26,18 @@ pub struct Kernels {
     paged_attention_mma_d128: CudaFunction,
     paged_attention_mma_rows_d64: CudaFunction,
     paged_attention_mma_rows_d128: CudaFunction,
+    paged_attention_mma_f8_d64: CudaFunction,
+    paged_attention_mma_f8_d128: CudaFunction,
+    paged_attention_mma_rows_f8_d64: CudaFunction,
+    paged_attention_mma_rows_f8_d128: CudaFunction,
     /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled|mma`); None: chosen per launch.
     attention: Option<AttentionKernel>,
     /// Whether the tensor-core kernel got its dynamic shared memory (it needs more than the 48 KB a
     /// launch gets without opting in); without it every launch takes the CUDA-core kernels.
     mma_ready: bool,
+    /// Whether an fp8 KV cache can be served: the fp8 tensor-core kernels need sm_89 (e4m3
+    /// conversions) and their shared memory.
+    fp8_ready: bool,
     attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
@@ -81,6 +89,29 @@ impl AttentionKernel {
     }
 }
 
+/// Element type of the paged KV cache (`--kv-cache-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    /// bf16, [blocks, kv heads, block size, head dim] for K and V.
+    #[default]
+    Bf16,
+    /// e4m3 bytes, scale 1 (no calibration, as vLLM's `fp8` without scales): half the bytes of bf16,
+    /// so twice the tokens in the same memory and half the K/V traffic of decode attention. K as
+    /// bf16's layout; V transposed within each block ([blocks, kv heads, head dim, block size]).
+    /// Tensor-core attention only (sm_89+), block size a multiple of 16.
+    Fp8E4m3,
+}
+
+impl KvCacheDtype {
+    /// Bytes of one cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvCacheDtype::Bf16 => 2,
+            KvCacheDtype::Fp8E4m3 => 1,
+        }
+    }
+}
+
 /// Largest row count the skinny GEMM (`gemv`) takes.
 pub const GEMV_MAX_M: usize = 8;
 const GEMV_WARPS: usize = 8;
@@ -96,6 +127,8 @@ const MMA_ROWS_PREFILL: usize = 64;
 const MMA_KT: usize = 64;
 const MMA_STAGES: usize = 2;
 const MMA_PAD: usize = 8;
+const MMA_F8_PAD: usize = 16;
+const MMA_F8_STAGES: usize = 3;
 
 /// The arguments every attention kernel takes first, in order.
 struct AttentionArgs {
@@ -131,19 +164,34 @@ impl AttentionArgs {
     }
 }
 
-/// Dynamic shared memory of the tensor-core attention kernels for head dim `d`: the K and V tiles of
-/// every pipeline stage, rows padded (the warps' merge reuses the same bytes).
-pub fn attention_mma_smem_bytes(d: usize) -> usize {
-    MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2
+/// Dynamic shared memory of a tensor-core attention kernel (`decode`: the one-token kernel, else the
+/// prefill rows kernel) for head dim `d`: the K and V tiles of every pipeline stage, rows padded (the
+/// warps' merge reuses the same bytes). attention_mma.cu's MmaDecodeGeom / MmaRowsGeom.
+pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usize {
+    match kv {
+        KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,
+        KvCacheDtype::Fp8E4m3 => {
+            // K tile [kt][d + 16] bytes, V^T tile [d][kt + 16] bytes; decode tiles are 128 keys.
+            let (kt, stages) = if decode { (2 * MMA_KT, MMA_STAGES) } else { (MMA_KT, MMA_F8_STAGES) };
+            stages * (kt * (d + MMA_F8_PAD) + d * (kt + MMA_F8_PAD))
+        }
+    }
 }
 
 /// Lets the tensor-core attention kernels launch with their dynamic shared memory; false if the
 /// device refuses (it has less than they need).
-fn mma_smem_opt_in(module: &Arc<CudaModule>) -> bool {
+fn mma_smem_opt_in(module: &Arc<CudaModule>, kv: KvCacheDtype) -> bool {
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
-    let kernels = [("paged_attention_mma_d64", 64usize), ("paged_attention_mma_d128", 128), ("paged_attention_mma_rows_d64", 64), ("paged_attention_mma_rows_d128", 128)];
-    kernels.iter().all(|&(name, d)| {
-        module.load_function(name).is_ok_and(|f| f.set_attribute(MAX_DYN, attention_mma_smem_bytes(d) as i32).is_ok())
+    let names: [&str; 2] = match kv {
+        KvCacheDtype::Bf16 => ["paged_attention_mma", "paged_attention_mma_rows"],
+        KvCacheDtype::Fp8E4m3 => ["paged_attention_mma_f8", "paged_attention_mma_rows_f8"],
+    };
+    names.iter().enumerate().all(|(i, name)| {
+        [64usize, 128].iter().all(|&d| {
+            module
+                .load_function(&format!("{name}_d{d}"))
+                .is_ok_and(|f| f.set_attribute(MAX_DYN, attention_mma_smem_bytes(d, kv, i == 0) as i32).is_ok())
+        })
     })
 }
 
@@ -166,6 +214,7 @@ impl Kernels {
             embedding_gather: f("embedding_gather")?,
             add_rmsnorm: f("add_rmsnorm")?,
             rope_kv_write: f("rope_kv_write")?,
+            rope_kv_write_fp8: f("rope_kv_write_fp8")?,
             paged_attention_d64: f("paged_attention_d64")?,
             paged_attention_d128: f("paged_attention_d128")?,
             paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,
@@ -174,9 +223,15 @@ impl Kernels {
             paged_attention_mma_d128: f("paged_attention_mma_d128")?,
             paged_attention_mma_rows_d64: f("paged_attention_mma_rows_d64")?,
             paged_attention_mma_rows_d128: f("paged_attention_mma_rows_d128")?,
+            paged_attention_mma_f8_d64: f("paged_attention_mma_f8_d64")?,
+            paged_attention_mma_f8_d128: f("paged_attention_mma_f8_d128")?,
+            paged_attention_mma_rows_f8_d64: f("paged_attention_mma_rows_f8_d64")?,
+            paged_attention_mma_rows_f8_d128: f("paged_attention_mma_rows_f8_d128")?,
             attention: AttentionKernel::from_env(),
             // mma.sync on bf16 and cp.async need sm_80.
-            mma_ready: arch.0 >= 8 && mma_smem_opt_in(module),
+            mma_ready: arch.0 >= 8 && mma_smem_opt_in(module, KvCacheDtype::Bf16),
+            // cvt between e4m3 and f16 needs sm_89.
+            fp8_ready: arch >= (8, 9) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3),
             attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
@@ -249,22 +304,27 @@ impl Kernels {
     }
 
     /// RoPE on the q and k parts of `qkv` (+ optional f32 bias), q written to `q_out`, k and v into the
-    /// paged caches at `slots[t]`.
+    /// paged caches at `slots[t]`, as `kv` elements in that type's layout ([`KvCacheDtype`]).
     ///
     /// # Safety
     /// qkv: n*(hq+2hkv)*d bf16; positions, slots: n i32; cos/sin: (max position + 1)*d/2 f32;
-    /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*d bf16 covering every slot.
+    /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*d elements of `kv` covering every slot.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize) -> Result<()> {
+    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, kv: KvCacheDtype) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         if d % 2 != 0 {
             return Err(KernelError::Unsupported(format!("rope: odd head_dim {d}")));
         }
+        self.check_kv_dtype(kv, block_size)?;
         let bias = bias.unwrap_or(0);
         let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
-        s.launch_builder(&self.rope_kv_write)
+        let func = match kv {
+            KvCacheDtype::Bf16 => &self.rope_kv_write,
+            KvCacheDtype::Fp8E4m3 => &self.rope_kv_write_fp8,
+        };
+        s.launch_builder(func)
             .arg(&qkv)
             .arg(&bias)
             .arg(&positions)
@@ -280,6 +340,25 @@ impl Kernels {
             .arg(&bs)
             .launch(cfg(as_u32(n, "tokens")?, 256))?;
         Ok(())
+    }
+
+    /// Whether this GPU serves an fp8 KV cache (sm_89+, the fp8 attention kernels' shared memory).
+    pub fn fp8_kv_ready(&self) -> bool {
+        self.fp8_ready
+    }
+
+    /// Refuses a KV cache type this GPU, or a block size, cannot serve.
+    pub fn check_kv_dtype(&self, kv: KvCacheDtype, block_size: usize) -> Result<()> {
+        match kv {
+            KvCacheDtype::Bf16 => Ok(()),
+            KvCacheDtype::Fp8E4m3 if !self.fp8_ready => Err(KernelError::Unsupported(
+                "an fp8 KV cache needs a GPU of compute capability 8.9 or newer (e4m3 conversions) and the tensor-core attention kernels' shared memory".into(),
+            )),
+            KvCacheDtype::Fp8E4m3 if block_size % 16 != 0 => {
+                Err(KernelError::Unsupported(format!("an fp8 KV cache needs a block size that is a multiple of 16 (got {block_size})")))
+            }
+            KvCacheDtype::Fp8E4m3 => Ok(()),
+        }
     }
 
     /// f32 scratch [`Kernels::paged_attention`] needs to split decode attention along the sequence.
@@ -305,9 +384,9 @@ impl Kernels {
     /// q/out: n*hq*d bf16; caches as in `rope_kv_write`; block_tables: seqs*max_blocks i32 covering
     /// every position 0..=positions[t]; token_seq, positions: n i32.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>, kv: KvCacheDtype) -> Result<()> {
         let kernel = self.attention.unwrap_or_else(|| {
-            if self.mma_ready {
+            if self.mma_ready || kv == KvCacheDtype::Fp8E4m3 {
                 AttentionKernel::Mma
             } else if partials.is_some() && self.attention_splits(n, hkv) > 1 {
                 AttentionKernel::WarpPerKey
@@ -315,7 +394,7 @@ impl Kernels {
                 AttentionKernel::Tiled
             }
         });
-        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, decode_tokens, hq, hkv, d, block_size, partials)
+        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, decode_tokens, hq, hkv, d, block_size, partials, kv)
     }
 
     /// [`Kernels::paged_attention`] with the kernel chosen by the caller (tests run both).
@@ -323,7 +402,7 @@ impl Kernels {
     /// # Safety
     /// As [`Kernels::paged_attention`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>) -> Result<()> {
+    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>, kv: KvCacheDtype) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -337,6 +416,10 @@ impl Kernels {
         }
         if decode_tokens > n {
             return Err(KernelError::Unsupported(format!("attention: {decode_tokens} decode tokens of {n}")));
+        }
+        self.check_kv_dtype(kv, block_size)?;
+        if kv == KvCacheDtype::Fp8E4m3 && kernel != AttentionKernel::Mma {
+            return Err(KernelError::Unsupported(format!("attention: an fp8 KV cache is read by the tensor-core kernel only, not {kernel:?}")));
         }
         let wide = d == 128;
         let args = AttentionArgs {
@@ -365,23 +448,34 @@ impl Kernels {
                 self.attention_per_token(s, func, 0, &args, n, hq, hkv, d, partials)
             }
             AttentionKernel::Mma => {
-                if !self.mma_ready {
+                if !self.mma_ready && kv == KvCacheDtype::Bf16 {
                     return Err(KernelError::Unsupported("attention: the tensor-core kernel needs sm_80 and its shared memory".into()));
                 }
+                let fp8 = kv == KvCacheDtype::Fp8E4m3;
                 // The leading decode tokens (each alone in its sequence) get a block each, split along
                 // long contexts when they are too few to fill the GPU; the prefill chunks after them
                 // go 64 query rows per block (64 / group tokens).
                 if decode_tokens > 0 {
-                    let func = if wide { &self.paged_attention_mma_d128 } else { &self.paged_attention_mma_d64 };
-                    self.attention_per_token(s, func, attention_mma_smem_bytes(d), &args, decode_tokens, hq, hkv, d, partials)?;
+                    let func = match (fp8, wide) {
+                        (false, false) => &self.paged_attention_mma_d64,
+                        (false, true) => &self.paged_attention_mma_d128,
+                        (true, false) => &self.paged_attention_mma_f8_d64,
+                        (true, true) => &self.paged_attention_mma_f8_d128,
+                    };
+                    self.attention_per_token(s, func, attention_mma_smem_bytes(d, kv, true), &args, decode_tokens, hq, hkv, d, partials)?;
                 }
                 if decode_tokens < n {
-                    let func = if wide { &self.paged_attention_mma_rows_d128 } else { &self.paged_attention_mma_rows_d64 };
+                    let func = match (fp8, wide) {
+                        (false, false) => &self.paged_attention_mma_rows_d64,
+                        (false, true) => &self.paged_attention_mma_rows_d128,
+                        (true, false) => &self.paged_attention_mma_rows_f8_d64,
+                        (true, true) => &self.paged_attention_mma_rows_f8_d128,
+                    };
                     let tq = (MMA_ROWS_PREFILL / (hq / hkv)).max(1);
                     let config = LaunchConfig {
                         grid_dim: (as_u32((n - decode_tokens).div_ceil(tq), "tokens")?, hkv as u32, 1),
                         block_dim: (ATTN_THREADS, 1, 1),
-                        shared_mem_bytes: attention_mma_smem_bytes(d) as u32,
+                        shared_mem_bytes: attention_mma_smem_bytes(d, kv, false) as u32,
                     };
                     let (t_begin, n_i, tq_i) = (as_i32(decode_tokens, "tokens")?, as_i32(n, "tokens")?, as_i32(tq, "tokens per block")?);
                     let mut launch = s.launch_builder(func);

@@ -11,7 +11,7 @@
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::ops::AttentionKernel;
-use peregrine_kernels::{Cuda, DevBuf, OutType};
+use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -52,6 +52,48 @@ fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
     let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
     let den: f64 = want.iter().map(|w| w * w).sum();
     (num / den.max(1e-300)).sqrt()
+}
+
+/// The value of an e4m3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7f/0xff NaN).
+fn e4m3_value(b: u8) -> f64 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0xf, b & 7);
+    if e == 0xf && m == 7 {
+        return f64::NAN;
+    }
+    if e == 0 {
+        sign * m as f64 / 8.0 * 2f64.powi(-6)
+    } else {
+        sign * (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
+    }
+}
+
+/// Random e4m3 bytes with |value| <= 2 (every exponent from subnormals up, so both ends of the format
+/// are exercised), with their values.
+fn rand_fp8(r: &mut ChaCha8Rng, n: usize) -> (Vec<u8>, Vec<f64>) {
+    let mut bytes = Vec::with_capacity(n);
+    let mut vals = Vec::with_capacity(n);
+    while bytes.len() < n {
+        let b: u8 = r.random();
+        let v = e4m3_value(b);
+        if v.is_finite() && v.abs() <= 2.0 {
+            bytes.push(b);
+            vals.push(v);
+        }
+    }
+    (bytes, vals)
+}
+
+/// `Some(cuda)` when the GPU can hold a KV cache of type `kv`, else a visible skip (an fp8 cache needs
+/// sm_89; `make test-gpu`'s H100 always can).
+fn cuda_for(kv: KvCacheDtype) -> Option<Cuda> {
+    let c = cuda_or_skip()?;
+    if let Err(e) = c.kernels.check_kv_dtype(kv, 16) {
+        assert!(std::env::var_os("PEREGRINE_REQUIRE_FP8").is_none(), "PEREGRINE_REQUIRE_FP8 is set: {e}");
+        eprintln!("skipped: {e}");
+        return None;
+    }
+    Some(c)
 }
 
 fn poison(c: &Cuda, n: usize) -> DevBuf<u16> {
@@ -165,9 +207,62 @@ fn cache_index(block: usize, h: usize, off: usize, i: usize, hkv: usize, bs: usi
     ((block * hkv + h) * bs + off) * d + i
 }
 
+/// Where an fp8 cache keeps V: transposed within each block, [blocks, hkv, d, bs].
+fn v_index_fp8(block: usize, h: usize, off: usize, i: usize, hkv: usize, bs: usize, d: usize) -> usize {
+    ((block * hkv + h) * d + i) * bs + off
+}
+
+/// Random K and V caches of `len` elements of type `kv` as uploaded bytes (V in its type's layout)
+/// and their values in bf16's layout ([blocks, hkv, bs, d]) for the reference.
+fn rand_caches(c: &Cuda, r: &mut ChaCha8Rng, kv: KvCacheDtype, len: usize, hkv: usize, bs: usize, d: usize) -> (DevBuf<u8>, DevBuf<u8>, Vec<f64>, Vec<f64>) {
+    match kv {
+        KvCacheDtype::Bf16 => {
+            let (kb, kv_) = rand_bf16(r, len, 1.0);
+            let (vb, vv) = rand_bf16(r, len, 1.0);
+            let bytes = |b: &[u16]| -> Vec<u8> { b.iter().flat_map(|x| x.to_le_bytes()).collect() };
+            (c.gpu.upload(&bytes(&kb)).unwrap(), c.gpu.upload(&bytes(&vb)).unwrap(), kv_, vv)
+        }
+        KvCacheDtype::Fp8E4m3 => {
+            let (kb, kv_) = rand_fp8(r, len);
+            let (vb, vv) = rand_fp8(r, len);
+            let mut vt = vec![0u8; len];
+            let blocks = len / (hkv * bs * d);
+            for b in 0..blocks {
+                for h in 0..hkv {
+                    for off in 0..bs {
+                        for i in 0..d {
+                            vt[v_index_fp8(b, h, off, i, hkv, bs, d)] = vb[cache_index(b, h, off, i, hkv, bs, d)];
+                        }
+                    }
+                }
+            }
+            (c.gpu.upload(&kb).unwrap(), c.gpu.upload(&vt).unwrap(), kv_, vv)
+        }
+    }
+}
+
 #[test]
 fn rope_kv_write_matches_reference() {
-    let Some(c) = cuda_or_skip() else { return };
+    rope_kv_write_case(KvCacheDtype::Bf16);
+}
+
+#[test]
+fn rope_kv_write_fp8_matches_reference() {
+    rope_kv_write_case(KvCacheDtype::Fp8E4m3);
+}
+
+/// e4m3 rounding to nearest: within half a unit of the last place, 2^-4 relative for normal values
+/// (3 mantissa bits), 2^-10 absolute below 2^-6 (subnormal steps of 2^-9); plus f32 arithmetic.
+fn assert_fp8_close(got: &[u8], want: &[f64], what: &str) {
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let g = e4m3_value(g);
+        let tol = w.abs() / 16.0 + 2f64.powi(-10) + 1e-6;
+        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w} (tol {tol})");
+    }
+}
+
+fn rope_kv_write_case(kv: KvCacheDtype) {
+    let Some(c) = cuda_for(kv) else { return };
     let mut r = rng();
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
         let bs = 16;
@@ -213,14 +308,25 @@ fn rope_kv_write_matches_reference() {
             c.gpu.upload(&slots).unwrap(),
         );
         let qout = poison(&c, n * hq * d);
-        let kc = poison(&c, cache_len);
-        let vc = poison(&c, cache_len);
+        // Caches as bytes, poisoned (bf16 NaN pairs; 0xff is an e4m3 NaN too).
+        let kc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
+        let vc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
         unsafe {
             c.kernels
-                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs)
+                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv)
                 .unwrap()
         };
-        let (gq, gk, gv) = (qout.download(&c.gpu.stream).unwrap(), kc.download(&c.gpu.stream).unwrap(), vc.download(&c.gpu.stream).unwrap());
+        let gq = qout.download(&c.gpu.stream).unwrap();
+        let (gk, gv) = (kc.download(&c.gpu.stream).unwrap(), vc.download(&c.gpu.stream).unwrap());
+        let as_bf16 = |b: &[u8]| -> Vec<u16> { b.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).collect() };
+        // Checks a cached head row: `at(i)` is element i's index in the cache.
+        let check_cache = |bytes: &[u8], at: &dyn Fn(usize) -> usize, want: &[f64], what: &str| match kv {
+            KvCacheDtype::Bf16 => {
+                let all = as_bf16(bytes);
+                assert_bf16_close(&(0..d).map(|i| all[at(i)]).collect::<Vec<_>>(), want, what)
+            }
+            KvCacheDtype::Fp8E4m3 => assert_fp8_close(&(0..d).map(|i| bytes[at(i)]).collect::<Vec<_>>(), want, what),
+        };
         for t in 0..n {
             let x = |col: usize| qv[t * width + col] + bias[col] as f64;
             let (cs, sn) = (&cos[positions[t] as usize * half..], &sin[positions[t] as usize * half..]);
@@ -233,17 +339,19 @@ fn rope_kv_write_matches_reference() {
                     want[i] = x0 * cs[i] as f64 - x1 * sn[i] as f64;
                     want[i + half] = x1 * cs[i] as f64 + x0 * sn[i] as f64;
                 }
-                let got: Vec<u16> = if h < hq {
-                    gq[t * hq * d + h * d..t * hq * d + (h + 1) * d].to_vec()
+                if h < hq {
+                    assert_bf16_close(&gq[t * hq * d + h * d..t * hq * d + (h + 1) * d], &want, "rotated q");
                 } else {
-                    (0..d).map(|i| gk[cache_index(blk, h - hq, off, i, hkv, bs, d)]).collect()
-                };
-                assert_bf16_close(&got, &want, if h < hq { "rotated q" } else { "rotated k in cache" });
+                    check_cache(&gk, &|i| cache_index(blk, h - hq, off, i, hkv, bs, d), &want, "rotated k in cache");
+                }
             }
             for h in 0..hkv {
                 let want: Vec<f64> = (0..d).map(|i| x((hq + hkv + h) * d + i)).collect();
-                let got: Vec<u16> = (0..d).map(|i| gv[cache_index(blk, h, off, i, hkv, bs, d)]).collect();
-                assert_bf16_close(&got, &want, "v in cache");
+                let at = |i: usize| match kv {
+                    KvCacheDtype::Bf16 => cache_index(blk, h, off, i, hkv, bs, d),
+                    KvCacheDtype::Fp8E4m3 => v_index_fp8(blk, h, off, i, hkv, bs, d),
+                };
+                check_cache(&gv, &at, &want, "v in cache");
             }
         }
     }
@@ -252,8 +360,24 @@ fn rope_kv_write_matches_reference() {
 #[test]
 fn paged_attention_matches_reference() {
     let Some(c) = cuda_or_skip() else { return };
-    let mut r = rng();
     for kernel in [AttentionKernel::WarpPerKey, AttentionKernel::Tiled, AttentionKernel::Mma] {
+        paged_attention_case(&c, kernel, KvCacheDtype::Bf16);
+    }
+}
+
+/// The fp8 cache through the tensor-core kernel (its only reader), against a reference over the very
+/// e4m3 values in the cache: what is checked is the kernel, not the quantization.
+#[test]
+fn paged_attention_fp8_matches_reference() {
+    let Some(c) = cuda_for(KvCacheDtype::Fp8E4m3) else { return };
+    paged_attention_case(&c, AttentionKernel::Mma, KvCacheDtype::Fp8E4m3);
+    // The CUDA-core kernels refuse an fp8 cache rather than misread it.
+    let err = unsafe { c.kernels.paged_attention_with(AttentionKernel::Tiled, &c.gpu.stream, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 8, 8, 128, 16, None, KvCacheDtype::Fp8E4m3) };
+    assert!(err.is_err(), "the tiled kernel must refuse an fp8 cache");
+}
+
+fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype) {
+    let mut r = rng();
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 128)] {
         let bs = 16;
         // Three sequences: a decode token at a long context, a prefill chunk over a cached prefix, a fresh prompt.
@@ -261,8 +385,7 @@ fn paged_attention_matches_reference() {
         let chunks = [(0usize, 699..700usize), (1, 50..70), (2, 0..9)];
         let pg = paged(&mut r, &lens, bs);
         let cache_len = pg.num_blocks * hkv * bs * d;
-        let (kc, kv) = rand_bf16(&mut r, cache_len, 1.0);
-        let (vc, vv) = rand_bf16(&mut r, cache_len, 1.0);
+        let (dk, dv, kv, vv) = rand_caches(c, &mut r, kvt, cache_len, hkv, bs, d);
         let mut positions = vec![];
         let mut token_seq = vec![];
         for (s, range) in chunks.iter().cloned() {
@@ -273,41 +396,39 @@ fn paged_attention_matches_reference() {
         }
         let n = positions.len();
         let (q, qv) = rand_bf16(&mut r, n * hq * d, 2.0);
-        let (dq, dk, dv, dbt, dts, dpos) = (
+        let (dq, dbt, dts, dpos) = (
             c.gpu.upload(&q).unwrap(),
-            c.gpu.upload(&kc).unwrap(),
-            c.gpu.upload(&vc).unwrap(),
             c.gpu.upload(&pg.block_tables).unwrap(),
             c.gpu.upload(&token_seq).unwrap(),
             c.gpu.upload(&positions).unwrap(),
         );
         let partials = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
-        let out = poison(&c, n * hq * d);
+        let out = poison(c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 1, hq, hkv, d, bs, None)
+                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 1, hq, hkv, d, bs, None, kvt)
                 .unwrap()
         };
         let got = to_f64(&out.download(&c.gpu.stream).unwrap());
         // The same batch with no token taken as a decode token: the lone token of sequence 0 goes
         // through the prefill path too (for the tensor-core kernel: its 64-row blocks).
-        let all_prefill = poison(&c, n * hq * d);
+        let all_prefill = poison(c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention_with(kernel, &c.gpu.stream, all_prefill.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 0, hq, hkv, d, bs, None)
+                .paged_attention_with(kernel, &c.gpu.stream, all_prefill.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 0, hq, hkv, d, bs, None, kvt)
                 .unwrap()
         };
         let all_prefill = to_f64(&all_prefill.download(&c.gpu.stream).unwrap());
         // Split along the sequence: each token alone (decode-sized launches) must give the same result.
         let mut split_out = vec![0f64; n * hq * d];
         for t in 0..n {
-            let one = poison(&c, hq * d);
+            let one = poison(c, hq * d);
             let (pos1, seq1) = (c.gpu.upload(&positions[t..t + 1]).unwrap(), c.gpu.upload(&token_seq[t..t + 1]).unwrap());
             let q1 = c.gpu.upload(&q[t * hq * d..(t + 1) * hq * d]).unwrap();
             assert!(c.kernels.attention_splits(1, hkv) > 1, "a single token is split");
             unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, &c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, 1, hq, hkv, d, bs, Some(partials.ptr()))
+                    .paged_attention_with(kernel, &c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, 1, hq, hkv, d, bs, Some(partials.ptr()), kvt)
                     .unwrap()
             };
             split_out[t * hq * d..(t + 1) * hq * d].copy_from_slice(&to_f64(&one.download(&c.gpu.stream).unwrap()));
@@ -342,12 +463,12 @@ fn paged_attention_matches_reference() {
             assert!(got.iter().all(|v| v.is_finite()), "{label}: every output written and finite");
             let err = rel_l2(got, &want);
             let max_abs = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max);
-            eprintln!("attention {kernel:?} {label} hq={hq} hkv={hkv} d={d}: rel L2 {err:.2e}, max abs {max_abs:.2e}");
+            eprintln!("attention {kernel:?} {kvt:?} {label} hq={hq} hkv={hkv} d={d}: rel L2 {err:.2e}, max abs {max_abs:.2e}");
             assert!(err < 1e-2, "{label}: rel L2 error {err}");
-            // Outputs are convex combinations of values in [-1, 1]: bf16 rounding of q and out bounds the error well under 0.02.
-            assert!(max_abs < 2e-2, "{kernel:?} {label}: max abs error {max_abs}");
+            // Outputs are convex combinations of values in [-2, 2] (bf16: [-1, 1]): the 16-bit rounding
+            // of q, p and out bounds the error well under 0.02.
+            assert!(max_abs < 2e-2, "{kernel:?} {kvt:?} {label}: max abs error {max_abs}");
         }
-    }
     }
 }
 

@@ -1,9 +1,9 @@
 //! CUDA backend figures on a Llama-3.1-8B-shaped model with random bf16 weights made on the GPU:
 //! HBM bandwidth, batch-1 and batch-64 decode (128 prompt + 128 new tokens), prefill 1 x 2048 and
 //! 8 x 512, TTFT of a 2048-token prompt. `cargo build --release --example cuda_bench`, run on a GPU.
-//! Optional argument: decode steps (default 128).
+//! Optional argument: decode steps (default 128). CUDA_BENCH_KV=fp8 runs with an fp8 KV cache.
 
-use peregrine_engine::backend::cuda::{bench, CudaBackend, CudaOptions, WeightInit};
+use peregrine_engine::backend::cuda::{bench, CudaBackend, CudaOptions, KvCacheDtype, WeightInit};
 
 fn main() {
     if let Err(e) = run() {
@@ -28,6 +28,7 @@ fn run() -> peregrine_engine::Result<()> {
         max_num_batched_tokens: 4096.max(batches.iter().copied().max().unwrap_or(0)),
         max_num_seqs: 256.max(batches.iter().copied().max().unwrap_or(0)),
         cuda_graph_max_batch: if graphs { 256 } else { 0 },
+        kv_cache_dtype: if std::env::var("CUDA_BENCH_KV").is_ok_and(|v| v == "fp8") { KvCacheDtype::Fp8E4m3 } else { KvCacheDtype::Bf16 },
         ..CudaOptions::default()
     };
     let t0 = std::time::Instant::now();
@@ -40,7 +41,7 @@ fn run() -> peregrine_engine::Result<()> {
     // Warm-up (kernel load, cuBLAS heuristics, first-touch of the KV cache).
     bench::decode(&mut b, 1, 16, 4, 4096)?;
     let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
-    println!("cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}", on("PEREGRINE_GEMV"), std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"));
+    println!("cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}, KV cache: {:?}", on("PEREGRINE_GEMV"), std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"), opts.kv_cache_dtype);
     for &batch in &batches {
         let f = bench::decode(&mut b, batch, 128, steps, 4096)?;
         let extra = if batch == 1 { format!(", {:.1}% of the bandwidth bound", 100.0 * f.tokens_per_second() / bound) } else { String::new() };

@@ -23,6 +23,7 @@ pub use rope::{inv_freq, tables as rope_tables};
 pub use weights::GpuWeights;
 
 use peregrine_kernels::ops::{DPtr, SAMPLE_PARAMS};
+pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType};
 
 use self::lora::{GpuLora, Projection};
@@ -66,6 +67,9 @@ pub struct CudaOptions {
     /// LoRA slots to reserve before the KV cache is sized (`--enable-lora`); None: no LoRA unless
     /// [`Backend::enable_lora`] finds memory for it later.
     pub lora: Option<LoraCapacity>,
+    /// Element type of the KV cache (`--kv-cache-dtype`): bf16, or e4m3 for twice the tokens and half
+    /// the attention traffic.
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for CudaOptions {
@@ -80,6 +84,7 @@ impl Default for CudaOptions {
             num_blocks: None,
             cuda_graph_max_batch: 256,
             lora: None,
+            kv_cache_dtype: KvCacheDtype::Bf16,
         }
     }
 }
@@ -148,8 +153,10 @@ pub struct CudaBackend {
     cuda: Cuda,
     config: ModelConfig,
     weights: GpuWeights,
-    /// Per layer: K then V, each `[num_blocks, kv_heads, block_size, head_dim]` bf16, in one allocation.
+    /// Per layer: K then V, each `num_blocks * kv_heads * block_size * head_dim` elements of
+    /// `kv_dtype` in its layout ([`KvCacheDtype`]), in one allocation.
     kv_cache: DevBuf<u16>,
+    kv_dtype: KvCacheDtype,
     rope_cos: DevBuf<f32>,
     rope_sin: DevBuf<f32>,
     scratch: Scratch,
@@ -212,6 +219,8 @@ impl CudaBackend {
         if !(0.0..=1.0).contains(&opts.gpu_memory_utilization) {
             return Err(EngineError::InvalidRequest(format!("gpu_memory_utilization {} not in (0, 1]", opts.gpu_memory_utilization)));
         }
+        // Before the weights go up: a cache type this GPU cannot serve is refused at once.
+        cuda.kernels.check_kv_dtype(opts.kv_cache_dtype, opts.block_size).map_err(|e| EngineError::InvalidRequest(format!("--kv-cache-dtype: {e}")))?;
         let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
         let (config, weights) = match init {
             WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w)?),
@@ -232,7 +241,7 @@ impl CudaBackend {
         let rope_sin = cuda.gpu.upload(&sin).map_err(gpu_err)?;
         cuda.gpu.synchronize().map_err(gpu_err)?;
 
-        let block_bytes = kv_block_bytes(&config, opts.block_size, 2);
+        let block_bytes = kv_block_bytes(&config, opts.block_size, opts.kv_cache_dtype.bytes());
         let num_blocks = match opts.num_blocks {
             Some(n) => n,
             None => {
@@ -258,16 +267,17 @@ impl CudaBackend {
                 opts.gpu_memory_utilization
             )));
         }
-        let kv_cache = cuda.gpu.alloc_zeros::<u16>(num_blocks * block_bytes / 2).map_err(gpu_err)?;
+        let kv_cache = cuda.gpu.alloc_zeros::<u16>((num_blocks * block_bytes).div_ceil(2)).map_err(gpu_err)?;
         tracing::info!(
-            "cuda:{} {} sm_{}{}: weights {:.2} GiB, KV cache {num_blocks} blocks × {} tokens ({:.2} GiB)",
+            "cuda:{} {} sm_{}{}: weights {:.2} GiB, KV cache {num_blocks} blocks × {} tokens ({:.2} GiB, {:?})",
             opts.device,
             cuda.gpu.name,
             cuda.gpu.arch.0,
             cuda.gpu.arch.1,
             weights.bytes() as f64 / (1u64 << 30) as f64,
             opts.block_size,
-            (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64
+            (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64,
+            opts.kv_cache_dtype
         );
         let limits = Limits {
             vocab: config.vocab_size,
@@ -277,13 +287,13 @@ impl CudaBackend {
             lora_slots: lora.as_ref().map_or(0, |l| l.capacity.max_loras),
         };
         let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
-        Ok(CudaBackend { cuda, config, weights, kv_cache, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
+        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
     fn cache_ptr(&self, layer: usize, v: bool) -> u64 {
-        let per = self.limits.num_blocks * self.config.kv_dim() * self.limits.block_size;
-        self.kv_cache.ptr_at((2 * layer + v as usize) * per)
+        let per_bytes = self.limits.num_blocks * self.config.kv_dim() * self.limits.block_size * self.kv_dtype.bytes();
+        self.kv_cache.ptr() + ((2 * layer + v as usize) * per_bytes) as u64
     }
 
     /// Runs the layers for `batch` and leaves the logits of the wanted rows in `scratch.logits`;
@@ -427,8 +437,9 @@ impl CudaBackend {
                     hkv,
                     d,
                     bs,
+                    self.kv_dtype,
                 )?;
-                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()))?;
+                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
                 add_lora(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)])?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;

@@ -10,7 +10,7 @@
 //   have room to spare, the K/V bytes are what counts, and they are read once per group). The four
 //   warps split each K/V tile (16 keys each), keep their own online softmax (running max m, sum l,
 //   accumulator O as mma fragments) and are merged by attention.cu's attention_merge_write, which
-//   also writes the partials of splits along the sequence for attention_combine.
+//   also writes the partials of splits along the sequence and lets the last split combine them.
 // - paged_attention_mma_rows (prefill chunks): 64 rows, the tq = 64 / group consecutive tokens from
 //   t_begin + blockIdx.x * tq (row r: token r / group, head r % group), each warp owning 16 rows
 //   against all 64 keys of every tile (flash-attention 2's layout), so a K/V tile read from L2 serves
@@ -30,10 +30,11 @@
 // keys its V fragment holds (column 2q+e of n-tile t of 16 keys = key 4q+2t+e). Q and P are f16 in
 // this path (f16 has the finer mantissa; |Q| is clamped to f16's range).
 #define MMA_WARPS 4
-#define MMA_KT 64      // keys per tile (the decode kernel's warps take 16 each; fp8 decode: 128, 32 each)
+#define MMA_KT 64      // keys per tile (the decode kernel's warps take 16 each)
 // MMA_WARPS must equal attention.cu's ATTN_WARPS: the decode kernel uses its merge.
 #define MMA_STAGES 2     // pipeline depth (fp8 prefill: MMA_F8_STAGES)
-#define MMA_F8_STAGES 3  // an fp8 tile is half the bytes: one more in flight keeps as many bytes coming
+#define MMA_F8_STAGES 3  // fp8 prefill: an fp8 tile is half the bytes, one more in flight
+#define MMA_F8_DECODE_BLOCKS 4  // fp8 decode: blocks per SM the registers are bounded for
 #define MMA_PAD 8      // bf16 elements after each shared-memory row: ldmatrix rows land in distinct banks
 #define MMA_F8_PAD 16  // bytes after each fp8 shared-memory row (K rows: D + 16, V^T rows: 64 + 16)
 
@@ -44,9 +45,7 @@ template <bool F8> struct KvElem { typedef bf16_t T; };
 template <> struct KvElem<true> { typedef fp8_t T; };
 
 // Tiles of KT_ keys, STAGES_ deep; shared-memory geometry of one pipeline stage in bytes: the K tile,
-// then the V tile. The fp8 decode kernel takes tiles of 128 keys (32 per warp): with half the bytes
-// per key, a 64-key tile left the per-tile costs (barriers, softmax, copies issued) on half the data,
-// and the kernel was bound by them rather than by HBM (1.3x bf16's speed instead of 2x).
+// then the V tile.
 template <int D, bool F8, int KT_, int STAGES_> struct MmaGeom {
     static constexpr int KT = KT_;
     static constexpr int STAGES = STAGES_;
@@ -56,7 +55,11 @@ template <int D, bool F8, int KT_, int STAGES_> struct MmaGeom {
     static constexpr int V_TILE = F8 ? D * V_ROW : KT * V_ROW;
     static constexpr int STAGE = K_TILE + V_TILE;
 };
-template <int D, bool F8> using MmaDecodeGeom = MmaGeom<D, F8, F8 ? 2 * MMA_KT : MMA_KT, MMA_STAGES>;
+// The fp8 decode kernel keeps two stages (39 KB) so that four blocks share an SM (MMA_F8_DECODE_BLOCKS):
+// with a quarter of its mma rows in use and little arithmetic per byte, it is bound by latency, and
+// occupancy is what moved it on the H100 (256 x 1024 keys: 294 -> 270 us; three stages at three
+// blocks per SM, and 128-key tiles, were slower).
+template <int D, bool F8> using MmaDecodeGeom = MmaGeom<D, F8, MMA_KT, MMA_STAGES>;
 template <int D, bool F8> using MmaRowsGeom = MmaGeom<D, F8, MMA_KT, F8 ? MMA_F8_STAGES : MMA_STAGES>;
 
 // fp8 K tiles: the shared-memory row of key r of a tile. Within each 16 keys, the keys of score
@@ -363,7 +366,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
     const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ split_counters) {
     typedef MmaDecodeGeom<D, F8> G;
     constexpr int KW = G::KT / MMA_WARPS;  // keys of a tile per warp (16, fp8: 32)
     constexpr int NT = D / 8;  // mma n-tiles of p·V
@@ -373,7 +376,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(mma_smem);
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP], sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
 
-    if (gridDim.z == 1) pdl_trigger();
+    pdl_trigger();  // the o GEMV after this may start streaming its weights (it waits for our output)
     // fp8 V tiles are copied 16 keys at a time: splits start at multiples of 16.
     const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv, F8 ? 16 : 1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane & 3;
@@ -436,7 +439,8 @@ __device__ __forceinline__ void paged_attention_mma_impl(
             sm_acc[warp][r][x * 8 + quad * 2 + 1] = o[x][1];
         }
     }
-    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc);
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc,
+                             split_counters);
 }
 
 // Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
@@ -550,7 +554,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 template <int D, bool F8>
 __device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                          const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int, int,
-                                         int, float, float*, float*) {}
+                                         int, float, float*, float*, int*) {}
 template <int D, bool F8>
 __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                               const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int,
@@ -558,16 +562,17 @@ __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const type
 #endif
 
 // Decode: attention.cu's signature and launch shape (plus dynamic shared memory).
-#define ATTENTION_MMA_KERNEL(NAME, D, F8, KV)                                                                 \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
+#define ATTENTION_MMA_KERNEL(NAME, D, F8, KV, MINB)                                                           \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, MINB) NAME##_d##D(                         \
         bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
-        float scale, float* part_ml, float* part_acc) {                                                       \
+        float scale, float* part_ml, float* part_acc, int* split_counters) {                                  \
         paged_attention_mma_impl<D, F8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,         \
-                                        positions, hq, hkv, block_size, scale, part_ml, part_acc);            \
+                                        positions, hq, hkv, block_size, scale, part_ml, part_acc,             \
+                                        split_counters);                                                      \
     }
-ATTENTION_MMA_KERNEL(paged_attention_mma, 64, false, bf16_t)
-ATTENTION_MMA_KERNEL(paged_attention_mma, 128, false, bf16_t)
+ATTENTION_MMA_KERNEL(paged_attention_mma, 64, false, bf16_t, 1)
+ATTENTION_MMA_KERNEL(paged_attention_mma, 128, false, bf16_t, 1)
 
 // Prefill: the block's first token is t_begin + blockIdx.x * tq, tokens past n are not computed.
 #define ATTENTION_MMA_ROWS_KERNEL(NAME, D, F8, KV)                                                            \
@@ -583,16 +588,17 @@ ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t)
 
 // The fp8 kernels need sm_89's e4m3 conversions.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 64, true, fp8_t)
-ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 128, true, fp8_t)
+ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 64, true, fp8_t, MMA_F8_DECODE_BLOCKS)
+ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 128, true, fp8_t, MMA_F8_DECODE_BLOCKS)
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t)
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t)
 #else
 // Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
 #define ATTENTION_MMA_F8_STUB(NAME, ...) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
     const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, __VA_ARGS__) {}
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d64, float*, float*)
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d128, float*, float*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d64, float*, float*, int*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d128, float*, float*, int*)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64, int, int, int)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128, int, int, int)
 #endif
+

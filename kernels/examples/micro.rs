@@ -31,6 +31,11 @@ fn main() {
         }
     };
     let s = &c.gpu.stream;
+    // MICRO=attention times the attention kernels only.
+    if std::env::var("MICRO").is_ok_and(|v| v == "attention") {
+        attention(&c);
+        return;
+    }
     println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
     for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)] {
         // Several weight copies, rotated, so repeated runs do not read from L2 (50 MB on H100/H200).
@@ -80,6 +85,12 @@ fn main() {
         }
         println!("{line}");
     }
+    attention(&c);
+}
+
+/// Decode (one token; batched), and prefill attention, every kernel and cache type.
+fn attention(c: &Cuda) {
+    let s = &c.gpu.stream;
     // Decode attention: 1 token, 32 q heads over 8 KV heads, d 128, block 16.
     let (hq, hkv, d, bs) = (32usize, 8usize, 128usize, 16usize);
     for ctx in [256usize, 2048, 8192] {
@@ -99,12 +110,12 @@ fn main() {
         let out = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let mut line = format!("decode attention ctx {ctx:>5} (KV {:.1} MB, split x{}):", (2 * kc.len() * 2) as f64 / 1e6, c.kernels.attention_splits(1, hkv));
-        for (kernel, kv) in attention_variants(&c) {
+        for (kernel, kv) in attention_variants(c) {
             let run = |p: Option<u64>| unsafe {
                 c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p, kv).unwrap()
             };
-            let t1 = time(&c, 30, || run(None));
-            let t2 = time(&c, 30, || run(Some(parts.ptr())));
+            let t1 = time(c, 30, || run(None));
+            let t2 = time(c, 30, || run(Some(parts.ptr())));
             line += &format!("  {} {:.1} us unsplit, {:.1} us split", label(kernel, kv), t1 * 1e6, t2 * 1e6);
         }
         println!("{line}");
@@ -130,8 +141,8 @@ fn main() {
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let kv_bytes = (2 * seqs * ctx * hkv * d * 2) as f64;
         let mut line = format!("batched decode attention {seqs} x ctx {ctx} (KV {:.0} MB in bf16):", kv_bytes / 1e6);
-        for (kernel, kv) in attention_variants(&c) {
-            let t = time(&c, 20, || unsafe {
+        for (kernel, kv) in attention_variants(c) {
+            let t = time(c, 20, || unsafe {
                 c.kernels
                     .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, seqs, hq, hkv, d, bs, Some(parts.ptr()), kv)
                     .unwrap()
@@ -163,8 +174,8 @@ fn main() {
         let out = c.gpu.alloc_zeros::<u16>(n * hq * d).unwrap();
         let flops = (seqs * len * (len + 1) / 2 * hq * d * 4) as f64;
         let mut line = format!("prefill attention {seqs} x {len} tokens:");
-        for (kernel, kv) in attention_variants(&c) {
-            let t = time(&c, 10, || unsafe {
+        for (kernel, kv) in attention_variants(c) {
+            let t = time(c, 10, || unsafe {
                 c.kernels
                     .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None, kv)
                     .unwrap()

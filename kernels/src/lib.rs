@@ -59,4 +59,20 @@ impl Cuda {
             self.blas.matmul(y, out, x, w, m, n, k, 0.0)
         }
     }
+
+    /// The fused gate/up projection with SwiGLU on `m` tokens, `act[m, inter] = silu(x · gate) * (x ·
+    /// up)` for `w_gate_up` = [gate; up] ([2 inter, k]), in one skinny kernel where `linear` would
+    /// take the skinny path; returns false (nothing launched) where it would not, and the caller runs
+    /// `linear` + `silu_mul`.
+    ///
+    /// # Safety
+    /// act: m*inter bf16; x: m*k bf16; w_gate_up: 2*inter*k bf16.
+    pub unsafe fn gate_up_silu(&self, act: DPtr, x: DPtr, w_gate_up: DPtr, m: usize, inter: usize, k: usize) -> Result<bool> {
+        if self.use_gemv && m <= ops::GEMV_MAX_M && k % 8 == 0 && x % 16 == 0 && w_gate_up % 16 == 0 {
+            self.kernels.gemv_silu(&self.gpu.stream, act, x, w_gate_up, m, inter, k)?;
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
 }

@@ -38,7 +38,6 @@ pub struct Kernels {
     /// Whether an fp8 KV cache can be served: the fp8 tensor-core kernels need sm_89 (e4m3
     /// conversions) and their shared memory.
     fp8_ready: bool,
-    attention_combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
     sample_rows: CudaFunction,
@@ -49,6 +48,8 @@ pub struct Kernels {
     f32_to_bf16: CudaFunction,
     /// [unroll 8, unroll 16] × [m ≤ 1, 2, 4, 8].
     gemv: [[CudaFunction; 4]; 2],
+    /// gate/up GEMV with SwiGLU in the epilogue, m ≤ 1, 2, 4, 8.
+    gemv_silu: [CudaFunction; 4],
     num_sms: u32,
     /// Launch GEMVs with programmatic dependent launch (sm_90+, `PEREGRINE_PDL=1`).
     pdl: bool,
@@ -171,9 +172,9 @@ pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usi
     match kv {
         KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,
         KvCacheDtype::Fp8E4m3 => {
-            // K tile [kt][d + 16] bytes, V^T tile [d][kt + 16] bytes; decode tiles are 128 keys.
-            let (kt, stages) = if decode { (2 * MMA_KT, MMA_STAGES) } else { (MMA_KT, MMA_F8_STAGES) };
-            stages * (kt * (d + MMA_F8_PAD) + d * (kt + MMA_F8_PAD))
+            // K tile [MMA_KT][d + 16] bytes, V^T tile [d][MMA_KT + 16] bytes; decode: two stages.
+            let stages = if decode { MMA_STAGES } else { MMA_F8_STAGES };
+            stages * (MMA_KT * (d + MMA_F8_PAD) + d * (MMA_KT + MMA_F8_PAD))
         }
     }
 }
@@ -232,7 +233,6 @@ impl Kernels {
             mma_ready: arch.0 >= 8 && mma_smem_opt_in(module, KvCacheDtype::Bf16),
             // cvt between e4m3 and f16 needs sm_89.
             fp8_ready: arch >= (8, 9) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3),
-            attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
             sample_rows: f("sample_rows")?,
@@ -245,6 +245,7 @@ impl Kernels {
                 [f("gemv_m1_u8")?, f("gemv_m2_u8")?, f("gemv_m4_u8")?, f("gemv_m8_u8")?],
                 [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
             ],
+            gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
             num_sms: num_sms.max(1),
             // Off by default: measured no gain on an H100 (160.6 vs 159.8 tokens/s at batch 1), so
             // the well-trodden launch path stays the default. `PEREGRINE_PDL=1` turns it on.
@@ -361,10 +362,21 @@ impl Kernels {
         }
     }
 
-    /// f32 scratch [`Kernels::paged_attention`] needs to split decode attention along the sequence.
+    /// 4-byte words of scratch [`Kernels::paged_attention`] needs to split decode attention along the
+    /// sequence (allocate it zeroed: its tail holds the splits' counters).
     pub fn attention_partials_len(&self) -> usize {
+        self.attention_partial_floats() + self.attention_split_counters()
+    }
+
+    /// The f32 partials (max, sum, accumulator) of every split.
+    fn attention_partial_floats(&self) -> usize {
         // Splits are only used while n * hkv < 2 * SMs, so n * hkv * splits < 4 * SMs.
         4 * self.num_sms as usize * ATTN_MAX_GROUP * (ATTN_MAX_HEAD_DIM + 2)
+    }
+
+    /// One counter per (token, KV head) of a split launch (n * hkv < 2 * SMs).
+    fn attention_split_counters(&self) -> usize {
+        2 * self.num_sms as usize
     }
 
     /// How many sequence splits a launch of `n` tokens over `hkv` KV heads gets: enough blocks for
@@ -493,12 +505,14 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     unsafe fn attention_per_token(&self, s: &CudaStream, func: &CudaFunction, smem: usize, args: &AttentionArgs, n: usize, hq: usize, hkv: usize, d: usize, partials: Option<DPtr>) -> Result<()> {
         let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
-        if n * hq * splits * (d + 2) > self.attention_partials_len() {
+        if n * hq * splits * (d + 2) > self.attention_partial_floats() {
             splits = 1;
         }
-        let (part_ml, part_acc) = match partials {
-            Some(p) if splits > 1 => (p, p + (2 * n * hq * splits * 4) as u64),
-            _ => (0, 0),
+        // Partials first, the split counters (zero between launches: the last split resets its own)
+        // at the end of the buffer.
+        let (part_ml, part_acc, counters) = match partials {
+            Some(p) if splits > 1 => (p, p + (2 * n * hq * splits * 4) as u64, p + (self.attention_partial_floats() * 4) as u64),
+            _ => (0, 0, 0),
         };
         let config = LaunchConfig {
             grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
@@ -507,19 +521,7 @@ impl Kernels {
         };
         let mut launch = s.launch_builder(func);
         args.push(&mut launch);
-        launch.arg(&part_ml).arg(&part_acc).launch(config)?;
-        if splits > 1 {
-            let (hq_i, splits_i, d_i) = (args.hq, splits as i32, d as i32);
-            let combine = LaunchConfig { grid_dim: (n as u32, hq as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };
-            s.launch_builder(&self.attention_combine)
-                .arg(&args.out)
-                .arg(&part_ml)
-                .arg(&part_acc)
-                .arg(&hq_i)
-                .arg(&splits_i)
-                .arg(&d_i)
-                .launch(combine)?;
-        }
+        launch.arg(&part_ml).arg(&part_acc).arg(&counters).launch(config)?;
         Ok(())
     }
 
@@ -714,13 +716,7 @@ impl Kernels {
         if !matches!(wpr, 1 | 2 | 4 | 8) || !matches!(unroll, 8 | 16) {
             return Err(KernelError::Unsupported(format!("gemv: unroll {unroll}, {wpr} warps per row")));
         }
-        let table = &self.gemv[(unroll == 16) as usize];
-        let func = match m {
-            1 => &table[0],
-            2 => &table[1],
-            3..=4 => &table[2],
-            _ => &table[3],
-        };
+        let func = &self.gemv[(unroll == 16) as usize][gemv_m_index(m)];
         let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
         let rows_per_block = GEMV_WARPS / wpr;
         let grid = as_u32(n.div_ceil(rows_per_block), "gemv blocks")?;
@@ -749,6 +745,61 @@ impl Kernels {
                 .launch(cfg(grid, (GEMV_WARPS * 32) as u32))?;
         }
         Ok(())
+    }
+}
+
+impl Kernels {
+    /// `act[m, inter] = silu(x · gate_j) * (x · up_j)` for `w_gate_up` = [gate; up] ([2 inter, k]),
+    /// m ≤ [`GEMV_MAX_M`]: the skinny GEMM with SwiGLU in its epilogue (gemv.cu), unroll 8 and the
+    /// plan's warps per row (at most 4, so each block holds whole gate/up pairs).
+    ///
+    /// # Safety
+    /// x: m*k bf16, w_gate_up: 2*inter*k bf16, both 16-byte aligned; act: m*inter bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_silu(&self, s: &CudaStream, act: DPtr, x: DPtr, w_gate_up: DPtr, m: usize, inter: usize, k: usize) -> Result<()> {
+        if m == 0 || inter == 0 {
+            return Ok(());
+        }
+        if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w_gate_up % 16 != 0 {
+            return Err(KernelError::Unsupported(format!("gemv_silu: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
+        }
+        let wpr = Self::gemv_plan(2 * inter, k).1.min(4);
+        let func = &self.gemv_silu[gemv_m_index(m)];
+        let (mi, ni, ki, wpr_i) = (m as i32, as_i32(inter, "intermediate")?, as_i32(k, "k")?, wpr as i32);
+        let grid = as_u32((2 * inter).div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;
+        if self.pdl {
+            let mut args: [*mut std::ffi::c_void; 7] = [
+                &act as *const u64 as *mut _,
+                &x as *const u64 as *mut _,
+                &w_gate_up as *const u64 as *mut _,
+                &mi as *const i32 as *mut _,
+                &ni as *const i32 as *mut _,
+                &ki as *const i32 as *mut _,
+                &wpr_i as *const i32 as *mut _,
+            ];
+            launch_pdl(s, func, grid, (GEMV_WARPS * 32) as u32, &mut args)?;
+        } else {
+            s.launch_builder(func)
+                .arg(&act)
+                .arg(&x)
+                .arg(&w_gate_up)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&wpr_i)
+                .launch(cfg(grid, (GEMV_WARPS * 32) as u32))?;
+        }
+        Ok(())
+    }
+}
+
+/// The GEMV kernel table's column for `m` rows (kernels built for m ≤ 1, 2, 4, 8).
+fn gemv_m_index(m: usize) -> usize {
+    match m {
+        0..=1 => 0,
+        2 => 1,
+        3..=4 => 2,
+        _ => 3,
     }
 }
 

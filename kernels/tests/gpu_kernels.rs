@@ -612,6 +612,37 @@ fn gemv_matches_reference_for_every_small_m() {
     }
 }
 
+/// The gate/up GEMV with SwiGLU in its epilogue: silu(g) * u from g and u rounded to bf16 (as the
+/// unfused path stores them), for every small m and shapes that take 4, 2 and 1 warps per row.
+#[test]
+fn gemv_silu_matches_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let round = |v: f64| bf16::from_f64(v).to_f64();
+    for (inter, k) in [(1536usize, 576usize), (1000, 8192), (3, 64), (1001, 136)] {
+        for m in 1..=peregrine_kernels::ops::GEMV_MAX_M {
+            let (x, xv) = rand_bf16(&mut r, m * k, 1.0);
+            let (w, wv) = rand_bf16(&mut r, 2 * inter * k, 0.05);
+            let (dx, dw) = (c.gpu.upload(&x).unwrap(), c.gpu.upload(&w).unwrap());
+            let act = poison(&c, m * inter);
+            unsafe { c.kernels.gemv_silu(&c.gpu.stream, act.ptr(), dx.ptr(), dw.ptr(), m, inter, k).unwrap() };
+            let got = to_f64(&act.download(&c.gpu.stream).unwrap());
+            for i in 0..m {
+                for j in 0..inter {
+                    let dot = |row: usize| -> f64 { (0..k).map(|l| xv[i * k + l] * wv[row * k + l]).sum() };
+                    let (g, u) = (round(dot(j)), round(dot(inter + j)));
+                    let want = g / (1.0 + (-g).exp()) * u;
+                    // g and u may each land one bf16 step (2^-8 relative) off the f64 rounding, then
+                    // the output is rounded once more.
+                    let tol = want.abs() / 64.0 + 1e-3 * (g.abs() + u.abs()) + 1e-6;
+                    let v = got[i * inter + j];
+                    assert!((v - want).abs() <= tol, "gemv_silu m={m} inter={inter} k={k} [{i},{j}]: got {v}, want {want}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn gemv_every_unroll_and_row_split_matches_reference() {
     let Some(c) = cuda_or_skip() else { return };

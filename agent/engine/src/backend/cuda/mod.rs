@@ -6,6 +6,7 @@
 //! ```text
 //! embed → per layer: [add+]RMSNorm → qkv GEMM → RoPE + KV write → paged attention → o GEMM
 //!                    → add+RMSNorm → gate_up GEMM → SiLU·mul → down GEMM
+//!                      (decode-sized steps without LoRA: gate_up GEMV with SiLU·mul fused)
 //!       → add+final norm (logit rows only) → LM head GEMM (f32) → logits / GPU argmax
 //! ```
 //!
@@ -443,9 +444,13 @@ impl CudaBackend {
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
                 add_lora(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)])?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
-                cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;
-                add_lora(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &[(TargetModule::Gate, 0), (TargetModule::Up, inter)])?;
-                k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
+                // Decode-sized steps without LoRA: one kernel for gate/up and SwiGLU; otherwise the
+                // projection (+ LoRA updates on gate and up), then SwiGLU.
+                if lora.is_some() || !cuda.gate_up_silu(sc.act.ptr(), sc.normed.ptr(), lw.gate_up.ptr(), n, inter, h)? {
+                    cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;
+                    add_lora(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &[(TargetModule::Gate, 0), (TargetModule::Up, inter)])?;
+                    k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
+                }
                 cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter)?;
                 add_lora(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)])?;
             }

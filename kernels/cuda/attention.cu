@@ -12,9 +12,7 @@
 //
 // Split along the sequence (gridDim.z = splits > 1, for decode batches too small to fill the GPU):
 // split z takes keys [z*chunk, min(ctx, (z+1)*chunk)), chunk = ceil(ctx / splits), and writes its
-// unnormalized partial result (max, sum, accumulator) to `part_*`; the last split of a (token, KV
-// head) to finish, counted in `split_counters` (zero between launches), merges them and writes the
-// output rows, so a split launch needs no second kernel.
+// unnormalized partial result (max, sum, accumulator) to `part_*`; attention_combine merges them.
 #define ATTN_WARPS 4
 #define ATTN_MAX_GROUP 8
 
@@ -60,47 +58,14 @@ __device__ __forceinline__ AttnBlock attention_block(const int* __restrict__ blo
     return b;
 }
 
-// A split block's last step: once its partials are written, the last of the `splits` blocks of (token
-// t, KV head kvh) to get here merges every split's partials in split order (the same arithmetic
-// whatever the finishing order) into the output rows of the group's heads, and resets the counter.
-template <int D>
-__device__ __forceinline__ void attention_combine_last(int group, int t, int kvh, int hq, int splits,
-                                                       bf16_t* __restrict__ out, const float* __restrict__ part_ml,
-                                                       const float* __restrict__ part_acc, int* __restrict__ counters) {
-    __shared__ int sm_last;
-    __threadfence();  // this block's partials are visible device-wide before it is counted
-    __syncthreads();
-    if (threadIdx.x == 0) sm_last = atomicAdd(&counters[t * gridDim.y + kvh], 1) == splits - 1;
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        const u64 th = (u64)t * hq + kvh * group + g;
-        float mx = NEG_INF;
-        for (int z = 0; z < splits; ++z) mx = fmaxf(mx, __ldcg(&part_ml[2 * (th * splits + z)]));
-        float sum = 0.f, o = 0.f;
-        for (int z = 0; z < splits; ++z) {
-            const float m = __ldcg(&part_ml[2 * (th * splits + z)]);
-            if (m == NEG_INF) continue;  // a split past the end of a short sequence saw no key
-            const float f = exp2f(m - mx);
-            sum += __ldcg(&part_ml[2 * (th * splits + z) + 1]) * f;
-            o += __ldcg(&part_acc[(th * splits + z) * D + d]) * f;
-        }
-        out[th * D + d] = f2bf(o / sum);
-    }
-    if (threadIdx.x == 0) counters[t * gridDim.y + kvh] = 0;  // ready for the next launch or graph replay
-}
-
 // The second half of attention_merge_warps (below), also used by kernels that store their warps'
 // states themselves: starts with a barrier, then merges sm_m/sm_l/sm_acc ([warp][head of the
-// group][dim]) and writes the block's output rows, or the split's unnormalized partials (and the
-// last split combines them).
+// group][dim]) and writes the block's output rows, or the split's unnormalized partials.
 template <int D>
 __device__ __forceinline__ void attention_merge_write(
     float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group, int t,
     int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
-    float* __restrict__ part_acc, int* __restrict__ split_counters) {
+    float* __restrict__ part_acc) {
     __syncthreads();
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
@@ -126,7 +91,6 @@ __device__ __forceinline__ void attention_merge_write(
             if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
         }
     }
-    if (splits > 1) attention_combine_last<D>(group, t, kvh, hq, splits, out, part_ml, part_acc, split_counters);
 }
 
 // The end of the CUDA-core attention kernels: each warp's online-softmax state (running max m, sum l,
@@ -138,7 +102,7 @@ __device__ __forceinline__ void attention_merge_warps(
     const float (&m)[ATTN_MAX_GROUP], const float (&l)[ATTN_MAX_GROUP], const float (&acc)[ATTN_MAX_GROUP][D / 32],
     float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group,
     int t, int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
-    float* __restrict__ part_acc, int* __restrict__ split_counters) {
+    float* __restrict__ part_acc) {
     constexpr int E = D / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
@@ -150,7 +114,7 @@ __device__ __forceinline__ void attention_merge_warps(
             for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
         }
     }
-    attention_merge_write<D>(sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc, split_counters);
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
 }
 
 template <int D>
@@ -158,13 +122,13 @@ __device__ __forceinline__ void paged_attention_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ split_counters) {
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     constexpr int E = D / 32;  // elements of a head row per lane
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ float sm_acc[ATTN_WARPS][ATTN_MAX_GROUP][D];
 
-    pdl_trigger();  // the o GEMV after this may start streaming its weights (it waits for our output)
+    if (gridDim.z == 1) pdl_trigger();  // unsplit: this kernel is the one before the o GEMV
     const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv);
     const int t = ab.t, kvh = ab.kvh, group = ab.group, splits = ab.splits, split = ab.split;
     const int begin = ab.begin, end = ab.end;
@@ -231,8 +195,26 @@ __device__ __forceinline__ void paged_attention_impl(
         }
     }
 
-    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc,
-                             split_counters);
+    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
+}
+
+// Merges the splits of each (token, query head): grid (n, hq), blockDim.x = D.
+extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml,
+                                             const float* __restrict__ part_acc, int hq, int splits, int d) {
+    pdl_trigger();
+    const u64 th = (u64)blockIdx.x * hq + blockIdx.y;
+    const int i = threadIdx.x;
+    float mx = NEG_INF;
+    for (int z = 0; z < splits; ++z) mx = fmaxf(mx, part_ml[2 * (th * splits + z)]);
+    float sum = 0.f, o = 0.f;
+    for (int z = 0; z < splits; ++z) {
+        const float m = part_ml[2 * (th * splits + z)];
+        if (m == NEG_INF) continue;
+        const float f = exp2f(m - mx);
+        sum += part_ml[2 * (th * splits + z) + 1] * f;
+        o += part_acc[(th * splits + z) * d + i] * f;
+    }
+    if (i < d) out[th * d + i] = f2bf(o / sum);
 }
 
 // The exported entry points: NAME_d64 / NAME_d128 with the launch signature both kernels share.
@@ -240,9 +222,9 @@ __device__ __forceinline__ void paged_attention_impl(
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) NAME##_d##D(                         \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale, float* part_ml, float* part_acc, int* split_counters) {   \
+        int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
         IMPL<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, hq, hkv,       \
-                block_size, scale, part_ml, part_acc, split_counters);                                  \
+                block_size, scale, part_ml, part_acc);                                                  \
     }
 ATTENTION_KERNEL(paged_attention, paged_attention_impl, 64)
 ATTENTION_KERNEL(paged_attention, paged_attention_impl, 128)

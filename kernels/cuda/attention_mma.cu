@@ -10,7 +10,7 @@
 //   have room to spare, the K/V bytes are what counts, and they are read once per group). The four
 //   warps split each K/V tile (16 keys each), keep their own online softmax (running max m, sum l,
 //   accumulator O as mma fragments) and are merged by attention.cu's attention_merge_write, which
-//   also writes the partials of splits along the sequence and lets the last split combine them.
+//   also writes the partials of splits along the sequence for attention_combine.
 // - paged_attention_mma_rows (prefill chunks): 64 rows, the tq = 64 / group consecutive tokens from
 //   t_begin + blockIdx.x * tq (row r: token r / group, head r % group), each warp owning 16 rows
 //   against all 64 keys of every tile (flash-attention 2's layout), so a K/V tile read from L2 serves
@@ -366,7 +366,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
     const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ split_counters) {
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     typedef MmaDecodeGeom<D, F8> G;
     constexpr int KW = G::KT / MMA_WARPS;  // keys of a tile per warp (16, fp8: 32)
     constexpr int NT = D / 8;  // mma n-tiles of p·V
@@ -376,7 +376,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(mma_smem);
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP], sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
 
-    pdl_trigger();  // the o GEMV after this may start streaming its weights (it waits for our output)
+    if (gridDim.z == 1) pdl_trigger();
     // fp8 V tiles are copied 16 keys at a time: splits start at multiples of 16.
     const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv, F8 ? 16 : 1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane & 3;
@@ -439,8 +439,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
             sm_acc[warp][r][x * 8 + quad * 2 + 1] = o[x][1];
         }
     }
-    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc,
-                             split_counters);
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc);
 }
 
 // Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
@@ -554,7 +553,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 template <int D, bool F8>
 __device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                          const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int, int,
-                                         int, float, float*, float*, int*) {}
+                                         int, float, float*, float*) {}
 template <int D, bool F8>
 __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                               const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int,
@@ -566,10 +565,9 @@ __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const type
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, MINB) NAME##_d##D(                         \
         bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
-        float scale, float* part_ml, float* part_acc, int* split_counters) {                                  \
+        float scale, float* part_ml, float* part_acc) {                                                       \
         paged_attention_mma_impl<D, F8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,         \
-                                        positions, hq, hkv, block_size, scale, part_ml, part_acc,             \
-                                        split_counters);                                                      \
+                                        positions, hq, hkv, block_size, scale, part_ml, part_acc);            \
     }
 ATTENTION_MMA_KERNEL(paged_attention_mma, 64, false, bf16_t, 1)
 ATTENTION_MMA_KERNEL(paged_attention_mma, 128, false, bf16_t, 1)
@@ -596,8 +594,8 @@ ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t)
 // Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
 #define ATTENTION_MMA_F8_STUB(NAME, ...) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
     const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, __VA_ARGS__) {}
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d64, float*, float*, int*)
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d128, float*, float*, int*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d64, float*, float*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d128, float*, float*)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64, int, int, int)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128, int, int, int)
 #endif

@@ -35,6 +35,7 @@ pub struct Kernels {
     /// Whether the tensor-core kernel got its dynamic shared memory (it needs more than the 48 KB a
     /// launch gets without opting in); without it every launch takes the CUDA-core kernels.
     mma_ready: bool,
+    attention_combine: CudaFunction,
     /// Whether an fp8 KV cache can be served: the fp8 tensor-core kernels need sm_89 (e4m3
     /// conversions) and their shared memory.
     fp8_ready: bool,
@@ -51,7 +52,7 @@ pub struct Kernels {
     /// gate/up GEMV with SwiGLU in the epilogue, m ≤ 1, 2, 4, 8.
     gemv_silu: [CudaFunction; 4],
     num_sms: u32,
-    /// Launch GEMVs with programmatic dependent launch (sm_90+, `PEREGRINE_PDL=1`).
+    /// Launch GEMVs with programmatic dependent launch (sm_90+; `PEREGRINE_PDL=0` turns it off).
     pdl: bool,
 }
 
@@ -148,7 +149,7 @@ struct AttentionArgs {
 }
 
 impl AttentionArgs {
-    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+    fn push<'a>(&'a self, launch: &mut Launch<'a>) {
         launch
             .arg(&self.out)
             .arg(&self.q)
@@ -233,6 +234,7 @@ impl Kernels {
             mma_ready: arch.0 >= 8 && mma_smem_opt_in(module, KvCacheDtype::Bf16),
             // cvt between e4m3 and f16 needs sm_89.
             fp8_ready: arch >= (8, 9) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3),
+            attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
             sample_rows: f("sample_rows")?,
@@ -247,9 +249,10 @@ impl Kernels {
             ],
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
             num_sms: num_sms.max(1),
-            // Off by default: measured no gain on an H100 (160.6 vs 159.8 tokens/s at batch 1), so
-            // the well-trodden launch path stays the default. `PEREGRINE_PDL=1` turns it on.
-            pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"),
+            // On by default on sm_90+ (`PEREGRINE_PDL=0` turns it off): with the kernels before the
+            // GEMVs (norms, attention, the gate/up GEMV) triggering early, batch-1 decode on an H100
+            // went 166.2 -> 167.8 tokens/s (docs/benchmarks.md).
+            pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").map_or(true, |v| v != "0"),
         })
     }
 
@@ -292,7 +295,7 @@ impl Kernels {
         let rows = rows.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
         let threads = if hidden >= 4096 { 1024 } else { 256 };
-        s.launch_builder(&self.add_rmsnorm)
+        Launch::new(&self.add_rmsnorm)
             .arg(&residual)
             .arg(&delta)
             .arg(&weight)
@@ -300,7 +303,7 @@ impl Kernels {
             .arg(&rows)
             .arg(&hidden_i)
             .arg(&eps)
-            .launch(cfg(as_u32(n, "tokens")?, threads))?;
+            .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }
 
@@ -325,7 +328,7 @@ impl Kernels {
             KvCacheDtype::Bf16 => &self.rope_kv_write,
             KvCacheDtype::Fp8E4m3 => &self.rope_kv_write_fp8,
         };
-        s.launch_builder(func)
+        Launch::new(func)
             .arg(&qkv)
             .arg(&bias)
             .arg(&positions)
@@ -339,7 +342,7 @@ impl Kernels {
             .arg(&hkv)
             .arg(&d)
             .arg(&bs)
-            .launch(cfg(as_u32(n, "tokens")?, 256))?;
+            .launch(s, cfg(as_u32(n, "tokens")?, 256), false)?;
         Ok(())
     }
 
@@ -362,21 +365,10 @@ impl Kernels {
         }
     }
 
-    /// 4-byte words of scratch [`Kernels::paged_attention`] needs to split decode attention along the
-    /// sequence (allocate it zeroed: its tail holds the splits' counters).
+    /// f32 scratch [`Kernels::paged_attention`] needs to split decode attention along the sequence.
     pub fn attention_partials_len(&self) -> usize {
-        self.attention_partial_floats() + self.attention_split_counters()
-    }
-
-    /// The f32 partials (max, sum, accumulator) of every split.
-    fn attention_partial_floats(&self) -> usize {
         // Splits are only used while n * hkv < 2 * SMs, so n * hkv * splits < 4 * SMs.
         4 * self.num_sms as usize * ATTN_MAX_GROUP * (ATTN_MAX_HEAD_DIM + 2)
-    }
-
-    /// One counter per (token, KV head) of a split launch (n * hkv < 2 * SMs).
-    fn attention_split_counters(&self) -> usize {
-        2 * self.num_sms as usize
     }
 
     /// How many sequence splits a launch of `n` tokens over `hkv` KV heads gets: enough blocks for
@@ -490,9 +482,9 @@ impl Kernels {
                         shared_mem_bytes: attention_mma_smem_bytes(d, kv, false) as u32,
                     };
                     let (t_begin, n_i, tq_i) = (as_i32(decode_tokens, "tokens")?, as_i32(n, "tokens")?, as_i32(tq, "tokens per block")?);
-                    let mut launch = s.launch_builder(func);
+                    let mut launch = Launch::new(func);
                     args.push(&mut launch);
-                    launch.arg(&t_begin).arg(&n_i).arg(&tq_i).launch(config)?;
+                    launch.arg(&t_begin).arg(&n_i).arg(&tq_i).launch(s, config, false)?;
                 }
                 Ok(())
             }
@@ -505,23 +497,33 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     unsafe fn attention_per_token(&self, s: &CudaStream, func: &CudaFunction, smem: usize, args: &AttentionArgs, n: usize, hq: usize, hkv: usize, d: usize, partials: Option<DPtr>) -> Result<()> {
         let mut splits = if partials.is_some() { self.attention_splits(n, hkv) } else { 1 };
-        if n * hq * splits * (d + 2) > self.attention_partial_floats() {
+        if n * hq * splits * (d + 2) > self.attention_partials_len() {
             splits = 1;
         }
-        // Partials first, the split counters (zero between launches: the last split resets its own)
-        // at the end of the buffer.
-        let (part_ml, part_acc, counters) = match partials {
-            Some(p) if splits > 1 => (p, p + (2 * n * hq * splits * 4) as u64, p + (self.attention_partial_floats() * 4) as u64),
-            _ => (0, 0, 0),
+        let (part_ml, part_acc) = match partials {
+            Some(p) if splits > 1 => (p, p + (2 * n * hq * splits * 4) as u64),
+            _ => (0, 0),
         };
         let config = LaunchConfig {
             grid_dim: (as_u32(n, "tokens")?, hkv as u32, splits as u32),
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut launch = s.launch_builder(func);
+        let mut launch = Launch::new(func);
         args.push(&mut launch);
-        launch.arg(&part_ml).arg(&part_acc).arg(&counters).launch(config)?;
+        launch.arg(&part_ml).arg(&part_acc).launch(s, config, false)?;
+        if splits > 1 {
+            let (hq_i, splits_i, d_i) = (args.hq, splits as i32, d as i32);
+            let combine = LaunchConfig { grid_dim: (n as u32, hq as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };
+            Launch::new(&self.attention_combine)
+                .arg(&args.out)
+                .arg(&part_ml)
+                .arg(&part_acc)
+                .arg(&hq_i)
+                .arg(&splits_i)
+                .arg(&d_i)
+                .launch(s, combine, false)?;
+        }
         Ok(())
     }
 
@@ -535,12 +537,12 @@ impl Kernels {
         }
         let n64 = n as u64;
         let inter_i = as_i32(inter, "intermediate")?;
-        s.launch_builder(&self.silu_mul)
+        Launch::new(&self.silu_mul)
             .arg(&out)
             .arg(&gate_up)
             .arg(&n64)
             .arg(&inter_i)
-            .launch(cfg(self.elementwise_grid(n * inter, 256), 256))?;
+            .launch(s, cfg(self.elementwise_grid(n * inter, 256), 256), false)?;
         Ok(())
     }
 
@@ -720,30 +722,16 @@ impl Kernels {
         let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
         let rows_per_block = GEMV_WARPS / wpr;
         let grid = as_u32(n.div_ceil(rows_per_block), "gemv blocks")?;
-        if self.pdl {
-            let mut args: [*mut std::ffi::c_void; 8] = [
-                &y as *const u64 as *mut _,
-                &yf as *const i32 as *mut _,
-                &x as *const u64 as *mut _,
-                &w as *const u64 as *mut _,
-                &mi as *const i32 as *mut _,
-                &ni as *const i32 as *mut _,
-                &ki as *const i32 as *mut _,
-                &wpr_i as *const i32 as *mut _,
-            ];
-            launch_pdl(s, func, grid, (GEMV_WARPS * 32) as u32, &mut args)?;
-        } else {
-            s.launch_builder(func)
-                .arg(&y)
-                .arg(&yf)
-                .arg(&x)
-                .arg(&w)
-                .arg(&mi)
-                .arg(&ni)
-                .arg(&ki)
-                .arg(&wpr_i)
-                .launch(cfg(grid, (GEMV_WARPS * 32) as u32))?;
-        }
+        Launch::new(func)
+            .arg(&y)
+            .arg(&yf)
+            .arg(&x)
+            .arg(&w)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&wpr_i)
+            .launch(s, cfg(grid, (GEMV_WARPS * 32) as u32), self.pdl)?;
         Ok(())
     }
 }
@@ -767,28 +755,15 @@ impl Kernels {
         let func = &self.gemv_silu[gemv_m_index(m)];
         let (mi, ni, ki, wpr_i) = (m as i32, as_i32(inter, "intermediate")?, as_i32(k, "k")?, wpr as i32);
         let grid = as_u32((2 * inter).div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;
-        if self.pdl {
-            let mut args: [*mut std::ffi::c_void; 7] = [
-                &act as *const u64 as *mut _,
-                &x as *const u64 as *mut _,
-                &w_gate_up as *const u64 as *mut _,
-                &mi as *const i32 as *mut _,
-                &ni as *const i32 as *mut _,
-                &ki as *const i32 as *mut _,
-                &wpr_i as *const i32 as *mut _,
-            ];
-            launch_pdl(s, func, grid, (GEMV_WARPS * 32) as u32, &mut args)?;
-        } else {
-            s.launch_builder(func)
-                .arg(&act)
-                .arg(&x)
-                .arg(&w_gate_up)
-                .arg(&mi)
-                .arg(&ni)
-                .arg(&ki)
-                .arg(&wpr_i)
-                .launch(cfg(grid, (GEMV_WARPS * 32) as u32))?;
-        }
+        Launch::new(func)
+            .arg(&act)
+            .arg(&x)
+            .arg(&w_gate_up)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&wpr_i)
+            .launch(s, cfg(grid, (GEMV_WARPS * 32) as u32), self.pdl)?;
         Ok(())
     }
 }
@@ -803,28 +778,49 @@ fn gemv_m_index(m: usize) -> usize {
     }
 }
 
-/// Launches `func` with the programmatic-stream-serialization attribute: it may begin while the
-/// previous kernel on the stream finishes, and must `pdl_wait()` before reading that kernel's output.
-///
-/// # Safety
-/// `args` must match the kernel's parameters; the caller's context must be current.
-unsafe fn launch_pdl(s: &CudaStream, func: &CudaFunction, grid: u32, block: u32, args: &mut [*mut std::ffi::c_void]) -> Result<()> {
-    use cudarc::driver::sys;
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: s.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()?;
-    Ok(())
+/// A kernel launch that may carry the programmatic-stream-serialization attribute (PDL), which
+/// cudarc's launch builder cannot: with it the kernel may begin while the previous kernel on the
+/// stream finishes (once that kernel's blocks have all called `pdl_trigger()` or exited), and must
+/// `pdl_wait()` before touching memory that kernel reads or writes. Only the GEMVs are launched this
+/// way (they issue their first weight loads before waiting); the other kernels of a step call
+/// `pdl_trigger()` early so that the GEMV after them can start. Launching every kernel with PDL (and
+/// a wait at its top) measured no better on an H100 (docs/benchmarks.md).
+struct Launch<'a> {
+    func: &'a CudaFunction,
+    args: Vec<*mut std::ffi::c_void>,
+}
+
+impl<'a> Launch<'a> {
+    fn new(func: &'a CudaFunction) -> Self {
+        Launch { func, args: Vec::with_capacity(16) }
+    }
+
+    fn arg<T: cudarc::driver::DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        self.args.push(v as *const T as *mut std::ffi::c_void);
+        self
+    }
+
+    /// # Safety
+    /// The arguments must match the kernel's parameters.
+    unsafe fn launch(&mut self, s: &CudaStream, config: LaunchConfig, pdl: bool) -> Result<()> {
+        use cudarc::driver::sys;
+        s.context().bind_to_thread()?;
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let launch = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: s.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: pdl as u32,
+        };
+        sys::cuLaunchKernelEx(&launch, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()?;
+        Ok(())
+    }
 }

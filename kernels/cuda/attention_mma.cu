@@ -93,27 +93,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u3
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-// d += a (16x16, row) * b (16x8, col); fragments as in the PTX ISA's m16n8k16 layout.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// d += a (16x16, row) * b (16x8, col); fragments as in the PTX ISA's m16n8k16 layout. mma_bf16 for
+// the bf16 path, mma_f16 for the fp8 path (its operands are converted to f16).
+#define MMA_M16N8K16(NAME, T)                                                                           \
+    __device__ __forceinline__ void NAME(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {            \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+                     "{%8,%9}, {%0,%1,%2,%3};\n"                                                         \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                   \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                   \
+    }
+MMA_M16N8K16(mma_bf16, "bf16")
+MMA_M16N8K16(mma_f16, "f16")
 
 // Two floats as bf16x2 (low half first), rounded to nearest even.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
-}
-
-// The same mma on f16 operands (the fp8 path).
-__device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Two floats as f16x2 (low half first), rounded to nearest even; clamped to f16's finite range.

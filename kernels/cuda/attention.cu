@@ -11,10 +11,15 @@
 // out: [n, Hq*D] bf16. scale = 1/sqrt(D).
 //
 // Split along the sequence (gridDim.z = splits > 1, for decode batches too small to fill the GPU):
-// split z takes keys [z*chunk, min(ctx, (z+1)*chunk)), chunk = ceil(ctx / splits), and writes its
+// split z takes keys [z*chunk, min(ctx, (z+1)*chunk)), chunk = max(ceil(ctx / splits), 64), and writes its
 // unnormalized partial result (max, sum, accumulator) to `part_*`; attention_combine merges them.
 #define ATTN_WARPS 4
 #define ATTN_MAX_GROUP 8
+// Fewest keys a split takes: a short context leaves the launch's later splits empty (they only
+// write an empty partial) rather than cutting it into slivers that each pay a block's fixed costs.
+// Batch-1 decode on an H100 at contexts 128-256: 16 slivers 167.4-168.0 tokens/s, 2-4 splits
+// 169.8-170.4 (docs/benchmarks.md).
+#define ATTN_MIN_SPLIT_KEYS 64
 
 template <int D>
 __device__ __forceinline__ void load_row(const bf16_t* p, float (&v)[D / 32]) {
@@ -33,7 +38,7 @@ __device__ __forceinline__ void load_row(const bf16_t* p, float (&v)[D / 32]) {
 
 // What one block of an attention launch covers: token t = blockIdx.x (of sequence token_seq[t],
 // attending to positions 0..=positions[t]), KV head blockIdx.y, and of those keys the range
-// [begin, end) of split blockIdx.z (chunk = ceil(ctx / splits)).
+// [begin, end) of split blockIdx.z (chunk = ceil(ctx / splits), at least ATTN_MIN_SPLIT_KEYS).
 struct AttnBlock {
     int t, kvh, group, splits, split, begin, end;
     const int* bt;  // the sequence's block table row
@@ -51,7 +56,7 @@ __device__ __forceinline__ AttnBlock attention_block(const int* __restrict__ blo
     const int ctx = positions[b.t] + 1;
     b.splits = gridDim.z;
     b.split = blockIdx.z;
-    const int chunk = ((ctx + b.splits - 1) / b.splits + align - 1) / align * align;
+    const int chunk = (max((ctx + b.splits - 1) / b.splits, ATTN_MIN_SPLIT_KEYS) + align - 1) / align * align;
     b.begin = b.split * chunk;
     b.end = min(ctx, b.begin + chunk);
     b.bt = block_tables + (u64)token_seq[b.t] * max_blocks;

@@ -52,6 +52,11 @@ pub struct Kernels {
     /// gate/up GEMV with SwiGLU in the epilogue, m ≤ 1, 2, 4, 8.
     gemv_silu: [CudaFunction; 4],
     num_sms: u32,
+    /// Tuning knobs read once from the environment, for measuring alternatives on a GPU without a
+    /// rebuild: `PEREGRINE_GEMV_WPR=a,b` (warps per row for k < 8192 and k >= 8192, instead of
+    /// [`Kernels::gemv_plan`]'s) and `PEREGRINE_ATTN_MAX_SPLITS=n` (instead of 16).
+    gemv_wpr: Option<(usize, usize)>,
+    attn_max_splits: usize,
     /// Launch GEMVs with programmatic dependent launch (sm_90+; `PEREGRINE_PDL=0` turns it off).
     pdl: bool,
 }
@@ -249,6 +254,12 @@ impl Kernels {
             ],
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
             num_sms: num_sms.max(1),
+            gemv_wpr: std::env::var("PEREGRINE_GEMV_WPR").ok().and_then(|v| {
+                let (a, b) = v.split_once(',')?;
+                let ok = |w: usize| matches!(w, 1 | 2 | 4 | 8).then_some(w);
+                Some((ok(a.trim().parse().ok()?)?, ok(b.trim().parse().ok()?)?))
+            }),
+            attn_max_splits: std::env::var("PEREGRINE_ATTN_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| (1..=16).contains(&n)).unwrap_or(16),
             // On by default on sm_90+ (`PEREGRINE_PDL=0` turns it off): with the kernels before the
             // GEMVs (norms, attention, the gate/up GEMV) triggering early, batch-1 decode on an H100
             // went 166.2 -> 167.8 tokens/s (docs/benchmarks.md).
@@ -376,7 +387,7 @@ impl Kernels {
     pub fn attention_splits(&self, n: usize, hkv: usize) -> usize {
         let blocks = (n * hkv).max(1);
         let want = (2 * self.num_sms as usize).div_ceil(blocks);
-        want.clamp(1, 16)
+        want.clamp(1, self.attn_max_splits)
     }
 
     /// Causal paged attention of `n` query tokens (decode and prefill alike; see attention.cu). The
@@ -699,7 +710,10 @@ impl Kernels {
     /// x: m*k bf16 and w: n*k bf16, both 16-byte aligned; y: m*n of the output type.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemv(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        let (unroll, wpr) = Self::gemv_plan(n, k);
+        let (unroll, mut wpr) = Self::gemv_plan(n, k);
+        if let Some((small, large)) = self.gemv_wpr {
+            wpr = if k >= 8192 { large } else { small };
+        }
         self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, wpr)
     }
 
@@ -751,7 +765,11 @@ impl Kernels {
         if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w_gate_up % 16 != 0 {
             return Err(KernelError::Unsupported(format!("gemv_silu: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
         }
-        let wpr = Self::gemv_plan(2 * inter, k).1.min(4);
+        let wpr = match self.gemv_wpr {
+            Some((small, large)) => if k >= 8192 { large } else { small },
+            None => Self::gemv_plan(2 * inter, k).1,
+        }
+        .min(4);
         let func = &self.gemv_silu[gemv_m_index(m)];
         let (mi, ni, ki, wpr_i) = (m as i32, as_i32(inter, "intermediate")?, as_i32(k, "k")?, wpr as i32);
         let grid = as_u32((2 * inter).div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;

@@ -30,8 +30,6 @@ pub struct GenerateArgs {
     pub top_p: f32,
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
-    #[arg(long)]
-    pub seed: Option<u64>,
     /// Stop strings (repeatable); the text ends before the first one.
     #[arg(long)]
     pub stop: Vec<String>,
@@ -65,7 +63,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         temperature: args.temperature,
         top_p: args.top_p,
         top_k: args.top_k,
-        seed: args.seed,
+        // The engine's --seed seeds this one request, so a run repeats with the same flags.
+        seed: Some(args.engine.seed),
         max_tokens: args.max_tokens,
         ignore_eos: args.ignore_eos,
         ..SamplingParams::default()

@@ -31,3 +31,17 @@ fn main() -> anyhow::Result<()> {
         Command::Throughput(args) => peregrine_agent::throughput::run(args),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// clap checks a command's definition (unique flag names across flattened groups, ...) only when
+    /// it parses, and only in debug builds: check every subcommand here.
+    #[test]
+    fn every_subcommand_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+}

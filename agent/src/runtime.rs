@@ -204,7 +204,8 @@ impl EngineArgs {
     pub fn start(&self) -> anyhow::Result<Runtime> {
         let device = self.device()?;
         if device == DeviceArg::Cpu && self.kv_cache_dtype != KvCacheDtypeArg::Auto {
-            anyhow::bail!("--kv-cache-dtype {:?}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda", self.kv_cache_dtype);
+            let asked = self.kv_cache_dtype.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
+            anyhow::bail!("--kv-cache-dtype {asked}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda");
         }
         let tokenizer = load_tokenizer(&self.model, self.load_format)?;
         let loading = || format!("loading model {}", self.model.display());

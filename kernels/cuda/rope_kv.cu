@@ -7,7 +7,7 @@
 // - rope_kv_write_fp8: e4m3 bytes (scale 1, saturating, one rounding from f32), K as
 //   [blocks, Hkv, block_size, D] and V transposed within each block, [blocks, Hkv, D, block_size]
 //   (the layout attention_mma.cu's fp8 kernels read).
-// grid: one block per token.
+// grid: (tokens, ceil((Hq + 2*Hkv) / ROPE_HEADS)).
 
 // f32 -> e4m3 byte, round to nearest even, saturating to +-448 (sm_89+; never launched below).
 __device__ __forceinline__ unsigned char f2e4m3(float x) {
@@ -19,6 +19,10 @@ __device__ __forceinline__ unsigned char f2e4m3(float x) {
     return (unsigned char)(0.f * x);
 #endif
 }
+
+// Heads per block: a block rotates (or, for v, copies) ROPE_HEADS heads of one token, so a decode
+// step of one token spreads over several SMs instead of looping in one block.
+#define ROPE_HEADS 4
 
 template <bool F8>
 __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
@@ -35,9 +39,11 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     const float* s = sin_t + (u64)pos * half;
     const int slot = slots[t];
     const u64 blk = (u64)(slot / block_size), off = (u64)(slot % block_size);
+    // This block's heads [h0, h1) of the q, k, v heads in qkv order.
+    const int h0 = blockIdx.y * ROPE_HEADS, h1 = min(h0 + ROPE_HEADS, hq + 2 * hkv);
     // q and k heads: one thread per rotated pair.
-    const int pairs = (hq + hkv) * half;
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int r1 = min(h1, hq + hkv);
+    for (int p = h0 * half + threadIdx.x; p < r1 * half; p += blockDim.x) {
         const int h = p / half, i = p % half;
         const int c0 = h * d + i, c1 = c0 + half;
         float x0 = bf2f(row[c0]), x1 = bf2f(row[c1]);
@@ -60,7 +66,8 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     }
     // v heads: copied as they are.
     const int vstart = (hq + hkv) * d;
-    for (int e = threadIdx.x; e < hkv * d; e += blockDim.x) {
+    const int v0 = max(h0 - (hq + hkv), 0), v1 = h1 - (hq + hkv);
+    for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
         const int h = e / d, i = e % d;
         float x = bf2f(row[vstart + e]);
         if (bias) x += bias[vstart + e];

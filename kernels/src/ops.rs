@@ -128,6 +128,8 @@ pub const ATTN_MAX_GROUP: usize = 8;
 /// Largest head dimension the attention kernels are built for.
 pub const ATTN_MAX_HEAD_DIM: usize = 128;
 const ATTN_THREADS: u32 = 128;
+/// rope_kv.cu's ROPE_HEADS: heads per block of `rope_kv_write`.
+const ROPE_HEADS: i32 = 4;
 /// attention_mma.cu's tile geometry: query rows per block of the prefill kernel, keys per tile,
 /// pipeline stages, row padding.
 const MMA_ROWS_PREFILL: usize = 64;
@@ -353,7 +355,7 @@ impl Kernels {
             .arg(&hkv)
             .arg(&d)
             .arg(&bs)
-            .launch(s, cfg(as_u32(n, "tokens")?, 256), false)?;
+            .launch(s, LaunchConfig { grid_dim: (as_u32(n, "tokens")?, ((hq + 2 * hkv + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }, false)?;
         Ok(())
     }
 

@@ -362,7 +362,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     typedef MmaDecodeGeom<D, F8> G;
-    constexpr int KW = G::KT / MMA_WARPS;  // keys of a tile per warp (16, fp8: 32)
+    constexpr int KW = G::KT / MMA_WARPS;  // keys of a tile per warp (16): one or more mma steps of 16
     constexpr int NT = D / 8;  // mma n-tiles of p·V
     extern __shared__ __align__(16) unsigned char mma_smem[];
     unsigned char* tiles = mma_smem;  // [stage][K tile | V tile]

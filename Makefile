@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 PORT ?= 8000
-FIXTURES ?= $(abspath ../shared/fixtures)
+FIXTURES ?= $(abspath tests/fixtures)
 export PEREGRINE_FIXTURES ?= $(FIXTURES)
 
 .PHONY: model run test test-gpu gpu-bins build python-deps
@@ -26,6 +26,10 @@ run: model
 test: model python-deps
 	# Integration tests of other packages (e2e) run the agent binary; cargo builds it only on request.
 	$(CARGO) build -p peregrine-agent --locked
+	# No unwrap()/expect() outside tests ([workspace.lints] denies both). Clippy exempts only #[test]
+	# functions and #[cfg(test)] items, not the helpers of tests/ and examples/, so it checks the code
+	# that ships: every library and binary.
+	$(CARGO) clippy --workspace --lib --bins --locked
 	# NVRTC (no GPU needed) so that the CUDA kernel sources compile in this run too; without it that test skips.
 	nvrtc="$$(scripts/nvrtc-lib.sh || true)"; \
 	if [ -n "$$nvrtc" ]; then export LD_LIBRARY_PATH="$$nvrtc$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"; fi; \

@@ -10,21 +10,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use common::{client, get, metrics, post, HttpClient, Server, MODEL_NAME};
+use common::{client, fixtures_dir, get, metrics, post, HttpClient, Server, MODEL_NAME};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
-
-fn fixtures_dir() -> PathBuf {
-    let dir = std::env::var_os("PEREGRINE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| common::repo_root().join("../shared/fixtures"));
-    assert!(
-        dir.join("smollm2/lora_reference.json").is_file(),
-        "LoRA fixtures not found under {}: run `make model` and check PEREGRINE_FIXTURES",
-        dir.display()
-    );
-    dir
-}
 
 fn adapter_dir(name: &str) -> String {
     fixtures_dir().join("smollm2/lora").join(name).to_str().unwrap().to_string()

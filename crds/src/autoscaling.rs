@@ -1,4 +1,4 @@
-//! `spec.autoscaling` / `status.autoscaling` of a ModelDeployment (issue 7).
+//! `spec.autoscaling` / `status.autoscaling` of a ModelDeployment.
 //!
 //! Acted on by the operator's autoscaler (`operator/src/autoscaler/`): every interval it scrapes the
 //! ready agent pods' `/metrics`, decides the replica count that holds the SLO, writes it through the
@@ -117,7 +117,7 @@ pub struct Throughput {
     pub requests_per_second: Option<f64>,
 }
 
-/// What the autoscaler decided and why (written by the autoscaler, issue 7).
+/// What the autoscaler decided and why (written by the autoscaler).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AutoscalingStatus {

@@ -9,11 +9,11 @@ pub const CONDITION_READY: &str = "Ready";
 pub const CONDITION_PROGRESSING: &str = "Progressing";
 /// ModelDeployment: the spec cannot be acted on, or pods fail; the message says why.
 pub const CONDITION_DEGRADED: &str = "Degraded";
-/// ModelDeployment (issue 8): a staged rollout is under way.
+/// ModelDeployment with `spec.rollout`: a staged rollout is under way.
 pub const CONDITION_ROLLOUT_PROGRESSING: &str = "RolloutProgressing";
-/// ModelDeployment (issue 8): a staged rollout waits (pause step or the pause annotation).
+/// ModelDeployment with `spec.rollout`: a staged rollout waits (pause step or the pause annotation).
 pub const CONDITION_ROLLOUT_PAUSED: &str = "RolloutPaused";
-/// ModelDeployment (issue 8): a staged rollout failed its regression gate and was rolled back.
+/// ModelDeployment with `spec.rollout`: a staged rollout failed its regression gate and was rolled back.
 pub const CONDITION_ROLLOUT_FAILED: &str = "RolloutFailed";
 /// LoraAdapter: the adapter is loaded in every ready pod of its deployment.
 pub const CONDITION_LOADED: &str = "Loaded";

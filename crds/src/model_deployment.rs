@@ -68,12 +68,12 @@ pub struct ModelDeploymentSpec {
     /// with `pvc://<claim>/...` sources can be read by the agents.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub adapter_volumes: Vec<String>,
-    /// Latency-SLO autoscaling (issue 7). When set, the operator's autoscaler owns `replicas`: it
+    /// Latency-SLO autoscaling (see docs/autoscaling.md). When set, the operator's autoscaler owns `replicas`: it
     /// scrapes the agents' metrics and writes the count that holds the SLO through the `scale`
     /// subresource. Unset (or the autoscaler turned off), `replicas` is used as written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingSpec>,
-    /// Staged rollouts gated by regression tests (issue 8). A change to the pods goes out as a canary
+    /// Staged rollouts gated by regression tests (see docs/rollouts.md). A change to the pods goes out as a canary
     /// (or all at once with `Recreate`), step by step, each step optionally gated by the regression
     /// suite, then is promoted or rolled back. Unset, a change updates the Deployment in place (a plain
     /// rolling update).
@@ -254,18 +254,18 @@ pub struct ModelDeploymentStatus {
     /// In-cluster base URL of the OpenAI-compatible API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
-    /// `Ready`, `Progressing`, `Degraded`; issue 8 adds `RolloutProgressing`, `RolloutPaused`,
-    /// `RolloutFailed`.
+    /// `Ready`, `Progressing`, `Degraded`, and during staged rollouts `RolloutProgressing`,
+    /// `RolloutPaused`, `RolloutFailed`.
     ///
     /// A list-map keyed by `type`, so that each controller (field manager) owns its own conditions
     /// under server-side apply.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = kube::core::ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
-    /// Autoscaler state (issue 7; not written yet).
+    /// What the autoscaler last decided and why (set only with `spec.autoscaling`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingStatus>,
-    /// Rollout state (issue 8; not written yet).
+    /// The staged rollout's progress (set only with `spec.rollout`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutStatus>,
 }

@@ -1,4 +1,4 @@
-//! `spec.rollout` / `status.rollout` of a ModelDeployment (issue 8): staged rollouts, each stage gated
+//! `spec.rollout` / `status.rollout` of a ModelDeployment: staged rollouts, each stage gated
 //! by a regression suite run against the canary.
 //!
 //! Acted on by the operator's rollout controller (`operator/src/rollout/`), run from every
@@ -243,7 +243,7 @@ fn default_latency_factor() -> f64 {
     1.5
 }
 
-/// Rollout state (written by the rollout controller, issue 8). Conditions `RolloutProgressing`,
+/// Rollout state (written by the rollout controller). Conditions `RolloutProgressing`,
 /// `RolloutPaused` and `RolloutFailed` live in the ModelDeployment's `status.conditions`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]

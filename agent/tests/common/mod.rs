@@ -1,6 +1,6 @@
 //! Spawning the built `peregrine-agent` on a free loopback port, with the test model.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -15,23 +15,12 @@ use hyper_util::rt::TokioExecutor;
 
 pub const MODEL_NAME: &str = "smollm2";
 
-pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+/// The test model and the fixtures are found one way for the whole workspace (`peregrine-testkit`).
+pub use peregrine_testkit::{fixtures_dir, repo_root, test_model as model_path};
 
-pub fn model_path() -> PathBuf {
-    let path = std::env::var_os("PEREGRINE_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/peregrine/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(path.is_file(), "test model not found at {}: run `make model`", path.display());
-    path
-}
-
+/// The base model's reference outputs (transformers, float32).
 pub fn fixtures_reference() -> PathBuf {
-    let dir = std::env::var_os("PEREGRINE_FIXTURES").map(PathBuf::from).unwrap_or_else(|| repo_root().join("../shared/fixtures"));
-    let path = dir.join("smollm2/reference.json");
-    assert!(path.is_file(), "fixtures not found at {}: run `make model` and check PEREGRINE_FIXTURES", path.display());
-    path
+    fixtures_dir().join("smollm2/reference.json")
 }
 
 pub fn reference() -> serde_json::Value {

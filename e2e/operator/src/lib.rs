@@ -3,6 +3,8 @@
 //! (`tests/kind.rs` runs against a real cluster and needs none of this.)
 //!
 //! Test support only: a missing prerequisite panics with what to run, so the test fails loudly.
+// This library exists only for the tests in `tests/`; a panic here is a test failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -32,30 +34,8 @@ pub fn agent_bin() -> PathBuf {
     path
 }
 
-/// `PEREGRINE_TEST_MODEL`, else the cached SmolLM2 GGUF.
-pub fn model_path() -> PathBuf {
-    let path = std::env::var_os("PEREGRINE_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/peregrine/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(path.is_file(), "test model not found at {}: run `make model`", path.display());
-    path
-}
-
-/// `PEREGRINE_FIXTURES`, else `<workspace>/../shared/fixtures` (one level further up from a git
-/// worktree under `<root>/wt/<name>`).
-pub fn fixtures_dir() -> PathBuf {
-    let dir = std::env::var_os("PEREGRINE_FIXTURES").map(PathBuf::from).unwrap_or_else(|| {
-        let near = workspace_root().join("../shared/fixtures");
-        let far = workspace_root().join("../../shared/fixtures");
-        if near.exists() || !far.exists() {
-            near
-        } else {
-            far
-        }
-    });
-    assert!(dir.join("smollm2/lora/adapter-a").is_dir(), "fixtures not found in {}: run `make model` and see shared/fixtures/README.md", dir.display());
-    dir
-}
+/// The test model and the fixtures are found one way for the whole workspace (`peregrine-testkit`).
+pub use peregrine_testkit::{fixtures_dir, test_model as model_path};
 
 /// A running `peregrine-agent serve` on loopback; killed when dropped, pass or fail.
 pub struct Agent {

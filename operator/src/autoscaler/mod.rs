@@ -1,4 +1,4 @@
-//! Latency-SLO autoscaling (issue 7): sizes each `ModelDeployment` with `spec.autoscaling` to hold
+//! Latency-SLO autoscaling: sizes each `ModelDeployment` with `spec.autoscaling` to hold
 //! its p95 TTFT/TPOT with the fewest replicas.
 //!
 //! Data flow, one round per deployment every scrape interval:

@@ -1,4 +1,4 @@
-//! Staged rollouts (issue 8): a ModelDeployment change that alters its pods goes out as a canary,
+//! Staged rollouts: a ModelDeployment change that alters its pods goes out as a canary,
 //! step by step, each step gated by the regression suite, then is promoted or rolled back.
 //!
 //! - [`revision`]: the revision hash of a pod template.

@@ -1,47 +1,8 @@
 //! Shared helpers for the integration tests: where the test model and fixtures live.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::path::PathBuf;
-
-pub fn model_path() -> PathBuf {
-    let path = match std::env::var_os("PEREGRINE_TEST_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let home = std::env::var_os("HOME").expect("HOME is not set");
-            PathBuf::from(home).join(".cache/peregrine/SmolLM2-135M-Instruct.Q4_1.gguf")
-        }
-    };
-    assert!(
-        path.is_file(),
-        "test model {} not found: run `make model` (or set PEREGRINE_TEST_MODEL)",
-        path.display()
-    );
-    path
-}
-
-pub fn fixtures_dir() -> PathBuf {
-    let dir = match std::env::var_os("PEREGRINE_FIXTURES") {
-        Some(p) => PathBuf::from(p),
-        // `<repo root>/../shared/fixtures`; a git worktree under `<root>/wt/<name>` looks one more
-        // level up.
-        None => {
-            let repo_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-            let near = repo_root.join("../shared/fixtures");
-            let far = repo_root.join("../../shared/fixtures");
-            if near.exists() || !far.exists() {
-                near
-            } else {
-                far
-            }
-        }
-    };
-    assert!(
-        dir.join("smollm2/reference.json").is_file(),
-        "fixtures not found in {}: run `make model` and make sure ../shared/fixtures exists (or set PEREGRINE_FIXTURES)",
-        dir.display()
-    );
-    dir
-}
+/// The test model and the fixtures are found one way for the whole workspace (`peregrine-testkit`).
+pub use peregrine_testkit::{fixtures_dir, test_model as model_path};
 
 pub fn reference() -> serde_json::Value {
     let path = fixtures_dir().join("smollm2/reference.json");

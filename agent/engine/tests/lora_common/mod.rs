@@ -37,7 +37,7 @@ pub fn adapter_dir(name: &str) -> PathBuf {
     let dir = common::fixtures_dir().join("smollm2/lora").join(name);
     assert!(
         dir.is_dir(),
-        "adapter fixture {} missing: run `make model` / check ../shared/fixtures",
+        "adapter fixture {} missing: check tests/fixtures or PEREGRINE_FIXTURES",
         dir.display()
     );
     dir

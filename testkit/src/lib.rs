@@ -1,0 +1,41 @@
+//! Where the tests find what they read: the reference fixtures (in the repository, under
+//! `tests/fixtures/`) and the test model (downloaded once by `make model`). Every crate's tests use
+//! these two functions, so there is one rule for each.
+//!
+//! Test support only: a missing prerequisite panics with what to run, so the test fails loudly.
+
+use std::path::PathBuf;
+
+/// The workspace root (this crate sits one level below it).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `PEREGRINE_FIXTURES` when set (e.g. a copy of the fixtures on a GPU machine without the
+/// repository), else the repository's `tests/fixtures/`.
+pub fn fixtures_dir() -> PathBuf {
+    let dir = std::env::var_os("PEREGRINE_FIXTURES").map(PathBuf::from).unwrap_or_else(|| repo_root().join("tests/fixtures"));
+    if !dir.join("smollm2/reference.json").is_file() {
+        panic!(
+            "fixtures not found in {}: they ship in the repository under tests/fixtures/; unset PEREGRINE_FIXTURES or point it at a copy",
+            dir.display()
+        );
+    }
+    dir
+}
+
+/// `PEREGRINE_TEST_MODEL` when set, else the SmolLM2 GGUF that `make model` caches in
+/// `~/.cache/peregrine/`.
+pub fn test_model() -> PathBuf {
+    let path = match std::env::var_os("PEREGRINE_TEST_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => match std::env::var_os("HOME") {
+            Some(home) => PathBuf::from(home).join(".cache/peregrine/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            None => panic!("neither PEREGRINE_TEST_MODEL nor HOME is set: run `make model` and set PEREGRINE_TEST_MODEL"),
+        },
+    };
+    if !path.is_file() {
+        panic!("test model not found at {}: run `make model` (or set PEREGRINE_TEST_MODEL)", path.display());
+    }
+    path
+}

@@ -27,7 +27,7 @@ const LEAF_CRATES: &[&str] = &["peregrine-crds"];
 const PLANNER_PATHS: &[&str] = &[
     "agent/engine/src/scheduler",
     "agent/engine/src/kv",
-    "agent/engine/src/lora/plan.rs",
+    "agent/engine/src/plan",
     "agent/engine/src/lora/registry.rs",
 ];
 

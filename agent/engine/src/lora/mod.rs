@@ -8,7 +8,6 @@
 //! segment. Weights are never merged into the base model.
 
 pub mod adapter;
-pub mod bench;
 pub mod config;
 pub mod random;
 pub mod registry;

@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 
-use peregrine_engine::backend::cpu::{bench, CpuBackend};
+use peregrine_engine::backend::cpu::CpuBackend;
+use peregrine_engine::bench;
 use peregrine_engine::backend::{Backend, KvCacheShape};
 use peregrine_engine::model::{self, LoadFormat};
 

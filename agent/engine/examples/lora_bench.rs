@@ -4,9 +4,10 @@
 //!
 //! `cargo run --release -p peregrine-engine --example lora_bench -- [model.gguf] [batch] [rank] [adapters]`
 
-use peregrine_engine::backend::cpu::{bench, CpuBackend};
+use peregrine_engine::backend::cpu::CpuBackend;
+use peregrine_engine::bench;
 use peregrine_engine::backend::KvCacheShape;
-use peregrine_engine::lora::bench::{decode_with_lora, random_adapters, zipf_assignment};
+use peregrine_engine::bench::lora::{decode_with_lora, random_adapters, zipf_assignment};
 use peregrine_engine::model::{self, LoadFormat};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -5,9 +5,8 @@ use std::time::Instant;
 
 use peregrine_engine::backend::{SeqChunk, StepBatch};
 use peregrine_engine::config::{Architecture, ModelConfig};
-use peregrine_engine::lora::{
-    CpuLora, LoraAdapter, RandomAdapterSpec, Rows, RowsMut, TargetModule,
-};
+use peregrine_engine::backend::cpu::lora::{CpuLora, Rows, RowsMut};
+use peregrine_engine::lora::{LoraAdapter, RandomAdapterSpec, TargetModule};
 
 fn main() {
     let cfg = ModelConfig {

@@ -15,6 +15,7 @@
 //! The engine knows nothing of HTTP; the server (`peregrine-agent`) depends on it, never the reverse.
 
 pub mod backend;
+pub mod bench;
 pub mod config;
 pub mod error;
 pub mod lora;

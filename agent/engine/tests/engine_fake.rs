@@ -312,6 +312,15 @@ fn config_is_checked_against_the_backend() {
     for cfg in invalid {
         assert!(matches!(start_with(shape, cfg.clone()), Err(EngineError::InvalidConfig(_))), "{cfg:?}");
     }
+    // max_num_seqs must fit the backend's batch capacity (default config: 64 sequences).
+    let capped = |cap: usize| {
+        let mut backend = FakeBackend::new(shape);
+        backend.max_batch_seqs = Some(cap);
+        Box::new(backend) as Box<dyn Backend>
+    };
+    assert!(Engine::start(capped(64), ok.clone()).is_ok());
+    let refused = Engine::start(capped(63), ok.clone()).map(|_| ());
+    assert!(matches!(&refused, Err(EngineError::InvalidConfig(m)) if m.contains("batch capacity of 63")), "{refused:?}");
     // Without an explicit limit the KV cache capacity caps the context.
     let h = Engine::start(fake(shape), EngineConfig { block_size: 4, ..Default::default() }).expect("starts");
     assert_eq!(h.max_model_len(), 64);

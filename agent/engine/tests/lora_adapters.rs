@@ -349,7 +349,7 @@ fn unsupported_dtype_is_refused() {
 
 #[test]
 fn bench_adapters_are_written_as_loadable_peft_folders() {
-    use peregrine_engine::lora::bench::{random_adapters, write_random_adapters, zipf_assignment};
+    use peregrine_engine::bench::lora::{random_adapters, write_random_adapters, zipf_assignment};
     let cfg = smollm2_config();
     let dir = tempfile::tempdir().unwrap();
     let written = write_random_adapters(&cfg, 3, 8, 100, dir.path()).unwrap();

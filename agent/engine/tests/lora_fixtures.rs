@@ -212,7 +212,7 @@ fn lora_slots_without_enable_lora_are_rejected() {
 
 #[test]
 fn lora_decode_bench_runs_on_the_real_model() {
-    use peregrine_engine::lora::bench::{decode_with_lora, random_adapters, zipf_assignment};
+    use peregrine_engine::bench::lora::{decode_with_lora, random_adapters, zipf_assignment};
     let loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
     let config = loaded.config.clone();
     let mut backend = CpuBackend::new(

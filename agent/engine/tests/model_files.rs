@@ -310,7 +310,7 @@ fn malformed_step_batches_are_errors() {
 
 #[test]
 fn bench_helpers_drive_the_backend() {
-    use peregrine_engine::backend::cpu::bench;
+    use peregrine_engine::bench;
     let (dir, _) = tiny_folder();
     let loaded = model::load(dir.path(), LoadFormat::Dummy).unwrap();
     let blocks = bench::blocks_needed(4, 10, 6, 4).max(bench::blocks_needed(1, 40, 0, 4));

@@ -106,9 +106,8 @@ pub trait InferenceBackend: Send + Sync + 'static {
     /// "cpu", "cuda:0".
     fn backend_name(&self) -> String;
     fn stats(&self) -> BackendStats;
-    /// Whether `name` may name an adapter. A backend whose registry lives elsewhere (the engine
-    /// thread) answers whether it serves adapters at all and lets `generate` refuse an unknown
-    /// name with [`ApiError::ModelNotFound`], which is also race-free against unloads.
+    /// Whether `name` names a loaded adapter. An unload may still race with the request, so
+    /// `generate` must also refuse an unknown name with [`ApiError::ModelNotFound`].
     fn has_adapter(&self, _name: &str) -> bool {
         false
     }

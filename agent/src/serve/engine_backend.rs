@@ -132,9 +132,10 @@ impl InferenceBackend for EngineBackend {
         }
     }
 
-    fn has_adapter(&self, _name: &str) -> bool {
-        // The registry lives on the engine thread; `submit` refuses unknown names (→ 404).
-        self.engine.lora_supported()
+    fn has_adapter(&self, name: &str) -> bool {
+        // A fast check against the names the engine thread publishes; `submit` still refuses a
+        // name unloaded in between (→ 404).
+        self.engine.has_adapter(name)
     }
 
     async fn adapters(&self) -> Result<Vec<AdapterStatus>, ApiError> {

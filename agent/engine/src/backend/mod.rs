@@ -54,6 +54,12 @@ pub trait Backend: Send {
 
     fn kv_shape(&self) -> KvCacheShape;
 
+    /// Most sequences one step may carry, where the backend sized per-sequence buffers up front
+    /// (None: no such limit). The engine refuses to start with a larger `max_num_seqs`.
+    fn max_batch_seqs(&self) -> Option<usize> {
+        None
+    }
+
     /// Runs one step: writes K/V for every new token into its sequence's blocks, returns logits for
     /// the sequences that want them.
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits>;

@@ -41,6 +41,19 @@ pub struct ResolvedLimits {
 }
 
 impl EngineConfig {
+    /// Checks `max_num_seqs` against what the backend can carry in one step. A refusal rather than
+    /// a clamp: the backend's capacity comes from its own options, so a mismatch is a set-up error,
+    /// and clamping would quietly serve fewer concurrent sequences than configured.
+    pub fn check_batch_capacity(&self, backend_max_seqs: Option<usize>) -> Result<()> {
+        match backend_max_seqs {
+            Some(cap) if self.max_num_seqs > cap => Err(EngineError::InvalidConfig(format!(
+                "max_num_seqs ({}) exceeds the backend's batch capacity of {cap} sequences",
+                self.max_num_seqs
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     pub fn resolve(&self, model: &ModelConfig, kv: KvCacheShape) -> Result<ResolvedLimits> {
         let bad = |m: String| Err(EngineError::InvalidConfig(m));
         if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {

@@ -7,32 +7,15 @@ use std::time::Instant;
 
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use super::command::Command;
 use super::config::ResolvedLimits;
 use super::lora::{canonical_source, check_name, HandleLora};
 use super::metrics::EngineMetrics;
-use crate::lora::{AdapterId, AdapterInfo, LoadOutcome, LoraAdapter};
+use crate::lora::{AdapterInfo, LoadOutcome, LoraAdapter};
 use crate::request::{GenerationRequest, RequestEvent, RequestId};
 use crate::{sampling, EngineError, Result};
-
-/// What flows into the engine thread.
-pub(super) enum Command {
-    Submit { request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant },
-    Abort(RequestId),
-    Shutdown,
-    /// A parsed adapter to register under `name` (parsing happened on the caller's thread).
-    LoadAdapter {
-        name: String,
-        source: std::path::PathBuf,
-        adapter: Arc<LoraAdapter>,
-        reply: Sender<(LoadOutcome, AdapterInfo)>,
-    },
-    UnloadAdapter { name: String, reply: Sender<Result<AdapterInfo>> },
-    ListAdapters { reply: Sender<Vec<AdapterInfo>> },
-    /// A loader thread re-read an adapter evicted from host memory.
-    AdapterReloaded { id: AdapterId, result: Result<Arc<LoraAdapter>> },
-}
 
 struct Inner {
     commands: Sender<Command>,
@@ -121,8 +104,7 @@ impl EngineHandle {
             return bad(format!("token id {t} is out of the vocabulary (size {})", limits.vocab_size));
         }
         if let Some(name) = &request.adapter {
-            let known = self.inner.lora.as_ref().is_some_and(|l| l.names.read().contains(name));
-            if !known {
+            if !self.has_adapter(name) {
                 return Err(EngineError::UnknownAdapter(name.clone()));
             }
         }
@@ -168,6 +150,12 @@ impl EngineHandle {
     /// Whether the engine serves LoRA adapters (started with `Engine::start_with_lora`).
     pub fn lora_supported(&self) -> bool {
         self.inner.lora.is_some()
+    }
+
+    /// Whether requests may name adapter `name` right now. The engine thread checks again when
+    /// the request arrives, since an unload may race with it.
+    pub fn has_adapter(&self, name: &str) -> bool {
+        self.inner.lora.as_ref().is_some_and(|l| l.names.read().contains(name))
     }
 
     fn lora_enabled(&self) -> Result<&HandleLora> {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crossbeam_channel::Sender;
 use parking_lot::RwLock;
 
-use super::handle::Command;
+use super::command::Command;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::lora::{AdapterId, AdapterInfo, LoadOutcome, LoraAdapter, LoraConfig, LoraRegistry};

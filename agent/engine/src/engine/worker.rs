@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::config::ResolvedLimits;
-use super::handle::Command;
+use super::command::Command;
 use super::lora::{EngineLora, Placement};
 use super::metrics::EngineMetrics;
 use super::outbox::Outbox;

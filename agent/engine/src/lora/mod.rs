@@ -1,16 +1,14 @@
 //! Multi-LoRA serving: PEFT adapters ([`adapter`], [`config`]), the registry that owns them in host
 //! memory and assigns device slots ([`registry`]), the slot weight layout ([`stack`]), the per-step
-//! segment table ([`crate::plan::lora_segments`]) and the CPU shrink/expand update ([`apply`]).
+//! segment table ([`crate::plan::lora_segments`]). The CPU shrink/expand update is
+//! [`crate::backend::cpu::lora`], the CUDA one `backend::cuda::lora`.
 //!
 //! A step may mix the base model and any adapters: tokens are grouped into segments by slot
 //! ([`LoraBatchPlan`]) and after each targeted projection `y += (x · Aᵀ) · Bᵀ · scale` is added per
 //! segment. Weights are never merged into the base model.
 
 pub mod adapter;
-pub mod apply;
-pub mod bench;
 pub mod config;
-pub mod cpu;
 pub mod random;
 pub mod registry;
 pub mod save;
@@ -18,9 +16,7 @@ pub mod stack;
 pub mod target;
 
 pub use adapter::{LoraAdapter, LoraPair};
-pub use apply::{apply_lora, Rows, RowsMut};
 pub use config::AdapterConfig;
-pub use cpu::CpuLora;
 pub use crate::plan::{LoraBatchPlan, NO_SLOT};
 pub use random::{RandomAdapterSpec, ZipfSampler};
 pub use registry::{

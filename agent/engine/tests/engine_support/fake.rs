@@ -31,6 +31,8 @@ pub struct FakeBackend {
     /// (chained K/V hash, position) per physical slot.
     slots: Vec<Option<(u64, u32)>>,
     step_delay: Duration,
+    /// What [`Backend::max_batch_seqs`] reports (None: no limit).
+    pub max_batch_seqs: Option<usize>,
     pub stats: Arc<Mutex<FakeStats>>,
 }
 
@@ -62,6 +64,7 @@ impl FakeBackend {
             shape,
             slots: vec![None; shape.num_blocks * shape.block_size],
             step_delay: Duration::ZERO,
+            max_batch_seqs: None,
             stats: Arc::default(),
         }
     }
@@ -127,6 +130,10 @@ impl Backend for FakeBackend {
 
     fn kv_shape(&self) -> KvCacheShape {
         self.shape
+    }
+
+    fn max_batch_seqs(&self) -> Option<usize> {
+        self.max_batch_seqs
     }
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {

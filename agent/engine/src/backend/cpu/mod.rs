@@ -2,8 +2,8 @@
 //! same f32 values inside the matmul), paged KV cache in host memory, rayon for threads.
 
 pub mod attention;
-pub mod bench;
 pub mod kv_cache;
+pub mod lora;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod matmul_avx2;
@@ -18,7 +18,8 @@ use simd::Isa;
 
 use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, StepBatch};
 use crate::config::ModelConfig;
-use crate::lora::{CpuLora, LoraAdapter, Rows, RowsMut, TargetModule};
+use self::lora::{CpuLora, Rows, RowsMut};
+use crate::lora::{LoraAdapter, TargetModule};
 use crate::model::{Matrix, ModelWeights};
 use crate::{EngineError, Result};
 
@@ -216,7 +217,7 @@ impl CpuBackend {
             return bad(format!("sequences cover {next} of {n} tokens"));
         }
         if self.lora.is_none() {
-            crate::lora::cpu::reject_lora_slots(batch)?;
+            self::lora::reject_lora_slots(batch)?;
         }
         Ok(())
     }

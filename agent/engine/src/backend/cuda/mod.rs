@@ -504,6 +504,10 @@ impl Backend for CudaBackend {
         KvCacheShape { num_blocks: self.limits.num_blocks, block_size: self.limits.block_size }
     }
 
+    fn max_batch_seqs(&self) -> Option<usize> {
+        Some(self.layout.max_seqs)
+    }
+
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         let rows = self.run(batch)?;
         let vocab = self.config.vocab_size;

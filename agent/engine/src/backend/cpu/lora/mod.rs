@@ -2,11 +2,14 @@
 //! backend calls [`CpuLora::begin_step`] once per forward and [`CpuLora::apply`] after each
 //! projection; both are cheap no-ops for a step without adapters.
 
-use super::adapter::LoraAdapter;
-use super::apply::{apply_lora, Rows, RowsMut};
+pub mod apply;
+
+pub use apply::{apply_lora, Rows, RowsMut};
+
+use crate::lora::LoraAdapter;
 use crate::plan::LoraBatchPlan;
-use super::stack::LoraSlotStack;
-use super::target::TargetModule;
+use crate::lora::stack::LoraSlotStack;
+use crate::lora::target::TargetModule;
 use crate::plan::StepBatch;
 use crate::config::ModelConfig;
 use crate::{EngineError, Result};

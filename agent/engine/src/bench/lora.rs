@@ -1,15 +1,15 @@
 //! What `peregrine-agent bench --lora` needs: N random adapters shaped for the base model (seeded),
 //! as values or as PEFT folders for the engine path, a Zipf spread of requests over them, and a
 //! backend-level decode measurement with adapters in the batch (the base-only figure comes from
-//! [`crate::backend::cpu::bench::decode`], which lays out the same batch).
+//! [`crate::bench::decode`], which lays out the same batch).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::adapter::LoraAdapter;
-use super::random::{RandomAdapterSpec, ZipfSampler};
-use super::save::save_peft;
-use crate::backend::cpu::bench::BenchFigure;
+use crate::lora::LoraAdapter;
+use crate::lora::random::{RandomAdapterSpec, ZipfSampler};
+use crate::lora::save_peft;
+use super::BenchFigure;
 use crate::backend::Backend;
 use crate::plan::{SeqChunk, StepBatch};
 use crate::config::ModelConfig;

@@ -3,8 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, SeqChunk, StepBatch};
+use crate::backend::Backend;
+use crate::plan::{SeqChunk, StepBatch};
 use crate::Result;
+
+pub mod lora;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchFigure {

@@ -8,8 +8,8 @@
 use rayon::prelude::*;
 
 use crate::plan::LoraBatchPlan;
-use super::stack::LoraSlotStack;
-use super::target::TargetModule;
+use crate::lora::stack::LoraSlotStack;
+use crate::lora::target::TargetModule;
 
 /// A row-major activation matrix: row `t` is `data[t * stride + offset ..][..cols]`. Strides and
 /// offsets let the backend point into fused buffers (e.g. `[q | k | v]` or `[gate | up]`).

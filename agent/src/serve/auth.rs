@@ -4,17 +4,13 @@ use std::path::Path;
 
 use subtle::ConstantTimeEq;
 
-use super::rate_limit::Limits;
+use super::tenant::{Limits, TenantId};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiKey {
     key: Vec<u8>,
     pub limits: Limits,
 }
-
-/// Index of the matched key; tenants are told apart by it, never by the secret itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct TenantId(pub usize);
 
 #[derive(Debug, Clone, Default)]
 pub struct KeyStore {

@@ -12,7 +12,7 @@ use peregrine_engine::request::{FinishReason, SamplingParams, Usage};
 use tracing::Span;
 
 use super::admission::{RunningSlot, WaitingSlot};
-use super::auth::TenantId;
+use super::tenant::TenantId;
 use super::backend::{EventStream, GenerateEvent, GenerateInput, InferenceBackend, PromptInput, TokenOutput};
 use super::error::ApiError;
 use super::metrics::{FinishLabels, Metrics, ModelLabel};

@@ -20,6 +20,7 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 pub mod telemetry;
+pub mod tenant;
 
 #[cfg(test)]
 mod tests;
@@ -124,7 +125,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {
         let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
-        let limits = rate_limit::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
+        let limits = tenant::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
         let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?;
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;

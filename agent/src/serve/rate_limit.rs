@@ -9,15 +9,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::auth::TenantId;
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Limits {
-    /// 0: unlimited.
-    pub requests_per_minute: u64,
-    /// 0: unlimited.
-    pub tokens_per_minute: u64,
-}
+use super::tenant::{Limits, TenantId};
 
 #[derive(Debug)]
 struct Bucket {

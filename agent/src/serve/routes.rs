@@ -11,15 +11,13 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 
-use super::auth::{bearer_token, TenantId};
+use super::auth::bearer_token;
 use super::backend::InferenceBackend;
 use super::error::ApiError;
 use super::handlers::{chat, completions, fail, lora, probes};
 use super::state::AppState;
+use super::tenant::Tenant;
 
-/// The authenticated tenant of a request (None when the server has no keys).
-#[derive(Debug, Clone, Copy)]
-pub struct Tenant(pub Option<TenantId>);
 
 /// Routes that need an API key when keys are configured.
 pub fn api_routes<B: InferenceBackend>() -> Router<Arc<AppState<B>>> {

@@ -322,13 +322,12 @@ fn since(now: Timestamp, then: Option<&Time>) -> Duration {
 }
 
 /// A canary rollout under way (or starting) from `stable_revision` to the update revision.
-fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
+/// The status to carry on from: this rollout's, or a fresh one at its first step when the update
+/// (or the stable revision) changed, with the event saying which.
+fn begin_rollout(input: &Input, n: i32, stable_revision: &str, actions: &mut Vec<Action>) -> RolloutStatus {
     let upd = input.update_revision;
     let now = Time(input.now);
-    let n = spec.steps.len() as i32;
     let mut st = input.status.clone();
-    let mut actions = Vec::new();
-
     let same_rollout = st.update_revision.as_deref() == Some(upd) && st.current_revision.as_deref() == Some(stable_revision) && st.current_step.is_some();
     if !same_rollout {
         match (&st.current_step, st.update_revision.as_deref()) {
@@ -349,6 +348,16 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
             step_results: Vec::new(),
         };
     }
+    st
+}
+
+fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
+    let upd = input.update_revision;
+    let now = Time(input.now);
+    let n = spec.steps.len() as i32;
+    let mut actions = Vec::new();
+
+    let mut st = begin_rollout(input, n, stable_revision, &mut actions);
 
     if input.controls.abort.as_deref() == Some(upd) {
         return fail(input, st, stable_revision, actions, reasons::ABORTED, format!("rollout of {upd} aborted by annotation"));
@@ -374,52 +383,7 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
     let running = |reason: &str, message: String| Cond::new(CONDITION_ROLLOUT_PROGRESSING, true, reason, message);
 
     if !ready {
-        let crash = canary.is_some_and(|c| c.crash_looping);
-        let note = if crash { " (a canary pod is crash-looping)" } else { "" };
-        if st.canary_ready_at.take().is_some() {
-            // Ready earlier in this step, not any more (a pod restarted or was evicted): its
-            // observation starts over once it is ready again, and so does its deadline, except
-            // for a crash-looping canary, whose brief ready spells must not hold the rollout forever.
-            if !crash {
-                st.current_step_started_at = Some(now.clone());
-            }
-            actions.push(event(true, reasons::CANARY_LOST_READINESS, format!("{label}: canary pods of {upd} are no longer ready{note}")));
-        }
-        let deadline = Duration::from_secs(u64::from(spec.progress_deadline_seconds.max(1).unsigned_abs()));
-        if since(input.now, st.current_step_started_at.as_ref()) >= deadline {
-            let result = StepResult {
-                step,
-                passed: false,
-                started_at: st.current_step_started_at.clone(),
-                finished_at: Some(now.clone()),
-                message: format!("canary pods not ready within progressDeadlineSeconds ({}s){note}", deadline.as_secs()),
-                ..Default::default()
-            };
-            // Not a regression failure: a canary that cannot become ready is not retried, whatever
-            // maxFailures allows.
-            let message = describe_failure(&result);
-            push_result(&mut st, result);
-            return fail(input, st, stable_revision, actions, reasons::CANARY_NOT_READY, message);
-        }
-        return Plan {
-            stable: StableTemplate::Keep,
-            actions,
-            status: st,
-            conditions: conditions(
-                running(reasons::CANARY_STARTING, format!("{label}: waiting for {target} canary pod(s) of {upd} to be ready{note}")),
-                // The annotation holds the step once its canary is ready; the deadline still runs.
-                input.controls.paused.then(|| {
-                    Cond::new(
-                        CONDITION_ROLLOUT_PAUSED,
-                        true,
-                        reasons::PAUSED_BY_ANNOTATION,
-                        format!("{label}: paused by annotation (the canary is not ready yet; progressDeadlineSeconds still applies)"),
-                    )
-                }),
-                None,
-            ),
-            requeue: Some(WAIT),
-        };
+        return canary_not_ready(input, spec, st, stable_revision, actions, step, &label, target);
     }
     // The step's observation (its pause, then its regression run) counts from here.
     let ready_at = st.canary_ready_at.get_or_insert_with(|| now.clone()).clone();
@@ -508,6 +472,70 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
         status: st,
         conditions: conditions(running(reasons::STEP_ADVANCED, format!("{label} passed; starting step {}/{n}", step + 2)), None, None),
         requeue: Some(NEXT),
+    }
+}
+
+/// The step's canary is not (or no longer) ready: wait for it until the progress deadline, then fail.
+#[allow(clippy::too_many_arguments)]
+fn canary_not_ready(
+    input: &Input,
+    spec: &RolloutSpec,
+    mut st: RolloutStatus,
+    stable_revision: &str,
+    mut actions: Vec<Action>,
+    step: i32,
+    label: &str,
+    target: i32,
+) -> Plan {
+    let upd = input.update_revision;
+    let now = Time(input.now);
+    let canary = input.observed.canary.as_ref();
+    let running = |reason: &str, message: String| Cond::new(CONDITION_ROLLOUT_PROGRESSING, true, reason, message);
+    let crash = canary.is_some_and(|c| c.crash_looping);
+    let note = if crash { " (a canary pod is crash-looping)" } else { "" };
+    if st.canary_ready_at.take().is_some() {
+        // Ready earlier in this step, not any more (a pod restarted or was evicted): its
+        // observation starts over once it is ready again, and so does its deadline, except
+        // for a crash-looping canary, whose brief ready spells must not hold the rollout forever.
+        if !crash {
+            st.current_step_started_at = Some(now.clone());
+        }
+        actions.push(event(true, reasons::CANARY_LOST_READINESS, format!("{label}: canary pods of {upd} are no longer ready{note}")));
+    }
+    let deadline = Duration::from_secs(u64::from(spec.progress_deadline_seconds.max(1).unsigned_abs()));
+    if since(input.now, st.current_step_started_at.as_ref()) >= deadline {
+        let result = StepResult {
+            step,
+            passed: false,
+            started_at: st.current_step_started_at.clone(),
+            finished_at: Some(now.clone()),
+            message: format!("canary pods not ready within progressDeadlineSeconds ({}s){note}", deadline.as_secs()),
+            ..Default::default()
+        };
+        // Not a regression failure: a canary that cannot become ready is not retried, whatever
+        // maxFailures allows.
+        let message = describe_failure(&result);
+        push_result(&mut st, result);
+        return fail(input, st, stable_revision, actions, reasons::CANARY_NOT_READY, message);
+    }
+    Plan {
+        stable: StableTemplate::Keep,
+        actions,
+        status: st,
+        conditions: conditions(
+            running(reasons::CANARY_STARTING, format!("{label}: waiting for {target} canary pod(s) of {upd} to be ready{note}")),
+            // The annotation holds the step once its canary is ready; the deadline still runs.
+            input.controls.paused.then(|| {
+                Cond::new(
+                    CONDITION_ROLLOUT_PAUSED,
+                    true,
+                    reasons::PAUSED_BY_ANNOTATION,
+                    format!("{label}: paused by annotation (the canary is not ready yet; progressDeadlineSeconds still applies)"),
+                )
+            }),
+            None,
+        ),
+        requeue: Some(WAIT),
     }
 }
 

@@ -18,7 +18,7 @@ use crate::serve::backend::{ChatTurn, InferenceBackend, PromptInput, TokenOutput
 use crate::serve::error::ApiError;
 use crate::serve::generation::{self, Job, Running, Step};
 use crate::serve::parse::{body_bytes, parse_request};
-use crate::serve::routes::Tenant;
+use crate::serve::tenant::Tenant;
 use crate::serve::sse;
 use crate::serve::state::unix_now;
 

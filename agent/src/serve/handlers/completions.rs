@@ -15,7 +15,7 @@ use super::{fail, max_tokens, response_id, sampling_params, SharedState};
 use crate::serve::backend::{InferenceBackend, PromptInput, TokenOutput};
 use crate::serve::generation::{self, Job, Running, Step};
 use crate::serve::parse::{body_bytes, parse_request};
-use crate::serve::routes::Tenant;
+use crate::serve::tenant::Tenant;
 use crate::serve::sse;
 use crate::serve::state::unix_now;
 

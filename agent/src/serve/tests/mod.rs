@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 
 use super::auth::KeyStore;
-use super::rate_limit::Limits;
+use super::tenant::Limits;
 use super::state::{AppState, ServerConfig};
 use fake::FakeBackend;
 

@@ -1,0 +1,148 @@
+//! The engine flags every model-running subcommand shares (`--model`, `--device`, KV cache,
+//! scheduler and LoRA limits), apart from what starting an engine does with them.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use peregrine_engine::lora::LoraConfig;
+use peregrine_engine::model::LoadFormat;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormatArg {
+    /// GGUF for a `.gguf` file, safetensors for a folder.
+    Auto,
+    Gguf,
+    Safetensors,
+    /// Random weights from the folder's `config.json` alone (benchmarks).
+    Dummy,
+}
+
+impl From<LoadFormatArg> for LoadFormat {
+    fn from(f: LoadFormatArg) -> Self {
+        match f {
+            LoadFormatArg::Auto => LoadFormat::Auto,
+            LoadFormatArg::Gguf => LoadFormat::Gguf,
+            LoadFormatArg::Safetensors => LoadFormat::Safetensors,
+            LoadFormatArg::Dummy => LoadFormat::Dummy,
+        }
+    }
+}
+
+/// `--kv-cache-dtype` (vLLM's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtypeArg {
+    /// The backend's own: bf16 on cuda, f32 on cpu.
+    Auto,
+    Bf16,
+    /// e4m3 bytes, scale 1 (cuda, compute capability 8.9+).
+    #[value(alias = "fp8_e4m3")]
+    Fp8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+impl DeviceArg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::Cuda => "cuda",
+        }
+    }
+}
+
+/// `--lora-modules name=path`: an adapter loaded at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraModule {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+impl std::str::FromStr for LoraModule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once('=') {
+            Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+                Ok(LoraModule { name: name.to_string(), path: PathBuf::from(path) })
+            }
+            _ => Err(format!("expected name=path, got {s:?}")),
+        }
+    }
+}
+
+/// Engine flags, shared by `serve`, `generate` and `bench` (names follow vLLM's).
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Model: a GGUF file or a Hugging Face folder (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, env = "PEREGRINE_MODEL")]
+    pub model: PathBuf,
+    #[arg(long, value_enum, env = "PEREGRINE_LOAD_FORMAT", default_value = "auto")]
+    pub load_format: LoadFormatArg,
+    /// Context length (default: the model's, capped to what the KV cache holds).
+    #[arg(long, env = "PEREGRINE_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+    #[arg(long, env = "PEREGRINE_MAX_NUM_SEQS", default_value_t = 32)]
+    pub max_num_seqs: usize,
+    #[arg(long, env = "PEREGRINE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    #[arg(long, env = "PEREGRINE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache size in blocks (overrides --kv-cache-memory).
+    #[arg(long, env = "PEREGRINE_NUM_KV_BLOCKS")]
+    pub num_kv_blocks: Option<usize>,
+    /// Memory for the KV cache, in GiB.
+    #[arg(long, env = "PEREGRINE_KV_CACHE_MEMORY", default_value_t = 1.0)]
+    pub kv_cache_memory: f64,
+    #[arg(long, env = "PEREGRINE_DISABLE_PREFIX_CACHING")]
+    pub disable_prefix_caching: bool,
+    /// CPU backend threads (default: all cores).
+    #[arg(long, env = "PEREGRINE_THREADS")]
+    pub threads: Option<usize>,
+    /// Seeds sampling of requests that bring no seed.
+    #[arg(long, env = "PEREGRINE_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Where the model runs (default: cuda when a CUDA device is usable, else cpu).
+    #[arg(long, value_enum, env = "PEREGRINE_DEVICE")]
+    pub device: Option<DeviceArg>,
+    /// Fraction of the GPU's memory to use for weights, activations and KV cache (cuda only).
+    #[arg(long, env = "PEREGRINE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f32,
+    /// KV cache element type. fp8 (cuda only, compute capability 8.9+): e4m3 with scale 1, twice the
+    /// tokens in the same memory and half the bytes decode attention reads, at fp8's precision.
+    #[arg(long, value_enum, env = "PEREGRINE_KV_CACHE_DTYPE", default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtypeArg,
+    /// Serve LoRA adapters (implied by --lora-modules).
+    #[arg(long, env = "PEREGRINE_ENABLE_LORA")]
+    pub enable_lora: bool,
+    /// LoRA adapters to load at start, as name=path (PEFT folders).
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<LoraModule>,
+    /// Adapters that can run in one batch.
+    #[arg(long, env = "PEREGRINE_MAX_LORAS", default_value_t = 4)]
+    pub max_loras: usize,
+    /// Largest accepted adapter rank.
+    #[arg(long, env = "PEREGRINE_MAX_LORA_RANK", default_value_t = 64)]
+    pub max_lora_rank: usize,
+    /// Adapters kept in host memory; idle ones beyond this are re-read from disk when next used.
+    #[arg(long, env = "PEREGRINE_MAX_CPU_LORAS", default_value_t = 16)]
+    pub max_cpu_loras: usize,
+}
+
+impl EngineArgs {
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1)
+    }
+
+    /// The LoRA limits when LoRA is on (`--enable-lora` or any `--lora-modules`).
+    pub fn lora_config(&self) -> Option<LoraConfig> {
+        (self.enable_lora || !self.lora_modules.is_empty()).then_some(LoraConfig {
+            max_loras: self.max_loras,
+            max_lora_rank: self.max_lora_rank,
+            max_cpu_loras: self.max_cpu_loras,
+        })
+    }
+}

@@ -1,0 +1,8 @@
+//! What every subcommand that runs the model shares: the engine flags (`flags`) and how they become a
+//! running engine (`start`).
+
+mod flags;
+mod start;
+
+pub use flags::{DeviceArg, EngineArgs, KvCacheDtypeArg, LoadFormatArg, LoraModule};
+pub use start::Runtime;

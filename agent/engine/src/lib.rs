@@ -3,6 +3,8 @@
 //! Layering (see `docs/architecture.md`):
 //! - [`config`] and [`model`]: what a model is and how its files become weights in memory.
 //! - [`tokenizer`]: text ⇄ token ids, incremental detokenization, chat templates.
+//! - [`plan`]: what one step asks of a backend (token batch, LoRA segments, row sampling); plain
+//!   data below the scheduler, `lora` and `backend`.
 //! - [`backend`]: the [`backend::Backend`] trait that runs one flat batch of tokens; [`backend::cpu`]
 //!   is the reference implementation.
 //! - [`kv`], [`scheduler`], [`sampling`], [`engine`]: the engine thread that owns the backend, the
@@ -17,6 +19,7 @@ pub mod config;
 pub mod error;
 pub mod lora;
 pub mod model;
+pub mod plan;
 pub mod request;
 pub mod tokenizer;
 

@@ -12,40 +12,9 @@ pub mod cuda;
 use crate::config::ModelConfig;
 use crate::Result;
 
-/// One sequence's share of a step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SeqChunk {
-    /// Offset of this sequence's first token in [`StepBatch::tokens`].
-    pub start: usize,
-    /// Number of new tokens of this sequence in this step (1 for decode, up to a chunk for prefill).
-    pub len: usize,
-    /// Tokens of this sequence already in the KV cache before this step. The new tokens sit at
-    /// positions `context_len .. context_len + len` and attend to everything before them.
-    pub context_len: usize,
-    /// Physical KV block ids covering positions `0 .. context_len + len` (block `i` holds positions
-    /// `i*block_size .. (i+1)*block_size`).
-    pub block_table: Vec<u32>,
-    /// Return logits for this chunk's last token (false for a prefill chunk that is not the last).
-    pub wants_logits: bool,
-    /// LoRA slot applied to this sequence's tokens (None: base model).
-    pub lora_slot: Option<u32>,
-}
-
-/// The plan for one forward pass.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct StepBatch {
-    /// Token ids of every sequence's new tokens, concatenated in `seqs` order.
-    pub tokens: Vec<u32>,
-    /// Position of each token in its sequence (same length as `tokens`).
-    pub positions: Vec<u32>,
-    pub seqs: Vec<SeqChunk>,
-}
-
-impl StepBatch {
-    pub fn num_tokens(&self) -> usize {
-        self.tokens.len()
-    }
-}
+// The step plan lives below the backend (in `crate::plan`); re-exported here because every
+// backend call takes it.
+pub use crate::plan::{RowSampling, SeqChunk, StepBatch};
 
 /// Row-major logits, one row per [`SeqChunk`] with `wants_logits`, in batch order.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -62,18 +31,6 @@ impl Logits {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
-}
-
-/// How one logits row's next token is chosen when the backend samples on its device (see
-/// [`Backend::forward_sample`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RowSampling {
-    /// Temperature (below [`crate::sampling::GREEDY_TEMPERATURE`]: greedy), top-k (0: off), top-p
-    /// (1: off), min-p (0: off), and `uniform` in [0, 1): the one draw of the request's own RNG
-    /// for this token, so seeded requests stay reproducible whatever the batch.
-    Draw { temperature: f32, top_k: u32, top_p: f32, min_p: f32, uniform: f32 },
-    /// The row's logits go to the host, where the engine samples (penalties, logprobs).
-    Host,
 }
 
 /// What [`Backend::forward_sample`] returns: per logits row, the device's choice (`None` for

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::plan::LoraBatchPlan;
+use crate::plan::LoraBatchPlan;
 use super::stack::LoraSlotStack;
 use super::target::TargetModule;
 
@@ -278,7 +278,7 @@ mod simd {
 mod tests {
     use super::*;
     use crate::lora::adapter::{LoraAdapter, LoraPair};
-    use crate::lora::plan::NO_SLOT;
+    use crate::plan::NO_SLOT;
     use crate::lora::test_support::tiny_config;
     use rand::{Rng, SeedableRng};
 

@@ -10,7 +10,8 @@ use super::adapter::LoraAdapter;
 use super::random::{RandomAdapterSpec, ZipfSampler};
 use super::save::save_peft;
 use crate::backend::cpu::bench::BenchFigure;
-use crate::backend::{Backend, SeqChunk, StepBatch};
+use crate::backend::Backend;
+use crate::plan::{SeqChunk, StepBatch};
 use crate::config::ModelConfig;
 use crate::{EngineError, Result};
 

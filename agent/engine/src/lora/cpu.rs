@@ -4,10 +4,10 @@
 
 use super::adapter::LoraAdapter;
 use super::apply::{apply_lora, Rows, RowsMut};
-use super::plan::LoraBatchPlan;
+use crate::plan::LoraBatchPlan;
 use super::stack::LoraSlotStack;
 use super::target::TargetModule;
-use crate::backend::StepBatch;
+use crate::plan::StepBatch;
 use crate::config::ModelConfig;
 use crate::{EngineError, Result};
 

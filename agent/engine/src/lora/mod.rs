@@ -1,6 +1,6 @@
 //! Multi-LoRA serving: PEFT adapters ([`adapter`], [`config`]), the registry that owns them in host
 //! memory and assigns device slots ([`registry`]), the slot weight layout ([`stack`]), the per-step
-//! segment table ([`plan`]) and the CPU shrink/expand update ([`apply`]).
+//! segment table ([`crate::plan::lora_segments`]) and the CPU shrink/expand update ([`apply`]).
 //!
 //! A step may mix the base model and any adapters: tokens are grouped into segments by slot
 //! ([`LoraBatchPlan`]) and after each targeted projection `y += (x · Aᵀ) · Bᵀ · scale` is added per
@@ -11,7 +11,6 @@ pub mod apply;
 pub mod bench;
 pub mod config;
 pub mod cpu;
-pub mod plan;
 pub mod random;
 pub mod registry;
 pub mod save;
@@ -22,7 +21,7 @@ pub use adapter::{LoraAdapter, LoraPair};
 pub use apply::{apply_lora, Rows, RowsMut};
 pub use config::AdapterConfig;
 pub use cpu::CpuLora;
-pub use plan::{LoraBatchPlan, NO_SLOT};
+pub use crate::plan::{LoraBatchPlan, NO_SLOT};
 pub use random::{RandomAdapterSpec, ZipfSampler};
 pub use registry::{
     AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry, SlotAssignment,

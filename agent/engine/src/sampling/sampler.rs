@@ -7,7 +7,7 @@ use super::filters::keep_mask;
 use super::logprobs::{log_softmax, top_logprobs};
 use super::penalties::{apply_penalties, PenaltyState};
 use super::GREEDY_TEMPERATURE;
-use crate::backend::RowSampling;
+use crate::plan::RowSampling;
 use crate::request::{RequestId, SampledToken, SamplingParams};
 
 /// Highest logit, lowest id among ties (NaNs never win).

@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 
 pub use sequence::Sequence;
 
-use crate::backend::{SeqChunk, StepBatch};
+use crate::plan::{SeqChunk, StepBatch};
 use crate::kv::{BlockManager, SeqId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

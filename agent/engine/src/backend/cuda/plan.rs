@@ -4,7 +4,7 @@
 //! Everything is packed into one i32 array (one host→device copy per step) at offsets fixed by the
 //! capacities, so device addresses stay the same from step to step (what CUDA graphs need).
 
-use crate::backend::StepBatch;
+use crate::plan::StepBatch;
 use crate::{EngineError, Result};
 
 /// Capacities the step buffers were sized for.
@@ -143,7 +143,7 @@ pub fn pack(batch: &StepBatch, layout: &PlanLayout, lim: &Limits, packed: &mut [
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::SeqChunk;
+    use crate::plan::SeqChunk;
 
     fn seq(start: usize, len: usize, ctx: usize, blocks: Vec<u32>, logits: bool) -> SeqChunk {
         SeqChunk { start, len, context_len: ctx, block_table: blocks, wants_logits: logits, lora_slot: None }

@@ -2,7 +2,7 @@
 //! Built once per step and shared by every layer and module (and, in the CUDA backend, handed to
 //! the grouped shrink/expand kernels as is).
 
-use crate::backend::StepBatch;
+use super::step::StepBatch;
 
 /// Slot id of a base-model segment in [`LoraBatchPlan::seg_slots`].
 pub const NO_SLOT: i32 = -1;
@@ -73,7 +73,7 @@ impl LoraBatchPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::SeqChunk;
+    use crate::plan::SeqChunk;
 
     fn chunk(start: usize, len: usize, slot: Option<u32>) -> SeqChunk {
         SeqChunk {

@@ -2,7 +2,7 @@
 //!
 //! - [`device`]: a GPU (context + the one stream work runs on), device buffers, a panic-free probe.
 //! - [`compile`]: the `.cu` sources (embedded), compiled with NVRTC at run time and cached on disk.
-//! - [`ops`]: one launch wrapper per kernel (embedding gather, add+RMSNorm, RoPE+KV write, paged
+//! - [`ops`]: one launch wrapper per kernel, one file per `.cu` family (embedding gather, add+RMSNorm, RoPE+KV write, paged
 //!   attention, SiLU·mul, argmax, fills).
 //! - [`gemm`]: bf16 GEMMs through cuBLAS.
 //!

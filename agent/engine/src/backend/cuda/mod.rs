@@ -13,9 +13,12 @@
 //! The plan's metadata crosses to the device in one copy per step ([`plan`]).
 
 pub mod bench;
+mod graphs;
 mod lora;
 mod plan;
 mod rope;
+mod scratch;
+mod timing;
 mod weights;
 
 pub use lora::LoraCapacity;
@@ -27,7 +30,10 @@ use peregrine_kernels::ops::{DPtr, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType};
 
+use self::graphs::Graphs;
 use self::lora::{GpuLora, Projection};
+use self::scratch::Scratch;
+use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, RowSampling, SampledStep, StepBatch};
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::config::ModelConfig;
@@ -97,59 +103,6 @@ pub enum WeightInit<'a> {
     Random { config: ModelConfig, seed: u64 },
 }
 
-/// Per-step activations, sized for `max_num_batched_tokens` tokens and `max_num_seqs` logit rows.
-struct Scratch {
-    residual: DevBuf<f32>,
-    normed: DevBuf<u16>,
-    qkv: DevBuf<u16>,
-    q: DevBuf<u16>,
-    attn: DevBuf<u16>,
-    delta: DevBuf<u16>,
-    gate_up: DevBuf<u16>,
-    act: DevBuf<u16>,
-    final_normed: DevBuf<u16>,
-    logits: DevBuf<f32>,
-    argmax: DevBuf<u32>,
-    /// [`peregrine_kernels::ops::SAMPLE_PARAMS`] floats per logits row.
-    sample_params: DevBuf<f32>,
-    sample_params_host: Vec<f32>,
-    meta: DevBuf<i32>,
-    meta_host: Vec<i32>,
-    attn_partials: DevBuf<f32>,
-}
-
-impl Scratch {
-    fn new(cuda: &Cuda, c: &ModelConfig, t: usize, layout: &PlanLayout) -> Result<Self> {
-        let h = c.hidden_size;
-        let r = layout.max_seqs;
-        let a = |n: usize| cuda.gpu.alloc_zeros::<u16>(n).map_err(gpu_err);
-        Ok(Scratch {
-            residual: cuda.gpu.alloc_zeros::<f32>(t * h).map_err(gpu_err)?,
-            normed: a(t * h)?,
-            qkv: a(t * (c.q_dim() + 2 * c.kv_dim()))?,
-            q: a(t * c.q_dim())?,
-            attn: a(t * c.q_dim())?,
-            delta: a(t * h)?,
-            gate_up: a(t * 2 * c.intermediate_size)?,
-            act: a(t * c.intermediate_size)?,
-            final_normed: a(r * h)?,
-            logits: cuda.gpu.alloc_zeros::<f32>(r * c.vocab_size).map_err(gpu_err)?,
-            argmax: cuda.gpu.alloc_zeros::<u32>(r).map_err(gpu_err)?,
-            sample_params: cuda.gpu.alloc_zeros::<f32>(r * SAMPLE_PARAMS).map_err(gpu_err)?,
-            sample_params_host: vec![0.0; r * SAMPLE_PARAMS],
-            meta: cuda.gpu.alloc_zeros::<i32>(layout.len()).map_err(gpu_err)?,
-            meta_host: vec![0; layout.len()],
-            attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
-        })
-    }
-
-    fn bytes(c: &ModelConfig, t: usize, layout: &PlanLayout) -> usize {
-        let h = c.hidden_size;
-        let bf = t * (h * 3 + c.q_dim() * 2 + c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size) + layout.max_seqs * h;
-        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4
-    }
-}
-
 pub struct CudaBackend {
     cuda: Cuda,
     config: ModelConfig,
@@ -167,32 +120,6 @@ pub struct CudaBackend {
     timing: Option<StepTiming>,
     lora: Option<GpuLora>,
 }
-
-/// CUDA graphs of decode steps, one per (batch size, with LoRA or not), captured the second time a
-/// key is seen (the first run is eager, so cuBLAS and the driver have done their lazy set-up before
-/// capture).
-struct Graphs {
-    max_batch: usize,
-    seen: std::collections::HashSet<(usize, bool)>,
-    by_batch: std::collections::HashMap<(usize, bool), SendGraph>,
-}
-
-/// A captured graph. cudarc's `CudaGraph` is not `Send` (raw handles); the backend is owned by one
-/// thread at a time and never shares it, which is all CUDA asks of graph objects.
-struct SendGraph(peregrine_kernels::cudarc::driver::CudaGraph);
-// SAFETY: see above; every use goes through `&mut CudaBackend`.
-unsafe impl Send for SendGraph {}
-
-/// GPU time of steps, measured with events around each step (for the idle-time figure of `bench`).
-struct StepTiming {
-    start: SendEvent,
-    end: SendEvent,
-    busy_seconds: f64,
-}
-
-struct SendEvent(peregrine_kernels::cudarc::driver::CudaEvent);
-// SAFETY: as SendGraph: used only through `&mut CudaBackend`.
-unsafe impl Send for SendEvent {}
 
 /// Memory kept free beyond the computed needs: cuBLAS's internal buffers, CUDA graphs, the context.
 const HEADROOM_BYTES: usize = 512 << 20;
@@ -332,54 +259,6 @@ impl CudaBackend {
             self.step(n, decode_tokens, rows, with_lora).map_err(gpu_err)?;
         }
         Ok(rows)
-    }
-
-    /// Records the launches of a decode step of `n` sequences into a graph (nothing runs).
-    fn capture(&mut self, key: (usize, bool), rows: usize) -> Result<()> {
-        let (n, with_lora) = key;
-        let stream = self.cuda.gpu.stream.clone();
-        stream
-            .begin_capture(peregrine_kernels::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| gpu_err(e.into()))?;
-        let enqueued = self.step(n, n, rows, with_lora);
-        // End the capture whatever happened, or the stream stays unusable.
-        let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags(0));
-        enqueued.map_err(gpu_err)?;
-        match graph.map_err(|e| gpu_err(e.into()))? {
-            Some(g) => {
-                self.graphs.by_batch.insert(key, SendGraph(g));
-            }
-            None => tracing::warn!("CUDA graph capture of a {n}-sequence decode step produced no graph"),
-        }
-        Ok(())
-    }
-
-    /// Starts or stops measuring the GPU time of each step (see [`CudaBackend::gpu_busy_seconds`]).
-    pub fn set_step_timing(&mut self, on: bool) -> Result<()> {
-        self.timing = if on {
-            let flags = Some(peregrine_kernels::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let ev = || self.cuda.gpu.ctx.new_event(flags).map(SendEvent).map_err(|e| gpu_err(e.into()));
-            Some(StepTiming { start: ev()?, end: ev()?, busy_seconds: 0.0 })
-        } else {
-            None
-        };
-        Ok(())
-    }
-
-    /// GPU time (first to last operation of each step, events on the stream) summed over the steps
-    /// since timing was switched on.
-    pub fn gpu_busy_seconds(&self) -> Option<f64> {
-        self.timing.as_ref().map(|t| t.busy_seconds)
-    }
-
-    /// After a step's results reached the host: adds its GPU span to the timing.
-    fn account_step(&mut self) -> Result<()> {
-        if let Some(t) = &mut self.timing {
-            t.end.0.record(&self.cuda.gpu.stream).map_err(|e| gpu_err(e.into()))?;
-            t.end.0.synchronize().map_err(|e| gpu_err(e.into()))?;
-            t.busy_seconds += t.start.0.elapsed_ms(&t.end.0).map_err(|e| gpu_err(e.into()))? as f64 / 1e3;
-        }
-        Ok(())
     }
 
     /// Enqueues every operation of a step of `n` tokens whose metadata is already on the device; the

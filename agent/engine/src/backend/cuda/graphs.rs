@@ -1,0 +1,41 @@
+//! CUDA graphs of decode steps: captured once per batch shape, replayed after.
+
+use super::{gpu_err, CudaBackend};
+use crate::Result;
+
+/// CUDA graphs of decode steps, one per (batch size, with LoRA or not), captured the second time a
+/// key is seen (the first run is eager, so cuBLAS and the driver have done their lazy set-up before
+/// capture).
+pub(super) struct Graphs {
+    pub(super) max_batch: usize,
+    pub(super) seen: std::collections::HashSet<(usize, bool)>,
+    pub(super) by_batch: std::collections::HashMap<(usize, bool), SendGraph>,
+}
+
+/// A captured graph. cudarc's `CudaGraph` is not `Send` (raw handles); the backend is owned by one
+/// thread at a time and never shares it, which is all CUDA asks of graph objects.
+pub(super) struct SendGraph(pub(super) peregrine_kernels::cudarc::driver::CudaGraph);
+// SAFETY: see above; every use goes through `&mut CudaBackend`.
+unsafe impl Send for SendGraph {}
+
+impl CudaBackend {
+    /// Records the launches of a decode step of `n` sequences into a graph (nothing runs).
+    pub(super) fn capture(&mut self, key: (usize, bool), rows: usize) -> Result<()> {
+        let (n, with_lora) = key;
+        let stream = self.cuda.gpu.stream.clone();
+        stream
+            .begin_capture(peregrine_kernels::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| gpu_err(e.into()))?;
+        let enqueued = self.step(n, n, rows, with_lora);
+        // End the capture whatever happened, or the stream stays unusable.
+        let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        enqueued.map_err(gpu_err)?;
+        match graph.map_err(|e| gpu_err(e.into()))? {
+            Some(g) => {
+                self.graphs.by_batch.insert(key, SendGraph(g));
+            }
+            None => tracing::warn!("CUDA graph capture of a {n}-sequence decode step produced no graph"),
+        }
+        Ok(())
+    }
+}

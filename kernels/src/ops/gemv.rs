@@ -1,0 +1,112 @@
+//! gemv.cu: the skinny bandwidth-bound GEMM of decode, and its gate/up + SwiGLU variant.
+
+use cudarc::driver::CudaStream;
+
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch};
+use crate::{KernelError, Result};
+
+/// Largest row count the skinny GEMM (`gemv`) takes.
+pub const GEMV_MAX_M: usize = 8;
+const GEMV_WARPS: usize = 8;
+
+impl Kernels {
+    /// (unroll depth, warps per row) for a weight of `n` rows × `k`. From a sweep on an H100
+    /// (`examples/micro.rs`, docs/benchmarks.md): 4 warps per row beat 1 or 2 for every Llama-3.1-8B
+    /// shape, 8 for the long rows of the down projection; unroll 16 never beat 8.
+    pub fn gemv_plan(_n: usize, k: usize) -> (usize, usize) {
+        (8, if k >= 8192 { 8 } else { 4 })
+    }
+
+    /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8
+    /// (bandwidth-bound decode shapes); y bf16 or f32. Unroll depth and warps per row from
+    /// [`Kernels::gemv_plan`].
+    ///
+    /// # Safety
+    /// x: m*k bf16 and w: n*k bf16, both 16-byte aligned; y: m*n of the output type.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        let (unroll, mut wpr) = Self::gemv_plan(n, k);
+        if let Some((small, large)) = self.gemv_wpr {
+            wpr = if k >= 8192 { large } else { small };
+        }
+        self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, wpr)
+    }
+
+    /// [`Kernels::gemv`] with an explicit unroll depth (8 or 16) and warps per row (1, 2, 4 or 8).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_with(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, unroll: usize, wpr: usize) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w % 16 != 0 {
+            return Err(KernelError::Unsupported(format!("gemv: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
+        }
+        if !matches!(wpr, 1 | 2 | 4 | 8) || !matches!(unroll, 8 | 16) {
+            return Err(KernelError::Unsupported(format!("gemv: unroll {unroll}, {wpr} warps per row")));
+        }
+        let func = &self.gemv[(unroll == 16) as usize][gemv_m_index(m)];
+        let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
+        let rows_per_block = GEMV_WARPS / wpr;
+        let grid = as_u32(n.div_ceil(rows_per_block), "gemv blocks")?;
+        Launch::new(func)
+            .arg(&y)
+            .arg(&yf)
+            .arg(&x)
+            .arg(&w)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&wpr_i)
+            .launch(s, cfg(grid, (GEMV_WARPS * 32) as u32), self.pdl)?;
+        Ok(())
+    }
+}
+
+impl Kernels {
+    /// `act[m, inter] = silu(x · gate_j) * (x · up_j)` for `w_gate_up` = [gate; up] ([2 inter, k]),
+    /// m ≤ [`GEMV_MAX_M`]: the skinny GEMM with SwiGLU in its epilogue (gemv.cu), unroll 8 and the
+    /// plan's warps per row (at most 4, so each block holds whole gate/up pairs).
+    ///
+    /// # Safety
+    /// x: m*k bf16, w_gate_up: 2*inter*k bf16, both 16-byte aligned; act: m*inter bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_silu(&self, s: &CudaStream, act: DPtr, x: DPtr, w_gate_up: DPtr, m: usize, inter: usize, k: usize) -> Result<()> {
+        if m == 0 || inter == 0 {
+            return Ok(());
+        }
+        if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w_gate_up % 16 != 0 {
+            return Err(KernelError::Unsupported(format!("gemv_silu: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
+        }
+        let wpr = match self.gemv_wpr {
+            Some((small, large)) => if k >= 8192 { large } else { small },
+            None => Self::gemv_plan(2 * inter, k).1,
+        }
+        .min(4);
+        let func = &self.gemv_silu[gemv_m_index(m)];
+        let (mi, ni, ki, wpr_i) = (m as i32, as_i32(inter, "intermediate")?, as_i32(k, "k")?, wpr as i32);
+        let grid = as_u32((2 * inter).div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;
+        Launch::new(func)
+            .arg(&act)
+            .arg(&x)
+            .arg(&w_gate_up)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&wpr_i)
+            .launch(s, cfg(grid, (GEMV_WARPS * 32) as u32), self.pdl)?;
+        Ok(())
+    }
+}
+
+/// The GEMV kernel table's column for `m` rows (kernels built for m ≤ 1, 2, 4, 8).
+fn gemv_m_index(m: usize) -> usize {
+    match m {
+        0..=1 => 0,
+        2 => 1,
+        3..=4 => 2,
+        _ => 3,
+    }
+}

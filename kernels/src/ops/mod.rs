@@ -1,0 +1,197 @@
+//! Launch wrappers: one method per kernel, shapes checked before launching.
+//!
+//! Pointers are raw device addresses (`u64`) of bf16 (`u16` bits), f32, i32 or u32 data. The caller
+//! owns the buffers and guarantees their sizes; that is why every wrapper is `unsafe`.
+
+mod argmax;
+mod attention;
+mod embedding;
+mod fill;
+mod gemv;
+mod lora;
+mod rmsnorm;
+mod rope_kv;
+mod sample;
+mod silu_mul;
+
+use attention::mma_smem_opt_in;
+pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
+pub use gemv::GEMV_MAX_M;
+pub use sample::SAMPLE_PARAMS;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig};
+
+use crate::{KernelError, Result};
+
+/// Device address.
+pub type DPtr = u64;
+
+/// Every kernel of the module, loaded once.
+pub struct Kernels {
+    embedding_gather: CudaFunction,
+    add_rmsnorm: CudaFunction,
+    rope_kv_write: CudaFunction,
+    rope_kv_write_fp8: CudaFunction,
+    paged_attention_d64: CudaFunction,
+    paged_attention_d128: CudaFunction,
+    paged_attention_tiled_d64: CudaFunction,
+    paged_attention_tiled_d128: CudaFunction,
+    paged_attention_mma_d64: CudaFunction,
+    paged_attention_mma_d128: CudaFunction,
+    paged_attention_mma_rows_d64: CudaFunction,
+    paged_attention_mma_rows_d128: CudaFunction,
+    paged_attention_mma_f8_d64: CudaFunction,
+    paged_attention_mma_f8_d128: CudaFunction,
+    paged_attention_mma_rows_f8_d64: CudaFunction,
+    paged_attention_mma_rows_f8_d128: CudaFunction,
+    /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled|mma`); None: chosen per launch.
+    attention: Option<AttentionKernel>,
+    /// Whether the tensor-core kernel got its dynamic shared memory (it needs more than the 48 KB a
+    /// launch gets without opting in); without it every launch takes the CUDA-core kernels.
+    mma_ready: bool,
+    attention_combine: CudaFunction,
+    /// Whether an fp8 KV cache can be served: the fp8 tensor-core kernels need sm_89 (e4m3
+    /// conversions) and their shared memory.
+    fp8_ready: bool,
+    silu_mul: CudaFunction,
+    argmax_rows: CudaFunction,
+    sample_rows: CudaFunction,
+    lora_shrink: CudaFunction,
+    lora_expand: CudaFunction,
+    fill_uniform_bf16: CudaFunction,
+    fill_f32: CudaFunction,
+    f32_to_bf16: CudaFunction,
+    /// [unroll 8, unroll 16] × [m ≤ 1, 2, 4, 8].
+    gemv: [[CudaFunction; 4]; 2],
+    /// gate/up GEMV with SwiGLU in the epilogue, m ≤ 1, 2, 4, 8.
+    gemv_silu: [CudaFunction; 4],
+    num_sms: u32,
+    /// Tuning knobs read once from the environment, for measuring alternatives on a GPU without a
+    /// rebuild: `PEREGRINE_GEMV_WPR=a,b` (warps per row for k < 8192 and k >= 8192, instead of
+    /// [`Kernels::gemv_plan`]'s) and `PEREGRINE_ATTN_MAX_SPLITS=n` (instead of 16).
+    gemv_wpr: Option<(usize, usize)>,
+    attn_max_splits: usize,
+    /// Launch GEMVs with programmatic dependent launch (sm_90+; `PEREGRINE_PDL=0` turns it off).
+    pdl: bool,
+}
+
+fn cfg(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn as_u32(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| KernelError::Unsupported(format!("{what} = {v} exceeds u32")))
+}
+
+fn as_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| KernelError::Unsupported(format!("{what} = {v} exceeds i32")))
+}
+
+impl Kernels {
+    pub fn load(module: &Arc<CudaModule>, num_sms: u32, arch: (i32, i32)) -> Result<Self> {
+        let f = |name: &str| module.load_function(name);
+        Ok(Kernels {
+            embedding_gather: f("embedding_gather")?,
+            add_rmsnorm: f("add_rmsnorm")?,
+            rope_kv_write: f("rope_kv_write")?,
+            rope_kv_write_fp8: f("rope_kv_write_fp8")?,
+            paged_attention_d64: f("paged_attention_d64")?,
+            paged_attention_d128: f("paged_attention_d128")?,
+            paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,
+            paged_attention_tiled_d128: f("paged_attention_tiled_d128")?,
+            paged_attention_mma_d64: f("paged_attention_mma_d64")?,
+            paged_attention_mma_d128: f("paged_attention_mma_d128")?,
+            paged_attention_mma_rows_d64: f("paged_attention_mma_rows_d64")?,
+            paged_attention_mma_rows_d128: f("paged_attention_mma_rows_d128")?,
+            paged_attention_mma_f8_d64: f("paged_attention_mma_f8_d64")?,
+            paged_attention_mma_f8_d128: f("paged_attention_mma_f8_d128")?,
+            paged_attention_mma_rows_f8_d64: f("paged_attention_mma_rows_f8_d64")?,
+            paged_attention_mma_rows_f8_d128: f("paged_attention_mma_rows_f8_d128")?,
+            attention: AttentionKernel::from_env(),
+            // mma.sync on bf16 and cp.async need sm_80.
+            mma_ready: arch.0 >= 8 && mma_smem_opt_in(module, KvCacheDtype::Bf16),
+            // cvt between e4m3 and f16 needs sm_89.
+            fp8_ready: arch >= (8, 9) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3),
+            attention_combine: f("attention_combine")?,
+            silu_mul: f("silu_mul")?,
+            argmax_rows: f("argmax_rows")?,
+            sample_rows: f("sample_rows")?,
+            lora_shrink: f("lora_shrink")?,
+            lora_expand: f("lora_expand")?,
+            fill_uniform_bf16: f("fill_uniform_bf16")?,
+            fill_f32: f("fill_f32")?,
+            f32_to_bf16: f("f32_to_bf16")?,
+            gemv: [
+                [f("gemv_m1_u8")?, f("gemv_m2_u8")?, f("gemv_m4_u8")?, f("gemv_m8_u8")?],
+                [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
+            ],
+            gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
+            num_sms: num_sms.max(1),
+            gemv_wpr: std::env::var("PEREGRINE_GEMV_WPR").ok().and_then(|v| {
+                let (a, b) = v.split_once(',')?;
+                let ok = |w: usize| matches!(w, 1 | 2 | 4 | 8).then_some(w);
+                Some((ok(a.trim().parse().ok()?)?, ok(b.trim().parse().ok()?)?))
+            }),
+            attn_max_splits: std::env::var("PEREGRINE_ATTN_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| (1..=16).contains(&n)).unwrap_or(16),
+            // On by default on sm_90+ (`PEREGRINE_PDL=0` turns it off): with the kernels before the
+            // GEMVs (norms, attention, the gate/up GEMV) triggering early, batch-1 decode on an H100
+            // went 166.2 -> 167.8 tokens/s (docs/benchmarks.md).
+            pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").map_or(true, |v| v != "0"),
+        })
+    }
+
+    /// Grid for grid-stride elementwise kernels: enough blocks to fill the GPU, no more.
+    fn elementwise_grid(&self, n: usize, block: u32) -> u32 {
+        let want = n.div_ceil(block as usize).max(1);
+        want.min(self.num_sms as usize * 8) as u32
+    }
+}
+
+/// A kernel launch that may carry the programmatic-stream-serialization attribute (PDL), which
+/// cudarc's launch builder cannot: with it the kernel may begin while the previous kernel on the
+/// stream finishes (once that kernel's blocks have all called `pdl_trigger()` or exited), and must
+/// `pdl_wait()` before touching memory that kernel reads or writes. Only the GEMVs are launched this
+/// way (they issue their first weight loads before waiting); the other kernels of a step call
+/// `pdl_trigger()` early so that the GEMV after them can start. Launching every kernel with PDL (and
+/// a wait at its top) measured no better on an H100 (docs/benchmarks.md).
+struct Launch<'a> {
+    func: &'a CudaFunction,
+    args: Vec<*mut std::ffi::c_void>,
+}
+
+impl<'a> Launch<'a> {
+    fn new(func: &'a CudaFunction) -> Self {
+        Launch { func, args: Vec::with_capacity(16) }
+    }
+
+    fn arg<T: cudarc::driver::DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        self.args.push(v as *const T as *mut std::ffi::c_void);
+        self
+    }
+
+    /// # Safety
+    /// The arguments must match the kernel's parameters.
+    unsafe fn launch(&mut self, s: &CudaStream, config: LaunchConfig, pdl: bool) -> Result<()> {
+        use cudarc::driver::sys;
+        s.context().bind_to_thread()?;
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let launch = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: s.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: pdl as u32,
+        };
+        sys::cuLaunchKernelEx(&launch, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,35 @@
+//! rmsnorm.cu: residual add + RMSNorm.
+
+use cudarc::driver::CudaStream;
+
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch};
+use crate::Result;
+
+impl Kernels {
+    /// `residual += delta` (when `delta` is Some), then `out = rmsnorm(residual) * weight` in bf16.
+    /// With `rows` = Some(ptr to `n` i32), output row i adds and normalizes residual row `rows[i]` only
+    /// (the final norm, on the rows whose logits are wanted).
+    ///
+    /// # Safety
+    /// residual: f32 rows of `hidden`; delta: bf16 like residual; weight: hidden f32; out: n*hidden bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_rmsnorm(&self, s: &CudaStream, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, rows: Option<DPtr>, n: usize, hidden: usize, eps: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let delta = delta.unwrap_or(0);
+        let rows = rows.unwrap_or(0);
+        let hidden_i = as_i32(hidden, "hidden")?;
+        let threads = if hidden >= 4096 { 1024 } else { 256 };
+        Launch::new(&self.add_rmsnorm)
+            .arg(&residual)
+            .arg(&delta)
+            .arg(&weight)
+            .arg(&out)
+            .arg(&rows)
+            .arg(&hidden_i)
+            .arg(&eps)
+            .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,27 @@
+//! silu_mul.cu: SwiGLU on a fused gate|up output.
+
+use cudarc::driver::CudaStream;
+
+use super::{as_i32, cfg, DPtr, Kernels, Launch};
+use crate::Result;
+
+impl Kernels {
+    /// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`.
+    ///
+    /// # Safety
+    /// out: n*inter bf16; gate_up: n*2*inter bf16.
+    pub unsafe fn silu_mul(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let inter_i = as_i32(inter, "intermediate")?;
+        Launch::new(&self.silu_mul)
+            .arg(&out)
+            .arg(&gate_up)
+            .arg(&n64)
+            .arg(&inter_i)
+            .launch(s, cfg(self.elementwise_grid(n * inter, 256), 256), false)?;
+        Ok(())
+    }
+}

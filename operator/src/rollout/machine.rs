@@ -351,146 +351,184 @@ fn begin_rollout(input: &Input, n: i32, stable_revision: &str, actions: &mut Vec
     st
 }
 
+/// One step of a rollout under way: what each phase of [`progress`] reads.
+struct StepCtx<'a> {
+    input: &'a Input<'a>,
+    spec: &'a RolloutSpec,
+    stable_revision: &'a str,
+    /// Index of the current step, `0..n`.
+    step: i32,
+    n: i32,
+    /// `step i/n`, for messages.
+    label: String,
+}
+
+impl StepCtx<'_> {
+    fn step_spec(&self) -> &RolloutStep {
+        &self.spec.steps[self.step as usize]
+    }
+
+    fn running(&self, reason: &str, message: String) -> Cond {
+        Cond::new(CONDITION_ROLLOUT_PROGRESSING, true, reason, message)
+    }
+
+    /// A plan that keeps stable as it is and holds the rollout where it is.
+    fn hold(&self, status: RolloutStatus, actions: Vec<Action>, progressing: Cond, paused: Option<Cond>, requeue: Option<Duration>) -> Plan {
+        Plan { stable: StableTemplate::Keep, actions, status, conditions: conditions(progressing, paused, None), requeue }
+    }
+}
+
+/// A rollout under way: start (or carry on), honour the abort and promote annotations, then walk
+/// the current step through its phases: canary ready → annotation pause → step pause → regression
+/// → advance.
 fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
     let upd = input.update_revision;
-    let now = Time(input.now);
     let n = spec.steps.len() as i32;
     let mut actions = Vec::new();
-
     let mut st = begin_rollout(input, n, stable_revision, &mut actions);
 
     if input.controls.abort.as_deref() == Some(upd) {
         return fail(input, st, stable_revision, actions, reasons::ABORTED, format!("rollout of {upd} aborted by annotation"));
     }
-    let mut step = st.current_step.unwrap_or(0);
-    if input.controls.promote.as_deref() == Some(upd) && step < n {
-        actions.push(event(false, reasons::PROMOTED_BY_ANNOTATION, format!("promoting {upd} now, skipping step(s) {}..{n}", step + 1)));
-        step = n;
-        st.current_step = Some(n);
-        st.current_step_started_at = Some(now.clone());
-        st.canary_ready_at = None;
-    }
+    let step = promote_by_annotation(input, n, &mut st, &mut actions);
     if step >= n {
         return promoting(st, actions, upd);
     }
+    let ctx = StepCtx { input, spec, stable_revision, step, n, label: format!("step {}/{n}", step + 1) };
 
-    let step_spec = &spec.steps[step as usize];
-    let target = canary_replicas(step_spec, input.replicas);
-    let label = format!("step {}/{n}", step + 1);
+    let target = canary_replicas(ctx.step_spec(), input.replicas);
     actions.push(Action::EnsureCanary { replicas: target });
-    let canary = input.observed.canary.as_ref();
-    let ready = canary.is_some_and(|c| c.revision.as_deref() == Some(upd) && c.replicas == target && c.ready);
-    let running = |reason: &str, message: String| Cond::new(CONDITION_ROLLOUT_PROGRESSING, true, reason, message);
-
+    let ready = input.observed.canary.as_ref().is_some_and(|c| c.revision.as_deref() == Some(upd) && c.replicas == target && c.ready);
     if !ready {
-        return canary_not_ready(input, spec, st, stable_revision, actions, step, &label, target);
+        return canary_not_ready(&ctx, st, actions, target);
     }
     // The step's observation (its pause, then its regression run) counts from here.
-    let ready_at = st.canary_ready_at.get_or_insert_with(|| now.clone()).clone();
-
+    let ready_at = st.canary_ready_at.get_or_insert_with(|| Time(input.now)).clone();
     if input.controls.paused {
-        return Plan {
-            stable: StableTemplate::Keep,
-            actions,
-            status: st,
-            conditions: conditions(
-                running(reasons::PAUSED_BY_ANNOTATION, format!("{label}: paused")),
-                Some(Cond::new(CONDITION_ROLLOUT_PAUSED, true, reasons::PAUSED_BY_ANNOTATION, format!("{label}: paused by annotation; remove it to resume"))),
-                None,
-            ),
-            requeue: Some(Duration::from_secs(60)),
-        };
+        return paused_by_annotation(&ctx, st, actions);
     }
-
-    let pause = Duration::from_secs(u64::from(step_spec.pause_seconds.max(0).unsigned_abs()));
-    let observed_for = since(input.now, Some(&ready_at));
-    if observed_for < pause {
-        let left = pause - observed_for;
-        return Plan {
-            stable: StableTemplate::Keep,
-            actions,
-            status: st,
-            conditions: conditions(
-                running(reasons::STEP_PAUSE, format!("{label}: canary ready; pausing")),
-                Some(Cond::new(CONDITION_ROLLOUT_PAUSED, true, reasons::STEP_PAUSE, format!("{label}: {}s of the step's pause left", left.as_secs()))),
-                None,
-            ),
-            requeue: Some(left),
-        };
+    if let Some(left) = pause_left(&ctx, &ready_at) {
+        return step_pause(&ctx, st, actions, left);
     }
+    match regression(&ctx, &mut st, &mut actions) {
+        Regression::Passed => advance(&ctx, st, actions),
+        Regression::Run => ctx.hold(
+            st,
+            actions,
+            ctx.running(reasons::RUNNING_REGRESSION, format!("{}: running the regression suite against the canary", ctx.label)),
+            None,
+            Some(WAIT),
+        ),
+        Regression::Failed(result) => step_failed(input, spec, st, stable_revision, actions, result, reasons::REGRESSION_FAILED),
+    }
+}
 
+/// The promote annotation naming the update skips the remaining steps; returns the step to be in.
+fn promote_by_annotation(input: &Input, n: i32, st: &mut RolloutStatus, actions: &mut Vec<Action>) -> i32 {
+    let upd = input.update_revision;
+    let step = st.current_step.unwrap_or(0);
+    if input.controls.promote.as_deref() != Some(upd) || step >= n {
+        return step;
+    }
+    actions.push(event(false, reasons::PROMOTED_BY_ANNOTATION, format!("promoting {upd} now, skipping step(s) {}..{n}", step + 1)));
+    st.current_step = Some(n);
+    st.current_step_started_at = Some(Time(input.now));
+    st.canary_ready_at = None;
+    n
+}
+
+/// The pause annotation holds a step whose canary is ready.
+fn paused_by_annotation(ctx: &StepCtx, st: RolloutStatus, actions: Vec<Action>) -> Plan {
+    let label = &ctx.label;
+    ctx.hold(
+        st,
+        actions,
+        ctx.running(reasons::PAUSED_BY_ANNOTATION, format!("{label}: paused")),
+        Some(Cond::new(CONDITION_ROLLOUT_PAUSED, true, reasons::PAUSED_BY_ANNOTATION, format!("{label}: paused by annotation; remove it to resume"))),
+        Some(Duration::from_secs(60)),
+    )
+}
+
+/// What is left of the step's `pauseSeconds`, counted from the moment its canary was ready.
+fn pause_left(ctx: &StepCtx, ready_at: &Time) -> Option<Duration> {
+    let pause = Duration::from_secs(u64::from(ctx.step_spec().pause_seconds.max(0).unsigned_abs()));
+    let observed_for = since(ctx.input.now, Some(ready_at));
+    (observed_for < pause).then(|| pause - observed_for)
+}
+
+fn step_pause(ctx: &StepCtx, st: RolloutStatus, actions: Vec<Action>, left: Duration) -> Plan {
+    let label = &ctx.label;
+    ctx.hold(
+        st,
+        actions,
+        ctx.running(reasons::STEP_PAUSE, format!("{label}: canary ready; pausing")),
+        Some(Cond::new(CONDITION_ROLLOUT_PAUSED, true, reasons::STEP_PAUSE, format!("{label}: {}s of the step's pause left", left.as_secs()))),
+        Some(left),
+    )
+}
+
+/// Where the step's regression suite stands.
+enum Regression {
+    /// Passed now or earlier in this step, or the step runs none.
+    Passed,
+    /// Not run yet for this step: asked for.
+    Run,
+    Failed(StepResult),
+}
+
+fn regression(ctx: &StepCtx, st: &mut RolloutStatus, actions: &mut Vec<Action>) -> Regression {
+    let step = ctx.step;
     let passed_already = st.step_results.iter().any(|r| r.step == step && r.passed);
-    if step_spec.run_regression && !passed_already {
-        match input.suite.filter(|r| r.step == step) {
-            None => {
-                actions.push(Action::RunRegression { step });
-                return Plan {
-                    stable: StableTemplate::Keep,
-                    actions,
-                    status: st,
-                    conditions: conditions(running(reasons::RUNNING_REGRESSION, format!("{label}: running the regression suite against the canary")), None, None),
-                    requeue: Some(WAIT),
-                };
-            }
-            Some(result) if !result.passed => {
-                return step_failed(input, spec, st, stable_revision, actions, result.clone(), reasons::REGRESSION_FAILED);
-            }
-            Some(result) => {
-                actions.push(event(false, reasons::REGRESSION_PASSED, format!("{label}: {}", result.message)));
-                push_result(&mut st, result.clone());
-            }
+    if !ctx.step_spec().run_regression || passed_already {
+        return Regression::Passed;
+    }
+    match ctx.input.suite.filter(|r| r.step == step) {
+        None => {
+            actions.push(Action::RunRegression { step });
+            Regression::Run
+        }
+        Some(result) if !result.passed => Regression::Failed(result.clone()),
+        Some(result) => {
+            actions.push(event(false, reasons::REGRESSION_PASSED, format!("{}: {}", ctx.label, result.message)));
+            push_result(st, result.clone());
+            Regression::Passed
         }
     }
+}
 
-    if step + 1 == n && !spec.auto_promote {
-        return Plan {
-            stable: StableTemplate::Keep,
+/// The step passed: the next step, promotion, or (last step without `autoPromote`) a wait for the
+/// promote annotation.
+fn advance(ctx: &StepCtx, mut st: RolloutStatus, actions: Vec<Action>) -> Plan {
+    let (step, n, upd) = (ctx.step, ctx.n, ctx.input.update_revision);
+    if step + 1 == n && !ctx.spec.auto_promote {
+        return ctx.hold(
+            st,
             actions,
-            status: st,
-            conditions: conditions(
-                running(reasons::AWAITING_PROMOTION, format!("every step passed; {upd} awaits promotion")),
-                Some(Cond::new(
-                    CONDITION_ROLLOUT_PAUSED,
-                    true,
-                    reasons::AWAITING_PROMOTION,
-                    format!("annotate {ANNOTATION_ROLLOUT_PROMOTE}={upd} to promote (autoPromote is off)"),
-                )),
-                None,
-            ),
-            requeue: None,
-        };
+            ctx.running(reasons::AWAITING_PROMOTION, format!("every step passed; {upd} awaits promotion")),
+            Some(Cond::new(
+                CONDITION_ROLLOUT_PAUSED,
+                true,
+                reasons::AWAITING_PROMOTION,
+                format!("annotate {ANNOTATION_ROLLOUT_PROMOTE}={upd} to promote (autoPromote is off)"),
+            )),
+            None,
+        );
     }
     st.current_step = Some(step + 1);
-    st.current_step_started_at = Some(now);
+    st.current_step_started_at = Some(Time(ctx.input.now));
     st.canary_ready_at = None;
     if step + 1 == n {
         return promoting(st, actions, upd);
     }
-    Plan {
-        stable: StableTemplate::Keep,
-        actions,
-        status: st,
-        conditions: conditions(running(reasons::STEP_ADVANCED, format!("{label} passed; starting step {}/{n}", step + 2)), None, None),
-        requeue: Some(NEXT),
-    }
+    ctx.hold(st, actions, ctx.running(reasons::STEP_ADVANCED, format!("{} passed; starting step {}/{n}", ctx.label, step + 2)), None, Some(NEXT))
 }
 
 /// The step's canary is not (or no longer) ready: wait for it until the progress deadline, then fail.
-#[allow(clippy::too_many_arguments)]
-fn canary_not_ready(
-    input: &Input,
-    spec: &RolloutSpec,
-    mut st: RolloutStatus,
-    stable_revision: &str,
-    mut actions: Vec<Action>,
-    step: i32,
-    label: &str,
-    target: i32,
-) -> Plan {
+fn canary_not_ready(ctx: &StepCtx, mut st: RolloutStatus, mut actions: Vec<Action>, target: i32) -> Plan {
+    let (input, label) = (ctx.input, &ctx.label);
     let upd = input.update_revision;
     let now = Time(input.now);
     let canary = input.observed.canary.as_ref();
-    let running = |reason: &str, message: String| Cond::new(CONDITION_ROLLOUT_PROGRESSING, true, reason, message);
     let crash = canary.is_some_and(|c| c.crash_looping);
     let note = if crash { " (a canary pod is crash-looping)" } else { "" };
     if st.canary_ready_at.take().is_some() {
@@ -502,13 +540,13 @@ fn canary_not_ready(
         }
         actions.push(event(true, reasons::CANARY_LOST_READINESS, format!("{label}: canary pods of {upd} are no longer ready{note}")));
     }
-    let deadline = Duration::from_secs(u64::from(spec.progress_deadline_seconds.max(1).unsigned_abs()));
+    let deadline = Duration::from_secs(u64::from(ctx.spec.progress_deadline_seconds.max(1).unsigned_abs()));
     if since(input.now, st.current_step_started_at.as_ref()) >= deadline {
         let result = StepResult {
-            step,
+            step: ctx.step,
             passed: false,
             started_at: st.current_step_started_at.clone(),
-            finished_at: Some(now.clone()),
+            finished_at: Some(now),
             message: format!("canary pods not ready within progressDeadlineSeconds ({}s){note}", deadline.as_secs()),
             ..Default::default()
         };
@@ -516,27 +554,24 @@ fn canary_not_ready(
         // maxFailures allows.
         let message = describe_failure(&result);
         push_result(&mut st, result);
-        return fail(input, st, stable_revision, actions, reasons::CANARY_NOT_READY, message);
+        return fail(input, st, ctx.stable_revision, actions, reasons::CANARY_NOT_READY, message);
     }
-    Plan {
-        stable: StableTemplate::Keep,
+    // The annotation holds the step once its canary is ready; the deadline still runs.
+    let paused = input.controls.paused.then(|| {
+        Cond::new(
+            CONDITION_ROLLOUT_PAUSED,
+            true,
+            reasons::PAUSED_BY_ANNOTATION,
+            format!("{label}: paused by annotation (the canary is not ready yet; progressDeadlineSeconds still applies)"),
+        )
+    });
+    ctx.hold(
+        st,
         actions,
-        status: st,
-        conditions: conditions(
-            running(reasons::CANARY_STARTING, format!("{label}: waiting for {target} canary pod(s) of {upd} to be ready{note}")),
-            // The annotation holds the step once its canary is ready; the deadline still runs.
-            input.controls.paused.then(|| {
-                Cond::new(
-                    CONDITION_ROLLOUT_PAUSED,
-                    true,
-                    reasons::PAUSED_BY_ANNOTATION,
-                    format!("{label}: paused by annotation (the canary is not ready yet; progressDeadlineSeconds still applies)"),
-                )
-            }),
-            None,
-        ),
-        requeue: Some(WAIT),
-    }
+        ctx.running(reasons::CANARY_STARTING, format!("{label}: waiting for {target} canary pod(s) of {upd} to be ready{note}")),
+        paused,
+        Some(WAIT),
+    )
 }
 
 /// Every step passed (or promotion was asked for): stable takes the update; the canary stays until

@@ -5,7 +5,8 @@
 //! `repetition_penalty`, `ignore_eos`, `stop_token_ids`). Requests reject unknown fields, as OpenAI
 //! does, and [`Validate`] checks value ranges so that the server and the operator's client agree on
 //! what a well-formed request is. The agent's own endpoints (`/version`) live in [`admin`], the LoRA
-//! adapter endpoints in [`lora`].
+//! adapter endpoints in [`lora`], the names of the metrics others scrape in
+//! [`metric_names`].
 
 pub mod admin;
 pub mod chat;
@@ -13,6 +14,7 @@ pub mod common;
 pub mod completions;
 pub mod error;
 pub mod lora;
+pub mod metric_names;
 pub mod models;
 
 pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage};

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use peregrine_api::metric_names as names;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -89,13 +90,13 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
         let labels = ModelLabel { model: self.model.clone() };
         let kv = ConstGauge::<f64>::new(s.kv_cache_usage_ratio);
         kv.encode(encoder.encode_descriptor(
-            "peregrine_kv_cache_usage_ratio",
+            names::KV_CACHE_USAGE_RATIO,
             "Fraction of KV cache blocks in use (1 means full).",
             None,
             MetricType::Gauge,
         )?.encode_family(&labels)?)?;
         ConstCounter::new(s.num_preemptions).encode(encoder.encode_descriptor(
-            "peregrine_num_preemptions",
+            names::NUM_PREEMPTIONS,
             "Sequences preempted (recomputed later) because the KV cache ran out.",
             None,
             MetricType::Counter,
@@ -119,17 +120,17 @@ impl Metrics {
         let prefix_cache_hit_tokens = Family::<ModelLabel, Counter>::default();
         let requests_finished = Family::<FinishLabels, Counter>::default();
         let request_errors = Family::<ErrorLabels, Counter>::default();
-        r.register("peregrine_time_to_first_token_seconds", "Time from arrival to the first token.", time_to_first_token.clone());
-        r.register("peregrine_time_per_output_token_seconds", "Time between consecutive output tokens.", time_per_output_token.clone());
-        r.register("peregrine_e2e_request_latency_seconds", "Time from arrival to the last token.", e2e_latency.clone());
-        r.register("peregrine_queue_time_seconds", "Time from arrival until first scheduled.", queue_time.clone());
-        r.register("peregrine_num_requests_running", "Requests being generated.", running.clone());
-        r.register("peregrine_num_requests_waiting", "Requests admitted but not yet scheduled.", waiting.clone());
-        r.register("peregrine_prompt_tokens", "Prompt tokens of finished requests.", prompt_tokens.clone());
-        r.register("peregrine_generation_tokens", "Generated tokens.", generation_tokens.clone());
-        r.register("peregrine_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.", prefix_cache_hit_tokens.clone());
-        r.register("peregrine_request_success", "Finished requests by finish reason.", requests_finished.clone());
-        r.register("peregrine_request_errors", "Requests refused or failed, by error code.", request_errors.clone());
+        r.register(names::TIME_TO_FIRST_TOKEN_SECONDS, "Time from arrival to the first token.", time_to_first_token.clone());
+        r.register(names::TIME_PER_OUTPUT_TOKEN_SECONDS, "Time between consecutive output tokens.", time_per_output_token.clone());
+        r.register(names::E2E_REQUEST_LATENCY_SECONDS, "Time from arrival to the last token.", e2e_latency.clone());
+        r.register(names::QUEUE_TIME_SECONDS, "Time from arrival until first scheduled.", queue_time.clone());
+        r.register(names::NUM_REQUESTS_RUNNING, "Requests being generated.", running.clone());
+        r.register(names::NUM_REQUESTS_WAITING, "Requests admitted but not yet scheduled.", waiting.clone());
+        r.register(names::PROMPT_TOKENS, "Prompt tokens of finished requests.", prompt_tokens.clone());
+        r.register(names::GENERATION_TOKENS, "Generated tokens.", generation_tokens.clone());
+        r.register(names::PREFIX_CACHE_HIT_TOKENS, "Prompt tokens whose KV came from the prefix cache.", prefix_cache_hit_tokens.clone());
+        r.register(names::REQUEST_SUCCESS, "Finished requests by finish reason.", requests_finished.clone());
+        r.register(names::REQUEST_ERRORS, "Requests refused or failed, by error code.", request_errors.clone());
         r.register_collector(Box::new(EngineCollector { model: base_model.to_string(), stats }));
         // Make the base model's series visible (at zero) before the first request, so dashboards and
         // the autoscaler see a value rather than no data.

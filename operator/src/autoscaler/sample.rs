@@ -1,31 +1,34 @@
 //! One scrape of one agent's `/metrics`, reduced to the series the autoscaler reads.
 //!
 //! The text is parsed by `prometheus-parse`; this module only picks the agent's metric names out of
-//! the result. Series of every `model` label value are summed: a pod serves one base model and its
+//! the result (the names are defined once, in `peregrine_api::metric_names`, where the agent takes
+//! them too). Series of every `model` label value are summed: a pod serves one base model and its
 //! LoRA adapters (each under its own model name), and all of them load the same replica.
 
 use std::io;
 
+use peregrine_api::metric_names as names;
+
 use super::histogram::Histogram;
 
 /// Time to first token (histogram).
-pub const TTFT: &str = "peregrine_time_to_first_token_seconds";
+pub const TTFT: &str = names::TIME_TO_FIRST_TOKEN_SECONDS;
 /// Time per output token after the first (histogram).
-pub const TPOT: &str = "peregrine_time_per_output_token_seconds";
+pub const TPOT: &str = names::TIME_PER_OUTPUT_TOKEN_SECONDS;
 /// End-to-end request latency (histogram).
-pub const E2E: &str = "peregrine_e2e_request_latency_seconds";
+pub const E2E: &str = names::E2E_REQUEST_LATENCY_SECONDS;
 /// Time spent waiting before the first schedule (histogram).
-pub const QUEUE_TIME: &str = "peregrine_queue_time_seconds";
+pub const QUEUE_TIME: &str = names::QUEUE_TIME_SECONDS;
 /// Requests in the running batch (gauge).
-pub const RUNNING: &str = "peregrine_num_requests_running";
+pub const RUNNING: &str = names::NUM_REQUESTS_RUNNING;
 /// Requests waiting to be admitted (gauge).
-pub const WAITING: &str = "peregrine_num_requests_waiting";
+pub const WAITING: &str = names::NUM_REQUESTS_WAITING;
 /// Fraction of KV-cache blocks in use (gauge).
-pub const KV_USAGE: &str = "peregrine_kv_cache_usage_ratio";
+pub const KV_USAGE: &str = names::KV_CACHE_USAGE_RATIO;
 /// Output tokens generated (counter).
-pub const GENERATION_TOKENS: &str = "peregrine_generation_tokens_total";
+pub const GENERATION_TOKENS: &str = names::GENERATION_TOKENS_TOTAL;
 /// Prompt tokens processed (counter).
-pub const PROMPT_TOKENS: &str = "peregrine_prompt_tokens_total";
+pub const PROMPT_TOKENS: &str = names::PROMPT_TOKENS_TOTAL;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SampleError {

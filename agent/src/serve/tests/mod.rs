@@ -320,3 +320,23 @@ async fn client_disconnect_aborts_generation() {
 }
 
 mod tcp;
+
+/// The operator's autoscaler reads these names from every pod (`peregrine_api::metric_names`):
+/// after one finished request, each is exposed with a sample for the served model.
+#[tokio::test]
+async fn metrics_expose_every_series_the_autoscaler_reads() {
+    let state = fast();
+    let body = json!({"model": "fake-model", "prompt": "abc", "max_tokens": 3}).to_string();
+    let (status, _, b) = call(super::routes::router(state.clone()), Method::POST, "/v1/completions", body, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{b:?}");
+    let (_, _, m) = call(super::routes::router(state), Method::GET, "/metrics", Body::empty(), &[]).await;
+    let m = String::from_utf8(m.to_vec()).unwrap();
+    for name in peregrine_api::metric_names::AUTOSCALER_INPUTS {
+        // A histogram's samples are `<name>_bucket`/`_sum`/`_count`; others are `<name>{...}`.
+        let exposed = m.lines().filter(|l| !l.starts_with('#')).any(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| ["{model=\"fake-model\"", "_count{model=\"fake-model\"}"].iter().any(|p| rest.starts_with(p)))
+        });
+        assert!(exposed, "{name} is not exposed for the served model:\n{m}");
+    }
+}

@@ -5,29 +5,39 @@
 //
 // Once per step, lora_group sorts the token indices by slot into segments (ascending token index
 // within a slot; base-model tokens, slot -1, in none). Then per projection group (q|k|v, o, gate|up,
-// down) three launches cover every segment and every module of the group:
+// down) two launches cover every segment and every module of the group:
 // - lora_shrink_sgmv: t_part[split, i, :] = x[i, split's k range] · A[slot_i]ᵀ on tensor cores
-//   (mma.sync m16n8k16 bf16, f32 accumulate), one block per (k split, slot, module): A is read once
-//   per slot and split, not once per token, and the long reduction (4096, 14336) spreads over blocks.
-//   Only the slot's own rank is computed (8-column tiles up to its rank), not r_pad.
-// - lora_reduce: t = scale · Σ_split t_part in a fixed order, stored as bf16 hi + lo (t ≈ hi + lo to
-//   about 16 bits of mantissa, so the tensor-core expand loses nothing against an f32 t).
+//   (mma.sync m16n8k16 bf16, f32 accumulate), one block per (k split, work tile, module), a work tile
+//   being up to 64 tokens of one slot: A is read once per tile and split, not once per token, the
+//   long reduction (4096, 14336) spreads over blocks, and so does a long (prefill) segment. Only the
+//   slot's own rank is computed (8-column tiles up to its rank), not r_pad. The last block of a
+//   (tile, module) to finish (a counter) sums the splits in a fixed order into t = scale · Σ,
+//   stored as bf16 hi + lo (t ≈ hi + lo to about 16 bits of mantissa, so the tensor-core expand loses
+//   nothing against an f32 t), and sets the counter back to 0 for the next launch.
 // - lora_expand_sgmv: y[i, cols] += t_hi · Bᵀ + t_lo · Bᵀ on tensor cores, one block per (128-column
-//   tile of one module's output, slot), written straight into the (fused) output, rounded to bf16.
+//   tile of one module's output, work tile), written straight into the (fused) output, rounded to bf16.
 //
 // Batch invariance: a token's result depends only on its own row: mma rows are independent, the k
 // splits depend on k alone, and every sum runs in a fixed order, whatever else is in the batch.
+// The kernels are launched with programmatic dependent launch where the GPU has it: each waits for
+// the previous kernel before reading, and lets the next one start its prologue at once.
 
 #define LORA_MAX_R 64     // largest r_pad (shrink: 8 accumulator tiles of 8 ranks per warp)
 #define LORA_KC 256       // fan-in per shrink block (its 4 warps take 64 each)
 #define LORA_EXPAND_COLS 128  // output columns per expand block (its 4 warps take 32 each)
+#define LORA_TILE 64      // tokens per work tile: a long segment spreads over blocks
 
 // Segments of the step: seg[s] = first position of slot s in `order`, seg[num_slots] = tokens with a
-// slot. One block of 1024 threads; a ballot-and-count pass per slot keeps token order within a slot.
+// slot; and the work tiles: tiles[0] = their count, then (slot, first position within the slot's
+// segment) per tile of up to LORA_TILE tokens (at most ceil(n / LORA_TILE) + num_slots tiles).
+// One block of 1024 threads; a ballot-and-count pass per slot keeps token order within a slot.
 extern "C" __global__ void __launch_bounds__(1024) lora_group(int* __restrict__ order, int* __restrict__ seg,
-                                                             const int* __restrict__ slots, int n, int num_slots) {
+                                                             int* __restrict__ tiles, const int* __restrict__ slots,
+                                                             int n, int num_slots) {
     __shared__ int warp_counts[32];
     __shared__ int base;
+    pdl_wait();
+    pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     if (tid == 0) base = 0;
     __syncthreads();
@@ -51,28 +61,17 @@ extern "C" __global__ void __launch_bounds__(1024) lora_group(int* __restrict__ 
             __syncthreads();
         }
     }
-    if (tid == 0) seg[num_slots] = base;
-}
-
-// t_hi + t_lo ≈ scale[slot_i] · Σ_split t_part[split, i, :] for tokens with a slot (zeros past the
-// slot's rank); t_hi, t_lo: [n, R] bf16. grid-stride over n * R.
-extern "C" __global__ void lora_reduce(bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, const float* __restrict__ t_part,
-                                       const int* __restrict__ slots, const int* __restrict__ ranks,
-                                       const float* __restrict__ scales, int n, int R, int r_pad, int splits) {
-    const u64 total = (u64)n * R;
-    for (u64 e = blockIdx.x * (u64)blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
-        const u64 i = e / R;
-        const int col = (int)(e % R);
-        const int slot = slots[i];
-        if (slot < 0) continue;
-        float v = 0.f;
-        if (col % r_pad < ranks[slot]) {
-            for (int s = 0; s < splits; ++s) v += t_part[(u64)s * total + e];
-            v *= scales[slot];
+    if (tid == 0) {
+        seg[num_slots] = base;
+        int count = 0;
+        for (int s = 0; s < num_slots; ++s) {
+            const int len = seg[s + 1] - seg[s];
+            for (int m = 0; m < len; m += LORA_TILE, ++count) {
+                tiles[1 + 2 * count] = s;
+                tiles[2 + 2 * count] = m;
+            }
         }
-        const bf16_t hi = f2bf(v);
-        t_hi[e] = hi;
-        t_lo[e] = f2bf(v - bf2f(hi));
+        tiles[0] = count;
     }
 }
 
@@ -88,16 +87,25 @@ __device__ __forceinline__ void lora_mma(float (&d)[4], const u32 (&a)[4], u32 b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// t_part: [splits, n, R] f32 with R = n_modules * r_pad (module m's ranks at columns m * r_pad);
-// x rows `x_stride` apart; a_m: module m's A stack for this layer, [slots, r_pad, k] bf16; ranks: one
-// per slot. grid: (ceil(k / LORA_KC), slots, n_modules); block: 128. k a multiple of 16.
+// t_hi, t_lo: [n, R] bf16 with R = n_modules * r_pad (module m's ranks at columns m * r_pad), zeros
+// past each slot's rank; t_part: [splits, n, R] f32 partial sums; counters: 3 i32 per tile, 0
+// between launches; x rows `x_stride` apart; a_m: module m's A stack for this layer, [slots, r_pad,
+// k] bf16; ranks, scales: one per slot. grid: (ceil(k / LORA_KC), max tiles, n_modules); block: 128.
+// k a multiple of 16.
 extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
-    float* __restrict__ t_part, const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ a0,
-    const bf16_t* __restrict__ a1, const bf16_t* __restrict__ a2, const int* __restrict__ order,
-    const int* __restrict__ seg, const int* __restrict__ ranks, int n, int k, int r_pad, int n_modules) {
+    bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, float* __restrict__ t_part, int* __restrict__ counters,
+    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ a0, const bf16_t* __restrict__ a1,
+    const bf16_t* __restrict__ a2, const int* __restrict__ order, const int* __restrict__ seg,
+    const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n, int k,
+    int r_pad, int n_modules) {
     __shared__ float red[4][16][LORA_MAX_R + 1];
-    const int split = blockIdx.x, slot = blockIdx.y, mod = blockIdx.z;
-    const int start = seg[slot], len = seg[slot + 1] - start;
+    __shared__ int last;
+    pdl_wait();
+    pdl_trigger();
+    const int split = blockIdx.x, tile = blockIdx.y, mod = blockIdx.z;
+    if (tile >= tiles[0]) return;
+    const int slot = tiles[1 + 2 * tile], first = tiles[2 + 2 * tile];
+    const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
     const int rank = min(ranks[slot], r_pad);
     if (len == 0 || rank <= 0) return;
     const int ntiles = (rank + 7) >> 3;
@@ -150,19 +158,47 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
         }
         __syncthreads();
     }
+    // The last block of this (tile, module) reduces every split (threadFenceReduction's pattern).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(&counters[tile * 3 + mod], 1);
+        last = done == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[tile * 3 + mod] = 0;
+    const float scale = scales[slot];
+    const int splits = gridDim.x;
+    for (int e = threadIdx.x; e < len * r_pad; e += blockDim.x) {
+        const int row = e / r_pad, col = e % r_pad;
+        const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
+        float v = 0.f;
+        if (col < rank) {
+            for (int s = 0; s < splits; ++s) v += __ldcg(t_part + (u64)s * n * R + at);
+            v *= scale;
+        }
+        const bf16_t hi = f2bf(v);
+        t_hi[at] = hi;
+        t_lo[at] = f2bf(v - bf2f(hi));
+    }
 }
 
 // y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each
 // segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
-// module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128), slots);
-// block: 128.
+// module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128), max
+// tiles); block: 128.
 extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
     const bf16_t* __restrict__ b0, const bf16_t* __restrict__ b1, const bf16_t* __restrict__ b2, int out0, int out1,
     int out2, int col0, int col1, int col2, const int* __restrict__ order, const int* __restrict__ seg,
-    const int* __restrict__ ranks, int R, int r_pad) {
-    const int slot = blockIdx.y;
-    const int start = seg[slot], len = seg[slot + 1] - start;
+    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad) {
+    pdl_wait();
+    pdl_trigger();
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int slot = tiles[1 + 2 * blockIdx.y], first = tiles[2 + 2 * blockIdx.y];
+    const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
     const int rank = min(ranks[slot], r_pad);
     if (len == 0 || rank <= 0) return;
     int tile = blockIdx.x, mod = 0;
@@ -223,20 +259,26 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
                 }
             }
         }
-        // Accumulator (nt): rows g (token i0) and g + 8 (token i1), columns nt * 8 + 2q, +1.
+        // Accumulator (nt): rows g (token i0) and g + 8 (token i1), columns nt * 8 + 2q, +1: one
+        // 4-byte read-modify-write per pair where the pair is aligned and whole.
+        const bool pairs = ((col | y_stride | out) & 1) == 0;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int i = h == 0 ? i0 : i1;
-                if (i < 0) continue;
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const int o = o_base + nt * 8 + 2 * q + j;
-                    if (o < out) {
-                        bf16_t* yp = y + (u64)i * y_stride + col + o;
-                        *yp = f2bf(bf2f(*yp) + acc[nt][2 * h + j]);
-                    }
+                const int o = o_base + nt * 8 + 2 * q;
+                if (i < 0 || o >= out) continue;
+                bf16_t* yp = y + (u64)i * y_stride + col + o;
+                if (pairs) {
+                    u32* p = reinterpret_cast<u32*>(yp);
+                    const u32 old = *p;
+                    const float lo = bf2f((bf16_t)(old & 0xffffu)) + acc[nt][2 * h];
+                    const float hi = bf2f((bf16_t)(old >> 16)) + acc[nt][2 * h + 1];
+                    *p = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                } else {
+                    yp[0] = f2bf(bf2f(yp[0]) + acc[nt][2 * h]);
+                    if (o + 1 < out) yp[1] = f2bf(bf2f(yp[1]) + acc[nt][2 * h + 1]);
                 }
             }
         }
@@ -245,10 +287,11 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
 
 #else
 
-extern "C" __global__ void lora_shrink_sgmv(float*, const bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*,
-                                            const int*, const int*, const int*, int, int, int, int) {}
+extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
+                                            const bf16_t*, const bf16_t*, const int*, const int*, const int*,
+                                            const int*, const float*, int, int, int, int) {}
 extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                             const bf16_t*, int, int, int, int, int, int, const int*, const int*,
-                                            const int*, int, int) {}
+                                            const int*, const int*, int, int) {}
 
 #endif

@@ -213,7 +213,7 @@ fn label(kernel: AttentionKernel, kv: KvCacheDtype) -> String {
 /// sizes, adapters assigned round-robin, against the base GEMMs of the same layer (skinny GEMM at m ≤ 8,
 /// cuBLAS above), in µs; "x32" is the LoRA cost of a whole step (32 layers).
 fn lora(c: &Cuda) {
-    use peregrine_kernels::ops::{lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments};
+    use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments};
     let s = &c.gpu.stream;
     let (h, q, kv, inter) = (4096usize, 4096usize, 1024usize, 14336usize);
     // (fan-in, fan-outs) per group.
@@ -240,17 +240,19 @@ fn lora(c: &Cuda) {
         let ranks = c.gpu.upload(&vec![rank as i32; adapters]).unwrap();
         let scales = c.gpu.upload(&vec![1.0f32; adapters]).unwrap();
         let seg = c.gpu.alloc_zeros::<i32>(adapters + 1).unwrap();
-        for n in [1usize, 16, 64, 256] {
+        for n in [1usize, 16, 64, 256, 4096] {
             let slots = c.gpu.upload(&(0..n).map(|i| (i % adapters) as i32).collect::<Vec<_>>()).unwrap();
             let order = c.gpu.alloc_zeros::<i32>(n).unwrap();
+            let counters = c.gpu.alloc_zeros::<i32>(3 * lora_max_tiles(n, adapters)).unwrap();
+            let tiles = c.gpu.alloc_zeros::<i32>(1 + 2 * lora_max_tiles(n, adapters)).unwrap();
             let x = c.gpu.alloc_zeros::<u16>(n * inter).unwrap();
             unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), n * inter, 3, 1.0).unwrap() };
             let y = c.gpu.alloc_zeros::<u16>(n * 2 * inter).unwrap();
             let t_part = c.gpu.alloc_zeros::<f32>(lora_splits(inter) * n * 3 * r_pad).unwrap();
             let t_hi = c.gpu.alloc_zeros::<u16>(n * 3 * r_pad).unwrap();
             let t_lo = c.gpu.alloc_zeros::<u16>(n * 3 * r_pad).unwrap();
-            let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: adapters };
-            let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr() };
+            let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: adapters };
+            let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
             unsafe { c.kernels.lora_group(s, &segs, n).unwrap() };
             let mut us = vec![];
             for (g, (k, outs)) in groups.iter().enumerate() {

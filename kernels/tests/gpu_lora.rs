@@ -8,7 +8,7 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments};
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, DevBuf};
 use rand::{Rng, SeedableRng};
@@ -123,9 +123,12 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
     let t_part = g.alloc_zeros::<f32>(lora_splits(c.k) * n * big_r).unwrap();
     let t_hi = g.alloc_zeros::<u16>(n * big_r).unwrap();
     let t_lo = g.alloc_zeros::<u16>(n * big_r).unwrap();
-    let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: c.ranks.len() };
+    let max_tiles = lora_max_tiles(n, c.ranks.len());
+    let counters = g.alloc_zeros::<i32>(3 * max_tiles).unwrap();
+    let tiles = g.alloc_zeros::<i32>(1 + 2 * max_tiles).unwrap();
+    let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: c.ranks.len() };
     let modules: Vec<LoraModule> = c.outs.iter().enumerate().map(|(m, &(out, col))| LoraModule { a: a[m].ptr(), b: b[m].ptr(), out, col }).collect();
-    let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr() };
+    let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
     // SAFETY: every buffer above is sized as the wrappers document for these n tokens.
     unsafe {
         cuda.kernels.lora_group(s, &segs, n).unwrap();
@@ -142,6 +145,16 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
         at += mine.len();
     }
     assert_eq!(seg_got[c.ranks.len()], at as i32);
+    // Work tiles: every slot's tokens in tiles of up to 64, in slot order.
+    let tiles_got = tiles.download(s).unwrap();
+    let mut want = vec![];
+    for slot in 0..c.ranks.len() {
+        for p in (seg_got[slot]..seg_got[slot + 1]).step_by(64) {
+            want.extend([slot as i32, p - seg_got[slot]]);
+        }
+    }
+    assert_eq!(tiles_got[0] as usize, want.len() / 2, "work tiles");
+    assert_eq!(&tiles_got[1..1 + want.len()], &want[..], "work tiles");
     got
 }
 

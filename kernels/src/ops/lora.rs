@@ -1,8 +1,8 @@
 //! lora.cu: multi-LoRA, tokens grouped by adapter slot; shrink and expand on tensor cores.
 
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig};
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels};
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch};
 use crate::{KernelError, Result};
 
 /// Largest rank the grouped kernels take (lora.cu's LORA_MAX_R); stacks pad ranks to
@@ -13,6 +13,14 @@ pub const LORA_MAX_MODULES: usize = 3;
 /// Fan-in per shrink block (lora.cu's LORA_KC).
 const LORA_KC: usize = 256;
 const LORA_EXPAND_COLS: usize = 128;
+/// Tokens per work tile (lora.cu's LORA_TILE).
+const LORA_TILE: usize = 64;
+
+/// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
+/// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.
+pub fn lora_max_tiles(n: usize, num_slots: usize) -> usize {
+    n.div_ceil(LORA_TILE) + num_slots
+}
 
 /// Rank every slot's rows are padded to in the stacks: a multiple of the mma's k step (16).
 pub fn lora_rank_pad(max_rank: usize) -> usize {
@@ -33,6 +41,9 @@ pub struct LoraSegments {
     pub order: DPtr,
     /// `num_slots + 1` i32 (written by [`Kernels::lora_group`]): where each slot's tokens start in `order`.
     pub seg: DPtr,
+    /// `1 + 2 × lora_max_tiles(n, num_slots)` i32 (written by [`Kernels::lora_group`]): the count of
+    /// work tiles, then (slot, first position in its segment) per tile.
+    pub tiles: DPtr,
     /// i32 per slot: the adapter's rank (0 for an empty slot).
     pub ranks: DPtr,
     /// f32 per slot: the adapter's scaling.
@@ -51,12 +62,14 @@ pub struct LoraModule {
 }
 
 /// Work buffers of [`Kernels::lora_apply`]: `t_part` f32 of `lora_splits(k) * n * R`, `t_hi` and
-/// `t_lo` bf16 of `n * R`, with R = modules × r_pad.
+/// `t_lo` bf16 of `n * R`, with R = modules × r_pad; `counters`: 3 i32 per slot, zeroed once at
+/// allocation (every launch leaves them 0).
 #[derive(Debug, Clone, Copy)]
 pub struct LoraScratch {
     pub t_part: DPtr,
     pub t_hi: DPtr,
     pub t_lo: DPtr,
+    pub counters: DPtr,
 }
 
 impl Kernels {
@@ -64,26 +77,20 @@ impl Kernels {
     /// lora.cu).
     ///
     /// # Safety
-    /// `segs.slots` and `segs.order` hold `n` i32, `segs.seg` `num_slots + 1`; every slot is -1 or
-    /// below `num_slots`.
+    /// `segs.slots` and `segs.order` hold `n` i32, `segs.seg` `num_slots + 1`, `segs.tiles` as
+    /// documented there; every slot is -1 or below `num_slots`.
     pub unsafe fn lora_group(&self, s: &CudaStream, segs: &LoraSegments, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let (n, slots) = (as_i32(n, "tokens")?, as_i32(segs.num_slots, "slots")?);
-        s.launch_builder(&self.lora_group)
-            .arg(&segs.order)
-            .arg(&segs.seg)
-            .arg(&segs.slots)
-            .arg(&n)
-            .arg(&slots)
-            .launch(cfg(1, 1024))?;
+        Launch::new(&self.lora_group).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.slots).arg(&n).arg(&slots).launch(s, cfg(1, 1024), self.pdl)?;
         Ok(())
     }
 
     /// `y[i, col_m ..] += scale · (x[i, :] · A_m[slot_i]ᵀ) · B_m[slot_i]ᵀ` for every module m of a
-    /// projection group and every token with a slot, in three launches (grouped shrink, split
-    /// reduction, grouped expand) after [`Kernels::lora_group`] ran for the step. Tensor cores: needs
+    /// projection group and every token with a slot, in two launches (grouped shrink with the split
+    /// reduction in its last blocks, grouped expand) after [`Kernels::lora_group`] ran for the step. Tensor cores: needs
     /// sm_80.
     ///
     /// # Safety
@@ -108,14 +115,19 @@ impl Kernels {
         let (m0, m1, m2) = (m(0), m(1), m(2));
         let big_r = modules.len() * r_pad;
         let splits = lora_splits(k);
+        let max_tiles = as_u32(lora_max_tiles(n, segs.num_slots), "work tiles")?;
+        debug_assert!(splits <= u32::MAX as usize);
         let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
         let shrink = LaunchConfig {
-            grid_dim: (as_u32(splits, "splits")?, as_u32(segs.num_slots, "slots")?, modules.len() as u32),
+            grid_dim: (as_u32(splits, "splits")?, max_tiles, modules.len() as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        s.launch_builder(&self.lora_shrink_sgmv)
+        Launch::new(&self.lora_shrink_sgmv)
+            .arg(&work.t_hi)
+            .arg(&work.t_lo)
             .arg(&work.t_part)
+            .arg(&work.counters)
             .arg(&x)
             .arg(&x_stride)
             .arg(&m0.a)
@@ -123,25 +135,15 @@ impl Kernels {
             .arg(&m2.a)
             .arg(&segs.order)
             .arg(&segs.seg)
+            .arg(&segs.tiles)
             .arg(&segs.ranks)
+            .arg(&segs.scales)
             .arg(&n_i)
             .arg(&k_i)
             .arg(&r_i)
             .arg(&nm)
-            .launch(shrink)?;
-        let (big_r_i, splits_i) = (as_i32(big_r, "R")?, as_i32(splits, "splits")?);
-        s.launch_builder(&self.lora_reduce)
-            .arg(&work.t_hi)
-            .arg(&work.t_lo)
-            .arg(&work.t_part)
-            .arg(&segs.slots)
-            .arg(&segs.ranks)
-            .arg(&segs.scales)
-            .arg(&n_i)
-            .arg(&big_r_i)
-            .arg(&r_i)
-            .arg(&splits_i)
-            .launch(cfg(self.elementwise_grid(n * big_r, 256), 256))?;
+            .launch(s, shrink, self.pdl)?;
+        let big_r_i = as_i32(big_r, "R")?;
         let tiles: usize = modules.iter().map(|m| m.out.div_ceil(LORA_EXPAND_COLS)).sum();
         if tiles == 0 {
             return Ok(());
@@ -150,11 +152,11 @@ impl Kernels {
         let (o0, o1, o2) = (as_i32(m0.out, "out")?, as_i32(m1.out, "out")?, as_i32(m2.out, "out")?);
         let (c0, c1, c2) = (as_i32(m0.col, "col")?, as_i32(m1.col, "col")?, as_i32(m2.col, "col")?);
         let expand = LaunchConfig {
-            grid_dim: (as_u32(tiles, "column tiles")?, as_u32(segs.num_slots, "slots")?, 1),
+            grid_dim: (as_u32(tiles, "column tiles")?, max_tiles, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        s.launch_builder(&self.lora_expand_sgmv)
+        Launch::new(&self.lora_expand_sgmv)
             .arg(&y)
             .arg(&y_stride)
             .arg(&work.t_hi)
@@ -170,10 +172,11 @@ impl Kernels {
             .arg(&c2)
             .arg(&segs.order)
             .arg(&segs.seg)
+            .arg(&segs.tiles)
             .arg(&segs.ranks)
             .arg(&big_r_i)
             .arg(&r_i)
-            .launch(expand)?;
+            .launch(s, expand, self.pdl)?;
         Ok(())
     }
 }

@@ -17,7 +17,7 @@ mod silu_mul;
 use attention::mma_smem_opt_in;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use gemv::GEMV_MAX_M;
-pub use lora::{lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK};
+pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK};
 pub use sample::SAMPLE_PARAMS;
 
 use std::sync::Arc;
@@ -61,7 +61,6 @@ pub struct Kernels {
     sample_rows: CudaFunction,
     lora_group: CudaFunction,
     lora_shrink_sgmv: CudaFunction,
-    lora_reduce: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
@@ -123,7 +122,6 @@ impl Kernels {
             sample_rows: f("sample_rows")?,
             lora_group: f("lora_group")?,
             lora_shrink_sgmv: f("lora_shrink_sgmv")?,
-            lora_reduce: f("lora_reduce")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,

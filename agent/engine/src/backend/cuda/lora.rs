@@ -2,11 +2,11 @@
 //! bf16, each slot's rows padded with zeros to the largest rank rounded up to 16 (so a module the
 //! adapter does not target adds exactly 0; the kernels compute only each slot's own rank). Each step
 //! first groups its tokens by slot on the device (segment tables, inside the CUDA graph), then after
-//! each base projection group (q|k|v, o, gate|up, down) one grouped shrink/reduce/expand (`lora.cu`)
+//! each base projection group (q|k|v, o, gate|up, down) one grouped shrink and one grouped expand (`lora.cu`)
 //! adds every module's update straight into the fused output.
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_rank_pad, lora_splits, DPtr, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, DPtr, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::gpu_err;
@@ -45,10 +45,13 @@ pub struct GpuLora {
     /// The step's tokens grouped by slot, and where each slot's group starts ([`LoraSegments`]).
     order: DevBuf<i32>,
     seg: DevBuf<i32>,
+    tiles: DevBuf<i32>,
     /// Shrink partial sums, and the reduced `scale · x · Aᵀ` as bf16 hi + lo ([`LoraScratch`]).
     t_part: DevBuf<f32>,
     t_hi: DevBuf<u16>,
     t_lo: DevBuf<u16>,
+    /// The shrink's per-(work tile, module) completion counters (always 0 between launches).
+    counters: DevBuf<i32>,
 }
 
 /// The projection groups of a layer whose LoRA updates run as one launch each, as the base model
@@ -90,6 +93,7 @@ impl GpuLora {
         // per_layer counted max_rank rows per slot; the stacks hold r_pad.
         per_layer / cap.max_rank * r_pad * config.num_hidden_layers
             + cap.max_loras * 12
+            + (1 + 5 * lora_max_tiles(max_tokens, cap.max_loras)) * 4
             + max_tokens * 4
             + t_part_len(config, r_pad, max_tokens) * 4
             + 2 * max_tokens * 3 * r_pad * 2
@@ -132,9 +136,11 @@ impl GpuLora {
             r_pad,
             order: ints(max_tokens.max(1))?,
             seg: ints(cap.max_loras + 1)?,
+            tiles: ints(1 + 2 * lora_max_tiles(max_tokens, cap.max_loras))?,
             t_part: cuda.gpu.alloc_zeros::<f32>(t_part_len(config, r_pad, max_tokens).max(1)).map_err(gpu_err)?,
             t_hi: zeros(max_tokens.max(1) * 3 * r_pad)?,
             t_lo: zeros(max_tokens.max(1) * 3 * r_pad)?,
+            counters: ints(3 * lora_max_tiles(max_tokens, cap.max_loras))?,
         })
     }
 
@@ -202,6 +208,7 @@ impl GpuLora {
             slots,
             order: self.order.ptr(),
             seg: self.seg.ptr(),
+            tiles: self.tiles.ptr(),
             ranks: self.ranks.ptr(),
             scales: self.scales.ptr(),
             num_slots: self.capacity.max_loras,
@@ -235,7 +242,7 @@ impl GpuLora {
             let at = layer * per_layer;
             *dst = LoraModule { a: stack.a.ptr_at(at * stack.fan_in), b: stack.b.ptr_at(at * stack.fan_out), out: stack.fan_out, col };
         }
-        let work = LoraScratch { t_part: self.t_part.ptr(), t_hi: self.t_hi.ptr(), t_lo: self.t_lo.ptr() };
+        let work = LoraScratch { t_part: self.t_part.ptr(), t_hi: self.t_hi.ptr(), t_lo: self.t_lo.ptr(), counters: self.counters.ptr() };
         let used = p.outs.len().min(modules.len());
         cuda.kernels.lora_apply(&cuda.gpu.stream, p.y, p.y_stride, p.x, p.x_stride, fan_in, &modules[..used], self.r_pad, &self.segments(slots), &work, n)
     }

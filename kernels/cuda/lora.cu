@@ -8,7 +8,7 @@
 // down) two launches cover every segment and every module of the group:
 // - lora_shrink_sgmv: t_part[split, i, :] = x[i, split's k range] · A[slot_i]ᵀ on tensor cores
 //   (mma.sync m16n8k16 bf16, f32 accumulate), one block per (k split, work tile, module), a work tile
-//   being up to 64 tokens of one slot: A is read once per tile and split, not once per token, the
+//   being up to 16 tokens of one slot (one mma row tile): A is read once per tile and split, not once per token, the
 //   long reduction (4096, 14336) spreads over blocks, and so does a long (prefill) segment. Only the
 //   slot's own rank is computed (8-column tiles up to its rank), not r_pad. The last block of a
 //   (tile, module) to finish (a counter) sums the splits in a fixed order into t = scale · Σ,
@@ -25,7 +25,7 @@
 #define LORA_MAX_R 64     // largest r_pad (shrink: 8 accumulator tiles of 8 ranks per warp)
 #define LORA_KC 256       // fan-in per shrink block (its 4 warps take 64 each)
 #define LORA_EXPAND_COLS 128  // output columns per expand block (its 4 warps take 32 each)
-#define LORA_TILE 64      // tokens per work tile: a long segment spreads over blocks
+#define LORA_TILE 16      // tokens per work tile (one mma row tile): a segment spreads over blocks
 
 // Segments of the step: seg[s] = first position of slot s in `order`, seg[num_slots] = tokens with a
 // slot; and the work tiles: tiles[0] = their count, then (slot, first position within the slot's

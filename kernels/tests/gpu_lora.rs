@@ -8,7 +8,7 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_TILE};
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, DevBuf};
 use rand::{Rng, SeedableRng};
@@ -145,11 +145,11 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
         at += mine.len();
     }
     assert_eq!(seg_got[c.ranks.len()], at as i32);
-    // Work tiles: every slot's tokens in tiles of up to 64, in slot order.
+    // Work tiles: every slot's tokens in tiles of up to LORA_TILE, in slot order.
     let tiles_got = tiles.download(s).unwrap();
     let mut want = vec![];
     for slot in 0..c.ranks.len() {
-        for p in (seg_got[slot]..seg_got[slot + 1]).step_by(64) {
+        for p in (seg_got[slot]..seg_got[slot + 1]).step_by(LORA_TILE) {
             want.extend([slot as i32, p - seg_got[slot]]);
         }
     }

@@ -14,7 +14,7 @@ pub const LORA_MAX_MODULES: usize = 3;
 const LORA_KC: usize = 256;
 const LORA_EXPAND_COLS: usize = 128;
 /// Tokens per work tile (lora.cu's LORA_TILE).
-const LORA_TILE: usize = 64;
+pub const LORA_TILE: usize = 16;
 
 /// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
 /// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.

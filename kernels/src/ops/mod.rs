@@ -17,7 +17,7 @@ mod silu_mul;
 use attention::mma_smem_opt_in;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use gemv::GEMV_MAX_M;
-pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK};
+pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 
 use std::sync::Arc;

@@ -138,8 +138,8 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
     // The segment table: ascending tokens per slot, starts as prefix counts.
     let (order_got, seg_got) = (order.download(s).unwrap(), seg.download(s).unwrap());
     let mut at = 0;
-    for slot in 0..c.ranks.len() {
-        assert_eq!(seg_got[slot], at as i32, "segment start of slot {slot}");
+    for (slot, &start) in seg_got[..c.ranks.len()].iter().enumerate() {
+        assert_eq!(start, at as i32, "segment start of slot {slot}");
         let mine: Vec<i32> = (0..n as i32).filter(|&i| slots_host[i as usize] == slot as i32).collect();
         assert_eq!(&order_got[at..at + mine.len()], &mine[..], "tokens of slot {slot}");
         at += mine.len();
@@ -148,9 +148,9 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
     // Work tiles: every slot's tokens in tiles of up to LORA_TILE, in slot order.
     let tiles_got = tiles.download(s).unwrap();
     let mut want = vec![];
-    for slot in 0..c.ranks.len() {
-        for p in (seg_got[slot]..seg_got[slot + 1]).step_by(LORA_TILE) {
-            want.extend([slot as i32, p - seg_got[slot]]);
+    for (slot, bounds) in seg_got.windows(2).enumerate() {
+        for p in (bounds[0]..bounds[1]).step_by(LORA_TILE) {
+            want.extend([slot as i32, p - bounds[0]]);
         }
     }
     assert_eq!(tiles_got[0] as usize, want.len() / 2, "work tiles");

@@ -105,10 +105,10 @@ impl Kernels {
         if modules.is_empty() || modules.len() > LORA_MAX_MODULES {
             return Err(KernelError::Unsupported(format!("LoRA: {} modules in one group (1 to {LORA_MAX_MODULES})", modules.len())));
         }
-        if r_pad % 16 != 0 || r_pad == 0 || r_pad > LORA_MAX_RANK {
+        if !r_pad.is_multiple_of(16) || r_pad == 0 || r_pad > LORA_MAX_RANK {
             return Err(KernelError::Unsupported(format!("LoRA: padded rank {r_pad} (a multiple of 16 up to {LORA_MAX_RANK})")));
         }
-        if k % 16 != 0 || x_stride % 2 != 0 || x % 4 != 0 {
+        if !k.is_multiple_of(16) || !x_stride.is_multiple_of(2) || !x.is_multiple_of(4) {
             return Err(KernelError::Unsupported(format!("LoRA: fan-in {k} must be a multiple of 16 and x rows 4-byte aligned")));
         }
         let m = |i: usize| modules.get(i).copied().unwrap_or(LoraModule { a: 0, b: 0, out: 0, col: 0 });

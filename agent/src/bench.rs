@@ -259,10 +259,10 @@ fn decode_tps(
 }
 
 /// A private temporary folder for the random adapters, removed on drop.
-struct ScratchDir(std::path::PathBuf);
+pub(crate) struct ScratchDir(pub(crate) std::path::PathBuf);
 
 impl ScratchDir {
-    fn new() -> anyhow::Result<Self> {
+    pub(crate) fn new() -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(format!("peregrine-bench-lora-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         Ok(ScratchDir(dir))

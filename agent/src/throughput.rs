@@ -1,14 +1,19 @@
 //! `peregrine-agent throughput`: offline throughput of many requests at once through the whole engine
 //! (scheduler, paged KV cache, chunked prefill, sampling; no HTTP), like vLLM's
 //! `benchmark_throughput.py`: `--num-prompts` random prompts of `--input-len` tokens, each generating
-//! exactly `--output-len` tokens (EOS ignored), all submitted at once. Prints figures; asserts nothing.
+//! exactly `--output-len` tokens (EOS ignored), all submitted at once. With `--lora N` the same
+//! workload runs twice on one engine, base model then each request on one of N random adapters
+//! (`--lora-dist`), and both figures print side by side. Prints figures; asserts nothing.
 
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use peregrine_engine::engine::EngineHandle;
+use peregrine_engine::lora::bench::{write_random_adapters, zipf_assignment};
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
 use serde::Serialize;
 
+use crate::bench::ScratchDir;
 use crate::runtime::EngineArgs;
 
 #[derive(Debug, Clone, Args)]
@@ -33,9 +38,27 @@ pub struct ThroughputArgs {
     /// Top-k of every request (0: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Also run the workload with this many random LoRA adapters (0: base model only).
+    #[arg(long, default_value_t = 0)]
+    pub lora: usize,
+    /// Rank of the random adapters (all seven projections).
+    #[arg(long, default_value_t = 16)]
+    pub lora_rank: usize,
+    /// How requests spread over the adapters: `uniform` or `zipf:S` (Zipf exponent S).
+    #[arg(long, default_value = "zipf:1", value_parser = parse_lora_dist)]
+    pub lora_dist: f64,
     /// Print the figures as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `uniform` (Zipf exponent 0) or `zipf:S`.
+fn parse_lora_dist(v: &str) -> Result<f64, String> {
+    match v.split_once(':') {
+        _ if v == "uniform" => Ok(0.0),
+        Some(("zipf", s)) => s.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).ok_or_else(|| format!("bad Zipf exponent {s:?}")),
+        _ => Err(format!("--lora-dist takes uniform or zipf:S, not {v:?}")),
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -55,6 +78,37 @@ struct ThroughputReport {
     ttft_p99_seconds: f64,
     preemptions: u64,
     engine_steps: u64,
+    /// With `--lora`: the same workload on the adapters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lora: Option<LoraRun>,
+}
+
+#[derive(Debug, Serialize)]
+struct LoraRun {
+    adapters: usize,
+    rank: usize,
+    zipf_s: f64,
+    seconds: f64,
+    output_tokens_per_second: f64,
+    /// LoRA output throughput / base output throughput.
+    relative_to_base: f64,
+    ttft_p50_seconds: f64,
+    preemptions: u64,
+}
+
+/// What one timed pass of the workload measured.
+struct Pass {
+    seconds: f64,
+    output_tokens: usize,
+    ttft: Vec<f64>,
+    preemptions: u64,
+    engine_steps: u64,
+}
+
+impl Pass {
+    fn pct(&self, q: f64) -> f64 {
+        self.ttft.get(((self.ttft.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0)
+    }
 }
 
 pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
@@ -64,6 +118,11 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
     let mut engine_args = args.engine.clone();
     // Random prompts share no prefix; the cache would only add bookkeeping.
     engine_args.disable_prefix_caching = true;
+    if args.lora > 0 {
+        engine_args.enable_lora = true;
+        engine_args.max_lora_rank = engine_args.max_lora_rank.max(args.lora_rank);
+        engine_args.max_cpu_loras = engine_args.max_cpu_loras.max(args.lora);
+    }
     let runtime = engine_args.start()?;
     let engine = &runtime.engine;
     let vocab = runtime.model_config.vocab_size;
@@ -74,6 +133,16 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
         ignore_eos: true,
         ..SamplingParams::greedy(args.output_len)
     };
+    let scratch = ScratchDir::new()?;
+    let adapter_names: Vec<String> = if args.lora > 0 {
+        let written = write_random_adapters(&runtime.model_config, args.lora, args.lora_rank, args.engine.seed, &scratch.0)?;
+        for (name, folder) in &written {
+            engine.load_adapter(name, folder)?;
+        }
+        written.into_iter().map(|(name, _)| name).collect()
+    } else {
+        Vec::new()
+    };
 
     // Warm-up (kernels compiled and loaded, first CUDA graphs, pages touched), not timed.
     let warm = GenerationRequest {
@@ -83,17 +152,78 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
         adapter: None,
     };
     drain(engine.submit(warm)?)?;
-    let before = engine.metrics();
+    let base = run_pass(engine, &args, &params, &vec![None; args.num_prompts], vocab)?;
+    let lora = if adapter_names.is_empty() {
+        None
+    } else {
+        let picks = zipf_assignment(args.num_prompts, adapter_names.len(), args.lora_dist, 0.0, args.engine.seed);
+        let assignment: Vec<Option<String>> = picks.iter().map(|p| p.map(|a| adapter_names[a].clone())).collect();
+        let pass = run_pass(engine, &args, &params, &assignment, vocab)?;
+        let tps = pass.output_tokens as f64 / pass.seconds;
+        Some(LoraRun {
+            adapters: args.lora,
+            rank: args.lora_rank,
+            zipf_s: args.lora_dist,
+            seconds: pass.seconds,
+            output_tokens_per_second: tps,
+            relative_to_base: tps / (base.output_tokens as f64 / base.seconds).max(1e-9),
+            ttft_p50_seconds: pass.pct(0.5),
+            preemptions: pass.preemptions,
+        })
+    };
+    engine.shutdown();
 
+    let report = ThroughputReport {
+        model: args.engine.model.display().to_string(),
+        backend: runtime.backend_name.clone(),
+        num_prompts: args.num_prompts,
+        input_len: args.input_len,
+        output_len: args.output_len,
+        max_num_seqs: engine_args.max_num_seqs,
+        max_num_batched_tokens: engine_args.max_num_batched_tokens,
+        seconds: base.seconds,
+        requests_per_second: args.num_prompts as f64 / base.seconds,
+        output_tokens_per_second: base.output_tokens as f64 / base.seconds,
+        total_tokens_per_second: (base.output_tokens + args.num_prompts * args.input_len) as f64 / base.seconds,
+        ttft_p50_seconds: base.pct(0.5),
+        ttft_p99_seconds: base.pct(0.99),
+        preemptions: base.preemptions,
+        engine_steps: base.engine_steps,
+        lora,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("model       {} on {}", report.model, report.backend);
+        println!(
+            "workload    {} requests x ({} in / {} out), max_num_seqs {}, max_num_batched_tokens {}",
+            report.num_prompts, report.input_len, report.output_len, report.max_num_seqs, report.max_num_batched_tokens
+        );
+        println!("elapsed     {:.2} s ({} engine steps, {} preemptions)", report.seconds, report.engine_steps, report.preemptions);
+        println!("throughput  {:.2} requests/s, {:.1} output tokens/s, {:.1} total tokens/s", report.requests_per_second, report.output_tokens_per_second, report.total_tokens_per_second);
+        println!("TTFT        p50 {:.3} s, p99 {:.3} s (all requests submitted at t=0)", report.ttft_p50_seconds, report.ttft_p99_seconds);
+        if let Some(l) = &report.lora {
+            println!(
+                "+ LoRA      {:.1} output tokens/s = {:.3} x base ({} adapters of rank {}, zipf s={}; {:.2} s, TTFT p50 {:.3} s, {} preemptions)",
+                l.output_tokens_per_second, l.relative_to_base, l.adapters, l.rank, l.zipf_s, l.seconds, l.ttft_p50_seconds, l.preemptions
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Submits every request at once (request `i` on `adapters[i]`) and waits for all of them.
+fn run_pass(engine: &EngineHandle, args: &ThroughputArgs, params: &SamplingParams, adapters: &[Option<String>], vocab: usize) -> anyhow::Result<Pass> {
+    let before = engine.metrics();
     let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let start = Instant::now();
     let mut streams = Vec::with_capacity(args.num_prompts);
-    for i in 0..args.num_prompts {
+    for (i, adapter) in adapters.iter().enumerate() {
         let request = GenerationRequest {
             id: engine.new_request_id(),
             prompt_tokens: random_prompt(args.input_len, vocab, i as u64),
             params: params.clone(),
-            adapter: None,
+            adapter: adapter.clone(),
         };
         streams.push(engine.submit(request)?);
     }
@@ -127,45 +257,19 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
     let seconds = start.elapsed().as_secs_f64();
     let results = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
     let after = engine.metrics();
-    engine.shutdown();
-
     let output_tokens: usize = results.iter().map(|r| r.0).sum();
+    if output_tokens != adapters.len() * args.output_len {
+        anyhow::bail!("generated {output_tokens} tokens, expected {}", adapters.len() * args.output_len);
+    }
     let mut ttft: Vec<f64> = results.iter().map(|r| r.1.as_secs_f64()).collect();
     ttft.sort_by(|a, b| a.total_cmp(b));
-    let pct = |q: f64| ttft.get(((ttft.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
-    let report = ThroughputReport {
-        model: args.engine.model.display().to_string(),
-        backend: runtime.backend_name.clone(),
-        num_prompts: args.num_prompts,
-        input_len: args.input_len,
-        output_len: args.output_len,
-        max_num_seqs: engine_args.max_num_seqs,
-        max_num_batched_tokens: engine_args.max_num_batched_tokens,
+    Ok(Pass {
         seconds,
-        requests_per_second: args.num_prompts as f64 / seconds,
-        output_tokens_per_second: output_tokens as f64 / seconds,
-        total_tokens_per_second: (output_tokens + args.num_prompts * args.input_len) as f64 / seconds,
-        ttft_p50_seconds: pct(0.5),
-        ttft_p99_seconds: pct(0.99),
+        output_tokens,
+        ttft,
         preemptions: after.preemptions_total.saturating_sub(before.preemptions_total),
         engine_steps: after.steps_total.saturating_sub(before.steps_total),
-    };
-    if output_tokens != args.num_prompts * args.output_len {
-        anyhow::bail!("generated {output_tokens} tokens, expected {}", args.num_prompts * args.output_len);
-    }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        println!("model       {} on {}", report.model, report.backend);
-        println!(
-            "workload    {} requests x ({} in / {} out), max_num_seqs {}, max_num_batched_tokens {}",
-            report.num_prompts, report.input_len, report.output_len, report.max_num_seqs, report.max_num_batched_tokens
-        );
-        println!("elapsed     {:.2} s ({} engine steps, {} preemptions)", report.seconds, report.engine_steps, report.preemptions);
-        println!("throughput  {:.2} requests/s, {:.1} output tokens/s, {:.1} total tokens/s", report.requests_per_second, report.output_tokens_per_second, report.total_tokens_per_second);
-        println!("TTFT        p50 {:.3} s, p99 {:.3} s (all requests submitted at t=0)", report.ttft_p50_seconds, report.ttft_p99_seconds);
-    }
-    Ok(())
+    })
 }
 
 /// Reads a stream to its end on this thread.

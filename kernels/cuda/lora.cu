@@ -1,48 +1,297 @@
-// Multi-LoRA on the GPU: after a base projection y = x · Wᵀ, each token adds its own adapter's update
-// y += scale · (x · Aᵀ) · Bᵀ, read from slot stacks (every slot padded to the same rank r_max with
-// zeros, so a smaller rank or an untargeted module contributes exactly 0).
+// Multi-LoRA on the GPU, grouped by adapter (SGMV): after a base projection y = x · Wᵀ, each token
+// adds its own adapter's update y += scale · (x · Aᵀ) · Bᵀ, read from slot stacks (every slot's rows
+// padded with zeros to the same r_pad, a multiple of 16; a module the adapter does not target is all
+// zeros, so it adds exactly 0).
 //
-// One slot index per token (-1: base model), so a batch may mix adapters in any order; each token's
-// update is computed on its own in a fixed order, whatever else is in the batch (batch invariance).
-// Correct first: the shrink reads A once per token; grouping tokens by adapter (SGMV) is the speed-up
-// left for later.
+// Once per step, lora_group sorts the token indices by slot into segments (ascending token index
+// within a slot; base-model tokens, slot -1, in none). Then per projection group (q|k|v, o, gate|up,
+// down) two launches cover every segment and every module of the group:
+// - lora_shrink_sgmv: t_part[split, i, :] = x[i, split's k range] · A[slot_i]ᵀ on tensor cores
+//   (mma.sync m16n8k16 bf16, f32 accumulate), one block per (k split, work tile, module), a work tile
+//   being up to 16 tokens of one slot (one mma row tile): A is read once per tile and split, not once per token, the
+//   long reduction (4096, 14336) spreads over blocks, and so does a long (prefill) segment. Only the
+//   slot's own rank is computed (8-column tiles up to its rank), not r_pad. The last block of a
+//   (tile, module) to finish (a counter) sums the splits in a fixed order into t = scale · Σ,
+//   stored as bf16 hi + lo (t ≈ hi + lo to about 16 bits of mantissa, so the tensor-core expand loses
+//   nothing against an f32 t), and sets the counter back to 0 for the next launch.
+// - lora_expand_sgmv: y[i, cols] += t_hi · Bᵀ + t_lo · Bᵀ on tensor cores, one block per (128-column
+//   tile of one module's output, work tile), written straight into the (fused) output, rounded to bf16.
+//
+// Batch invariance: a token's result depends only on its own row: mma rows are independent, the k
+// splits depend on k alone, and every sum runs in a fixed order, whatever else is in the batch.
+// The kernels are launched with programmatic dependent launch where the GPU has it: each waits for
+// the previous kernel before reading, and lets the next one start its prologue at once.
 
-// t[i, r] = x[i, :] · A[slot_i][r, :] for tokens with a slot. A stack: [slots, r_max, k] bf16;
-// x rows `x_stride` apart; t: [n, r_max] f32.
-// grid: (n, ceil(r_max / 8)); block: 256 threads, one warp per rank row.
-extern "C" __global__ void lora_shrink(float* __restrict__ t, const bf16_t* __restrict__ x, int x_stride,
-                                       const bf16_t* __restrict__ a_stack, const int* __restrict__ slots,
-                                       int k, int r_max) {
-    const int i = blockIdx.x;
-    const int slot = slots[i];
-    const int r = blockIdx.y * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (slot < 0 || r >= r_max) return;
-    const bf16_t* xr = x + (u64)i * x_stride;
-    const bf16_t* ar = a_stack + ((u64)slot * r_max + r) * k;
-    float acc = 0.f;
-    for (int j = lane; j < k; j += 32) acc += bf2f(xr[j]) * bf2f(ar[j]);
-    acc = warp_sum(acc);
-    if (lane == 0) t[(u64)i * r_max + r] = acc;
-}
+#define LORA_MAX_R 64     // largest r_pad (shrink: 8 accumulator tiles of 8 ranks per warp)
+#define LORA_KC 256       // fan-in per shrink block (its 4 warps take 64 each)
+#define LORA_EXPAND_COLS 128  // output columns per expand block (its 4 warps take 32 each)
+#define LORA_TILE 16      // tokens per work tile (one mma row tile): a segment spreads over blocks
 
-// y[i, o] += scale[slot_i] · t[i, :] · B[slot_i][o, :] for tokens with a slot, rounded back to bf16.
-// B stack: [slots, out, r_max] bf16; y rows `y_stride` apart (y may point into a fused output, e.g.
-// the k columns of [q | k | v]). grid-stride over n * out.
-extern "C" __global__ void lora_expand(bf16_t* __restrict__ y, int y_stride, const float* __restrict__ t,
-                                       const bf16_t* __restrict__ b_stack, const float* __restrict__ scales,
-                                       const int* __restrict__ slots, u64 n, int out, int r_max) {
-    const u64 total = n * (u64)out;
-    for (u64 e = blockIdx.x * (u64)blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
-        const u64 i = e / out;
-        const int o = (int)(e % out);
-        const int slot = slots[i];
-        if (slot < 0) continue;
-        const bf16_t* br = b_stack + ((u64)slot * out + o) * r_max;
-        const float* tr = t + i * r_max;
-        float acc = 0.f;
-        for (int r = 0; r < r_max; ++r) acc += tr[r] * bf2f(br[r]);
-        bf16_t* yp = y + i * (u64)y_stride + o;
-        *yp = f2bf(bf2f(*yp) + scales[slot] * acc);
+// Segments of the step: seg[s] = first position of slot s in `order`, seg[num_slots] = tokens with a
+// slot; and the work tiles: tiles[0] = their count, then (slot, first position within the slot's
+// segment) per tile of up to LORA_TILE tokens (at most ceil(n / LORA_TILE) + num_slots tiles).
+// One block of 1024 threads; a ballot-and-count pass per slot keeps token order within a slot.
+extern "C" __global__ void __launch_bounds__(1024) lora_group(int* __restrict__ order, int* __restrict__ seg,
+                                                             int* __restrict__ tiles, const int* __restrict__ slots,
+                                                             int n, int num_slots) {
+    __shared__ int warp_counts[32];
+    __shared__ int base;
+    pdl_wait();
+    pdl_trigger();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    if (tid == 0) base = 0;
+    __syncthreads();
+    for (int s = 0; s < num_slots; ++s) {
+        if (tid == 0) seg[s] = base;
+        for (int c = 0; c < n; c += blockDim.x) {
+            const int i = c + tid;
+            const bool mine = i < n && slots[i] == s;
+            const u32 ballot = __ballot_sync(0xffffffffu, mine);
+            if (lane == 0) warp_counts[warp] = __popc(ballot);
+            __syncthreads();
+            int before = base;
+            for (int w = 0; w < warp; ++w) before += warp_counts[w];
+            if (mine) order[before + __popc(ballot & ((1u << lane) - 1u))] = i;
+            __syncthreads();
+            if (tid == 0) {
+                int total = 0;
+                for (int w = 0; w < nwarps; ++w) total += warp_counts[w];
+                base += total;
+            }
+            __syncthreads();
+        }
+    }
+    if (tid == 0) {
+        seg[num_slots] = base;
+        int count = 0;
+        for (int s = 0; s < num_slots; ++s) {
+            const int len = seg[s + 1] - seg[s];
+            for (int m = 0; m < len; m += LORA_TILE, ++count) {
+                tiles[1 + 2 * count] = s;
+                tiles[2 + 2 * count] = m;
+            }
+        }
+        tiles[0] = count;
     }
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
+// Two consecutive bf16 (4-byte aligned) as one register.
+__device__ __forceinline__ u32 lora_ld2(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
+
+// d += a (16x16, row) * b (16x8, col), the PTX ISA's m16n8k16 fragment layout.
+__device__ __forceinline__ void lora_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// t_hi, t_lo: [n, R] bf16 with R = n_modules * r_pad (module m's ranks at columns m * r_pad), zeros
+// past each slot's rank; t_part: [splits, n, R] f32 partial sums; counters: 3 i32 per tile, 0
+// between launches; x rows `x_stride` apart; a_m: module m's A stack for this layer, [slots, r_pad,
+// k] bf16; ranks, scales: one per slot. grid: (ceil(k / LORA_KC), max tiles, n_modules); block: 128.
+// k a multiple of 16.
+extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
+    bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, float* __restrict__ t_part, int* __restrict__ counters,
+    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ a0, const bf16_t* __restrict__ a1,
+    const bf16_t* __restrict__ a2, const int* __restrict__ order, const int* __restrict__ seg,
+    const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n, int k,
+    int r_pad, int n_modules) {
+    __shared__ float red[4][16][LORA_MAX_R + 1];
+    __shared__ int last;
+    pdl_wait();
+    pdl_trigger();
+    const int split = blockIdx.x, tile = blockIdx.y, mod = blockIdx.z;
+    if (tile >= tiles[0]) return;
+    const int slot = tiles[1 + 2 * tile], first = tiles[2 + 2 * tile];
+    const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+    const int rank = min(ranks[slot], r_pad);
+    if (len == 0 || rank <= 0) return;
+    const int ntiles = (rank + 7) >> 3;
+    const bf16_t* a = (mod == 0 ? a0 : mod == 1 ? a1 : a2) + (u64)slot * r_pad * k;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int k_begin = split * LORA_KC + warp * (LORA_KC / 4);
+    const int R = n_modules * r_pad;
+    for (int m0 = 0; m0 < len; m0 += 16) {
+        float acc[8][4];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+        const bf16_t* x0 = m0 + g < len ? x + (u64)order[start + m0 + g] * x_stride : nullptr;
+        const bf16_t* x1 = m0 + g + 8 < len ? x + (u64)order[start + m0 + g + 8] * x_stride : nullptr;
+#pragma unroll
+        for (int step = 0; step < LORA_KC / 4 / 16; ++step) {
+            const int c = k_begin + step * 16 + q * 2;
+            if (k_begin + step * 16 < k) {
+                u32 af[4];
+                af[0] = x0 ? lora_ld2(x0 + c) : 0u;
+                af[1] = x1 ? lora_ld2(x1 + c) : 0u;
+                af[2] = x0 ? lora_ld2(x0 + c + 8) : 0u;
+                af[3] = x1 ? lora_ld2(x1 + c + 8) : 0u;
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+                    if (t < ntiles) {
+                        const bf16_t* ar = a + (u64)(t * 8 + g) * k + c;
+                        lora_mma(acc[t], af, lora_ld2(ar), lora_ld2(ar + 8));
+                    }
+                }
+            }
+        }
+        // Accumulator (t): rows g and g + 8, rank columns t * 8 + 2q, +1.
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            if (t < ntiles) {
+                red[warp][g][t * 8 + 2 * q] = acc[t][0];
+                red[warp][g][t * 8 + 2 * q + 1] = acc[t][1];
+                red[warp][g + 8][t * 8 + 2 * q] = acc[t][2];
+                red[warp][g + 8][t * 8 + 2 * q + 1] = acc[t][3];
+            }
+        }
+        __syncthreads();
+        const int cols = ntiles * 8;
+        for (int e = threadIdx.x; e < 16 * cols; e += blockDim.x) {
+            const int row = e / cols, col = e % cols;
+            if (m0 + row < len) {
+                const float v = ((red[0][row][col] + red[1][row][col]) + red[2][row][col]) + red[3][row][col];
+                t_part[((u64)split * n + order[start + m0 + row]) * R + mod * r_pad + col] = v;
+            }
+        }
+        __syncthreads();
+    }
+    // The last block of this (tile, module) reduces every split (threadFenceReduction's pattern).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(&counters[tile * 3 + mod], 1);
+        last = done == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[tile * 3 + mod] = 0;
+    const float scale = scales[slot];
+    const int splits = gridDim.x;
+    for (int e = threadIdx.x; e < len * r_pad; e += blockDim.x) {
+        const int row = e / r_pad, col = e % r_pad;
+        const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
+        float v = 0.f;
+        if (col < rank) {
+            for (int s = 0; s < splits; ++s) v += __ldcg(t_part + (u64)s * n * R + at);
+            v *= scale;
+        }
+        const bf16_t hi = f2bf(v);
+        t_hi[at] = hi;
+        t_lo[at] = f2bf(v - bf2f(hi));
+    }
+}
+
+// y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each
+// segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
+// module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128), max
+// tiles); block: 128.
+extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
+    bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
+    const bf16_t* __restrict__ b0, const bf16_t* __restrict__ b1, const bf16_t* __restrict__ b2, int out0, int out1,
+    int out2, int col0, int col1, int col2, const int* __restrict__ order, const int* __restrict__ seg,
+    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad) {
+    pdl_wait();
+    pdl_trigger();
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int slot = tiles[1 + 2 * blockIdx.y], first = tiles[2 + 2 * blockIdx.y];
+    const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+    const int rank = min(ranks[slot], r_pad);
+    if (len == 0 || rank <= 0) return;
+    int tile = blockIdx.x, mod = 0;
+    const int tiles0 = (out0 + LORA_EXPAND_COLS - 1) / LORA_EXPAND_COLS;
+    const int tiles1 = (out1 + LORA_EXPAND_COLS - 1) / LORA_EXPAND_COLS;
+    if (tile >= tiles0) {
+        tile -= tiles0;
+        mod = 1;
+        if (tile >= tiles1) {
+            tile -= tiles1;
+            mod = 2;
+        }
+    }
+    const int out = mod == 0 ? out0 : mod == 1 ? out1 : out2;
+    const int col = mod == 0 ? col0 : mod == 1 ? col1 : col2;
+    const bf16_t* b = (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int o_base = tile * LORA_EXPAND_COLS + warp * 32;
+    if (o_base >= out) return;
+    const int ksteps = (rank + 15) >> 4;
+    // This warp's B fragments: 4 column tiles × up to 4 rank steps, loaded once for every token tile.
+    u32 bf[4][4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+        const int o = o_base + nt * 8 + g;
+#pragma unroll
+        for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
+            const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
+            const bool ok = o < out && ks < ksteps;
+            bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
+            bf[nt][ks][1] = ok ? lora_ld2(br + 8) : 0u;
+        }
+    }
+    for (int m0 = 0; m0 < len; m0 += 16) {
+        const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
+        const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
+        float acc[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
+            if (ks < ksteps) {
+                const int c = mod * r_pad + ks * 16 + q * 2;
+                u32 hi[4], lo[4];
+                const u64 r0 = (u64)i0 * R + c, r1 = (u64)i1 * R + c;
+                hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
+                hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
+                hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
+                hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
+                lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
+                lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
+                lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
+                lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
+                    lora_mma(acc[nt], lo, bf[nt][ks][0], bf[nt][ks][1]);
+                }
+            }
+        }
+        // Accumulator (nt): rows g (token i0) and g + 8 (token i1), columns nt * 8 + 2q, +1: one
+        // 4-byte read-modify-write per pair where the pair is aligned and whole.
+        const bool pairs = ((col | y_stride | out) & 1) == 0;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int i = h == 0 ? i0 : i1;
+                const int o = o_base + nt * 8 + 2 * q;
+                if (i < 0 || o >= out) continue;
+                bf16_t* yp = y + (u64)i * y_stride + col + o;
+                if (pairs) {
+                    u32* p = reinterpret_cast<u32*>(yp);
+                    const u32 old = *p;
+                    const float lo = bf2f((bf16_t)(old & 0xffffu)) + acc[nt][2 * h];
+                    const float hi = bf2f((bf16_t)(old >> 16)) + acc[nt][2 * h + 1];
+                    *p = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                } else {
+                    yp[0] = f2bf(bf2f(yp[0]) + acc[nt][2 * h]);
+                    if (o + 1 < out) yp[1] = f2bf(bf2f(yp[1]) + acc[nt][2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+#else
+
+extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
+                                            const bf16_t*, const bf16_t*, const int*, const int*, const int*,
+                                            const int*, const float*, int, int, int, int) {}
+extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
+                                            const bf16_t*, int, int, int, int, int, int, const int*, const int*,
+                                            const int*, const int*, int, int) {}
+
+#endif

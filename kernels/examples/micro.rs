@@ -1,6 +1,7 @@
 //! Micro-benchmarks of the decode-critical kernels on Llama-3.1-8B shapes (run on a GPU):
 //! skinny GEMM vs cuBLAS at m = 1 (achieved GB/s of weight reads) and decode attention with and
-//! without the sequence split. Prints a table; asserts nothing.
+//! without the sequence split, and the grouped LoRA kernels (`MICRO=lora`). Prints a table; asserts
+//! nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
 use peregrine_kernels::ops::AttentionKernel;
@@ -31,9 +32,13 @@ fn main() {
         }
     };
     let s = &c.gpu.stream;
-    // MICRO=attention times the attention kernels only.
+    // MICRO=attention times the attention kernels only; MICRO=lora the grouped LoRA kernels.
     if std::env::var("MICRO").is_ok_and(|v| v == "attention") {
         attention(&c);
+        return;
+    }
+    if std::env::var("MICRO").is_ok_and(|v| v == "lora") {
+        lora(&c);
         return;
     }
     println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
@@ -201,5 +206,72 @@ fn label(kernel: AttentionKernel, kv: KvCacheDtype) -> String {
     match kv {
         KvCacheDtype::Bf16 => format!("{kernel:?}"),
         KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8"),
+    }
+}
+
+/// The grouped LoRA path of one Llama-3.1-8B layer (q|k|v, o, gate|up, down groups) at decode batch
+/// sizes, adapters assigned round-robin, against the base GEMMs of the same layer (skinny GEMM at m ≤ 8,
+/// cuBLAS above), in µs; "x32" is the LoRA cost of a whole step (32 layers).
+fn lora(c: &Cuda) {
+    use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments};
+    let s = &c.gpu.stream;
+    let (h, q, kv, inter) = (4096usize, 4096usize, 1024usize, 14336usize);
+    // (fan-in, fan-outs) per group.
+    let groups: [(usize, Vec<usize>); 4] = [(h, vec![q, kv, kv]), (q, vec![h]), (h, vec![inter, inter]), (inter, vec![h])];
+    println!("{:<10} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9} {:>8}", "LoRA", "batch", "rank", "qkv us", "o us", "gate_up", "down", "x32 ms");
+    for (adapters, rank) in [(4usize, 32usize), (4, 8), (4, 64), (16, 32)] {
+        let r_pad = lora_rank_pad(rank);
+        let bufs: Vec<Vec<(peregrine_kernels::DevBuf<u16>, peregrine_kernels::DevBuf<u16>)>> = groups
+            .iter()
+            .map(|(k, outs)| {
+                outs.iter()
+                    .map(|&o| {
+                        let a = c.gpu.alloc_zeros::<u16>(adapters * r_pad * k).unwrap();
+                        let b = c.gpu.alloc_zeros::<u16>(adapters * o * r_pad).unwrap();
+                        unsafe {
+                            c.kernels.fill_uniform_bf16(s, a.ptr(), adapters * r_pad * k, 1, 0.02).unwrap();
+                            c.kernels.fill_uniform_bf16(s, b.ptr(), adapters * o * r_pad, 2, 0.02).unwrap();
+                        }
+                        (a, b)
+                    })
+                    .collect()
+            })
+            .collect();
+        let ranks = c.gpu.upload(&vec![rank as i32; adapters]).unwrap();
+        let scales = c.gpu.upload(&vec![1.0f32; adapters]).unwrap();
+        let seg = c.gpu.alloc_zeros::<i32>(adapters + 1).unwrap();
+        for n in [1usize, 16, 64, 256, 4096] {
+            let slots = c.gpu.upload(&(0..n).map(|i| (i % adapters) as i32).collect::<Vec<_>>()).unwrap();
+            let order = c.gpu.alloc_zeros::<i32>(n).unwrap();
+            let counters = c.gpu.alloc_zeros::<i32>(3 * lora_max_tiles(n, adapters)).unwrap();
+            let tiles = c.gpu.alloc_zeros::<i32>(1 + 2 * lora_max_tiles(n, adapters)).unwrap();
+            let x = c.gpu.alloc_zeros::<u16>(n * inter).unwrap();
+            unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), n * inter, 3, 1.0).unwrap() };
+            let y = c.gpu.alloc_zeros::<u16>(n * 2 * inter).unwrap();
+            let t_part = c.gpu.alloc_zeros::<f32>(lora_splits(inter) * n * 3 * r_pad).unwrap();
+            let t_hi = c.gpu.alloc_zeros::<u16>(n * 3 * r_pad).unwrap();
+            let t_lo = c.gpu.alloc_zeros::<u16>(n * 3 * r_pad).unwrap();
+            let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: adapters };
+            let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
+            unsafe { c.kernels.lora_group(s, &segs, n).unwrap() };
+            let mut us = vec![];
+            for (g, (k, outs)) in groups.iter().enumerate() {
+                let mut col = 0;
+                let modules: Vec<LoraModule> = outs
+                    .iter()
+                    .zip(&bufs[g])
+                    .map(|(&o, (a, b))| {
+                        let m = LoraModule { a: a.ptr(), b: b.ptr(), out: o, col };
+                        col += o;
+                        m
+                    })
+                    .collect();
+                let t = time(c, 20, || unsafe { c.kernels.lora_apply(s, y.ptr(), col, x.ptr(), *k, *k, &modules, r_pad, &segs, &work, n).unwrap() });
+                us.push(t * 1e6);
+            }
+            let group_us = time(c, 20, || unsafe { c.kernels.lora_group(s, &segs, n).unwrap() }) * 1e6;
+            let step_ms = (us.iter().sum::<f64>() * 32.0 + group_us) / 1e3;
+            println!("{:<10} {:>5} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2}", format!("{adapters} adapters"), n, rank, us[0], us[1], us[2], us[3], step_ms);
+        }
     }
 }

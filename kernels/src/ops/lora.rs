@@ -1,65 +1,182 @@
-//! lora.cu: multi-LoRA shrink and expand.
+//! lora.cu: multi-LoRA, tokens grouped by adapter slot; shrink and expand on tensor cores.
 
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig};
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels};
-use crate::Result;
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch};
+use crate::{KernelError, Result};
 
-/// Rank rows one block of [`Kernels::lora_shrink`] computes (one warp each).
-const LORA_SHRINK_RANKS: usize = 8;
+/// Largest rank the grouped kernels take (lora.cu's LORA_MAX_R); stacks pad ranks to
+/// [`lora_rank_pad`].
+pub const LORA_MAX_RANK: usize = 64;
+/// Modules one launch covers (q|k|v).
+pub const LORA_MAX_MODULES: usize = 3;
+/// Fan-in per shrink block (lora.cu's LORA_KC).
+const LORA_KC: usize = 256;
+const LORA_EXPAND_COLS: usize = 128;
+/// Tokens per work tile (lora.cu's LORA_TILE).
+pub const LORA_TILE: usize = 16;
+
+/// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
+/// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.
+pub fn lora_max_tiles(n: usize, num_slots: usize) -> usize {
+    n.div_ceil(LORA_TILE) + num_slots
+}
+
+/// Rank every slot's rows are padded to in the stacks: a multiple of the mma's k step (16).
+pub fn lora_rank_pad(max_rank: usize) -> usize {
+    max_rank.div_ceil(16).max(1) * 16
+}
+
+/// Blocks the shrink splits a fan-in of `k` into (partial sums `[splits, n, R]` f32).
+pub fn lora_splits(k: usize) -> usize {
+    k.div_ceil(LORA_KC).max(1)
+}
+
+/// The step's adapter tables on the device, shared by every projection of the step.
+#[derive(Debug, Clone, Copy)]
+pub struct LoraSegments {
+    /// i32 per token: its slot, -1 for the base model.
+    pub slots: DPtr,
+    /// i32 per token (written by [`Kernels::lora_group`]): token indices grouped by slot.
+    pub order: DPtr,
+    /// `num_slots + 1` i32 (written by [`Kernels::lora_group`]): where each slot's tokens start in `order`.
+    pub seg: DPtr,
+    /// `1 + 2 × lora_max_tiles(n, num_slots)` i32 (written by [`Kernels::lora_group`]): the count of
+    /// work tiles, then (slot, first position in its segment) per tile.
+    pub tiles: DPtr,
+    /// i32 per slot: the adapter's rank (0 for an empty slot).
+    pub ranks: DPtr,
+    /// f32 per slot: the adapter's scaling.
+    pub scales: DPtr,
+    pub num_slots: usize,
+}
+
+/// One module of a projection group: its layer's A stack `[slots, r_pad, k]` and B stack `[slots,
+/// out, r_pad]` (bf16), and where its `out` columns start in the (fused) output rows.
+#[derive(Debug, Clone, Copy)]
+pub struct LoraModule {
+    pub a: DPtr,
+    pub b: DPtr,
+    pub out: usize,
+    pub col: usize,
+}
+
+/// Work buffers of [`Kernels::lora_apply`]: `t_part` f32 of `lora_splits(k) * n * R`, `t_hi` and
+/// `t_lo` bf16 of `n * R`, with R = modules × r_pad; `counters`: 3 i32 per slot, zeroed once at
+/// allocation (every launch leaves them 0).
+#[derive(Debug, Clone, Copy)]
+pub struct LoraScratch {
+    pub t_part: DPtr,
+    pub t_hi: DPtr,
+    pub t_lo: DPtr,
+    pub counters: DPtr,
+}
 
 impl Kernels {
-    /// LoRA shrink: `t[i, :] = x[i, :] · A[slots[i]]ᵀ` for the `n` tokens with a slot (see lora.cu).
+    /// Groups the `n` tokens of a step by slot into `segs.order` / `segs.seg` (once per step; see
+    /// lora.cu).
     ///
     /// # Safety
-    /// t: n*r_max f32; x: n rows of k bf16, `x_stride` apart; a_stack: slots*r_max*k bf16 covering
-    /// every slot index in `slots` (n i32, -1 for none).
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn lora_shrink(&self, s: &CudaStream, t: DPtr, x: DPtr, x_stride: usize, a_stack: DPtr, slots: DPtr, n: usize, k: usize, r_max: usize) -> Result<()> {
-        if n == 0 || r_max == 0 {
+    /// `segs.slots` and `segs.order` hold `n` i32, `segs.seg` `num_slots + 1`, `segs.tiles` as
+    /// documented there; every slot is -1 or below `num_slots`.
+    pub unsafe fn lora_group(&self, s: &CudaStream, segs: &LoraSegments, n: usize) -> Result<()> {
+        if n == 0 {
             return Ok(());
         }
-        let (x_stride, k, r) = (as_i32(x_stride, "x_stride")?, as_i32(k, "k")?, as_i32(r_max, "r_max")?);
-        let config = LaunchConfig {
-            grid_dim: (as_u32(n, "tokens")?, as_u32(r_max.div_ceil(LORA_SHRINK_RANKS), "ranks")?, 1),
-            block_dim: ((LORA_SHRINK_RANKS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        s.launch_builder(&self.lora_shrink)
-            .arg(&t)
-            .arg(&x)
-            .arg(&x_stride)
-            .arg(&a_stack)
-            .arg(&slots)
-            .arg(&k)
-            .arg(&r)
-            .launch(config)?;
+        let (n, slots) = (as_i32(n, "tokens")?, as_i32(segs.num_slots, "slots")?);
+        Launch::new(&self.lora_group).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.slots).arg(&n).arg(&slots).launch(s, cfg(1, 1024), self.pdl)?;
         Ok(())
     }
 
-    /// LoRA expand: `y[i, :] += scales[slots[i]] · t[i, :] · B[slots[i]]ᵀ` in bf16 (see lora.cu).
+    /// `y[i, col_m ..] += scale · (x[i, :] · A_m[slot_i]ᵀ) · B_m[slot_i]ᵀ` for every module m of a
+    /// projection group and every token with a slot, in two launches (grouped shrink with the split
+    /// reduction in its last blocks, grouped expand) after [`Kernels::lora_group`] ran for the step. Tensor cores: needs
+    /// sm_80.
     ///
     /// # Safety
-    /// y: n rows of `out` bf16, `y_stride` apart; t: n*r_max f32; b_stack: slots*out*r_max bf16;
-    /// scales: one f32 per slot; slots: n i32 (-1 for none).
+    /// x: `n` rows of `k` bf16 `x_stride` apart; y: `n` rows `y_stride` apart holding every module's
+    /// columns; the stacks hold `segs.num_slots` slots of `r_pad` ranks; `work` as [`LoraScratch`];
+    /// `segs` as [`LoraSegments`] for these `n` tokens.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn lora_expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, t: DPtr, b_stack: DPtr, scales: DPtr, slots: DPtr, n: usize, out: usize, r_max: usize) -> Result<()> {
-        if n == 0 || r_max == 0 || out == 0 {
+    pub unsafe fn lora_apply(&self, s: &CudaStream, y: DPtr, y_stride: usize, x: DPtr, x_stride: usize, k: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
+        if n == 0 || segs.num_slots == 0 {
             return Ok(());
         }
-        let (y_stride, out_i, r) = (as_i32(y_stride, "y_stride")?, as_i32(out, "out")?, as_i32(r_max, "r_max")?);
-        let n64 = n as u64;
-        s.launch_builder(&self.lora_expand)
+        if modules.is_empty() || modules.len() > LORA_MAX_MODULES {
+            return Err(KernelError::Unsupported(format!("LoRA: {} modules in one group (1 to {LORA_MAX_MODULES})", modules.len())));
+        }
+        if !r_pad.is_multiple_of(16) || r_pad == 0 || r_pad > LORA_MAX_RANK {
+            return Err(KernelError::Unsupported(format!("LoRA: padded rank {r_pad} (a multiple of 16 up to {LORA_MAX_RANK})")));
+        }
+        if !k.is_multiple_of(16) || !x_stride.is_multiple_of(2) || !x.is_multiple_of(4) {
+            return Err(KernelError::Unsupported(format!("LoRA: fan-in {k} must be a multiple of 16 and x rows 4-byte aligned")));
+        }
+        let m = |i: usize| modules.get(i).copied().unwrap_or(LoraModule { a: 0, b: 0, out: 0, col: 0 });
+        let (m0, m1, m2) = (m(0), m(1), m(2));
+        let big_r = modules.len() * r_pad;
+        let splits = lora_splits(k);
+        let max_tiles = as_u32(lora_max_tiles(n, segs.num_slots), "work tiles")?;
+        debug_assert!(splits <= u32::MAX as usize);
+        let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
+        let shrink = LaunchConfig {
+            grid_dim: (as_u32(splits, "splits")?, max_tiles, modules.len() as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Launch::new(&self.lora_shrink_sgmv)
+            .arg(&work.t_hi)
+            .arg(&work.t_lo)
+            .arg(&work.t_part)
+            .arg(&work.counters)
+            .arg(&x)
+            .arg(&x_stride)
+            .arg(&m0.a)
+            .arg(&m1.a)
+            .arg(&m2.a)
+            .arg(&segs.order)
+            .arg(&segs.seg)
+            .arg(&segs.tiles)
+            .arg(&segs.ranks)
+            .arg(&segs.scales)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(&r_i)
+            .arg(&nm)
+            .launch(s, shrink, self.pdl)?;
+        let big_r_i = as_i32(big_r, "R")?;
+        let tiles: usize = modules.iter().map(|m| m.out.div_ceil(LORA_EXPAND_COLS)).sum();
+        if tiles == 0 {
+            return Ok(());
+        }
+        let y_stride = as_i32(y_stride, "y_stride")?;
+        let (o0, o1, o2) = (as_i32(m0.out, "out")?, as_i32(m1.out, "out")?, as_i32(m2.out, "out")?);
+        let (c0, c1, c2) = (as_i32(m0.col, "col")?, as_i32(m1.col, "col")?, as_i32(m2.col, "col")?);
+        let expand = LaunchConfig {
+            grid_dim: (as_u32(tiles, "column tiles")?, max_tiles, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Launch::new(&self.lora_expand_sgmv)
             .arg(&y)
             .arg(&y_stride)
-            .arg(&t)
-            .arg(&b_stack)
-            .arg(&scales)
-            .arg(&slots)
-            .arg(&n64)
-            .arg(&out_i)
-            .arg(&r)
-            .launch(cfg(self.elementwise_grid(n * out, 256), 256))?;
+            .arg(&work.t_hi)
+            .arg(&work.t_lo)
+            .arg(&m0.b)
+            .arg(&m1.b)
+            .arg(&m2.b)
+            .arg(&o0)
+            .arg(&o1)
+            .arg(&o2)
+            .arg(&c0)
+            .arg(&c1)
+            .arg(&c2)
+            .arg(&segs.order)
+            .arg(&segs.seg)
+            .arg(&segs.tiles)
+            .arg(&segs.ranks)
+            .arg(&big_r_i)
+            .arg(&r_i)
+            .launch(s, expand, self.pdl)?;
         Ok(())
     }
 }

@@ -17,6 +17,7 @@ mod silu_mul;
 use attention::mma_smem_opt_in;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use gemv::GEMV_MAX_M;
+pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 
 use std::sync::Arc;
@@ -58,8 +59,9 @@ pub struct Kernels {
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
     sample_rows: CudaFunction,
-    lora_shrink: CudaFunction,
-    lora_expand: CudaFunction,
+    lora_group: CudaFunction,
+    lora_shrink_sgmv: CudaFunction,
+    lora_expand_sgmv: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
     f32_to_bf16: CudaFunction,
@@ -118,8 +120,9 @@ impl Kernels {
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
             sample_rows: f("sample_rows")?,
-            lora_shrink: f("lora_shrink")?,
-            lora_expand: f("lora_expand")?,
+            lora_group: f("lora_group")?,
+            lora_shrink_sgmv: f("lora_shrink_sgmv")?,
+            lora_expand_sgmv: f("lora_expand_sgmv")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,

@@ -1,10 +1,12 @@
 //! LoRA slots on the GPU: per target module, one stack of every layer's A and B for every slot, in
-//! bf16, each slot padded with zeros to the largest rank (so a smaller rank, or a module the adapter
-//! does not target, adds exactly 0). After each base projection the step runs the shrink/expand
-//! kernels (`lora.cu`) with one slot index per token, read from the step's packed plan.
+//! bf16, each slot's rows padded with zeros to the largest rank rounded up to 16 (so a module the
+//! adapter does not target adds exactly 0; the kernels compute only each slot's own rank). Each step
+//! first groups its tokens by slot on the device (segment tables, inside the CUDA graph), then after
+//! each base projection group (q|k|v, o, gate|up, down) one grouped shrink and one grouped expand (`lora.cu`)
+//! adds every module's update straight into the fused output.
 
 use half::bf16;
-use peregrine_kernels::ops::DPtr;
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, DPtr, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::gpu_err;
@@ -20,9 +22,9 @@ pub struct LoraCapacity {
 }
 
 struct ModuleStack {
-    /// `[layers, slots, r_max, fan_in]`.
+    /// `[layers, slots, r_pad, fan_in]`.
     a: DevBuf<u16>,
-    /// `[layers, slots, fan_out, r_max]`.
+    /// `[layers, slots, fan_out, r_pad]`.
     b: DevBuf<u16>,
     fan_in: usize,
     fan_out: usize,
@@ -35,18 +37,46 @@ pub struct GpuLora {
     /// `scaling` of the adapter in each slot (0 for an empty slot).
     scales: DevBuf<f32>,
     scales_host: Vec<f32>,
-    /// Shrink output `[max_tokens, r_max]`.
-    shrunk: DevBuf<f32>,
+    /// Each slot's adapter rank (0 for an empty slot).
+    ranks: DevBuf<i32>,
+    ranks_host: Vec<i32>,
+    /// Stack rank: `max_rank` rounded up to the mma step (16).
+    r_pad: usize,
+    /// The step's tokens grouped by slot, and where each slot's group starts ([`LoraSegments`]).
+    order: DevBuf<i32>,
+    seg: DevBuf<i32>,
+    tiles: DevBuf<i32>,
+    /// Shrink partial sums, and the reduced `scale · x · Aᵀ` as bf16 hi + lo ([`LoraScratch`]).
+    t_part: DevBuf<f32>,
+    t_hi: DevBuf<u16>,
+    t_lo: DevBuf<u16>,
+    /// The shrink's per-(work tile, module) completion counters (always 0 between launches).
+    counters: DevBuf<i32>,
 }
 
-/// Where one projection's LoRA update reads and writes in a step (rows are tokens).
-pub struct Projection {
-    pub module: TargetModule,
+/// The projection groups of a layer whose LoRA updates run as one launch each, as the base model
+/// fuses them.
+const GROUPS: [&[TargetModule]; 4] = [
+    &[TargetModule::Q, TargetModule::K, TargetModule::V],
+    &[TargetModule::O],
+    &[TargetModule::Gate, TargetModule::Up],
+    &[TargetModule::Down],
+];
+
+/// f32 elements of the shrink's partial sums for the largest group: splits of its fan-in × its ranks.
+fn t_part_len(config: &ModelConfig, r_pad: usize, max_tokens: usize) -> usize {
+    GROUPS.iter().map(|g| lora_splits(g[0].dims(config).0) * g.len() * r_pad).max().unwrap_or(0) * max_tokens
+}
+
+/// Where one projection group's LoRA updates read and write in a step (rows are tokens).
+pub struct Projection<'a> {
     pub x: DPtr,
     pub x_stride: usize,
-    /// Start of this module's columns in the (possibly fused) output.
+    /// The (possibly fused) output.
     pub y: DPtr,
     pub y_stride: usize,
+    /// The group's modules (they share x) and where each one's columns start in `y`.
+    pub outs: &'a [(TargetModule, usize)],
 }
 
 impl GpuLora {
@@ -59,19 +89,40 @@ impl GpuLora {
                 cap.max_loras * cap.max_rank * (fan_in + fan_out) * 2
             })
             .sum();
-        per_layer * config.num_hidden_layers + cap.max_loras * 4 + max_tokens * cap.max_rank * 4
+        let r_pad = lora_rank_pad(cap.max_rank);
+        // per_layer counted max_rank rows per slot; the stacks hold r_pad.
+        per_layer / cap.max_rank * r_pad * config.num_hidden_layers
+            + cap.max_loras * 12
+            + (1 + 5 * lora_max_tiles(max_tokens, cap.max_loras)) * 4
+            + max_tokens * 4
+            + t_part_len(config, r_pad, max_tokens) * 4
+            + 2 * max_tokens * 3 * r_pad * 2
     }
 
     pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize) -> Result<Self> {
         if cap.max_loras == 0 || cap.max_rank == 0 {
             return Err(EngineError::InvalidRequest("LoRA needs at least one slot of rank >= 1".into()));
         }
+        if cap.max_rank > LORA_MAX_RANK {
+            return Err(EngineError::Unsupported(format!("the CUDA backend serves LoRA ranks up to {LORA_MAX_RANK} (asked {})", cap.max_rank)));
+        }
+        if cuda.gpu.arch.0 < 8 {
+            return Err(EngineError::Unsupported("LoRA on the CUDA backend needs tensor cores of sm_80 or newer".into()));
+        }
+        for m in TargetModule::ALL {
+            let (fan_in, _) = m.dims(config);
+            if fan_in % 16 != 0 {
+                return Err(EngineError::Unsupported(format!("LoRA on the CUDA backend: {} fan-in {fan_in} is not a multiple of 16", m.peft_name())));
+            }
+        }
         let layers = config.num_hidden_layers;
+        let r_pad = lora_rank_pad(cap.max_rank);
         let zeros = |n: usize| cuda.gpu.alloc_zeros::<u16>(n).map_err(gpu_err);
+        let ints = |n: usize| cuda.gpu.alloc_zeros::<i32>(n).map_err(gpu_err);
         let mut modules = Vec::with_capacity(TargetModule::ALL.len());
         for m in TargetModule::ALL {
             let (fan_in, fan_out) = m.dims(config);
-            let per = layers * cap.max_loras * cap.max_rank;
+            let per = layers * cap.max_loras * r_pad;
             modules.push(ModuleStack { a: zeros(per * fan_in)?, b: zeros(per * fan_out)?, fan_in, fan_out });
         }
         Ok(GpuLora {
@@ -80,19 +131,29 @@ impl GpuLora {
             modules,
             scales: cuda.gpu.alloc_zeros::<f32>(cap.max_loras).map_err(gpu_err)?,
             scales_host: vec![0.0; cap.max_loras],
-            shrunk: cuda.gpu.alloc_zeros::<f32>(max_tokens * cap.max_rank).map_err(gpu_err)?,
+            ranks: ints(cap.max_loras)?,
+            ranks_host: vec![0; cap.max_loras],
+            r_pad,
+            order: ints(max_tokens.max(1))?,
+            seg: ints(cap.max_loras + 1)?,
+            tiles: ints(1 + 2 * lora_max_tiles(max_tokens, cap.max_loras))?,
+            t_part: cuda.gpu.alloc_zeros::<f32>(t_part_len(config, r_pad, max_tokens).max(1)).map_err(gpu_err)?,
+            t_hi: zeros(max_tokens.max(1) * 3 * r_pad)?,
+            t_lo: zeros(max_tokens.max(1) * 3 * r_pad)?,
+            counters: ints(3 * lora_max_tiles(max_tokens, cap.max_loras))?,
         })
     }
 
     /// Writes `adapter` into `slot` (every layer and module; untargeted modules become zeros).
     pub fn set_slot(&mut self, cuda: &Cuda, slot: u32, adapter: &LoraAdapter) -> Result<()> {
         let slot = slot as usize;
-        let LoraCapacity { max_loras, max_rank: r_max } = self.capacity;
+        let LoraCapacity { max_loras, max_rank } = self.capacity;
+        let r_max = self.r_pad;
         if slot >= max_loras {
             return Err(EngineError::InvalidRequest(format!("LoRA slot {slot} outside the {max_loras} slots")));
         }
-        if adapter.rank > r_max {
-            return Err(EngineError::InvalidRequest(format!("adapter rank {} exceeds max LoRA rank {r_max}", adapter.rank)));
+        if adapter.rank > max_rank {
+            return Err(EngineError::InvalidRequest(format!("adapter rank {} exceeds max LoRA rank {max_rank}", adapter.rank)));
         }
         if adapter.layers.len() != self.layers {
             return Err(EngineError::InvalidRequest(format!(
@@ -119,11 +180,11 @@ impl GpuLora {
                             module.peft_name()
                         )));
                     }
-                    // A: [rank, in] rows, then zero rows up to r_max.
+                    // A: [rank, in] rows, then zero rows up to r_pad.
                     for (dst, &src) in a.iter_mut().zip(&pair.a) {
                         *dst = bits(src);
                     }
-                    // B: [out, rank] → [out, r_max], zero-padded per row.
+                    // B: [out, rank] → [out, r_pad], zero-padded per row.
                     for o in 0..fan_out {
                         for r in 0..rank {
                             b[o * r_max + r] = bits(pair.b[o * rank + r]);
@@ -137,21 +198,52 @@ impl GpuLora {
         }
         self.scales_host[slot] = adapter.scaling;
         self.scales.write(stream, &self.scales_host).map_err(gpu_err)?;
+        self.ranks_host[slot] = adapter.rank as i32;
+        self.ranks.write(stream, &self.ranks_host).map_err(gpu_err)?;
         Ok(())
     }
 
-    /// Enqueues `y += scale · (x · Aᵀ) · Bᵀ` for the `n` tokens of a step, each with the slot in
-    /// `slots` (device i32, -1 for none).
+    fn segments(&self, slots: DPtr) -> LoraSegments {
+        LoraSegments {
+            slots,
+            order: self.order.ptr(),
+            seg: self.seg.ptr(),
+            tiles: self.tiles.ptr(),
+            ranks: self.ranks.ptr(),
+            scales: self.scales.ptr(),
+            num_slots: self.capacity.max_loras,
+        }
+    }
+
+    /// Enqueues the grouping of a step's `n` tokens by their slots (`slots`: device i32, -1 for
+    /// none), once per step before any [`GpuLora::apply`].
     ///
     /// # Safety
-    /// `p.x`/`p.y` hold `n` rows at their strides with the module's fan-in/fan-out columns; `slots`
-    /// holds `n` entries below `max_loras` or -1; `n` is within the `max_tokens` of [`GpuLora::new`].
-    pub unsafe fn apply(&self, cuda: &Cuda, layer: usize, p: &Projection, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
-        let stack = &self.modules[p.module.index()];
-        let LoraCapacity { max_loras, max_rank: r_max } = self.capacity;
-        let at = layer * max_loras * r_max;
-        let (k, s) = (&cuda.kernels, &cuda.gpu.stream);
-        k.lora_shrink(s, self.shrunk.ptr(), p.x, p.x_stride, stack.a.ptr_at(at * stack.fan_in), slots, n, stack.fan_in, r_max)?;
-        k.lora_expand(s, p.y, p.y_stride, self.shrunk.ptr(), stack.b.ptr_at(at * stack.fan_out), self.scales.ptr(), slots, n, stack.fan_out, r_max)
+    /// `slots` holds `n` entries below `max_loras` or -1; `n` is within the `max_tokens` of
+    /// [`GpuLora::new`].
+    pub unsafe fn begin_step(&self, cuda: &Cuda, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
+        cuda.kernels.lora_group(&cuda.gpu.stream, &self.segments(slots), n)
+    }
+
+    /// Enqueues `y += scale · (x · Aᵀ) · Bᵀ` for every module of one projection group and the `n`
+    /// tokens of a step, after [`GpuLora::begin_step`] with the same `slots`.
+    ///
+    /// # Safety
+    /// `p.x`/`p.y` hold `n` rows at their strides with the modules' fan-in / fan-out columns (each
+    /// module's at its offset in `p.outs`); the modules share a fan-in; `slots` as in
+    /// [`GpuLora::begin_step`].
+    pub unsafe fn apply(&self, cuda: &Cuda, layer: usize, p: &Projection<'_>, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
+        let per_layer = self.capacity.max_loras * self.r_pad;
+        let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
+        let mut fan_in = 0;
+        for (dst, &(module, col)) in modules.iter_mut().zip(p.outs) {
+            let stack = &self.modules[module.index()];
+            fan_in = stack.fan_in;
+            let at = layer * per_layer;
+            *dst = LoraModule { a: stack.a.ptr_at(at * stack.fan_in), b: stack.b.ptr_at(at * stack.fan_out), out: stack.fan_out, col };
+        }
+        let work = LoraScratch { t_part: self.t_part.ptr(), t_hi: self.t_hi.ptr(), t_lo: self.t_lo.ptr(), counters: self.counters.ptr() };
+        let used = p.outs.len().min(modules.len());
+        cuda.kernels.lora_apply(&cuda.gpu.stream, p.y, p.y_stride, p.x, p.x_stride, fan_in, &modules[..used], self.r_pad, &self.segments(slots), &work, n)
     }
 }

@@ -279,21 +279,20 @@ impl CudaBackend {
         let w = &self.weights;
         let lora = self.lora.as_ref().filter(|_| with_lora);
         let lora_slots = m(lay.lora_slots());
-        // The LoRA updates of one projection's modules; `outs` are (module, column offset) in `y`.
+        // The LoRA updates of one projection group; `outs` are (module, column offset) in `y`.
         let add_lora = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)]| -> peregrine_kernels::Result<()> {
             let Some(lora) = lora else { return Ok(()) };
-            for &(module, col) in outs {
-                let p = Projection { module, x, x_stride, y: y + (col * 2) as u64, y_stride };
-                // SAFETY: as the step's block below; `y + col` stays inside each row of `y`.
-                unsafe { lora.apply(cuda, l, &p, lora_slots, n)? };
-            }
-            Ok(())
+            // SAFETY: as the step's block below; each module's columns stay inside each row of `y`.
+            unsafe { lora.apply(cuda, l, &Projection { x, x_stride, y, y_stride, outs }, lora_slots, n) }
         };
         // SAFETY (whole block): every buffer was sized for max_num_batched_tokens tokens and
         // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
         // against the cache.
         unsafe {
             k.embedding_gather(s, sc.residual.ptr(), w.embed.ptr(), m(lay.ids()), n, h)?;
+            if let Some(lora) = lora {
+                lora.begin_step(cuda, lora_slots, n)?;
+            }
             for (l, lw) in w.layers.iter().enumerate() {
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 k.add_rmsnorm(s, sc.residual.ptr(), delta, lw.input_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;

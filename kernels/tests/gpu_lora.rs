@@ -1,0 +1,214 @@
+//! The grouped LoRA kernels (lora.cu) against an f64 reference from the same bf16 inputs: ragged
+//! and empty segments, every supported rank in one launch, base-model tokens mixed in, fused outputs
+//! of several modules, fan-ins that end inside a split; and a token's result alone equals its result
+//! in a batch, bit for bit. GPU tests: skipped with a visible reason where there is no GPU.
+//!
+//! Tolerance: the output is rounded to bf16 once from an f32 sum (2^-9 relative), so |err| <=
+//! 2^-8 |ref| plus 2^-12 of the magnitude of the terms summed (f32 accumulation on the tensor cores
+//! and the bf16 hi + lo split of the shrink output, each far below that).
+
+use half::bf16;
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_TILE};
+use peregrine_kernels::testing::cuda_or_skip;
+use peregrine_kernels::{Cuda, DevBuf};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn rng() -> ChaCha8Rng {
+    let seed: u64 = rand::rng().random();
+    eprintln!("seed {seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn rand_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<u16> {
+    (0..n).map(|_| bf16::from_f32(r.random_range(-scale..scale)).to_bits()).collect()
+}
+
+fn val(b: u16) -> f64 {
+    bf16::from_bits(b).to_f32() as f64
+}
+
+/// One projection group's inputs on the host.
+struct Case {
+    k: usize,
+    /// (fan-out, first column in y) per module.
+    outs: Vec<(usize, usize)>,
+    y_width: usize,
+    /// Rank per slot (0: empty slot).
+    ranks: Vec<usize>,
+    scales: Vec<f32>,
+    slots: Vec<i32>,
+}
+
+struct Host {
+    x: Vec<u16>,
+    y0: Vec<u16>,
+    /// Per module: A stack `[slots, r_pad, k]`, B stack `[slots, out, r_pad]`, zero past each rank.
+    a: Vec<Vec<u16>>,
+    b: Vec<Vec<u16>>,
+    r_pad: usize,
+}
+
+fn host_inputs(r: &mut ChaCha8Rng, c: &Case) -> Host {
+    let n = c.slots.len();
+    let r_pad = lora_rank_pad(*c.ranks.iter().max().unwrap_or(&1));
+    let slots = c.ranks.len();
+    let mut a = vec![];
+    let mut b = vec![];
+    for &(out, _) in &c.outs {
+        let mut am = vec![0u16; slots * r_pad * c.k];
+        let mut bm = vec![0u16; slots * out * r_pad];
+        for (s, &rank) in c.ranks.iter().enumerate() {
+            for rr in 0..rank {
+                let row = rand_bf16(r, c.k, 0.05);
+                am[(s * r_pad + rr) * c.k..][..c.k].copy_from_slice(&row);
+            }
+            for o in 0..out {
+                let row = rand_bf16(r, rank, 0.05);
+                bm[(s * out + o) * r_pad..][..rank].copy_from_slice(&row);
+            }
+        }
+        a.push(am);
+        b.push(bm);
+    }
+    Host { x: rand_bf16(r, n * c.k, 1.0), y0: rand_bf16(r, n * c.y_width, 1.0), a, b, r_pad }
+}
+
+/// The reference y (f64) and the magnitude of each element's terms.
+fn reference(c: &Case, h: &Host) -> (Vec<f64>, Vec<f64>) {
+    let mut y: Vec<f64> = h.y0.iter().map(|&v| val(v)).collect();
+    let mut mag: Vec<f64> = y.iter().map(|v| v.abs()).collect();
+    for (i, &slot) in c.slots.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        let s = slot as usize;
+        let (rank, scale) = (c.ranks[s], c.scales[s] as f64);
+        for (m, &(out, col)) in c.outs.iter().enumerate() {
+            let t: Vec<f64> = (0..rank)
+                .map(|rr| (0..c.k).map(|j| val(h.x[i * c.k + j]) * val(h.a[m][(s * h.r_pad + rr) * c.k + j])).sum::<f64>() * scale)
+                .collect();
+            for o in 0..out {
+                let bo = &h.b[m][(s * out + o) * h.r_pad..];
+                let terms = t.iter().enumerate().map(|(rr, tv)| tv * val(bo[rr]));
+                let at = i * c.y_width + col + o;
+                for term in terms {
+                    y[at] += term;
+                    mag[at] += term.abs();
+                }
+            }
+        }
+    }
+    (y, mag)
+}
+
+/// Runs group + apply on the GPU for the tokens `rows` of the case (all: `None`) and returns y.
+fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
+    let g = &cuda.gpu;
+    let s = &g.stream;
+    let pick: Vec<usize> = rows.map_or_else(|| (0..c.slots.len()).collect(), |r| r.to_vec());
+    let n = pick.len();
+    let gather = |src: &[u16], w: usize| pick.iter().flat_map(|&i| src[i * w..(i + 1) * w].to_vec()).collect::<Vec<u16>>();
+    let x = g.upload(&gather(&h.x, c.k)).unwrap();
+    let y = g.upload(&gather(&h.y0, c.y_width)).unwrap();
+    let slots_host: Vec<i32> = pick.iter().map(|&i| c.slots[i]).collect();
+    let slots = g.upload(&slots_host).unwrap();
+    let a: Vec<DevBuf<u16>> = h.a.iter().map(|v| g.upload(v).unwrap()).collect();
+    let b: Vec<DevBuf<u16>> = h.b.iter().map(|v| g.upload(v).unwrap()).collect();
+    let ranks = g.upload(&c.ranks.iter().map(|&r| r as i32).collect::<Vec<_>>()).unwrap();
+    let scales = g.upload(&c.scales).unwrap();
+    let order = g.alloc_zeros::<i32>(n).unwrap();
+    let seg = g.alloc_zeros::<i32>(c.ranks.len() + 1).unwrap();
+    let big_r = c.outs.len() * h.r_pad;
+    let t_part = g.alloc_zeros::<f32>(lora_splits(c.k) * n * big_r).unwrap();
+    let t_hi = g.alloc_zeros::<u16>(n * big_r).unwrap();
+    let t_lo = g.alloc_zeros::<u16>(n * big_r).unwrap();
+    let max_tiles = lora_max_tiles(n, c.ranks.len());
+    let counters = g.alloc_zeros::<i32>(3 * max_tiles).unwrap();
+    let tiles = g.alloc_zeros::<i32>(1 + 2 * max_tiles).unwrap();
+    let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: c.ranks.len() };
+    let modules: Vec<LoraModule> = c.outs.iter().enumerate().map(|(m, &(out, col))| LoraModule { a: a[m].ptr(), b: b[m].ptr(), out, col }).collect();
+    let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
+    // SAFETY: every buffer above is sized as the wrappers document for these n tokens.
+    unsafe {
+        cuda.kernels.lora_group(s, &segs, n).unwrap();
+        cuda.kernels.lora_apply(s, y.ptr(), c.y_width, x.ptr(), c.k, c.k, &modules, h.r_pad, &segs, &work, n).unwrap();
+    }
+    let got = y.download(s).unwrap();
+    // The segment table: ascending tokens per slot, starts as prefix counts.
+    let (order_got, seg_got) = (order.download(s).unwrap(), seg.download(s).unwrap());
+    let mut at = 0;
+    for (slot, &start) in seg_got[..c.ranks.len()].iter().enumerate() {
+        assert_eq!(start, at as i32, "segment start of slot {slot}");
+        let mine: Vec<i32> = (0..n as i32).filter(|&i| slots_host[i as usize] == slot as i32).collect();
+        assert_eq!(&order_got[at..at + mine.len()], &mine[..], "tokens of slot {slot}");
+        at += mine.len();
+    }
+    assert_eq!(seg_got[c.ranks.len()], at as i32);
+    // Work tiles: every slot's tokens in tiles of up to LORA_TILE, in slot order.
+    let tiles_got = tiles.download(s).unwrap();
+    let mut want = vec![];
+    for (slot, bounds) in seg_got.windows(2).enumerate() {
+        for p in (bounds[0]..bounds[1]).step_by(LORA_TILE) {
+            want.extend([slot as i32, p - bounds[0]]);
+        }
+    }
+    assert_eq!(tiles_got[0] as usize, want.len() / 2, "work tiles");
+    assert_eq!(&tiles_got[1..1 + want.len()], &want[..], "work tiles");
+    got
+}
+
+fn check(cuda: &Cuda, c: &Case) {
+    let mut r = rng();
+    let h = host_inputs(&mut r, c);
+    let (want, mag) = reference(c, &h);
+    let got = run(cuda, c, &h, None);
+    for (i, &slot) in c.slots.iter().enumerate() {
+        for j in 0..c.y_width {
+            let at = i * c.y_width + j;
+            let in_module = c.outs.iter().any(|&(out, col)| (col..col + out).contains(&j));
+            if slot < 0 || !in_module || c.ranks[slot as usize] == 0 {
+                assert_eq!(got[at], h.y0[at], "token {i} (slot {slot}) column {j} must be left alone");
+                continue;
+            }
+            let g = val(got[at]);
+            let tol = want[at].abs() / 256.0 + mag[at] / 4096.0 + 1e-6;
+            assert!((g - want[at]).abs() <= tol, "token {i} (slot {slot}, rank {}) column {j}: got {g}, want {} (tol {tol})", c.ranks[slot as usize], want[at]);
+        }
+    }
+    // A token's row is the same bits alone as in the batch (batch invariance).
+    for i in [0, c.slots.len() / 2, c.slots.len() - 1] {
+        let alone = run(cuda, c, &h, Some(&[i]));
+        assert_eq!(&alone[..], &got[i * c.y_width..(i + 1) * c.y_width], "token {i} alone differs from the batch");
+    }
+}
+
+#[test]
+fn grouped_lora_matches_reference_on_ragged_segments_and_every_rank() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    // Slots of rank 8, 16, 32, 64, and an empty one; 61 tokens: 19 for slot 0 (two token tiles), one
+    // for slot 1, 17 for slot 2, none for slot 3 (a segment of 0), the rest base-model tokens, all
+    // shuffled. q|k|v-like fused output with a gap column, fan-in ending mid-split.
+    let mut slots: Vec<i32> = [vec![0; 19], vec![1; 1], vec![2; 17], vec![-1; 24]].concat();
+    let mut r = rng();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, r.random_range(0..=i));
+    }
+    let case = Case { k: 1040, outs: vec![(200, 0), (72, 200), (72, 273)], y_width: 346, ranks: vec![8, 16, 32, 64, 0], scales: vec![2.0, 0.5, 1.0, 4.0, 0.0], slots };
+    check(&cuda, &case);
+    // Every token on slot 3 (rank 64).
+    let case = Case { slots: vec![3; 33], ..case };
+    check(&cuda, &case);
+}
+
+#[test]
+fn grouped_lora_matches_reference_on_a_long_prefill_segment() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    // Llama's down projection fan-in (56 splits), one adapter of rank 32 over 300 tokens, and two
+    // tokens of a second adapter.
+    let mut slots = vec![1i32; 300];
+    slots[7] = 0;
+    slots[250] = 0;
+    let case = Case { k: 14336, outs: vec![(512, 0)], y_width: 512, ranks: vec![16, 32], scales: vec![1.0, 2.0], slots };
+    check(&cuda, &case);
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use peregrine_engine::engine::EngineHandle;
-use peregrine_engine::lora::bench::{write_random_adapters, zipf_assignment};
+use peregrine_engine::bench::lora::{write_random_adapters, zipf_assignment};
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
 use serde::Serialize;
 

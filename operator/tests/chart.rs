@@ -100,6 +100,11 @@ fn default_values_render_valid_objects() {
     assert!(!args.iter().any(|a| a.starts_with("--otlp-endpoint")), "no trace export unless configured");
     assert_eq!(container.image.as_deref(), Some("ghcr.io/peregrine-serving/peregrine-operator:0.1.0"));
 
+    // runAsNonRoot is enforced by the kubelet only against a numeric user: the pod and the image say one.
+    let security = pod.security_context.clone().unwrap();
+    assert_eq!(security.run_as_non_root, Some(true));
+    assert_eq!((security.run_as_user, security.run_as_group), (Some(65532), Some(65532)));
+
     // The metrics Service reaches the container port by name.
     let service: Service = typed(find(&objects, "Service")[0]);
     let port = &service.spec.unwrap().ports.unwrap()[0];
@@ -172,4 +177,16 @@ fn chart_crds_parse_as_crds() {
         names.push(crd.metadata.name.unwrap());
     }
     assert_eq!(names, ["modeldeployments.serving.peregrine.dev", "loraadapters.serving.peregrine.dev"]);
+}
+
+#[test]
+fn images_run_as_a_numeric_non_root_user() {
+    for dockerfile in ["operator/Dockerfile", "agent/Dockerfile"] {
+        let text = std::fs::read_to_string(repo_root().join(dockerfile)).unwrap();
+        let user = text.lines().filter_map(|l| l.trim().strip_prefix("USER ")).last().unwrap_or_else(|| panic!("{dockerfile}: no USER"));
+        for id in user.trim().split(':') {
+            let id: u32 = id.parse().unwrap_or_else(|_| panic!("{dockerfile}: USER {user} is not numeric (runAsNonRoot refuses names)"));
+            assert_ne!(id, 0, "{dockerfile}: USER {user} is root");
+        }
+    }
 }

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use peregrine_api::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
@@ -26,21 +27,13 @@ pub struct ModelEntry {
     pub parent: Option<String>,
 }
 
+/// The part of `GET /v1/models` the controllers read. Lenient on purpose (not
+/// `peregrine_api::ModelList`): any vLLM-compatible server's list parses.
 #[derive(Debug, Deserialize)]
 struct ModelList {
     data: Vec<ModelEntry>,
 }
 
-#[derive(Serialize)]
-struct LoadRequest<'a> {
-    lora_name: &'a str,
-    lora_path: &'a str,
-}
-
-#[derive(Serialize)]
-struct UnloadRequest<'a> {
-    lora_name: &'a str,
-}
 
 /// What the controllers need from an agent. `base` is the agent's root URL, e.g. `http://10.0.0.5:8000`.
 pub trait AgentApi: Send + Sync {
@@ -83,7 +76,7 @@ async fn error_of(response: reqwest::Response) -> AgentError {
 impl AgentApi for HttpAgentClient {
     fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
         Box::pin(async move {
-            let response = self.post(format!("{base}/v1/load_lora_adapter"), &LoadRequest { lora_name: name, lora_path: path }).await?;
+            let response = self.post(format!("{base}/v1/load_lora_adapter"), &LoadLoraAdapterRequest { lora_name: name.to_string(), lora_path: path.to_string() }).await?;
             if response.status().is_success() {
                 Ok(())
             } else {
@@ -94,7 +87,7 @@ impl AgentApi for HttpAgentClient {
 
     fn unload_adapter<'a>(&'a self, base: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
         Box::pin(async move {
-            let response = self.post(format!("{base}/v1/unload_lora_adapter"), &UnloadRequest { lora_name: name }).await?;
+            let response = self.post(format!("{base}/v1/unload_lora_adapter"), &UnloadLoraAdapterRequest { lora_name: name.to_string(), lora_int_id: None }).await?;
             if response.status().is_success() || response.status() == reqwest::StatusCode::NOT_FOUND {
                 Ok(())
             } else {

@@ -69,8 +69,7 @@ impl EngineLora {
     /// admission and the prefix-cache key, so a replaced adapter never reuses the old KV).
     pub(super) fn pin(&mut self, seq: &mut Sequence, name: &str) -> Result<AdapterId> {
         let id = self.registry.acquire(name)?;
-        seq.lora_id = Some(id);
-        seq.adapter = Some(format!("{name}\u{0}{id}"));
+        seq.lora = Some(id);
         Ok(id)
     }
 
@@ -144,7 +143,7 @@ impl EngineLora {
         let ids: Vec<Option<AdapterId>> = out
             .chunks
             .iter()
-            .map(|c| scheduler.get(c.id).and_then(|s| s.lora_id))
+            .map(|c| scheduler.get(c.id).and_then(|s| s.lora))
             .collect();
         if ids.iter().all(Option::is_none) {
             return Ok(());

@@ -165,7 +165,7 @@ impl Worker {
         let seed = request_seed(&request.params, request.id, self.seed);
         let sampler = RequestSampler::new(request.params, &request.prompt_tokens, seed);
         let prompt_len = request.prompt_tokens.len();
-        let mut seq = Sequence::new(request.id, request.prompt_tokens, None, None);
+        let mut seq = Sequence::new(request.id, request.prompt_tokens);
         seq.arrival = arrival;
         let id = request.id;
         let mut adapter = None;

@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::hash::{block_hash, BlockHash};
+use super::hash::{block_hash, AdapterKey, BlockHash};
 
 /// The sequence a block table belongs to (the engine uses the request id).
 pub type SeqId = u64;
@@ -21,7 +21,7 @@ struct SeqBlocks {
     blocks: Vec<u32>,
     /// Chain hashes of the sequence's first `hashes.len()` full, computed blocks.
     hashes: Vec<BlockHash>,
-    adapter: Option<String>,
+    adapter: Option<AdapterKey>,
 }
 
 #[derive(Debug)]
@@ -105,7 +105,7 @@ impl BlockManager {
     /// Cached blocks (with their chain hashes) that hold a prefix of `tokens`. At most the full
     /// blocks inside `tokens[..len-1]` qualify: the last token is always recomputed so that the
     /// step yields logits for it, and recomputing it must not write into a shared block.
-    fn prefix_hits(&self, tokens: &[u32], adapter: Option<&str>) -> Vec<(u32, BlockHash)> {
+    fn prefix_hits(&self, tokens: &[u32], adapter: Option<AdapterKey>) -> Vec<(u32, BlockHash)> {
         let mut hits = Vec::new();
         if !self.enable_prefix_caching || tokens.is_empty() {
             return hits;
@@ -124,7 +124,7 @@ impl BlockManager {
     }
 
     /// Number of leading tokens of `tokens` whose K/V the prefix cache already holds.
-    pub fn cached_prefix_len(&self, tokens: &[u32], adapter: Option<&str>) -> usize {
+    pub fn cached_prefix_len(&self, tokens: &[u32], adapter: Option<AdapterKey>) -> usize {
         self.prefix_hits(tokens, adapter).len() * self.block_size
     }
 
@@ -136,7 +136,7 @@ impl BlockManager {
     }
 
     /// Whether `allocate` for these tokens would succeed now.
-    pub fn can_allocate(&self, tokens: &[u32], adapter: Option<&str>) -> bool {
+    pub fn can_allocate(&self, tokens: &[u32], adapter: Option<AdapterKey>) -> bool {
         let hits = self.prefix_hits(tokens, adapter);
         let (needed, evictable_hits) = self.new_blocks_needed(tokens, &hits);
         needed + evictable_hits <= self.num_free_blocks()
@@ -145,7 +145,7 @@ impl BlockManager {
     /// Gives `seq` a block table covering all of `tokens`, reusing cached prefix blocks. Returns the
     /// number of leading tokens whose K/V is already there, or None (changing nothing) when there
     /// are not enough free blocks.
-    pub fn allocate(&mut self, seq: SeqId, tokens: &[u32], adapter: Option<&str>) -> Option<usize> {
+    pub fn allocate(&mut self, seq: SeqId, tokens: &[u32], adapter: Option<AdapterKey>) -> Option<usize> {
         let hits = self.prefix_hits(tokens, adapter);
         let (needed, evictable_hits) = self.new_blocks_needed(tokens, &hits);
         if needed + evictable_hits > self.num_free_blocks() {
@@ -153,7 +153,7 @@ impl BlockManager {
         }
         // A sequence is allocated once per admission; a stale table would leak its blocks.
         self.free(seq);
-        let mut entry = SeqBlocks { adapter: adapter.map(str::to_owned), ..Default::default() };
+        let mut entry = SeqBlocks { adapter, ..Default::default() };
         for &(block, h) in &hits {
             self.take_ref(block);
             entry.blocks.push(block);
@@ -205,7 +205,7 @@ impl BlockManager {
         let full = (num_computed.min(tokens.len()) / self.block_size).min(entry.blocks.len());
         for i in entry.hashes.len()..full {
             let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let h = block_hash(entry.hashes.last().copied(), entry.adapter.as_deref(), chunk);
+            let h = block_hash(entry.hashes.last().copied(), entry.adapter, chunk);
             entry.hashes.push(h);
             let block = entry.blocks[i];
             // Another sequence computed the same chain first: keep that copy registered and leave
@@ -368,11 +368,11 @@ mod tests {
     fn adapter_is_part_of_the_key() {
         let mut m = BlockManager::new(10, 4, true);
         let a = toks(0..9);
-        m.allocate(1, &a, Some("sql"));
+        m.allocate(1, &a, Some(7));
         m.commit_computed(1, &a, 9);
-        assert_eq!(m.cached_prefix_len(&a, Some("sql")), 8);
+        assert_eq!(m.cached_prefix_len(&a, Some(7)), 8);
         assert_eq!(m.cached_prefix_len(&a, None), 0);
-        assert_eq!(m.cached_prefix_len(&a, Some("chat")), 0);
+        assert_eq!(m.cached_prefix_len(&a, Some(8)), 0);
     }
 
     #[test]

@@ -6,9 +6,13 @@ use xxhash_rust::xxh3::Xxh3;
 /// would silently share wrong KV).
 pub type BlockHash = u128;
 
+/// The LoRA adapter version a sequence runs (`lora::AdapterId`); `None` in a key is the base model.
+/// Ids are never reused, so a replaced adapter's blocks are never matched again.
+pub type AdapterKey = u64;
+
 /// Hash of one full block: its parent's hash (None for the first block), the LoRA adapter (adapters
 /// change K/V, so equal tokens under different adapters must not share a block) and its tokens.
-pub fn block_hash(parent: Option<BlockHash>, adapter: Option<&str>, tokens: &[u32]) -> BlockHash {
+pub fn block_hash(parent: Option<BlockHash>, adapter: Option<AdapterKey>, tokens: &[u32]) -> BlockHash {
     let mut h = Xxh3::new();
     match parent {
         Some(p) => {
@@ -18,11 +22,9 @@ pub fn block_hash(parent: Option<BlockHash>, adapter: Option<&str>, tokens: &[u3
         None => h.update(&[0]),
     }
     match adapter {
-        // Length-prefixed so that the adapter name cannot run into the token bytes.
-        Some(name) => {
+        Some(id) => {
             h.update(&[1]);
-            h.update(&(name.len() as u64).to_le_bytes());
-            h.update(name.as_bytes());
+            h.update(&id.to_le_bytes());
         }
         None => h.update(&[0]),
     }
@@ -42,7 +44,7 @@ mod tests {
         assert_eq!(base, block_hash(None, None, &[1, 2, 3, 4]));
         assert_ne!(base, block_hash(None, None, &[1, 2, 3, 5]));
         assert_ne!(base, block_hash(Some(7), None, &[1, 2, 3, 4]));
-        assert_ne!(base, block_hash(None, Some("a"), &[1, 2, 3, 4]));
-        assert_ne!(block_hash(None, Some("a"), &[1]), block_hash(None, Some("b"), &[1]));
+        assert_ne!(base, block_hash(None, Some(1), &[1, 2, 3, 4]));
+        assert_ne!(block_hash(None, Some(1), &[1]), block_hash(None, Some(2), &[1]));
     }
 }

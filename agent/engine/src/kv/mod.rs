@@ -7,4 +7,4 @@ mod block_manager;
 mod hash;
 
 pub use block_manager::{BlockManager, SeqId};
-pub use hash::{block_hash, BlockHash};
+pub use hash::{block_hash, AdapterKey, BlockHash};

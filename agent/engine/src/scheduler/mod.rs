@@ -80,7 +80,7 @@ impl Scheduler {
     /// Whether admitting a sequence pinned to `lora_id` keeps the running adapters within the limit.
     fn lora_fits(&self, lora_id: Option<u64>) -> bool {
         let (Some(max), Some(key)) = (self.max_loras, lora_id) else { return true };
-        let mut in_use: Vec<u64> = self.running.iter().filter_map(|r| self.seqs.get(r)?.lora_id).collect();
+        let mut in_use: Vec<u64> = self.running.iter().filter_map(|r| self.seqs.get(r)?.lora).collect();
         in_use.sort_unstable();
         in_use.dedup();
         in_use.contains(&key) || in_use.len() < max
@@ -226,7 +226,7 @@ impl Scheduler {
     fn admit(&mut self, out: &mut SchedulerOutput, budget: &mut usize) {
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
-            let Some(lora_id) = self.seqs.get(&id).map(|s| s.lora_id) else {
+            let Some(lora_id) = self.seqs.get(&id).map(|s| s.lora) else {
                 self.waiting.pop_front();
                 continue;
             };
@@ -236,7 +236,7 @@ impl Scheduler {
             }
             let Some(seq) = self.seqs.get_mut(&id) else { break };
             // FCFS: if the oldest waiting sequence does not fit, nothing behind it jumps the queue.
-            let Some(cached) = self.kv.allocate(id, &seq.tokens, seq.adapter.as_deref()) else { break };
+            let Some(cached) = self.kv.allocate(id, &seq.tokens, seq.lora) else { break };
             self.waiting.pop_front();
             seq.num_computed = cached;
             out.admitted.push(Admission { id, cached_tokens: cached, first_time: !seq.ever_scheduled });
@@ -265,7 +265,7 @@ impl Scheduler {
                 context_len: c.context_len,
                 block_table: table[..blocks].to_vec(),
                 wants_logits: c.wants_logits,
-                lora_slot: seq.lora_slot,
+                lora_slot: None, // the engine thread assigns slots after planning
             });
             batch.tokens.extend_from_slice(&seq.tokens[c.context_len..end]);
             batch.positions.extend((c.context_len..end).map(|p| p as u32));

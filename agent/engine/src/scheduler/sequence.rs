@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use crate::kv::SeqId;
+use crate::lora::AdapterId;
 
 #[derive(Debug, Clone)]
 pub struct Sequence {
@@ -12,12 +13,12 @@ pub struct Sequence {
     pub prompt_len: usize,
     /// Leading tokens whose K/V is in the cache. The rest are computed by upcoming steps.
     pub num_computed: usize,
-    /// LoRA adapter name; part of the prefix-cache key.
-    pub adapter: Option<String>,
-    pub lora_slot: Option<u32>,
-    /// The LoRA adapter version this sequence is pinned to (`lora::AdapterId`); the scheduler
-    /// keeps the running set within `max_loras` distinct versions.
-    pub lora_id: Option<u64>,
+    /// The LoRA adapter version this sequence is pinned to (`lora::AdapterId`, resolved once from
+    /// the request's name on the engine thread; `None`: the base model). Its one identity: the
+    /// scheduler keeps the running set within `max_loras` distinct versions, and it is the
+    /// prefix-cache key (a version id is never reused, so a replaced adapter never shares the old
+    /// KV). Which device slot holds it is decided per step and travels in `SeqChunk::lora_slot`.
+    pub lora: Option<AdapterId>,
     pub arrival: Instant,
     /// True once every token but the newest sampled one is computed: the sequence then takes one
     /// decode token per step. Reset by preemption (the recompute is a prefill again).
@@ -27,15 +28,13 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(id: SeqId, prompt: Vec<u32>, adapter: Option<String>, lora_slot: Option<u32>) -> Self {
+    pub fn new(id: SeqId, prompt: Vec<u32>) -> Self {
         Sequence {
             id,
             prompt_len: prompt.len(),
             tokens: prompt,
             num_computed: 0,
-            adapter,
-            lora_slot,
-            lora_id: None,
+            lora: None,
             arrival: Instant::now(),
             decoding: false,
             ever_scheduled: false,

@@ -8,7 +8,7 @@ fn sched(num_blocks: usize, block_size: usize, max_seqs: usize, max_tokens: usiz
 }
 
 fn add(s: &mut Scheduler, id: SeqId, prompt_len: u32) {
-    s.add(Sequence::new(id, (0..prompt_len).map(|t| t + 100 * id as u32).collect(), None, None));
+    s.add(Sequence::new(id, (0..prompt_len).map(|t| t + 100 * id as u32).collect()));
 }
 
 /// Runs a step as the engine would: marks it computed and appends `token` for every logits row.
@@ -154,9 +154,9 @@ fn prefix_hits_skip_computed_tokens() {
         BlockManager::new(16, 4, true),
     );
     let prompt: Vec<u32> = (0..10).collect();
-    s.add(Sequence::new(1, prompt.clone(), None, None));
+    s.add(Sequence::new(1, prompt.clone()));
     step(&mut s, 1);
-    s.add(Sequence::new(2, prompt, None, None));
+    s.add(Sequence::new(2, prompt));
     let out = step(&mut s, 1);
     assert_eq!(out.admitted, vec![Admission { id: 2, cached_tokens: 8, first_time: true }]);
     assert_eq!(summary(&out)[1], (2, 8, 2, true, false));

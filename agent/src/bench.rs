@@ -163,16 +163,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut salt = 0u64;
 
     // The adapters go through the same path as a served adapter: PEFT folders, loaded by name.
-    let scratch = ScratchDir::new()?;
-    let adapter_names: Vec<String> = if args.lora > 0 {
-        let written = write_random_adapters(&runtime.model_config, args.lora, args.lora_rank, args.engine.seed, &scratch.0)?;
-        for (name, folder) in &written {
-            engine.load_adapter(name, folder)?;
-        }
-        written.into_iter().map(|(name, _)| name).collect()
-    } else {
-        Vec::new()
-    };
+    let (_scratch, adapter_names) = load_random_adapters(&runtime, args.lora, args.lora_rank, args.engine.seed)?;
 
     // Warm-up: first-touch of weights and KV pages.
     run_batch(engine, &base_only(1), 16, 2, vocab, &mut salt)?;
@@ -259,6 +250,25 @@ fn decode_tps(
 }
 
 /// A private temporary folder for the random adapters, removed on drop.
+/// Writes `count` random PEFT adapters of `rank` (seeded) to a scratch folder and loads them by name,
+/// the same path a served adapter takes. The folder lives as long as the returned guard.
+pub(crate) fn load_random_adapters(
+    runtime: &crate::runtime::Runtime,
+    count: usize,
+    rank: usize,
+    seed: u64,
+) -> anyhow::Result<(ScratchDir, Vec<String>)> {
+    let scratch = ScratchDir::new()?;
+    if count == 0 {
+        return Ok((scratch, Vec::new()));
+    }
+    let written = write_random_adapters(&runtime.model_config, count, rank, seed, &scratch.0)?;
+    for (name, folder) in &written {
+        runtime.engine.load_adapter(name, folder)?;
+    }
+    Ok((scratch, written.into_iter().map(|(name, _)| name).collect()))
+}
+
 pub(crate) struct ScratchDir(pub(crate) std::path::PathBuf);
 
 impl ScratchDir {

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use peregrine_engine::engine::EngineHandle;
-use peregrine_engine::bench::lora::{write_random_adapters, zipf_assignment};
+use peregrine_engine::bench::lora::zipf_assignment;
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
 use serde::Serialize;
 
-use crate::bench::ScratchDir;
+use crate::bench::load_random_adapters;
 use crate::runtime::EngineArgs;
 
 #[derive(Debug, Clone, Args)]
@@ -133,16 +133,7 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
         ignore_eos: true,
         ..SamplingParams::greedy(args.output_len)
     };
-    let scratch = ScratchDir::new()?;
-    let adapter_names: Vec<String> = if args.lora > 0 {
-        let written = write_random_adapters(&runtime.model_config, args.lora, args.lora_rank, args.engine.seed, &scratch.0)?;
-        for (name, folder) in &written {
-            engine.load_adapter(name, folder)?;
-        }
-        written.into_iter().map(|(name, _)| name).collect()
-    } else {
-        Vec::new()
-    };
+    let (_scratch, adapter_names) = load_random_adapters(&runtime, args.lora, args.lora_rank, args.engine.seed)?;
 
     // Warm-up (kernels compiled and loaded, first CUDA graphs, pages touched), not timed.
     let warm = GenerationRequest {

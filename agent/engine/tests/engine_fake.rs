@@ -9,7 +9,7 @@ use std::time::Duration;
 use engine_support::fake::{self, FakeBackend, FakeStats, EOS, POISON, VOCAB};
 use engine_support::scenarios::{self, collect, config, request, run_alone, run_together, start};
 use parking_lot::Mutex;
-use peregrine_engine::backend::{Backend, KvCacheShape};
+use peregrine_engine::backend::{Backend, BatchCapacity, KvCacheShape};
 use peregrine_engine::engine::{generate_blocking, Engine, EngineConfig};
 use peregrine_engine::request::{FinishReason, RequestEvent, SamplingParams};
 use peregrine_engine::sampling::{argmax, log_softmax};
@@ -312,15 +312,18 @@ fn config_is_checked_against_the_backend() {
     for cfg in invalid {
         assert!(matches!(start_with(shape, cfg.clone()), Err(EngineError::InvalidConfig(_))), "{cfg:?}");
     }
-    // max_num_seqs must fit the backend's batch capacity (default config: 64 sequences).
-    let capped = |cap: usize| {
+    // max_num_seqs and max_num_batched_tokens must fit the backend's step capacity (default config:
+    // 64 sequences, 2048 tokens).
+    let capped = |max_seqs: usize, max_tokens: usize| {
         let mut backend = FakeBackend::new(shape);
-        backend.max_batch_seqs = Some(cap);
+        backend.batch_capacity = Some(BatchCapacity { max_seqs, max_tokens });
         Box::new(backend) as Box<dyn Backend>
     };
-    assert!(Engine::start(capped(64), ok.clone()).is_ok());
-    let refused = Engine::start(capped(63), ok.clone()).map(|_| ());
+    assert!(Engine::start(capped(64, 2048), ok.clone()).is_ok());
+    let refused = Engine::start(capped(63, 2048), ok.clone()).map(|_| ());
     assert!(matches!(&refused, Err(EngineError::InvalidConfig(m)) if m.contains("batch capacity of 63")), "{refused:?}");
+    let refused = Engine::start(capped(64, 2047), ok.clone()).map(|_| ());
+    assert!(matches!(&refused, Err(EngineError::InvalidConfig(m)) if m.contains("step capacity of 2047 tokens")), "{refused:?}");
     // Without an explicit limit the KV cache capacity caps the context.
     let h = Engine::start(fake(shape), EngineConfig { block_size: 4, ..Default::default() }).expect("starts");
     assert_eq!(h.max_model_len(), 64);

@@ -99,24 +99,28 @@ impl Kernels {
     /// `segs` as [`LoraSegments`] for these `n` tokens.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn lora_apply(&self, s: &CudaStream, y: DPtr, y_stride: usize, x: DPtr, x_stride: usize, k: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
+        self.lora_shrink(s, x, x_stride, k, modules, r_pad, segs, work, n)?;
+        self.lora_expand(s, y, y_stride, modules, r_pad, segs, work, n)
+    }
+
+    /// The first half of [`Kernels::lora_apply`]: `t = scale · x · Aᵀ` for every module of the group
+    /// into `work.t_hi`/`t_lo` (bf16 hi + lo). It reads only `x`, the A stacks and the step's tables,
+    /// so it may run on a second stream beside the base projection that reads the same `x`.
+    ///
+    /// # Safety
+    /// As [`Kernels::lora_apply`]; `work` must not be in use by another shrink or expand.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_shrink(&self, s: &CudaStream, x: DPtr, x_stride: usize, k: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
         if n == 0 || segs.num_slots == 0 {
             return Ok(());
         }
-        if modules.is_empty() || modules.len() > LORA_MAX_MODULES {
-            return Err(KernelError::Unsupported(format!("LoRA: {} modules in one group (1 to {LORA_MAX_MODULES})", modules.len())));
-        }
-        if !r_pad.is_multiple_of(16) || r_pad == 0 || r_pad > LORA_MAX_RANK {
-            return Err(KernelError::Unsupported(format!("LoRA: padded rank {r_pad} (a multiple of 16 up to {LORA_MAX_RANK})")));
-        }
+        check_group(modules, r_pad)?;
         if !k.is_multiple_of(16) || !x_stride.is_multiple_of(2) || !x.is_multiple_of(4) {
             return Err(KernelError::Unsupported(format!("LoRA: fan-in {k} must be a multiple of 16 and x rows 4-byte aligned")));
         }
-        let m = |i: usize| modules.get(i).copied().unwrap_or(LoraModule { a: 0, b: 0, out: 0, col: 0 });
-        let (m0, m1, m2) = (m(0), m(1), m(2));
-        let big_r = modules.len() * r_pad;
+        let (m0, m1, m2) = (module_at(modules, 0), module_at(modules, 1), module_at(modules, 2));
         let splits = lora_splits(k);
         let max_tiles = as_u32(lora_max_tiles(n, segs.num_slots), "work tiles")?;
-        debug_assert!(splits <= u32::MAX as usize);
         let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
         let shrink = LaunchConfig {
             grid_dim: (as_u32(splits, "splits")?, max_tiles, modules.len() as u32),
@@ -143,7 +147,24 @@ impl Kernels {
             .arg(&r_i)
             .arg(&nm)
             .launch(s, shrink, self.pdl)?;
-        let big_r_i = as_i32(big_r, "R")?;
+        Ok(())
+    }
+
+    /// The second half of [`Kernels::lora_apply`]: `y[.., col_m ..] += t · B_mᵀ`, after the
+    /// [`Kernels::lora_shrink`] of the same group (and after whatever else writes `y`).
+    ///
+    /// # Safety
+    /// As [`Kernels::lora_apply`]; `work` holds this group's shrink output.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
+        if n == 0 || segs.num_slots == 0 {
+            return Ok(());
+        }
+        check_group(modules, r_pad)?;
+        let (m0, m1, m2) = (module_at(modules, 0), module_at(modules, 1), module_at(modules, 2));
+        let max_tiles = as_u32(lora_max_tiles(n, segs.num_slots), "work tiles")?;
+        let big_r_i = as_i32(modules.len() * r_pad, "R")?;
+        let r_i = as_i32(r_pad, "r_pad")?;
         let tiles: usize = modules.iter().map(|m| m.out.div_ceil(LORA_EXPAND_COLS)).sum();
         if tiles == 0 {
             return Ok(());
@@ -179,4 +200,20 @@ impl Kernels {
             .launch(s, expand, self.pdl)?;
         Ok(())
     }
+}
+
+/// The shape limits both halves check (the kernels index three module slots and pad ranks to the mma's k).
+fn check_group(modules: &[LoraModule], r_pad: usize) -> Result<()> {
+    if modules.is_empty() || modules.len() > LORA_MAX_MODULES {
+        return Err(KernelError::Unsupported(format!("LoRA: {} modules in one group (1 to {LORA_MAX_MODULES})", modules.len())));
+    }
+    if !r_pad.is_multiple_of(16) || r_pad == 0 || r_pad > LORA_MAX_RANK {
+        return Err(KernelError::Unsupported(format!("LoRA: padded rank {r_pad} (a multiple of 16 up to {LORA_MAX_RANK})")));
+    }
+    Ok(())
+}
+
+/// Module `i` of a group, or an empty one (the kernels take three and ignore those past `modules.len()`).
+fn module_at(modules: &[LoraModule], i: usize) -> LoraModule {
+    modules.get(i).copied().unwrap_or(LoraModule { a: 0, b: 0, out: 0, col: 0 })
 }

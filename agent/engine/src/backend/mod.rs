@@ -48,15 +48,25 @@ pub struct KvCacheShape {
     pub block_size: usize,
 }
 
+/// The most one step may carry on a backend that sized its buffers for it (the CUDA backend's
+/// scratch and plan arrays), reported so that the engine's own limits are checked against it once,
+/// at start, instead of failing on the first large step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchCapacity {
+    pub max_seqs: usize,
+    pub max_tokens: usize,
+}
+
 /// Runs the model. Owned by the engine thread; one call at a time.
 pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
 
     fn kv_shape(&self) -> KvCacheShape;
 
-    /// Most sequences one step may carry, where the backend sized per-sequence buffers up front
-    /// (None: no such limit). The engine refuses to start with a larger `max_num_seqs`.
-    fn max_batch_seqs(&self) -> Option<usize> {
+    /// What one step may carry, where the backend sized its per-step buffers up front (None: no
+    /// such limit). The engine refuses to start with a larger `max_num_seqs` or
+    /// `max_num_batched_tokens`.
+    fn batch_capacity(&self) -> Option<BatchCapacity> {
         None
     }
 

@@ -1,6 +1,6 @@
 //! Engine settings and their check against the model and backend they will drive.
 
-use crate::backend::KvCacheShape;
+use crate::backend::{BatchCapacity, KvCacheShape};
 use crate::config::ModelConfig;
 use crate::{EngineError, Result};
 
@@ -41,17 +41,24 @@ pub struct ResolvedLimits {
 }
 
 impl EngineConfig {
-    /// Checks `max_num_seqs` against what the backend can carry in one step. A refusal rather than
-    /// a clamp: the backend's capacity comes from its own options, so a mismatch is a set-up error,
-    /// and clamping would quietly serve fewer concurrent sequences than configured.
-    pub fn check_batch_capacity(&self, backend_max_seqs: Option<usize>) -> Result<()> {
-        match backend_max_seqs {
-            Some(cap) if self.max_num_seqs > cap => Err(EngineError::InvalidConfig(format!(
-                "max_num_seqs ({}) exceeds the backend's batch capacity of {cap} sequences",
-                self.max_num_seqs
-            ))),
-            _ => Ok(()),
+    /// Checks `max_num_seqs` and `max_num_batched_tokens` against what the backend can carry in
+    /// one step. A refusal rather than a clamp: the backend's capacity comes from its own options,
+    /// so a mismatch is a set-up error, and clamping would quietly serve less than configured.
+    pub fn check_batch_capacity(&self, capacity: Option<BatchCapacity>) -> Result<()> {
+        let Some(cap) = capacity else { return Ok(()) };
+        if self.max_num_seqs > cap.max_seqs {
+            return Err(EngineError::InvalidConfig(format!(
+                "max_num_seqs ({}) exceeds the backend's batch capacity of {} sequences",
+                self.max_num_seqs, cap.max_seqs
+            )));
         }
+        if self.max_num_batched_tokens > cap.max_tokens {
+            return Err(EngineError::InvalidConfig(format!(
+                "max_num_batched_tokens ({}) exceeds the backend's step capacity of {} tokens",
+                self.max_num_batched_tokens, cap.max_tokens
+            )));
+        }
+        Ok(())
     }
 
     pub fn resolve(&self, model: &ModelConfig, kv: KvCacheShape) -> Result<ResolvedLimits> {

@@ -45,7 +45,7 @@ impl Engine {
     fn start_inner(mut backend: Box<dyn Backend>, config: EngineConfig, lora: Option<LoraConfig>) -> Result<EngineHandle> {
         let kv_shape = backend.kv_shape();
         let limits = config.resolve(backend.config(), kv_shape)?;
-        config.check_batch_capacity(backend.max_batch_seqs())?;
+        config.check_batch_capacity(backend.batch_capacity())?;
         if let Some(l) = &lora {
             if l.max_loras == 0 || l.max_lora_rank == 0 || l.max_cpu_loras == 0 {
                 return Err(EngineError::InvalidConfig("max_loras, max_lora_rank and max_cpu_loras must be at least 1".into()));

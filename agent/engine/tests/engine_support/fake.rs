@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use peregrine_engine::backend::{Backend, KvCacheShape, Logits, StepBatch};
+use peregrine_engine::backend::{Backend, BatchCapacity, KvCacheShape, Logits, StepBatch};
 use peregrine_engine::config::{Architecture, ModelConfig};
 use peregrine_engine::{EngineError, Result};
 
@@ -31,8 +31,8 @@ pub struct FakeBackend {
     /// (chained K/V hash, position) per physical slot.
     slots: Vec<Option<(u64, u32)>>,
     step_delay: Duration,
-    /// What [`Backend::max_batch_seqs`] reports (None: no limit).
-    pub max_batch_seqs: Option<usize>,
+    /// What [`Backend::batch_capacity`] reports (None: no limit).
+    pub batch_capacity: Option<BatchCapacity>,
     pub stats: Arc<Mutex<FakeStats>>,
 }
 
@@ -64,7 +64,7 @@ impl FakeBackend {
             shape,
             slots: vec![None; shape.num_blocks * shape.block_size],
             step_delay: Duration::ZERO,
-            max_batch_seqs: None,
+            batch_capacity: None,
             stats: Arc::default(),
         }
     }
@@ -132,8 +132,8 @@ impl Backend for FakeBackend {
         self.shape
     }
 
-    fn max_batch_seqs(&self) -> Option<usize> {
-        self.max_batch_seqs
+    fn batch_capacity(&self) -> Option<BatchCapacity> {
+        self.batch_capacity
     }
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {

@@ -4,7 +4,16 @@
 //! first groups its tokens by slot on the device (segment tables, inside the CUDA graph), then after
 //! each base projection group (q|k|v, o, gate|up, down) one grouped shrink and one grouped expand (`lora.cu`)
 //! adds every module's update straight into the fused output.
+//!
+//! The shrink reads only the projection's input, as the base GEMM does, so it runs on a second
+//! stream beside that GEMM (forked and joined with events, which CUDA graphs capture as edges); at
+//! small batches both are latency-bound and the shrink's time hides under the GEMM's. The expand
+//! adds into the GEMM's output and follows it on the main stream. `PEREGRINE_LORA_OVERLAP=0` runs
+//! everything on the main stream (for comparisons).
 
+use std::sync::Arc;
+
+use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError};
 use half::bf16;
 use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, DPtr, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
@@ -52,6 +61,36 @@ pub struct GpuLora {
     t_lo: DevBuf<u16>,
     /// The shrink's per-(work tile, module) completion counters (always 0 between launches).
     counters: DevBuf<i32>,
+    /// Where the shrink runs beside the base projection (None: on the main stream after it).
+    overlap: Option<SideStream>,
+}
+
+/// A second stream and the two events that fork it from the main stream (the projection's input is
+/// ready) and join it back (the shrink's output is ready). Reused by every group: a wait takes the
+/// event's state at the time it is enqueued.
+struct SideStream {
+    stream: Arc<CudaStream>,
+    input_ready: CudaEvent,
+    shrink_done: CudaEvent,
+}
+
+// SAFETY: as timing::SendEvent: the events are used only through the backend, which the engine
+// thread owns (`&self` methods run on that one thread).
+unsafe impl Send for SideStream {}
+
+impl SideStream {
+    fn new(cuda: &Cuda) -> Result<Option<Self>> {
+        if std::env::var("PEREGRINE_LORA_OVERLAP").is_ok_and(|v| v == "0") {
+            return Ok(None);
+        }
+        let ctx = &cuda.gpu.ctx;
+        let driver = |e: DriverError| gpu_err(e.into());
+        Ok(Some(SideStream {
+            stream: ctx.new_stream().map_err(driver)?,
+            input_ready: ctx.new_event(None).map_err(driver)?,
+            shrink_done: ctx.new_event(None).map_err(driver)?,
+        }))
+    }
 }
 
 /// The projection groups of a layer whose LoRA updates run as one launch each, as the base model
@@ -141,6 +180,7 @@ impl GpuLora {
             t_hi: zeros(max_tokens.max(1) * 3 * r_pad)?,
             t_lo: zeros(max_tokens.max(1) * 3 * r_pad)?,
             counters: ints(3 * lora_max_tiles(max_tokens, cap.max_loras))?,
+            overlap: SideStream::new(cuda)?,
         })
     }
 
@@ -225,14 +265,23 @@ impl GpuLora {
         cuda.kernels.lora_group(&cuda.gpu.stream, &self.segments(slots), n)
     }
 
-    /// Enqueues `y += scale · (x · Aᵀ) · Bᵀ` for every module of one projection group and the `n`
-    /// tokens of a step, after [`GpuLora::begin_step`] with the same `slots`.
+    /// Enqueues the base projection (`base`, on the main stream) and `y += scale · (x · Aᵀ) · Bᵀ` for
+    /// every module of its group and the `n` tokens of a step, after [`GpuLora::begin_step`] with the
+    /// same `slots`: the shrink beside `base` on the side stream, the expand after both.
     ///
     /// # Safety
     /// `p.x`/`p.y` hold `n` rows at their strides with the modules' fan-in / fan-out columns (each
     /// module's at its offset in `p.outs`); the modules share a fan-in; `slots` as in
-    /// [`GpuLora::begin_step`].
-    pub unsafe fn apply(&self, cuda: &Cuda, layer: usize, p: &Projection<'_>, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
+    /// [`GpuLora::begin_step`]; `base` writes `p.y` and does not write `p.x`.
+    pub unsafe fn apply_around(
+        &self,
+        cuda: &Cuda,
+        layer: usize,
+        p: &Projection<'_>,
+        slots: DPtr,
+        n: usize,
+        base: impl FnOnce() -> peregrine_kernels::Result<()>,
+    ) -> peregrine_kernels::Result<()> {
         let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
         let mut fan_in = 0;
@@ -243,7 +292,24 @@ impl GpuLora {
             *dst = LoraModule { a: stack.a.ptr_at(at * stack.fan_in), b: stack.b.ptr_at(at * stack.fan_out), out: stack.fan_out, col };
         }
         let work = LoraScratch { t_part: self.t_part.ptr(), t_hi: self.t_hi.ptr(), t_lo: self.t_lo.ptr(), counters: self.counters.ptr() };
-        let used = p.outs.len().min(modules.len());
-        cuda.kernels.lora_apply(&cuda.gpu.stream, p.y, p.y_stride, p.x, p.x_stride, fan_in, &modules[..used], self.r_pad, &self.segments(slots), &work, n)
+        let modules = &modules[..p.outs.len().min(modules.len())];
+        let segs = self.segments(slots);
+        let main = &cuda.gpu.stream;
+        let k = &cuda.kernels;
+        match &self.overlap {
+            Some(side) => {
+                side.input_ready.record(main)?;
+                side.stream.wait(&side.input_ready)?;
+                k.lora_shrink(&side.stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
+                side.shrink_done.record(&side.stream)?;
+                base()?;
+                main.wait(&side.shrink_done)?;
+            }
+            None => {
+                base()?;
+                k.lora_shrink(main, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
+            }
+        }
+        k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)
     }
 }

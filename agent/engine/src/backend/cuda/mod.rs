@@ -34,7 +34,7 @@ use self::graphs::Graphs;
 use self::lora::{GpuLora, Projection};
 use self::scratch::Scratch;
 use self::timing::StepTiming;
-use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, RowSampling, SampledStep, StepBatch};
+use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowSampling, SampledStep, StepBatch};
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::config::ModelConfig;
 use crate::{EngineError, Result};
@@ -279,11 +279,13 @@ impl CudaBackend {
         let w = &self.weights;
         let lora = self.lora.as_ref().filter(|_| with_lora);
         let lora_slots = m(lay.lora_slots());
-        // The LoRA updates of one projection group; `outs` are (module, column offset) in `y`.
-        let add_lora = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)]| -> peregrine_kernels::Result<()> {
-            let Some(lora) = lora else { return Ok(()) };
-            // SAFETY: as the step's block below; each module's columns stay inside each row of `y`.
-            unsafe { lora.apply(cuda, l, &Projection { x, x_stride, y, y_stride, outs }, lora_slots, n) }
+        // A base projection `y = x · Wᵀ` (`base`) with its group's LoRA updates around it; `outs`
+        // are (module, column offset) in `y`.
+        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<()> {
+            let Some(lora) = lora else { return base() };
+            // SAFETY: as the step's block below; each module's columns stay inside each row of `y`,
+            // and `base` writes `y` only.
+            unsafe { lora.apply_around(cuda, l, &Projection { x, x_stride, y, y_stride, outs }, lora_slots, n, base) }
         };
         // SAFETY (whole block): every buffer was sized for max_num_batched_tokens tokens and
         // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
@@ -296,9 +298,8 @@ impl CudaBackend {
             for (l, lw) in w.layers.iter().enumerate() {
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 k.add_rmsnorm(s, sc.residual.ptr(), delta, lw.input_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
-                cuda.linear(sc.qkv.ptr(), OutType::Bf16, sc.normed.ptr(), lw.qkv.ptr(), n, qkv_w, h)?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
-                add_lora(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols)?;
+                project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| cuda.linear(sc.qkv.ptr(), OutType::Bf16, sc.normed.ptr(), lw.qkv.ptr(), n, qkv_w, h))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 k.rope_kv_write(
                     s,
@@ -319,18 +320,16 @@ impl CudaBackend {
                     self.kv_dtype,
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
-                cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim())?;
-                add_lora(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)])?;
+                project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim()))?;
                 k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
                 // Decode-sized steps without LoRA: one kernel for gate/up and SwiGLU; otherwise the
                 // projection (+ LoRA updates on gate and up), then SwiGLU.
                 if lora.is_some() || !cuda.gate_up_silu(sc.act.ptr(), sc.normed.ptr(), lw.gate_up.ptr(), n, inter, h)? {
-                    cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h)?;
-                    add_lora(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &[(TargetModule::Gate, 0), (TargetModule::Up, inter)])?;
+                    let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
+                    project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h))?;
                     k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
                 }
-                cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter)?;
-                add_lora(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)])?;
+                project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter))?;
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());
@@ -382,8 +381,8 @@ impl Backend for CudaBackend {
         KvCacheShape { num_blocks: self.limits.num_blocks, block_size: self.limits.block_size }
     }
 
-    fn max_batch_seqs(&self) -> Option<usize> {
-        Some(self.layout.max_seqs)
+    fn batch_capacity(&self) -> Option<BatchCapacity> {
+        Some(BatchCapacity { max_seqs: self.layout.max_seqs, max_tokens: self.layout.max_tokens })
     }
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {

@@ -9,7 +9,9 @@
 // - lora_shrink_sgmv: t_part[split, i, :] = x[i, split's k range] · A[slot_i]ᵀ on tensor cores
 //   (mma.sync m16n8k16 bf16, f32 accumulate), one block per (k split, work tile, module), a work tile
 //   being up to 16 tokens of one slot (one mma row tile): A is read once per tile and split, not once per token, the
-//   long reduction (4096, 14336) spreads over blocks, and so does a long (prefill) segment. Only the
+//   long reduction (4096, 14336) spreads over blocks, and so does a long (prefill) segment. When the
+//   tiles alone fill the GPU (prefill-sized steps) the grid has one split and each block walks every
+//   chunk of the fan-in itself, summing in registers in the same order. Only the
 //   slot's own rank is computed (8-column tiles up to its rank), not r_pad. The last block of a
 //   (tile, module) to finish (a counter) sums the splits in a fixed order into t = scale · Σ,
 //   stored as bf16 hi + lo (t ≈ hi + lo to about 16 bits of mantissa, so the tensor-core expand loses
@@ -26,6 +28,7 @@
 #define LORA_KC 256       // fan-in per shrink block (its 4 warps take 64 each)
 #define LORA_EXPAND_COLS 128  // output columns per expand block (its 4 warps take 32 each)
 #define LORA_TILE 16      // tokens per work tile (one mma row tile): a segment spreads over blocks
+#define LORA_RUN (16 * LORA_MAX_R / 128)  // a shrink thread's share of a tile's 16 x r sums
 
 // Segments of the step: seg[s] = first position of slot s in `order`, seg[num_slots] = tokens with a
 // slot; and the work tiles: tiles[0] = their count, then (slot, first position within the slot's
@@ -111,14 +114,23 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
     const int ntiles = (rank + 7) >> 3;
     const bf16_t* a = (mod == 0 ? a0 : mod == 1 ? a1 : a2) + (u64)slot * r_pad * k;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int k_begin = split * LORA_KC + warp * (LORA_KC / 4);
     const int R = n_modules * r_pad;
-    for (int m0 = 0; m0 < len; m0 += 16) {
+    const int cols = ntiles * 8;
+    // One block per chunk of LORA_KC (a split), or (grid x of 1) one block for every chunk in turn,
+    // keeping each chunk's sum in registers: both add the chunks' sums in chunk order starting
+    // from 0, so a token's result is the same bits either way (batch invariance across step sizes).
+    const bool whole = gridDim.x == 1;
+    const int chunk_end = whole ? (k + LORA_KC - 1) / LORA_KC : split + 1;
+    float run[LORA_RUN];
+#pragma unroll
+    for (int j = 0; j < LORA_RUN; ++j) run[j] = 0.f;
+    const bf16_t* x0 = g < len ? x + (u64)order[start + g] * x_stride : nullptr;
+    const bf16_t* x1 = g + 8 < len ? x + (u64)order[start + g + 8] * x_stride : nullptr;
+    for (int chunk = whole ? 0 : split; chunk < chunk_end; ++chunk) {
+        const int k_begin = chunk * LORA_KC + warp * (LORA_KC / 4);
         float acc[8][4];
 #pragma unroll
         for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-        const bf16_t* x0 = m0 + g < len ? x + (u64)order[start + m0 + g] * x_stride : nullptr;
-        const bf16_t* x1 = m0 + g + 8 < len ? x + (u64)order[start + m0 + g + 8] * x_stride : nullptr;
 #pragma unroll
         for (int step = 0; step < LORA_KC / 4 / 16; ++step) {
             const int c = k_begin + step * 16 + q * 2;
@@ -148,15 +160,39 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
             }
         }
         __syncthreads();
-        const int cols = ntiles * 8;
-        for (int e = threadIdx.x; e < 16 * cols; e += blockDim.x) {
-            const int row = e / cols, col = e % cols;
-            if (m0 + row < len) {
+#pragma unroll
+        for (int j = 0; j < LORA_RUN; ++j) {
+            const int e = threadIdx.x + j * 128;
+            if (e < 16 * cols) {
+                const int row = e / cols, col = e % cols;
                 const float v = ((red[0][row][col] + red[1][row][col]) + red[2][row][col]) + red[3][row][col];
-                t_part[((u64)split * n + order[start + m0 + row]) * R + mod * r_pad + col] = v;
+                if (whole) {
+                    run[j] += v;
+                } else if (row < len) {
+                    t_part[((u64)split * n + order[start + row]) * R + mod * r_pad + col] = v;
+                }
             }
         }
         __syncthreads();
+    }
+    const float scale = scales[slot];
+    if (whole) {
+        // The sums, from registers (laid out by 16 x cols) to red[0] (by row, col) for the store.
+#pragma unroll
+        for (int j = 0; j < LORA_RUN; ++j) {
+            const int e = threadIdx.x + j * 128;
+            if (e < 16 * cols) red[0][e / cols][e % cols] = run[j];
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < len * r_pad; e += blockDim.x) {
+            const int row = e / r_pad, col = e % r_pad;
+            const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
+            const float v = col < rank ? red[0][row][col] * scale : 0.f;
+            const bf16_t hi = f2bf(v);
+            t_hi[at] = hi;
+            t_lo[at] = f2bf(v - bf2f(hi));
+        }
+        return;
     }
     // The last block of this (tile, module) reduces every split (threadFenceReduction's pattern).
     __threadfence();
@@ -169,7 +205,6 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
     if (!last) return;
     __threadfence();
     if (threadIdx.x == 0) counters[tile * 3 + mod] = 0;
-    const float scale = scales[slot];
     const int splits = gridDim.x;
     for (int e = threadIdx.x; e < len * r_pad; e += blockDim.x) {
         const int row = e / r_pad, col = e % r_pad;
@@ -187,20 +222,15 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
 
 // y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each
 // segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
-// module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128), max
-// tiles); block: 128.
+// module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128),
+// ceil(max tiles / tiles_per_block)); block: 128.
 extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
     const bf16_t* __restrict__ b0, const bf16_t* __restrict__ b1, const bf16_t* __restrict__ b2, int out0, int out1,
     int out2, int col0, int col1, int col2, const int* __restrict__ order, const int* __restrict__ seg,
-    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad) {
+    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block) {
     pdl_wait();
     pdl_trigger();
-    if ((int)blockIdx.y >= tiles[0]) return;
-    const int slot = tiles[1 + 2 * blockIdx.y], first = tiles[2 + 2 * blockIdx.y];
-    const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
-    const int rank = min(ranks[slot], r_pad);
-    if (len == 0 || rank <= 0) return;
     int tile = blockIdx.x, mod = 0;
     const int tiles0 = (out0 + LORA_EXPAND_COLS - 1) / LORA_EXPAND_COLS;
     const int tiles1 = (out1 + LORA_EXPAND_COLS - 1) / LORA_EXPAND_COLS;
@@ -214,71 +244,83 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     }
     const int out = mod == 0 ? out0 : mod == 1 ? out1 : out2;
     const int col = mod == 0 ? col0 : mod == 1 ? col1 : col2;
-    const bf16_t* b = (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int o_base = tile * LORA_EXPAND_COLS + warp * 32;
     if (o_base >= out) return;
-    const int ksteps = (rank + 15) >> 4;
-    // This warp's B fragments: 4 column tiles × up to 4 rank steps, loaded once for every token tile.
+    // This warp's B fragments (4 column tiles × up to 4 rank steps) of the slot last loaded: a block
+    // takes `tiles_per_block` consecutive work tiles, mostly of one slot, and reloads B only when the
+    // slot changes. Each token's sum is the same whatever tiles share its block.
     u32 bf[4][4][2];
+    int loaded = -1, ksteps = 0;
+    for (int wt = blockIdx.y * tiles_per_block; wt < (int)(blockIdx.y + 1) * tiles_per_block && wt < tiles[0]; ++wt) {
+        const int slot = tiles[1 + 2 * wt], first = tiles[2 + 2 * wt];
+        const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+        const int rank = min(ranks[slot], r_pad);
+        if (len == 0 || rank <= 0) continue;
+        if (slot != loaded) {
+            const bf16_t* b = (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad;
+            ksteps = (rank + 15) >> 4;
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-        const int o = o_base + nt * 8 + g;
+            for (int nt = 0; nt < 4; ++nt) {
+                const int o = o_base + nt * 8 + g;
 #pragma unroll
-        for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
-            const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
-            const bool ok = o < out && ks < ksteps;
-            bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
-            bf[nt][ks][1] = ok ? lora_ld2(br + 8) : 0u;
-        }
-    }
-    for (int m0 = 0; m0 < len; m0 += 16) {
-        const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
-        const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
-        float acc[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
-            if (ks < ksteps) {
-                const int c = mod * r_pad + ks * 16 + q * 2;
-                u32 hi[4], lo[4];
-                const u64 r0 = (u64)i0 * R + c, r1 = (u64)i1 * R + c;
-                hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
-                hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
-                hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
-                hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
-                lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
-                lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
-                lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
-                lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
-                    lora_mma(acc[nt], lo, bf[nt][ks][0], bf[nt][ks][1]);
+                for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
+                    const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
+                    const bool ok = o < out && ks < ksteps;
+                    bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
+                    bf[nt][ks][1] = ok ? lora_ld2(br + 8) : 0u;
                 }
             }
+            loaded = slot;
         }
-        // Accumulator (nt): rows g (token i0) and g + 8 (token i1), columns nt * 8 + 2q, +1: one
-        // 4-byte read-modify-write per pair where the pair is aligned and whole.
-        const bool pairs = ((col | y_stride | out) & 1) == 0;
+        for (int m0 = 0; m0 < len; m0 += 16) {
+            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
+            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
+            float acc[4][4];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+            for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = h == 0 ? i0 : i1;
-                const int o = o_base + nt * 8 + 2 * q;
-                if (i < 0 || o >= out) continue;
-                bf16_t* yp = y + (u64)i * y_stride + col + o;
-                if (pairs) {
-                    u32* p = reinterpret_cast<u32*>(yp);
-                    const u32 old = *p;
-                    const float lo = bf2f((bf16_t)(old & 0xffffu)) + acc[nt][2 * h];
-                    const float hi = bf2f((bf16_t)(old >> 16)) + acc[nt][2 * h + 1];
-                    *p = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
-                } else {
-                    yp[0] = f2bf(bf2f(yp[0]) + acc[nt][2 * h]);
-                    if (o + 1 < out) yp[1] = f2bf(bf2f(yp[1]) + acc[nt][2 * h + 1]);
+            for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
+                if (ks < ksteps) {
+                    const int c = mod * r_pad + ks * 16 + q * 2;
+                    u32 hi[4], lo[4];
+                    const u64 r0 = (u64)i0 * R + c, r1 = (u64)i1 * R + c;
+                    hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
+                    hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
+                    hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
+                    hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
+                    lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
+                    lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
+                    lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
+                    lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) {
+                        lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
+                        lora_mma(acc[nt], lo, bf[nt][ks][0], bf[nt][ks][1]);
+                    }
+                }
+            }
+            // Accumulator (nt): rows g (token i0) and g + 8 (token i1), columns nt * 8 + 2q, +1: one
+            // 4-byte read-modify-write per pair where the pair is aligned and whole.
+            const bool pairs = ((col | y_stride | out) & 1) == 0;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = h == 0 ? i0 : i1;
+                    const int o = o_base + nt * 8 + 2 * q;
+                    if (i < 0 || o >= out) continue;
+                    bf16_t* yp = y + (u64)i * y_stride + col + o;
+                    if (pairs) {
+                        u32* p = reinterpret_cast<u32*>(yp);
+                        const u32 old = *p;
+                        const float lo = bf2f((bf16_t)(old & 0xffffu)) + acc[nt][2 * h];
+                        const float hi = bf2f((bf16_t)(old >> 16)) + acc[nt][2 * h + 1];
+                        *p = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                    } else {
+                        yp[0] = f2bf(bf2f(yp[0]) + acc[nt][2 * h]);
+                        if (o + 1 < out) yp[1] = f2bf(bf2f(yp[1]) + acc[nt][2 * h + 1]);
+                    }
                 }
             }
         }
@@ -292,6 +334,6 @@ extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, cons
                                             const int*, const float*, int, int, int, int) {}
 extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                             const bf16_t*, int, int, int, int, int, int, const int*, const int*,
-                                            const int*, const int*, int, int) {}
+                                            const int*, const int*, int, int, int) {}
 
 #endif

@@ -218,7 +218,7 @@ fn lora(c: &Cuda) {
     let (h, q, kv, inter) = (4096usize, 4096usize, 1024usize, 14336usize);
     // (fan-in, fan-outs) per group.
     let groups: [(usize, Vec<usize>); 4] = [(h, vec![q, kv, kv]), (q, vec![h]), (h, vec![inter, inter]), (inter, vec![h])];
-    println!("{:<10} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9} {:>8}", "LoRA", "batch", "rank", "qkv us", "o us", "gate_up", "down", "x32 ms");
+    println!("{:<10} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9} {:>8} {:>11} {:>11}", "LoRA", "batch", "rank", "qkv us", "o us", "gate_up", "down", "x32 ms", "qkv shrink", "qkv expand");
     for (adapters, rank) in [(4usize, 32usize), (4, 8), (4, 64), (16, 32)] {
         let r_pad = lora_rank_pad(rank);
         let bufs: Vec<Vec<(peregrine_kernels::DevBuf<u16>, peregrine_kernels::DevBuf<u16>)>> = groups
@@ -255,6 +255,7 @@ fn lora(c: &Cuda) {
             let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
             unsafe { c.kernels.lora_group(s, &segs, n).unwrap() };
             let mut us = vec![];
+            let mut qkv_halves = (0.0, 0.0);
             for (g, (k, outs)) in groups.iter().enumerate() {
                 let mut col = 0;
                 let modules: Vec<LoraModule> = outs
@@ -268,10 +269,27 @@ fn lora(c: &Cuda) {
                     .collect();
                 let t = time(c, 20, || unsafe { c.kernels.lora_apply(s, y.ptr(), col, x.ptr(), *k, *k, &modules, r_pad, &segs, &work, n).unwrap() });
                 us.push(t * 1e6);
+                if g == 0 {
+                    let shrink = time(c, 20, || unsafe { c.kernels.lora_shrink(s, x.ptr(), *k, *k, &modules, r_pad, &segs, &work, n).unwrap() });
+                    let expand = time(c, 20, || unsafe { c.kernels.lora_expand(s, y.ptr(), col, &modules, r_pad, &segs, &work, n).unwrap() });
+                    qkv_halves = (shrink * 1e6, expand * 1e6);
+                }
             }
             let group_us = time(c, 20, || unsafe { c.kernels.lora_group(s, &segs, n).unwrap() }) * 1e6;
             let step_ms = (us.iter().sum::<f64>() * 32.0 + group_us) / 1e3;
-            println!("{:<10} {:>5} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2}", format!("{adapters} adapters"), n, rank, us[0], us[1], us[2], us[3], step_ms);
+            println!(
+                "{:<10} {:>5} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>11.1} {:>11.1}",
+                format!("{adapters} adapters"),
+                n,
+                rank,
+                us[0],
+                us[1],
+                us[2],
+                us[3],
+                step_ms,
+                qkv_halves.0,
+                qkv_halves.1
+            );
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The grouped LoRA kernels (lora.cu) against an f64 reference from the same bf16 inputs: ragged
 //! and empty segments, every supported rank in one launch, base-model tokens mixed in, fused outputs
 //! of several modules, fan-ins that end inside a split; and a token's result alone equals its result
-//! in a batch, bit for bit. GPU tests: skipped with a visible reason where there is no GPU.
+//! in a batch, bit for bit, whatever launch shape the step's size picks (split or whole fan-in per
+//! shrink block, one or several work tiles per expand block). GPU tests: skipped with a visible reason where there is no GPU.
 //!
 //! Tolerance: the output is rounded to bf16 once from an f32 sum (2^-9 relative), so |err| <=
 //! 2^-8 |ref| plus 2^-12 of the magnitude of the terms summed (f32 accumulation on the tensor cores
@@ -211,4 +212,28 @@ fn grouped_lora_matches_reference_on_a_long_prefill_segment() {
     slots[250] = 0;
     let case = Case { k: 14336, outs: vec![(512, 0)], y_width: 512, ranks: vec![16, 32], scales: vec![1.0, 2.0], slots };
     check(&cuda, &case);
+}
+
+#[test]
+fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
+    let Some(mut cuda) = cuda_or_skip() else { return };
+    // A prefill-sized step: 900 tokens over four adapters and the base model, enough work tiles that
+    // the shrink walks the whole fan-in per block by default (fan-in 1040: five chunks, the last
+    // partial); `check` compares with the f64 reference and with tokens run alone (split shrink).
+    let mut r = rng();
+    let mut slots: Vec<i32> = (0..900).map(|i| [0, 1, 2, 3, -1][i % 5]).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, r.random_range(0..=i));
+    }
+    let case = Case { k: 1040, outs: vec![(200, 0), (72, 200), (72, 273)], y_width: 346, ranks: vec![8, 16, 32, 64, 0], scales: vec![2.0, 0.5, 1.0, 4.0, 0.0], slots };
+    check(&cuda, &case);
+    // Every shape gives the bits of the split shrink with one tile per expand block.
+    let h = host_inputs(&mut r, &case);
+    cuda.kernels.set_lora_launch_shapes(Some(false), Some(1));
+    let base = run(&cuda, &case, &h, None);
+    for (whole, tiles) in [(true, 1), (true, 4), (false, 3), (true, 16)] {
+        cuda.kernels.set_lora_launch_shapes(Some(whole), Some(tiles));
+        let got = run(&cuda, &case, &h, None);
+        assert!(got == base, "shrink whole={whole}, {tiles} tiles per expand block: different bits");
+    }
 }

@@ -73,6 +73,14 @@ pub struct LoraScratch {
 }
 
 impl Kernels {
+    /// Fixes the LoRA kernels' launch shapes instead of choosing them by step size (None: choose):
+    /// the shrink over the whole fan-in per block (`true`) or split over blocks, and the work tiles
+    /// per expand block (1 to 16). Every shape gives the same bits; tests check that.
+    pub fn set_lora_launch_shapes(&mut self, shrink_whole: Option<bool>, expand_tiles: Option<usize>) {
+        self.lora_shrink_whole = shrink_whole;
+        self.lora_expand_tiles = expand_tiles.map(|t| t.clamp(1, 16));
+    }
+
     /// Groups the `n` tokens of a step by slot into `segs.order` / `segs.seg` (once per step; see
     /// lora.cu).
     ///
@@ -119,7 +127,13 @@ impl Kernels {
             return Err(KernelError::Unsupported(format!("LoRA: fan-in {k} must be a multiple of 16 and x rows 4-byte aligned")));
         }
         let (m0, m1, m2) = (module_at(modules, 0), module_at(modules, 1), module_at(modules, 2));
-        let splits = lora_splits(k);
+        // Work tiles enough for four blocks per SM on their own (prefill-sized q|k|v steps): one
+        // block per tile and module walks the whole fan-in; otherwise the fan-in is split over
+        // blocks. The same bits either way (lora.cu), so this may depend on the step's size. On an
+        // H100 at 4096 tokens the q|k|v shrink went 162 -> 130 µs this way, while o and down (one
+        // module: a quarter of the blocks, each walking 16 or 56 chunks) got slower (docs/benchmarks.md).
+        let whole = self.lora_shrink_whole.unwrap_or_else(|| n.div_ceil(LORA_TILE) * modules.len() >= 4 * self.num_sms as usize);
+        let splits = if whole { 1 } else { lora_splits(k) };
         let max_tiles = as_u32(lora_max_tiles(n, segs.num_slots), "work tiles")?;
         let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
         let shrink = LaunchConfig {
@@ -162,7 +176,7 @@ impl Kernels {
         }
         check_group(modules, r_pad)?;
         let (m0, m1, m2) = (module_at(modules, 0), module_at(modules, 1), module_at(modules, 2));
-        let max_tiles = as_u32(lora_max_tiles(n, segs.num_slots), "work tiles")?;
+        let max_tiles = lora_max_tiles(n, segs.num_slots);
         let big_r_i = as_i32(modules.len() * r_pad, "R")?;
         let r_i = as_i32(r_pad, "r_pad")?;
         let tiles: usize = modules.iter().map(|m| m.out.div_ceil(LORA_EXPAND_COLS)).sum();
@@ -172,8 +186,13 @@ impl Kernels {
         let y_stride = as_i32(y_stride, "y_stride")?;
         let (o0, o1, o2) = (as_i32(m0.out, "out")?, as_i32(m1.out, "out")?, as_i32(m2.out, "out")?);
         let (c0, c1, c2) = (as_i32(m0.col, "col")?, as_i32(m1.col, "col")?, as_i32(m2.col, "col")?);
+        // Work tiles per block: 1 unless `PEREGRINE_LORA_EXPAND_TILES` says otherwise. Several (B
+        // fragments loaded once per slot for consecutive tiles) measured within noise at 4096
+        // tokens and slower for decode batches, whose tiles mostly change slot (docs/benchmarks.md).
+        let per_block = self.lora_expand_tiles.unwrap_or(1);
+        let per_block_i = as_i32(per_block, "tiles per block")?;
         let expand = LaunchConfig {
-            grid_dim: (as_u32(tiles, "column tiles")?, max_tiles, 1),
+            grid_dim: (as_u32(tiles, "column tiles")?, as_u32(max_tiles.div_ceil(per_block), "work tiles")?, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -197,6 +216,7 @@ impl Kernels {
             .arg(&segs.ranks)
             .arg(&big_r_i)
             .arg(&r_i)
+            .arg(&per_block_i)
             .launch(s, expand, self.pdl)?;
         Ok(())
     }

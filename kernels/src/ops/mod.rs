@@ -75,6 +75,12 @@ pub struct Kernels {
     /// [`Kernels::gemv_plan`]'s) and `PEREGRINE_ATTN_MAX_SPLITS=n` (instead of 16).
     gemv_wpr: Option<(usize, usize)>,
     attn_max_splits: usize,
+    /// `PEREGRINE_LORA_SHRINK=split|whole`: the LoRA shrink's grid, instead of [`Kernels::lora_shrink`]'s
+    /// choice by step size (None).
+    lora_shrink_whole: Option<bool>,
+    /// `PEREGRINE_LORA_EXPAND_TILES=n` (1 to 16): work tiles per expand block, instead of the choice
+    /// by grid size.
+    lora_expand_tiles: Option<usize>,
     /// Launch GEMVs with programmatic dependent launch (sm_90+; `PEREGRINE_PDL=0` turns it off).
     pdl: bool,
 }
@@ -138,6 +144,12 @@ impl Kernels {
                 Some((ok(a.trim().parse().ok()?)?, ok(b.trim().parse().ok()?)?))
             }),
             attn_max_splits: std::env::var("PEREGRINE_ATTN_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| (1..=16).contains(&n)).unwrap_or(16),
+            lora_shrink_whole: match std::env::var("PEREGRINE_LORA_SHRINK").as_deref() {
+                Ok("whole") => Some(true),
+                Ok("split") => Some(false),
+                _ => None,
+            },
+            lora_expand_tiles: std::env::var("PEREGRINE_LORA_EXPAND_TILES").ok().and_then(|v| v.parse().ok()).filter(|n: &usize| (1..=16).contains(n)),
             // On by default on sm_90+ (`PEREGRINE_PDL=0` turns it off): with the kernels before the
             // GEMVs (norms, attention, the gate/up GEMV) triggering early, batch-1 decode on an H100
             // went 166.2 -> 167.8 tokens/s (docs/benchmarks.md).

@@ -31,7 +31,11 @@ fn load(args: &ServeArgs) -> anyhow::Result<EncoderOnly> {
     if args.engine.device()? != DeviceArg::Cpu {
         anyhow::bail!("encoders run on the CPU backend only for now (--device cpu)");
     }
-    let (model, weights) = EncoderModel::load(&args.engine.model)?;
+    let (mut model, weights) = EncoderModel::load(&args.engine.model)?;
+    // --max-model-len overrides Sentence-Transformers' max_seq_length (up to the position table).
+    if let Some(n) = args.engine.max_model_len {
+        model.set_max_seq_length(n)?;
+    }
     let backend = CpuEncoder::new(model.config.clone(), weights, args.engine.threads())?;
     let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.engine.model));
     let config = EncoderServiceConfig { max_num_batched_tokens: args.engine.max_num_batched_tokens };

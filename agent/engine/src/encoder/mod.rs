@@ -85,6 +85,16 @@ impl EncoderModel {
         Ok((EncoderModel { config, tokenizer, pipeline, classifier, task }, weights))
     }
 
+    /// Overrides Sentence-Transformers' `max_seq_length` (`serve --max-model-len`), up to what the
+    /// position table holds.
+    pub fn set_max_seq_length(&mut self, n: usize) -> Result<()> {
+        let limit = self.config.max_tokens_per_sequence();
+        if n == 0 || n > limit {
+            return Err(EngineError::InvalidConfig(format!("max sequence length {n} is outside 1..={limit} for this encoder")));
+        }
+        self.tokenizer.set_max_seq_length(n)
+    }
+
     /// Width of one embedding.
     pub fn embedding_dim(&self) -> usize {
         self.pipeline.output_dim(self.config.hidden_size)

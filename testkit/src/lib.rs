@@ -39,3 +39,19 @@ pub fn test_model() -> PathBuf {
     }
     path
 }
+
+/// `PEREGRINE_TEST_ENCODER` when set, else the all-MiniLM-L6-v2 folder that `make model`
+/// (`scripts/fetch-encoder.sh`) caches in `~/.cache/peregrine/`.
+pub fn test_encoder() -> PathBuf {
+    let path = match std::env::var_os("PEREGRINE_TEST_ENCODER") {
+        Some(p) => PathBuf::from(p),
+        None => match std::env::var_os("HOME") {
+            Some(home) => PathBuf::from(home).join(".cache/peregrine/all-MiniLM-L6-v2"),
+            None => panic!("neither PEREGRINE_TEST_ENCODER nor HOME is set: run `make model` and set PEREGRINE_TEST_ENCODER"),
+        },
+    };
+    if !path.join("model.safetensors").is_file() {
+        panic!("test encoder not found at {}: run `make model` (or scripts/fetch-encoder.sh, or set PEREGRINE_TEST_ENCODER)", path.display());
+    }
+    path
+}

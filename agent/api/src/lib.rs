@@ -12,6 +12,7 @@ pub mod admin;
 pub mod chat;
 pub mod common;
 pub mod completions;
+pub mod encoders;
 pub mod error;
 pub mod lora;
 pub mod metric_names;

@@ -9,6 +9,8 @@
 //!   is the reference implementation.
 //! - [`kv`], [`scheduler`], [`sampling`], [`engine`]: the engine thread that owns the backend, the
 //!   paged KV cache and the sampler, fed over channels.
+//! - [`encoder`]: BERT-family encoders (embeddings, classification, reranking) and their
+//!   token-level batching thread, apart from the decoder path.
 //! - [`lora`]: multi-LoRA serving: PEFT adapters, the adapter registry and slots, the per-step
 //!   segment plan and the CPU shrink/expand update.
 //!
@@ -17,6 +19,7 @@
 pub mod backend;
 pub mod bench;
 pub mod config;
+pub mod encoder;
 pub mod error;
 pub mod lora;
 pub mod model;

@@ -8,6 +8,8 @@ pub mod admission;
 pub mod args;
 pub mod auth;
 pub mod backend;
+pub mod encoder_backend;
+pub mod encoder_serve;
 pub mod engine_backend;
 pub mod error;
 pub mod generation;
@@ -54,7 +56,18 @@ pub async fn serve<B: InferenceBackend>(
     drain: DrainConfig,
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = routes::router(state.clone());
+    serve_with(listener, state, axum::Router::new(), drain, signal).await
+}
+
+/// [`serve`] with extra authenticated routes (the encoder endpoints).
+pub async fn serve_with<B: InferenceBackend>(
+    listener: TcpListener,
+    state: Arc<AppState<B>>,
+    extra: axum::Router<Arc<AppState<B>>>,
+    drain: DrainConfig,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = routes::router_with(state.clone(), extra);
     let (signalled_tx, signalled_rx) = tokio::sync::watch::channel(false);
     let lifecycle_state = state.clone();
     let stop_accepting = async move {
@@ -121,6 +134,9 @@ pub async fn shutdown_signal() {
 
 /// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if peregrine_engine::encoder::is_encoder_folder(&args.engine.model) {
+        return encoder_serve::run(args);
+    }
     let workers = args.http_workers(args.engine.device()?);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {

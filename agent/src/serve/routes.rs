@@ -31,7 +31,12 @@ pub fn api_routes<B: InferenceBackend>() -> Router<Arc<AppState<B>>> {
 }
 
 pub fn router<B: InferenceBackend>(state: Arc<AppState<B>>) -> Router {
-    let authed = api_routes::<B>().route_layer(middleware::from_fn_with_state(state.clone(), require_key::<B>));
+    router_with(state, Router::new())
+}
+
+/// [`router`] with `extra` routes behind the same keys and limits (the encoder endpoints).
+pub fn router_with<B: InferenceBackend>(state: Arc<AppState<B>>, extra: Router<Arc<AppState<B>>>) -> Router {
+    let authed = api_routes::<B>().merge(extra).route_layer(middleware::from_fn_with_state(state.clone(), require_key::<B>));
     Router::new()
         .merge(authed)
         .route("/health", get(probes::health))

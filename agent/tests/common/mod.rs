@@ -46,13 +46,19 @@ impl Drop for Server {
 
 impl Server {
     pub fn start(extra: &[&str]) -> Server {
+        let mut args = vec!["--max-model-len", "2048", "--max-num-seqs", "8", "--num-kv-blocks", "256", "--threads", "2"];
+        args.extend_from_slice(extra);
+        Server::start_model(&model_path(), MODEL_NAME, &args)
+    }
+
+    /// Serves `model` (a file or folder) as `name` with exactly `args` after the common ones.
+    pub fn start_model(model: &std::path::Path, name: &str, args: &[&str]) -> Server {
         let port = free_port();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_peregrine-agent"));
-        cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--served-model-name", MODEL_NAME])
+        cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--served-model-name", name])
             .arg("--model")
-            .arg(model_path())
-            .args(["--max-model-len", "2048", "--max-num-seqs", "8", "--num-kv-blocks", "256", "--threads", "2"])
-            .args(extra)
+            .arg(model)
+            .args(args)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())

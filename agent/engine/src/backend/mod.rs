@@ -113,6 +113,17 @@ pub trait Backend: Send {
     }
 }
 
+/// Runs an encoder (BERT family) over one ragged batch: no KV cache, no sampling. Owned by the
+/// encoder's batching thread; one call at a time.
+pub trait EncoderBackend: Send {
+    /// The last layer's hidden states, `batch.num_tokens() × hidden_size`, row-major in batch order.
+    /// A malformed batch is an error, never a panic.
+    fn forward(&mut self, batch: &crate::plan::RaggedBatch) -> Result<Vec<f32>>;
+
+    /// A short name for logs and bench output.
+    fn name(&self) -> String;
+}
+
 /// Bytes of KV cache one block takes in f32 (K and V, every layer).
 pub fn kv_block_bytes(config: &ModelConfig, block_size: usize, bytes_per_elem: usize) -> usize {
     2 * config.num_hidden_layers * config.kv_dim() * block_size * bytes_per_elem

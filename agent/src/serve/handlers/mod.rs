@@ -1,9 +1,12 @@
 //! One module per endpoint group.
 
 pub mod chat;
+pub mod classify;
 pub mod completions;
+pub mod embeddings;
 pub mod lora;
 pub mod probes;
+pub mod rerank;
 
 use std::sync::Arc;
 

@@ -2,6 +2,7 @@
 //! same f32 values inside the matmul), paged KV cache in host memory, rayon for threads.
 
 pub mod attention;
+pub mod encoder;
 pub mod kv_cache;
 pub mod lora;
 pub mod matmul;

@@ -1,0 +1,303 @@
+//! A BERT-family encoder on the CPU over a ragged batch (`plan::RaggedBatch`): embeddings (word +
+//! absolute position + token type, LayerNorm), then per layer fused q/k/v, bidirectional attention
+//! restricted to each sequence, output projection + residual + LayerNorm, GELU feed-forward +
+//! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool.
+//!
+//! The projections are large GEMMs (all tokens of the batch at once: the point of token-level
+//! batching), so they run on the `gemm` crate's cache-blocked kernels rather than the decoder's
+//! dot-product tiles, which stream the whole activation matrix once per 16 weight rows. Attention and
+//! the per-row ops read only their own sequence; a sequence's result may differ from its result alone
+//! only by the GEMM's summation order (float32 rounding, far below the 1e-5 the tests allow).
+
+use rayon::prelude::*;
+
+use super::matmul::dot;
+use super::simd::Isa;
+use crate::backend::EncoderBackend;
+use crate::encoder::config::{Activation, EncoderConfig};
+use crate::encoder::weights::{EncoderWeights, LayerNorm, Linear};
+use crate::model::Matrix;
+use crate::plan::RaggedBatch;
+use crate::{EngineError, Result};
+
+struct Layer {
+    /// `[q; k; v]` rows fused: one pass over the input.
+    qkv: Linear,
+    attn_out: Linear,
+    attn_norm: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    output_norm: LayerNorm,
+}
+
+pub struct CpuEncoder {
+    config: EncoderConfig,
+    word: Vec<f32>,
+    position: Vec<f32>,
+    token_type: Vec<f32>,
+    embeddings_norm: LayerNorm,
+    layers: Vec<Layer>,
+    pool: rayon::ThreadPool,
+    threads: usize,
+    isa: Isa,
+}
+
+impl std::fmt::Debug for CpuEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuEncoder").field("threads", &self.threads).field("isa", &self.isa).finish()
+    }
+}
+
+fn fuse(parts: [&Linear; 3]) -> Linear {
+    let cols = parts[0].weight.cols;
+    let rows = parts.iter().map(|p| p.weight.rows).sum();
+    let mut w = Vec::with_capacity(rows * cols);
+    let mut bias = Vec::with_capacity(rows);
+    for p in parts {
+        w.extend(p.weight.to_f32());
+        bias.extend_from_slice(&p.bias);
+    }
+    Linear { weight: Matrix::from_f32(rows, cols, w), bias }
+}
+
+impl CpuEncoder {
+    /// `threads == 0` uses every available core. The classifier head (if any) stays with the caller.
+    pub fn new(config: EncoderConfig, weights: EncoderWeights, threads: usize) -> Result<CpuEncoder> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("peregrine-enc-{i}"))
+            .build()
+            .map_err(|e| EngineError::Backend(format!("cannot start {threads} CPU threads: {e}")))?;
+        let layers = weights
+            .layers
+            .into_iter()
+            .map(|l| Layer {
+                qkv: fuse([&l.query, &l.key, &l.value]),
+                attn_out: l.attn_out,
+                attn_norm: l.attn_norm,
+                intermediate: l.intermediate,
+                output: l.output,
+                output_norm: l.output_norm,
+            })
+            .collect();
+        Ok(CpuEncoder {
+            config,
+            word: weights.word_embeddings,
+            position: weights.position_embeddings,
+            token_type: weights.token_type_embeddings,
+            embeddings_norm: weights.embeddings_norm,
+            layers,
+            pool,
+            threads,
+            isa: Isa::detect(),
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn embed(&self, batch: &RaggedBatch, x: &mut [f32]) {
+        let h = self.config.hidden_size;
+        let eps = self.config.layer_norm_eps;
+        for s in 0..batch.num_seqs() {
+            let range = batch.range(s);
+            let start = range.start;
+            x[range.start * h..range.end * h]
+                .par_chunks_mut(h)
+                .enumerate()
+                .for_each(|(i, row)| {
+                    let t = start + i;
+                    let (id, ty) = (batch.ids[t] as usize, batch.type_ids[t] as usize);
+                    let pos = self.config.position_offset + i;
+                    let w = &self.word[id * h..(id + 1) * h];
+                    let p = &self.position[pos * h..(pos + 1) * h];
+                    let tt = &self.token_type[ty * h..(ty + 1) * h];
+                    for j in 0..h {
+                        row[j] = w[j] + p[j] + tt[j];
+                    }
+                    layer_norm(row, &self.embeddings_norm, eps);
+                });
+        }
+    }
+
+    fn layer(&self, l: &Layer, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
+        let c = &self.config;
+        let (h, n) = (c.hidden_size, batch.num_tokens());
+        let eps = c.layer_norm_eps;
+        linear(self.isa, x, n, &l.qkv, &mut s.qkv);
+        self.attention(batch, &s.qkv, &mut s.ctx);
+        linear(self.isa, &s.ctx, n, &l.attn_out, &mut s.proj);
+        residual_norm(x, &s.proj, &l.attn_norm, h, eps);
+        linear(self.isa, x, n, &l.intermediate, &mut s.inter);
+        let act = c.activation;
+        s.inter.par_chunks_mut(c.intermediate_size).for_each(|row| activate(act, row));
+        linear(self.isa, &s.inter, n, &l.output, &mut s.proj);
+        residual_norm(x, &s.proj, &l.output_norm, h, eps);
+    }
+
+    /// Each token's query attends to every key of its own sequence (no causal mask, no padding).
+    fn attention(&self, batch: &RaggedBatch, qkv: &[f32], ctx: &mut [f32]) {
+        let c = &self.config;
+        let (h, heads, d) = (c.hidden_size, c.num_attention_heads, c.head_dim());
+        let scale = 1.0 / (d as f32).sqrt();
+        for s in 0..batch.num_seqs() {
+            let range = batch.range(s);
+            let (start, len) = (range.start, range.len());
+            ctx[start * h..range.end * h]
+                .par_chunks_mut(h)
+                .enumerate()
+                .for_each_init(
+                    || vec![0f32; len],
+                    |scores, (i, out)| {
+                        let q_row = &qkv[(start + i) * 3 * h..(start + i + 1) * 3 * h];
+                        for head in 0..heads {
+                            let q = &q_row[head * d..(head + 1) * d];
+                            let mut max = f32::NEG_INFINITY;
+                            for (j, sc) in scores.iter_mut().enumerate() {
+                                let k0 = (start + j) * 3 * h + h + head * d;
+                                *sc = dot(q, &qkv[k0..k0 + d]) * scale;
+                                max = max.max(*sc);
+                            }
+                            let mut sum = 0f32;
+                            for sc in scores.iter_mut() {
+                                *sc = (*sc - max).exp();
+                                sum += *sc;
+                            }
+                            let o = &mut out[head * d..(head + 1) * d];
+                            o.fill(0.0);
+                            for (j, &p) in scores.iter().enumerate() {
+                                let v0 = (start + j) * 3 * h + 2 * h + head * d;
+                                for (a, &v) in o.iter_mut().zip(&qkv[v0..v0 + d]) {
+                                    *a += p * v;
+                                }
+                            }
+                            let inv = 1.0 / sum;
+                            o.iter_mut().for_each(|a| *a *= inv);
+                        }
+                    },
+                );
+        }
+    }
+}
+
+/// Activations of one forward, sized for its token count.
+struct Scratch {
+    qkv: Vec<f32>,
+    ctx: Vec<f32>,
+    proj: Vec<f32>,
+    inter: Vec<f32>,
+}
+
+fn linear(_isa: Isa, x: &[f32], n: usize, l: &Linear, out: &mut Vec<f32>) {
+    let (rows, k) = (l.weight.rows, l.weight.cols);
+    out.resize(n * rows, 0.0);
+    let w = match &l.weight.data {
+        crate::model::MatrixData::F32(w) => w.as_slice(),
+        // Encoder weights are read as f32 (`Matrix::from_f32`); kept total rather than panicking.
+        crate::model::MatrixData::Quant(_) => {
+            super::matmul::matmul(_isa, x, n, &l.weight, out);
+            add_bias(out, &l.bias, rows);
+            return;
+        }
+    };
+    assert!(x.len() == n * k && w.len() == rows * k, "linear: shapes");
+    // out[t, r] = Σ_j x[t, j] · W[r, j]: dst n × rows row-major, lhs x (n × k row-major), rhs Wᵀ
+    // (k × rows, column r is W's row r).
+    // SAFETY: the pointers cover n·rows, n·k and rows·k elements with the strides given (checked above).
+    unsafe {
+        gemm::gemm(
+            n,
+            rows,
+            k,
+            out.as_mut_ptr(),
+            1,
+            rows as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        );
+    }
+    add_bias(out, &l.bias, rows);
+}
+
+fn add_bias(out: &mut [f32], bias: &[f32], rows: usize) {
+    out.par_chunks_mut(rows).for_each(|row| {
+        for (o, &b) in row.iter_mut().zip(bias) {
+            *o += b;
+        }
+    });
+}
+
+/// `x = LayerNorm(x + y)` per row.
+fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32) {
+    x.par_chunks_mut(h).zip(y.par_chunks(h)).for_each(|(xr, yr)| {
+        for (a, &b) in xr.iter_mut().zip(yr) {
+            *a += b;
+        }
+        layer_norm(xr, norm, eps);
+    });
+}
+
+/// LayerNorm of one row in place; mean and variance (biased, as torch) summed in f64.
+fn layer_norm(row: &mut [f32], norm: &LayerNorm, eps: f32) {
+    let n = row.len() as f64;
+    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = row.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / n;
+    let inv = 1.0 / (var + eps as f64).sqrt();
+    for ((v, &w), &b) in row.iter_mut().zip(&norm.weight).zip(&norm.bias) {
+        *v = ((*v as f64 - mean) * inv) as f32 * w + b;
+    }
+}
+
+fn activate(act: Activation, row: &mut [f32]) {
+    match act {
+        Activation::GeluErf => row
+            .iter_mut()
+            .for_each(|v| *v = 0.5 * *v * (1.0 + libm::erff(*v * std::f32::consts::FRAC_1_SQRT_2))),
+        Activation::GeluTanh => row.iter_mut().for_each(|v| {
+            let x = *v;
+            let inner = (2.0 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            *v = 0.5 * x * (1.0 + inner.tanh());
+        }),
+        Activation::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
+    }
+}
+
+impl EncoderBackend for CpuEncoder {
+    fn forward(&mut self, batch: &RaggedBatch) -> Result<Vec<f32>> {
+        let c = &self.config;
+        batch
+            .validate(c.vocab_size, c.type_vocab_size, c.max_tokens_per_sequence())
+            .map_err(|m| EngineError::InvalidRequest(format!("encoder batch: {m}")))?;
+        let n = batch.num_tokens();
+        let mut x = vec![0f32; n * c.hidden_size];
+        let mut scratch = Scratch { qkv: Vec::new(), ctx: vec![0f32; n * c.hidden_size], proj: Vec::new(), inter: Vec::new() };
+        self.pool.install(|| {
+            self.embed(batch, &mut x);
+            for l in &self.layers {
+                self.layer(l, batch, &mut x, &mut scratch);
+            }
+        });
+        Ok(x)
+    }
+
+    fn name(&self) -> String {
+        format!("cpu-encoder ({} threads, {})", self.threads, self.isa.name())
+    }
+}

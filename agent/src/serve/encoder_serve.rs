@@ -1,0 +1,83 @@
+//! `serve --model <encoder folder>`: loads a BERT-family encoder, starts its batching thread and
+//! serves the encoder endpoints beside the usual probes, behind the same auth, limits and drain.
+
+use std::sync::Arc;
+
+use axum::routing::post;
+use axum::Router;
+use peregrine_engine::backend::cpu::encoder::CpuEncoder;
+use peregrine_engine::encoder::{EncoderHandle, EncoderJobKind, EncoderModel, EncoderServiceConfig};
+use tokio::net::TcpListener;
+
+use crate::serve::backend::InferenceBackend;
+use super::encoder_backend::EncoderOnly;
+use super::handlers::{classify, embeddings, rerank};
+use super::state::{AppState, ServerConfig};
+use super::{auth, engine_backend, shutdown_signal, telemetry, tenant, DrainConfig, ServeArgs};
+use crate::runtime::DeviceArg;
+
+/// The encoder endpoints. TEI's `/embed` and `/rerank` are not aliased: their bodies differ.
+pub fn encoder_routes() -> Router<Arc<AppState<EncoderOnly>>> {
+    Router::new()
+        .route("/v1/embeddings", post(embeddings::handle))
+        .route("/v1/rerank", post(rerank::rerank))
+        .route("/v2/rerank", post(rerank::rerank))
+        .route("/v1/score", post(rerank::score))
+        .route("/classify", post(classify::handle))
+}
+
+fn load(args: &ServeArgs) -> anyhow::Result<EncoderOnly> {
+    let t0 = std::time::Instant::now();
+    if args.engine.device()? != DeviceArg::Cpu {
+        anyhow::bail!("encoders run on the CPU backend only for now (--device cpu)");
+    }
+    let (mut model, weights) = EncoderModel::load(&args.engine.model)?;
+    // --max-model-len overrides Sentence-Transformers' max_seq_length (up to the position table).
+    if let Some(n) = args.engine.max_model_len {
+        model.set_max_seq_length(n)?;
+    }
+    let backend = CpuEncoder::new(model.config.clone(), weights, args.engine.threads())?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.engine.model));
+    let config = EncoderServiceConfig { max_num_batched_tokens: args.engine.max_num_batched_tokens };
+    let handle = EncoderHandle::start(Box::new(backend), Arc::new(model), config)?;
+    tracing::info!(model = %name, backend = handle.backend_name(), task = ?handle.model().task, load_s = t0.elapsed().as_secs_f64(), "encoder loaded");
+    Ok(EncoderOnly::new(name, handle))
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let workers = args.http_workers(args.engine.device()?);
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
+    runtime.block_on(async move {
+        let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
+        let limits = tenant::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
+        let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?;
+        let load_args = args.clone();
+        let backend = Arc::new(tokio::task::spawn_blocking(move || load(&load_args)).await??);
+        let config = ServerConfig { max_body_bytes: args.max_body_bytes, max_waiting_requests: args.max_waiting_requests };
+        let state = Arc::new(AppState::new(backend.clone(), keys, config));
+        let listener = TcpListener::bind((args.host, args.port)).await?;
+        tracing::info!(addr = %listener.local_addr()?, model = state.backend.model_name(), "listening");
+        // One embedding through the batching thread before `/ready` turns 200.
+        let warm = state.clone();
+        tokio::spawn(async move {
+            let encoder = warm.backend.encoder().clone();
+            let input = encoder.model().tokenizer.encode("Hello", true);
+            let kind = if encoder.model().classifier.is_some() { EncoderJobKind::Classify } else { EncoderJobKind::Embed };
+            let result = match input {
+                Ok(i) => encoder.run(vec![i], kind).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(()) => {
+                    warm.lifecycle.set_ready();
+                    tracing::info!("ready");
+                }
+                Err(e) => tracing::error!(error = %e, "warm-up failed; /ready stays 503"),
+            }
+        });
+        let drain = DrainConfig { delay: args.drain_delay, grace_period: args.shutdown_grace_period };
+        super::serve_with(listener, state, encoder_routes(), drain, shutdown_signal()).await?;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}

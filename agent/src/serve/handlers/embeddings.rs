@@ -1,0 +1,72 @@
+//! `POST /v1/embeddings` (OpenAI): one vector per input, floats or base64 of little-endian f32.
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use peregrine_api::encoders::{
+    EmbeddingData, EmbeddingInput, EmbeddingRequest, EmbeddingResponse, EmbeddingVector, EncoderUsage, EncodingFormat,
+};
+use peregrine_engine::encoder::EncoderJobKind;
+
+use crate::serve::backend::InferenceBackend;
+use super::{fail, SharedState};
+use crate::serve::encoder_backend::{encode, EncodeInput, EncoderOnly};
+use crate::serve::error::ApiError;
+use crate::serve::parse::{body_bytes, parse_request};
+
+pub async fn handle(State(state): State<SharedState<EncoderOnly>>, body: Result<Bytes, BytesRejection>) -> Response {
+    match embeddings(&state, body).await {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => fail(&state, e),
+    }
+}
+
+async fn embeddings(state: &SharedState<EncoderOnly>, body: Result<Bytes, BytesRejection>) -> Result<EmbeddingResponse, ApiError> {
+    let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<EmbeddingRequest>(&b))?;
+    let width = state.backend.encoder().model().embedding_dim();
+    let dims = match request.dimensions {
+        None => width,
+        Some(d) if (d as u64) <= width as u64 => d as usize,
+        Some(d) => {
+            return Err(ApiError::invalid(Some("dimensions".to_string()), format!("dimensions {d} is more than this model's {width}")));
+        }
+    };
+    let inputs: Vec<EncodeInput> = match request.input {
+        EmbeddingInput::Text(t) => vec![EncodeInput::Text(t)],
+        EmbeddingInput::Texts(v) => v.into_iter().map(EncodeInput::Text).collect(),
+        EmbeddingInput::Tokens(t) => vec![EncodeInput::Tokens(t)],
+        EmbeddingInput::TokenBatches(v) => v.into_iter().map(EncodeInput::Tokens).collect(),
+    };
+    let encoded = encode(state, Some(&request.model), inputs, request.truncate, EncoderJobKind::Embed).await?;
+    let renormalize = dims < width && state.backend.encoder().model().pipeline.normalizes();
+    let data = encoded
+        .vectors
+        .into_iter()
+        .enumerate()
+        .map(|(index, mut v)| {
+            // Matryoshka-style shortening: the leading components, unit length again when the
+            // model's own output is unit length.
+            v.truncate(dims);
+            if renormalize {
+                peregrine_engine::encoder::sentence::l2_normalize(&mut v);
+            }
+            let embedding = match request.encoding_format {
+                EncodingFormat::Float => EmbeddingVector::Float(v),
+                EncodingFormat::Base64 => {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    EmbeddingVector::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
+                }
+            };
+            EmbeddingData { object: "embedding".into(), index, embedding }
+        })
+        .collect();
+    Ok(EmbeddingResponse {
+        object: "list".into(),
+        data,
+        model: state.backend.model_name().to_string(),
+        usage: EncoderUsage::new(encoded.tokens),
+    })
+}

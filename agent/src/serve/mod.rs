@@ -21,6 +21,7 @@ pub mod sse;
 pub mod state;
 pub mod telemetry;
 pub mod tenant;
+pub mod vllm;
 
 #[cfg(test)]
 mod tests;
@@ -175,7 +176,13 @@ fn load_engine(args: &ServeArgs) -> anyhow::Result<engine_backend::EngineBackend
         "model loaded"
     );
     let max_model_len = runtime.engine.max_model_len();
-    Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer))
+    let shape = backend::EngineShape {
+        kv_block_size: runtime.kv_shape.block_size,
+        num_kv_blocks: runtime.kv_shape.num_blocks,
+        max_loras: args.engine.lora_config().map(|l| l.max_loras),
+    };
+    Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer)
+        .with_engine_shape(shape))
 }
 
 /// One short generation through the whole path, so the first client does not pay for cold caches.

@@ -131,6 +131,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
         let backend = Arc::new(backend);
+        if args.kv_events.kv_events_endpoint.is_some() {
+            let batches = backend.engine().subscribe_kv_events(crate::kv_events::engine_queue())?;
+            crate::kv_events::start(&args.kv_events, backend.model_name(), batches).await?;
+        }
         let config = state::ServerConfig { max_body_bytes: args.max_body_bytes, max_waiting_requests: args.max_waiting_requests };
         let state = Arc::new(AppState::new(backend.clone(), keys, config));
         let listener = TcpListener::bind((args.host, args.port)).await?;

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_serve;
 pub mod generate;
+pub mod kv_events;
 pub mod runtime;
 pub mod serve;
 pub mod throughput;

@@ -47,6 +47,70 @@ pub const AUTOSCALER_INPUTS: &[&str] = &[
     PROMPT_TOKENS_TOTAL,
 ];
 
+/// vLLM's own series, served beside the `peregrine_*` ones so that inference gateways (the Gateway
+/// API Inference Extension's endpoint picker, llm-d's scheduler, AIBrix) route to an agent as they
+/// route to vLLM. Names, types, label names and bucket boundaries match vLLM's v1 engine,
+/// `vllm/v1/metrics/loggers.py` of the v0.10 series (commit 005a810b); values keep vLLM's meaning:
+/// every series carries `model_name` = the served (base) model name and `engine="0"`, adapters
+/// appear only in [`vllm::LORA_REQUESTS_INFO`]'s labels.
+pub mod vllm {
+    /// Requests in the engine's running batch (gauge).
+    pub const NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
+    /// Requests not yet scheduled (gauge).
+    pub const NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
+    /// Fraction of KV-cache blocks in use, 0–1 despite the name (gauge).
+    pub const KV_CACHE_USAGE_PERC: &str = "vllm:kv_cache_usage_perc";
+    /// The same value under vLLM's older name, which gateways still read (gauge).
+    pub const GPU_CACHE_USAGE_PERC: &str = "vllm:gpu_cache_usage_perc";
+    /// Constant 1 with the cache configuration as labels (gauge used as an info metric).
+    pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+    /// Unix time of the last change, with the adapters as labels (gauge). One series at a time.
+    pub const LORA_REQUESTS_INFO: &str = "vllm:lora_requests_info";
+    /// Histograms.
+    pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "vllm:time_to_first_token_seconds";
+    pub const TIME_PER_OUTPUT_TOKEN_SECONDS: &str = "vllm:time_per_output_token_seconds";
+    pub const E2E_REQUEST_LATENCY_SECONDS: &str = "vllm:e2e_request_latency_seconds";
+    pub const REQUEST_QUEUE_TIME_SECONDS: &str = "vllm:request_queue_time_seconds";
+    /// Counters, registered under the base name; exposed with `_total`.
+    pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens";
+    pub const PROMPT_TOKENS_TOTAL: &str = "vllm:prompt_tokens_total";
+    pub const GENERATION_TOKENS: &str = "vllm:generation_tokens";
+    pub const GENERATION_TOKENS_TOTAL: &str = "vllm:generation_tokens_total";
+    /// Prompt tokens looked up in the prefix cache (counter).
+    pub const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries";
+    pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "vllm:prefix_cache_queries_total";
+    /// Prompt tokens found there (counter).
+    pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits";
+    pub const PREFIX_CACHE_HITS_TOTAL: &str = "vllm:prefix_cache_hits_total";
+
+    /// Label names.
+    pub const LABEL_MODEL_NAME: &str = "model_name";
+    pub const LABEL_ENGINE: &str = "engine";
+    pub const LABEL_BLOCK_SIZE: &str = "block_size";
+    pub const LABEL_NUM_GPU_BLOCKS: &str = "num_gpu_blocks";
+    pub const LABEL_MAX_LORA: &str = "max_lora";
+    pub const LABEL_RUNNING_LORA_ADAPTERS: &str = "running_lora_adapters";
+    pub const LABEL_WAITING_LORA_ADAPTERS: &str = "waiting_lora_adapters";
+
+    /// Bucket upper bounds (seconds), as vLLM declares them.
+    pub const TIME_TO_FIRST_TOKEN_BUCKETS: &[f64] = &[
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+        160.0, 640.0, 2560.0,
+    ];
+    pub const TIME_PER_OUTPUT_TOKEN_BUCKETS: &[f64] =
+        &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+    /// End-to-end and queue time.
+    pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+        0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+        1920.0, 7680.0,
+    ];
+
+    /// What the Gateway API Inference Extension's endpoint picker reads for vLLM pods (queue, KV
+    /// usage, LoRA affinity), as exposed.
+    pub const GATEWAY_INPUTS: &[&str] =
+        &[NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE_PERC, GPU_CACHE_USAGE_PERC, LORA_REQUESTS_INFO];
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -55,5 +119,9 @@ mod tests {
     fn exposed_counter_names_add_total() {
         assert_eq!(PROMPT_TOKENS_TOTAL, format!("{PROMPT_TOKENS}_total"));
         assert_eq!(GENERATION_TOKENS_TOTAL, format!("{GENERATION_TOKENS}_total"));
+        assert_eq!(vllm::PROMPT_TOKENS_TOTAL, format!("{}_total", vllm::PROMPT_TOKENS));
+        assert_eq!(vllm::GENERATION_TOKENS_TOTAL, format!("{}_total", vllm::GENERATION_TOKENS));
+        assert_eq!(vllm::PREFIX_CACHE_QUERIES_TOTAL, format!("{}_total", vllm::PREFIX_CACHE_QUERIES));
+        assert_eq!(vllm::PREFIX_CACHE_HITS_TOTAL, format!("{}_total", vllm::PREFIX_CACHE_HITS));
     }
 }

@@ -376,3 +376,42 @@ fn device_sampling_path_matches_host_sampling_where_both_are_exact() {
     host.shutdown();
     device.shutdown();
 }
+
+/// A subscriber sees the prefix cache as the engine thread changes it: AllCleared first, then one
+/// `Stored` run per computed prompt chain (hashes chained with the engine's own `block_hash`), and
+/// nothing new when the same prompt hits the cache.
+#[test]
+fn kv_events_follow_the_prefix_cache() {
+    use peregrine_engine::kv::{block_hash, KvEvent};
+    let handle = start(&fake, 64, config(4, 64, 64, true));
+    let events = handle.subscribe_kv_events(64).expect("subscribed");
+    let vocab = fake::model_config().vocab_size;
+    let prompt = scenarios::prompt(vocab, 7, 10); // two full blocks of 4, two tokens over
+    let mut stream = handle.submit(request(1, prompt.clone(), SamplingParams::greedy(1))).expect("submitted");
+    collect(&mut stream);
+    let mut seen: Vec<KvEvent> = Vec::new();
+    while let Ok(batch) = events.recv_timeout(Duration::from_secs(5)) {
+        assert_eq!(batch.block_size, scenarios::BLOCK_SIZE);
+        seen.extend(batch.events);
+        if seen.iter().any(|e| matches!(e, KvEvent::Stored { .. })) {
+            break;
+        }
+    }
+    let h0 = block_hash(None, None, &prompt[..4]);
+    let h1 = block_hash(Some(h0), None, &prompt[4..8]);
+    assert_eq!(seen[0], KvEvent::AllCleared);
+    let stored: Vec<&KvEvent> = seen.iter().filter(|e| matches!(e, KvEvent::Stored { .. })).collect();
+    assert_eq!(stored, [&KvEvent::Stored { hashes: vec![h0, h1], parent: None, tokens: prompt[..8].to_vec(), adapter: None }]);
+
+    // The same prompt again reuses both blocks: no new Stored event for them.
+    let mut stream = handle.submit(request(2, prompt, SamplingParams::greedy(1))).expect("submitted");
+    collect(&mut stream);
+    std::thread::sleep(Duration::from_millis(200));
+    let again: Vec<KvEvent> = events.try_iter().flat_map(|b| b.events).collect();
+    assert!(
+        again.iter().all(|e| !matches!(e, KvEvent::Stored { hashes, .. } if hashes.contains(&h0) || hashes.contains(&h1))),
+        "{again:?}"
+    );
+    assert_eq!(handle.metrics().kv_event_batches_dropped_total, 0);
+    handle.shutdown();
+}

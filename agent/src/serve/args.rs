@@ -58,6 +58,9 @@ pub struct ServeArgs {
     /// Log as JSON lines.
     #[arg(long, env = "PEREGRINE_LOG_JSON")]
     pub log_json: bool,
+    /// KV-cache events for prefix-aware routers (off unless `--kv-events-endpoint`).
+    #[command(flatten)]
+    pub kv_events: crate::kv_events::KvEventsArgs,
 }
 
 impl ServeArgs {

@@ -83,6 +83,18 @@ pub struct BackendStats {
     pub engine_waiting: usize,
 }
 
+/// Fixed facts about the engine that gateways read (`vllm:cache_config_info`,
+/// `vllm:lora_requests_info`). Zero / None where a backend has none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineShape {
+    /// Tokens per KV-cache block.
+    pub kv_block_size: usize,
+    /// KV-cache blocks in the pool.
+    pub num_kv_blocks: usize,
+    /// Adapters that can run in one batch; None when LoRA is off.
+    pub max_loras: Option<usize>,
+}
+
 /// What a load did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoadOutcome {
@@ -106,6 +118,9 @@ pub trait InferenceBackend: Send + Sync + 'static {
     /// "cpu", "cuda:0".
     fn backend_name(&self) -> String;
     fn stats(&self) -> BackendStats;
+    fn engine_shape(&self) -> EngineShape {
+        EngineShape::default()
+    }
     /// Whether `name` names a loaded adapter. An unload may still race with the request, so
     /// `generate` must also refuse an unknown name with [`ApiError::ModelNotFound`].
     fn has_adapter(&self, _name: &str) -> bool {

@@ -15,7 +15,7 @@ use peregrine_engine::tokenizer::{ChatMessage, IncrementalDecoder, StopMatcher, 
 use peregrine_engine::EngineError;
 
 use super::backend::{
-    AdapterLoaded, BackendStats, EventStream, GenerateEvent, GenerateInput, InferenceBackend, LoadOutcome, PreparedPrompt,
+    AdapterLoaded, BackendStats, EngineShape, EventStream, GenerateEvent, GenerateInput, InferenceBackend, LoadOutcome, PreparedPrompt,
     PromptInput, TokenOutput,
 };
 use super::error::ApiError;
@@ -26,11 +26,18 @@ pub struct EngineBackend {
     max_model_len: usize,
     engine: EngineHandle,
     tokenizer: Tokenizer,
+    shape: EngineShape,
 }
 
 impl EngineBackend {
     pub fn new(model_name: String, backend_name: String, max_model_len: usize, engine: EngineHandle, tokenizer: Tokenizer) -> Self {
-        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer }
+        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer, shape: EngineShape::default() }
+    }
+
+    /// The KV-cache and LoRA sizes the engine was started with (reported to gateways).
+    pub fn with_engine_shape(mut self, shape: EngineShape) -> Self {
+        self.shape = shape;
+        self
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -130,6 +137,10 @@ impl InferenceBackend for EngineBackend {
             engine_running: m.num_running,
             engine_waiting: m.num_waiting,
         }
+    }
+
+    fn engine_shape(&self) -> EngineShape {
+        self.shape
     }
 
     fn has_adapter(&self, name: &str) -> bool {

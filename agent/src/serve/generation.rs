@@ -17,6 +17,7 @@ use super::backend::{EventStream, GenerateEvent, GenerateInput, InferenceBackend
 use super::error::ApiError;
 use super::metrics::{FinishLabels, Metrics, ModelLabel};
 use super::state::AppState;
+use super::vllm::activity::ActivityGuard;
 
 /// What an endpoint asks for, after its own request type is validated.
 #[derive(Debug, Clone)]
@@ -48,6 +49,8 @@ pub struct Running {
     waiting: WaitingSlot,
     running: Option<RunningSlot>,
     running_gauge: prometheus_client::metrics::gauge::Gauge,
+    /// Waiting → running → gone, for vLLM's queue gauges and `vllm:lora_requests_info`.
+    activity: ActivityGuard,
     /// Per-token series, looked up once (not a labelled-family lookup per token).
     per_token: PerTokenMetrics,
     arrival: Instant,
@@ -103,6 +106,7 @@ pub async fn start<B: InferenceBackend>(
     // and every request that reaches us is served (the listener closes after the drain delay).
     let label = Metrics::label(&job.model);
     let waiting = state.admission.try_admit(state.metrics.waiting.get_or_create(&label).clone())?;
+    let activity = state.metrics.vllm.enter(adapter.clone());
     let request_id = state.next_request_id();
     let span = tracing::info_span!(
         "request",
@@ -170,6 +174,7 @@ pub async fn start<B: InferenceBackend>(
         prompt_tokens: prompt_len,
         events,
         running_gauge: state.metrics.running.get_or_create(&label).clone(),
+        activity,
         per_token: PerTokenMetrics::new(&state.metrics, &label),
         metrics: state.metrics.clone(),
         label,
@@ -192,6 +197,7 @@ impl Running {
         loop {
             let Some(event) = self.events.next().await else {
                 self.done = true;
+                self.activity.finish();
                 self.metrics.error("engine_stopped");
                 return Some(Step::Error(ApiError::EngineStopped));
             };
@@ -207,6 +213,7 @@ impl Running {
                 }
                 GenerateEvent::Error(e) => {
                     self.done = true;
+                    self.activity.finish();
                     self.metrics.error(e.label());
                     tracing::warn!(parent: &self.span, error = %e, "failed");
                     return Some(Step::Error(e));
@@ -219,8 +226,11 @@ impl Running {
         if self.running.is_none() {
             self.waiting.release();
             self.running = Some(RunningSlot::new(self.running_gauge.clone()));
+            self.activity.scheduled();
             // Time in our own queue (tokenizing) plus the engine's.
-            Metrics::observe(&self.metrics.queue_time, &self.label, self.arrival.elapsed().max(queue_time));
+            let queued = self.arrival.elapsed().max(queue_time);
+            Metrics::observe(&self.metrics.queue_time, &self.label, queued);
+            self.metrics.vllm.request_queue_time.observe(queued.as_secs_f64());
             tracing::info!(parent: &self.span, queue_time_s = queue_time.as_secs_f64(), "scheduled");
         }
     }
@@ -234,19 +244,28 @@ impl Running {
         match self.last_token {
             None => {
                 self.per_token.time_to_first_token.observe((now - self.arrival).as_secs_f64());
+                self.metrics.vllm.time_to_first_token.observe((now - self.arrival).as_secs_f64());
+                // vLLM counts a prompt's tokens when its prefill completes.
+                self.metrics.vllm.prompt_tokens.inc_by(self.prompt_tokens as u64);
                 tracing::info!(parent: &self.span, ttft_s = (now - self.arrival).as_secs_f64(), "first_token");
             }
             Some(prev) => {
                 self.per_token.time_per_output_token.observe((now - prev).as_secs_f64());
+                self.metrics.vllm.time_per_output_token.observe((now - prev).as_secs_f64());
             }
         }
         self.last_token = Some(now);
         self.per_token.generation_tokens.inc();
+        self.metrics.vllm.generation_tokens.inc();
     }
 
     fn on_finished(&mut self, reason: FinishReason, usage: Usage) {
         self.done = true;
         Metrics::observe(&self.metrics.e2e_latency, &self.label, self.arrival.elapsed());
+        self.metrics.vllm.e2e_request_latency.observe(self.arrival.elapsed().as_secs_f64());
+        self.metrics.vllm.prefix_cache_queries.inc_by(usage.prompt_tokens as u64);
+        self.metrics.vllm.prefix_cache_hits.inc_by(usage.cached_prompt_tokens as u64);
+        self.activity.finish();
         self.metrics.prompt_tokens.get_or_create(&self.label).inc_by(usage.prompt_tokens as u64);
         self.metrics.prefix_cache_hit_tokens.get_or_create(&self.label).inc_by(usage.cached_prompt_tokens as u64);
         self.metrics

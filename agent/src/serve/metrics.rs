@@ -13,7 +13,8 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use super::backend::BackendStats;
+use super::backend::{BackendStats, EngineShape};
+use super::vllm::VllmMetrics;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelLabel {
@@ -64,6 +65,8 @@ pub struct Metrics {
     pub prefix_cache_hit_tokens: Family<ModelLabel, Counter>,
     pub requests_finished: Family<FinishLabels, Counter>,
     pub request_errors: Family<ErrorLabels, Counter>,
+    /// vLLM's names for the gateways, beside ours.
+    pub vllm: VllmMetrics,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -107,8 +110,12 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
 
 impl Metrics {
     /// `stats` is called on every scrape for the engine-wide gauges.
-    pub fn new(base_model: &str, stats: impl Fn() -> BackendStats + Send + Sync + 'static) -> Self {
+    pub fn new(base_model: &str, shape: EngineShape, stats: impl Fn() -> BackendStats + Send + Sync + 'static) -> Self {
         let mut r = Registry::default();
+        let stats = Arc::new(stats);
+        let vllm_stats = stats.clone();
+        let vllm = VllmMetrics::register(&mut r, base_model, shape, move || vllm_stats());
+        let stats = move || stats();
         let time_to_first_token = HistogramFamily::new_with_constructor(latency_histogram);
         let time_per_output_token = HistogramFamily::new_with_constructor(per_token_histogram);
         let e2e_latency = HistogramFamily::new_with_constructor(latency_histogram);
@@ -157,6 +164,7 @@ impl Metrics {
             prefix_cache_hit_tokens,
             requests_finished,
             request_errors,
+            vllm,
         }
     }
 

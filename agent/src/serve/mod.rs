@@ -23,6 +23,7 @@ pub mod sse;
 pub mod state;
 pub mod telemetry;
 pub mod tenant;
+pub mod vllm;
 
 #[cfg(test)]
 mod tests;
@@ -146,6 +147,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
         let backend = Arc::new(backend);
+        if args.kv_events.kv_events_endpoint.is_some() {
+            let batches = backend.engine().subscribe_kv_events(crate::kv_events::engine_queue())?;
+            crate::kv_events::start(&args.kv_events, backend.model_name(), batches).await?;
+        }
         let config = state::ServerConfig { max_body_bytes: args.max_body_bytes, max_waiting_requests: args.max_waiting_requests };
         let state = Arc::new(AppState::new(backend.clone(), keys, config));
         let listener = TcpListener::bind((args.host, args.port)).await?;
@@ -191,7 +196,13 @@ fn load_engine(args: &ServeArgs) -> anyhow::Result<engine_backend::EngineBackend
         "model loaded"
     );
     let max_model_len = runtime.engine.max_model_len();
-    Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer))
+    let shape = backend::EngineShape {
+        kv_block_size: runtime.kv_shape.block_size,
+        num_kv_blocks: runtime.kv_shape.num_blocks,
+        max_loras: args.engine.lora_config().map(|l| l.max_loras),
+    };
+    Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer)
+        .with_engine_shape(shape))
 }
 
 /// One short generation through the whole path, so the first client does not pay for cold caches.

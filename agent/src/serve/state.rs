@@ -39,7 +39,7 @@ pub struct AppState<B> {
 impl<B: InferenceBackend> AppState<B> {
     pub fn new(backend: Arc<B>, keys: KeyStore, config: ServerConfig) -> Self {
         let stats_backend = backend.clone();
-        let metrics = Metrics::new(backend.model_name(), move || stats_backend.stats());
+        let metrics = Metrics::new(backend.model_name(), backend.engine_shape(), move || stats_backend.stats());
         AppState {
             metrics,
             keys,

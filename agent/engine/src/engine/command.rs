@@ -27,6 +27,8 @@ pub(super) enum Command {
     },
     UnloadAdapter { name: String, reply: Sender<Result<AdapterInfo>> },
     ListAdapters { reply: Sender<Vec<AdapterInfo>> },
+    /// Start recording prefix-cache changes and send each step's batch here.
+    SubscribeKvEvents { events: Sender<crate::kv::KvEventBatch> },
     /// A loader thread re-read an adapter evicted from host memory.
     AdapterReloaded { id: AdapterId, result: Result<Arc<LoraAdapter>> },
 }

@@ -174,6 +174,15 @@ impl EngineHandle {
         let _ = self.inner.commands.send(Command::Abort(id));
     }
 
+    /// Prefix-cache changes from now on, one batch per engine step that changed something (vLLM's
+    /// KV-cache events). The engine thread never waits on the receiver: when `capacity` batches are
+    /// queued unread, further ones are dropped and counted in [`EngineMetrics::kv_event_batches_dropped_total`].
+    pub fn subscribe_kv_events(&self, capacity: usize) -> Result<crossbeam_channel::Receiver<crate::kv::KvEventBatch>> {
+        let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
+        self.send(Command::SubscribeKvEvents { events: tx })?;
+        Ok(rx)
+    }
+
     /// The state published after the latest step.
     pub fn metrics(&self) -> EngineMetrics {
         self.inner.metrics.lock().clone()

@@ -18,4 +18,6 @@ pub struct EngineMetrics {
     pub prefill_tokens_computed_total: u64,
     pub steps_total: u64,
     pub requests_finished_total: u64,
+    /// KV-event batches dropped because the subscriber fell behind.
+    pub kv_event_batches_dropped_total: u64,
 }

@@ -47,6 +47,8 @@ pub(super) struct Worker {
     profile: Option<StepProfile>,
     /// Events of active requests, sent while the device runs the next step.
     outbox: Outbox,
+    /// Where prefix-cache changes go, once someone subscribed.
+    kv_events: Option<crossbeam_channel::Sender<crate::kv::KvEventBatch>>,
 }
 
 enum Flow {
@@ -78,6 +80,7 @@ impl Worker {
             lora,
             profile: StepProfile::from_env(),
             outbox: Outbox::default(),
+            kv_events: None,
         }
     }
 
@@ -115,6 +118,7 @@ impl Worker {
             if self.scheduler.has_work() {
                 self.step();
             }
+            self.send_kv_events();
             if !self.scheduler.has_work() {
                 // No step follows to carry the queued events out during its forward pass.
                 self.outbox.deliver();
@@ -153,6 +157,11 @@ impl Worker {
                 let _ = reply.send(self.lora.as_ref().map(EngineLora::list).unwrap_or_default());
             }
             Command::AdapterReloaded { id, result } => self.adapter_reloaded(id, result),
+            Command::SubscribeKvEvents { events } => {
+                self.scheduler.kv_mut().enable_events();
+                self.kv_events = Some(events);
+                self.send_kv_events();
+            }
         }
         Flow::Continue
     }
@@ -397,6 +406,24 @@ impl Worker {
         tracing::warn!(error = msg, sequences = out.chunks.len(), "step failed");
         for c in &out.chunks {
             self.fail(c.id, msg);
+        }
+    }
+
+    /// Hands the step's prefix-cache changes to the subscriber without waiting: a full channel
+    /// drops the batch (counted) rather than slow the step loop.
+    fn send_kv_events(&mut self) {
+        let Some(tx) = &self.kv_events else { return };
+        let kv = self.scheduler.kv_mut();
+        let events = kv.take_events();
+        if events.is_empty() {
+            return;
+        }
+        let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let batch = crate::kv::KvEventBatch { ts, block_size: kv.block_size(), events };
+        match tx.try_send(batch) {
+            Ok(()) => {}
+            Err(crossbeam_channel::TrySendError::Full(_)) => self.totals.kv_event_batches_dropped_total += 1,
+            Err(crossbeam_channel::TrySendError::Disconnected(_)) => self.kv_events = None,
         }
     }
 

@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use super::events::KvEvent;
 use super::hash::{block_hash, AdapterKey, BlockHash};
 
 /// The sequence a block table belongs to (the engine uses the request id).
@@ -40,6 +41,8 @@ pub struct BlockManager {
     evictable_tick: Vec<u64>,
     tick: u64,
     seqs: HashMap<SeqId, SeqBlocks>,
+    /// Prefix-cache changes since the last `take_events`, when someone listens (None: not recorded).
+    events: Option<Vec<KvEvent>>,
 }
 
 impl BlockManager {
@@ -57,7 +60,19 @@ impl BlockManager {
             evictable_tick: vec![0; num_blocks],
             tick: 0,
             seqs: HashMap::new(),
+            events: None,
         }
+    }
+
+    /// From now on, record prefix-cache changes for [`BlockManager::take_events`]. Starts with
+    /// `AllCleared` so a listener drops whatever it knew of blocks cached before.
+    pub fn enable_events(&mut self) {
+        self.events = Some(vec![KvEvent::AllCleared]);
+    }
+
+    /// The changes recorded since the last call (empty when not enabled).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub fn block_size(&self) -> usize {
@@ -203,9 +218,12 @@ impl BlockManager {
         }
         let Some(entry) = self.seqs.get_mut(&seq) else { return };
         let full = (num_computed.min(tokens.len()) / self.block_size).min(entry.blocks.len());
+        // Newly registered consecutive blocks, reported as one `Stored` event per run.
+        let mut run: Option<(Option<BlockHash>, Vec<BlockHash>, usize)> = None;
         for i in entry.hashes.len()..full {
             let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let h = block_hash(entry.hashes.last().copied(), entry.adapter, chunk);
+            let parent = entry.hashes.last().copied();
+            let h = block_hash(parent, entry.adapter, chunk);
             entry.hashes.push(h);
             let block = entry.blocks[i];
             // Another sequence computed the same chain first: keep that copy registered and leave
@@ -213,7 +231,28 @@ impl BlockManager {
             if self.registered[block as usize].is_none() && !self.cached.contains_key(&h) {
                 self.cached.insert(h, block);
                 self.registered[block as usize] = Some(h);
+                if self.events.is_some() {
+                    run.get_or_insert_with(|| (parent, Vec::new(), i)).1.push(h);
+                }
+            } else if let Some(done) = run.take() {
+                Self::push_stored(&mut self.events, done, tokens, self.block_size, entry.adapter);
             }
+        }
+        if let Some(done) = run {
+            Self::push_stored(&mut self.events, done, tokens, self.block_size, entry.adapter);
+        }
+    }
+
+    fn push_stored(
+        events: &mut Option<Vec<KvEvent>>,
+        (parent, hashes, first): (Option<BlockHash>, Vec<BlockHash>, usize),
+        tokens: &[u32],
+        block_size: usize,
+        adapter: Option<AdapterKey>,
+    ) {
+        if let Some(ev) = events {
+            let tokens = tokens[first * block_size..(first + hashes.len()) * block_size].to_vec();
+            ev.push(KvEvent::Stored { hashes, parent, tokens, adapter });
         }
     }
 
@@ -252,6 +291,13 @@ impl BlockManager {
                 let (_, b) = self.evictable.pop_first()?;
                 if let Some(h) = self.registered[b as usize].take() {
                     self.cached.remove(&h);
+                    if let Some(ev) = &mut self.events {
+                        // Consecutive evictions of one step share one event.
+                        match ev.last_mut() {
+                            Some(KvEvent::Removed { hashes }) => hashes.push(h),
+                            _ => ev.push(KvEvent::Removed { hashes: vec![h] }),
+                        }
+                    }
                 }
                 b
             }
@@ -442,5 +488,49 @@ mod tests {
         long.extend([7, 7, 7]);
         assert_eq!(m.allocate(3, &long, None), Some(2));
         assert_eq!(m.num_free_blocks(), 0);
+    }
+
+    #[test]
+    fn events_report_registrations_and_evictions_in_order() {
+        let mut m = BlockManager::new(4, 2, true);
+        let a = vec![1, 2, 3, 4, 5];
+        m.allocate(1, &a, Some(3));
+        m.commit_computed(1, &a, 5);
+        assert!(m.take_events().is_empty(), "nothing recorded until enabled");
+
+        let mut m = BlockManager::new(4, 2, true);
+        m.enable_events();
+        m.allocate(1, &a, Some(3));
+        m.commit_computed(1, &a, 3); // one full block computed
+        m.commit_computed(1, &a, 5); // the second
+        let h0 = block_hash(None, Some(3), &[1, 2]);
+        let h1 = block_hash(Some(h0), Some(3), &[3, 4]);
+        assert_eq!(
+            m.take_events(),
+            vec![
+                KvEvent::AllCleared,
+                KvEvent::Stored { hashes: vec![h0], parent: None, tokens: vec![1, 2], adapter: Some(3) },
+                KvEvent::Stored { hashes: vec![h1], parent: Some(h0), tokens: vec![3, 4], adapter: Some(3) },
+            ]
+        );
+        assert!(m.take_events().is_empty(), "taken once");
+
+        // Blocks registered in one commit make one event.
+        let b = vec![7, 8, 9, 10, 11, 12, 13];
+        m.free(1);
+        assert!(m.allocate(2, &b, None).is_some());
+        m.commit_computed(2, &b, 7);
+        let g0 = block_hash(None, None, &[7, 8]);
+        let g1 = block_hash(Some(g0), None, &[9, 10]);
+        let g2 = block_hash(Some(g1), None, &[11, 12]);
+        // b takes all four blocks: the two free ones, then a's cached two, least recently freed
+        // first (`free` releases a chain's tail first, so h1 goes before h0).
+        assert_eq!(
+            m.take_events(),
+            vec![
+                KvEvent::Removed { hashes: vec![h1, h0] },
+                KvEvent::Stored { hashes: vec![g0, g1, g2], parent: None, tokens: (7..=12).collect(), adapter: None },
+            ]
+        );
     }
 }

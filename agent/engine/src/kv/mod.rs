@@ -4,7 +4,9 @@
 //! The manager never touches K/V data; the backend does, through the block tables handed out here.
 
 mod block_manager;
+mod events;
 mod hash;
 
 pub use block_manager::{BlockManager, SeqId};
+pub use events::{KvEvent, KvEventBatch};
 pub use hash::{block_hash, AdapterKey, BlockHash};

@@ -90,6 +90,11 @@ impl Scheduler {
         &self.kv
     }
 
+    /// For the engine thread's prefix-cache event switch and drain (never for allocation).
+    pub fn kv_mut(&mut self) -> &mut BlockManager {
+        &mut self.kv
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }

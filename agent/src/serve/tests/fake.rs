@@ -1,14 +1,16 @@
 //! A small deterministic backend: one token per character, and the reply is the prompt's text in
 //! upper case (so concurrent streams can be told apart), one token per `delay`.
 
+use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use peregrine_engine::request::{FinishReason, Usage};
 
 use crate::serve::backend::{
-    BackendStats, EventStream, GenerateEvent, GenerateInput, InferenceBackend, PreparedPrompt, PromptInput, TokenOutput,
+    AdapterLoaded, BackendStats, EngineShape, EventStream, LoadOutcome, GenerateEvent, GenerateInput, InferenceBackend, PreparedPrompt, PromptInput, TokenOutput,
 };
 use crate::serve::error::ApiError;
 
@@ -18,11 +20,40 @@ pub struct FakeBackend {
     /// Generations whose stream is still alive (the fake's "KV blocks in use").
     pub live: Arc<AtomicUsize>,
     pub started: Arc<AtomicUsize>,
+    /// Adapter names served (load/unload change it; any path loads).
+    pub adapters: Arc<Mutex<BTreeSet<String>>>,
+    pub shape: EngineShape,
+    /// Prompt tokens every request reports as found in the prefix cache (at most its prompt).
+    pub cached_prompt_tokens: usize,
 }
 
 impl FakeBackend {
     pub fn new(delay: Duration) -> Self {
-        FakeBackend { delay, max_model_len: 64, live: Arc::default(), started: Arc::default() }
+        FakeBackend {
+            delay,
+            max_model_len: 64,
+            live: Arc::default(),
+            started: Arc::default(),
+            adapters: Arc::new(Mutex::new(BTreeSet::from(["fake-adapter".to_string()]))),
+            shape: EngineShape::default(),
+            cached_prompt_tokens: 0,
+        }
+    }
+
+    fn adapter_status(name: &str) -> peregrine_api::AdapterStatus {
+        peregrine_api::AdapterStatus {
+            name: name.into(),
+            id: 1,
+            source: "/fake".into(),
+            rank: 8,
+            state: "loaded".into(),
+            slot: None,
+            loaded_at: 0.0,
+            last_used: None,
+            requests_served: 0,
+            in_flight: 0,
+            size_bytes: 0,
+        }
     }
 }
 
@@ -57,24 +88,30 @@ impl InferenceBackend for FakeBackend {
         BackendStats { kv_cache_usage_ratio: self.live.load(Ordering::SeqCst) as f64 / 10.0, ..Default::default() }
     }
 
+    fn engine_shape(&self) -> EngineShape {
+        self.shape
+    }
+
     fn has_adapter(&self, name: &str) -> bool {
-        name == "fake-adapter"
+        self.adapters.lock().unwrap().contains(name)
     }
 
     async fn adapters(&self) -> Result<Vec<peregrine_api::AdapterStatus>, ApiError> {
-        Ok(vec![peregrine_api::AdapterStatus {
-            name: "fake-adapter".into(),
-            id: 1,
-            source: "/fake".into(),
-            rank: 8,
-            state: "loaded".into(),
-            slot: None,
-            loaded_at: 0.0,
-            last_used: None,
-            requests_served: 0,
-            in_flight: 0,
-            size_bytes: 0,
-        }])
+        Ok(self.adapters.lock().unwrap().iter().map(|n| Self::adapter_status(n)).collect())
+    }
+
+    async fn load_adapter(&self, name: String, _path: PathBuf) -> Result<AdapterLoaded, ApiError> {
+        let fresh = self.adapters.lock().unwrap().insert(name.clone());
+        let outcome = if fresh { LoadOutcome::Loaded } else { LoadOutcome::AlreadyLoaded };
+        Ok(AdapterLoaded { outcome, adapter: Self::adapter_status(&name) })
+    }
+
+    async fn unload_adapter(&self, name: String) -> Result<peregrine_api::AdapterStatus, ApiError> {
+        if self.adapters.lock().unwrap().remove(&name) {
+            Ok(Self::adapter_status(&name))
+        } else {
+            Err(ApiError::AdapterNotFound(name))
+        }
     }
 
     async fn prepare(&self, prompt: PromptInput) -> Result<PreparedPrompt, ApiError> {
@@ -94,6 +131,7 @@ impl InferenceBackend for FakeBackend {
         let guard = LiveGuard(self.live.clone());
         let delay = self.delay;
         let prompt_tokens = input.prompt.tokens.len();
+        let cached_prompt_tokens = self.cached_prompt_tokens.min(prompt_tokens);
         let max_tokens = input.params.max_tokens;
         let top = input.params.logprobs.unwrap_or(0);
         let stop = input.stop;
@@ -115,7 +153,7 @@ impl InferenceBackend for FakeBackend {
                     s.scheduled = true;
                     return Some((GenerateEvent::Scheduled { queue_time: Duration::from_millis(1) }, s));
                 }
-                let usage = |n| Usage { prompt_tokens, completion_tokens: n, cached_prompt_tokens: 0 };
+                let usage = |n| Usage { prompt_tokens, completion_tokens: n, cached_prompt_tokens };
                 if s.i >= reply.len() || s.i >= max_tokens {
                     s.done = true;
                     let reason = if s.i >= max_tokens { FinishReason::Length } else { FinishReason::Stop };

@@ -340,3 +340,5 @@ async fn metrics_expose_every_series_the_autoscaler_reads() {
         assert!(exposed, "{name} is not exposed for the served model:\n{m}");
     }
 }
+
+mod vllm;

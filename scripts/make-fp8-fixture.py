@@ -73,6 +73,25 @@ def quantize(w, per_row):
     return codes, scale
 
 
+def write_e4m3_cases(path, rng):
+    """f32 inputs (as bit patterns) and ml_dtypes' e4m3fn codes for them: every code's value, the
+    midpoints between neighbours (ties) and one f32 step either side, and random values over the
+    whole range. Only |x| <= 448: beyond it ml_dtypes gives NaN where Peregrine saturates."""
+    codes = np.arange(256, dtype=np.uint8)
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = np.unique(values[np.isfinite(values) & (values >= 0)])
+    mids = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+    near = np.concatenate([mids, np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(1000))])
+    rand = (np.exp(rng.uniform(np.log(1e-4), np.log(448.0), 4000))).astype(np.float32)
+    xs = np.concatenate([finite, near, rand])
+    xs = xs[np.abs(xs) <= 448]
+    xs = np.concatenate([xs, -xs]).astype(np.float32)
+    out = xs.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    cases = {"library": f"ml_dtypes {ml_dtypes.__version__} float8_e4m3fn",
+             "f32_bits": [int(b) for b in xs.view(np.uint32)], "codes": [int(c) for c in out]}
+    path.write_text(json.dumps(cases, separators=(",", ":")) + "\n")
+
+
 def main(out_dir):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,6 +137,7 @@ def main(out_dir):
     write_safetensors(out / "model.safetensors", model)
     write_safetensors(out / "dequantized.safetensors", reference)
     (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    write_e4m3_cases(out / "e4m3_cases.json", rng)
     print(f"wrote {out} (ml_dtypes {ml_dtypes.__version__}, numpy {np.__version__}, seed {SEED})")
 
 

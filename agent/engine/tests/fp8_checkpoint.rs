@@ -152,3 +152,19 @@ fn broken_fp8_checkpoints_fail_with_clear_errors() {
     let e = load_error(dir.path());
     assert!(e.contains("quant_method \"gptq\" is not supported"), "{e}");
 }
+
+#[test]
+fn e4m3_encoding_matches_ml_dtypes() {
+    // Cases made by scripts/make-fp8-fixture.py with ml_dtypes' float8_e4m3fn (|x| ≤ 448).
+    use peregrine_engine::model::rowquant::e4m3_from_f32;
+    let text = std::fs::read_to_string(fixture().join("e4m3_cases.json")).unwrap();
+    let cases: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let bits = cases["f32_bits"].as_array().unwrap();
+    let codes = cases["codes"].as_array().unwrap();
+    assert!(bits.len() > 8000 && bits.len() == codes.len());
+    for (b, c) in bits.iter().zip(codes) {
+        let x = f32::from_bits(b.as_u64().unwrap() as u32);
+        let want = c.as_u64().unwrap() as u8;
+        assert_eq!(e4m3_from_f32(x), want, "{x:e}");
+    }
+}

@@ -10,7 +10,7 @@
 //! to f32 first, so a Q4_1 GGUF quantized to fp8 carries Q4_1's error plus fp8's. Matrices already
 //! row-quantized (an FP8 checkpoint) are kept as they are.
 
-use super::rowquant::{RowFormat, RowQuantMatrix};
+use super::rowquant::{Activations, RowFormat, RowQuantMatrix};
 use super::weights::{Matrix, MatrixData, ModelWeights};
 use crate::{EngineError, Result};
 
@@ -23,11 +23,17 @@ pub enum Granularity {
 
 /// Quantizes every decoder layer's linear weights in place, one scale per output row.
 pub fn quantize_linear_weights(weights: &mut ModelWeights, format: RowFormat) -> Result<()> {
-    quantize_linear_weights_with(weights, format, Granularity::PerRow)
+    quantize_linear_weights_with(weights, format, Granularity::PerRow, Activations::PerToken)
 }
 
-/// As [`quantize_linear_weights`], with the scales' granularity chosen.
-pub fn quantize_linear_weights_with(weights: &mut ModelWeights, format: RowFormat, granularity: Granularity) -> Result<()> {
+/// As [`quantize_linear_weights`], with the scales' granularity and the activations' treatment
+/// chosen (the alternatives exist to measure what the default buys).
+pub fn quantize_linear_weights_with(
+    weights: &mut ModelWeights,
+    format: RowFormat,
+    granularity: Granularity,
+    activations: Activations,
+) -> Result<()> {
     for (i, layer) in weights.layers.iter_mut().enumerate() {
         for (name, m) in [
             ("q_proj", &mut layer.q_proj),
@@ -45,9 +51,10 @@ pub fn quantize_linear_weights_with(weights: &mut ModelWeights, format: RowForma
                 Granularity::PerRow => RowQuantMatrix::quantize,
                 Granularity::PerTensor => RowQuantMatrix::quantize_per_tensor,
             };
-            let q = quantize(format, m.rows, m.cols, &m.to_f32()).map_err(|e| {
+            let mut q = quantize(format, m.rows, m.cols, &m.to_f32()).map_err(|e| {
                 EngineError::Unsupported(format!("--quantization {}: layers.{i}.{name}: {e}", format.name()))
             })?;
+            q.activations = activations;
             *m = Matrix::from_row_quant(q);
         }
     }

@@ -146,7 +146,7 @@ fn quantize_row_into(format: RowFormat, row: &[f32], mut put: impl FnMut(usize, 
 }
 
 /// Why a matrix could not be quantized or assembled.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RowQuantError {
     #[error("row {row} holds a non-finite value (inf or NaN): cannot quantize")]
     NonFinite { row: usize },
@@ -160,12 +160,24 @@ pub enum RowQuantError {
     BadScale { row: usize, value: f32 },
 }
 
+/// What the matmul does with the activations a row-quantized matrix multiplies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activations {
+    /// Quantized to the weights' format, one scale per token (W8A8; what `--quantization` does).
+    #[default]
+    PerToken,
+    /// Left in floating point (W8A16: only the weights are 8-bit; for comparisons).
+    Float,
+}
+
 /// A row-major `rows × cols` matrix of 8-bit codes with one f32 scale per row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowQuantMatrix {
     pub format: RowFormat,
     pub rows: usize,
     pub cols: usize,
+    /// How the matmul treats the activations (per token by default).
+    pub activations: Activations,
     scales: Vec<f32>,
     codes: Vec<u8>,
 }
@@ -189,7 +201,7 @@ impl RowQuantMatrix {
         } else {
             scales.resize(rows, 0.0);
         }
-        Ok(RowQuantMatrix { format, rows, cols, scales, codes })
+        Ok(RowQuantMatrix { format, rows, cols, activations: Activations::PerToken, scales, codes })
     }
 
     /// Quantizes with one scale for the whole tensor (the common recipe row-wise scales improve on;
@@ -205,7 +217,7 @@ impl RowQuantMatrix {
         let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = if amax == 0.0 { 0.0 } else { amax / format.max_code() };
         let codes = w.iter().map(|&v| if scale == 0.0 { 0 } else { format.encode(v / scale) }).collect();
-        Ok(RowQuantMatrix { format, rows, cols, scales: vec![scale; rows], codes })
+        Ok(RowQuantMatrix { format, rows, cols, activations: Activations::PerToken, scales: vec![scale; rows], codes })
     }
 
     /// Codes and scales as stored by a checkpoint (`scales.len() == rows`).
@@ -226,7 +238,7 @@ impl RowQuantMatrix {
         if let Some((row, &value)) = scales.iter().enumerate().find(|(_, s)| !(s.is_finite() && **s >= 0.0)) {
             return Err(RowQuantError::BadScale { row, value });
         }
-        Ok(RowQuantMatrix { format, rows, cols, scales, codes })
+        Ok(RowQuantMatrix { format, rows, cols, activations: Activations::PerToken, scales, codes })
     }
 
     pub fn scales(&self) -> &[f32] {
@@ -264,17 +276,18 @@ impl RowQuantMatrix {
             codes.extend_from_slice(&self.codes[src * self.cols..(src + 1) * self.cols]);
             scales.push(self.scales[src]);
         }
-        RowQuantMatrix { format: self.format, rows: perm.len(), cols: self.cols, scales, codes }
+        RowQuantMatrix { format: self.format, rows: perm.len(), cols: self.cols, activations: self.activations, scales, codes }
     }
 
     /// Stacks matrices of one format and width (rows of `parts[0]` first); None if they differ.
     pub fn concat_rows(parts: &[&RowQuantMatrix]) -> Option<RowQuantMatrix> {
         let first = parts.first()?;
-        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols || p.activations != first.activations) {
             return None;
         }
         Some(RowQuantMatrix {
             format: first.format,
+            activations: first.activations,
             rows: parts.iter().map(|p| p.rows).sum(),
             cols: first.cols,
             scales: parts.iter().flat_map(|p| p.scales.iter().copied()).collect(),

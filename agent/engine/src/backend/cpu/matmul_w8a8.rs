@@ -10,17 +10,26 @@
 //! up to 2²⁴ / 127² ≈ 1040 products per lane (k ≤ 16,640), so the sum is the integer dot product
 //! an int8 tensor core accumulates in i32; beyond that it is rounded like any f32 sum.
 //! A token's quantization depends on that token alone, so results stay batch-invariant.
+//! With [`Activations::Float`] (weight-only, for comparisons) the activations are used as they are.
 
 use rayon::prelude::*;
 
 use super::matmul::{tile_kernel, OutPtr, ROW_TILE};
 use super::simd::Isa;
-use crate::model::rowquant::{quantize_activations, RowQuantMatrix};
+use crate::model::rowquant::{quantize_activations, Activations, RowQuantMatrix};
 
 /// `x` is `n × w.cols`, `out` is `n × w.rows`, both row-major. Runs on the current rayon pool.
 pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &RowQuantMatrix, out: &mut [f32]) {
     let (rows, k) = (w.rows, w.cols);
-    let (xq, x_scales) = quantize_activations(w.format, x, n, k);
+    let quantized;
+    let (xq, x_scales): (&[f32], &[f32]) = match w.activations {
+        Activations::PerToken => {
+            quantized = quantize_activations(w.format, x, n, k);
+            (&quantized.0, &quantized.1)
+        }
+        // Weight-only: the activations as they are, a token scale of 1.
+        Activations::Float => (x, &[]),
+    };
     let w_scales = w.scales();
     let ptr = OutPtr(out.as_mut_ptr());
     (0..rows.div_ceil(ROW_TILE))
@@ -36,9 +45,10 @@ pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &RowQuantMatrix, out: &mut [f32]
             // SAFETY: rows r0..r0+nr of every token belong to this task alone; `out` outlives the
             // parallel loop and is n × rows (checked by the caller).
             let out = unsafe { std::slice::from_raw_parts_mut(p.0, n * rows) };
-            tile_kernel(isa, &xq, n, k, &scratch[..nr * k], nr, out, rows, r0);
+            tile_kernel(isa, xq, n, k, &scratch[..nr * k], nr, out, rows, r0);
             // Epilogue: the token's scale, then the row's.
-            for (t, &sx) in x_scales.iter().enumerate() {
+            for t in 0..n {
+                let sx = x_scales.get(t).copied().unwrap_or(1.0);
                 let o = &mut out[t * rows + r0..t * rows + r0 + nr];
                 for (v, &sw) in o.iter_mut().zip(&w_scales[r0..r0 + nr]) {
                     *v = *v * sx * sw;

@@ -1,7 +1,7 @@
 //! Micro-benchmarks of the decode-critical kernels on Llama-3.1-8B shapes (run on a GPU):
 //! skinny GEMM vs cuBLAS at m = 1 (achieved GB/s of weight reads) and decode attention with and
-//! without the sequence split, and the grouped LoRA kernels (`MICRO=lora`). Prints a table; asserts
-//! nothing.
+//! without the sequence split, the grouped LoRA kernels (`MICRO=lora`), and the row-wise FP8 GEMV
+//! against the bf16 one (`MICRO=fp8`). Prints a table; asserts nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
 use peregrine_kernels::ops::AttentionKernel;
@@ -39,6 +39,10 @@ fn main() {
     }
     if std::env::var("MICRO").is_ok_and(|v| v == "lora") {
         lora(&c);
+        return;
+    }
+    if std::env::var("MICRO").is_ok_and(|v| v == "fp8") {
+        fp8(&c);
         return;
     }
     println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
@@ -289,6 +293,55 @@ fn lora(c: &Cuda) {
                 step_ms,
                 qkv_halves.0,
                 qkv_halves.1
+            );
+        }
+    }
+}
+
+/// The FP8 W8A8 GEMV (e4m3 weights with per-row scales, activations quantized per token first)
+/// against the bf16 GEMV at m = 1, 8 on the Llama-3.1-8B projection shapes: microseconds per call and
+/// GB/s of weight bytes read (bf16: 2 bytes per weight, fp8: 1; the bound is the HBM bandwidth).
+fn fp8(c: &Cuda) {
+    let s = &c.gpu.stream;
+    if !c.kernels.fp8_gemm_ready() {
+        println!("fp8: this GPU has no e4m3 conversions (compute capability below 8.9)");
+        return;
+    }
+    println!("{:<18} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10}", "[n x k]", "m", "bf16 us", "bf16 GB/s", "fp8 us", "quant us", "fp8 GB/s");
+    for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
+        let copies = (400_000_000 / (n * k * 2)).clamp(2, 8);
+        let wb: Vec<_> = (0..copies).map(|_| c.gpu.alloc_zeros::<u16>(n * k).unwrap()).collect();
+        for (i, w) in wb.iter().enumerate() {
+            unsafe { c.kernels.fill_uniform_bf16(s, w.ptr(), n * k, i as u64, 0.02).unwrap() };
+        }
+        // fp8 weights: arbitrary codes below NaN (0x7F/0xFF are NaN), row scales of 1/448.
+        let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 0x7E) as u8).collect();
+        let w8: Vec<_> = (0..copies).map(|_| c.gpu.upload(&codes).unwrap()).collect();
+        let ws = c.gpu.upload(&vec![1.0f32 / 448.0; n]).unwrap();
+        for m in [1usize, 8] {
+            let x = c.gpu.alloc_zeros::<u16>(m * k).unwrap();
+            unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), m * k, 99, 1.0).unwrap() };
+            let xq = c.gpu.alloc_zeros::<u8>(m * k).unwrap();
+            let xs = c.gpu.alloc_zeros::<f32>(m).unwrap();
+            let y = c.gpu.alloc_zeros::<u16>(m * n).unwrap();
+            let mut i = 0;
+            let tb = time(c, 30, || {
+                i += 1;
+                unsafe { c.kernels.gemv(s, y.ptr(), false, x.ptr(), wb[i % copies].ptr(), m, n, k).unwrap() };
+            });
+            let tq = time(c, 30, || unsafe { c.kernels.quant_rows_e4m3(s, xq.ptr(), xs.ptr(), x.ptr(), m, k).unwrap() });
+            let t8 = time(c, 30, || {
+                i += 1;
+                unsafe { c.kernels.gemv_e4m3(s, y.ptr(), false, xq.ptr(), xs.ptr(), w8[i % copies].ptr(), ws.ptr(), m, n, k).unwrap() };
+            });
+            println!(
+                "{:<18} {m:>3} {:>10.1} {:>10.0} {:>10.1} {:>10.1} {:>10.0}",
+                format!("[{n} x {k}]"),
+                tb * 1e6,
+                (n * k * 2) as f64 / tb / 1e9,
+                t8 * 1e6,
+                tq * 1e6,
+                (n * k) as f64 / t8 / 1e9
             );
         }
     }

@@ -24,6 +24,8 @@ const SOURCES: &[(&str, &str)] = &[
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),
+    // After rope_kv.cu and attention_mma.cu: uses their e4m3 conversions.
+    ("gemv_fp8.cu", include_str!("../cuda/gemv_fp8.cu")),
     ("fill.cu", include_str!("../cuda/fill.cu")),
     ("sample.cu", include_str!("../cuda/sample.cu")),
     ("lora.cu", include_str!("../cuda/lora.cu")),

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use peregrine_engine::lora::LoraConfig;
+use peregrine_engine::model::rowquant::RowFormat;
 use peregrine_engine::model::LoadFormat;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -37,6 +38,25 @@ pub enum KvCacheDtypeArg {
     /// e4m3 bytes, scale 1 (cuda, compute capability 8.9+).
     #[value(alias = "fp8_e4m3")]
     Fp8,
+}
+
+/// `--quantization`: 8-bit linear weights made at load, one scale per output row, with activations
+/// quantized per token at run time (W8A8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QuantizationArg {
+    /// OCP e4m3 weights and activations.
+    Fp8,
+    /// Symmetric int8 weights and activations.
+    Int8,
+}
+
+impl From<QuantizationArg> for RowFormat {
+    fn from(q: QuantizationArg) -> Self {
+        match q {
+            QuantizationArg::Fp8 => RowFormat::Fp8E4m3,
+            QuantizationArg::Int8 => RowFormat::Int8,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -115,6 +135,11 @@ pub struct EngineArgs {
     /// tokens in the same memory and half the bytes decode attention reads, at fp8's precision.
     #[arg(long, value_enum, env = "PEREGRINE_KV_CACHE_DTYPE", default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtypeArg,
+    /// Quantize the decoder layers' linear weights to 8 bits at load (one scale per output row;
+    /// activations per token at run time). Embedding, norms and LM head stay as loaded. An FP8
+    /// checkpoint (config.json quant_method "fp8") is read as FP8 without this flag. cpu only for now.
+    #[arg(long, value_enum, env = "PEREGRINE_QUANTIZATION")]
+    pub quantization: Option<QuantizationArg>,
     /// Serve LoRA adapters (implied by --lora-modules).
     #[arg(long, env = "PEREGRINE_ENABLE_LORA")]
     pub enable_lora: bool,

@@ -4,5 +4,5 @@
 mod flags;
 mod start;
 
-pub use flags::{DeviceArg, EngineArgs, KvCacheDtypeArg, LoadFormatArg, LoraModule};
+pub use flags::{DeviceArg, EngineArgs, KvCacheDtypeArg, LoadFormatArg, LoraModule, QuantizationArg};
 pub use start::Runtime;

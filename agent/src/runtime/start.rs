@@ -13,6 +13,8 @@ use peregrine_engine::model;
 use peregrine_engine::tokenizer::Tokenizer;
 
 use super::flags::{DeviceArg, EngineArgs, KvCacheDtypeArg, LoadFormatArg};
+#[cfg(test)]
+use super::flags::QuantizationArg;
 
 /// A started engine and what callers need beside it.
 pub struct Runtime {
@@ -69,6 +71,10 @@ impl EngineArgs {
             let asked = self.kv_cache_dtype.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
             anyhow::bail!("--kv-cache-dtype {asked}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda");
         }
+        if let (DeviceArg::Cuda, Some(q)) = (device, self.quantization) {
+            let asked = q.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
+            anyhow::bail!("--quantization {asked}: the CUDA backend has no 8-bit GEMM yet; use --device cpu");
+        }
         let tokenizer = load_tokenizer(&self.model, self.load_format)?;
         let loading = || format!("loading model {}", self.model.display());
         let (config, backend): (ModelConfig, Box<dyn Backend>) = match device {
@@ -82,7 +88,10 @@ impl EngineArgs {
                 (loaded.config.clone(), self.cuda_backend(ModelSource::Host(&loaded.weights))?)
             }
             DeviceArg::Cpu => {
-                let loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
+                let mut loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
+                if let Some(q) = self.quantization {
+                    model::quantize::quantize_linear_weights(&mut loaded.weights, q.into())?;
+                }
                 let num_blocks = self.num_blocks(&loaded.config)?;
                 let kv_shape = KvCacheShape { num_blocks, block_size: self.block_size };
                 (loaded.config, Box::new(CpuBackend::new(loaded.weights, kv_shape, self.threads())?))
@@ -207,6 +216,14 @@ mod tests {
         assert!(parse(&["--lora-modules", "no-path"]).is_err());
         assert!(parse(&["--lora-modules", "=/p"]).is_err());
         assert!(parse(&["--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn quantization_flag() {
+        assert_eq!(parse(&[]).unwrap().quantization, None);
+        assert_eq!(parse(&["--quantization", "fp8"]).unwrap().quantization, Some(QuantizationArg::Fp8));
+        assert_eq!(parse(&["--quantization", "int8"]).unwrap().quantization, Some(QuantizationArg::Int8));
+        assert!(parse(&["--quantization", "int4"]).is_err());
     }
 
     #[test]

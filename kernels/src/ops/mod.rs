@@ -8,6 +8,7 @@ mod attention;
 mod embedding;
 mod fill;
 mod gemv;
+mod gemv_fp8;
 mod lora;
 mod rmsnorm;
 mod rope_kv;
@@ -17,6 +18,7 @@ mod silu_mul;
 use attention::mma_smem_opt_in;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use gemv::GEMV_MAX_M;
+pub use gemv_fp8::GEMV_FP8_MAX_M;
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 
@@ -69,6 +71,11 @@ pub struct Kernels {
     gemv: [[CudaFunction; 4]; 2],
     /// gate/up GEMV with SwiGLU in the epilogue, m ≤ 1, 2, 4, 8.
     gemv_silu: [CudaFunction; 4],
+    /// Row-wise FP8 W8A8 GEMV (gemv_fp8.cu), m ≤ 1, 2, 4, 8, and its per-token quantizer.
+    gemv_e4m3: [CudaFunction; 4],
+    quant_rows_e4m3: CudaFunction,
+    /// Compute capability 8.9+: e4m3 conversions exist (the FP8 GEMV's requirement).
+    fp8_arch: bool,
     num_sms: u32,
     /// Tuning knobs read once from the environment, for measuring alternatives on a GPU without a
     /// rebuild: `PEREGRINE_GEMV_WPR=a,b` (warps per row for k < 8192 and k >= 8192, instead of
@@ -137,6 +144,9 @@ impl Kernels {
                 [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
             ],
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
+            gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?],
+            quant_rows_e4m3: f("quant_rows_e4m3")?,
+            fp8_arch: arch >= (8, 9),
             num_sms: num_sms.max(1),
             gemv_wpr: std::env::var("PEREGRINE_GEMV_WPR").ok().and_then(|v| {
                 let (a, b) = v.split_once(',')?;

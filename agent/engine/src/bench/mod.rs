@@ -7,6 +7,7 @@ use crate::backend::Backend;
 use crate::plan::{SeqChunk, StepBatch};
 use crate::Result;
 
+pub mod fidelity;
 pub mod lora;
 
 #[derive(Debug, Clone, PartialEq)]

@@ -40,6 +40,9 @@ pub fn load_hf_config(dir: &Path) -> Result<ModelConfig> {
     let json = read_json(&config_path)?;
     let mut config =
         parse_hf_config(&json).map_err(|m| EngineError::invalid_model(&config_path, m))?;
+    // A quantized checkpoint this loader cannot read fails here, by name, not at a tensor's dtype.
+    super::fp8_checkpoint::check_quantization_config(&json)
+        .map_err(|m| EngineError::invalid_model(&config_path, m))?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.is_file() {
         let gen = read_json(&gen_path)?;

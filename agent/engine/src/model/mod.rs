@@ -1,11 +1,14 @@
 //! Model files → weights in memory: GGUF files and HF safetensors folders, dequantization, configs.
 
 pub mod dummy;
+pub mod fp8_checkpoint;
 pub mod ggml_type;
 pub mod gguf;
 pub mod gguf_weights;
 pub mod hf_config;
 pub mod quant;
+pub mod quantize;
+pub mod rowquant;
 pub mod safetensors;
 pub mod weights;
 

@@ -1,5 +1,6 @@
 //! HF folders of safetensors (one `model.safetensors`, or shards listed in
-//! `model.safetensors.index.json`), memory-mapped; F32/F16/BF16 tensors become f32.
+//! `model.safetensors.index.json`), memory-mapped; F32/F16/BF16 tensors become f32, and FP8
+//! checkpoints' `F8_E4M3` linear weights stay 8-bit with their scales (`fp8_checkpoint`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -8,6 +9,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use super::fp8_checkpoint;
 use super::ggml_type::GgmlType;
 use super::quant;
 use super::weights::{LayerWeights, Matrix, ModelWeights};
@@ -100,8 +102,8 @@ impl SafetensorsFolder {
         self.index.contains_key(name)
     }
 
-    /// A tensor as f32 with its shape.
-    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    /// A tensor's dtype, shape and bytes (borrowed from the map).
+    fn tensor_raw(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8])> {
         let &i = self.index.get(name).ok_or_else(|| {
             EngineError::invalid_model(&self.maps[0].0, format!("tensor {name} is missing"))
         })?;
@@ -112,25 +114,50 @@ impl SafetensorsFolder {
         let view = st
             .tensor(name)
             .map_err(|e| err(format!("tensor {name}: {e}")))?;
-        let ty = match view.dtype() {
+        Ok((view.dtype(), view.shape().to_vec(), view.data()))
+    }
+
+    /// A tensor as f32 with its shape.
+    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let (dtype, shape, data) = self.tensor_raw(name)?;
+        let err = |m: String| EngineError::invalid_model(self.path(), m);
+        let ty = match dtype {
             Dtype::F32 => GgmlType::F32,
             Dtype::F16 => GgmlType::F16,
             Dtype::BF16 => GgmlType::BF16,
             other => {
                 return Err(err(format!(
-                    "tensor {name} has dtype {other:?} (F32, F16, BF16 supported)"
+                    "tensor {name} has dtype {other:?} (F32, F16, BF16 supported; F8_E4M3 for linear weights)"
                 )))
             }
         };
-        let shape = view.shape().to_vec();
         let n: usize = shape.iter().product();
-        let data = quant::dequantize(ty, view.data(), n)
+        let data = quant::dequantize(ty, data, n)
             .map_err(|e| err(format!("tensor {name}: {e}")))?;
         Ok((shape, data))
     }
 
     fn path(&self) -> &Path {
         &self.maps[0].0
+    }
+
+    /// A linear layer's weight: floats become f32; `F8_E4M3` (an FP8 checkpoint) stays 8-bit with
+    /// the scales of `{name}_scale`.
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let (dtype, shape, codes) = self.tensor_raw(name)?;
+        if dtype != Dtype::F8_E4M3 {
+            return self.matrix(name, rows, cols);
+        }
+        let scale = fp8_checkpoint::scale_name(name);
+        if !self.contains(&scale) {
+            return Err(EngineError::invalid_model(
+                self.path(),
+                format!("tensor {name} is F8_E4M3 but {scale} is missing"),
+            ));
+        }
+        let (scale_shape, scales) = self.tensor_f32(&scale)?;
+        fp8_checkpoint::fp8_matrix(name, codes, &shape, &scale_shape, scales, rows, cols)
+            .map_err(|m| EngineError::invalid_model(self.path(), m))
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
@@ -174,23 +201,23 @@ pub fn weights_from_safetensors(dir: &Path, config: &ModelConfig) -> Result<Mode
         let n = |s: &str| format!("model.layers.{i}.{s}");
         layers.push(LayerWeights {
             input_layernorm: st.vector(&n("input_layernorm.weight"), h)?,
-            q_proj: st.matrix(&n("self_attn.q_proj.weight"), q, h)?,
-            k_proj: st.matrix(&n("self_attn.k_proj.weight"), kv, h)?,
-            v_proj: st.matrix(&n("self_attn.v_proj.weight"), kv, h)?,
-            o_proj: st.matrix(&n("self_attn.o_proj.weight"), h, q)?,
+            q_proj: st.linear(&n("self_attn.q_proj.weight"), q, h)?,
+            k_proj: st.linear(&n("self_attn.k_proj.weight"), kv, h)?,
+            v_proj: st.linear(&n("self_attn.v_proj.weight"), kv, h)?,
+            o_proj: st.linear(&n("self_attn.o_proj.weight"), h, q)?,
             q_bias: st.optional_vector(&n("self_attn.q_proj.bias"), q)?,
             k_bias: st.optional_vector(&n("self_attn.k_proj.bias"), kv)?,
             v_bias: st.optional_vector(&n("self_attn.v_proj.bias"), kv)?,
             post_attention_layernorm: st.vector(&n("post_attention_layernorm.weight"), h)?,
-            gate_proj: st.matrix(&n("mlp.gate_proj.weight"), inter, h)?,
-            up_proj: st.matrix(&n("mlp.up_proj.weight"), inter, h)?,
-            down_proj: st.matrix(&n("mlp.down_proj.weight"), h, inter)?,
+            gate_proj: st.linear(&n("mlp.gate_proj.weight"), inter, h)?,
+            up_proj: st.linear(&n("mlp.up_proj.weight"), inter, h)?,
+            down_proj: st.linear(&n("mlp.down_proj.weight"), h, inter)?,
         });
     }
     let lm_head = if c.tie_word_embeddings {
         None
     } else {
-        Some(st.matrix("lm_head.weight", c.vocab_size, h)?)
+        Some(st.linear("lm_head.weight", c.vocab_size, h)?)
     };
     let weights = ModelWeights {
         config: config.clone(),

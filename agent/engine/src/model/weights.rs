@@ -5,12 +5,16 @@
 //! HF order (rotate-half RoPE); the GGUF loader undoes llama.cpp's permutation.
 
 use super::quant::QuantMatrix;
+use super::rowquant::RowQuantMatrix;
 use crate::config::ModelConfig;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum MatrixData {
     F32(Vec<f32>),
+    /// ggml blocks (GGUF files).
     Quant(QuantMatrix),
+    /// 8-bit codes with one scale per row (`--quantization`, FP8 checkpoints).
+    RowQuant(RowQuantMatrix),
 }
 
 /// A `rows × cols` matrix (`[out, in]`).
@@ -39,6 +43,14 @@ impl Matrix {
         }
     }
 
+    pub fn from_row_quant(q: RowQuantMatrix) -> Matrix {
+        Matrix {
+            rows: q.rows,
+            cols: q.cols,
+            data: MatrixData::RowQuant(q),
+        }
+    }
+
     /// Row `r` as f32 into `out[..cols]`.
     #[inline(always)]
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
@@ -47,6 +59,7 @@ impl Matrix {
                 out[..self.cols].copy_from_slice(&v[r * self.cols..(r + 1) * self.cols])
             }
             MatrixData::Quant(q) => q.dequantize_row(r, out),
+            MatrixData::RowQuant(q) => q.dequantize_row(r, out),
         }
     }
 
@@ -54,10 +67,12 @@ impl Matrix {
     pub fn to_f32(&self) -> Vec<f32> {
         match &self.data {
             MatrixData::F32(v) => v.clone(),
-            MatrixData::Quant(q) => {
+            MatrixData::Quant(_) | MatrixData::RowQuant(_) => {
                 let mut out = vec![0f32; self.rows * self.cols];
-                for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
-                    q.dequantize_row(r, row);
+                if self.cols > 0 {
+                    for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+                        self.row_into(r, row);
+                    }
                 }
                 out
             }
@@ -75,6 +90,7 @@ impl Matrix {
                 MatrixData::F32(out)
             }
             MatrixData::Quant(q) => MatrixData::Quant(q.permute_rows(perm)),
+            MatrixData::RowQuant(q) => MatrixData::RowQuant(q.permute_rows(perm)),
         };
         Matrix {
             rows: self.rows,
@@ -84,7 +100,8 @@ impl Matrix {
     }
 
     /// Stacks matrices of equal width (rows of `parts[0]` first). Quantized parts of one kind stay
-    /// quantized; anything else becomes f32. None if widths differ.
+    /// quantized (row-quantized ones of one format too); anything else becomes f32. None if widths
+    /// differ.
     pub fn concat_rows(parts: &[&Matrix]) -> Option<Matrix> {
         let cols = parts.first()?.cols;
         if parts.iter().any(|p| p.cols != cols) {
@@ -94,11 +111,21 @@ impl Matrix {
             .iter()
             .map(|p| match &p.data {
                 MatrixData::Quant(q) => Some(q),
-                MatrixData::F32(_) => None,
+                _ => None,
             })
             .collect();
         if let Some(q) = quant.and_then(|q| QuantMatrix::concat_rows(&q)) {
             return Some(Matrix::from_quant(q));
+        }
+        let row_quant: Option<Vec<&RowQuantMatrix>> = parts
+            .iter()
+            .map(|p| match &p.data {
+                MatrixData::RowQuant(q) => Some(q),
+                _ => None,
+            })
+            .collect();
+        if let Some(q) = row_quant.and_then(|q| RowQuantMatrix::concat_rows(&q)) {
+            return Some(Matrix::from_row_quant(q));
         }
         let rows = parts.iter().map(|p| p.rows).sum();
         let mut data = Vec::with_capacity(rows * cols);
@@ -112,6 +139,7 @@ impl Matrix {
         match &self.data {
             MatrixData::F32(v) => v.len() * 4,
             MatrixData::Quant(q) => q.size_bytes(),
+            MatrixData::RowQuant(q) => q.size_bytes(),
         }
     }
 }

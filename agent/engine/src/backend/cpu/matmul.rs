@@ -16,14 +16,14 @@ use crate::model::{Matrix, MatrixData};
 
 /// Weight rows per task: small enough that the dequantized rows stay in L1/L2, large enough to
 /// amortise the task.
-const ROW_TILE: usize = 16;
+pub(super) const ROW_TILE: usize = 16;
 /// Microkernel shape: tokens × rows, 16 accumulators of 16 lanes.
 const MT: usize = 4;
 const MR: usize = 4;
 
 /// A raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: each task writes only the columns of its own row tile (disjoint elements).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
@@ -35,6 +35,9 @@ pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &Matrix, out: &mut [f32]) {
     assert_eq!(out.len(), n * rows, "matmul: out is not n × rows");
     if n == 0 || rows == 0 {
         return;
+    }
+    if let MatrixData::RowQuant(q) = &w.data {
+        return super::matmul_w8a8::matmul(isa, x, n, q, out);
     }
     let ptr = OutPtr(out.as_mut_ptr());
     let tiles = rows.div_ceil(ROW_TILE);
@@ -65,7 +68,8 @@ pub fn matmul(isa: Isa, x: &[f32], n: usize, w: &Matrix, out: &mut [f32]) {
             }
             let wrows: &[f32] = match &w.data {
                 MatrixData::F32(v) => &v[r0 * k..(r0 + nr) * k],
-                MatrixData::Quant(_) => {
+                // Row-quantized matrices took their own path above.
+                MatrixData::Quant(_) | MatrixData::RowQuant(_) => {
                     scratch.resize(ROW_TILE * k, 0.0);
                     dequantize_rows(isa, w, r0, nr, scratch);
                     &scratch[..nr * k]
@@ -109,7 +113,7 @@ fn dequantize_rows(isa: Isa, w: &Matrix, r0: usize, nr: usize, scratch: &mut [f3
 
 /// All tokens × one tile of `nr` weight rows (`w` holds those rows, `nr × k`).
 #[allow(clippy::too_many_arguments)]
-fn tile_kernel(
+pub(super) fn tile_kernel(
     isa: Isa,
     x: &[f32],
     n: usize,

@@ -8,6 +8,7 @@ pub mod lora;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod matmul_avx2;
+mod matmul_w8a8;
 pub mod ops;
 pub mod simd;
 

@@ -33,6 +33,17 @@ pub const PREFIX_CACHE_HIT_TOKENS: &str = "peregrine_prefix_cache_hit_tokens";
 pub const REQUEST_SUCCESS: &str = "peregrine_request_success";
 /// Requests refused or failed, by error code (counter).
 pub const REQUEST_ERRORS: &str = "peregrine_request_errors";
+/// Server-wide totals, without a `model` label (they survive adapter unloads).
+pub const SERVER_NUM_REQUESTS_RUNNING: &str = "peregrine_server_num_requests_running";
+pub const SERVER_NUM_REQUESTS_WAITING: &str = "peregrine_server_num_requests_waiting";
+pub const SERVER_PROMPT_TOKENS: &str = "peregrine_server_prompt_tokens";
+pub const SERVER_GENERATION_TOKENS: &str = "peregrine_server_generation_tokens";
+pub const SERVER_REQUESTS_FINISHED: &str = "peregrine_server_requests_finished";
+/// HTTP connections being served (gauge).
+pub const HTTP_CONNECTIONS_OPEN: &str = "peregrine_http_connections_open";
+/// Connections refused at `--max-connections` (counter).
+pub const HTTP_CONNECTIONS_REFUSED: &str = "peregrine_http_connections_refused";
+pub const HTTP_CONNECTIONS_REFUSED_TOTAL: &str = "peregrine_http_connections_refused_total";
 
 /// Every series the operator's autoscaler reads from a pod, as exposed.
 pub const AUTOSCALER_INPUTS: &[&str] = &[
@@ -55,5 +66,6 @@ mod tests {
     fn exposed_counter_names_add_total() {
         assert_eq!(PROMPT_TOKENS_TOTAL, format!("{PROMPT_TOKENS}_total"));
         assert_eq!(GENERATION_TOKENS_TOTAL, format!("{GENERATION_TOKENS}_total"));
+        assert_eq!(HTTP_CONNECTIONS_REFUSED_TOTAL, format!("{HTTP_CONNECTIONS_REFUSED}_total"));
     }
 }

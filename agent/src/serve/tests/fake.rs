@@ -18,11 +18,18 @@ pub struct FakeBackend {
     /// Generations whose stream is still alive (the fake's "KV blocks in use").
     pub live: Arc<AtomicUsize>,
     pub started: Arc<AtomicUsize>,
+    /// `(name, path)` of every adapter load the server passed on.
+    pub loads: Arc<parking_lot::Mutex<Vec<(String, std::path::PathBuf)>>>,
+    /// Whether "fake-adapter" is loaded (an unload clears it).
+    pub adapter_loaded: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FakeBackend {
     pub fn new(delay: Duration) -> Self {
-        FakeBackend { delay, max_model_len: 64, live: Arc::default(), started: Arc::default() }
+        FakeBackend {
+            delay, max_model_len: 64, live: Arc::default(), started: Arc::default(), loads: Arc::default(),
+            adapter_loaded: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        }
     }
 }
 
@@ -58,7 +65,8 @@ impl InferenceBackend for FakeBackend {
     }
 
     fn has_adapter(&self, name: &str) -> bool {
-        name == "fake-adapter"
+        // "unloaded-adapter" is unloaded between the server's check and the submit (a real race).
+        (name == "fake-adapter" && self.adapter_loaded.load(Ordering::SeqCst)) || name == "unloaded-adapter"
     }
 
     async fn adapters(&self) -> Result<Vec<peregrine_api::AdapterStatus>, ApiError> {
@@ -77,6 +85,21 @@ impl InferenceBackend for FakeBackend {
         }])
     }
 
+    async fn load_adapter(&self, name: String, path: std::path::PathBuf) -> Result<crate::serve::backend::AdapterLoaded, ApiError> {
+        self.loads.lock().push((name.clone(), path.clone()));
+        let mut adapter = self.adapters().await?.remove(0);
+        adapter.name = name;
+        adapter.source = path.display().to_string();
+        Ok(crate::serve::backend::AdapterLoaded { outcome: crate::serve::backend::LoadOutcome::Loaded, adapter })
+    }
+
+    async fn unload_adapter(&self, name: String) -> Result<peregrine_api::AdapterStatus, ApiError> {
+        if name != "fake-adapter" || !self.adapter_loaded.swap(false, Ordering::SeqCst) {
+            return Err(ApiError::AdapterNotFound(name));
+        }
+        Ok(self.adapters().await?.remove(0))
+    }
+
     async fn prepare(&self, prompt: PromptInput) -> Result<PreparedPrompt, ApiError> {
         let text = match prompt {
             PromptInput::Text(t) => t,
@@ -87,6 +110,9 @@ impl InferenceBackend for FakeBackend {
     }
 
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
+        if let Some(gone) = input.adapter.filter(|a| a == "unloaded-adapter") {
+            return Err(ApiError::ModelNotFound(gone));
+        }
         let prompt = decode(&input.prompt.tokens)?;
         let reply: Vec<char> = prompt.to_uppercase().chars().collect();
         self.live.fetch_add(1, Ordering::SeqCst);

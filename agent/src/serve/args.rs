@@ -76,12 +76,25 @@ pub struct ServeArgs {
     /// OTLP/HTTP endpoint for traces (e.g. http://otel-collector:4318); no export when unset.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-    /// Log as JSON lines.
+    /// Log lines as `text` (colours only on a terminal) or `json`.
+    #[arg(long, env = "PEREGRINE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// The same as `--log-format json` (kept: the operator passes it).
     #[arg(long, env = "PEREGRINE_LOG_JSON")]
     pub log_json: bool,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
 impl ServeArgs {
+    pub fn json_logs(&self) -> bool {
+        self.log_json || self.log_format == LogFormat::Json
+    }
+
     pub fn connection_limits(&self) -> ConnectionLimits {
         ConnectionLimits {
             max_connections: self.max_connections.max(1),
@@ -138,5 +151,14 @@ mod tests {
         assert_eq!(parse(&["--threads", "1"]).http_workers(DeviceArg::Cpu), cores.saturating_sub(1).max(1));
         assert_eq!(parse(&["--http-workers", "3"]).http_workers(DeviceArg::Cpu), 3);
         assert_eq!(parse(&["--http-workers", "0"]).http_workers(DeviceArg::Cuda), 1);
+    }
+
+    #[test]
+    fn log_format_flags() {
+        assert!(!parse(&[]).json_logs());
+        assert!(parse(&["--log-format", "json"]).json_logs());
+        assert!(parse(&["--log-json"]).json_logs());
+        assert!(!parse(&["--log-format", "text"]).json_logs());
+        assert!(Cli::try_parse_from(["serve", "--model", "/m.gguf", "--log-format", "xml"]).is_err());
     }
 }

@@ -130,7 +130,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let workers = args.http_workers(args.engine.device()?);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {
-        let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
+        let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.json_logs())?;
         let limits = tenant::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
         let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?.with_admin_keys(&args.admin_api_keys);
         let adapter_roots = adapter_roots::AdapterRoots::new(&args.lora_roots)?;

@@ -39,6 +39,10 @@ pub const SERVER_NUM_REQUESTS_WAITING: &str = "peregrine_server_num_requests_wai
 pub const SERVER_PROMPT_TOKENS: &str = "peregrine_server_prompt_tokens";
 pub const SERVER_GENERATION_TOKENS: &str = "peregrine_server_generation_tokens";
 pub const SERVER_REQUESTS_FINISHED: &str = "peregrine_server_requests_finished";
+/// Bytes of the KV-cache pool (gauge; CPU backend).
+pub const KV_CACHE_BYTES: &str = "peregrine_kv_cache_bytes";
+/// Resident memory of the agent process (gauge; Prometheus' conventional name).
+pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "process_resident_memory_bytes";
 /// HTTP connections being served (gauge).
 pub const HTTP_CONNECTIONS_OPEN: &str = "peregrine_http_connections_open";
 /// Connections refused at `--max-connections` (counter).

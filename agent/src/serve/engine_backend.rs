@@ -26,11 +26,18 @@ pub struct EngineBackend {
     max_model_len: usize,
     engine: EngineHandle,
     tokenizer: Tokenizer,
+    kv_cache_bytes: Option<u64>,
 }
 
 impl EngineBackend {
     pub fn new(model_name: String, backend_name: String, max_model_len: usize, engine: EngineHandle, tokenizer: Tokenizer) -> Self {
-        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer }
+        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer, kv_cache_bytes: None }
+    }
+
+    /// The KV pool's size, for `/metrics`.
+    pub fn with_kv_cache_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.kv_cache_bytes = bytes;
+        self
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -160,6 +167,7 @@ impl InferenceBackend for EngineBackend {
             prefix_cache_hit_tokens: m.prefix_cache_hit_tokens_total,
             engine_running: m.num_running,
             engine_waiting: m.num_waiting,
+            kv_cache_bytes: self.kv_cache_bytes,
         }
     }
 

@@ -151,8 +151,32 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
             None,
             MetricType::Counter,
         )?.encode_family(&labels)?)?;
+        if let Some(bytes) = s.kv_cache_bytes {
+            ConstGauge::new(bytes as i64).encode(encoder.encode_descriptor(
+                names::KV_CACHE_BYTES,
+                "Bytes of the KV-cache pool (CPU backend: host memory, resident from the start).",
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
+        if let Some(rss) = resident_memory_bytes() {
+            ConstGauge::new(rss as i64).encode(encoder.encode_descriptor(
+                names::PROCESS_RESIDENT_MEMORY_BYTES,
+                "Resident memory of the process.",
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
         Ok(())
     }
+}
+
+/// The process's resident set size (Linux: /proc/self/statm, in pages); None elsewhere.
+fn resident_memory_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // 4 KiB pages: what x86-64 and the usual arm64 kernels use; reading sysconf would need libc.
+    Some(pages.saturating_mul(4096))
 }
 
 impl Metrics {

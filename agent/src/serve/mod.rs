@@ -187,7 +187,13 @@ fn load_engine(args: &ServeArgs) -> anyhow::Result<engine_backend::EngineBackend
         "model loaded"
     );
     let max_model_len = runtime.engine.max_model_len();
-    Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer))
+    // The CPU pool is host memory, touched at start (so it is in the process's RSS already).
+    let kv_cache_bytes = matches!(runtime.device, crate::runtime::DeviceArg::Cpu).then(|| {
+        let per_block = peregrine_engine::backend::cpu::CpuBackend::kv_bytes_per_block(&runtime.model_config, runtime.kv_shape.block_size);
+        (runtime.kv_shape.num_blocks as u64).saturating_mul(per_block as u64)
+    });
+    Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer)
+        .with_kv_cache_bytes(kv_cache_bytes))
 }
 
 /// One short generation through the whole path, so the first client does not pay for cold caches.

@@ -61,7 +61,11 @@ impl InferenceBackend for FakeBackend {
     }
 
     fn stats(&self) -> BackendStats {
-        BackendStats { kv_cache_usage_ratio: self.live.load(Ordering::SeqCst) as f64 / 10.0, ..Default::default() }
+        BackendStats {
+            kv_cache_usage_ratio: self.live.load(Ordering::SeqCst) as f64 / 10.0,
+            kv_cache_bytes: Some(1 << 20),
+            ..Default::default()
+        }
     }
 
     fn has_adapter(&self, name: &str) -> bool {

@@ -356,6 +356,22 @@ async fn client_disconnect_aborts_generation() {
 
 mod tcp;
 
+/// Memory a pod limit can be set from: the KV pool's size and the process's resident memory.
+#[tokio::test]
+async fn metrics_report_memory() {
+    let state = fast();
+    let (_, _, m) = call(super::routes::router(state), Method::GET, "/metrics", Body::empty(), &[]).await;
+    let m = String::from_utf8(m.to_vec()).unwrap();
+    assert!(m.lines().any(|l| l == "peregrine_kv_cache_bytes 1048576"), "{m}");
+    let rss: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
+        .unwrap_or_else(|| panic!("no RSS series:\n{m}"))
+        .parse()
+        .unwrap();
+    assert!(rss > 1e6, "{rss}");
+}
+
 /// `/metrics` is bounded by what the server has: unknown `model` strings mint no series, an
 /// unloaded adapter's series go, and the server-wide totals keep counting.
 #[tokio::test]

@@ -235,12 +235,19 @@ async fn rank_above_max_lora_rank_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lora_admin_needs_the_api_key_and_lora_enabled() {
-    let server = Server::start(&["--api-key", "sk-admin"]);
+    let server = Server::start(&["--api-key", "sk-tenant", "--admin-api-key", "sk-admin"]);
     let c = client();
     let (status, _) = load(&c, server.addr, "adapter-a", &adapter_dir("adapter-a")).await;
     assert_eq!(status, 401);
     let (status, _) = get(server.addr, "/v1/adapters").await.unwrap();
     assert_eq!(status, 401);
+    // A tenant key is authenticated but may not manage adapters.
+    let req = hyper::Request::post(format!("http://{}/v1/load_lora_adapter", server.addr))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-tenant")
+        .body(Full::new(Bytes::from(json!({"lora_name": "a", "lora_path": adapter_dir("adapter-a")}).to_string())))
+        .unwrap();
+    assert_eq!(c.request(req).await.unwrap().status(), 403);
     let req = hyper::Request::post(format!("http://{}/v1/load_lora_adapter", server.addr))
         .header("content-type", "application/json")
         .header("authorization", "Bearer sk-admin")

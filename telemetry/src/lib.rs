@@ -3,6 +3,7 @@
 
 mod client;
 
+use std::io::IsTerminal;
 use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;
@@ -71,11 +72,8 @@ impl Drop for TelemetryGuard {
 /// Installs the global subscriber: logs on stderr, plus span export when an endpoint is given.
 pub fn init(config: TelemetryConfig<'_>) -> Result<TelemetryGuard, TelemetryError> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(config.default_filter));
-    let fmt = if config.json {
-        tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).boxed()
-    } else {
-        tracing_subscriber::fmt::layer().with_writer(std::io::stderr).boxed()
-    };
+    // Colours only for a person at a terminal: escape codes in a file or a log collector are noise.
+    let fmt = log_layer(config.json, std::io::stderr().is_terminal(), std::io::stderr);
     let provider = match config.otlp_endpoint.filter(|e| !e.is_empty()) {
         Some(endpoint) => Some(tracer_provider(config.service_name, endpoint)?),
         None => None,
@@ -83,6 +81,19 @@ pub fn init(config: TelemetryConfig<'_>) -> Result<TelemetryGuard, TelemetryErro
     let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer(config.service_name)));
     tracing_subscriber::registry().with(filter).with(fmt).with(otel).try_init()?;
     Ok(TelemetryGuard { provider })
+}
+
+/// The log-line layer: JSON lines, or text with ANSI colours only when `ansi`.
+fn log_layer<S, W>(json: bool, ansi: bool, writer: W) -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    if json {
+        tracing_subscriber::fmt::layer().json().with_ansi(false).with_writer(writer).boxed()
+    } else {
+        tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer).boxed()
+    }
 }
 
 fn tracer_provider(service_name: &'static str, endpoint: &str) -> Result<SdkTracerProvider, TelemetryError> {
@@ -107,6 +118,45 @@ mod tests {
     fn an_endpoint_outside_a_tokio_runtime_is_refused_before_anything_is_installed() {
         let config = TelemetryConfig { service_name: "test", default_filter: "info", otlp_endpoint: Some("http://127.0.0.1:4318"), json: false };
         assert!(matches!(init(config), Err(TelemetryError::NoRuntime)));
+    }
+
+    /// Collects what a layer writes.
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn log_with(json: bool, ansi: bool) -> String {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::registry().with(log_layer(json, ansi, move || writer.clone()));
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("request", request_id = 7);
+            let _entered = span.enter();
+            tracing::warn!(model = "m", "grace period over");
+        });
+        let bytes = out.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    #[test]
+    fn log_lines_have_no_escape_codes_off_a_terminal_and_json_is_json() {
+        let text = log_with(false, false);
+        assert!(text.contains("grace period over") && !text.contains('\x1b'), "{text:?}");
+        assert!(log_with(false, true).contains('\x1b'), "colours at a terminal");
+        let json = log_with(true, true);
+        let line: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+        assert_eq!(line["fields"]["message"], "grace period over");
+        assert_eq!(line["level"], "WARN");
+        assert!(!json.contains('\x1b'));
     }
 
     #[test]

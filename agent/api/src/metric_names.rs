@@ -33,6 +33,21 @@ pub const PREFIX_CACHE_HIT_TOKENS: &str = "peregrine_prefix_cache_hit_tokens";
 pub const REQUEST_SUCCESS: &str = "peregrine_request_success";
 /// Requests refused or failed, by error code (counter).
 pub const REQUEST_ERRORS: &str = "peregrine_request_errors";
+/// Server-wide totals, without a `model` label (they survive adapter unloads).
+pub const SERVER_NUM_REQUESTS_RUNNING: &str = "peregrine_server_num_requests_running";
+pub const SERVER_NUM_REQUESTS_WAITING: &str = "peregrine_server_num_requests_waiting";
+pub const SERVER_PROMPT_TOKENS: &str = "peregrine_server_prompt_tokens";
+pub const SERVER_GENERATION_TOKENS: &str = "peregrine_server_generation_tokens";
+pub const SERVER_REQUESTS_FINISHED: &str = "peregrine_server_requests_finished";
+/// Bytes of the KV-cache pool (gauge; CPU backend).
+pub const KV_CACHE_BYTES: &str = "peregrine_kv_cache_bytes";
+/// Resident memory of the agent process (gauge; Prometheus' conventional name).
+pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "process_resident_memory_bytes";
+/// HTTP connections being served (gauge).
+pub const HTTP_CONNECTIONS_OPEN: &str = "peregrine_http_connections_open";
+/// Connections refused at `--max-connections` (counter).
+pub const HTTP_CONNECTIONS_REFUSED: &str = "peregrine_http_connections_refused";
+pub const HTTP_CONNECTIONS_REFUSED_TOTAL: &str = "peregrine_http_connections_refused_total";
 
 /// Every series the operator's autoscaler reads from a pod, as exposed.
 pub const AUTOSCALER_INPUTS: &[&str] = &[
@@ -123,5 +138,6 @@ mod tests {
         assert_eq!(vllm::GENERATION_TOKENS_TOTAL, format!("{}_total", vllm::GENERATION_TOKENS));
         assert_eq!(vllm::PREFIX_CACHE_QUERIES_TOTAL, format!("{}_total", vllm::PREFIX_CACHE_QUERIES));
         assert_eq!(vllm::PREFIX_CACHE_HITS_TOTAL, format!("{}_total", vllm::PREFIX_CACHE_HITS));
+        assert_eq!(HTTP_CONNECTIONS_REFUSED_TOTAL, format!("{HTTP_CONNECTIONS_REFUSED}_total"));
     }
 }

@@ -25,15 +25,18 @@ impl Admission {
         self.waiting.load(Ordering::Acquire)
     }
 
-    /// Takes a waiting slot or refuses. `gauge` is the model's waiting gauge, kept in step.
-    pub fn try_admit(&self, gauge: Gauge) -> Result<WaitingSlot, ApiError> {
+    /// Takes a waiting slot or refuses. `gauges` (the model's and the server's waiting gauges) are
+    /// kept in step.
+    pub fn try_admit(&self, gauges: Vec<Gauge>) -> Result<WaitingSlot, ApiError> {
         let taken = self.waiting.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
             (w < self.max_waiting).then_some(w + 1)
         });
         match taken {
             Ok(_) => {
-                gauge.inc();
-                Ok(WaitingSlot { waiting: Some(self.waiting.clone()), gauge })
+                gauges.iter().for_each(|g| {
+                    g.inc();
+                });
+                Ok(WaitingSlot { waiting: Some(self.waiting.clone()), gauges })
             }
             Err(w) => Err(ApiError::QueueFull { waiting: w, retry_after: Duration::from_secs(1) }),
         }
@@ -44,14 +47,16 @@ impl Admission {
 #[derive(Debug)]
 pub struct WaitingSlot {
     waiting: Option<Arc<AtomicUsize>>,
-    gauge: Gauge,
+    gauges: Vec<Gauge>,
 }
 
 impl WaitingSlot {
     pub fn release(&mut self) {
         if let Some(w) = self.waiting.take() {
             w.fetch_sub(1, Ordering::AcqRel);
-            self.gauge.dec();
+            self.gauges.iter().for_each(|g| {
+                g.dec();
+            });
         }
     }
 }
@@ -65,19 +70,23 @@ impl Drop for WaitingSlot {
 /// Held while a request runs in the engine (scheduled, not finished), keeping the running gauge.
 #[derive(Debug)]
 pub struct RunningSlot {
-    gauge: Gauge,
+    gauges: Vec<Gauge>,
 }
 
 impl RunningSlot {
-    pub fn new(gauge: Gauge) -> Self {
-        gauge.inc();
-        RunningSlot { gauge }
+    pub fn new(gauges: Vec<Gauge>) -> Self {
+        gauges.iter().for_each(|g| {
+            g.inc();
+        });
+        RunningSlot { gauges }
     }
 }
 
 impl Drop for RunningSlot {
     fn drop(&mut self) {
-        self.gauge.dec();
+        self.gauges.iter().for_each(|g| {
+            g.dec();
+        });
     }
 }
 
@@ -89,9 +98,9 @@ mod tests {
     fn bounded_and_released() {
         let a = Admission::new(2);
         let g = Gauge::default();
-        let s1 = a.try_admit(g.clone()).unwrap();
-        let mut s2 = a.try_admit(g.clone()).unwrap();
-        assert!(matches!(a.try_admit(g.clone()), Err(ApiError::QueueFull { waiting: 2, .. })));
+        let s1 = a.try_admit(vec![g.clone()]).unwrap();
+        let mut s2 = a.try_admit(vec![g.clone()]).unwrap();
+        assert!(matches!(a.try_admit(vec![g.clone()]), Err(ApiError::QueueFull { waiting: 2, .. })));
         assert_eq!(g.get(), 2);
         s2.release();
         s2.release(); // idempotent
@@ -100,6 +109,6 @@ mod tests {
         drop(s2);
         assert_eq!(a.waiting(), 0);
         assert_eq!(g.get(), 0);
-        assert!(a.try_admit(g).is_ok());
+        assert!(a.try_admit(vec![g]).is_ok());
     }
 }

@@ -3,6 +3,7 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use super::connections::ConnectionLimits;
 use crate::runtime::{DeviceArg, EngineArgs};
 use std::time::Duration;
 
@@ -26,13 +27,33 @@ pub struct ServeArgs {
     /// Requests allowed to wait (tokenizing or queued in the engine); more get 429.
     #[arg(long, env = "PEREGRINE_MAX_WAITING_REQUESTS", default_value_t = 256)]
     pub max_waiting_requests: usize,
+    /// Larger bodies get 413; a larger `Content-Length` is refused before the body is read.
     #[arg(long, env = "PEREGRINE_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Open connections served at once; beyond it a connection is answered 503 and closed.
+    #[arg(long, env = "PEREGRINE_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Seconds a client has to send a complete request head; also how long an idle keep-alive
+    /// connection stays open.
+    #[arg(long, env = "PEREGRINE_HEADER_READ_TIMEOUT", value_parser = parse_secs, default_value = "10")]
+    pub header_read_timeout: Duration,
+    /// Seconds a client has to send a complete request body once its head has arrived (else 408).
+    #[arg(long, env = "PEREGRINE_BODY_READ_TIMEOUT", value_parser = parse_secs, default_value = "30")]
+    pub body_read_timeout: Duration,
 
     // Auth and tenants.
     /// Accepted API keys (`Authorization: Bearer KEY`); repeat or comma-separate.
     #[arg(long = "api-key", env = "PEREGRINE_API_KEYS", value_delimiter = ',')]
     pub api_keys: Vec<String>,
+    /// Keys for the adapter admin endpoints (load, unload, list); repeat or comma-separate. They are
+    /// not tenant keys, and tenant keys get 403 there. With tenant keys but no admin key, adapter
+    /// admin is closed.
+    #[arg(long = "admin-api-key", env = "PEREGRINE_ADMIN_API_KEYS", value_delimiter = ',')]
+    pub admin_api_keys: Vec<String>,
+    /// Folders adapters may be loaded from at run time (repeatable; symlinks resolved). Without
+    /// one, any path the process can read.
+    #[arg(long = "lora-root", env = "PEREGRINE_LORA_ROOTS", value_delimiter = ',')]
+    pub lora_roots: Vec<PathBuf>,
     /// A file of API keys, one per line: `KEY [rpm=N] [tpm=N]`; `#` starts a comment.
     #[arg(long, env = "PEREGRINE_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
@@ -55,7 +76,10 @@ pub struct ServeArgs {
     /// OTLP/HTTP endpoint for traces (e.g. http://otel-collector:4318); no export when unset.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-    /// Log as JSON lines.
+    /// Log lines as `text` (colours only on a terminal) or `json`.
+    #[arg(long, env = "PEREGRINE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// The same as `--log-format json` (kept: the operator passes it).
     #[arg(long, env = "PEREGRINE_LOG_JSON")]
     pub log_json: bool,
     /// KV-cache events for prefix-aware routers (off unless `--kv-events-endpoint`).
@@ -63,7 +87,26 @@ pub struct ServeArgs {
     pub kv_events: crate::kv_events::KvEventsArgs,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
 impl ServeArgs {
+    pub fn json_logs(&self) -> bool {
+        self.log_json || self.log_format == LogFormat::Json
+    }
+
+    pub fn connection_limits(&self) -> ConnectionLimits {
+        ConnectionLimits {
+            max_connections: self.max_connections.max(1),
+            // hyper's timer needs a non-zero deadline; 0 means "as short as possible", not "none".
+            header_read_timeout: self.header_read_timeout.max(Duration::from_millis(1)),
+            body_read_timeout: self.body_read_timeout,
+        }
+    }
+
     /// `--http-workers` or its default. On the CPU backend every extra runnable thread takes its
     /// core from a matmul thread, and a fork-join step waits for its slowest thread, so one async
     /// worker per token wakes up (not one per core: tokio wakes a second to steal) and it only uses
@@ -111,5 +154,14 @@ mod tests {
         assert_eq!(parse(&["--threads", "1"]).http_workers(DeviceArg::Cpu), cores.saturating_sub(1).max(1));
         assert_eq!(parse(&["--http-workers", "3"]).http_workers(DeviceArg::Cpu), 3);
         assert_eq!(parse(&["--http-workers", "0"]).http_workers(DeviceArg::Cuda), 1);
+    }
+
+    #[test]
+    fn log_format_flags() {
+        assert!(!parse(&[]).json_logs());
+        assert!(parse(&["--log-format", "json"]).json_logs());
+        assert!(parse(&["--log-json"]).json_logs());
+        assert!(!parse(&["--log-format", "text"]).json_logs());
+        assert!(Cli::try_parse_from(["serve", "--model", "/m.gguf", "--log-format", "xml"]).is_err());
     }
 }

@@ -15,6 +15,19 @@ pub struct ApiKey {
 #[derive(Debug, Clone, Default)]
 pub struct KeyStore {
     keys: Vec<ApiKey>,
+    /// Keys for the adapter admin endpoints only (`--admin-api-key`); never a tenant.
+    admin_keys: Vec<Vec<u8>>,
+}
+
+/// Who is calling an admin endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdminAccess {
+    /// An admin key, or a server with no keys at all.
+    Allowed,
+    /// A valid tenant key: authenticated, but not allowed to manage adapters.
+    Forbidden,
+    /// No key or an unknown one.
+    Unauthenticated,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +52,34 @@ impl KeyStore {
                 .map_err(|source| KeyFileError::Io { path: path.display().to_string(), source })?;
             keys.extend(parse_keys_file(&text, default_limits)?);
         }
-        Ok(KeyStore { keys })
+        Ok(KeyStore { keys, admin_keys: Vec::new() })
+    }
+
+    /// Adds the admin keys (`--admin-api-key`).
+    pub fn with_admin_keys(mut self, admin_keys: &[String]) -> Self {
+        self.admin_keys =
+            admin_keys.iter().map(|k| k.trim()).filter(|k| !k.is_empty()).map(|k| k.as_bytes().to_vec()).collect();
+        self
+    }
+
+    /// Whether `presented` may load, unload and list adapters. With tenant keys but no admin key,
+    /// nobody may: adapter admin is never open to tenants.
+    pub fn admin_access(&self, presented: Option<&[u8]>) -> AdminAccess {
+        if self.keys.is_empty() && self.admin_keys.is_empty() {
+            return AdminAccess::Allowed;
+        }
+        let Some(presented) = presented else { return AdminAccess::Unauthenticated };
+        // Every key is compared, admin and tenant, so timing does not tell which kind matched.
+        let mut admin = false;
+        for k in &self.admin_keys {
+            admin |= bool::from(k.as_slice().ct_eq(presented));
+        }
+        let tenant = self.authenticate(presented).is_some();
+        match (admin, tenant) {
+            (true, _) => AdminAccess::Allowed,
+            (false, true) => AdminAccess::Forbidden,
+            (false, false) => AdminAccess::Unauthenticated,
+        }
     }
 
     /// No keys configured: every request is allowed, as one anonymous tenant.
@@ -136,5 +176,24 @@ mod tests {
         assert_eq!(bearer_token(b"bearer sk-one"), Some(&b"sk-one"[..]));
         assert_eq!(bearer_token(b"Basic abc"), None);
         assert_eq!(bearer_token(b"Bearer "), None);
+    }
+
+    #[test]
+    fn admin_keys_are_distinct_from_tenant_keys() {
+        let open = KeyStore::default();
+        assert_eq!(open.admin_access(None), AdminAccess::Allowed, "no keys at all: a local dev server");
+        let tenants_only = KeyStore::new(&["sk-tenant".into()], None, Limits::default()).unwrap();
+        assert_eq!(tenants_only.admin_access(Some(b"sk-tenant")), AdminAccess::Forbidden);
+        assert_eq!(tenants_only.admin_access(None), AdminAccess::Unauthenticated);
+        let both = tenants_only.with_admin_keys(&["sk-admin".into(), " ".into()]);
+        assert_eq!(both.admin_access(Some(b"sk-admin")), AdminAccess::Allowed);
+        assert_eq!(both.admin_access(Some(b"sk-tenant")), AdminAccess::Forbidden);
+        assert_eq!(both.admin_access(Some(b"sk-other")), AdminAccess::Unauthenticated);
+        assert_eq!(both.admin_access(Some(b"")), AdminAccess::Unauthenticated);
+        // The admin key is not a tenant: it does not open the inference endpoints.
+        assert_eq!(both.authenticate(b"sk-admin"), None);
+        let admin_only = KeyStore::default().with_admin_keys(&["sk-admin".into()]);
+        assert!(admin_only.is_open(), "no tenant keys: inference stays open");
+        assert_eq!(admin_only.admin_access(None), AdminAccess::Unauthenticated);
     }
 }

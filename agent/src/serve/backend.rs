@@ -81,6 +81,8 @@ pub struct BackendStats {
     pub prefix_cache_hit_tokens: u64,
     pub engine_running: usize,
     pub engine_waiting: usize,
+    /// Bytes of the KV-cache pool, where the backend knows them (the CPU backend's host memory).
+    pub kv_cache_bytes: Option<u64>,
 }
 
 /// Fixed facts about the engine that gateways read (`vllm:cache_config_info`,

@@ -13,7 +13,8 @@ use peregrine_engine::EngineError;
 
 use super::backend::{BackendStats, EventStream, GenerateInput, InferenceBackend, PreparedPrompt, PromptInput};
 use super::error::ApiError;
-use super::metrics::{FinishLabels, Metrics};
+use super::admission::RunningSlot;
+use super::metrics::Metrics;
 use super::state::AppState;
 
 pub struct EncoderOnly {
@@ -109,8 +110,8 @@ pub async fn encode(
         }
     }
     let arrival = Instant::now();
-    let label = Metrics::label(name);
-    let mut waiting = state.admission.try_admit(state.metrics.waiting.get_or_create(&label).clone())?;
+    let series = state.metrics.series(&Metrics::label(name));
+    let mut waiting = state.admission.try_admit(vec![series.waiting.clone(), series.totals.waiting.clone()])?;
     let encoder = state.backend.encoder().clone();
     let tokenized = tokio::task::spawn_blocking(move || -> Result<(Vec<EncoderInput>, EncoderHandle), EngineError> {
         let tok = &encoder.model().tokenizer;
@@ -128,18 +129,16 @@ pub async fn encode(
     .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))?;
     let (inputs, encoder) = tokenized.map_err(encoder_error)?;
     let tokens: usize = inputs.iter().map(EncoderInput::len).sum();
-    let running = state.metrics.running.get_or_create(&label).clone();
     waiting.release();
-    running.inc();
+    let running = RunningSlot::new(vec![series.running.clone(), series.totals.running.clone()]);
     let result = encoder.run(inputs, kind).await;
-    running.dec();
+    drop(running);
     let vectors = result.map_err(encoder_error)?;
-    state.metrics.prompt_tokens.get_or_create(&label).inc_by(tokens as u64);
-    Metrics::observe(&state.metrics.e2e_latency, &label, arrival.elapsed());
-    state
-        .metrics
-        .requests_finished
-        .get_or_create(&FinishLabels { model: name.to_string(), finished_reason: "encoded".to_string() })
-        .inc();
+    series.prompt_tokens.inc_by(tokens as u64);
+    series.totals.prompt_tokens.inc_by(tokens as u64);
+    series.e2e_latency.observe(arrival.elapsed().as_secs_f64());
+    // An encoder request finishes as a generation's "stop" does: it ran to its end.
+    series.finished("stop").inc();
+    series.totals.requests_finished.inc();
     Ok(Encoded { vectors, tokens })
 }

@@ -27,16 +27,23 @@ pub struct EngineBackend {
     engine: EngineHandle,
     tokenizer: Tokenizer,
     shape: EngineShape,
+    kv_cache_bytes: Option<u64>,
 }
 
 impl EngineBackend {
     pub fn new(model_name: String, backend_name: String, max_model_len: usize, engine: EngineHandle, tokenizer: Tokenizer) -> Self {
-        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer, shape: EngineShape::default() }
+        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer, shape: EngineShape::default(), kv_cache_bytes: None }
     }
 
     /// The KV-cache and LoRA sizes the engine was started with (reported to gateways).
     pub fn with_engine_shape(mut self, shape: EngineShape) -> Self {
         self.shape = shape;
+        self
+    }
+
+    /// The KV pool's size, for `/metrics`.
+    pub fn with_kv_cache_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.kv_cache_bytes = bytes;
         self
     }
 
@@ -63,14 +70,45 @@ fn engine_error(e: EngineError) -> ApiError {
     }
 }
 
-/// Errors of the adapter admin calls.
-fn admin_error(e: EngineError) -> ApiError {
-    match e {
-        EngineError::InvalidAdapter { .. } | EngineError::Io { .. } => ApiError::InvalidAdapter(e.to_string()),
-        EngineError::UnknownAdapter(name) => ApiError::AdapterNotFound(name),
-        EngineError::Unsupported(_) => ApiError::LoraDisabled,
-        EngineError::InvalidRequest(m) => ApiError::invalid(Some("lora_name".to_string()), m),
-        other => engine_error(other),
+/// An error of an adapter admin call, kept whole until the caller knows the adapter's name.
+#[derive(Debug)]
+enum AdminError {
+    Engine(EngineError),
+    Task(ApiError),
+}
+
+impl AdminError {
+    /// A load's error as the client sees it: the adapter's name, never a host path. A missing
+    /// folder, a file instead of a folder and a folder without the adapter files all read alike
+    /// (they would reveal which folders exist); a readable adapter that does not fit says why.
+    fn without_host_paths(self, adapter: &str, dir: &Path) -> ApiError {
+        match self {
+            AdminError::Engine(EngineError::Io { .. }) => ApiError::AdapterUnreadable(adapter.to_string()),
+            AdminError::Engine(EngineError::InvalidAdapter { path, .. }) if path == dir => {
+                ApiError::AdapterUnreadable(adapter.to_string())
+            }
+            AdminError::Engine(EngineError::InvalidAdapter { message, .. }) => {
+                ApiError::InvalidAdapter(format!("the LoRA adapter `{adapter}` cannot be served: {message}"))
+            }
+            other => other.into(),
+        }
+    }
+}
+
+impl From<AdminError> for ApiError {
+    fn from(e: AdminError) -> Self {
+        match e {
+            AdminError::Task(e) => e,
+            // Paths stay in the server's log, not in the answer.
+            AdminError::Engine(e @ (EngineError::InvalidAdapter { .. } | EngineError::Io { .. })) => {
+                tracing::warn!(error = %e, "adapter files");
+                ApiError::InvalidAdapter("the adapter's files cannot be used".to_string())
+            }
+            AdminError::Engine(EngineError::UnknownAdapter(name)) => ApiError::AdapterNotFound(name),
+            AdminError::Engine(EngineError::Unsupported(_)) => ApiError::LoraDisabled,
+            AdminError::Engine(EngineError::InvalidRequest(m)) => ApiError::invalid(Some("lora_name".to_string()), m),
+            AdminError::Engine(other) => engine_error(other),
+        }
     }
 }
 
@@ -106,12 +144,12 @@ impl EngineBackend {
     async fn blocking<T: Send + 'static>(
         &self,
         call: impl FnOnce(EngineHandle) -> Result<T, EngineError> + Send + 'static,
-    ) -> Result<T, ApiError> {
+    ) -> Result<T, AdminError> {
         let engine = self.engine.clone();
         tokio::task::spawn_blocking(move || call(engine))
             .await
-            .map_err(|e| ApiError::Internal(format!("adapter task: {e}")))?
-            .map_err(admin_error)
+            .map_err(|e| AdminError::Task(ApiError::Internal(format!("adapter task: {e}"))))?
+            .map_err(AdminError::Engine)
     }
 }
 
@@ -136,6 +174,7 @@ impl InferenceBackend for EngineBackend {
             prefix_cache_hit_tokens: m.prefix_cache_hit_tokens_total,
             engine_running: m.num_running,
             engine_waiting: m.num_waiting,
+            kv_cache_bytes: self.kv_cache_bytes,
         }
     }
 
@@ -158,7 +197,11 @@ impl InferenceBackend for EngineBackend {
     }
 
     async fn load_adapter(&self, name: String, path: PathBuf) -> Result<AdapterLoaded, ApiError> {
-        let (outcome, info) = self.blocking(move |engine| engine.load_adapter(&name, &path)).await?;
+        let (adapter, dir) = (name.clone(), path.clone());
+        let (outcome, info) = self
+            .blocking(move |engine| engine.load_adapter(&name, &path))
+            .await
+            .map_err(|e| e.without_host_paths(&adapter, &dir))?;
         let outcome = match outcome {
             lora::LoadOutcome::Loaded => LoadOutcome::Loaded,
             lora::LoadOutcome::AlreadyLoaded => LoadOutcome::AlreadyLoaded,

@@ -26,6 +26,9 @@ pub enum ApiError {
     ContextLengthExceeded(String),
     #[error("{0}")]
     Unauthorized(String),
+    /// Authenticated, but the key may not do this (a tenant key on an admin endpoint).
+    #[error("{0}")]
+    Forbidden(String),
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
     /// An admin call naming an adapter that is not loaded.
@@ -35,6 +38,11 @@ pub enum ApiError {
     /// above `--max-lora-rank`, unsupported PEFT features.
     #[error("{0}")]
     InvalidAdapter(String),
+    /// No adapter could be read at the given path: outside the allowed roots, missing, not a folder
+    /// or unreadable. One message for all of them, naming the adapter and no host path, so the
+    /// answer does not reveal which folders exist.
+    #[error("the LoRA adapter `{0}` cannot be loaded: no readable PEFT adapter (adapter_config.json and adapter_model.safetensors) at lora_path inside the server's adapter roots")]
+    AdapterUnreadable(String),
     #[error("LoRA is not enabled on this server; start it with --enable-lora or --lora-modules")]
     LoraDisabled,
     #[error("no route for {0}")]
@@ -43,6 +51,12 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("request body is larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
+    /// The body did not arrive whole within `--body-read-timeout`.
+    #[error("the request body was not received in time")]
+    RequestTimeout,
+    /// The body broke off or its chunked encoding is invalid.
+    #[error("the request body could not be read")]
+    MalformedBody,
     /// A tenant's requests- or tokens-per-minute limit.
     #[error("{message}")]
     RateLimited { message: String, retry_after: Duration },
@@ -71,13 +85,16 @@ impl ApiError {
             ApiError::InvalidRequest { .. } => "invalid_value",
             ApiError::ContextLengthExceeded(_) => "context_length_exceeded",
             ApiError::Unauthorized(_) => "invalid_api_key",
+            ApiError::Forbidden(_) => "permission_denied",
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::AdapterNotFound(_) => "adapter_not_found",
-            ApiError::InvalidAdapter(_) => "invalid_adapter",
+            ApiError::InvalidAdapter(_) | ApiError::AdapterUnreadable(_) => "invalid_adapter",
             ApiError::LoraDisabled => "lora_disabled",
             ApiError::RouteNotFound(_) => "route_not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
+            ApiError::RequestTimeout => "request_timeout",
+            ApiError::MalformedBody => "invalid_body",
             ApiError::RateLimited { .. } => "rate_limit_exceeded",
             ApiError::QueueFull { .. } => "queue_full",
             ApiError::Draining => "draining",
@@ -93,9 +110,13 @@ impl ApiError {
             | ApiError::InvalidRequest { .. }
             | ApiError::ContextLengthExceeded(_)
             | ApiError::InvalidAdapter(_)
-            | ApiError::LoraDisabled => StatusCode::BAD_REQUEST,
+            | ApiError::AdapterUnreadable(_)
+            | ApiError::LoraDisabled
+            | ApiError::MalformedBody => StatusCode::BAD_REQUEST,
+            ApiError::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::ModelNotFound(_) | ApiError::AdapterNotFound(_) | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -109,6 +130,7 @@ impl ApiError {
     fn kind(&self) -> &'static str {
         match self.status() {
             StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable_error",
@@ -124,7 +146,7 @@ impl ApiError {
             ApiError::ContextLengthExceeded(_) => Some("messages".to_string()),
             ApiError::ModelNotFound(_) => Some("model".to_string()),
             ApiError::AdapterNotFound(_) => Some("lora_name".to_string()),
-            ApiError::InvalidAdapter(_) => Some("lora_path".to_string()),
+            ApiError::InvalidAdapter(_) | ApiError::AdapterUnreadable(_) => Some("lora_path".to_string()),
             _ => None,
         }
     }

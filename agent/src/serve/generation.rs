@@ -6,8 +6,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::histogram::Histogram;
 use peregrine_engine::request::{FinishReason, SamplingParams, Usage};
 use tracing::Span;
 
@@ -15,7 +13,7 @@ use super::admission::{RunningSlot, WaitingSlot};
 use super::tenant::TenantId;
 use super::backend::{EventStream, GenerateEvent, GenerateInput, InferenceBackend, PromptInput, TokenOutput};
 use super::error::ApiError;
-use super::metrics::{FinishLabels, Metrics, ModelLabel};
+use super::metrics::{served_label, Metrics, ModelSeries};
 use super::state::AppState;
 use super::vllm::activity::ActivityGuard;
 
@@ -44,41 +42,56 @@ pub struct Running {
     pub request_id: u64,
     pub prompt_tokens: usize,
     events: EventStream,
+    /// The model's series, looked up once (not a labelled-family lookup per token).
+    series: ModelSeries,
     metrics: Metrics,
-    label: ModelLabel,
     waiting: WaitingSlot,
     running: Option<RunningSlot>,
-    running_gauge: prometheus_client::metrics::gauge::Gauge,
     /// Waiting → running → gone, for vLLM's queue gauges and `vllm:lora_requests_info`.
     activity: ActivityGuard,
-    /// Per-token series, looked up once (not a labelled-family lookup per token).
-    per_token: PerTokenMetrics,
     arrival: Instant,
     last_token: Option<Instant>,
-    reservation: Option<(Arc<dyn Refund>, TenantId, u64)>,
+    completion_tokens: usize,
+    reservation: Option<TokenReservation>,
+    /// Completes when the shutdown grace period is over.
+    cut_off: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     span: Span,
     done: bool,
-}
-
-struct PerTokenMetrics {
-    time_to_first_token: Histogram,
-    time_per_output_token: Histogram,
-    generation_tokens: Counter,
-}
-
-impl PerTokenMetrics {
-    fn new(metrics: &Metrics, label: &ModelLabel) -> Self {
-        PerTokenMetrics {
-            time_to_first_token: metrics.time_to_first_token.get_or_create(label).clone(),
-            time_per_output_token: metrics.time_per_output_token.get_or_create(label).clone(),
-            generation_tokens: metrics.generation_tokens.get_or_create(label).clone(),
-        }
-    }
 }
 
 /// Gives unused reserved tokens back to a tenant's bucket (type-erased so `Running` is not generic).
 pub trait Refund: Send + Sync {
     fn refund(&self, tenant: TenantId, tokens: u64);
+}
+
+/// Tokens reserved from a tenant's per-minute budget before a request runs. However the request
+/// ends (finished, refused after reserving, failed, aborted by the client), dropping this settles
+/// the budget to what was used: the prompt once it was processed, plus the tokens generated.
+pub struct TokenReservation {
+    refund: Arc<dyn Refund>,
+    tenant: TenantId,
+    reserved: u64,
+    used: u64,
+}
+
+impl TokenReservation {
+    pub fn new(refund: Arc<dyn Refund>, tenant: TenantId, reserved: u64) -> Self {
+        TokenReservation { refund, tenant, reserved, used: 0 }
+    }
+
+    /// Sets what the request has used so far (never more than was reserved).
+    pub fn set_used(&mut self, used: u64) {
+        self.used = used.min(self.reserved);
+    }
+}
+
+impl Drop for TokenReservation {
+    fn drop(&mut self) {
+        let unused = self.reserved - self.used;
+        if unused > 0 {
+            self.refund.refund(self.tenant, unused);
+        }
+    }
 }
 
 impl<B: InferenceBackend> Refund for AppState<B> {
@@ -95,17 +108,14 @@ pub async fn start<B: InferenceBackend>(
 ) -> Result<Running, ApiError> {
     let arrival = Instant::now();
     let backend = &state.backend;
-    let adapter = if job.model == backend.model_name() {
-        None
-    } else if backend.has_adapter(&job.model) {
-        Some(job.model.clone())
-    } else {
+    let Some(label) = served_label(backend.as_ref(), &job.model) else {
         return Err(ApiError::ModelNotFound(job.model));
     };
+    let adapter = (job.model != backend.model_name()).then(|| job.model.clone());
     // No refusal while draining: load balancers may still route here until they see `/ready` fail,
     // and every request that reaches us is served (the listener closes after the drain delay).
-    let label = Metrics::label(&job.model);
-    let waiting = state.admission.try_admit(state.metrics.waiting.get_or_create(&label).clone())?;
+    let series = state.metrics.series(&label);
+    let waiting = state.admission.try_admit(vec![series.waiting.clone(), series.totals.waiting.clone()])?;
     let activity = state.metrics.vllm.enter(adapter.clone());
     let request_id = state.next_request_id();
     let span = tracing::info_span!(
@@ -153,7 +163,8 @@ pub async fn start<B: InferenceBackend>(
                     message: format!("rate limit reached for {} per minute; retry after {:.1}s", r.what, r.retry_after.as_secs_f64()),
                     retry_after: r.retry_after,
                 })?;
-            Some((state.clone() as Arc<dyn Refund>, t, reserve))
+            // From here every early return gives the whole reservation back.
+            Some(TokenReservation::new(state.clone() as Arc<dyn Refund>, t, reserve))
         }
         None => None,
     };
@@ -173,16 +184,16 @@ pub async fn start<B: InferenceBackend>(
         request_id,
         prompt_tokens: prompt_len,
         events,
-        running_gauge: state.metrics.running.get_or_create(&label).clone(),
+        series,
         activity,
-        per_token: PerTokenMetrics::new(&state.metrics, &label),
         metrics: state.metrics.clone(),
-        label,
         waiting,
         running: None,
         arrival,
         last_token: None,
+        completion_tokens: 0,
         reservation,
+        cut_off: Box::pin(state.lifecycle.cut_off_signal()),
         span,
         done: false,
     })
@@ -195,7 +206,23 @@ impl Running {
             return None;
         }
         loop {
-            let Some(event) = self.events.next().await else {
+            let next = tokio::select! {
+                biased;
+                () = &mut self.cut_off => None,
+                event = self.events.next() => Some(event),
+            };
+            let Some(next) = next else {
+                // Shutdown's grace period is over: a clean 503 / SSE error, and the stream is
+                // dropped below, which aborts the request in the engine.
+                self.done = true;
+                self.activity.finish();
+                self.metrics.error(ApiError::Draining.label());
+                self.series.finished("abort").inc();
+                self.series.totals.requests_finished.inc();
+                tracing::warn!(parent: &self.span, "cut off at the end of the shutdown grace period");
+                return Some(Step::Error(ApiError::Draining));
+            };
+            let Some(event) = next else {
                 self.done = true;
                 self.activity.finish();
                 self.metrics.error("engine_stopped");
@@ -225,12 +252,13 @@ impl Running {
     fn on_scheduled(&mut self, queue_time: Duration) {
         if self.running.is_none() {
             self.waiting.release();
-            self.running = Some(RunningSlot::new(self.running_gauge.clone()));
+            self.running = Some(RunningSlot::new(vec![self.series.running.clone(), self.series.totals.running.clone()]));
             self.activity.scheduled();
             // Time in our own queue (tokenizing) plus the engine's.
             let queued = self.arrival.elapsed().max(queue_time);
-            Metrics::observe(&self.metrics.queue_time, &self.label, queued);
+            self.series.queue_time.observe(queued.as_secs_f64());
             self.metrics.vllm.request_queue_time.observe(queued.as_secs_f64());
+            self.charge();
             tracing::info!(parent: &self.span, queue_time_s = queue_time.as_secs_f64(), "scheduled");
         }
     }
@@ -243,38 +271,47 @@ impl Running {
         }
         match self.last_token {
             None => {
-                self.per_token.time_to_first_token.observe((now - self.arrival).as_secs_f64());
+                self.series.time_to_first_token.observe((now - self.arrival).as_secs_f64());
                 self.metrics.vllm.time_to_first_token.observe((now - self.arrival).as_secs_f64());
                 // vLLM counts a prompt's tokens when its prefill completes.
                 self.metrics.vllm.prompt_tokens.inc_by(self.prompt_tokens as u64);
                 tracing::info!(parent: &self.span, ttft_s = (now - self.arrival).as_secs_f64(), "first_token");
             }
             Some(prev) => {
-                self.per_token.time_per_output_token.observe((now - prev).as_secs_f64());
+                self.series.time_per_output_token.observe((now - prev).as_secs_f64());
                 self.metrics.vllm.time_per_output_token.observe((now - prev).as_secs_f64());
             }
         }
         self.last_token = Some(now);
-        self.per_token.generation_tokens.inc();
+        self.series.generation_tokens.inc();
+        self.series.totals.generation_tokens.inc();
         self.metrics.vllm.generation_tokens.inc();
+        self.completion_tokens += 1;
+        self.charge();
+    }
+
+    /// Once scheduled, the prompt has been (or is being) processed: it is charged, and every token
+    /// generated so far, so an abort or a failure settles to what the engine did.
+    fn charge(&mut self) {
+        if let Some(r) = self.reservation.as_mut() {
+            r.set_used((self.prompt_tokens + self.completion_tokens) as u64);
+        }
     }
 
     fn on_finished(&mut self, reason: FinishReason, usage: Usage) {
         self.done = true;
-        Metrics::observe(&self.metrics.e2e_latency, &self.label, self.arrival.elapsed());
+        self.series.e2e_latency.observe(self.arrival.elapsed().as_secs_f64());
         self.metrics.vllm.e2e_request_latency.observe(self.arrival.elapsed().as_secs_f64());
         self.metrics.vllm.prefix_cache_queries.inc_by(usage.prompt_tokens as u64);
         self.metrics.vllm.prefix_cache_hits.inc_by(usage.cached_prompt_tokens as u64);
         self.activity.finish();
-        self.metrics.prompt_tokens.get_or_create(&self.label).inc_by(usage.prompt_tokens as u64);
-        self.metrics.prefix_cache_hit_tokens.get_or_create(&self.label).inc_by(usage.cached_prompt_tokens as u64);
-        self.metrics
-            .requests_finished
-            .get_or_create(&FinishLabels { model: self.label.model.clone(), finished_reason: reason.as_str().to_string() })
-            .inc();
-        if let Some((refund, tenant, reserved)) = self.reservation.take() {
-            let used = (usage.prompt_tokens + usage.completion_tokens) as u64;
-            refund.refund(tenant, reserved.saturating_sub(used));
+        self.series.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+        self.series.totals.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+        self.series.prefix_cache_hit_tokens.inc_by(usage.cached_prompt_tokens as u64);
+        self.series.finished(reason.as_str()).inc();
+        self.series.totals.requests_finished.inc();
+        if let Some(mut r) = self.reservation.take() {
+            r.set_used((usage.prompt_tokens + usage.completion_tokens) as u64);
         }
         self.span.record("completion_tokens", usage.completion_tokens);
         self.span.record("finish_reason", reason.as_str());
@@ -287,10 +324,8 @@ impl Drop for Running {
     fn drop(&mut self) {
         if !self.done {
             // The client went away: dropping `events` aborts the request in the engine.
-            self.metrics
-                .requests_finished
-                .get_or_create(&FinishLabels { model: self.label.model.clone(), finished_reason: "abort".to_string() })
-                .inc();
+            self.series.finished("abort").inc();
+            self.series.totals.requests_finished.inc();
             tracing::info!(parent: &self.span, "aborted");
         }
     }

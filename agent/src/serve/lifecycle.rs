@@ -1,14 +1,39 @@
-//! Readiness and draining: `/ready` is 503 until the model is warm and again once SIGTERM arrives.
+//! Readiness and draining: `/ready` is 503 until the model is warm and again once SIGTERM arrives;
+//! when the grace period runs out, requests still running are cut off cleanly (see [`Lifecycle::cut_off`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-#[derive(Debug, Default)]
+use tokio::sync::watch;
+
+#[derive(Debug)]
 pub struct Lifecycle {
     ready: AtomicBool,
     draining: AtomicBool,
+    /// Turns true when the grace period is over.
+    cut_off: watch::Sender<bool>,
+}
+
+impl Default for Lifecycle {
+    fn default() -> Self {
+        Lifecycle { ready: AtomicBool::new(false), draining: AtomicBool::new(false), cut_off: watch::Sender::new(false) }
+    }
 }
 
 impl Lifecycle {
+    /// The grace period is over: every running request ends now with `503` + `Retry-After` (or,
+    /// mid-stream, an SSE error event and `[DONE]`) instead of being dropped with the process.
+    pub fn cut_off(&self) {
+        self.cut_off.send_replace(true);
+    }
+
+    /// Completes once [`Self::cut_off`] was called.
+    pub fn cut_off_signal(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.cut_off.subscribe();
+        async move {
+            let _ = rx.wait_for(|c| *c).await;
+        }
+    }
+
     pub fn set_ready(&self) {
         self.ready.store(true, Ordering::Release);
     }

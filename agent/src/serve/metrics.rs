@@ -1,5 +1,8 @@
-//! Prometheus metrics (text exposition), all labelled by `model` (base model or adapter name):
-//! what the operator's autoscaler and dashboards read.
+//! Prometheus metrics (text exposition), labelled by `model` (base model or adapter name): what
+//! the operator's autoscaler and dashboards read. Labels come only from models the server has
+//! ([`served_label`]), an adapter's series go when it is unloaded ([`Metrics::forget_model`]), and
+//! unlabelled server-wide totals sit beside them (`peregrine_server_*`), so `/metrics` stays
+//! bounded by what is loaded, not by what clients send.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +16,8 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use super::backend::{BackendStats, EngineShape};
+use super::backend::{BackendStats, EngineShape, InferenceBackend};
+use super::connections::ConnectionMetrics;
 use super::vllm::VllmMetrics;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -33,6 +37,50 @@ pub struct ErrorLabels {
 }
 
 type HistogramFamily = Family<ModelLabel, Histogram, fn() -> Histogram>;
+
+/// The label for `model` if the server serves it (the base model or a loaded adapter), else None.
+/// Every label derived from a request's `model` goes through here, so a client cannot mint series.
+pub fn served_label<B: InferenceBackend>(backend: &B, model: &str) -> Option<ModelLabel> {
+    (model == backend.model_name() || backend.has_adapter(model)).then(|| ModelLabel { model: model.to_string() })
+}
+
+/// Every finish reason a request can end with (the `finished_reason` label's whole range).
+const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
+
+/// Unlabelled server-wide totals: they keep counting across adapter loads and unloads.
+#[derive(Debug, Clone, Default)]
+pub struct ServerTotals {
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub requests_finished: Counter,
+}
+
+/// One model's series, looked up once per request: a request keeps updating its own handles even
+/// if its adapter is unloaded meanwhile, without re-creating the dropped series.
+#[derive(Debug, Clone)]
+pub struct ModelSeries {
+    pub time_to_first_token: Histogram,
+    pub time_per_output_token: Histogram,
+    pub e2e_latency: Histogram,
+    pub queue_time: Histogram,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub prefix_cache_hit_tokens: Counter,
+    /// Indexed like [`FINISH_REASONS`].
+    finished: [Counter; 3],
+    pub totals: ServerTotals,
+}
+
+impl ModelSeries {
+    pub fn finished(&self, reason: &str) -> &Counter {
+        let i = FINISH_REASONS.iter().position(|r| *r == reason).unwrap_or(FINISH_REASONS.len() - 1);
+        &self.finished[i]
+    }
+}
 
 fn latency_histogram() -> Histogram {
     // vLLM's TTFT/e2e buckets: 1 ms to several minutes.
@@ -67,6 +115,8 @@ pub struct Metrics {
     pub request_errors: Family<ErrorLabels, Counter>,
     /// vLLM's names for the gateways, beside ours.
     pub vllm: VllmMetrics,
+    pub connections: ConnectionMetrics,
+    pub totals: ServerTotals,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -104,8 +154,32 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
             None,
             MetricType::Counter,
         )?.encode_family(&labels)?)?;
+        if let Some(bytes) = s.kv_cache_bytes {
+            ConstGauge::new(bytes as i64).encode(encoder.encode_descriptor(
+                names::KV_CACHE_BYTES,
+                "Bytes of the KV-cache pool (CPU backend: host memory, resident from the start).",
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
+        if let Some(rss) = resident_memory_bytes() {
+            ConstGauge::new(rss as i64).encode(encoder.encode_descriptor(
+                names::PROCESS_RESIDENT_MEMORY_BYTES,
+                "Resident memory of the process.",
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
         Ok(())
     }
+}
+
+/// The process's resident set size (Linux: /proc/self/statm, in pages); None elsewhere.
+fn resident_memory_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // 4 KiB pages: what x86-64 and the usual arm64 kernels use; reading sysconf would need libc.
+    Some(pages.saturating_mul(4096))
 }
 
 impl Metrics {
@@ -138,6 +212,15 @@ impl Metrics {
         r.register(names::PREFIX_CACHE_HIT_TOKENS, "Prompt tokens whose KV came from the prefix cache.", prefix_cache_hit_tokens.clone());
         r.register(names::REQUEST_SUCCESS, "Finished requests by finish reason.", requests_finished.clone());
         r.register(names::REQUEST_ERRORS, "Requests refused or failed, by error code.", request_errors.clone());
+        let totals = ServerTotals::default();
+        r.register(names::SERVER_NUM_REQUESTS_RUNNING, "Requests being generated, all models.", totals.running.clone());
+        r.register(names::SERVER_NUM_REQUESTS_WAITING, "Requests admitted but not yet scheduled, all models.", totals.waiting.clone());
+        r.register(names::SERVER_PROMPT_TOKENS, "Prompt tokens of finished requests, all models.", totals.prompt_tokens.clone());
+        r.register(names::SERVER_GENERATION_TOKENS, "Generated tokens, all models.", totals.generation_tokens.clone());
+        r.register(names::SERVER_REQUESTS_FINISHED, "Finished requests (any reason), all models.", totals.requests_finished.clone());
+        let connections = ConnectionMetrics::default();
+        r.register(names::HTTP_CONNECTIONS_OPEN, "HTTP connections being served.", connections.open.clone());
+        r.register(names::HTTP_CONNECTIONS_REFUSED, "Connections refused at --max-connections.", connections.refused.clone());
         r.register_collector(Box::new(EngineCollector { model: base_model.to_string(), stats }));
         // Make the base model's series visible (at zero) before the first request, so dashboards and
         // the autoscaler see a value rather than no data.
@@ -165,6 +248,8 @@ impl Metrics {
             requests_finished,
             request_errors,
             vllm,
+            connections,
+            totals,
         }
     }
 
@@ -172,6 +257,46 @@ impl Metrics {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)
+    }
+
+    /// The handles of one served model's series (see [`served_label`]).
+    pub fn series(&self, label: &ModelLabel) -> ModelSeries {
+        let finished = FINISH_REASONS.map(|reason| {
+            self.requests_finished
+                .get_or_create(&FinishLabels { model: label.model.clone(), finished_reason: reason.to_string() })
+                .clone()
+        });
+        ModelSeries {
+            time_to_first_token: self.time_to_first_token.get_or_create(label).clone(),
+            time_per_output_token: self.time_per_output_token.get_or_create(label).clone(),
+            e2e_latency: self.e2e_latency.get_or_create(label).clone(),
+            queue_time: self.queue_time.get_or_create(label).clone(),
+            running: self.running.get_or_create(label).clone(),
+            waiting: self.waiting.get_or_create(label).clone(),
+            prompt_tokens: self.prompt_tokens.get_or_create(label).clone(),
+            generation_tokens: self.generation_tokens.get_or_create(label).clone(),
+            prefix_cache_hit_tokens: self.prefix_cache_hit_tokens.get_or_create(label).clone(),
+            finished,
+            totals: self.totals.clone(),
+        }
+    }
+
+    /// Drops every series labelled with `model` (an unloaded adapter); the server totals keep its
+    /// counts.
+    pub fn forget_model(&self, model: &str) {
+        let label = ModelLabel { model: model.to_string() };
+        for fam in [&self.time_to_first_token, &self.time_per_output_token, &self.e2e_latency, &self.queue_time] {
+            fam.remove(&label);
+        }
+        for fam in [&self.running, &self.waiting] {
+            fam.remove(&label);
+        }
+        for fam in [&self.prompt_tokens, &self.generation_tokens, &self.prefix_cache_hit_tokens] {
+            fam.remove(&label);
+        }
+        for reason in FINISH_REASONS {
+            self.requests_finished.remove(&FinishLabels { model: model.to_string(), finished_reason: reason.to_string() });
+        }
     }
 
     pub fn label(model: &str) -> ModelLabel {

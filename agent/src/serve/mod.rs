@@ -4,10 +4,13 @@
 //! shape JSON/SSE) → [`generation`] (model resolution, admission, tokenizing on a worker pool,
 //! length checks, token limits, metrics and trace events) → an [`backend::InferenceBackend`].
 
+pub mod adapter_roots;
 pub mod admission;
 pub mod args;
 pub mod auth;
 pub mod backend;
+pub mod body_limits;
+pub mod connections;
 pub mod encoder_backend;
 pub mod encoder_serve;
 pub mod engine_backend;
@@ -32,7 +35,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 pub use args::ServeArgs;
@@ -79,15 +81,13 @@ pub async fn serve_with<B: InferenceBackend>(
         tokio::time::sleep(drain.delay).await;
         tracing::info!("no longer accepting connections");
     };
-    // Streamed tokens are small writes: without TCP_NODELAY, Nagle holds one back until the client
-    // acknowledges the previous one, which a delayed ACK can put off by up to 40 ms.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-        }
-    });
-    let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting);
-    let server = std::future::IntoFuture::into_future(server);
+    let server = connections::serve_connections(
+        listener,
+        app,
+        state.config.connections,
+        state.metrics.connections.clone(),
+        stop_accepting,
+    );
     tokio::pin!(server);
     let mut signalled = signalled_rx;
     let deadline = async {
@@ -96,14 +96,20 @@ pub async fn serve_with<B: InferenceBackend>(
         tokio::time::sleep(drain.delay + drain.grace_period).await;
     };
     tokio::select! {
-        result = &mut server => result,
+        () = &mut server => Ok(()),
         () = deadline => {
-            let running: i64 = state.metrics.running.get_or_create(&metrics::Metrics::label(state.backend.model_name())).get();
-            tracing::warn!(running, "grace period over with requests still in flight; exiting");
+            let running: i64 = state.metrics.totals.running.get();
+            tracing::warn!(running, "grace period over with requests still in flight; ending them with 503");
+            state.lifecycle.cut_off();
+            // Time for the handlers to write their last event and the connections to close.
+            let _ = tokio::time::timeout(CUT_OFF_FLUSH, &mut server).await;
             Ok(())
         }
     }
 }
+
+/// After the grace period, how long cut-off requests get to send their final error.
+const CUT_OFF_FLUSH: Duration = Duration::from_millis(500);
 
 /// SIGTERM or Ctrl-C.
 pub async fn shutdown_signal() {
@@ -141,9 +147,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let workers = args.http_workers(args.engine.device()?);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {
-        let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json)?;
+        let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.json_logs())?;
         let limits = tenant::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
-        let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?;
+        let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?.with_admin_keys(&args.admin_api_keys);
+        let adapter_roots = adapter_roots::AdapterRoots::new(&args.lora_roots)?;
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
         let backend = Arc::new(backend);
@@ -151,7 +158,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             let batches = backend.engine().subscribe_kv_events(crate::kv_events::engine_queue())?;
             crate::kv_events::start(&args.kv_events, backend.model_name(), batches).await?;
         }
-        let config = state::ServerConfig { max_body_bytes: args.max_body_bytes, max_waiting_requests: args.max_waiting_requests };
+        let config = state::ServerConfig {
+            max_body_bytes: args.max_body_bytes,
+            max_waiting_requests: args.max_waiting_requests,
+            connections: args.connection_limits(),
+            adapter_roots,
+        };
         let state = Arc::new(AppState::new(backend.clone(), keys, config));
         let listener = TcpListener::bind((args.host, args.port)).await?;
         tracing::info!(
@@ -201,8 +213,14 @@ fn load_engine(args: &ServeArgs) -> anyhow::Result<engine_backend::EngineBackend
         num_kv_blocks: runtime.kv_shape.num_blocks,
         max_loras: args.engine.lora_config().map(|l| l.max_loras),
     };
+    // The CPU pool is host memory, touched at start (so it is in the process's RSS already).
+    let kv_cache_bytes = matches!(runtime.device, crate::runtime::DeviceArg::Cpu).then(|| {
+        let per_block = peregrine_engine::backend::cpu::CpuBackend::kv_bytes_per_block(&runtime.model_config, runtime.kv_shape.block_size);
+        (runtime.kv_shape.num_blocks as u64).saturating_mul(per_block as u64)
+    });
     Ok(engine_backend::EngineBackend::new(name, runtime.backend_name, max_model_len, runtime.engine, tokenizer)
-        .with_engine_shape(shape))
+        .with_engine_shape(shape)
+        .with_kv_cache_bytes(kv_cache_bytes))
 }
 
 /// One short generation through the whole path, so the first client does not pay for cold caches.

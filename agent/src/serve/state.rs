@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::admission::Admission;
+use super::adapter_roots::AdapterRoots;
 use super::auth::KeyStore;
+use super::connections::ConnectionLimits;
 use super::backend::InferenceBackend;
 use super::lifecycle::Lifecycle;
 use super::metrics::Metrics;
@@ -15,11 +17,16 @@ use super::rate_limit::RateLimiter;
 pub struct ServerConfig {
     pub max_body_bytes: usize,
     pub max_waiting_requests: usize,
+    pub connections: ConnectionLimits,
+    pub adapter_roots: AdapterRoots,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { max_body_bytes: 4 * 1024 * 1024, max_waiting_requests: 256 }
+        ServerConfig {
+            max_body_bytes: 4 * 1024 * 1024, max_waiting_requests: 256, connections: ConnectionLimits::default(),
+            adapter_roots: AdapterRoots::default(),
+        }
     }
 }
 

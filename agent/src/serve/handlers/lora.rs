@@ -1,8 +1,6 @@
 //! LoRA admin: `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's bodies and
 //! plain-text success answers, so vLLM tooling works unchanged) and `GET /v1/adapters`.
 
-use std::path::PathBuf;
-
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -13,6 +11,7 @@ use peregrine_api::{AdapterList, LoadLoraAdapterRequest, UnloadLoraAdapterReques
 
 use super::{fail, SharedState};
 use crate::serve::backend::{InferenceBackend, LoadOutcome};
+use crate::serve::error::ApiError;
 use crate::serve::parse::{body_bytes, parse_request};
 
 fn text(message: String) -> Response {
@@ -25,7 +24,15 @@ pub async fn load<B: InferenceBackend>(State(state): State<SharedState<B>>, body
         Err(e) => return fail(&state, e),
     };
     let name = request.lora_name;
-    match state.backend.load_adapter(name.clone(), PathBuf::from(&request.lora_path)).await {
+    if name == state.backend.model_name() {
+        // It would be listed but never reachable: `model` resolves to the base model first.
+        return fail(&state, ApiError::invalid(Some("lora_name".to_string()), format!("`{name}` is the base model's name; choose another adapter name")));
+    }
+    let Some(path) = state.config.adapter_roots.resolve(&request.lora_path) else {
+        tracing::info!(adapter = %name, path = %request.lora_path, "LoRA adapter path refused: outside --lora-root or unreadable");
+        return fail(&state, ApiError::AdapterUnreadable(name));
+    };
+    match state.backend.load_adapter(name.clone(), path).await {
         Ok(loaded) => {
             let what = match loaded.outcome {
                 LoadOutcome::Loaded => "added successfully",
@@ -48,6 +55,8 @@ pub async fn unload<B: InferenceBackend>(State(state): State<SharedState<B>>, bo
     match state.backend.unload_adapter(name.clone()).await {
         Ok(info) => {
             tracing::info!(adapter = %name, in_flight = info.in_flight, "LoRA adapter unloaded");
+            // Requests still running on it keep their own handles; the series leave `/metrics`.
+            state.metrics.forget_model(&name);
             text(format!("Success: LoRA adapter '{name}' removed successfully."))
         }
         Err(e) => fail(&state, e),

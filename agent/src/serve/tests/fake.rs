@@ -25,6 +25,8 @@ pub struct FakeBackend {
     pub shape: EngineShape,
     /// Prompt tokens every request reports as found in the prefix cache (at most its prompt).
     pub cached_prompt_tokens: usize,
+    /// `(name, path)` of every adapter load the server passed on.
+    pub loads: Arc<parking_lot::Mutex<Vec<(String, PathBuf)>>>,
 }
 
 impl FakeBackend {
@@ -37,6 +39,7 @@ impl FakeBackend {
             adapters: Arc::new(Mutex::new(BTreeSet::from(["fake-adapter".to_string()]))),
             shape: EngineShape::default(),
             cached_prompt_tokens: 0,
+            loads: Arc::default(),
         }
     }
 
@@ -85,7 +88,11 @@ impl InferenceBackend for FakeBackend {
     }
 
     fn stats(&self) -> BackendStats {
-        BackendStats { kv_cache_usage_ratio: self.live.load(Ordering::SeqCst) as f64 / 10.0, ..Default::default() }
+        BackendStats {
+            kv_cache_usage_ratio: self.live.load(Ordering::SeqCst) as f64 / 10.0,
+            kv_cache_bytes: Some(1 << 20),
+            ..Default::default()
+        }
     }
 
     fn engine_shape(&self) -> EngineShape {
@@ -93,17 +100,21 @@ impl InferenceBackend for FakeBackend {
     }
 
     fn has_adapter(&self, name: &str) -> bool {
-        self.adapters.lock().unwrap().contains(name)
+        // "unloaded-adapter" is unloaded between the server's check and the submit (a real race).
+        self.adapters.lock().unwrap().contains(name) || name == "unloaded-adapter"
     }
 
     async fn adapters(&self) -> Result<Vec<peregrine_api::AdapterStatus>, ApiError> {
         Ok(self.adapters.lock().unwrap().iter().map(|n| Self::adapter_status(n)).collect())
     }
 
-    async fn load_adapter(&self, name: String, _path: PathBuf) -> Result<AdapterLoaded, ApiError> {
+    async fn load_adapter(&self, name: String, path: PathBuf) -> Result<AdapterLoaded, ApiError> {
+        self.loads.lock().push((name.clone(), path.clone()));
         let fresh = self.adapters.lock().unwrap().insert(name.clone());
         let outcome = if fresh { LoadOutcome::Loaded } else { LoadOutcome::AlreadyLoaded };
-        Ok(AdapterLoaded { outcome, adapter: Self::adapter_status(&name) })
+        let mut adapter = Self::adapter_status(&name);
+        adapter.source = path.display().to_string();
+        Ok(AdapterLoaded { outcome, adapter })
     }
 
     async fn unload_adapter(&self, name: String) -> Result<peregrine_api::AdapterStatus, ApiError> {
@@ -124,6 +135,9 @@ impl InferenceBackend for FakeBackend {
     }
 
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
+        if let Some(gone) = input.adapter.filter(|a| a == "unloaded-adapter") {
+            return Err(ApiError::ModelNotFound(gone));
+        }
         let prompt = decode(&input.prompt.tokens)?;
         let reply: Vec<char> = prompt.to_uppercase().chars().collect();
         self.live.fetch_add(1, Ordering::SeqCst);

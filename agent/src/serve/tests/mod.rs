@@ -268,6 +268,41 @@ async fn per_key_rate_limits() {
     assert!(h.contains_key("retry-after"));
 }
 
+/// The tokens-per-minute reservation is settled to what was used on every path: a request refused
+/// after reserving costs nothing, an aborted stream costs its prompt and what it streamed.
+#[tokio::test]
+async fn token_budget_settles_on_refusals_and_aborts() {
+    let keys = KeyStore::new(&["sk-t".into()], None, Limits { requests_per_minute: 0, tokens_per_minute: 100 }).unwrap();
+    let state = state_with(FakeBackend::new(Duration::from_millis(20)), keys, ServerConfig::default());
+    let send = |model: &'static str, max_tokens: u32, stream: bool| {
+        let state = state.clone();
+        async move {
+            let body = json!({"model": model, "prompt": "abcd", "max_tokens": max_tokens, "stream": stream}).to_string();
+            let req = Request::post("/v1/completions")
+                .header("content-type", "application/json")
+                .header("authorization", "Bearer sk-t")
+                .body(Body::from(body))
+                .unwrap();
+            super::routes::router(state).oneshot(req).await.unwrap()
+        }
+    };
+    // 4 + 56 = 60 reserved each time, refused by the backend (404): without settling, the second
+    // would already be refused for tokens.
+    for _ in 0..5 {
+        assert_eq!(send("unloaded-adapter", 56, false).await.status(), StatusCode::NOT_FOUND);
+    }
+    // A stream of 60 reserved, aborted after its first token: costs ~5, not 60.
+    let resp = send("fake-model", 56, true).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let _ = body.frame().await.unwrap().unwrap();
+    drop(body);
+    // 4 + 56 = 60 fits only if the abort was charged less than 40.
+    let resp = send("fake-model", 56, false).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let _ = resp.into_body().collect().await.unwrap();
+}
+
 #[tokio::test]
 async fn queue_full_gives_429_with_retry_after() {
     let state = state_with(
@@ -320,6 +355,151 @@ async fn client_disconnect_aborts_generation() {
 }
 
 mod tcp;
+
+/// Memory a pod limit can be set from: the KV pool's size and the process's resident memory.
+#[tokio::test]
+async fn metrics_report_memory() {
+    let state = fast();
+    let (_, _, m) = call(super::routes::router(state), Method::GET, "/metrics", Body::empty(), &[]).await;
+    let m = String::from_utf8(m.to_vec()).unwrap();
+    assert!(m.lines().any(|l| l == "peregrine_kv_cache_bytes 1048576"), "{m}");
+    let rss: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
+        .unwrap_or_else(|| panic!("no RSS series:\n{m}"))
+        .parse()
+        .unwrap();
+    assert!(rss > 1e6, "{rss}");
+}
+
+/// `/metrics` is bounded by what the server has: unknown `model` strings mint no series, an
+/// unloaded adapter's series go, and the server-wide totals keep counting.
+#[tokio::test]
+async fn metric_labels_are_bounded_by_loaded_models() {
+    let state = fast();
+    let router = || super::routes::router(state.clone());
+    let scrape = || async { String::from_utf8(call(router(), Method::GET, "/metrics", Body::empty(), &[]).await.2.to_vec()).unwrap() };
+    let (s, _, v) = post(&state, "/v1/completions", json!({"model": "fake-adapter", "prompt": "xy", "max_tokens": 2})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let before = scrape().await;
+    for i in 0..40 {
+        let model = format!("client-made-{i}-{}", "m".repeat(10_000));
+        let (s, _, _) = post(&state, "/v1/completions", json!({"model": model, "prompt": "x", "max_tokens": 1})).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+    }
+    let after = scrape().await;
+    assert!(!after.contains("client-made-"), "an unknown model became a series");
+    assert!(after.len() < before.len() + 200, "/metrics grew from {} to {} bytes", before.len(), after.len());
+    assert!(after.contains(r#"peregrine_generation_tokens_total{model="fake-adapter"} 2"#), "{after}");
+
+    let (s, _, b) =
+        call(router(), Method::POST, "/v1/unload_lora_adapter", json!({"lora_name": "fake-adapter"}).to_string(), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{b:?}");
+    let unloaded = scrape().await;
+    assert!(!unloaded.contains(r#"model="fake-adapter""#), "the unloaded adapter's series remain:\n{unloaded}");
+    assert!(unloaded.contains(r#"peregrine_num_requests_running{model="fake-model"} 0"#), "{unloaded}");
+    assert!(unloaded.contains("peregrine_server_generation_tokens_total 2"), "{unloaded}");
+    assert!(unloaded.contains("peregrine_server_requests_finished_total 1"), "{unloaded}");
+    let (s, _, _) = post(&state, "/v1/completions", json!({"model": "fake-adapter", "prompt": "x", "max_tokens": 1})).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert!(!scrape().await.contains(r#"model="fake-adapter""#));
+}
+
+/// Adapter admin needs an admin key; tenant keys get 403; the admin key is no tenant key.
+#[tokio::test]
+async fn adapter_admin_needs_an_admin_key() {
+    let keys = KeyStore::new(&["sk-tenant".into()], None, Limits::default()).unwrap().with_admin_keys(&["sk-admin".into()]);
+    let state = state_with(FakeBackend::new(Duration::ZERO), keys, ServerConfig::default());
+    let router = || super::routes::router(state.clone());
+    let load = json!({"lora_name": "a1", "lora_path": "/tmp"}).to_string();
+    let unload = json!({"lora_name": "fake-adapter"}).to_string();
+    let admin_calls = [
+        (Method::POST, "/v1/load_lora_adapter", load.clone()),
+        (Method::POST, "/v1/unload_lora_adapter", unload.clone()),
+        (Method::GET, "/v1/adapters", String::new()),
+    ];
+    for (method, path, body) in admin_calls.clone() {
+        let (s, _, b) = call(router(), method.clone(), path, body.clone(), &[("authorization", "Bearer sk-tenant")]).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{path}: {b:?}");
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["code"], "permission_denied");
+        assert_eq!(v["error"]["type"], "permission_error");
+        let (s, _, _) = call(router(), method.clone(), path, body.clone(), &[]).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+        let (s, _, _) = call(router(), method.clone(), path, body.clone(), &[("authorization", "Bearer sk-admim")]).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+    }
+    assert!(state.backend.loads.lock().is_empty(), "nothing was loaded by a tenant");
+    let (s, _, b) = call(router(), Method::POST, "/v1/load_lora_adapter", load, &[("authorization", "Bearer sk-admin")]).await;
+    assert_eq!(s, StatusCode::OK, "{b:?}");
+    let (s, _, _) = call(router(), Method::GET, "/v1/adapters", Body::empty(), &[("authorization", "Bearer sk-admin")]).await;
+    assert_eq!(s, StatusCode::OK);
+    // The admin key does not make its holder a tenant.
+    let body = json!({"model": "fake-model", "prompt": "x", "max_tokens": 1}).to_string();
+    let (s, _, _) = call(router(), Method::POST, "/v1/completions", body.clone(), &[("authorization", "Bearer sk-admin")]).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = call(router(), Method::POST, "/v1/completions", body, &[("authorization", "Bearer sk-tenant")]).await;
+    assert_eq!(s, StatusCode::OK);
+
+    // Tenant keys and no admin key: adapter admin is closed, not open to tenants.
+    let keys = KeyStore::new(&["sk-tenant".into()], None, Limits::default()).unwrap();
+    let state = state_with(FakeBackend::new(Duration::ZERO), keys, ServerConfig::default());
+    let body = json!({"lora_name": "a1", "lora_path": "/tmp"}).to_string();
+    let (s, _, _) = call(super::routes::router(state), Method::POST, "/v1/load_lora_adapter", body, &[("authorization", "Bearer sk-tenant")]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+}
+
+/// `--lora-root`: only folders inside it (symlinks resolved) load; every refusal reads the same and
+/// names the adapter, never a host path; the base model's name is not an adapter name.
+#[tokio::test]
+async fn adapter_paths_are_confined_to_the_lora_roots() {
+    use super::adapter_roots::AdapterRoots;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("adapters");
+    std::fs::create_dir_all(root.join("good")).unwrap();
+    std::fs::create_dir_all(tmp.path().join("outside")).unwrap();
+    std::os::unix::fs::symlink(tmp.path().join("outside"), root.join("escape")).unwrap();
+    let config = ServerConfig { adapter_roots: AdapterRoots::new(std::slice::from_ref(&root)).unwrap(), ..ServerConfig::default() };
+    let state = state_with(FakeBackend::new(Duration::ZERO), KeyStore::default(), config);
+    let load = |name: &str, path: String| {
+        let state = state.clone();
+        let body = json!({"lora_name": name, "lora_path": path}).to_string();
+        async move {
+            let (s, _, b) = call(super::routes::router(state), Method::POST, "/v1/load_lora_adapter", body, &[]).await;
+            (s, String::from_utf8_lossy(&b).into_owned())
+        }
+    };
+    let (s, b) = load("good", format!("{}/../adapters/good", root.display())).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert_eq!(state.backend.loads.lock()[0].1, std::fs::canonicalize(root.join("good")).unwrap(), "the canonical path is loaded");
+
+    let refused = [
+        tmp.path().join("outside").display().to_string(),
+        root.join("escape").display().to_string(),
+        root.join("missing").display().to_string(),
+        "/proc/self".to_string(),
+        "/".to_string(),
+        "adapters/good".to_string(),
+    ];
+    let mut messages = Vec::new();
+    for path in refused {
+        let (s, b) = load("evil", path.clone()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{path}: {b}");
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_adapter", "{v}");
+        let message = v["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.contains("`evil`"), "names the adapter: {message}");
+        assert!(!message.contains(&tmp.path().display().to_string()) && !message.contains("/proc"), "no host path: {message}");
+        messages.push(message);
+    }
+    assert!(messages.windows(2).all(|w| w[0] == w[1]), "missing, outside and escaping read alike: {messages:?}");
+    assert_eq!(state.backend.loads.lock().len(), 1, "nothing outside the root reached the backend");
+
+    let (s, b) = load("fake-model", root.join("good").display().to_string()).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    assert!(b.contains("base model"), "{b}");
+    assert_eq!(state.backend.loads.lock().len(), 1);
+}
 
 /// The operator's autoscaler reads these names from every pod (`peregrine_api::metric_names`):
 /// after one finished request, each is exposed with a sample for the served model.

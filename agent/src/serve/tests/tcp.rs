@@ -144,13 +144,27 @@ async fn grace_period_bounds_shutdown() {
     let srv = start(state, DrainConfig { delay: Duration::ZERO, grace_period: Duration::from_millis(300) }).await;
     let c = client();
     let body = json!({"model": "fake-model", "prompt": "a very long generation", "max_tokens": 20, "stream": true});
-    let _slow = tokio::spawn(async move { request(&c, srv.addr, "POST", "/v1/completions", Some(body)).await });
+    let c2 = c.clone();
+    let slow = tokio::spawn(async move { request(&c, srv.addr, "POST", "/v1/completions", Some(body)).await });
+    let whole = json!({"model": "fake-model", "prompt": "another long generation", "max_tokens": 20});
+    let slow_whole = tokio::spawn(async move { request(&c2, srv.addr, "POST", "/v1/completions", Some(whole)).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let t0 = Instant::now();
     let _ = srv.stop.send(());
     let result = tokio::time::timeout(Duration::from_secs(5), srv.server).await;
     assert!(matches!(result, Ok(Ok(Ok(())))), "{result:?}");
     assert!(t0.elapsed() < Duration::from_secs(2), "exited after the grace period, not after the request: {:?}", t0.elapsed());
+    // Cut off cleanly: the stream ends with an error event naming the shutdown, then [DONE]; the
+    // non-streaming request gets 503 `draining`, which carries `Retry-After: 1`.
+    let (status, body) = slow.await.unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["code"], "draining", "{last}");
+    let (status, body) = slow_whole.await.unwrap();
+    assert_eq!(status, 503, "{body:?}");
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], "draining");
 }
 
 /// `bench serve` against the server: every request's tokens, usage and timings reach the summary.
@@ -190,6 +204,94 @@ async fn bench_serve_reports_what_the_server_streamed() {
     let s = crate::bench_serve::bench(&crate::bench_serve::ServeBenchArgs { model: Some("nope".into()), ..args }).await.unwrap();
     assert_eq!((s.successful_requests, s.failed_requests), (0, 5));
     assert!(s.first_error.as_deref().is_some_and(|e| e.starts_with("HTTP 404")), "{:?}", s.first_error);
+    let _ = srv.stop.send(());
+    srv.server.await.unwrap().unwrap();
+}
+
+/// Sockets that send half a request head and stall (issue 22's flood, scaled down): beyond the cap
+/// they are answered 503 and counted; the rest are closed at the header deadline; and a normal
+/// request is served again right after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_connections_are_capped_and_timed_out() {
+    use crate::serve::connections::ConnectionLimits;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let header_timeout = Duration::from_millis(500);
+    let config = ServerConfig {
+        connections: ConnectionLimits { max_connections: 32, header_read_timeout: header_timeout, ..Default::default() },
+        ..ServerConfig::default()
+    };
+    let state = state_with(FakeBackend::new(Duration::ZERO), KeyStore::default(), config);
+    let srv = start(state.clone(), DrainConfig { delay: Duration::ZERO, grace_period: Duration::from_secs(2) }).await;
+    let stalled_count = 200;
+    let mut stalled = Vec::with_capacity(stalled_count);
+    for _ in 0..stalled_count {
+        let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        stalled.push(s);
+    }
+    let t0 = Instant::now();
+    // Every stalled socket ends within the header deadline (plus scheduling slack): refused ones
+    // with a 503 at once, admitted ones closed by the server when their head never completes.
+    let mut answered_503 = 0;
+    for mut s in stalled {
+        let mut buf = Vec::new();
+        let read = tokio::time::timeout(header_timeout * 4, s.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "a stalled connection is still open after {:?}", t0.elapsed());
+        if buf.starts_with(b"HTTP/1.1 503") {
+            answered_503 += 1;
+        }
+    }
+    assert!(t0.elapsed() < header_timeout * 4, "{:?}", t0.elapsed());
+    let refused = state.metrics.connections.refused.get();
+    assert!(refused >= (stalled_count - 32) as u64, "refused {refused}");
+    assert!(answered_503 >= stalled_count - 32 - 8, "most refused sockets read the 503 ({answered_503})");
+    let metrics = state.metrics.render().unwrap();
+    assert!(metrics.contains(&format!("peregrine_http_connections_refused_total {refused}")), "{metrics}");
+
+    let (status, body) =
+        request(&client(), srv.addr, "POST", "/v1/completions", Some(json!({"model": "fake-model", "prompt": "ok", "max_tokens": 2}))).await;
+    assert_eq!(status, 200, "{body:?}");
+    let _ = srv.stop.send(());
+    srv.server.await.unwrap().unwrap();
+}
+
+/// A body that never arrives whole gets 408 at the body deadline; a `Content-Length` over the limit
+/// gets 413 before any of the body is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_oversized_bodies_are_refused_early() {
+    use crate::serve::connections::ConnectionLimits;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let body_timeout = Duration::from_millis(300);
+    let config = ServerConfig {
+        max_body_bytes: 1024,
+        connections: ConnectionLimits { body_read_timeout: body_timeout, ..Default::default() },
+        ..ServerConfig::default()
+    };
+    let state = state_with(FakeBackend::new(Duration::ZERO), KeyStore::default(), config);
+    let srv = start(state.clone(), DrainConfig { delay: Duration::ZERO, grace_period: Duration::from_secs(2) }).await;
+
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    let mut buf = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf)).await.unwrap().unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    assert!(t0.elapsed() >= body_timeout - Duration::from_millis(50), "{:?}", t0.elapsed());
+
+    // Head only: the server answers without waiting for (or reading) the promised gigabyte.
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
+        .await
+        .unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await.unwrap().unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(head.contains("payload_too_large"), "{head}");
     let _ = srv.stop.send(());
     srv.server.await.unwrap().unwrap();
 }

@@ -200,7 +200,7 @@ fn linear(_isa: Isa, x: &[f32], n: usize, l: &Linear, out: &mut Vec<f32>) {
     let w = match &l.weight.data {
         crate::model::MatrixData::F32(w) => w.as_slice(),
         // Encoder weights are read as f32 (`Matrix::from_f32`); kept total rather than panicking.
-        crate::model::MatrixData::Quant(_) => {
+        crate::model::MatrixData::Quant(_) | crate::model::MatrixData::RowQuant(_) => {
             super::matmul::matmul(_isa, x, n, &l.weight, out);
             add_bias(out, &l.bias, rows);
             return;

@@ -52,7 +52,7 @@ impl Kernels {
         if !self.fp8_arch {
             return Err(KernelError::Unsupported("gemv_e4m3 needs compute capability 8.9+".into()));
         }
-        if m > GEMV_FP8_MAX_M || k % 16 != 0 || xq % 16 != 0 || wq % 16 != 0 {
+        if m > GEMV_FP8_MAX_M || !k.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) {
             return Err(KernelError::Unsupported(format!("gemv_e4m3: m {m}, k {k} (m <= {GEMV_FP8_MAX_M}, k % 16 == 0, aligned)")));
         }
         let func = &self.gemv_e4m3[match m {

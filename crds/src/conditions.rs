@@ -3,7 +3,8 @@
 //! Conditions use the standard `metav1.Condition` shape so that `kubectl wait --for=condition=Ready`
 //! and GitOps health checks work without custom code.
 
-/// ModelDeployment: every desired replica is ready and serving.
+/// ModelDeployment: every desired replica is ready and serving. LoraAdapter: loaded in every ready
+/// pod, under a served name no one else has (what `kubectl wait` and Argo CD look at).
 pub const CONDITION_READY: &str = "Ready";
 /// ModelDeployment: a change is being rolled out, or pods are starting.
 pub const CONDITION_PROGRESSING: &str = "Progressing";
@@ -17,6 +18,9 @@ pub const CONDITION_ROLLOUT_PAUSED: &str = "RolloutPaused";
 pub const CONDITION_ROLLOUT_FAILED: &str = "RolloutFailed";
 /// LoraAdapter: the adapter is loaded in every ready pod of its deployment.
 pub const CONDITION_LOADED: &str = "Loaded";
+/// LoraAdapter: its served name is taken by an older adapter of the same deployment or by the base
+/// model; it is not loaded (requests for the name would reach other weights).
+pub const CONDITION_CONFLICT: &str = "Conflict";
 
 /// Machine-readable reasons (CamelCase, as the API conventions ask).
 pub mod reasons {
@@ -25,6 +29,10 @@ pub mod reasons {
     pub const SECRET_NOT_FOUND: &str = "SecretNotFound";
     pub const NO_GPUS_FOR_DTYPE: &str = "NoGpusForDtype";
     pub const APPLY_FAILED: &str = "ApplyFailed";
+    /// `resources.gpus` above 1: the agent has no tensor parallelism yet.
+    pub const TOO_MANY_GPUS: &str = "TooManyGpus";
+    /// `metadata.name` is not a DNS-1035 label (it names the Service).
+    pub const INVALID_NAME: &str = "InvalidName";
     pub const ALL_REPLICAS_READY: &str = "AllReplicasReady";
     pub const REPLICAS_NOT_READY: &str = "ReplicasNotReady";
     pub const ROLLING_UPDATE: &str = "RollingUpdate";
@@ -35,4 +43,8 @@ pub mod reasons {
     pub const LOADED: &str = "Loaded";
     pub const PARTIALLY_LOADED: &str = "PartiallyLoaded";
     pub const LOAD_FAILED: &str = "LoadFailed";
+    pub const SERVED_NAME_CONFLICT: &str = "ServedNameConflict";
+    pub const NO_CONFLICT: &str = "NoConflict";
+    /// The adapter's `spec.rank` is above the deployment's `engine.maxLoraRank`.
+    pub const RANK_TOO_HIGH: &str = "RankTooHigh";
 }

@@ -13,6 +13,7 @@ mod conditions;
 mod lora_adapter;
 mod model_deployment;
 mod rollout;
+mod schema_bounds;
 mod source;
 
 pub use autoscaling::*;
@@ -20,6 +21,7 @@ pub use conditions::*;
 pub use lora_adapter::*;
 pub use model_deployment::*;
 pub use rollout::*;
+pub use schema_bounds::{QUANTITY_MESSAGE, QUANTITY_RULE};
 pub use source::*;
 
 use kube::CustomResourceExt;

@@ -72,7 +72,8 @@ pub struct LoraAdapterStatus {
     pub phase: Option<AdapterPhase>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Loaded` (True when every ready pod has the adapter), with the reason otherwise.
+    /// `Loaded` (True when every ready pod has the adapter), `Conflict` (its served name is taken)
+    /// and `Ready` (loaded and no conflict), with the reason otherwise.
     ///
     /// A list-map keyed by `type`, so that each controller (field manager) owns its own conditions
     /// under server-side apply.
@@ -109,6 +110,11 @@ pub struct PodAdapterStatus {
     /// Error of the last failed attempt.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+    /// What the pod has loaded: the path or URI the agent read the adapter from. When
+    /// `spec.source` changes, the pods whose `source` differs are reloaded (the agent loads the new
+    /// version, then swaps it in; running requests finish on the old one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loaded_at: Option<Time>,
     /// Failed attempts in a row (drives the retry backoff).

@@ -38,6 +38,7 @@ use crate::source::ModelSource;
     printcolumn(name = "Status", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].reason"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = kube::core::Rule::new("self.metadata.name.size() <= 52").message("metadata.name must be at most 52 characters (pod names are derived from it)"),
+    validation = kube::core::Rule::new(DNS1035_NAME_RULE).message(DNS1035_NAME_MESSAGE),
 )]
 #[x_kube(validation = kube::core::Rule::new(GPU_DTYPE_RULE).message(GPU_DTYPE_MESSAGE))]
 #[serde(rename_all = "camelCase")]
@@ -80,6 +81,18 @@ pub struct ModelDeploymentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutSpec>,
 }
+
+/// The ModelDeployment's name names its Service, and a Service name must be a DNS-1035 label (a
+/// dot or a leading digit would create the Deployment and then fail on the Service).
+pub const DNS1035_NAME_RULE: &str = "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')";
+/// Message of [`DNS1035_NAME_RULE`].
+pub const DNS1035_NAME_MESSAGE: &str = "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter, no dots: e.g. llama-3-1-8b): it names the Service";
+
+/// The agent runs a model on one device: there is no tensor parallelism yet, so a second GPU would
+/// be reserved and never used.
+pub const GPUS_RULE: &str = "self.gpus <= 1";
+/// Message of [`GPUS_RULE`] (the operator's own check says the same).
+pub const GPUS_MESSAGE: &str = "resources.gpus must be 0 or 1: the agent has no tensor parallelism yet and would use only one GPU";
 
 /// The CPU backend computes in float32 only; every other dtype needs a GPU.
 pub const GPU_DTYPE_RULE: &str =
@@ -140,9 +153,16 @@ impl PullPolicy {
     }
 }
 
+/// Flags the operator writes itself (from a typed field or always): repeating one in `extraArgs`
+/// would leave the agent with two values and the spec with a field that silently does nothing.
+pub const EXTRA_ARGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^--(model|served-model-name|host|port|device|enable-lora|load-format|dtype|max-model-len|max-num-seqs|max-num-batched-tokens|gpu-memory-utilization|max-loras|max-lora-rank|max-cpu-loras|enable-prefix-caching|disable-prefix-caching)(=.*)?$'))";
+/// Message of [`EXTRA_ARGS_RULE`].
+pub const EXTRA_ARGS_MESSAGE: &str = "engine.extraArgs must not repeat a flag the operator sets (--model, --port, --device, ...) or a typed engine field (--max-model-len, --max-lora-rank, ...): use the field";
+
 /// Engine settings; each maps to one `peregrine-agent serve` flag of the same name.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new(EXTRA_ARGS_RULE).message(EXTRA_ARGS_MESSAGE))]
 #[x_kube(validation = kube::core::Rule::new("!has(self.maxLoraRank) || !has(self.maxLoras) || self.maxLoras > 0").message("maxLoraRank needs maxLoras > 0"))]
 #[x_kube(validation = kube::core::Rule::new("!has(self.maxCpuLoras) || !has(self.maxLoras) || self.maxCpuLoras >= self.maxLoras").message("maxCpuLoras must be at least maxLoras"))]
 pub struct EngineSettings {
@@ -180,16 +200,20 @@ pub struct EngineSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub max_cpu_loras: Option<i32>,
-    /// Further agent flags, appended as written (an escape hatch; prefer the typed fields).
+    /// Further agent flags, appended as written (an escape hatch; prefer the typed fields). At most
+    /// 64, each at most 256 characters.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 256)))]
     pub extra_args: Vec<String>,
 }
 
 /// Pod-level resources and scheduling.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new(GPUS_RULE).message(GPUS_MESSAGE))]
 pub struct PodResources {
-    /// GPUs per pod; 0 runs the CPU backend.
+    /// GPUs per pod: 0 runs the CPU backend, 1 the GPU backend (more are refused until the agent
+    /// has tensor parallelism).
     #[serde(default = "default_gpus")]
     #[schemars(range(min = 0, max = 16))]
     pub gpus: i32,
@@ -198,6 +222,7 @@ pub struct PodResources {
     pub gpu_resource_name: String,
     /// CPU and memory requests/limits of the agent container (the GPU entry is added from `gpus`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = crate::schema_bounds::bound_resource_requirements)]
     pub container: Option<ResourceRequirements>,
     /// Node labels the pods must match.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

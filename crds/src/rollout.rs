@@ -104,6 +104,7 @@ pub struct RegressionSpec {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new("(has(self.cases) && size(self.cases) > 0) != has(self.configMapRef)").message("regression.suite sets exactly one of cases and configMapRef"))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.cases) || self.cases.all(c, self.cases.exists_one(d, d.name == c.name))").message("regression case names must be unique (results are reported by name)"))]
 pub struct RegressionSuite {
     #[serde(default)]
     #[schemars(length(max = 200))]
@@ -138,8 +139,10 @@ pub struct RegressionCase {
     /// Completion prompt (`/v1/completions`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
-    /// Chat messages (`/v1/chat/completions`).
+    /// Chat messages (`/v1/chat/completions`), at most 64 (a bound the API server needs to cost the
+    /// rules on each message).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
     pub messages: Vec<ChatMessage>,
     /// Send to this LoraAdapter (its served name) instead of the base model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -154,6 +157,7 @@ pub struct RegressionCase {
 #[serde(rename_all = "camelCase")]
 pub struct ChatMessage {
     #[x_kube(validation = kube::core::Rule::new("self in ['system', 'user', 'assistant']").message("role must be system, user or assistant"))]
+    #[schemars(length(max = 16))]
     pub role: String,
     pub content: String,
 }

@@ -58,6 +58,7 @@ pub struct ModelSource {
     /// the image or on the node), or `s3://`, `gs://`, `https://` (fetched into an `emptyDir` by an
     /// init container before the agent starts).
     #[x_kube(validation = kube::core::Rule::new(URI_SCHEME_RULE).message(URI_SCHEME_MESSAGE))]
+    #[schemars(length(max = 2048))]
     pub uri: String,
     /// Weight format; `auto` by default.
     #[serde(default)]
@@ -68,6 +69,7 @@ pub struct ModelSource {
     /// The model id clients send as `model` (and the `parent` of adapters in `/v1/models`); defaults
     /// to the ModelDeployment's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
     pub served_model_name: Option<String>,
 }
 
@@ -78,6 +80,7 @@ pub struct AdapterSource {
     /// Same URI forms as the model: `pvc://<claim>/<path>` (the claim must be the model's claim or
     /// listed in the deployment's `adapterVolumes`), `file:///<path>`, `s3://`, `gs://`, `https://`.
     #[x_kube(validation = kube::core::Rule::new(URI_SCHEME_RULE).message(URI_SCHEME_MESSAGE))]
+    #[schemars(length(max = 2048))]
     pub uri: String,
     /// Credentials for object-store sources; the operator checks that the Secret exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]

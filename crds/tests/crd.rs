@@ -172,12 +172,29 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         ("bad role", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/1/messages/0/role", json!("robot"))), "role must be system, user or assistant"),
         ("latency factor < 1", Box::new(|v| set(v, "/spec/rollout/regression/thresholds/maxLatencyFactor", json!(0.5))), "maxLatencyFactor must be >= 1"),
         ("long name", Box::new(|v| set(v, "/metadata/name", json!("x".repeat(60)))), "at most 52 characters"),
+        ("dotted name", Box::new(|v| set(v, "/metadata/name", json!("llama-3.1-8b"))), "must be a DNS-1035 label"),
+        ("name with a leading digit", Box::new(|v| set(v, "/metadata/name", json!("8b-llama"))), "must be a DNS-1035 label"),
+        ("two gpus", Box::new(|v| set(v, "/spec/resources/gpus", json!(2))), "no tensor parallelism yet"),
+        ("memory in GB", Box::new(|v| set(v, "/spec/resources/container/limits/memory", json!("32GB"))), "must be a Kubernetes quantity"),
+        ("extraArgs repeats a typed field", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--log-json", "--max-lora-rank=8"]))), "must not repeat a flag"),
+        ("extraArgs repeats the port", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--port", "9000"]))), "must not repeat a flag"),
+        ("duplicate case names", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/1/name", json!(examples()[2]["spec"]["rollout"]["regression"]["suite"]["cases"][0]["name"].clone()))), "case names must be unique"),
+        ("cpu as words", Box::new(|v| set(v, "/spec/resources/container/requests/cpu", json!("four"))), "must be a Kubernetes quantity"),
     ];
     for (name, mutate, want) in cases {
         let mut object = base.clone();
         mutate(&mut object);
         let errors = cel(&object, None).expect_err(name);
         assert!(errors.iter().any(|m| m.contains(want)), "{name}: wanted {want:?}, got {errors:?}");
+    }
+}
+
+#[test]
+fn quantities_the_api_server_parses_are_accepted() {
+    let mut object = examples()[2].clone();
+    for (cpu, memory) in [(json!("500m"), json!("1.5Gi")), (json!(4), json!("34359738368")), (json!("2"), json!("32G")), (json!("0.5"), json!("1e9"))] {
+        set(&mut object, "/spec/resources/container/requests", json!({"cpu": cpu, "memory": memory}));
+        assert_eq!(cel(&object, None), Ok(()), "{cpu} {memory}");
     }
 }
 

@@ -15,7 +15,7 @@ use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
 use peregrine_crds::{
     reasons, AdapterPhase, LoraAdapter, LoraAdapterStatus, ModelDeployment, PodAdapterState, PodAdapterStatus,
-    SourceUri, CONDITION_LOADED, DEPLOYMENT_LABEL,
+    SourceUri, CONDITION_CONFLICT, CONDITION_LOADED, CONDITION_READY, DEPLOYMENT_LABEL,
 };
 use serde_json::json;
 use tracing::{info, instrument, warn};
@@ -57,6 +57,37 @@ pub fn adapter_path(adapter: &LoraAdapter, md: &ModelDeployment) -> Result<Strin
         // The agent fetches remote adapters itself.
         SourceUri::Remote { uri, .. } => Ok(uri),
     }
+}
+
+/// Why `adapter` may not serve under its name: the base model has it, or an older adapter of the
+/// same deployment does (the oldest keeps the name; ties go to the name that sorts first), so
+/// requests for the name would reach other weights.
+pub fn served_name_conflict(adapter: &LoraAdapter, md: &ModelDeployment, adapters: &[LoraAdapter]) -> Option<String> {
+    let name = adapter.served_name();
+    if name == md.served_model_name() {
+        return Some(format!("served name {name:?} is the base model's name in ModelDeployment {:?}: set spec.servedName", md.name_any()));
+    }
+    let seniority = |a: &LoraAdapter| (a.metadata.creation_timestamp.as_ref().map(|t| t.0), a.name_any());
+    adapters
+        .iter()
+        .filter(|other| other.name_any() != adapter.name_any())
+        .filter(|other| other.spec.deployment_ref.name == adapter.spec.deployment_ref.name)
+        .filter(|other| other.metadata.deletion_timestamp.is_none())
+        .filter(|other| other.served_name() == name)
+        .find(|other| seniority(other) < seniority(adapter))
+        .map(|other| format!("served name {name:?} is already served by LoraAdapter {:?}: give this one another spec.servedName", other.name_any()))
+}
+
+/// An adapter whose declared rank the deployment's agents are configured to refuse: said before
+/// any agent is called, with the field to change.
+pub fn rank_problem(adapter: &LoraAdapter, md: &ModelDeployment) -> Option<SpecError> {
+    let (Some(rank), Some(max)) = (adapter.spec.rank, md.spec.engine.max_lora_rank) else {
+        return None;
+    };
+    (rank > max).then(|| SpecError {
+        reason: reasons::RANK_TOO_HIGH,
+        message: format!("spec.rank {rank} is above engine.maxLoraRank {max} of ModelDeployment {:?}: raise maxLoraRank there or use an adapter of rank <= {max}", md.name_any()),
+    })
 }
 
 /// A pod the adapter should be in: its agent container is ready (the model is loaded), so its
@@ -134,7 +165,7 @@ async fn apply(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result
     let md_name = &adapter.spec.deployment_ref.name;
     let Some(md) = Api::<ModelDeployment>::namespaced(ctx.client.clone(), ns).get_opt(md_name).await? else {
         let cond = CondSpec::new(CONDITION_LOADED, false, reasons::DEPLOYMENT_NOT_FOUND, format!("ModelDeployment {md_name:?} not found in namespace {ns}"));
-        write_status(&adapter, &ctx, ns, AdapterPhase::Pending, cond, Vec::new(), &now).await?;
+        write_status(&adapter, &ctx, ns, AdapterPhase::Pending, cond, None, Vec::new(), &now).await?;
         // The ModelDeployment watch brings us back when it appears.
         return Ok(Action::requeue(Duration::from_secs(300)));
     };
@@ -142,14 +173,26 @@ async fn apply(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result
         Ok(path) => path,
         Err(problem) => {
             let cond = CondSpec::new(CONDITION_LOADED, false, problem.reason, problem.message);
-            write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, Vec::new(), &now).await?;
+            write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, None, Vec::new(), &now).await?;
             return Ok(Action::await_change());
         }
     };
+    if let Some(problem) = rank_problem(&adapter, &md) {
+        let cond = CondSpec::new(CONDITION_LOADED, false, problem.reason, problem.message);
+        write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, None, Vec::new(), &now).await?;
+        return Ok(Action::await_change());
+    }
+    let adapters = Api::<LoraAdapter>::namespaced(ctx.client.clone(), ns).list(&ListParams::default()).await?;
+    if let Some(conflict) = served_name_conflict(&adapter, &md, &adapters.items) {
+        let cond = CondSpec::new(CONDITION_LOADED, false, reasons::SERVED_NAME_CONFLICT, "not loaded: its served name is taken");
+        write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, Some(conflict), Vec::new(), &now).await?;
+        // Other adapters are not watched by this object: look again for the name to come free.
+        return Ok(Action::requeue(Duration::from_secs(60)));
+    }
     if let Some(secret) = &adapter.spec.source.secret_ref {
         if Api::<Secret>::namespaced(ctx.client.clone(), ns).get_opt(&secret.name).await?.is_none() {
             let cond = CondSpec::new(CONDITION_LOADED, false, reasons::SECRET_NOT_FOUND, format!("spec.source.secretRef: Secret {:?} not found in namespace {ns}", secret.name));
-            write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, Vec::new(), &now).await?;
+            write_status(&adapter, &ctx, ns, AdapterPhase::Failed, cond, None, Vec::new(), &now).await?;
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
     }
@@ -166,7 +209,7 @@ async fn apply(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result
 
     let (phase, cond) = summarize(&states);
     let next_retry = states.iter().filter_map(|p| p.next_retry_at.as_ref()).min().cloned();
-    write_status(&adapter, &ctx, ns, phase, cond, states, &now).await?;
+    write_status(&adapter, &ctx, ns, phase, cond, None, states, &now).await?;
     Ok(match (phase, next_retry) {
         (_, Some(at)) => Action::requeue(until(&at, &now).max(Duration::from_secs(1))),
         (AdapterPhase::Ready, None) => Action::requeue(Duration::from_secs(120)),
@@ -174,13 +217,16 @@ async fn apply(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result
     })
 }
 
-/// Brings the adapter into one pod: already there (agent restarts lose adapters, so ask), wait out
-/// a retry delay, or load it.
+/// Brings the adapter into one pod: already there from the same source (agent restarts lose
+/// adapters, so ask), wait out a retry delay, or load it. A pod that has the adapter from another
+/// source (`spec.source` was edited) gets the new one loaded under the same name: the agent reads it
+/// and then swaps it in, so requests never find the name missing.
 async fn sync_pod(ctx: &Context, pod: &TargetPod, before: Option<&PodAdapterStatus>, name: &str, path: &str, now: &Time) -> PodAdapterStatus {
     let mut state = before.cloned().unwrap_or(PodAdapterStatus {
         name: pod.name.clone(),
         state: PodAdapterState::Pending,
         message: String::new(),
+        source: None,
         loaded_at: None,
         failures: 0,
         next_retry_at: None,
@@ -192,7 +238,7 @@ async fn sync_pod(ctx: &Context, pod: &TargetPod, before: Option<&PodAdapterStat
         Ok(models) => models.iter().any(|m| m.id == name),
         Err(e) => return failed(ctx, state, format!("listing models: {e}"), now),
     };
-    if present {
+    if present && state.source.as_deref() == Some(path) {
         if state.state != PodAdapterState::Loaded {
             state.loaded_at = Some(now.clone());
         }
@@ -201,8 +247,16 @@ async fn sync_pod(ctx: &Context, pod: &TargetPod, before: Option<&PodAdapterStat
     match ctx.agent.load_adapter(&pod.base_url, name, path).await {
         Ok(()) => {
             ctx.metrics.adapter_call("load", true);
-            info!(pod = %pod.name, adapter = name, "adapter loaded");
-            PodAdapterStatus { state: PodAdapterState::Loaded, message: String::new(), loaded_at: Some(now.clone()), failures: 0, next_retry_at: None, ..state }
+            info!(pod = %pod.name, adapter = name, source = path, replaced = present, "adapter loaded");
+            PodAdapterStatus {
+                state: PodAdapterState::Loaded,
+                message: String::new(),
+                source: Some(path.to_string()),
+                loaded_at: Some(now.clone()),
+                failures: 0,
+                next_retry_at: None,
+                ..state
+            }
         }
         Err(e) => {
             ctx.metrics.adapter_call("load", false);
@@ -229,14 +283,16 @@ async fn write_status(
     ns: &str,
     phase: AdapterPhase,
     cond: CondSpec,
+    conflict: Option<String>,
     pods: Vec<PodAdapterStatus>,
     now: &Time,
 ) -> Result<()> {
     let previous = adapter.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let conditions = adapter_conditions(cond, conflict);
     let status = LoraAdapterStatus {
         phase: Some(phase),
         observed_generation: adapter.metadata.generation,
-        conditions: build(&[cond], previous, adapter.metadata.generation, now),
+        conditions: build(&conditions, previous, adapter.metadata.generation, now),
         loaded_replicas: pods.iter().filter(|p| p.state == PodAdapterState::Loaded).count() as i32,
         target_replicas: pods.len() as i32,
         pods,
@@ -248,6 +304,20 @@ async fn write_status(
     Ok(())
 }
 
+/// `Loaded` as given, `Conflict`, and `Ready`: loaded with no conflict (the one condition
+/// `kubectl wait` and Argo CD need).
+pub fn adapter_conditions(loaded: CondSpec, conflict: Option<String>) -> [CondSpec; 3] {
+    let ready = match &conflict {
+        Some(message) => CondSpec::new(CONDITION_READY, false, reasons::SERVED_NAME_CONFLICT, message.clone()),
+        None => CondSpec::new(CONDITION_READY, loaded.status, loaded.reason, loaded.message.clone()),
+    };
+    let conflict = match conflict {
+        Some(message) => CondSpec::new(CONDITION_CONFLICT, true, reasons::SERVED_NAME_CONFLICT, message),
+        None => CondSpec::new(CONDITION_CONFLICT, false, reasons::NO_CONFLICT, "no other adapter or base model serves this name"),
+    };
+    [loaded, conflict, ready]
+}
+
 /// Unloads the adapter from every pod that can still answer. Best effort: pods of a deleted
 /// deployment are going away anyway, and a stuck finalizer would block namespace deletion.
 async fn cleanup(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result<Action> {
@@ -255,6 +325,12 @@ async fn cleanup(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Resu
     let Some(md) = Api::<ModelDeployment>::namespaced(ctx.client.clone(), ns).get_opt(md_name).await? else {
         return Ok(Action::await_change());
     };
+    // An adapter that lost its served name to another never loaded it: unloading the name would
+    // take the other one away.
+    let adapters = Api::<LoraAdapter>::namespaced(ctx.client.clone(), ns).list(&ListParams::default()).await?;
+    if served_name_conflict(&adapter, &md, &adapters.items).is_some() {
+        return Ok(Action::await_change());
+    }
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns).list(&ListParams::default().labels(&selector_string(&md))).await?;
     let name = adapter.served_name();
     for pod in target_pods(&pods.items, ctx.config.agent_port) {

@@ -15,8 +15,8 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use peregrine_crds::{
-    reasons, AdapterPhase, LoraAdapter, ModelDeployment, PodAdapterState, ADAPTERS_LOADED_CONDITION, CONDITION_READY,
-    DEPLOYMENT_LABEL,
+    reasons, AdapterPhase, LoraAdapter, ModelDeployment, PodAdapterState, SourceUri, ADAPTERS_LOADED_CONDITION,
+    CONDITION_READY, DEPLOYMENT_LABEL,
 };
 use serde_json::json;
 use tracing::{info, instrument, warn};
@@ -25,7 +25,7 @@ use crate::conditions::is_true;
 use crate::desired::{deployment::desired_deployment, selector_string, service::desired_service};
 use crate::rollout;
 use crate::status::model_deployment_status;
-use crate::validate::{validate_spec, SpecError};
+use crate::validate::{validate_name, validate_spec, SpecError};
 use crate::{Context, Error, Result, FIELD_MANAGER};
 
 const CONTROLLER: &str = "modeldeployment";
@@ -37,10 +37,9 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
     let ns = md.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
     let name = md.name_any();
     let now = Time(jiff::Timestamp::now());
-    let port = ctx.config.agent_port;
 
     // Refuse what cannot work before creating anything, so nothing is half-created.
-    let uri = match validate_spec(&md.spec) {
+    let uri = match validate_name(&name).and_then(|()| validate_spec(&md.spec)) {
         Ok(uri) => uri,
         Err(problem) => {
             write_status(&md, &ctx, None, Some(&problem), &now).await?;
@@ -59,21 +58,39 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
         }
     }
 
-    let apply = PatchParams::apply(FIELD_MANAGER).force();
-    let desired = desired_deployment(&md, &uri, &ctx.config);
-    // The rollout controller applies the stable Deployment (and any canary) itself, so that a
-    // pod-changing edit goes out in gated steps instead of one rolling update.
-    let rollout = rollout::reconcile(&md, desired, &ctx.rollout).await?;
-    let deployment = rollout.stable;
-    let service = desired_service(&md, port);
-    Api::<Service>::namespaced(ctx.client.clone(), &ns).patch(&name, &apply, &Patch::Apply(&service)).await?;
+    let (deployment, rollout_requeue) = match apply_children(&md, &uri, &ctx, &ns).await {
+        Ok(applied) => applied,
+        Err(error) => {
+            // The API server refused a child (a quantity it cannot parse, a field it forbids...) or
+            // could not be reached: say so on the object, where `kubectl get` and Argo CD look,
+            // and let the error policy retry with backoff.
+            let problem = SpecError { reason: reasons::APPLY_FAILED, message: format!("applying the Deployment and Service failed: {error}") };
+            if let Err(status_error) = write_status(&md, &ctx, None, Some(&problem), &now).await {
+                warn!(error = %status_error, "writing the ApplyFailed status");
+            }
+            return Err(error);
+        }
+    };
 
     open_readiness_gates(&md, &ns, &ctx, &now).await?;
 
     let ready = write_status(&md, &ctx, Some(&deployment), None, &now).await?;
     let requeue = if ready { Duration::from_secs(300) } else { Duration::from_secs(15) };
     // A rollout step (pause, canary deadline, retry) may need to be looked at sooner.
-    Ok(Action::requeue(rollout.requeue.map_or(requeue, |r| r.min(requeue))))
+    Ok(Action::requeue(rollout_requeue.map_or(requeue, |r| r.min(requeue))))
+}
+
+/// Applies the Deployment(s), through the rollout controller, and the Service. Returns the stable
+/// Deployment as the API server has it and when the rollout wants to be looked at again.
+async fn apply_children(md: &ModelDeployment, uri: &SourceUri, ctx: &Context, ns: &str) -> Result<(Deployment, Option<Duration>)> {
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    let desired = desired_deployment(md, uri, &ctx.config);
+    // The rollout controller applies the stable Deployment (and any canary) itself, so that a
+    // pod-changing edit goes out in gated steps instead of one rolling update.
+    let rollout = rollout::reconcile(md, desired, &ctx.rollout).await?;
+    let service = desired_service(md, ctx.config.agent_port);
+    Api::<Service>::namespaced(ctx.client.clone(), ns).patch(&md.name_any(), &apply, &Patch::Apply(&service)).await?;
+    Ok((rollout.stable, rollout.requeue))
 }
 
 /// Writes the status (server-side apply of the fields this controller owns) and publishes an Event

@@ -1,7 +1,7 @@
 //! Checks of a ModelDeployment that the schema and CEL rules cannot make (or that objects written with
 //! validation off could slip past). A failure becomes a `Degraded` condition, and nothing is created.
 
-use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri};
+use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri, GPUS_MESSAGE};
 
 /// Why a spec cannot be acted on: a condition reason and a message for the user.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,6 +28,9 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
                 "spec.model.uri: https:// fetches a single file; use format gguf, or s3://, gs:// or pvc:// for a safetensors folder",
             ));
         }
+    }
+    if spec.resources.gpus > 1 {
+        return Err(SpecError::new(reasons::TOO_MANY_GPUS, format!("{GPUS_MESSAGE} (asked for {})", spec.resources.gpus)));
     }
     if spec.resources.gpus == 0 {
         if let Some(dtype) = spec.engine.dtype {
@@ -56,6 +59,24 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
         }
     }
     Ok(uri)
+}
+
+/// Checks the ModelDeployment's name: it names the Service, so it must be a DNS-1035 label (the
+/// CEL rule says the same at admission; this catches objects written before it).
+pub fn validate_name(name: &str) -> Result<(), SpecError> {
+    let label = !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && !name.ends_with('-')
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if label {
+        Ok(())
+    } else {
+        Err(SpecError::new(
+            reasons::INVALID_NAME,
+            format!("metadata.name {name:?} is not a DNS-1035 label (lowercase letters, digits and '-', starting with a letter, no dots); it names the Service"),
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -102,6 +123,11 @@ mod tests {
                 });
                 s
             }, reasons::INVALID_SPEC, "maxReplicas (2) is less than minReplicas (3)"),
+            ("two gpus", {
+                let mut s = spec("file:///m.gguf");
+                s.resources.gpus = 2;
+                s
+            }, reasons::TOO_MANY_GPUS, "no tensor parallelism yet"),
             ("bad adapter volume", {
                 let mut s = spec("file:///m.gguf");
                 s.adapter_volumes = vec!["Bad_Name".into()];
@@ -118,5 +144,16 @@ mod tests {
         cpu.resources.gpus = 0;
         cpu.engine.dtype = Some(Dtype::Float32);
         assert!(validate_spec(&cpu).is_ok());
+    }
+
+    #[test]
+    fn names_must_be_dns_1035_labels() {
+        for good in ["smol", "llama-3-1-8b", "a", "m1"] {
+            assert_eq!(validate_name(good), Ok(()), "{good}");
+        }
+        for bad in ["llama-3.1-8b", "3b-model", "Llama", "end-", "", &"x".repeat(64)] {
+            let err = validate_name(bad).expect_err(bad);
+            assert_eq!(err.reason, reasons::INVALID_NAME);
+        }
     }
 }

@@ -132,6 +132,64 @@ async fn invalid_spec_is_reported_and_nothing_is_created() {
 }
 
 #[tokio::test]
+async fn more_than_one_gpu_is_refused_until_tensor_parallelism() {
+    let h = harness();
+    let mut spec = base_spec();
+    spec["resources"] = json!({"gpus": 2});
+    let action = reconcile_md(&h, md_json(spec)).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.api.calls(), [format!("PATCH {}/status", md_path("smol"))], "no Deployment reserving two GPUs");
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let degraded = condition(status, "Degraded");
+    assert_eq!((degraded["status"].as_str(), degraded["reason"].as_str()), (Some("True"), Some("TooManyGpus")));
+    assert!(degraded["message"].as_str().unwrap().contains("no tensor parallelism"), "{degraded}");
+    let events = h.api.events();
+    assert_eq!((events[0]["type"].as_str(), events[0]["reason"].as_str()), (Some("Warning"), Some("TooManyGpus")));
+}
+
+#[tokio::test]
+async fn a_name_that_cannot_name_a_service_is_refused_before_anything_is_created() {
+    let h = harness();
+    let mut object = md_json(base_spec());
+    object["metadata"]["name"] = json!("llama-3.1-8b");
+    h.api.insert(&md_path("llama-3.1-8b"), object.clone());
+    let md: ModelDeployment = serde_json::from_value(object).unwrap();
+    let action = model_deployment::reconcile(Arc::new(md), h.ctx.clone()).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.api.calls(), [format!("PATCH {}/status", md_path("llama-3.1-8b"))], "no Deployment without its Service");
+    let status = &h.api.get(&md_path("llama-3.1-8b")).unwrap()["status"];
+    assert_eq!(condition(status, "Degraded")["reason"], "InvalidName");
+    assert!(condition(status, "Degraded")["message"].as_str().unwrap().contains("DNS-1035"));
+    assert_eq!(h.api.events()[0]["type"], "Warning");
+}
+
+#[tokio::test]
+async fn an_apply_the_api_server_refuses_is_degraded_with_a_warning_event() {
+    let h = harness();
+    let deploy_path = format!("/apis/apps/v1/namespaces/{NS}/deployments/smol");
+    // What the API server answers for `memory: 32GB` on a Deployment written with validation off.
+    h.api.refuse(&deploy_path, 422, "Deployment.apps \"smol\" is invalid: spec.template.spec.containers[0].resources.limits[memory]: Invalid value: \"32GB\": quantities must match the regular expression");
+    let result = reconcile_md(&h, md_json(base_spec())).await;
+    assert!(result.is_err(), "the error policy retries it with backoff: {result:?}");
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let degraded = condition(status, "Degraded");
+    assert_eq!((degraded["status"].as_str(), degraded["reason"].as_str()), (Some("True"), Some("ApplyFailed")));
+    assert!(degraded["message"].as_str().unwrap().contains("32GB"), "{degraded}");
+    assert_eq!(condition(status, "Ready")["status"], "False");
+    let events = h.api.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!((events[0]["type"].as_str(), events[0]["reason"].as_str()), (Some("Warning"), Some("ApplyFailed")));
+
+    // The Service is refused the same way (a Deployment applied, then the Service fails).
+    let h = harness();
+    h.api.refuse(&format!("/api/v1/namespaces/{NS}/services/smol"), 422, "Service \"smol\" is invalid: metadata.name: Invalid value");
+    assert!(reconcile_md(&h, md_json(base_spec())).await.is_err());
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    assert_eq!(condition(status, "Degraded")["reason"], "ApplyFailed");
+    assert!(condition(status, "Degraded")["message"].as_str().unwrap().contains("Service"));
+}
+
+#[tokio::test]
 async fn missing_model_secret_is_reported_and_retried() {
     let h = harness();
     let mut spec = base_spec();
@@ -287,14 +345,120 @@ async fn failed_pods_are_retried_after_their_backoff_only() {
 }
 
 #[tokio::test]
-async fn adapter_already_in_the_agent_is_not_loaded_twice() {
+async fn adapter_already_in_the_agent_from_the_same_source_is_not_loaded_twice() {
     let h = harness();
     with_deployment(&h);
     h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
     h.agent.script("http://10.0.0.1:8000", AgentScript { loaded: vec!["one".into()], ..Default::default() });
-    reconcile_lora(&h, adapter_json("one", Value::Null)).await.unwrap();
+    let recorded = json!({"phase": "Ready", "pods": [{"name": "smol-a", "state": "Loaded", "source": "/mnt/pvc/models/adapters/one"}]});
+    reconcile_lora(&h, adapter_json("one", recorded)).await.unwrap();
     assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000"]);
-    assert_eq!(h.api.get(&lora_path("one")).unwrap()["status"]["phase"], "Ready");
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert_eq!(status["phase"], "Ready");
+    assert_eq!(condition(status, "Ready")["status"], "True");
+    assert_eq!(condition(status, "Conflict")["status"], "False");
+}
+
+#[tokio::test]
+async fn editing_the_source_reloads_every_pod_under_the_same_name() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", true));
+    for ip in ["10.0.0.1", "10.0.0.2"] {
+        h.agent.script(&format!("http://{ip}:8000"), AgentScript { loaded: vec!["one".into()], ..Default::default() });
+    }
+    // Both pods loaded v1; the spec now points at v2.
+    let v1 = json!({"phase": "Ready", "pods": [
+        {"name": "smol-a", "state": "Loaded", "source": "/mnt/pvc/models/adapters/one-v1"},
+        {"name": "smol-b", "state": "Loaded", "source": "/mnt/pvc/models/adapters/one-v1"}]});
+    let mut object = adapter_json("one", v1);
+    object["spec"]["source"]["uri"] = json!("pvc://models/adapters/one-v2");
+    reconcile_lora(&h, object).await.unwrap();
+    // A load under the same name, never an unload first: the agent swaps versions with no gap.
+    assert_eq!(
+        h.agent.calls(),
+        [
+            "list http://10.0.0.1:8000",
+            "load http://10.0.0.1:8000 one /mnt/pvc/models/adapters/one-v2",
+            "list http://10.0.0.2:8000",
+            "load http://10.0.0.2:8000 one /mnt/pvc/models/adapters/one-v2",
+        ]
+    );
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    for pod in status["pods"].as_array().unwrap() {
+        assert_eq!(pod["source"], "/mnt/pvc/models/adapters/one-v2", "{pod}");
+        assert_eq!(pod["state"], "Loaded");
+    }
+    assert_eq!(condition(status, "Ready")["status"], "True");
+}
+
+fn served_as(name: &str, served: &str) -> Value {
+    let mut object = adapter_json(name, Value::Null);
+    object["spec"]["servedName"] = json!(served);
+    object
+}
+
+#[tokio::test]
+async fn two_adapters_with_one_served_name_the_younger_is_a_conflict_and_not_loaded() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    let mut older = served_as("alpha", "sql");
+    older["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+    let mut younger = served_as("beta", "sql");
+    younger["metadata"]["creationTimestamp"] = json!("2026-02-01T00:00:00Z");
+    h.api.insert(&lora_path("alpha"), older.clone());
+    let action = reconcile_lora(&h, younger.clone()).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_secs(60)));
+    assert!(h.agent.calls().is_empty(), "{:?}", h.agent.calls());
+    let status = &h.api.get(&lora_path("beta")).unwrap()["status"];
+    assert_eq!(status["phase"], "Failed");
+    let conflict = condition(status, "Conflict");
+    assert_eq!((conflict["status"].as_str(), conflict["reason"].as_str()), (Some("True"), Some("ServedNameConflict")));
+    assert!(conflict["message"].as_str().unwrap().contains("LoraAdapter \"alpha\""), "{conflict}");
+    assert_eq!(condition(status, "Ready")["status"], "False");
+
+    // The older one keeps the name and loads.
+    reconcile_lora(&h, older).await.unwrap();
+    assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000", "load http://10.0.0.1:8000 sql /mnt/pvc/models/adapters/alpha"]);
+    assert_eq!(condition(&h.api.get(&lora_path("alpha")).unwrap()["status"], "Conflict")["status"], "False");
+
+    // Deleting the loser must not unload the winner's name.
+    let mut deleting = h.api.get(&lora_path("beta")).unwrap();
+    deleting["metadata"]["deletionTimestamp"] = json!("2026-03-01T00:00:00Z");
+    reconcile_lora(&h, deleting).await.unwrap();
+    assert!(!h.agent.calls().iter().any(|c| c.starts_with("unload")), "{:?}", h.agent.calls());
+}
+
+#[tokio::test]
+async fn an_adapter_named_like_the_base_model_is_a_conflict() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    reconcile_lora(&h, served_as("one", "smol")).await.unwrap();
+    assert!(h.agent.calls().is_empty());
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert!(condition(status, "Conflict")["message"].as_str().unwrap().contains("base model"));
+}
+
+#[tokio::test]
+async fn a_rank_above_max_lora_rank_is_refused_before_calling_the_agent() {
+    let h = harness();
+    let mut spec = base_spec();
+    spec["engine"] = json!({"maxLoras": 2, "maxLoraRank": 16});
+    h.api.insert(&md_path("smol"), md_json(spec));
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    let mut object = adapter_json("one", Value::Null);
+    object["spec"]["rank"] = json!(64);
+    let action = reconcile_lora(&h, object).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    assert!(h.agent.calls().is_empty());
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    assert_eq!(status["phase"], "Failed");
+    let loaded = condition(status, "Loaded");
+    assert_eq!(loaded["reason"], "RankTooHigh");
+    assert!(loaded["message"].as_str().unwrap().contains("maxLoraRank 16"), "{loaded}");
 }
 
 #[tokio::test]

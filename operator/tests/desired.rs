@@ -122,6 +122,9 @@ fn deployment_carries_every_pod_field() {
     let pod = spec.template.spec.as_ref().unwrap();
     let labels = spec.template.metadata.as_ref().unwrap().labels.as_ref().unwrap();
     assert_eq!(labels["serving.peregrine.dev/model-deployment"], "llama-8b");
+    // Argo CD's tracking label stays off the children (it would adopt and prune them).
+    assert!(!labels.contains_key("app.kubernetes.io/instance"), "{labels:?}");
+    assert!(!meta.labels.as_ref().unwrap().contains_key("app.kubernetes.io/instance"));
     assert_eq!(pod.readiness_gates.as_ref().unwrap()[0].condition_type, "serving.peregrine.dev/adapters-loaded");
     assert_eq!(pod.termination_grace_period_seconds, Some(45), "drain 30 s + preStop 5 s + margin");
     assert_eq!(pod.node_selector.as_ref().unwrap()["nvidia.com/gpu.product"], "NVIDIA-H100-80GB-HBM3");

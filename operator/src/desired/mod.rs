@@ -11,11 +11,13 @@ use std::collections::BTreeMap;
 use peregrine_crds::{ModelDeployment, DEPLOYMENT_LABEL};
 
 /// Labels on every object made for `md`; [`selector_labels`] is the subset the pods are selected by.
+///
+/// No `app.kubernetes.io/instance`: Argo CD tracks the objects of an Application by that label, so
+/// children carrying it would be shown (and pruned) as the Application's own. Ownership is in the
+/// owner reference and [`DEPLOYMENT_LABEL`].
 pub fn labels(md: &ModelDeployment) -> BTreeMap<String, String> {
-    let name = md.metadata.name.clone().unwrap_or_default();
     let mut labels = selector_labels(md);
     labels.insert("app.kubernetes.io/name".into(), "peregrine-agent".into());
-    labels.insert("app.kubernetes.io/instance".into(), name);
     labels.insert("app.kubernetes.io/managed-by".into(), "peregrine-operator".into());
     labels
 }

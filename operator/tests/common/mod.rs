@@ -34,6 +34,9 @@ pub struct Recorded {
 pub struct FakeApi {
     pub objects: Mutex<BTreeMap<String, Value>>,
     pub requests: Mutex<Vec<Recorded>>,
+    /// Writes (POST/PUT/PATCH) to these paths are answered with this status code and message, the
+    /// way the API server refuses an invalid object.
+    pub refused: Mutex<HashMap<String, (u16, String)>>,
 }
 
 const COLLECTIONS: &[&str] = &["pods", "loraadapters", "modeldeployments", "deployments", "services", "secrets", "events"];
@@ -66,7 +69,18 @@ impl FakeApi {
         self.requests.lock().unwrap().iter().find(|r| r.method == method && r.path == path).cloned()
     }
 
+    /// Makes writes to `path` fail with `code` (e.g. 422) and `message`.
+    pub fn refuse(&self, path: &str, code: u16, message: &str) {
+        self.refused.lock().unwrap().insert(path.to_string(), (code, message.to_string()));
+    }
+
     fn handle(&self, r: &Recorded) -> (StatusCode, Value) {
+        if r.method != "GET" {
+            if let Some((code, message)) = self.refused.lock().unwrap().get(&r.path) {
+                let status = StatusCode::from_u16(*code).unwrap();
+                return (status, status_body(*code, status.canonical_reason().unwrap_or("Invalid"), message));
+            }
+        }
         let (key, status_sub) = match r.path.strip_suffix("/status") {
             Some(k) => (k.to_string(), true),
             None => (r.path.clone(), false),

@@ -18,7 +18,7 @@ pub mod metric_names;
 pub mod models;
 
 pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage};
-pub use common::{Prompt, StopSequences, StreamOptions, Usage};
+pub use common::{NoUnknownFields, Prompt, SamplingFields, StopSequences, StreamOptions, Usage};
 pub use completions::{CompletionChunk, CompletionRequest, CompletionResponse};
 pub use error::{ErrorBody, ErrorDetail, ValidationError};
 pub use lora::{AdapterList, AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest};

@@ -22,7 +22,8 @@ fn openai_docs_chat_request() {
     assert_eq!(r.max_tokens(), Some(20), "max_completion_tokens wins");
     assert_eq!(r.messages[0].role, Role::Developer);
     assert_eq!(r.messages[1].content.as_ref().map(MessageContent::text).as_deref(), Some("Hello!\nHi?"));
-    assert_eq!(r.stop, Some(StopSequences::One("\n".into())));
+    assert_eq!(r.sampling.stop, Some(StopSequences::One("\n".into())));
+    assert_eq!((r.sampling.top_k, r.sampling.seed, r.sampling.stream), (Some(40), Some(7), true));
 }
 
 #[test]
@@ -74,6 +75,24 @@ fn unknown_fields_are_rejected() {
     let e = serde_json::from_value::<ChatCompletionRequest>(json!({"model": "m", "messages": [{"role": "user", "content": "x", "mood": 1}]}))
         .unwrap_err();
     assert!(e.to_string().contains("unknown field `mood`"), "{e}");
+    // Next to the flattened sampling fields, every stray top-level field is named.
+    let e = serde_json::from_value::<ChatCompletionRequest>(
+        json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0.5, "mood": 1, "tone": 2}),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("unknown field `mood`, `tone`"), "{e}");
+}
+
+#[test]
+fn requests_round_trip_and_build_with_defaults() {
+    use peregrine_api::SamplingFields;
+    let r = CompletionRequest {
+        sampling: SamplingFields { temperature: Some(0.0), max_tokens: Some(4), ..Default::default() },
+        ..CompletionRequest::new("m", Prompt::Text("p".into()))
+    };
+    let wire = serde_json::to_value(&r).unwrap();
+    assert_eq!(wire, json!({"model": "m", "prompt": "p", "echo": false, "temperature": 0.0, "max_tokens": 4, "stream": false, "ignore_eos": false}));
+    assert_eq!(serde_json::from_value::<CompletionRequest>(wire).unwrap(), r);
 }
 
 #[test]

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::common::{NoUnknownFields, SamplingFields, MAX_TOP_LOGPROBS};
+use crate::structured::StructuredFields;
 use crate::{Usage, Validate, ValidationError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +79,9 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<u32>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// `response_format`, `structured_outputs`, `guided_*`.
+    #[serde(flatten)]
+    pub structured: StructuredFields,
     /// Must stay the last field: it takes what the fields above did not.
     #[serde(flatten)]
     pub unknown: NoUnknownFields,
@@ -94,6 +98,7 @@ impl Validate for ChatCompletionRequest {
     fn validate(&self) -> Result<(), ValidationError> {
         let max_tokens_param = if self.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
         self.sampling.validate(self.max_tokens(), max_tokens_param)?;
+        self.structured.constraint()?;
         if self.messages.is_empty() {
             return Err(ValidationError::new("messages", "messages must not be empty"));
         }

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::common::{NoUnknownFields, SamplingFields, MAX_TOP_LOGPROBS};
+use crate::structured::StructuredFields;
 use crate::{Prompt, Usage, Validate, ValidationError};
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -20,6 +21,9 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// `response_format`, `structured_outputs`, `guided_*`.
+    #[serde(flatten)]
+    pub structured: StructuredFields,
     /// Must stay the last field: it takes what the fields above did not.
     #[serde(flatten)]
     pub unknown: NoUnknownFields,
@@ -35,6 +39,7 @@ impl CompletionRequest {
 impl Validate for CompletionRequest {
     fn validate(&self) -> Result<(), ValidationError> {
         self.sampling.validate(self.sampling.max_tokens, "max_tokens")?;
+        self.structured.constraint()?;
         if self.best_of.is_some_and(|b| b != 1) {
             return Err(ValidationError::new("best_of", "only best_of=1 is supported"));
         }

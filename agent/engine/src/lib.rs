@@ -9,6 +9,8 @@
 //!   is the reference implementation.
 //! - [`kv`], [`scheduler`], [`sampling`], [`engine`]: the engine thread that owns the backend, the
 //!   paged KV cache and the sampler, fed over channels.
+//! - [`structured`]: structured outputs (JSON schema, regex, choice, Lark grammars) through
+//!   llguidance token masks applied in sampling.
 //! - [`lora`]: multi-LoRA serving: PEFT adapters, the adapter registry and slots, the per-step
 //!   segment plan and the CPU shrink/expand update.
 //!
@@ -28,4 +30,5 @@ pub use error::{EngineError, Result};
 pub mod kv;
 pub mod sampling;
 pub mod scheduler;
+pub mod structured;
 pub mod engine;

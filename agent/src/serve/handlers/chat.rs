@@ -13,7 +13,7 @@ use peregrine_api::chat::{
 use peregrine_api::common::Usage as ApiUsage;
 use peregrine_api::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse};
 
-use super::{fail, job, response_id, SharedState};
+use super::{fail, job, response_id, structured, SharedState};
 use crate::serve::backend::{ChatTurn, InferenceBackend, PromptInput, TokenOutput};
 use crate::serve::error::ApiError;
 use crate::serve::generation::{self, Running, Step};
@@ -42,7 +42,11 @@ pub async fn handle<B: InferenceBackend>(
         .collect();
     // OpenAI: `top_logprobs` alternatives only when `logprobs` is true.
     let logprobs = request.logprobs.then(|| request.top_logprobs.unwrap_or(0) as usize);
-    let job = job(&request.model, PromptInput::Chat(turns), request.max_tokens(), &request.sampling, logprobs);
+    let grammar = match structured::grammar(&*state.backend, &request.structured).await {
+        Ok(g) => g,
+        Err(e) => return fail(&state, e),
+    };
+    let job = job(&request.model, PromptInput::Chat(turns), request.max_tokens(), &request.sampling, logprobs, grammar);
     let running = match generation::start(&state, tenant.0, job).await {
         Ok(r) => r,
         Err(e) => return fail(&state, e),

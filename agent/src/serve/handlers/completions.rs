@@ -11,7 +11,7 @@ use peregrine_api::common::Usage as ApiUsage;
 use peregrine_api::completions::{CompletionChoice, CompletionLogprobs, TopLogprobMap};
 use peregrine_api::{CompletionChunk, CompletionRequest, CompletionResponse, Prompt};
 
-use super::{fail, job, response_id, SharedState};
+use super::{fail, job, response_id, structured, SharedState};
 use crate::serve::backend::{InferenceBackend, PromptInput, TokenOutput};
 use crate::serve::generation::{self, Running, Step};
 use crate::serve::parse::{body_bytes, parse_request};
@@ -36,7 +36,11 @@ pub async fn handle<B: InferenceBackend>(
     };
     let logprobs = request.logprobs.map(|l| l as usize);
     // OpenAI's default for completions is 16 tokens.
-    let job = job(&request.model, prompt, request.sampling.max_tokens.or(Some(16)), &request.sampling, logprobs);
+    let grammar = match structured::grammar(&*state.backend, &request.structured).await {
+        Ok(g) => g,
+        Err(e) => return fail(&state, e),
+    };
+    let job = job(&request.model, prompt, request.sampling.max_tokens.or(Some(16)), &request.sampling, logprobs, grammar);
     let running = match generation::start(&state, tenant.0, job).await {
         Ok(r) => r,
         Err(e) => return fail(&state, e),

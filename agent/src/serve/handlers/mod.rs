@@ -4,12 +4,14 @@ pub mod chat;
 pub mod completions;
 pub mod lora;
 pub mod probes;
+pub mod structured;
 
 use std::sync::Arc;
 
 use axum::response::{IntoResponse, Response};
 use peregrine_api::SamplingFields;
 use peregrine_engine::request::SamplingParams;
+use peregrine_engine::structured::CompiledGrammar;
 
 use super::backend::{InferenceBackend, PromptInput};
 use super::error::ApiError;
@@ -48,6 +50,7 @@ pub fn sampling_params(f: &SamplingFields, logprobs: Option<usize>) -> SamplingP
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: f.ignore_eos,
         logprobs,
+        grammar: None,
     }
 }
 
@@ -58,12 +61,13 @@ pub fn job(
     max_tokens_field: Option<i64>,
     f: &SamplingFields,
     logprobs: Option<usize>,
+    grammar: Option<CompiledGrammar>,
 ) -> Job {
     Job {
         model: model.to_string(),
         prompt,
         max_tokens: max_tokens(max_tokens_field),
-        params: sampling_params(f, logprobs),
+        params: SamplingParams { grammar, ..sampling_params(f, logprobs) },
         stop: f.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default(),
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
     }

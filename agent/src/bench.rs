@@ -1,7 +1,9 @@
 //! `peregrine-agent bench`: offline throughput through the whole engine (scheduler, KV cache, sampler;
 //! no HTTP), like vLLM's `benchmark_throughput`/`benchmark_latency`. Prints figures; asserts nothing.
 //! With `--lora N`, each decode batch size is run a second time with N random adapters (Zipf-spread
-//! over the batch) and the throughput is reported relative to the base model's.
+//! over the batch) and the throughput is reported relative to the base model's. With
+//! `--json-schema FILE`, likewise with every sequence constrained to that JSON schema (llguidance
+//! masks, computed beside the forward pass), relative to unconstrained decode.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +11,7 @@ use clap::{Args, Subcommand};
 use peregrine_engine::engine::EngineHandle;
 use peregrine_engine::bench::lora::{write_random_adapters, zipf_assignment};
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
+use peregrine_engine::structured::{CompiledGrammar, GrammarCompiler, GrammarSpec};
 use serde::Serialize;
 
 use crate::bench_serve::ServeBenchArgs;
@@ -98,6 +101,11 @@ pub struct BenchArgs {
     /// Zipf exponent of the requests' spread over the adapters (0: uniform).
     #[arg(long, default_value_t = 1.0)]
     pub zipf_s: f64,
+    /// Also measure decode with every sequence constrained to this JSON schema (structured outputs).
+    /// A schema that never completes within `--decode-tokens` (e.g. an array of integers) measures
+    /// steady-state decode; one that completes earlier ends its sequences early.
+    #[arg(long)]
+    pub json_schema: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -108,6 +116,16 @@ struct DecodeFigure {
     /// With `--lora`: the same batch size with adapters.
     #[serde(skip_serializing_if = "Option::is_none")]
     lora: Option<LoraFigure>,
+    /// With `--json-schema`: the same batch size, every sequence constrained to the schema.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    json_schema: Option<ConstrainedFigure>,
+}
+
+#[derive(Debug, Serialize)]
+struct ConstrainedFigure {
+    tokens_per_second: f64,
+    /// Constrained throughput / unconstrained throughput at the same batch size.
+    relative_to_unconstrained: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -165,17 +183,22 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     // The adapters go through the same path as a served adapter: PEFT folders, loaded by name.
     let (_scratch, adapter_names) = load_random_adapters(&runtime, args.lora, args.lora_rank, args.engine.seed)?;
 
+    let grammar = match &args.json_schema {
+        Some(path) => Some(compile_schema(&runtime, path)?),
+        None => None,
+    };
+
     // Warm-up: first-touch of weights and KV pages.
-    run_batch(engine, &base_only(1), 16, 2, vocab, &mut salt)?;
+    run_batch(engine, &base_only(1), 16, 2, vocab, &mut salt, None)?;
 
     let mut prefill = Vec::new();
     for _ in 0..repeat {
-        let t = run_batch(engine, &base_only(1), args.prompt_len, 1, vocab, &mut salt)?;
+        let t = run_batch(engine, &base_only(1), args.prompt_len, 1, vocab, &mut salt, None)?;
         prefill.push(args.prompt_len as f64 / t.first_token.as_secs_f64().max(1e-9));
     }
     let mut decode = Vec::new();
     for (i, &batch) in args.batch_sizes.iter().enumerate() {
-        let tps = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt)?;
+        let tps = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt, None)?;
         let lora = if adapter_names.is_empty() {
             None
         } else {
@@ -183,10 +206,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let assignment: Vec<Option<String>> = picks.iter().map(|p| p.map(|a| adapter_names[a].clone())).collect();
             let mut spread = vec![0usize; adapter_names.len()];
             picks.iter().flatten().for_each(|&a| spread[a] += 1);
-            let lora_tps = decode_tps(engine, &assignment, &args, vocab, &mut salt)?;
+            let lora_tps = decode_tps(engine, &assignment, &args, vocab, &mut salt, None)?;
             Some(LoraFigure { tokens_per_second: lora_tps, relative_to_base: lora_tps / tps.max(1e-9), spread })
         };
-        decode.push(DecodeFigure { batch, tokens_per_second: tps, ms_per_step: 1000.0 * batch as f64 / tps, lora });
+        let json_schema = match &grammar {
+            None => None,
+            Some(g) => {
+                let constrained = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt, Some(g))?;
+                Some(ConstrainedFigure { tokens_per_second: constrained, relative_to_unconstrained: constrained / tps.max(1e-9) })
+            }
+        };
+        decode.push(DecodeFigure { batch, tokens_per_second: tps, ms_per_step: 1000.0 * batch as f64 / tps, lora, json_schema });
     }
     engine.shutdown();
 
@@ -220,6 +250,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     l.tokens_per_second, l.relative_to_base, setup.adapters, setup.rank, setup.zipf_s, l.spread
                 );
             }
+            if let Some(j) = &d.json_schema {
+                println!("  + schema {:>9.1} tokens/s  ({:.3} x unconstrained)", j.tokens_per_second, j.relative_to_unconstrained);
+            }
         }
         match report.peak_rss_mib {
             Some(m) => println!("peak RSS   {m:>9.1} MiB"),
@@ -227,6 +260,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The schema in `path`, compiled against the model's tokenizer the way the server compiles one.
+fn compile_schema(runtime: &crate::runtime::Runtime, path: &std::path::Path) -> anyhow::Result<CompiledGrammar> {
+    let tokenizer = runtime.tokenizer.as_ref().ok_or_else(|| anyhow::anyhow!("--json-schema needs a model with a tokenizer"))?;
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read the --json-schema file: {e}"))?;
+    let schema: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--json-schema is not JSON: {e}"))?;
+    let compiler = GrammarCompiler::new(tokenizer)?;
+    Ok(compiler.compile(&GrammarSpec::JsonSchema(schema))?)
 }
 
 fn base_only(batch: usize) -> Vec<Option<String>> {
@@ -240,10 +282,11 @@ fn decode_tps(
     args: &BenchArgs,
     vocab: usize,
     salt: &mut u64,
+    grammar: Option<&CompiledGrammar>,
 ) -> anyhow::Result<f64> {
     let mut figures = Vec::new();
     for _ in 0..args.repeat.max(1) {
-        let t = run_batch(engine, adapters, args.context_len, args.decode_tokens + 1, vocab, salt)?;
+        let t = run_batch(engine, adapters, args.context_len, args.decode_tokens + 1, vocab, salt, grammar)?;
         figures.push(t.decode_tokens as f64 / t.decode.as_secs_f64().max(1e-9));
     }
     Ok(median(&mut figures))
@@ -304,12 +347,13 @@ fn run_batch(
     max_tokens: usize,
     vocab: usize,
     salt: &mut u64,
+    grammar: Option<&CompiledGrammar>,
 ) -> anyhow::Result<BatchTiming> {
     let start = Instant::now();
     let mut streams = Vec::with_capacity(adapters.len());
     for adapter in adapters {
         *salt += 1;
-        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
+        let params = SamplingParams { ignore_eos: true, grammar: grammar.cloned(), ..SamplingParams::greedy(max_tokens) };
         let request = GenerationRequest {
             id: engine.new_request_id(),
             prompt_tokens: synthetic_prompt(prompt_len, vocab, *salt),

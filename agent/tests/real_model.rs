@@ -54,6 +54,18 @@ fn openai_python_client() {
     assert!(out.status.success() && stdout.contains("ALL OK"), "python client test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Structured outputs (JSON schema, regex, choice, Lark) through the `openai` client, each output
+/// checked by an independent validator (`jsonschema`, Python's `re`).
+#[test]
+fn openai_python_structured_outputs() {
+    let server = Server::start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_structured_test.py");
+    let out = Command::new(python()).arg(script).args([&server.base_url(), MODEL_NAME]).output().expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success() && stdout.contains("ALL OK"), "structured outputs test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_streams_match_fixtures() {
     let server = Server::start(&[]);

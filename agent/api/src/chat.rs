@@ -2,8 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::common::{SamplingFields, MAX_TOP_LOGPROBS};
-use crate::{StopSequences, StreamOptions, Usage, Validate, ValidationError};
+use crate::common::{NoUnknownFields, SamplingFields, MAX_TOP_LOGPROBS};
+use crate::structured::StructuredFields;
+use crate::{Usage, Validate, ValidationError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -65,84 +66,39 @@ pub struct ChatMessage {
     pub name: Option<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatCompletionRequest {
     pub model: String,
     pub messages: Vec<ChatMessage>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_tokens: Option<i64>,
+    /// OpenAI's newer name for `max_tokens` (which lives in [`SamplingFields`]); wins when both are set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_completion_tokens: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub temperature: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_p: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub n: Option<u32>,
-    #[serde(default)]
-    pub stream: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub logprobs: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_logprobs: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop: Option<StopSequences>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub presence_penalty: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub frequency_penalty: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub user: Option<String>,
-    // vLLM extensions.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_p: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub repetition_penalty: Option<f32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop_token_ids: Option<Vec<u32>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skip_special_tokens: Option<bool>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// `response_format`, `structured_outputs`, `guided_*`.
+    #[serde(flatten)]
+    pub structured: StructuredFields,
+    /// Must stay the last field: it takes what the fields above did not.
+    #[serde(flatten)]
+    pub unknown: NoUnknownFields,
 }
 
 impl ChatCompletionRequest {
     /// `max_completion_tokens` wins over the deprecated `max_tokens`, as in OpenAI's API.
     pub fn max_tokens(&self) -> Option<i64> {
-        self.max_completion_tokens.or(self.max_tokens)
+        self.max_completion_tokens.or(self.sampling.max_tokens)
     }
 }
 
 impl Validate for ChatCompletionRequest {
     fn validate(&self) -> Result<(), ValidationError> {
-        let (max_tokens, max_tokens_param) = match (self.max_completion_tokens, self.max_tokens) {
-            (Some(m), _) => (Some(m), "max_completion_tokens"),
-            (None, m) => (m, "max_tokens"),
-        };
-        SamplingFields {
-            max_tokens,
-            max_tokens_param,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            n: self.n,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            repetition_penalty: self.repetition_penalty,
-            stop: self.stop.as_ref(),
-            logit_bias: self.logit_bias.as_ref(),
-        }
-        .validate()?;
+        let max_tokens_param = if self.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
+        self.sampling.validate(self.max_tokens(), max_tokens_param)?;
+        self.structured.constraint()?;
         if self.messages.is_empty() {
             return Err(ValidationError::new("messages", "messages must not be empty"));
         }
@@ -153,9 +109,6 @@ impl Validate for ChatCompletionRequest {
             if !self.logprobs {
                 return Err(ValidationError::new("top_logprobs", "top_logprobs requires logprobs to be true"));
             }
-        }
-        if self.stream_options.is_some() && !self.stream {
-            return Err(ValidationError::new("stream_options", "stream_options is only allowed when stream is true"));
         }
         Ok(())
     }

@@ -1,5 +1,6 @@
 //! Pieces shared by completions and chat requests.
 
+use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::ValidationError;
@@ -12,6 +13,13 @@ pub enum Prompt {
     Texts(Vec<String>),
     Tokens(Vec<u32>),
     TokenBatches(Vec<Vec<u32>>),
+}
+
+impl Default for Prompt {
+    /// The empty text, so that requests can be built with struct-update syntax.
+    fn default() -> Self {
+        Prompt::Text(String::new())
+    }
 }
 
 /// `stop`: one string or a list.
@@ -72,30 +80,56 @@ pub const MAX_STOP_SEQUENCES: usize = 16;
 /// The most alternatives `logprobs`/`top_logprobs` may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
-/// Sampling fields common to both endpoints, checked in one place.
-pub(crate) struct SamplingFields<'a> {
+/// The sampling and output fields both endpoints share, embedded in each request with
+/// `#[serde(flatten)]` so that they are declared, validated and converted in one place.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplingFields {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<i64>,
-    pub max_tokens_param: &'a str,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopSequences>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frequency_penalty: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    // vLLM extensions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repetition_penalty: Option<f32>,
-    pub stop: Option<&'a StopSequences>,
-    pub logit_bias: Option<&'a serde_json::Map<String, serde_json::Value>>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_token_ids: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_special_tokens: Option<bool>,
 }
 
-impl SamplingFields<'_> {
-    pub fn validate(&self) -> Result<(), ValidationError> {
-        if let Some(m) = self.max_tokens {
+impl SamplingFields {
+    /// Range checks. `max_tokens` is passed in because chat's `max_completion_tokens` overrides it
+    /// (`max_tokens_param` names whichever field the value came from).
+    pub fn validate(&self, max_tokens: Option<i64>, max_tokens_param: &str) -> Result<(), ValidationError> {
+        if let Some(m) = max_tokens {
             if m < 1 {
-                return Err(ValidationError::new(
-                    self.max_tokens_param,
-                    format!("{} must be at least 1, got {m}", self.max_tokens_param),
-                ));
+                return Err(ValidationError::new(max_tokens_param, format!("{max_tokens_param} must be at least 1, got {m}")));
             }
         }
         check_range("temperature", self.temperature, 0.0, 2.0)?;
@@ -122,7 +156,7 @@ impl SamplingFields<'_> {
                 return Err(ValidationError::new("n", format!("only n=1 is supported, got {n}")));
             }
         }
-        if let Some(stop) = self.stop {
+        if let Some(stop) = &self.stop {
             let stops = stop.to_vec();
             if stops.len() > MAX_STOP_SEQUENCES {
                 return Err(ValidationError::new("stop", format!("at most {MAX_STOP_SEQUENCES} stop sequences are allowed")));
@@ -131,10 +165,40 @@ impl SamplingFields<'_> {
                 return Err(ValidationError::new("stop", "stop sequences must not be empty"));
             }
         }
-        if self.logit_bias.is_some_and(|b| !b.is_empty()) {
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(ValidationError::new("logit_bias", "logit_bias is not supported"));
         }
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ValidationError::new("stream_options", "stream_options is only allowed when stream is true"));
+        }
         Ok(())
+    }
+}
+
+/// Refuses every field no other part of the request claimed.
+///
+/// serde cannot combine `deny_unknown_fields` with `flatten`, so each request ends with
+/// `#[serde(flatten)] _unknown: NoUnknownFields`: serde hands it whatever the request's own and
+/// flattened fields did not take, and it fails with serde's own "unknown field `name`" message
+/// (naming every stray field) so that callers see the same error as before the flattening.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NoUnknownFields;
+
+impl<'de> Deserialize<'de> for NoUnknownFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let rest = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        if rest.is_empty() {
+            return Ok(NoUnknownFields);
+        }
+        let names: Vec<String> = rest.keys().map(|k| format!("`{k}`")).collect();
+        Err(serde::de::Error::custom(format!("unknown field {}", names.join(", "))))
+    }
+}
+
+impl Serialize for NoUnknownFields {
+    /// Nothing: flattening an empty map adds no keys.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_map(Some(0))?.end()
     }
 }
 

@@ -2,111 +2,44 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::common::{SamplingFields, MAX_TOP_LOGPROBS};
-use crate::{Prompt, StopSequences, StreamOptions, Usage, Validate, ValidationError};
+use crate::common::{NoUnknownFields, SamplingFields, MAX_TOP_LOGPROBS};
+use crate::structured::StructuredFields;
+use crate::{Prompt, Usage, Validate, ValidationError};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
     pub prompt: Prompt,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_tokens: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub temperature: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_p: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub n: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_of: Option<u32>,
-    #[serde(default)]
-    pub stream: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stream_options: Option<StreamOptions>,
     /// Number of alternatives to return per token (0 returns only the sampled token's logprob).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<u32>,
     #[serde(default)]
     pub echo: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop: Option<StopSequences>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub presence_penalty: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub frequency_penalty: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub suffix: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub user: Option<String>,
-    // vLLM extensions.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_p: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub repetition_penalty: Option<f32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop_token_ids: Option<Vec<u32>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skip_special_tokens: Option<bool>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// `response_format`, `structured_outputs`, `guided_*`.
+    #[serde(flatten)]
+    pub structured: StructuredFields,
+    /// Must stay the last field: it takes what the fields above did not.
+    #[serde(flatten)]
+    pub unknown: NoUnknownFields,
 }
 
 impl CompletionRequest {
     /// A minimal request, for clients and tests.
     pub fn new(model: impl Into<String>, prompt: Prompt) -> Self {
-        CompletionRequest {
-            model: model.into(),
-            prompt,
-            max_tokens: None,
-            temperature: None,
-            top_p: None,
-            n: None,
-            best_of: None,
-            stream: false,
-            stream_options: None,
-            logprobs: None,
-            echo: false,
-            stop: None,
-            presence_penalty: None,
-            frequency_penalty: None,
-            logit_bias: None,
-            seed: None,
-            suffix: None,
-            user: None,
-            top_k: None,
-            min_p: None,
-            repetition_penalty: None,
-            ignore_eos: false,
-            stop_token_ids: None,
-            skip_special_tokens: None,
-        }
+        CompletionRequest { model: model.into(), prompt, ..Default::default() }
     }
 }
 
 impl Validate for CompletionRequest {
     fn validate(&self) -> Result<(), ValidationError> {
-        SamplingFields {
-            max_tokens: self.max_tokens,
-            max_tokens_param: "max_tokens",
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            n: self.n,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            repetition_penalty: self.repetition_penalty,
-            stop: self.stop.as_ref(),
-            logit_bias: self.logit_bias.as_ref(),
-        }
-        .validate()?;
+        self.sampling.validate(self.sampling.max_tokens, "max_tokens")?;
+        self.structured.constraint()?;
         if self.best_of.is_some_and(|b| b != 1) {
             return Err(ValidationError::new("best_of", "only best_of=1 is supported"));
         }
@@ -120,9 +53,6 @@ impl Validate for CompletionRequest {
         }
         if self.suffix.is_some() {
             return Err(ValidationError::new("suffix", "suffix is not supported"));
-        }
-        if self.stream_options.is_some() && !self.stream {
-            return Err(ValidationError::new("stream_options", "stream_options is only allowed when stream is true"));
         }
         match &self.prompt {
             Prompt::Text(_) | Prompt::Tokens(_) => Ok(()),

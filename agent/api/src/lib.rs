@@ -17,13 +17,15 @@ pub mod error;
 pub mod lora;
 pub mod metric_names;
 pub mod models;
+pub mod structured;
 
 pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage};
-pub use common::{Prompt, StopSequences, StreamOptions, Usage};
+pub use common::{NoUnknownFields, Prompt, SamplingFields, StopSequences, StreamOptions, Usage};
 pub use completions::{CompletionChunk, CompletionRequest, CompletionResponse};
 pub use error::{ErrorBody, ErrorDetail, ValidationError};
 pub use lora::{AdapterList, AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 pub use models::{ModelCard, ModelList};
+pub use structured::{OutputConstraint, ResponseFormat, StructuredFields, StructuredOutputs};
 
 /// Range checks beyond what the types express. Returns the first problem found, naming the field.
 pub trait Validate {

@@ -22,7 +22,8 @@ fn openai_docs_chat_request() {
     assert_eq!(r.max_tokens(), Some(20), "max_completion_tokens wins");
     assert_eq!(r.messages[0].role, Role::Developer);
     assert_eq!(r.messages[1].content.as_ref().map(MessageContent::text).as_deref(), Some("Hello!\nHi?"));
-    assert_eq!(r.stop, Some(StopSequences::One("\n".into())));
+    assert_eq!(r.sampling.stop, Some(StopSequences::One("\n".into())));
+    assert_eq!((r.sampling.top_k, r.sampling.seed, r.sampling.stream), (Some(40), Some(7), true));
 }
 
 #[test]
@@ -74,6 +75,24 @@ fn unknown_fields_are_rejected() {
     let e = serde_json::from_value::<ChatCompletionRequest>(json!({"model": "m", "messages": [{"role": "user", "content": "x", "mood": 1}]}))
         .unwrap_err();
     assert!(e.to_string().contains("unknown field `mood`"), "{e}");
+    // Next to the flattened sampling fields, every stray top-level field is named.
+    let e = serde_json::from_value::<ChatCompletionRequest>(
+        json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0.5, "mood": 1, "tone": 2}),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("unknown field `mood`, `tone`"), "{e}");
+}
+
+#[test]
+fn requests_round_trip_and_build_with_defaults() {
+    use peregrine_api::SamplingFields;
+    let r = CompletionRequest {
+        sampling: SamplingFields { temperature: Some(0.0), max_tokens: Some(4), ..Default::default() },
+        ..CompletionRequest::new("m", Prompt::Text("p".into()))
+    };
+    let wire = serde_json::to_value(&r).unwrap();
+    assert_eq!(wire, json!({"model": "m", "prompt": "p", "echo": false, "temperature": 0.0, "max_tokens": 4, "stream": false, "ignore_eos": false}));
+    assert_eq!(serde_json::from_value::<CompletionRequest>(wire).unwrap(), r);
 }
 
 #[test]
@@ -101,4 +120,57 @@ fn vllm_lora_admin_bodies() {
     let bad: LoadLoraAdapterRequest = serde_json::from_value(json!({"lora_name": "a", "lora_path": ""})).unwrap();
     assert_eq!(bad.validate().unwrap_err().param.as_deref(), Some("lora_path"));
     assert!(serde_json::from_value::<LoadLoraAdapterRequest>(json!({"lora_name": "a"})).is_err());
+}
+
+#[test]
+fn structured_output_fields() {
+    use peregrine_api::structured::OutputConstraint;
+    let chat = |extra: serde_json::Value| {
+        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        serde_json::from_value::<ChatCompletionRequest>(body).unwrap()
+    };
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    // As the OpenAI SDK sends them.
+    let cases = [
+        (json!({"response_format": {"type": "text"}}), None),
+        (json!({"response_format": {"type": "json_object"}}), Some(("response_format", OutputConstraint::JsonObject))),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": true}}}),
+            Some(("response_format", OutputConstraint::JsonSchema(schema.clone()))),
+        ),
+        // vLLM's structured_outputs and the older guided_* names; a schema may come as JSON text.
+        (json!({"structured_outputs": {"json": schema.to_string()}}), Some(("structured_outputs", OutputConstraint::JsonSchema(schema.clone())))),
+        (json!({"structured_outputs": {"regex": "[a-z]+"}}), Some(("structured_outputs", OutputConstraint::Regex("[a-z]+".into())))),
+        (json!({"structured_outputs": {"choice": ["a", "b"]}}), Some(("structured_outputs", OutputConstraint::Choice(vec!["a".into(), "b".into()])))),
+        (json!({"structured_outputs": {"grammar": "start: \"x\""}}), Some(("structured_outputs", OutputConstraint::Grammar("start: \"x\"".into())))),
+        (json!({"guided_json": schema}), Some(("guided_json", OutputConstraint::JsonSchema(schema.clone())))),
+        (json!({"guided_regex": "a+"}), Some(("guided_regex", OutputConstraint::Regex("a+".into())))),
+        (json!({"guided_choice": ["y"]}), Some(("guided_choice", OutputConstraint::Choice(vec!["y".into()])))),
+        (json!({"guided_grammar": "start: \"y\""}), Some(("guided_grammar", OutputConstraint::Grammar("start: \"y\"".into())))),
+    ];
+    for (extra, want) in cases {
+        let r = chat(extra.clone());
+        r.validate().unwrap();
+        let got = r.structured.constraint().unwrap().map(|c| (c.param, c.constraint));
+        assert_eq!(got, want, "{extra}");
+    }
+    // Refusals name the field.
+    let bad = [
+        (json!({"guided_regex": "a", "guided_choice": ["b"]}), "guided_choice"),
+        (json!({"structured_outputs": {}}), "structured_outputs"),
+        (json!({"structured_outputs": {"json": "{not json"}}), "structured_outputs"),
+        (json!({"guided_json": [1, 2]}), "guided_json"),
+        (json!({"guided_choice": []}), "guided_choice"),
+        (json!({"guided_regex": ""}), "guided_regex"),
+        (json!({"guided_grammar": "root ::= \"a\""}), "guided_grammar"),
+    ];
+    for (extra, param) in bad {
+        assert_eq!(chat(extra.clone()).validate().unwrap_err().param.as_deref(), Some(param), "{extra}");
+    }
+    // Unknown keys inside the objects are refused at parse time.
+    let body = json!({"model": "m", "prompt": "p", "structured_outputs": {"regexp": "a"}});
+    assert!(serde_json::from_value::<CompletionRequest>(body).is_err());
+    let body = json!({"model": "m", "prompt": "p", "response_format": {"type": "yaml"}});
+    assert!(serde_json::from_value::<CompletionRequest>(body).is_err());
 }

@@ -11,6 +11,8 @@
 //!   paged KV cache and the sampler, fed over channels.
 //! - [`encoder`]: BERT-family encoders (embeddings, classification, reranking) and their
 //!   token-level batching thread, apart from the decoder path.
+//! - [`structured`]: structured outputs (JSON schema, regex, choice, Lark grammars) through
+//!   llguidance token masks applied in sampling.
 //! - [`lora`]: multi-LoRA serving: PEFT adapters, the adapter registry and slots, the per-step
 //!   segment plan and the CPU shrink/expand update.
 //!
@@ -31,4 +33,5 @@ pub use error::{EngineError, Result};
 pub mod kv;
 pub mod sampling;
 pub mod scheduler;
+pub mod structured;
 pub mod engine;

@@ -30,6 +30,11 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Number of top alternatives to report with each sampled token (`None`: no logprobs at all).
     pub logprobs: Option<usize>,
+    /// Structured outputs: only tokens this grammar allows are sampled, and the sequence stops when
+    /// the grammar is complete. Compiled by the caller ([`crate::structured::GrammarCompiler`]),
+    /// off the engine thread; not serialized (a compiled grammar belongs to this process).
+    #[serde(skip)]
+    pub grammar: Option<crate::structured::CompiledGrammar>,
 }
 
 impl Default for SamplingParams {
@@ -47,6 +52,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            grammar: None,
         }
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use futures::Stream;
 use peregrine_api::AdapterStatus;
 use peregrine_engine::request::{FinishReason, SamplingParams, Usage};
+use peregrine_engine::structured::{CompiledGrammar, GrammarSpec};
 
 use super::error::ApiError;
 
@@ -140,6 +141,15 @@ pub trait InferenceBackend: Send + Sync + 'static {
     /// Unloads `name`; requests already running on it finish first.
     fn unload_adapter(&self, _name: String) -> impl Future<Output = Result<AdapterStatus, ApiError>> + Send {
         async { Err(ApiError::LoraDisabled) }
+    }
+    /// Compiles a structured-output constraint against the model's tokenizer (cached by hash), on
+    /// a worker pool. A bad schema or grammar is a 400 naming `param`.
+    fn compile_grammar(
+        &self,
+        _spec: GrammarSpec,
+        param: &'static str,
+    ) -> impl Future<Output = Result<CompiledGrammar, ApiError>> + Send {
+        async move { Err(ApiError::invalid(Some(param.to_string()), "structured outputs are not supported by this backend")) }
     }
     /// Tokenizes (and for chat, renders) a prompt on a worker pool, never on the engine thread.
     fn prepare(&self, prompt: PromptInput) -> impl Future<Output = Result<PreparedPrompt, ApiError>> + Send;

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use peregrine_api::AdapterStatus;
@@ -12,6 +13,7 @@ use peregrine_engine::lora::{self, AdapterInfo};
 use peregrine_engine::engine::{EngineHandle, RequestStream};
 use peregrine_engine::request::{FinishReason, GenerationRequest, RequestEvent, SampledToken, Usage};
 use peregrine_engine::tokenizer::{ChatMessage, IncrementalDecoder, StopMatcher, Tokenizer};
+use peregrine_engine::structured::{CompiledGrammar, GrammarCompiler, GrammarSpec};
 use peregrine_engine::EngineError;
 
 use super::backend::{
@@ -28,11 +30,13 @@ pub struct EngineBackend {
     tokenizer: Tokenizer,
     shape: EngineShape,
     kv_cache_bytes: Option<u64>,
+    /// Built on the first structured-output request (it indexes the whole vocabulary), then shared.
+    grammars: Arc<OnceLock<Result<GrammarCompiler, String>>>,
 }
 
 impl EngineBackend {
     pub fn new(model_name: String, backend_name: String, max_model_len: usize, engine: EngineHandle, tokenizer: Tokenizer) -> Self {
-        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer, shape: EngineShape::default(), kv_cache_bytes: None }
+        EngineBackend { model_name, backend_name, max_model_len, engine, tokenizer, shape: EngineShape::default(), kv_cache_bytes: None, grammars: Arc::new(OnceLock::new()) }
     }
 
     /// The KV-cache and LoRA sizes the engine was started with (reported to gateways).
@@ -245,6 +249,23 @@ impl InferenceBackend for EngineBackend {
         .await
         .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))??;
         Ok(PreparedPrompt { tokens })
+    }
+
+    async fn compile_grammar(&self, spec: GrammarSpec, param: &'static str) -> Result<CompiledGrammar, ApiError> {
+        let (grammars, tokenizer) = (self.grammars.clone(), self.tokenizer.clone());
+        // Compiling a large schema takes milliseconds: on the blocking pool, never on the engine
+        // thread or an async worker.
+        tokio::task::spawn_blocking(move || {
+            let compiler = grammars
+                .get_or_init(|| GrammarCompiler::new(&tokenizer).map_err(|e| e.to_string()))
+                .as_ref()
+                .map_err(|e| ApiError::invalid(Some(param.to_string()), format!("structured outputs are unavailable for this model: {e}")))?;
+            compiler
+                .compile(&spec)
+                .map_err(|e| ApiError::invalid(Some(param.to_string()), format!("invalid {} constraint: {e}", spec.kind())))
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("grammar task: {e}")))?
     }
 
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {

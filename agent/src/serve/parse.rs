@@ -37,11 +37,14 @@ fn json_error(e: serde_json::Error) -> ApiError {
     }
 }
 
-/// serde's message for `deny_unknown_fields` is "unknown field `name`, expected ...".
+/// The stray field names in serde's "unknown field `name`, expected ..." (from
+/// `deny_unknown_fields`) or in the API's own "unknown field `a`, `b`" (from
+/// [`peregrine_api::NoUnknownFields`]), joined with ", ".
 fn unknown_field_name(message: &str) -> Option<String> {
-    let rest = message.strip_prefix("unknown field `")?;
-    let end = rest.find('`')?;
-    Some(rest[..end].to_string())
+    let rest = message.strip_prefix("unknown field ")?;
+    let names_part = rest.split(", expected").next().unwrap_or(rest);
+    let names: Vec<&str> = names_part.split('`').skip(1).step_by(2).collect();
+    (!names.is_empty()).then(|| names.join(", "))
 }
 
 /// The body, or the error for a body that could not be read (too large, connection broken).
@@ -69,6 +72,20 @@ mod tests {
         assert!(matches!(e, ApiError::MalformedJson(_)), "{e:?}");
         let e = parse_request::<CompletionRequest>(br#"{"model": "m", "prompt": "x", "foo": 1}"#).unwrap_err();
         assert!(matches!(&e, ApiError::UnknownField(f) if f == "foo"), "{e:?}");
+        // Every stray field is named, at the top level of both requests (flattened fields are
+        // known), and inside messages (serde's own deny_unknown_fields).
+        let e = parse_request::<ChatCompletionRequest>(
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "mood": 1, "tone": "x"}"#,
+        )
+        .unwrap_err();
+        assert!(matches!(&e, ApiError::UnknownField(f) if f == "mood, tone"), "{e:?}");
+        assert_eq!(e.label(), "unknown_parameter");
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        let e = parse_request::<ChatCompletionRequest>(br#"{"model": "m", "messages": [{"role": "user", "content": "x", "mood": 1}]}"#)
+            .unwrap_err();
+        assert!(matches!(&e, ApiError::UnknownField(f) if f == "mood"), "{e:?}");
+        let ok = parse_request::<CompletionRequest>(br#"{"model": "m", "prompt": "x", "top_k": 5, "stream": true, "stop": ["a"]}"#).unwrap();
+        assert_eq!((ok.sampling.top_k, ok.sampling.stream), (Some(5), true));
         let e = parse_request::<CompletionRequest>(br#"{"model": "m", "prompt": "x", "max_tokens": "7"}"#).unwrap_err();
         assert!(matches!(e, ApiError::Unprocessable { .. }), "{e:?}");
         let e = parse_request::<CompletionRequest>(br#"{"model": "m", "prompt": "x", "max_tokens": -1}"#).unwrap_err();

@@ -19,6 +19,7 @@ use crate::plan::RowSampling;
 use crate::lora::AdapterId;
 use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, SampledToken, Usage};
 use crate::sampling::{request_seed, RequestSampler};
+use crate::structured::GrammarOutcome;
 use crate::scheduler::{Scheduler, SchedulerOutput, Sequence};
 
 /// Per-request state the scheduler does not need: where events go and how to sample.
@@ -351,8 +352,15 @@ impl Worker {
             self.totals.generation_tokens_total += 1;
             self.scheduler.append_token(c.id, id);
             let params = req.sampler.params();
+            let grammar = req.sampler.grammar_outcome();
+            if let GrammarOutcome::Failed(msg) = grammar {
+                self.outbox.push(&req.events, RequestEvent::Token(token));
+                self.fail(c.id, &msg);
+                continue;
+            }
             let reason = if (!params.ignore_eos && self.eos_token_ids.contains(&id))
                 || params.stop_token_ids.contains(&id)
+                || grammar == GrammarOutcome::Complete
             {
                 Some(FinishReason::Stop)
             } else if req.num_output >= params.max_tokens

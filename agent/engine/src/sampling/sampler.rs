@@ -9,6 +9,7 @@ use super::penalties::{apply_penalties, PenaltyState};
 use super::GREEDY_TEMPERATURE;
 use crate::plan::RowSampling;
 use crate::request::{RequestId, SampledToken, SamplingParams};
+use crate::structured::{GrammarOutcome, GrammarState};
 
 /// Highest logit, lowest id among ties (NaNs never win).
 pub fn argmax(logits: &[f32]) -> usize {
@@ -36,16 +37,24 @@ pub fn request_seed(params: &SamplingParams, id: RequestId, engine_seed: u64) ->
 }
 
 /// Samples one request's tokens. Owns its RNG, so its draws depend only on its own logits.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct RequestSampler {
     params: SamplingParams,
     penalties: PenaltyState,
     rng: ChaCha20Rng,
+    /// Structured outputs: the sequence's grammar, whose mask is applied before everything else.
+    grammar: Option<GrammarState>,
 }
 
 impl RequestSampler {
     pub fn new(params: SamplingParams, prompt: &[u32], seed: u64) -> Self {
-        RequestSampler { params, penalties: PenaltyState::new(prompt), rng: ChaCha20Rng::seed_from_u64(seed) }
+        let grammar = params.grammar.as_ref().map(GrammarState::new);
+        RequestSampler { params, penalties: PenaltyState::new(prompt), rng: ChaCha20Rng::seed_from_u64(seed), grammar }
+    }
+
+    /// Where the grammar stands after the latest token ([`GrammarOutcome::Continue`] without one).
+    pub fn grammar_outcome(&self) -> GrammarOutcome {
+        self.grammar.as_ref().map_or(GrammarOutcome::Continue, GrammarState::outcome)
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -55,6 +64,9 @@ impl RequestSampler {
     /// Picks the next token from the model's raw logits row and records it for the penalties.
     pub fn sample(&mut self, raw: &[f32]) -> SampledToken {
         let mut logits = raw.to_vec();
+        if let Some(g) = &mut self.grammar {
+            g.apply(&mut logits);
+        }
         apply_penalties(&mut logits, &self.params, &self.penalties);
         let token = if self.params.temperature < GREEDY_TEMPERATURE {
             argmax(&logits)
@@ -62,6 +74,9 @@ impl RequestSampler {
             self.draw(&mut logits)
         };
         self.penalties.record_output(token as u32);
+        if let Some(g) = &mut self.grammar {
+            g.commit(token as u32);
+        }
 
         let (logprob, top) = match self.params.logprobs {
             Some(n) => {
@@ -79,7 +94,7 @@ impl RequestSampler {
     pub fn device_plan(&mut self) -> RowSampling {
         let p = &self.params;
         let penalties = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        if penalties || p.logprobs.is_some() {
+        if penalties || p.logprobs.is_some() || self.grammar.is_some() {
             return RowSampling::Host;
         }
         let (temperature, top_k, top_p, min_p) = (p.temperature, p.top_k.min(u32::MAX as usize) as u32, p.top_p, p.min_p);
@@ -95,6 +110,9 @@ impl RequestSampler {
     /// Records a token the device picked under [`RequestSampler::device_plan`].
     pub fn accept_device_token(&mut self, token: u32) -> SampledToken {
         self.penalties.record_output(token);
+        if let Some(g) = &mut self.grammar {
+            g.commit(token);
+        }
         SampledToken { token_id: token, logprob: None, top_logprobs: Vec::new() }
     }
 

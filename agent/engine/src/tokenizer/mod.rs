@@ -204,6 +204,17 @@ impl Tokenizer {
         self.inner.chat_template.as_ref()
     }
 
+    /// Tokens added on top of the model's vocabulary: id → (text, whether it is special).
+    pub fn added_tokens(&self) -> std::collections::HashMap<u32, (String, bool)> {
+        self.inner.tk.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, (t.content, t.special))).collect()
+    }
+
+    /// The decoder stage of the pipeline as `tokenizer.json` writes it (`{"type": "ByteLevel", ...}`),
+    /// `null` when there is none: it tells how vocabulary pieces encode bytes.
+    pub fn decoder_json(&self) -> serde_json::Value {
+        self.inner.tk.get_decoder().and_then(|d| serde_json::to_value(d).ok()).unwrap_or_default()
+    }
+
     /// Whether `id` is a special (control) token, i.e. one that `skip_special_tokens` drops.
     pub fn is_special(&self, id: u32) -> bool {
         self.inner.special_ids.contains(&id)

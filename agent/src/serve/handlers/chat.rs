@@ -13,10 +13,10 @@ use peregrine_api::chat::{
 use peregrine_api::common::Usage as ApiUsage;
 use peregrine_api::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse};
 
-use super::{fail, max_tokens, response_id, sampling_params, SharedState};
+use super::{fail, job, response_id, structured, SharedState};
 use crate::serve::backend::{ChatTurn, InferenceBackend, PromptInput, TokenOutput};
 use crate::serve::error::ApiError;
-use crate::serve::generation::{self, Job, Running, Step};
+use crate::serve::generation::{self, Running, Step};
 use crate::serve::parse::{body_bytes, parse_request};
 use crate::serve::tenant::Tenant;
 use crate::serve::sse;
@@ -42,26 +42,11 @@ pub async fn handle<B: InferenceBackend>(
         .collect();
     // OpenAI: `top_logprobs` alternatives only when `logprobs` is true.
     let logprobs = request.logprobs.then(|| request.top_logprobs.unwrap_or(0) as usize);
-    let job = Job {
-        model: request.model.clone(),
-        prompt: PromptInput::Chat(turns),
-        max_tokens: max_tokens(request.max_tokens()),
-        params: sampling_params(
-            request.temperature,
-            request.top_p,
-            request.top_k,
-            request.min_p,
-            request.presence_penalty,
-            request.frequency_penalty,
-            request.repetition_penalty,
-            request.seed,
-            request.stop_token_ids.clone(),
-            request.ignore_eos,
-            logprobs,
-        ),
-        stop: request.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default(),
-        skip_special_tokens: request.skip_special_tokens.unwrap_or(true),
+    let grammar = match structured::grammar(&*state.backend, &request.structured).await {
+        Ok(g) => g,
+        Err(e) => return fail(&state, e),
     };
+    let job = job(&request.model, PromptInput::Chat(turns), request.max_tokens(), &request.sampling, logprobs, grammar);
     let running = match generation::start(&state, tenant.0, job).await {
         Ok(r) => r,
         Err(e) => return fail(&state, e),
@@ -72,8 +57,8 @@ pub async fn handle<B: InferenceBackend>(
         model: request.model,
         logprobs: logprobs.is_some(),
     };
-    if request.stream {
-        let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
+    if request.sampling.stream {
+        let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
         stream(out, running, include_usage)
     } else {
         complete(&state, out, running).await

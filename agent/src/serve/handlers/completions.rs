@@ -11,9 +11,9 @@ use peregrine_api::common::Usage as ApiUsage;
 use peregrine_api::completions::{CompletionChoice, CompletionLogprobs, TopLogprobMap};
 use peregrine_api::{CompletionChunk, CompletionRequest, CompletionResponse, Prompt};
 
-use super::{fail, max_tokens, response_id, sampling_params, SharedState};
+use super::{fail, job, response_id, structured, SharedState};
 use crate::serve::backend::{InferenceBackend, PromptInput, TokenOutput};
-use crate::serve::generation::{self, Job, Running, Step};
+use crate::serve::generation::{self, Running, Step};
 use crate::serve::parse::{body_bytes, parse_request};
 use crate::serve::tenant::Tenant;
 use crate::serve::sse;
@@ -35,26 +35,12 @@ pub async fn handle<B: InferenceBackend>(
         Prompt::TokenBatches(mut v) => PromptInput::Tokens(v.pop().unwrap_or_default()),
     };
     let logprobs = request.logprobs.map(|l| l as usize);
-    let job = Job {
-        model: request.model.clone(),
-        prompt,
-        max_tokens: max_tokens(request.max_tokens.or(Some(16))),
-        params: sampling_params(
-            request.temperature,
-            request.top_p,
-            request.top_k,
-            request.min_p,
-            request.presence_penalty,
-            request.frequency_penalty,
-            request.repetition_penalty,
-            request.seed,
-            request.stop_token_ids,
-            request.ignore_eos,
-            logprobs,
-        ),
-        stop: request.stop.map(|s| s.to_vec()).unwrap_or_default(),
-        skip_special_tokens: request.skip_special_tokens.unwrap_or(true),
+    // OpenAI's default for completions is 16 tokens.
+    let grammar = match structured::grammar(&*state.backend, &request.structured).await {
+        Ok(g) => g,
+        Err(e) => return fail(&state, e),
     };
+    let job = job(&request.model, prompt, request.sampling.max_tokens.or(Some(16)), &request.sampling, logprobs, grammar);
     let running = match generation::start(&state, tenant.0, job).await {
         Ok(r) => r,
         Err(e) => return fail(&state, e),
@@ -65,8 +51,8 @@ pub async fn handle<B: InferenceBackend>(
         model: request.model,
         logprobs: logprobs.is_some(),
     };
-    if request.stream {
-        let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
+    if request.sampling.stream {
+        let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
         stream(out, running, include_usage)
     } else {
         complete(&state, out, running).await

@@ -7,14 +7,18 @@ pub mod embeddings;
 pub mod lora;
 pub mod probes;
 pub mod rerank;
+pub mod structured;
 
 use std::sync::Arc;
 
 use axum::response::{IntoResponse, Response};
+use peregrine_api::SamplingFields;
 use peregrine_engine::request::SamplingParams;
+use peregrine_engine::structured::CompiledGrammar;
 
-use super::backend::InferenceBackend;
+use super::backend::{InferenceBackend, PromptInput};
 use super::error::ApiError;
+use super::generation::Job;
 use super::state::AppState;
 
 /// Counts the error, logs it and renders it.
@@ -33,34 +37,42 @@ pub fn response_id(prefix: &str, started: u64, request_id: u64) -> String {
     format!("{prefix}-{started:x}{request_id:08x}")
 }
 
-/// OpenAI sampling fields → engine parameters (vLLM defaults where a field is absent).
-#[allow(clippy::too_many_arguments)]
-pub fn sampling_params(
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<i64>,
-    min_p: Option<f32>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
-    repetition_penalty: Option<f32>,
-    seed: Option<u64>,
-    stop_token_ids: Option<Vec<u32>>,
-    ignore_eos: bool,
-    logprobs: Option<usize>,
-) -> SamplingParams {
+/// The request's sampling fields → engine parameters (vLLM defaults where a field is absent).
+/// `logprobs` is the endpoint's own field (a flag plus a count on chat, a count on completions).
+pub fn sampling_params(f: &SamplingFields, logprobs: Option<usize>) -> SamplingParams {
     SamplingParams {
-        temperature: temperature.unwrap_or(1.0),
-        top_k: top_k.filter(|k| *k > 0).map(|k| k as usize).unwrap_or(0),
-        top_p: top_p.unwrap_or(1.0),
-        min_p: min_p.unwrap_or(0.0),
-        repetition_penalty: repetition_penalty.unwrap_or(1.0),
-        presence_penalty: presence_penalty.unwrap_or(0.0),
-        frequency_penalty: frequency_penalty.unwrap_or(0.0),
-        seed,
+        temperature: f.temperature.unwrap_or(1.0),
+        top_k: f.top_k.filter(|k| *k > 0).map(|k| k as usize).unwrap_or(0),
+        top_p: f.top_p.unwrap_or(1.0),
+        min_p: f.min_p.unwrap_or(0.0),
+        repetition_penalty: f.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: f.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: f.frequency_penalty.unwrap_or(0.0),
+        seed: f.seed,
         max_tokens: 0, // resolved against the prompt length in `generation::start`
-        stop_token_ids: stop_token_ids.unwrap_or_default(),
-        ignore_eos,
+        stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+        ignore_eos: f.ignore_eos,
         logprobs,
+        grammar: None,
+    }
+}
+
+/// The generation job both endpoints start: prompt, limits, sampling and stop strings.
+pub fn job(
+    model: &str,
+    prompt: PromptInput,
+    max_tokens_field: Option<i64>,
+    f: &SamplingFields,
+    logprobs: Option<usize>,
+    grammar: Option<CompiledGrammar>,
+) -> Job {
+    Job {
+        model: model.to_string(),
+        prompt,
+        max_tokens: max_tokens(max_tokens_field),
+        params: SamplingParams { grammar, ..sampling_params(f, logprobs) },
+        stop: f.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default(),
+        skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
     }
 }
 

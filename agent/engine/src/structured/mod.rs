@@ -1,0 +1,17 @@
+//! Structured outputs: decoding constrained to a JSON schema, a regular expression, a list of
+//! choices or a Lark grammar, with llguidance computing each step's allowed-token mask.
+//!
+//! - [`GrammarSpec`]: what a request asks for; [`GrammarCompiler`] turns it into a
+//!   [`CompiledGrammar`] against the model's tokenizer ([`token_env`]), cached by hash.
+//! - [`GrammarState`]: one sequence's matcher; the sampler applies its mask to the logits and
+//!   commits each sampled token, and the next mask is computed on rayon's pool meanwhile.
+
+mod compiler;
+mod constraint;
+mod spec;
+mod token_env;
+
+pub use compiler::{CompiledGrammar, GrammarCompiler, GrammarError, GRAMMAR_CACHE_CAPACITY};
+pub use constraint::{GrammarOutcome, GrammarState};
+pub use spec::GrammarSpec;
+pub use token_env::{token_bytes, token_env};

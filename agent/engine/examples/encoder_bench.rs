@@ -28,14 +28,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = Arc::new(model);
     let config = EncoderServiceConfig { max_num_batched_tokens: 8192 };
     let handle = EncoderHandle::start(Box::new(backend), model.clone(), config)?;
-    println!("backend {} max_num_batched_tokens {}", handle.backend_name(), config.max_num_batched_tokens);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "backend {} max_num_batched_tokens {} load average {}",
+        handle.backend_name(),
+        config.max_num_batched_tokens,
+        load.split_whitespace().next().unwrap_or("?")
+    );
     println!("{:>6} {:>5} {:>6} {:>10} {:>10} {:>9} {:>9}", "len", "conc", "reqs", "seq/s", "tok/s", "p50 ms", "p99 ms");
     for len in [16usize, 128, 512] {
         // "hello" is one token: [CLS] + (len - 2) words + [SEP].
         let text = "hello ".repeat(len - 2);
         assert_eq!(model.tokenizer.encode(&text, false)?.len(), len);
-        // About 16k tokens per row at concurrency 64, 4k at 1 (at least 4 requests).
-        for (conc, per_client) in [(1usize, (4096 / len).max(4)), (64, (256 / len).max(1))] {
+        // About 8k tokens per row at concurrency 64 (at least 64 requests), 1k at 1 (at least 4).
+        for (conc, per_client) in [(1usize, (1024 / len).max(4)), (64, (128 / len).max(1))] {
             let warm = model.tokenizer.encode(&text, false)?;
             handle.run_blocking(vec![warm], EncoderJobKind::Embed)?;
             let t0 = Instant::now();

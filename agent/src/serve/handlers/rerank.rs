@@ -24,7 +24,7 @@ pub async fn rerank(State(state): State<SharedState<EncoderOnly>>, body: Result<
     let run = async {
         let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<RerankRequest>(&b))?;
         let docs: Vec<String> = request.documents.iter().map(|d| d.text().to_string()).collect();
-        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), &[request.query.clone()], &docs, request.truncate).await?;
+        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), std::slice::from_ref(&request.query), &docs, request.truncate).await?;
         let mut results: Vec<RerankResult> = scores
             .into_iter()
             .enumerate()

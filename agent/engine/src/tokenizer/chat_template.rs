@@ -120,8 +120,10 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, Error> {
     };
     let mut out = Vec::new();
     if sort_keys == Some(true) {
-        // serde_json's own map type is ordered by key.
-        let v = serde_json::to_value(value).map_err(json_err)?;
+        // Sorted explicitly: serde_json's map keeps insertion order whenever any crate in the build
+        // enables its `preserve_order` feature (llguidance does).
+        let mut v = serde_json::to_value(value).map_err(json_err)?;
+        v.sort_all_objects();
         write_json(&mut out, &v, indent).map_err(json_err)?;
     } else {
         write_json(&mut out, value, indent).map_err(json_err)?;

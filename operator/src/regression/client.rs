@@ -6,8 +6,10 @@
 
 use std::time::{Duration, Instant};
 
+use peregrine_api::chat::{MessageContent, Role};
+use peregrine_api::{ChatCompletionRequest, ChatMessage, CompletionRequest, Prompt, SamplingFields, StopSequences, StreamOptions};
 use peregrine_crds::RegressionCase;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -20,6 +22,9 @@ pub enum ClientError {
     /// An answer that is not the OpenAI API's (or an error event inside the stream).
     #[error("bad response: {0}")]
     Protocol(String),
+    /// The case cannot be sent (admission should have refused it).
+    #[error("bad case: {0}")]
+    BadCase(String),
 }
 
 /// What one case produced.
@@ -54,7 +59,7 @@ impl OpenAiClient {
     pub async fn generate(&self, base: &str, model: &str, case: &RegressionCase) -> Result<Generation, ClientError> {
         let chat = case.prompt.is_none();
         let url = format!("{}/v1/{}", root(base), if chat { "chat/completions" } else { "completions" });
-        let body = request_body(model, case);
+        let body = request_body(model, case)?;
         let started = Instant::now();
         let response = self.http.post(&url).json(&body).send().await.map_err(|e| ClientError::Transport(e.to_string()))?;
         let status = response.status();
@@ -92,33 +97,46 @@ fn root(base: &str) -> &str {
     base.strip_suffix("/v1").unwrap_or(base)
 }
 
-fn request_body(model: &str, case: &RegressionCase) -> Value {
-    let mut body = json!({
-        "model": model,
-        "max_tokens": case.sampling.max_tokens,
-        "temperature": 0.0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    match &case.prompt {
-        Some(prompt) => {
-            body["prompt"] = json!(prompt);
-            // Legacy completions: `logprobs: 0` returns the sampled token of each position.
-            body["logprobs"] = json!(0);
-        }
+/// The request for `case`, built from the agent's own request types (`peregrine-api`), so the two
+/// cannot drift: greedy, streamed with usage, and asking for the sampled tokens.
+fn request_body(model: &str, case: &RegressionCase) -> Result<Value, ClientError> {
+    let seed = case.sampling.seed.map(u64::try_from).transpose().map_err(|_| ClientError::BadCase("a negative seed".into()))?;
+    let sampling = SamplingFields {
+        max_tokens: Some(i64::from(case.sampling.max_tokens)),
+        temperature: Some(0.0),
+        stream: true,
+        stream_options: Some(StreamOptions { include_usage: true, continuous_usage_stats: None }),
+        stop: (!case.sampling.stop.is_empty()).then(|| StopSequences::Many(case.sampling.stop.clone())),
+        seed,
+        ..SamplingFields::default()
+    };
+    let body = match &case.prompt {
+        // Legacy completions: `logprobs: 0` returns the sampled token of each position.
+        Some(prompt) => serde_json::to_value(CompletionRequest {
+            model: model.to_string(),
+            prompt: Prompt::Text(prompt.clone()),
+            logprobs: Some(0),
+            sampling,
+            ..CompletionRequest::default()
+        }),
         None => {
-            let messages: Vec<Value> = case.messages.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
-            body["messages"] = json!(messages);
-            body["logprobs"] = json!(true);
+            let messages = case.messages.iter().map(chat_message).collect::<Result<Vec<_>, _>>()?;
+            serde_json::to_value(ChatCompletionRequest {
+                model: model.to_string(),
+                messages,
+                logprobs: true,
+                sampling,
+                ..ChatCompletionRequest::default()
+            })
         }
-    }
-    if !case.sampling.stop.is_empty() {
-        body["stop"] = json!(case.sampling.stop);
-    }
-    if let Some(seed) = case.sampling.seed {
-        body["seed"] = json!(seed);
-    }
-    body
+    };
+    body.map_err(|e| ClientError::BadCase(format!("cannot encode the request: {e}")))
+}
+
+fn chat_message(m: &peregrine_crds::ChatMessage) -> Result<ChatMessage, ClientError> {
+    // The CRD admits only the roles the API has (system, user, assistant); serde maps the name.
+    let role: Role = serde_json::from_value(Value::String(m.role.clone())).map_err(|_| ClientError::BadCase(format!("unknown message role {:?}", m.role)))?;
+    Ok(ChatMessage { role, content: Some(MessageContent::Text(m.content.clone())), name: None })
 }
 
 /// Accumulates one streamed response.
@@ -269,6 +287,38 @@ mod tests {
         let mut s = StreamState::new(Instant::now(), false);
         assert!(matches!(s.line(r#"data: {"error":{"message":"boom"}}"#), Err(ClientError::Protocol(m)) if m.contains("boom")));
         assert!(matches!(s.line("data: {not json"), Err(ClientError::Protocol(_))));
+    }
+
+    /// The bodies the runner sends are what the agent's own request types accept (they are built
+    /// from them, and parsed back here as the agent parses them): greedy, streamed with usage, with
+    /// the sampled tokens asked for.
+    #[test]
+    fn requests_are_the_agents_own_types() {
+        let mut case: RegressionCase = serde_json::from_value(serde_json::json!({
+            "name": "c", "prompt": "Hi", "sampling": {"maxTokens": 5, "stop": ["\n"], "seed": 7}, "expect": {"type": "contains", "value": "x"}
+        }))
+        .unwrap();
+        let body = request_body("m", &case).unwrap();
+        let parsed: CompletionRequest = serde_json::from_value(body.clone()).unwrap();
+        assert_eq!(parsed.model, "m");
+        assert_eq!(parsed.prompt, Prompt::Text("Hi".into()));
+        assert_eq!(parsed.logprobs, Some(0));
+        assert_eq!(parsed.sampling.temperature, Some(0.0));
+        assert_eq!(parsed.sampling.max_tokens, Some(5));
+        assert_eq!(parsed.sampling.seed, Some(7));
+        assert_eq!(parsed.sampling.stop, Some(StopSequences::Many(vec!["\n".into()])));
+        assert!(parsed.sampling.stream && parsed.sampling.stream_options.is_some_and(|o| o.include_usage));
+
+        case.prompt = None;
+        case.messages = serde_json::from_value(serde_json::json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])).unwrap();
+        let parsed: ChatCompletionRequest = serde_json::from_value(request_body("m", &case).unwrap()).unwrap();
+        assert_eq!(parsed.messages.len(), 2);
+        assert_eq!(parsed.messages[1].role, Role::User);
+        assert_eq!(parsed.messages[1].content, Some(MessageContent::Text("Hi".into())));
+        assert!(parsed.logprobs);
+
+        case.sampling.seed = Some(-1);
+        assert!(matches!(request_body("m", &case), Err(ClientError::BadCase(_))));
     }
 
     #[test]

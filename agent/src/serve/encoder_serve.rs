@@ -12,8 +12,8 @@ use tokio::net::TcpListener;
 use crate::serve::backend::InferenceBackend;
 use super::encoder_backend::EncoderOnly;
 use super::handlers::{classify, embeddings, rerank};
-use super::state::{AppState, ServerConfig};
-use super::{auth, engine_backend, shutdown_signal, telemetry, tenant, DrainConfig, ServeArgs};
+use super::state::AppState;
+use super::{engine_backend, shutdown_signal, telemetry, DrainConfig, ServeArgs};
 use crate::runtime::DeviceArg;
 
 /// The encoder endpoints. TEI's `/embed` and `/rerank` are not aliased: their bodies differ.
@@ -49,17 +49,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {
         let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.json_logs())?;
-        let limits = tenant::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
-        let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?.with_admin_keys(&args.admin_api_keys);
+        let keys = super::key_store(&args)?;
+        // An encoder serves no adapters: the admin endpoints refuse loads (EncoderOnly).
+        let config = super::server_config(&args)?;
         let load_args = args.clone();
         let backend = Arc::new(tokio::task::spawn_blocking(move || load(&load_args)).await??);
-        let config = ServerConfig {
-            max_body_bytes: args.max_body_bytes,
-            max_waiting_requests: args.max_waiting_requests,
-            connections: args.connection_limits(),
-            // An encoder serves no adapters; the admin endpoints refuse loads (EncoderOnly).
-            adapter_roots: super::adapter_roots::AdapterRoots::new(&args.lora_roots)?,
-        };
         let state = Arc::new(AppState::new(backend.clone(), keys, config));
         let listener = TcpListener::bind((args.host, args.port)).await?;
         tracing::info!(addr = %listener.local_addr()?, model = state.backend.model_name(), "listening");

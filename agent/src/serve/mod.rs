@@ -139,6 +139,22 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// The API and admin keys with their per-tenant limits, from the flags.
+fn key_store(args: &ServeArgs) -> anyhow::Result<auth::KeyStore> {
+    let limits = tenant::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
+    Ok(auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?.with_admin_keys(&args.admin_api_keys))
+}
+
+/// The server's limits (bodies, queue, connections) and adapter roots, from the flags.
+fn server_config(args: &ServeArgs) -> anyhow::Result<state::ServerConfig> {
+    Ok(state::ServerConfig {
+        max_body_bytes: args.max_body_bytes,
+        max_waiting_requests: args.max_waiting_requests,
+        connections: args.connection_limits(),
+        adapter_roots: adapter_roots::AdapterRoots::new(&args.lora_roots)?,
+    })
+}
+
 /// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if peregrine_engine::encoder::is_encoder_folder(&args.engine.model) {
@@ -148,9 +164,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(async move {
         let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.json_logs())?;
-        let limits = tenant::Limits { requests_per_minute: args.rate_limit_rpm, tokens_per_minute: args.rate_limit_tpm };
-        let keys = auth::KeyStore::new(&args.api_keys, args.api_keys_file.as_deref(), limits)?.with_admin_keys(&args.admin_api_keys);
-        let adapter_roots = adapter_roots::AdapterRoots::new(&args.lora_roots)?;
+        // Keys and limits are checked before the (slow) model load, so a bad flag fails at once.
+        let keys = key_store(&args)?;
+        let config = server_config(&args)?;
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
         let backend = Arc::new(backend);
@@ -158,12 +174,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             let batches = backend.engine().subscribe_kv_events(crate::kv_events::engine_queue())?;
             crate::kv_events::start(&args.kv_events, backend.model_name(), batches).await?;
         }
-        let config = state::ServerConfig {
-            max_body_bytes: args.max_body_bytes,
-            max_waiting_requests: args.max_waiting_requests,
-            connections: args.connection_limits(),
-            adapter_roots,
-        };
         let state = Arc::new(AppState::new(backend.clone(), keys, config));
         let listener = TcpListener::bind((args.host, args.port)).await?;
         tracing::info!(

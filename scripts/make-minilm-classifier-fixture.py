@@ -58,6 +58,8 @@ def make(folder, name, labels):
     )
     # As save_pretrained() would write it: the class that owns the head.
     model.config.architectures = [type(model).__name__]
+    # The hub id, not this machine's cache path.
+    model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
     model.config.to_json_file(os.path.join(out_dir, "config.json"))
     cases = [{"text": t} for t in SINGLES] + [{"text": QUERY, "text_pair": d} for d in DOCUMENTS]
     for case in cases:

@@ -329,7 +329,7 @@ fn openai_python_client_on_an_adapter() {
     let module = format!("adapter-a={}", adapter_dir("adapter-a"));
     let server = Server::start(&["--lora-modules", &module]);
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_lora_test.py");
-    let out = Command::new(python())
+    let out = Command::new(common::python())
         .arg(script)
         .args([&server.base_url(), MODEL_NAME, "adapter-a"])
         .arg(fixtures_dir().join("smollm2/lora_reference.json"))
@@ -343,11 +343,3 @@ fn openai_python_client_on_an_adapter() {
     );
 }
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("PEREGRINE_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let out = Command::new(common::repo_root().join("scripts/python-deps.sh")).output().expect("run scripts/python-deps.sh");
-    assert!(out.status.success(), "scripts/python-deps.sh failed: {}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}

@@ -12,15 +12,6 @@ use common::{client, metric, metrics, post, Server, MODEL_NAME};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("PEREGRINE_PYTHON") {
-        return PathBuf::from(p);
-    }
-    // A dev run outside `make test`: create (once) the cached venv.
-    let out = Command::new(common::repo_root().join("scripts/python-deps.sh")).output().expect("run scripts/python-deps.sh");
-    assert!(out.status.success(), "scripts/python-deps.sh failed: {}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
 
 fn sse_data(body: &[u8]) -> Vec<Value> {
     let text = std::str::from_utf8(body).unwrap();
@@ -43,7 +34,7 @@ fn openai_python_client() {
     std::fs::write(&keys, "sk-test\nsk-limited rpm=1\n").unwrap();
     let server = Server::start(&["--api-keys-file", keys.to_str().unwrap()]);
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_client_test.py");
-    let out = Command::new(python())
+    let out = Command::new(common::python())
         .arg(script)
         .args([&server.base_url(), MODEL_NAME, "sk-test", "sk-limited"])
         .arg(common::fixtures_reference())
@@ -60,7 +51,7 @@ fn openai_python_client() {
 fn openai_python_structured_outputs() {
     let server = Server::start(&[]);
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_structured_test.py");
-    let out = Command::new(python()).arg(script).args([&server.base_url(), MODEL_NAME]).output().expect("run python");
+    let out = Command::new(common::python()).arg(script).args([&server.base_url(), MODEL_NAME]).output().expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
     assert!(out.status.success() && stdout.contains("ALL OK"), "structured outputs test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));

@@ -127,3 +127,14 @@ pub async fn metrics(addr: SocketAddr) -> String {
     assert_eq!(status, 200);
     String::from_utf8(body.to_vec()).unwrap()
 }
+
+/// The Python with the test packages (the official openai client...): `PEREGRINE_PYTHON`, else the
+/// cached venv `scripts/python-deps.sh` prepares.
+pub fn python() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("PEREGRINE_PYTHON") {
+        return std::path::PathBuf::from(p);
+    }
+    let out = std::process::Command::new(repo_root().join("scripts/python-deps.sh")).output().expect("run scripts/python-deps.sh");
+    assert!(out.status.success(), "scripts/python-deps.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}

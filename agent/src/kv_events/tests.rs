@@ -123,20 +123,37 @@ async fn recv(sub: &mut SubSocket) -> Vec<Bytes> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_receives_vllm_batches_and_replays_missed_ones() {
-    let (pub_port, replay_port) = (free_port(), free_port());
+    // Our SUB binds an OS-chosen port (a port picked beforehand can be taken by another test's
+    // connection in between: CI saw AddrInUse here once).
     let mut sub = SubSocket::new();
-    sub.bind(&format!("tcp://127.0.0.1:{pub_port}")).await.unwrap();
+    let pub_port = match sub.bind("tcp://127.0.0.1:0").await.unwrap() {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        other => panic!("a TCP endpoint, not {other}"),
+    };
     sub.subscribe("kv@").await.unwrap();
 
-    let args = KvEventsArgs {
-        kv_events_endpoint: Some(format!("tcp://127.0.0.1:{pub_port}")),
-        kv_events_replay_endpoint: Some(format!("tcp://127.0.0.1:{replay_port}")),
-        kv_events_topic: Some("kv@10.0.0.7@smol".into()),
-        kv_events_buffer_steps: 100,
-        kv_events_hash_seed: "42".into(),
-    };
-    let (tx, rx) = crossbeam_channel::bounded(16);
-    start(&args, "smol", rx).await.unwrap();
+    // The agent binds its replay socket itself; a port picked beforehand can be lost the same way,
+    // so a bind failure tries another one.
+    let mut started = None;
+    for _ in 0..5 {
+        let replay_port = free_port();
+        let args = KvEventsArgs {
+            kv_events_endpoint: Some(format!("tcp://127.0.0.1:{pub_port}")),
+            kv_events_replay_endpoint: Some(format!("tcp://127.0.0.1:{replay_port}")),
+            kv_events_topic: Some("kv@10.0.0.7@smol".into()),
+            kv_events_buffer_steps: 100,
+            kv_events_hash_seed: "42".into(),
+        };
+        let (tx, rx) = crossbeam_channel::bounded(16);
+        match start(&args, "smol", rx).await {
+            Ok(()) => {
+                started = Some((tx, replay_port));
+                break;
+            }
+            Err(e) => eprintln!("replay port {replay_port}: {e}; trying another"),
+        }
+    }
+    let (tx, replay_port) = started.expect("the publisher starts on one of five free ports");
     // The agent connects to us: give the connection (and subscription) time to settle, as a
     // router would, by sending a probe until one arrives.
     let mut blocks = BlockManager::new(4, 4, true);

@@ -53,27 +53,36 @@ impl Server {
 
     /// Serves `model` (a file or folder) as `name` with exactly `args` after the common ones.
     pub fn start_model(model: &std::path::Path, name: &str, args: &[&str]) -> Server {
-        let port = free_port();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_peregrine-agent"));
-        cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--served-model-name", name])
-            .arg("--model")
-            .arg(model)
-            .args(args)
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        let child = cmd.spawn().expect("spawn peregrine-agent");
-        let server = Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)) };
-        server.wait_ready(Duration::from_secs(180));
-        server
+        // A port picked beforehand can be taken by another test's socket before the agent binds it;
+        // the agent then exits at once, and we try another port rather than wait out the timeout.
+        for _ in 0..3 {
+            let port = free_port();
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_peregrine-agent"));
+            cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--served-model-name", name])
+                .arg("--model")
+                .arg(model)
+                .args(args)
+                .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit());
+            let child = cmd.spawn().expect("spawn peregrine-agent");
+            let mut server = Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)) };
+            match server.wait_ready(Duration::from_secs(180)) {
+                Ok(()) => return server,
+                Err(status) => eprintln!("the agent on port {port} exited before it was ready ({status}); trying another port"),
+            }
+        }
+        panic!("the agent did not start on any of three ports (its stderr is above)");
     }
 
-    fn wait_ready(&self, timeout: Duration) {
+    /// Waits for `/ready`; `Err` with the exit status when the agent exits first.
+    fn wait_ready(&mut self, timeout: Duration) -> Result<(), std::process::ExitStatus> {
         let t0 = Instant::now();
+        let addr = self.addr;
         // Plain blocking HTTP: callers may be inside an async test's runtime.
         let ready = || -> std::io::Result<bool> {
-            let mut s = std::net::TcpStream::connect_timeout(&self.addr, Duration::from_secs(1))?;
+            let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
             s.set_read_timeout(Some(Duration::from_secs(2)))?;
             s.write_all(b"GET /ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
             let mut out = String::new();
@@ -81,8 +90,11 @@ impl Server {
             Ok(out.starts_with("HTTP/1.1 200"))
         };
         loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(status);
+            }
             if ready().unwrap_or(false) {
-                return;
+                return Ok(());
             }
             assert!(t0.elapsed() < timeout, "server did not become ready within {timeout:?}");
             std::thread::sleep(Duration::from_millis(200));

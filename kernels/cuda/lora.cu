@@ -220,6 +220,200 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
     }
 }
 
+// Prefill-sized steps: lora_shrink_staged computes what lora_shrink_sgmv computes, bit for bit, with
+// x and A staged in shared memory. One block of 4 warps takes 4 consecutive work tiles (64 tokens,
+// mostly of one slot), so A is read from global memory once per 64 tokens instead of once per 16, and
+// every global read is a 16-byte cp.async, double-buffered over sub-ranges of 64 of the fan-in. Each
+// warp computes its own tile's sums in the split kernel's order: per sub-range of 64 (4 mma k-steps
+// from 0), ((p0 + p1) + p2) + p3 per chunk of 256, the chunks added in order from 0; steps past k
+// are skipped exactly as there. Tiles of another slot in the same block get a second pass (tiles are
+// sorted by slot). grid.z splits the chunks over blocks: each chunk's sum goes to t_part and the
+// last block of the tile group adds them in chunk order, as the split kernel does; with grid.z = 1
+// the sums stay in registers. grid: (ceil(max tiles / 4), n_modules, splits); block: 128; x, A and
+// their row strides 16-byte aligned; chunks_per_block * gridDim.z covers ceil(k / 256).
+#define LORA_SUB (LORA_KC / 4)      // fan-in per sub-range: a warp's share of a chunk in the split kernel
+#define LORA_SROW (LORA_SUB + 8)    // shared row in bf16 (144 bytes: lanes g, q hit 32 distinct banks)
+
+__device__ __forceinline__ void lora_cp16(void* smem, const void* gmem, bool fill) {
+    unsigned dst;
+    asm volatile("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }\n" : "=r"(dst) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void lora_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void lora_cp_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// Stores v (a scaled sum) as t ≈ hi + lo at token i, column `at` of t.
+__device__ __forceinline__ void lora_store_t(bf16_t* t_hi, bf16_t* t_lo, u64 at, float v) {
+    const bf16_t hi = f2bf(v);
+    t_hi[at] = hi;
+    t_lo[at] = f2bf(v - bf2f(hi));
+}
+
+extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
+    bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, float* __restrict__ t_part, int* __restrict__ counters,
+    const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ a0, const bf16_t* __restrict__ a1,
+    const bf16_t* __restrict__ a2, const int* __restrict__ order, const int* __restrict__ seg,
+    const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n, int k,
+    int r_pad, int n_modules, int chunks_per_block) {
+    __shared__ __align__(16) bf16_t xs[2][4 * LORA_TILE][LORA_SROW];
+    __shared__ __align__(16) bf16_t as[2][LORA_MAX_R][LORA_SROW];
+    __shared__ int last;
+    pdl_wait();
+    pdl_trigger();
+    const int mod = blockIdx.y, total = tiles[0], first_tile = blockIdx.x * 4;
+    if (first_tile >= total) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int my_tile = first_tile + warp, last_tile = min(first_tile + 4, total) - 1;
+    int my_slot = -1, start = 0, len = 0;
+    if (my_tile < total) {
+        my_slot = tiles[1 + 2 * my_tile];
+        const int first = tiles[2 + 2 * my_tile];
+        start = seg[my_slot] + first;
+        len = min(seg[my_slot + 1] - seg[my_slot] - first, LORA_TILE);
+    }
+    const int R = n_modules * r_pad;
+    const bool whole = gridDim.z == 1;
+    const int chunks = (k + LORA_KC - 1) / LORA_KC;
+    const int sub_begin = blockIdx.z * chunks_per_block * 4;
+    const int sub_end = min(chunks, (int)(blockIdx.z + 1) * chunks_per_block) * 4;
+    // This lane's share of staging its warp's 16 rows: row lane / 2, pieces (lane & 1) * 4 .. + 4.
+    const int stage_row = lane >> 1, stage_piece = (lane & 1) * 4;
+    for (int pass_slot = tiles[1 + 2 * first_tile];;) {
+        const int rank = min(ranks[pass_slot], r_pad);
+        const bool mine = my_slot == pass_slot && len > 0;
+        if (rank > 0 && sub_begin < sub_end) {
+            const int ntiles = (rank + 7) >> 3, cols = ntiles * 8;
+            const bf16_t* a = (mod == 0 ? a0 : mod == 1 ? a1 : a2) + (u64)pass_slot * r_pad * k;
+            const bool xfill = mine && stage_row < len;
+            const bf16_t* xrow = xfill ? x + (u64)order[start + stage_row] * x_stride : x;
+            auto stage = [&](int sub, int buf) {
+                const int k0 = sub * LORA_SUB;
+                if (k0 >= k) return;
+                if (mine) {
+#pragma unroll
+                    for (int pc = 0; pc < 4; ++pc) {
+                        const int kk = k0 + (stage_piece + pc) * 8;
+                        if (kk < k) lora_cp16(&xs[buf][warp * LORA_TILE + stage_row][(stage_piece + pc) * 8], xrow + kk, xfill);
+                    }
+                }
+                for (int e = threadIdx.x; e < cols * 8; e += blockDim.x) {
+                    const int row = e >> 3, kk = k0 + (e & 7) * 8;
+                    if (kk < k) lora_cp16(&as[buf][row][(e & 7) * 8], a + (u64)row * k + kk, true);
+                }
+            };
+            float run[8][4], sum[8][4];
+#pragma unroll
+            for (int t = 0; t < 8; ++t) run[t][0] = run[t][1] = run[t][2] = run[t][3] = 0.f;
+            stage(sub_begin, 0);
+            lora_cp_commit();
+            for (int sub = sub_begin; sub < sub_end; ++sub) {
+                const int buf = (sub - sub_begin) & 1;
+                if (sub + 1 < sub_end) stage(sub + 1, buf ^ 1);
+                lora_cp_commit();
+                lora_cp_wait_prev();
+                __syncthreads();
+                if (mine) {
+                    float acc[8][4];
+#pragma unroll
+                    for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+#pragma unroll
+                    for (int step = 0; step < LORA_SUB / 16; ++step) {
+                        if (sub * LORA_SUB + step * 16 < k) {
+                            const int c = step * 16 + q * 2;
+                            const bf16_t* r0 = &xs[buf][warp * LORA_TILE + g][c];
+                            const bf16_t* r1 = &xs[buf][warp * LORA_TILE + g + 8][c];
+                            u32 af[4];
+                            af[0] = lora_ld2(r0);
+                            af[1] = lora_ld2(r1);
+                            af[2] = lora_ld2(r0 + 8);
+                            af[3] = lora_ld2(r1 + 8);
+#pragma unroll
+                            for (int t = 0; t < 8; ++t) {
+                                if (t < ntiles) {
+                                    const bf16_t* ar = &as[buf][t * 8 + g][c];
+                                    lora_mma(acc[t], af, lora_ld2(ar), lora_ld2(ar + 8));
+                                }
+                            }
+                        }
+                    }
+                    const int w = sub & 3;
+#pragma unroll
+                    for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) sum[t][j] = w == 0 ? acc[t][j] : sum[t][j] + acc[t][j];
+                    }
+                    if (w == 3) {
+#pragma unroll
+                        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                const int row = g + (j >> 1) * 8, col = t * 8 + 2 * q + (j & 1);
+                                if (whole) {
+                                    run[t][j] += sum[t][j];
+                                } else if (t < ntiles && row < len) {
+                                    t_part[((u64)(sub >> 2) * n + order[start + row]) * R + mod * r_pad + col] = sum[t][j];
+                                }
+                            }
+                        }
+                    }
+                }
+                __syncthreads();  // the buffer just read is staged into next
+            }
+            if (mine && whole) {
+                const float scale = scales[pass_slot];
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int row = g + (j >> 1) * 8, col = t * 8 + 2 * q + (j & 1);
+                        if (t < ntiles && row < len) {
+                            lora_store_t(t_hi, t_lo, (u64)order[start + row] * R + mod * r_pad + col, col < rank ? run[t][j] * scale : 0.f);
+                        }
+                    }
+                }
+                // Columns past the rank tiles up to r_pad are zeros, as the split kernel writes them.
+                for (int e = lane; e < LORA_TILE * (r_pad - cols); e += 32) {
+                    const int row = e / (r_pad - cols), col = cols + e % (r_pad - cols);
+                    if (row < len) lora_store_t(t_hi, t_lo, (u64)order[start + row] * R + mod * r_pad + col, 0.f);
+                }
+            }
+        }
+        // The next slot among this block's tiles (sorted by slot), if any.
+        int next = -1;
+        for (int tt = first_tile; tt <= last_tile && next < 0; ++tt) {
+            if (tiles[1 + 2 * tt] > pass_slot) next = tiles[1 + 2 * tt];
+        }
+        if (next < 0) break;
+        pass_slot = next;
+    }
+    if (whole) return;
+    // The last block of this tile group and module adds every chunk's sum in chunk order.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(&counters[blockIdx.x * 3 + mod], 1);
+        last = done == (int)gridDim.z - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[blockIdx.x * 3 + mod] = 0;
+    if (len == 0) return;
+    const int rank = min(ranks[my_slot], r_pad);
+    if (rank <= 0) return;
+    const float scale = scales[my_slot];
+    for (int e = lane; e < len * r_pad; e += 32) {
+        const int row = e / r_pad, col = e % r_pad;
+        const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
+        float v = 0.f;
+        if (col < rank) {
+            for (int c = 0; c < chunks; ++c) v += __ldcg(t_part + (u64)c * n * R + at);
+            v *= scale;
+        }
+        lora_store_t(t_hi, t_lo, at, v);
+    }
+}
+
 // y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each
 // segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
 // module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128),
@@ -229,6 +423,8 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     const bf16_t* __restrict__ b0, const bf16_t* __restrict__ b1, const bf16_t* __restrict__ b2, int out0, int out1,
     int out2, int col0, int col1, int col2, const int* __restrict__ order, const int* __restrict__ seg,
     const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block) {
+    // A tile's sums, staged for the 16-byte read-modify-write of y (when rows and columns allow it).
+    __shared__ float staged[LORA_TILE][LORA_EXPAND_COLS + 4];
     pdl_wait();
     pdl_trigger();
     int tile = blockIdx.x, mod = 0;
@@ -246,7 +442,11 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     const int col = mod == 0 ? col0 : mod == 1 ? col1 : col2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int o_base = tile * LORA_EXPAND_COLS + warp * 32;
-    if (o_base >= out) return;
+    // A warp past the module's last column computes nothing but still takes part in the barriers.
+    const bool active = o_base < out;
+    // 16-byte vectors of y: 8 columns at a time, coalesced along the row, instead of one 4-byte pair
+    // per lane (which left half of each 32-byte sector unused). Block-uniform.
+    const bool vec8 = ((col | y_stride | out) & 7) == 0 && (reinterpret_cast<unsigned long long>(y) & 15) == 0;
     // This warp's B fragments (4 column tiles × up to 4 rank steps) of the slot last loaded: a block
     // takes `tiles_per_block` consecutive work tiles, mostly of one slot, and reloads B only when the
     // slot changes. Each token's sum is the same whatever tiles share its block.
@@ -257,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
         const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
         const int rank = min(ranks[slot], r_pad);
         if (len == 0 || rank <= 0) continue;
-        if (slot != loaded) {
+        if (slot != loaded && active) {
             const bf16_t* b = (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad;
             ksteps = (rank + 15) >> 4;
 #pragma unroll
@@ -300,6 +500,36 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
                     }
                 }
             }
+            if (vec8) {
+                // Accumulator (nt): rows g and g + 8, columns nt * 8 + 2q, +1 of this warp's 32.
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    const int c = warp * 32 + nt * 8 + 2 * q;
+                    staged[g][c] = acc[nt][0];
+                    staged[g][c + 1] = acc[nt][1];
+                    staged[g + 8][c] = acc[nt][2];
+                    staged[g + 8][c + 1] = acc[nt][3];
+                }
+                __syncthreads();
+                for (int v = threadIdx.x; v < LORA_TILE * LORA_EXPAND_COLS / 8; v += blockDim.x) {
+                    const int row = v / (LORA_EXPAND_COLS / 8), c8 = (v % (LORA_EXPAND_COLS / 8)) * 8;
+                    const int o = tile * LORA_EXPAND_COLS + c8;
+                    if (m0 + row >= len || o >= out) continue;
+                    uint4* p = reinterpret_cast<uint4*>(y + (u64)order[start + m0 + row] * y_stride + col + o);
+                    uint4 w = *p;
+                    u32* h = reinterpret_cast<u32*>(&w);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float lo = bf2f((bf16_t)(h[e] & 0xffffu)) + staged[row][c8 + 2 * e];
+                        const float hi = bf2f((bf16_t)(h[e] >> 16)) + staged[row][c8 + 2 * e + 1];
+                        h[e] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                    }
+                    *p = w;
+                }
+                __syncthreads();
+                continue;
+            }
+            if (!active) continue;
             // Accumulator (nt): rows g (token i0) and g + 8 (token i1), columns nt * 8 + 2q, +1: one
             // 4-byte read-modify-write per pair where the pair is aligned and whole.
             const bool pairs = ((col | y_stride | out) & 1) == 0;
@@ -335,5 +565,8 @@ extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, cons
 extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                             const bf16_t*, int, int, int, int, int, int, const int*, const int*,
                                             const int*, const int*, int, int, int) {}
+extern "C" __global__ void lora_shrink_staged(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
+                                              const bf16_t*, const bf16_t*, const int*, const int*, const int*,
+                                              const int*, const float*, int, int, int, int, int) {}
 
 #endif

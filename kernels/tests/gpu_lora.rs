@@ -9,7 +9,7 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_TILE};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, LORA_TILE};
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, DevBuf};
 use rand::{Rng, SeedableRng};
@@ -212,6 +212,13 @@ fn grouped_lora_matches_reference_on_a_long_prefill_segment() {
     slots[250] = 0;
     let case = Case { k: 14336, outs: vec![(512, 0)], y_width: 512, ranks: vec![16, 32], scales: vec![1.0, 2.0], slots };
     check(&cuda, &case);
+    // The staged shrink (prefill steps of 512+ tokens take it), its blocks mixing both slots, over
+    // the fan-in split and whole.
+    let mut cuda = cuda;
+    for shape in [LoraShrinkShape::Staged, LoraShrinkShape::StagedWhole] {
+        cuda.kernels.set_lora_launch_shapes(Some(shape), None);
+        check(&cuda, &case);
+    }
 }
 
 #[test]
@@ -229,11 +236,24 @@ fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
     check(&cuda, &case);
     // Every shape gives the bits of the split shrink with one tile per expand block.
     let h = host_inputs(&mut r, &case);
-    cuda.kernels.set_lora_launch_shapes(Some(false), Some(1));
+    cuda.kernels.set_lora_launch_shapes(Some(LoraShrinkShape::Split), Some(1));
     let base = run(&cuda, &case, &h, None);
-    for (whole, tiles) in [(true, 1), (true, 4), (false, 3), (true, 16)] {
-        cuda.kernels.set_lora_launch_shapes(Some(whole), Some(tiles));
+    use LoraShrinkShape::{Split, Staged, StagedWhole, Whole};
+    for (shape, tiles) in [(Whole, 1), (Whole, 4), (Split, 3), (Whole, 16), (Staged, 1), (Staged, 4), (StagedWhole, 1)] {
+        cuda.kernels.set_lora_launch_shapes(Some(shape), Some(tiles));
         let got = run(&cuda, &case, &h, None);
-        assert!(got == base, "shrink whole={whole}, {tiles} tiles per expand block: different bits");
+        assert!(got == base, "shrink {shape:?}, {tiles} tiles per expand block: different bits");
     }
+    // The same step with every module's columns 8-aligned, so that the expand takes its 16-byte
+    // path (the case above, with a module at column 273, takes the 2-byte one).
+    let aligned = Case { outs: vec![(200, 0), (72, 200), (72, 272)], y_width: 344, ..case };
+    check(&cuda, &aligned);
+    let h = host_inputs(&mut r, &aligned);
+    cuda.kernels.set_lora_launch_shapes(Some(Split), Some(1));
+    let base = run(&cuda, &aligned, &h, None);
+    for (shape, tiles) in [(Whole, 1), (Staged, 1), (Staged, 4), (StagedWhole, 2)] {
+        cuda.kernels.set_lora_launch_shapes(Some(shape), Some(tiles));
+        assert!(run(&cuda, &aligned, &h, None) == base, "aligned columns, shrink {shape:?}, {tiles} tiles per expand block: different bits");
+    }
+    cuda.kernels.set_lora_launch_shapes(None, None);
 }

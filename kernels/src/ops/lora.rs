@@ -32,6 +32,26 @@ pub fn lora_splits(k: usize) -> usize {
     k.div_ceil(LORA_KC).max(1)
 }
 
+/// Which shrink kernel and grid [`Kernels::lora_shrink`] launches. All give the same bits (lora.cu;
+/// `gpu_lora` checks it), so the choice may follow the step's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraShrinkShape {
+    /// `lora_shrink_sgmv`, the fan-in split over blocks (one chunk of 256 each): decode-sized steps.
+    Split,
+    /// `lora_shrink_sgmv`, one block per tile and module walking the whole fan-in.
+    Whole,
+    /// `lora_shrink_staged`: x and A staged in shared memory, 64 tokens per block, the fan-in split
+    /// over as many blocks as fill the GPU: prefill-sized steps.
+    Staged,
+    /// `lora_shrink_staged` with one block per 64 tokens and module walking the whole fan-in (what
+    /// `Staged` becomes where the tiles alone fill the GPU).
+    StagedWhole,
+}
+
+/// Steps of at least this many tokens take the staged shrink by default: below it, a step's tiles
+/// are mostly of different slots and a 64-token block would run them one pass at a time.
+const LORA_STAGED_MIN_TOKENS: usize = 512;
+
 /// The step's adapter tables on the device, shared by every projection of the step.
 #[derive(Debug, Clone, Copy)]
 pub struct LoraSegments {
@@ -74,10 +94,10 @@ pub struct LoraScratch {
 
 impl Kernels {
     /// Fixes the LoRA kernels' launch shapes instead of choosing them by step size (None: choose):
-    /// the shrink over the whole fan-in per block (`true`) or split over blocks, and the work tiles
+    /// the shrink's kernel and grid, and the work tiles
     /// per expand block (1 to 16). Every shape gives the same bits; tests check that.
-    pub fn set_lora_launch_shapes(&mut self, shrink_whole: Option<bool>, expand_tiles: Option<usize>) {
-        self.lora_shrink_whole = shrink_whole;
+    pub fn set_lora_launch_shapes(&mut self, shrink: Option<LoraShrinkShape>, expand_tiles: Option<usize>) {
+        self.lora_shrink_shape = shrink;
         self.lora_expand_tiles = expand_tiles.map(|t| t.clamp(1, 16));
     }
 
@@ -127,40 +147,46 @@ impl Kernels {
             return Err(KernelError::Unsupported(format!("LoRA: fan-in {k} must be a multiple of 16 and x rows 4-byte aligned")));
         }
         let (m0, m1, m2) = (module_at(modules, 0), module_at(modules, 1), module_at(modules, 2));
+        // 16-byte cp.async needs 16-byte aligned rows of x and A; where they are not, the staged
+        // kernel is not an option.
+        let aligned = x.is_multiple_of(16) && x_stride.is_multiple_of(8) && k.is_multiple_of(8) && modules.iter().all(|m| m.a.is_multiple_of(16));
         // Work tiles enough for four blocks per SM on their own (prefill-sized q|k|v steps): one
         // block per tile and module walks the whole fan-in; otherwise the fan-in is split over
         // blocks. The same bits either way (lora.cu), so this may depend on the step's size. On an
         // H100 at 4096 tokens the q|k|v shrink went 162 -> 130 µs this way, while o and down (one
         // module: a quarter of the blocks, each walking 16 or 56 chunks) got slower (docs/benchmarks.md).
-        let whole = self.lora_shrink_whole.unwrap_or_else(|| n.div_ceil(LORA_TILE) * modules.len() >= 4 * self.num_sms as usize);
-        let splits = if whole { 1 } else { lora_splits(k) };
-        let max_tiles = as_u32(lora_max_tiles(n, segs.num_slots), "work tiles")?;
-        let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
-        let shrink = LaunchConfig {
-            grid_dim: (as_u32(splits, "splits")?, max_tiles, modules.len() as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        // Prefill-sized steps take the staged kernel, which also splits the fan-in to fill the GPU.
+        let shape = match self.lora_shrink_shape {
+            Some(LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole) if !aligned => LoraShrinkShape::Whole,
+            Some(shape) => shape,
+            None if aligned && n >= LORA_STAGED_MIN_TOKENS => LoraShrinkShape::Staged,
+            None if n.div_ceil(LORA_TILE) * modules.len() >= 4 * self.num_sms as usize => LoraShrinkShape::Whole,
+            None => LoraShrinkShape::Split,
         };
-        Launch::new(&self.lora_shrink_sgmv)
-            .arg(&work.t_hi)
-            .arg(&work.t_lo)
-            .arg(&work.t_part)
-            .arg(&work.counters)
-            .arg(&x)
-            .arg(&x_stride)
-            .arg(&m0.a)
-            .arg(&m1.a)
-            .arg(&m2.a)
-            .arg(&segs.order)
-            .arg(&segs.seg)
-            .arg(&segs.tiles)
-            .arg(&segs.ranks)
-            .arg(&segs.scales)
-            .arg(&n_i)
-            .arg(&k_i)
-            .arg(&r_i)
-            .arg(&nm)
-            .launch(s, shrink, self.pdl)?;
+        let max_tiles = lora_max_tiles(n, segs.num_slots);
+        let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
+        let staged = matches!(shape, LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole);
+        let (function, grid, chunks_per_block) = if staged {
+            let groups = max_tiles.div_ceil(4);
+            let chunks = lora_splits(k);
+            // Enough blocks for four per SM (each holds 37 KB of shared memory, six fit).
+            let wanted = if shape == LoraShrinkShape::StagedWhole { 1 } else { (4 * self.num_sms as usize).div_ceil(groups * modules.len()).clamp(1, chunks) };
+            let per_block = chunks.div_ceil(wanted);
+            let splits = chunks.div_ceil(per_block);
+            (&self.lora_shrink_staged, (as_u32(groups, "tile groups")?, modules.len() as u32, as_u32(splits, "splits")?), per_block)
+        } else {
+            let splits = if shape == LoraShrinkShape::Whole { 1 } else { lora_splits(k) };
+            (&self.lora_shrink_sgmv, (as_u32(splits, "splits")?, as_u32(max_tiles, "work tiles")?, modules.len() as u32), 0)
+        };
+        let launch = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let per_block_i = as_i32(chunks_per_block, "chunks per block")?;
+        let mut l = Launch::new(function);
+        l.arg(&work.t_hi).arg(&work.t_lo).arg(&work.t_part).arg(&work.counters).arg(&x).arg(&x_stride).arg(&m0.a).arg(&m1.a).arg(&m2.a);
+        l.arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&k_i).arg(&r_i).arg(&nm);
+        if staged {
+            l.arg(&per_block_i);
+        }
+        l.launch(s, launch, self.pdl)?;
         Ok(())
     }
 

@@ -19,7 +19,7 @@ use attention::mma_smem_opt_in;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
-pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
+pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 
 use std::sync::Arc;
@@ -63,6 +63,7 @@ pub struct Kernels {
     sample_rows: CudaFunction,
     lora_group: CudaFunction,
     lora_shrink_sgmv: CudaFunction,
+    lora_shrink_staged: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
@@ -82,9 +83,9 @@ pub struct Kernels {
     /// [`Kernels::gemv_plan`]'s) and `PEREGRINE_ATTN_MAX_SPLITS=n` (instead of 16).
     gemv_wpr: Option<(usize, usize)>,
     attn_max_splits: usize,
-    /// `PEREGRINE_LORA_SHRINK=split|whole`: the LoRA shrink's grid, instead of [`Kernels::lora_shrink`]'s
-    /// choice by step size (None).
-    lora_shrink_whole: Option<bool>,
+    /// `PEREGRINE_LORA_SHRINK=split|whole|staged|staged-whole`: the LoRA shrink's kernel and grid, instead of
+    /// [`Kernels::lora_shrink`]'s choice by step size (None).
+    lora_shrink_shape: Option<LoraShrinkShape>,
     /// `PEREGRINE_LORA_EXPAND_TILES=n` (1 to 16): work tiles per expand block, instead of the choice
     /// by grid size.
     lora_expand_tiles: Option<usize>,
@@ -135,6 +136,7 @@ impl Kernels {
             sample_rows: f("sample_rows")?,
             lora_group: f("lora_group")?,
             lora_shrink_sgmv: f("lora_shrink_sgmv")?,
+            lora_shrink_staged: f("lora_shrink_staged")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
@@ -154,9 +156,11 @@ impl Kernels {
                 Some((ok(a.trim().parse().ok()?)?, ok(b.trim().parse().ok()?)?))
             }),
             attn_max_splits: std::env::var("PEREGRINE_ATTN_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| (1..=16).contains(&n)).unwrap_or(16),
-            lora_shrink_whole: match std::env::var("PEREGRINE_LORA_SHRINK").as_deref() {
-                Ok("whole") => Some(true),
-                Ok("split") => Some(false),
+            lora_shrink_shape: match std::env::var("PEREGRINE_LORA_SHRINK").as_deref() {
+                Ok("whole") => Some(LoraShrinkShape::Whole),
+                Ok("split") => Some(LoraShrinkShape::Split),
+                Ok("staged") => Some(LoraShrinkShape::Staged),
+                Ok("staged-whole") => Some(LoraShrinkShape::StagedWhole),
                 _ => None,
             },
             lora_expand_tiles: std::env::var("PEREGRINE_LORA_EXPAND_TILES").ok().and_then(|v| v.parse().ok()).filter(|n: &usize| (1..=16).contains(n)),

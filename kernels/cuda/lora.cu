@@ -29,6 +29,7 @@
 #define LORA_EXPAND_COLS 128  // output columns per expand block (its 4 warps take 32 each)
 #define LORA_TILE 16      // tokens per work tile (one mma row tile): a segment spreads over blocks
 #define LORA_RUN (16 * LORA_MAX_R / 128)  // a shrink thread's share of a tile's 16 x r sums
+#define LORA_EXPAND_VECS (LORA_TILE * LORA_EXPAND_COLS / 8 / 128)  // an expand thread's 16-byte vectors of y per tile
 
 // Segments of the step: seg[s] = first position of slot s in `order`, seg[num_slots] = tokens with a
 // slot; and the work tiles: tiles[0] = their count, then (slot, first position within the slot's
@@ -474,6 +475,18 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
             loaded = slot;
         }
         for (int m0 = 0; m0 < len; m0 += 16) {
+            // The 16-byte path loads its two vectors of y first, so that their latency overlaps the
+            // loads of t and the mma below (each (token, column) belongs to one block: no race).
+            uint4 y_pre[LORA_EXPAND_VECS];
+            uint4* y_at[LORA_EXPAND_VECS];
+#pragma unroll
+            for (int j = 0; j < LORA_EXPAND_VECS; ++j) {
+                const int v = threadIdx.x + j * 128;
+                const int row = v / (LORA_EXPAND_COLS / 8), c8 = (v % (LORA_EXPAND_COLS / 8)) * 8;
+                const int o = tile * LORA_EXPAND_COLS + c8;
+                y_at[j] = vec8 && m0 + row < len && o < out ? reinterpret_cast<uint4*>(y + (u64)order[start + m0 + row] * y_stride + col + o) : nullptr;
+                if (y_at[j]) y_pre[j] = *y_at[j];
+            }
             const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
             const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
             float acc[4][4];
@@ -511,12 +524,12 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
                     staged[g + 8][c + 1] = acc[nt][3];
                 }
                 __syncthreads();
-                for (int v = threadIdx.x; v < LORA_TILE * LORA_EXPAND_COLS / 8; v += blockDim.x) {
+#pragma unroll
+                for (int j = 0; j < LORA_EXPAND_VECS; ++j) {
+                    if (!y_at[j]) continue;
+                    const int v = threadIdx.x + j * 128;
                     const int row = v / (LORA_EXPAND_COLS / 8), c8 = (v % (LORA_EXPAND_COLS / 8)) * 8;
-                    const int o = tile * LORA_EXPAND_COLS + c8;
-                    if (m0 + row >= len || o >= out) continue;
-                    uint4* p = reinterpret_cast<uint4*>(y + (u64)order[start + m0 + row] * y_stride + col + o);
-                    uint4 w = *p;
+                    uint4 w = y_pre[j];
                     u32* h = reinterpret_cast<u32*>(&w);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
@@ -524,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
                         const float hi = bf2f((bf16_t)(h[e] >> 16)) + staged[row][c8 + 2 * e + 1];
                         h[e] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
                     }
-                    *p = w;
+                    *y_at[j] = w;
                 }
                 __syncthreads();
                 continue;

@@ -212,10 +212,12 @@ impl Kernels {
         let y_stride = as_i32(y_stride, "y_stride")?;
         let (o0, o1, o2) = (as_i32(m0.out, "out")?, as_i32(m1.out, "out")?, as_i32(m2.out, "out")?);
         let (c0, c1, c2) = (as_i32(m0.col, "col")?, as_i32(m1.col, "col")?, as_i32(m2.col, "col")?);
-        // Work tiles per block: 1 unless `PEREGRINE_LORA_EXPAND_TILES` says otherwise. Several (B
-        // fragments loaded once per slot for consecutive tiles) measured within noise at 4096
-        // tokens and slower for decode batches, whose tiles mostly change slot (docs/benchmarks.md).
-        let per_block = self.lora_expand_tiles.unwrap_or(1);
+        // Work tiles per block, unless `PEREGRINE_LORA_EXPAND_TILES` says: several (B fragments
+        // loaded once per slot for consecutive tiles) are slower for decode batches, whose tiles
+        // mostly change slot (docs/benchmarks.md).
+        // Prefill-sized steps (512+ tokens, tiles mostly of one slot) take 4: on an H100 at 4096
+        // tokens the gate|up expand went 457 -> 408 µs per group that way (docs/benchmarks.md).
+        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_STAGED_MIN_TOKENS { 4 } else { 1 });
         let per_block_i = as_i32(per_block, "tiles per block")?;
         let expand = LaunchConfig {
             grid_dim: (as_u32(tiles, "column tiles")?, as_u32(max_tiles.div_ceil(per_block), "work tiles")?, 1),

@@ -57,6 +57,18 @@ fn openai_python_structured_outputs() {
     assert!(out.status.success() && stdout.contains("ALL OK"), "structured outputs test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Tool calling (`tool_choice` required and named, streamed and not, a tool-call history) through
+/// the `openai` client; arguments checked against each tool's schema by `jsonschema`.
+#[test]
+fn openai_python_tool_calls() {
+    let server = Server::start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_tools_test.py");
+    let out = Command::new(common::python()).arg(script).args([&server.base_url(), MODEL_NAME]).output().expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success() && stdout.contains("ALL OK"), "tool-call test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_streams_match_fixtures() {
     let server = Server::start(&[]);

@@ -103,6 +103,9 @@ impl EngineHandle {
         if let Some(&t) = request.prompt_tokens.iter().find(|&&t| t as usize >= limits.vocab_size) {
             return bad(format!("token id {t} is out of the vocabulary (size {})", limits.vocab_size));
         }
+        if let Some(&(t, _)) = request.params.logit_bias.iter().find(|(t, _)| *t as usize >= limits.vocab_size) {
+            return bad(format!("logit_bias names token id {t}, outside the vocabulary (size {})", limits.vocab_size));
+        }
         if let Some(name) = &request.adapter {
             if !self.has_adapter(name) {
                 return Err(EngineError::UnknownAdapter(name.clone()));

@@ -11,7 +11,10 @@ use peregrine_api::chat::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatTokenLogprob, Role, TopLogprob,
 };
 use peregrine_api::common::Usage as ApiUsage;
+use peregrine_api::tools::{FunctionCallDelta, ToolCallDelta, ToolType};
 use peregrine_api::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse};
+use peregrine_engine::request::FinishReason;
+use peregrine_engine::structured::GrammarSpec;
 
 use super::{fail, job, response_id, structured, SharedState};
 use crate::serve::backend::{ChatTurn, InferenceBackend, PromptInput, TokenOutput};
@@ -21,6 +24,8 @@ use crate::serve::parse::{body_bytes, parse_request};
 use crate::serve::tenant::Tenant;
 use crate::serve::sse;
 use crate::serve::state::unix_now;
+use crate::serve::tools::stream::{ToolDelta, ToolStream};
+use crate::serve::tools::{self, ToolPlan};
 
 pub async fn handle<B: InferenceBackend>(
     State(state): State<SharedState<B>>,
@@ -38,15 +43,40 @@ pub async fn handle<B: InferenceBackend>(
         .map(|m| ChatTurn {
             role: m.role.as_str().to_string(),
             content: m.content.as_ref().map(|c| c.text()).unwrap_or_default(),
+            tool_calls: m.tool_calls.as_deref().map(tools::template_tool_calls),
+            tool_call_id: m.tool_call_id.clone(),
+            name: m.name.clone(),
         })
         .collect();
     // OpenAI: `top_logprobs` alternatives only when `logprobs` is true.
     let logprobs = request.logprobs.then(|| request.top_logprobs.unwrap_or(0) as usize);
-    let grammar = match structured::grammar(&*state.backend, &request.structured).await {
+    let tool_use = match request.tool_use() {
+        Ok(t) => t,
+        Err(e) => return fail(&state, e.into()),
+    };
+    let Some(plan) = ToolPlan::new(&tool_use, state.config.tool_call_format) else {
+        return fail(
+            &state,
+            ApiError::invalid(
+                Some("tool_choice".to_string()),
+                "tool_choice `auto` needs a tool-call format, and this model's chat template names none: start the server \
+                 with --tool-call-parser, or use tool_choice `required` or a named function",
+            ),
+        );
+    };
+    let declared = request.tools.as_deref().unwrap_or(&[]);
+    // A forced call's grammar replaces the (then absent, see validation) structured-output one.
+    let grammar = match tools::forced_schema(declared, &tool_use) {
+        Some(schema) => state.backend.compile_grammar(GrammarSpec::JsonSchema(schema), "tools").await.map(Some),
+        None => structured::grammar(&*state.backend, &request.structured).await,
+    };
+    let grammar = match grammar {
         Ok(g) => g,
         Err(e) => return fail(&state, e),
     };
-    let job = job(&request.model, PromptInput::Chat(turns), request.max_tokens(), &request.sampling, logprobs, grammar);
+    let template_tools = (!declared.is_empty()).then(|| serde_json::to_value(declared).unwrap_or_default());
+    let prompt = PromptInput::Chat { turns, tools: template_tools };
+    let job = job(&request.model, prompt, request.max_tokens(), &request.sampling, logprobs, grammar);
     let running = match generation::start(&state, tenant.0, job).await {
         Ok(r) => r,
         Err(e) => return fail(&state, e),
@@ -56,6 +86,7 @@ pub async fn handle<B: InferenceBackend>(
         created: unix_now(),
         model: request.model,
         logprobs: logprobs.is_some(),
+        tools: plan,
     };
     if request.sampling.stream {
         let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
@@ -70,6 +101,7 @@ struct Output {
     created: u64,
     model: String,
     logprobs: bool,
+    tools: ToolPlan,
 }
 
 impl Output {
@@ -115,17 +147,20 @@ async fn complete<B: InferenceBackend>(state: &SharedState<B>, out: Output, mut 
             }
             Step::Finished { trailing_text, reason, usage } => {
                 text.push_str(&trailing_text);
+                let parsed = tools::parse_output(&out.tools, &text);
+                let called = !parsed.calls.is_empty();
+                let tool_calls = called.then(|| tools::api_calls(&out.id, parsed.calls));
                 let response = ChatCompletionResponse {
+                    choices: vec![ChatChoice {
+                        index: 0,
+                        message: AssistantMessage { role: Role::Assistant, content: parsed.content, tool_calls },
+                        logprobs,
+                        finish_reason: Some(finish_reason(reason, called).to_string()),
+                    }],
                     id: out.id,
                     object: "chat.completion".into(),
                     created: out.created,
                     model: out.model,
-                    choices: vec![ChatChoice {
-                        index: 0,
-                        message: AssistantMessage { role: Role::Assistant, content: Some(text) },
-                        logprobs,
-                        finish_reason: Some(reason.as_str().to_string()),
-                    }],
                     usage: api_usage(usage),
                 };
                 return Json(response).into_response();
@@ -134,6 +169,33 @@ async fn complete<B: InferenceBackend>(state: &SharedState<B>, out: Output, mut 
         }
     }
     fail(state, ApiError::EngineStopped)
+}
+
+/// `tool_calls` when the model ended on its own after calling tools (OpenAI's reason), else the
+/// engine's.
+fn finish_reason(reason: FinishReason, called: bool) -> &'static str {
+    if called && reason == FinishReason::Stop {
+        "tool_calls"
+    } else {
+        reason.as_str()
+    }
+}
+
+/// One streamed piece as a chunk's delta; a call's first delta carries its id and type.
+fn chat_delta(out: &Output, d: ToolDelta) -> ChatDelta {
+    let call = |index: usize, id: Option<String>, function: FunctionCallDelta| ChatDelta {
+        tool_calls: Some(vec![ToolCallDelta { index: index as u32, kind: id.as_ref().map(|_| ToolType::Function), id, function }]),
+        ..ChatDelta::default()
+    };
+    match d {
+        ToolDelta::Content(text) => ChatDelta { content: Some(text), ..ChatDelta::default() },
+        ToolDelta::Call { index, name } => call(
+            index,
+            Some(tools::call_id(&out.id, index)),
+            FunctionCallDelta { name: Some(name), arguments: Some(String::new()) },
+        ),
+        ToolDelta::Arguments { index, text } => call(index, None, FunctionCallDelta { name: None, arguments: Some(text) }),
+    }
 }
 
 enum Phase {
@@ -151,41 +213,59 @@ fn stream(out: Output, running: Running, include_usage: bool) -> Response {
         logprobs,
         finish_reason: finish.map(str::to_string),
     };
-    let body = futures::stream::unfold((out, running, Phase::Role), move |(out, mut running, phase)| async move {
+    let tool_stream = ToolStream::new(&out.tools);
+    let body = futures::stream::unfold((out, running, tool_stream, Phase::Role), move |(out, mut running, mut tools, phase)| async move {
         match phase {
             Phase::Done => None,
             Phase::Role => {
-                let delta = ChatDelta { role: Some(Role::Assistant), content: Some(String::new()) };
+                let delta = ChatDelta { role: Some(Role::Assistant), content: Some(String::new()), ..ChatDelta::default() };
                 let b = sse::event(&out.chunk(vec![choice(delta, None, None)], usage_field(None)));
-                Some((Ok::<_, Infallible>(Bytes::from(b)), (out, running, Phase::Tokens)))
+                Some((Ok::<_, Infallible>(Bytes::from(b)), (out, running, tools, Phase::Tokens)))
             }
             Phase::Tokens => loop {
                 let Some(step) = running.next().await else {
-                    return Some((Ok(Bytes::from_static(sse::DONE)), (out, running, Phase::Done)));
+                    return Some((Ok(Bytes::from_static(sse::DONE)), (out, running, tools, Phase::Done)));
                 };
                 match step {
                     Step::Token(t) => {
-                        if t.text.is_empty() && !out.logprobs {
+                        let deltas = tools.push(&t.text);
+                        let mut lp = out.logprobs.then(|| ChatLogprobs { content: vec![token_logprob(&t)] });
+                        if deltas.is_empty() && lp.is_none() {
                             continue;
                         }
-                        let lp = out.logprobs.then(|| ChatLogprobs { content: vec![token_logprob(&t)] });
-                        let delta = ChatDelta { role: None, content: Some(t.text) };
-                        let b = sse::event(&out.chunk(vec![choice(delta, lp, None)], usage_field(None)));
-                        return Some((Ok(Bytes::from(b)), (out, running, Phase::Tokens)));
+                        let mut b = Vec::new();
+                        if deltas.is_empty() {
+                            // Nothing to show yet, but the token's logprobs are sent with it.
+                            let delta = ChatDelta { content: Some(String::new()), ..ChatDelta::default() };
+                            b.extend(sse::event(&out.chunk(vec![choice(delta, lp.take(), None)], usage_field(None))));
+                        }
+                        for d in deltas {
+                            let delta = chat_delta(&out, d);
+                            b.extend(sse::event(&out.chunk(vec![choice(delta, lp.take(), None)], usage_field(None))));
+                        }
+                        return Some((Ok(Bytes::from(b)), (out, running, tools, Phase::Tokens)));
                     }
                     Step::Finished { trailing_text, reason, usage } => {
-                        let delta = ChatDelta { role: None, content: (!trailing_text.is_empty()).then_some(trailing_text) };
-                        let mut b = sse::event(&out.chunk(vec![choice(delta, None, Some(reason.as_str()))], usage_field(None)));
+                        let mut deltas = tools.push(&trailing_text);
+                        deltas.extend(tools.finish());
+                        // The last piece rides on the chunk that carries the finish reason.
+                        let last = deltas.pop().map(|d| chat_delta(&out, d)).unwrap_or_default();
+                        let mut b = Vec::new();
+                        for d in deltas {
+                            b.extend(sse::event(&out.chunk(vec![choice(chat_delta(&out, d), None, None)], usage_field(None))));
+                        }
+                        let finish = finish_reason(reason, tools.called());
+                        b.extend(sse::event(&out.chunk(vec![choice(last, None, Some(finish))], usage_field(None))));
                         if include_usage {
                             b.extend(sse::event(&out.chunk(vec![], Some(Some(api_usage(usage))))));
                         }
                         b.extend_from_slice(sse::DONE);
-                        return Some((Ok(Bytes::from(b)), (out, running, Phase::Done)));
+                        return Some((Ok(Bytes::from(b)), (out, running, tools, Phase::Done)));
                     }
                     Step::Error(e) => {
                         let mut b = sse::event(&e.body());
                         b.extend_from_slice(sse::DONE);
-                        return Some((Ok(Bytes::from(b)), (out, running, Phase::Done)));
+                        return Some((Ok(Bytes::from(b)), (out, running, tools, Phase::Done)));
                     }
                 }
             },

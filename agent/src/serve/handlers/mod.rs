@@ -53,6 +53,8 @@ pub fn sampling_params(f: &SamplingFields, logprobs: Option<usize>) -> SamplingP
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: f.ignore_eos,
         logprobs,
+        // Checked in validation; the engine checks the ids against the vocabulary.
+        logit_bias: f.logit_bias_entries().unwrap_or_default(),
         grammar: None,
     }
 }

@@ -2,6 +2,7 @@
 //! admission, disconnects and draining. The real-model tests live in `agent/tests/`.
 
 mod fake;
+mod tools;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -196,14 +196,14 @@ mod tests {
     fn choices_parse_and_resolve() {
         let t = tools(json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]));
         let parse = |v: Value| serde_json::from_value::<ToolChoice>(v).unwrap();
-        assert_eq!(tool_use(Some(&t), None, None).unwrap(), ToolUse::Auto);
+        assert_eq!(tool_use(Some(&t[..]), None, None).unwrap(), ToolUse::Auto);
         assert_eq!(tool_use(None, None, None).unwrap(), ToolUse::Off);
-        assert_eq!(tool_use(Some(&t), Some(&parse(json!("none"))), None).unwrap(), ToolUse::Off);
-        assert_eq!(tool_use(Some(&t), Some(&parse(json!("required"))), Some(false)).unwrap(), ToolUse::Required { parallel: false });
+        assert_eq!(tool_use(Some(&t[..]), Some(&parse(json!("none"))), None).unwrap(), ToolUse::Off);
+        assert_eq!(tool_use(Some(&t[..]), Some(&parse(json!("required"))), Some(false)).unwrap(), ToolUse::Required { parallel: false });
         let named = parse(json!({"type": "function", "function": {"name": "get_weather"}}));
-        assert_eq!(tool_use(Some(&t), Some(&named), None).unwrap(), ToolUse::Named("get_weather".into()));
+        assert_eq!(tool_use(Some(&t[..]), Some(&named), None).unwrap(), ToolUse::Named("get_weather".into()));
         let other = parse(json!({"type": "function", "function": {"name": "nope"}}));
-        assert_eq!(tool_use(Some(&t), Some(&other), None).unwrap_err().param.as_deref(), Some("tool_choice"));
+        assert_eq!(tool_use(Some(&t[..]), Some(&other), None).unwrap_err().param.as_deref(), Some("tool_choice"));
         assert!(tool_use(None, Some(&parse(json!("required"))), None).is_err());
         assert!(serde_json::from_value::<ToolChoice>(json!("sometimes")).is_err());
     }
@@ -214,14 +214,14 @@ mod tests {
             {"type": "function", "function": {"name": "a"}},
             {"type": "function", "function": {"name": "a"}}
         ]));
-        assert_eq!(tool_use(Some(&dup), None, None).unwrap_err().param.as_deref(), Some("tools[1].function.name"));
+        assert_eq!(tool_use(Some(&dup[..]), None, None).unwrap_err().param.as_deref(), Some("tools[1].function.name"));
         let bad = tools(json!([{"type": "function", "function": {"name": "has space"}}]));
-        assert!(tool_use(Some(&bad), None, None).is_err());
+        assert!(tool_use(Some(&bad[..]), None, None).is_err());
         let params = tools(json!([{"type": "function", "function": {"name": "a", "parameters": [1]}}]));
-        assert!(tool_use(Some(&params), None, None).is_err());
+        assert!(tool_use(Some(&params[..]), None, None).is_err());
         let many: Vec<Tool> = (0..=MAX_TOOLS)
             .map(|i| Tool { kind: ToolType::Function, function: FunctionDefinition { name: format!("f{i}"), description: None, parameters: None, strict: None } })
             .collect();
-        assert!(tool_use(Some(&many), None, None).is_err());
+        assert!(tool_use(Some(&many[..]), None, None).is_err());
     }
 }

@@ -37,8 +37,9 @@ enum Kind {
 
 #[derive(Debug)]
 enum Hermes {
-    /// Text, holding back a tail that may be the start of `<tool_call>`.
-    Content(String),
+    /// Text, holding back a tail that may be the start of `<tool_call>` (and, after a call,
+    /// whitespace: between and after calls it is dropped, as the whole-output parser drops it).
+    Content { held: String, after_call: bool },
     /// After a `<tool_call>`: the call's text so far.
     InCall(String),
 }
@@ -58,7 +59,7 @@ impl ToolStream {
             ToolPlan::Off => Kind::Off,
             ToolPlan::Named(name) => Kind::Named { name: name.clone(), started: false },
             ToolPlan::Required => Kind::Required { scanner: RequiredScanner::default(), named: 0, held: Vec::new() },
-            ToolPlan::Auto(ToolCallFormat::Hermes) => Kind::Hermes(Hermes::Content(String::new())),
+            ToolPlan::Auto(ToolCallFormat::Hermes) => Kind::Hermes(Hermes::Content { held: String::new(), after_call: false }),
             ToolPlan::Auto(ToolCallFormat::Llama3Json) => Kind::Llama3(Llama3::Undecided(String::new())),
         };
         ToolStream { kind, calls: 0 }
@@ -138,9 +139,10 @@ impl ToolStream {
                     out.push(ToolDelta::Call { index: 0, name: name.clone() });
                 }
             }
-            Kind::Hermes(Hermes::Content(held)) => {
-                if !held.is_empty() {
-                    out.push(ToolDelta::Content(std::mem::take(held)));
+            Kind::Hermes(Hermes::Content { held, after_call }) => {
+                let held = std::mem::take(held);
+                if !held.is_empty() && !(*after_call && held.trim().is_empty()) {
+                    out.push(ToolDelta::Content(held));
                 }
             }
             Kind::Hermes(Hermes::InCall(buf)) => {
@@ -184,14 +186,14 @@ fn push_call(index: usize, call: super::ParsedCall, out: &mut Vec<ToolDelta>) {
 fn hermes_push(state: &mut Hermes, text: &str, calls: usize, out: &mut Vec<ToolDelta>) {
     let mut next = calls;
     match state {
-        Hermes::Content(held) => held.push_str(text),
+        Hermes::Content { held, .. } => held.push_str(text),
         Hermes::InCall(buf) => buf.push_str(text),
     }
     loop {
         match state {
-            Hermes::Content(held) => {
+            Hermes::Content { held, after_call } => {
                 if let Some(p) = held.find(HERMES_OPEN) {
-                    if p > 0 {
+                    if p > 0 && !(*after_call && held[..p].trim().is_empty()) {
                         out.push(ToolDelta::Content(held[..p].to_string()));
                     }
                     let rest = held[p + HERMES_OPEN.len()..].to_string();
@@ -199,10 +201,14 @@ fn hermes_push(state: &mut Hermes, text: &str, calls: usize, out: &mut Vec<ToolD
                     continue;
                 }
                 // Send all but a tail that could still grow into `<tool_call>`.
-                let keep = (1..HERMES_OPEN.len().min(held.len() + 1))
-                    .rev()
-                    .find(|&n| held.is_char_boundary(held.len() - n) && HERMES_OPEN.starts_with(&held[held.len() - n..]))
-                    .unwrap_or(0);
+                let keep = if *after_call && HERMES_OPEN.starts_with(held.trim_start()) {
+                    held.len()
+                } else {
+                    (1..HERMES_OPEN.len().min(held.len() + 1))
+                        .rev()
+                        .find(|&n| held.is_char_boundary(held.len() - n) && HERMES_OPEN.starts_with(&held[held.len() - n..]))
+                        .unwrap_or(0)
+                };
                 let send = held.len() - keep;
                 if send > 0 {
                     out.push(ToolDelta::Content(held[..send].to_string()));
@@ -222,8 +228,7 @@ fn hermes_push(state: &mut Hermes, text: &str, calls: usize, out: &mut Vec<ToolD
                     None => out.push(ToolDelta::Content(format!("{HERMES_OPEN}{body}{HERMES_CLOSE}"))),
                 }
                 // Whitespace between calls is dropped; anything else is content again.
-                let trimmed = rest.trim_start();
-                *state = Hermes::Content(if trimmed.is_empty() { String::new() } else { trimmed.to_string() });
+                *state = Hermes::Content { held: rest.trim_start().to_string(), after_call: true };
             }
         }
     }

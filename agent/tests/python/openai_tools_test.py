@@ -54,8 +54,9 @@ def check_call(name, call):
 
 
 def create(**kw):
-    return client.chat.completions.create(model=MODEL, messages=kw.pop("messages", MESSAGES), tools=TOOLS,
-                                          temperature=0, max_tokens=80, **kw)
+    args = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 80}
+    args.update(kw)
+    return client.chat.completions.create(**args)
 
 
 def streamed(**kw):

@@ -77,6 +77,8 @@ impl Usage {
 /// The most stop strings one request may carry (OpenAI allows 4; vLLM more; this bounds the work
 /// the stop matcher does per token).
 pub const MAX_STOP_SEQUENCES: usize = 16;
+/// The most choices (`n`, `best_of`) one request may ask for: each is a sequence in the engine.
+pub const MAX_N: u32 = 16;
 /// The most `logit_bias` entries one request may carry (the engine's bound).
 pub const MAX_LOGIT_BIAS: usize = 1024;
 /// `logit_bias` values lie in [-MAX_BIAS, MAX_BIAS] (OpenAI's range).
@@ -177,8 +179,8 @@ impl SamplingFields {
             }
         }
         if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ValidationError::new("n", format!("only n=1 is supported, got {n}")));
+            if n == 0 || n > MAX_N {
+                return Err(ValidationError::new("n", format!("n must be between 1 and {MAX_N}, got {n}")));
             }
         }
         if let Some(stop) = &self.stop {

@@ -51,6 +51,8 @@ pub struct GenerateInput {
     pub skip_special_tokens: bool,
     /// LoRA adapter name (None: the base model).
     pub adapter: Option<String>,
+    /// Another choice (request id) whose prompt this one shares (`n > 1`).
+    pub follows: Option<u64>,
 }
 
 /// One generated token, detokenized.

@@ -278,15 +278,13 @@ impl InferenceBackend for EngineBackend {
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
         let prompt_tokens = input.prompt.tokens.len();
         let logprobs = input.params.logprobs.is_some();
-        let stream = self
-            .engine
-            .submit(GenerationRequest {
-                id: input.request_id,
-                prompt_tokens: input.prompt.tokens,
-                params: input.params,
-                adapter: input.adapter,
-            })
-            .map_err(engine_error)?;
+        let request =
+            GenerationRequest { id: input.request_id, prompt_tokens: input.prompt.tokens, params: input.params, adapter: input.adapter };
+        let stream = match input.follows {
+            Some(leader) => self.engine.submit_following(request, leader),
+            None => self.engine.submit(request),
+        }
+        .map_err(engine_error)?;
         let state = Detok {
             stream: Some(stream),
             decoder: IncrementalDecoder::new(self.tokenizer.clone(), input.skip_special_tokens),

@@ -249,6 +249,7 @@ async fn warm_up<B: InferenceBackend>(state: &AppState<B>) -> Result<(), error::
         stop: Vec::new(),
         skip_special_tokens: true,
         adapter: None,
+        follows: None,
     })?;
     while let Some(event) = events.next().await {
         match event {

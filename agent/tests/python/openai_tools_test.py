@@ -8,8 +8,9 @@ one: each call's arguments are checked against the tool's schema with `jsonschem
 independent validator), streamed calls are assembled from their deltas as the SDK documents and
 must equal the non-streamed ones (greedy), and a tool-call history round-trips through the chat
 template. `auto` on a model without a call format is a 400 naming `tool_choice` (as vLLM without
-`--tool-call-parser`). Also `logit_bias` (a +100 bias forces its token). Exits non-zero on the
-first failure.
+`--tool-call-parser`). Also `logit_bias` (a +100 bias forces its token) and `n` / `best_of`
+(greedy choices equal n=1's; `best_of` picks the candidate with the highest cumulative logprob).
+Exits non-zero on the first failure.
 """
 
 import json
@@ -151,10 +152,36 @@ def test_logit_bias():
         raise AssertionError("logit_bias outside the vocabulary: no error raised")
 
 
+def test_n_and_best_of():
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, n=4)
+    texts = [c.text for c in r.choices]
+    check("n=4 gives 4 choices with their index", [c.index for c in r.choices] == [0, 1, 2, 3], r.choices)
+    check("greedy choices are identical", len(set(texts)) == 1, texts)
+    one = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    check("and equal to n=1", texts[0] == one.choices[0].text and r.usage.prompt_tokens == one.usage.prompt_tokens,
+          (texts[0], one.choices[0].text))
+    check("usage: the prompt once, every choice's tokens", r.usage.completion_tokens == 4 * one.usage.completion_tokens, r.usage)
+    # best_of: the choice with the highest cumulative logprob among the same candidates (choice i
+    # is seeded seed + i, so n=3 and best_of=3 generate the same three).
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=5, logprobs=0)
+    cands = client.completions.create(n=3, **kw).choices
+    sums = [sum(c.logprobs.token_logprobs) for c in cands]
+    best = client.completions.create(n=1, best_of=3, **kw).choices
+    check("best_of returns n choices", len(best) == 1, best)
+    check("best_of picks the highest cumulative logprob", best[0].text == cands[sums.index(max(sums))].text, (best[0].text, sums, [c.text for c in cands]))
+    chunks = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, n=2, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    check("streamed n=2 chat: both choices, greedy equal", texts[0] == texts[1] and texts[0], texts)
+
+
 if __name__ == "__main__":
     first = test_named()
     test_required()
     test_round_trip(first)
     test_refusals()
     test_logit_bias()
+    test_n_and_best_of()
     print("ALL OK")

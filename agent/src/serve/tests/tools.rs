@@ -137,3 +137,48 @@ async fn unservable_tool_requests_are_refused_naming_the_field() {
     let (status, _, v) = post(&state, "/v1/chat/completions", body(json!({"tool_choice": "none"}))).await;
     assert_eq!(status, StatusCode::OK, "{v}");
 }
+
+/// `n` choices on both endpoints: every choice with its index, whole and streamed; usage counts
+/// the prompt once and every choice's tokens; `best_of` returns `n`; out-of-range `n` is a 400.
+#[tokio::test]
+async fn n_choices_whole_and_streamed() {
+    let state = hermes_server("abc", None);
+    let (status, _, v) = post(&state, "/v1/completions", json!({"model": "fake-model", "prompt": "hi", "n": 3, "logprobs": 1})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 1, 2]);
+    assert!(choices.iter().all(|c| c["text"] == "abc" && c["logprobs"]["tokens"].as_array().unwrap().len() == 3));
+    assert_eq!((v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()), (Some(2), Some(9)));
+    let (_, _, v) = post(&state, "/v1/completions", json!({"model": "fake-model", "prompt": "hi", "n": 2, "best_of": 4})).await;
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2, "{v}");
+    assert!(v["choices"][1].get("logprobs").is_some_and(Value::is_null), "logprobs used to rank are not returned: {v}");
+    let (_, _, v) = post(&state, "/v1/chat/completions", json!({"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "n": 2})).await;
+    assert_eq!(v["choices"][1]["message"]["content"], "abc", "{v}");
+    for (path, body) in [
+        ("/v1/completions", json!({"model": "fake-model", "prompt": "hi", "n": 2, "stream": true, "stream_options": {"include_usage": true}})),
+        ("/v1/chat/completions", json!({"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "n": 2, "stream": true, "stream_options": {"include_usage": true}})),
+    ] {
+        let (status, _, bytes) = call(super::super::routes::router(state.clone()), Method::POST, path, body.to_string(), &[]).await;
+        assert_eq!(status, StatusCode::OK);
+        let (mut texts, mut finished, mut usage) = (vec![String::new(); 2], vec![0; 2], None);
+        for e in sse_events(&bytes).iter().filter(|e| *e != "[DONE]") {
+            let chunk: Value = serde_json::from_str(e).unwrap();
+            if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
+                usage = Some(u["completion_tokens"].as_u64().unwrap());
+            }
+            for c in chunk["choices"].as_array().unwrap() {
+                let i = c["index"].as_u64().unwrap() as usize;
+                let piece = c.get("text").or_else(|| c["delta"].get("content")).and_then(Value::as_str).unwrap_or("");
+                texts[i].push_str(piece);
+                if c["finish_reason"].is_string() {
+                    finished[i] += 1;
+                }
+            }
+        }
+        assert_eq!((texts, finished, usage), (vec!["abc".to_string(), "abc".to_string()], vec![1, 1], Some(6)), "{path}");
+    }
+    for body in [json!({"model": "fake-model", "prompt": "hi", "n": 17}), json!({"model": "fake-model", "prompt": "hi", "best_of": 2, "stream": true})] {
+        let (status, _, v) = post(&state, "/v1/completions", body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    }
+}

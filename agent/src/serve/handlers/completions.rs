@@ -30,6 +30,7 @@ pub async fn handle<B: InferenceBackend>(
         Ok(r) => r,
         Err(e) => return fail(&state, e),
     };
+    let (n, best_of) = (request.n(), request.best_of());
     let prompt = match request.prompt {
         Prompt::Text(t) => PromptInput::Text(t),
         Prompt::Texts(mut v) => PromptInput::Text(v.pop().unwrap_or_default()),
@@ -37,7 +38,6 @@ pub async fn handle<B: InferenceBackend>(
         Prompt::TokenBatches(mut v) => PromptInput::Tokens(v.pop().unwrap_or_default()),
     };
     let logprobs = request.logprobs.map(|l| l as usize);
-    let (n, best_of) = (request.n(), request.best_of());
     // Ranking `best_of` choices needs each token's logprob, asked or not.
     let engine_logprobs = if best_of > n { Some(logprobs.unwrap_or(0)) } else { logprobs };
     // OpenAI's default for completions is 16 tokens.

@@ -222,11 +222,13 @@ pub async fn start_choices<B: InferenceBackend>(
     Ok(runs)
 }
 
+/// One choice's steps, tagged with its index.
+pub type ChoiceSteps = std::pin::Pin<Box<dyn futures::Stream<Item = (usize, Step)> + Send>>;
+
 /// The choices' steps as they come, each with its choice index.
-pub fn merge_choices(runs: Vec<Running>) -> futures::stream::SelectAll<std::pin::Pin<Box<dyn futures::Stream<Item = (usize, Step)> + Send>>> {
+pub fn merge_choices(runs: Vec<Running>) -> futures::stream::SelectAll<ChoiceSteps> {
     futures::stream::select_all(runs.into_iter().enumerate().map(|(i, r)| {
-        Box::pin(futures::stream::unfold(r, move |mut r| async move { r.next().await.map(|s| ((i, s), r)) }))
-            as std::pin::Pin<Box<dyn futures::Stream<Item = (usize, Step)> + Send>>
+        Box::pin(futures::stream::unfold(r, move |mut r| async move { r.next().await.map(|s| ((i, s), r)) })) as ChoiceSteps
     }))
 }
 

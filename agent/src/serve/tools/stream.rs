@@ -141,7 +141,9 @@ impl ToolStream {
             }
             Kind::Hermes(Hermes::Content { held, after_call }) => {
                 let held = std::mem::take(held);
-                if !held.is_empty() && !(*after_call && held.trim().is_empty()) {
+                // After a call, trailing whitespace is dropped (as the whole-output parser does).
+                let dropped = held.is_empty() || *after_call && held.trim().is_empty();
+                if !dropped {
                     out.push(ToolDelta::Content(held));
                 }
             }

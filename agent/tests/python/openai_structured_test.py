@@ -13,14 +13,10 @@ import sys
 import jsonschema
 import openai
 
+from checks import check
+
 BASE_URL, MODEL = sys.argv[1:3]
 client = openai.OpenAI(base_url=BASE_URL, api_key="unused", max_retries=0, timeout=300)
-
-
-def check(name, cond, detail=""):
-    if not cond:
-        raise AssertionError(f"{name}: {detail}")
-    print(f"ok {name}", flush=True)
 
 
 SCHEMAS = {

@@ -14,6 +14,7 @@ pub mod common;
 pub mod completions;
 pub mod encoders;
 pub mod error;
+pub mod gbnf;
 pub mod lora;
 pub mod metric_names;
 pub mod models;

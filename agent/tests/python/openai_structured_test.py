@@ -148,6 +148,36 @@ def test_completion_regex_and_choice():
     r = client.completions.create(model=MODEL, prompt="Question: is water wet?", max_tokens=20, temperature=0,
                                   extra_body={"guided_grammar": gbnf})
     check("gbnf grammar", re.fullmatch(r"The answer is (yes|no)\. ?", r.choices[0].text) is not None, r.choices[0].text)
+    r = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=60, temperature=0,
+                                  extra_body={"guided_grammar": JSON_GBNF})
+    c = r.choices[0]
+    if c.finish_reason == "stop":
+        check("json.gbnf output parses", isinstance(json.loads(c.text), dict), c.text)
+    else:
+        check("json.gbnf output is an object's prefix", c.text.startswith("{"), c.text)
+
+
+# The shape of llama.cpp's grammars/json.gbnf (objects only at the root).
+JSON_GBNF = r"""root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4,4}) # escapes
+  )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
 
 
 def expect_400(name, fn, param, needle=""):

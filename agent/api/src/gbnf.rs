@@ -347,34 +347,9 @@ mod tests {
 
     #[test]
     fn json_grammar_shapes_convert() {
-        // Multi-line rules, nested groups, negated classes with escapes, `{m,n}` and comments, as
-        // in llama.cpp's grammars/json.gbnf.
-        let g = r#"root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-
-object ::=
-  "{" ws (
-            string ":" ws value
-    ("," ws string ":" ws value)*
-  )? "}" ws
-
-array  ::=
-  "[" ws (
-            value
-    ("," ws value)*
-  )? "]" ws
-
-string ::=
-  "\"" (
-    [^"\\\x7F\x00-\x1F] |
-    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4,4}) # escapes
-  )* "\"" ws
-
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-
-# Optional space
-ws ::= | " " | "\n" [ \t]{0,20}
-"#;
+        // Multi-line rules, nested groups, negated classes with escapes, `{m,n}` and comments, in
+        // the shape of llama.cpp's grammars/json.gbnf (the served-model test uses the same file).
+        let g = include_str!("../../../scripts/grammars/json.gbnf");
         let lark = gbnf_to_lark(g).unwrap();
         let lines: Vec<&str> = lark.lines().collect();
         assert_eq!(lines[0], "start: r0_root");

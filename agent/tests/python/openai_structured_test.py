@@ -7,6 +7,7 @@ JSON-schema outputs, Python's `re` checks regex outputs. Exits non-zero on the f
 """
 
 import json
+import pathlib
 import re
 import sys
 
@@ -157,27 +158,8 @@ def test_completion_regex_and_choice():
         check("json.gbnf output is an object's prefix", c.text.startswith("{"), c.text)
 
 
-# The shape of llama.cpp's grammars/json.gbnf (objects only at the root).
-JSON_GBNF = r"""root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::=
-  "{" ws (
-            string ":" ws value
-    ("," ws string ":" ws value)*
-  )? "}" ws
-array  ::=
-  "[" ws (
-            value
-    ("," ws value)*
-  )? "]" ws
-string ::=
-  "\"" (
-    [^"\\\x7F\x00-\x1F] |
-    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4,4}) # escapes
-  )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-ws ::= | " " | "\n" [ \t]{0,20}
-"""
+# The shape of llama.cpp's grammars/json.gbnf (objects at the root); the converter's unit test reads it too.
+JSON_GBNF = (pathlib.Path(__file__).resolve().parents[3] / "scripts/grammars/json.gbnf").read_text()
 
 
 def expect_400(name, fn, param, needle=""):

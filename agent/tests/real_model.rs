@@ -49,12 +49,24 @@ fn openai_python_client() {
 /// checked by an independent validator (`jsonschema`, Python's `re`).
 #[test]
 fn openai_python_structured_outputs() {
-    let server = Server::start(&[]);
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_structured_test.py");
-    let out = Command::new(common::python()).arg(script).args([&server.base_url(), MODEL_NAME]).output().expect("run python");
+    run_python_script("openai_structured_test.py", &Server::start(&[]));
+}
+
+/// Runs `tests/python/<script> BASE_URL MODEL` against `server`; it must end with `ALL OK`.
+fn run_python_script(script: &str, server: &Server) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(script);
+    let out = Command::new(common::python()).arg(path).args([&server.base_url(), MODEL_NAME]).output().expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
-    assert!(out.status.success() && stdout.contains("ALL OK"), "structured outputs test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("ALL OK"), "{script} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Tool calling (`tool_choice` required and named, streamed and not, a tool-call history), then
+/// `logit_bias`, `n` and `best_of`, through the `openai` client; tool arguments checked against
+/// each tool's schema by `jsonschema`.
+#[test]
+fn openai_python_tool_calls() {
+    run_python_script("openai_tools_test.py", &Server::start(&[]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

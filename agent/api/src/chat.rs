@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::{NoUnknownFields, SamplingFields, MAX_TOP_LOGPROBS};
 use crate::structured::StructuredFields;
+use crate::tools::{tool_use, Tool, ToolCall, ToolCallDelta, ToolChoice, ToolUse};
 use crate::{Usage, Validate, ValidationError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,6 +65,19 @@ pub struct ChatMessage {
     pub content: Option<MessageContent>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The calls an assistant turn made (history sent back by the client).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// On a `tool` turn: the call this result answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A plain text turn.
+    pub fn text(role: Role, content: impl Into<String>) -> Self {
+        ChatMessage { role, content: Some(MessageContent::Text(content.into())), name: None, tool_calls: None, tool_call_id: None }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -82,6 +96,12 @@ pub struct ChatCompletionRequest {
     /// `response_format`, `structured_outputs`, `guided_*`.
     #[serde(flatten)]
     pub structured: StructuredFields,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<Tool>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<ToolChoice>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel_tool_calls: Option<bool>,
     /// Must stay the last field: it takes what the fields above did not.
     #[serde(flatten)]
     pub unknown: NoUnknownFields,
@@ -92,13 +112,25 @@ impl ChatCompletionRequest {
     pub fn max_tokens(&self) -> Option<i64> {
         self.max_completion_tokens.or(self.sampling.max_tokens)
     }
+
+    /// What the request asks about tools (checked in `validate`).
+    pub fn tool_use(&self) -> Result<ToolUse, ValidationError> {
+        tool_use(self.tools.as_deref(), self.tool_choice.as_ref(), self.parallel_tool_calls)
+    }
 }
 
 impl Validate for ChatCompletionRequest {
     fn validate(&self) -> Result<(), ValidationError> {
         let max_tokens_param = if self.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
         self.sampling.validate(self.max_tokens(), max_tokens_param)?;
-        self.structured.constraint()?;
+        let constraint = self.structured.constraint()?;
+        let tools = self.tool_use()?;
+        if let (Some(c), ToolUse::Required { .. } | ToolUse::Named(_)) = (&constraint, &tools) {
+            return Err(ValidationError::new(
+                c.param,
+                "a forced tool call (tool_choice `required` or a named function) cannot be combined with another output constraint",
+            ));
+        }
         if self.messages.is_empty() {
             return Err(ValidationError::new("messages", "messages must not be empty"));
         }
@@ -137,6 +169,9 @@ pub struct ChatChoice {
 pub struct AssistantMessage {
     pub role: Role,
     pub content: Option<String>,
+    /// Present only when the model called tools.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -188,4 +223,6 @@ pub struct ChatDelta {
     pub role: Option<Role>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }

@@ -77,6 +77,12 @@ impl Usage {
 /// The most stop strings one request may carry (OpenAI allows 4; vLLM more; this bounds the work
 /// the stop matcher does per token).
 pub const MAX_STOP_SEQUENCES: usize = 16;
+/// The most choices (`n`, `best_of`) one request may ask for: each is a sequence in the engine.
+pub const MAX_N: u32 = 16;
+/// The most `logit_bias` entries one request may carry (the engine's bound).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// `logit_bias` values lie in [-MAX_BIAS, MAX_BIAS] (OpenAI's range).
+pub const MAX_BIAS: f64 = 100.0;
 /// The most alternatives `logprobs`/`top_logprobs` may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
@@ -124,6 +130,27 @@ pub struct SamplingFields {
 }
 
 impl SamplingFields {
+    /// `logit_bias` as `(token id, bias)` pairs sorted by id: keys are token ids written as
+    /// strings (OpenAI's wire format), values numbers in [-100, 100], at most [`MAX_LOGIT_BIAS`].
+    pub fn logit_bias_entries(&self) -> Result<Vec<(u32, f32)>, ValidationError> {
+        let Some(map) = &self.logit_bias else { return Ok(Vec::new()) };
+        if map.len() > MAX_LOGIT_BIAS {
+            return Err(ValidationError::new("logit_bias", format!("logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {}", map.len())));
+        }
+        let mut entries = Vec::with_capacity(map.len());
+        for (k, v) in map {
+            let id: u32 = k
+                .parse()
+                .map_err(|_| ValidationError::new("logit_bias", format!("logit_bias keys must be token ids, got {k:?}")))?;
+            let bias = v.as_f64().filter(|b| (-MAX_BIAS..=MAX_BIAS).contains(b)).ok_or_else(|| {
+                ValidationError::new("logit_bias", format!("logit_bias values must be numbers in [-{MAX_BIAS}, {MAX_BIAS}], got {v} for token {k}"))
+            })?;
+            entries.push((id, bias as f32));
+        }
+        entries.sort_by_key(|&(id, _)| id);
+        Ok(entries)
+    }
+
     /// Range checks. `max_tokens` is passed in because chat's `max_completion_tokens` overrides it
     /// (`max_tokens_param` names whichever field the value came from).
     pub fn validate(&self, max_tokens: Option<i64>, max_tokens_param: &str) -> Result<(), ValidationError> {
@@ -152,8 +179,8 @@ impl SamplingFields {
             }
         }
         if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ValidationError::new("n", format!("only n=1 is supported, got {n}")));
+            if n == 0 || n > MAX_N {
+                return Err(ValidationError::new("n", format!("n must be between 1 and {MAX_N}, got {n}")));
             }
         }
         if let Some(stop) = &self.stop {
@@ -165,9 +192,7 @@ impl SamplingFields {
                 return Err(ValidationError::new("stop", "stop sequences must not be empty"));
             }
         }
-        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-            return Err(ValidationError::new("logit_bias", "logit_bias is not supported"));
-        }
+        self.logit_bias_entries()?;
         if self.stream_options.is_some() && !self.stream {
             return Err(ValidationError::new("stream_options", "stream_options is only allowed when stream is true"));
         }

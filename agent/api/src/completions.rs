@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::common::{NoUnknownFields, SamplingFields, MAX_TOP_LOGPROBS};
+use crate::common::{NoUnknownFields, SamplingFields, MAX_N, MAX_TOP_LOGPROBS};
 use crate::structured::StructuredFields;
 use crate::{Prompt, Usage, Validate, ValidationError};
 
@@ -34,14 +34,31 @@ impl CompletionRequest {
     pub fn new(model: impl Into<String>, prompt: Prompt) -> Self {
         CompletionRequest { model: model.into(), prompt, ..Default::default() }
     }
+
+    /// Choices returned (`n`, default 1).
+    pub fn n(&self) -> usize {
+        self.sampling.n.unwrap_or(1) as usize
+    }
+
+    /// Choices generated (`best_of`, default `n`): the `n` with the highest cumulative logprob
+    /// are returned.
+    pub fn best_of(&self) -> usize {
+        self.best_of.map_or(self.n(), |b| b as usize)
+    }
 }
 
 impl Validate for CompletionRequest {
     fn validate(&self) -> Result<(), ValidationError> {
         self.sampling.validate(self.sampling.max_tokens, "max_tokens")?;
         self.structured.constraint()?;
-        if self.best_of.is_some_and(|b| b != 1) {
-            return Err(ValidationError::new("best_of", "only best_of=1 is supported"));
+        if let Some(b) = self.best_of {
+            let n = self.sampling.n.unwrap_or(1);
+            if b < n || b > MAX_N {
+                return Err(ValidationError::new("best_of", format!("best_of must be between n ({n}) and {MAX_N}, got {b}")));
+            }
+            if b > n && self.sampling.stream {
+                return Err(ValidationError::new("best_of", "best_of greater than n cannot be streamed"));
+            }
         }
         if let Some(l) = self.logprobs {
             if l > MAX_TOP_LOGPROBS {

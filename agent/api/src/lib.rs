@@ -14,10 +14,12 @@ pub mod common;
 pub mod completions;
 pub mod encoders;
 pub mod error;
+pub mod gbnf;
 pub mod lora;
 pub mod metric_names;
 pub mod models;
 pub mod structured;
+pub mod tools;
 
 pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage};
 pub use common::{NoUnknownFields, Prompt, SamplingFields, StopSequences, StreamOptions, Usage};

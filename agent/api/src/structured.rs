@@ -49,7 +49,7 @@ pub struct StructuredOutputs {
     pub regex: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub choice: Option<Vec<String>>,
-    /// A Lark grammar.
+    /// A Lark or GBNF grammar.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grammar: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -195,11 +195,12 @@ fn choices(param: &str, c: &[String]) -> Result<Vec<String>, ValidationError> {
     Ok(c.to_vec())
 }
 
-/// A Lark grammar. GBNF (llama.cpp's `::=` rules) is refused with a pointer to Lark.
+/// A Lark grammar, or a GBNF one (llama.cpp's `name ::= ...` rules, as vLLM tells them apart),
+/// converted to Lark.
 fn grammar(param: &str, g: &str) -> Result<String, ValidationError> {
     let g = text(param, g)?;
     if g.contains("::=") {
-        return Err(ValidationError::new(param, "GBNF grammars are not supported; write the grammar in Lark syntax (`rule: ...`)"));
+        return crate::gbnf::gbnf_to_lark(&g).map_err(|e| ValidationError::new(param, format!("invalid GBNF grammar: {e}")));
     }
     Ok(g)
 }

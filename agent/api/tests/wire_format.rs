@@ -51,12 +51,18 @@ fn validation_names_the_field() {
         (json!({"presence_penalty": -3}), "presence_penalty"),
         (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
         (json!({"logprobs": 21}), "logprobs"),
-        (json!({"n": 2}), "n"),
-        (json!({"best_of": 3}), "best_of"),
+        (json!({"n": 0}), "n"),
+        (json!({"n": 17}), "n"),
+        (json!({"best_of": 17}), "best_of"),
+        (json!({"n": 3, "best_of": 2}), "best_of"),
+        (json!({"best_of": 2, "stream": true}), "best_of"),
         (json!({"stop": ["a", ""]}), "stop"),
         (json!({"top_k": -2}), "top_k"),
         (json!({"repetition_penalty": 0}), "repetition_penalty"),
-        (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
+        (json!({"logit_bias": {"50256": -100.5}}), "logit_bias"),
+        (json!({"logit_bias": {"x": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"-1": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"1": "1"}}), "logit_bias"),
         (json!({"stream_options": {"include_usage": true}}), "stream_options"),
         (json!({"echo": true}), "echo"),
     ];
@@ -66,6 +72,17 @@ fn validation_names_the_field() {
         let r: CompletionRequest = serde_json::from_value(body.clone()).unwrap();
         assert_eq!(r.validate().unwrap_err().param.as_deref(), Some(param), "{body}");
     }
+}
+
+#[test]
+fn logit_bias_entries_are_sorted_pairs_within_bounds() {
+    let r: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "p", "logit_bias": {"50256": -100, "7": 2.5}})).unwrap();
+    r.validate().unwrap();
+    assert_eq!(r.sampling.logit_bias_entries().unwrap(), vec![(7, 2.5), (50256, -100.0)]);
+    let many: serde_json::Map<String, serde_json::Value> =
+        (0..=peregrine_api::common::MAX_LOGIT_BIAS).map(|i| (i.to_string(), json!(1))).collect();
+    let r: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "p", "logit_bias": many})).unwrap();
+    assert_eq!(r.validate().unwrap_err().param.as_deref(), Some("logit_bias"));
 }
 
 #[test]
@@ -163,7 +180,7 @@ fn structured_output_fields() {
         (json!({"guided_json": [1, 2]}), "guided_json"),
         (json!({"guided_choice": []}), "guided_choice"),
         (json!({"guided_regex": ""}), "guided_regex"),
-        (json!({"guided_grammar": "root ::= \"a\""}), "guided_grammar"),
+        (json!({"guided_grammar": "root ::= missing"}), "guided_grammar"),
     ];
     for (extra, param) in bad {
         assert_eq!(chat(extra.clone()).validate().unwrap_err().param.as_deref(), Some(param), "{extra}");

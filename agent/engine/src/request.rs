@@ -30,6 +30,12 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Number of top alternatives to report with each sampled token (`None`: no logprobs at all).
     pub logprobs: Option<usize>,
+    /// OpenAI's `logit_bias`: `(token id, bias)` added to the token's logit after the grammar mask
+    /// and before penalties (vLLM's order); at most [`crate::sampling::MAX_LOGIT_BIAS`] entries,
+    /// biases in [-100, 100], ids checked against the vocabulary at submit. A biased row is always
+    /// sampled on the host (see `RequestSampler::device_plan`).
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
     /// Structured outputs: only tokens this grammar allows are sampled, and the sequence stops when
     /// the grammar is complete. Compiled by the caller ([`crate::structured::GrammarCompiler`]),
     /// off the engine thread; not serialized (a compiled grammar belongs to this process).
@@ -52,6 +58,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            logit_bias: Vec::new(),
             grammar: None,
         }
     }

@@ -415,3 +415,29 @@ fn kv_events_follow_the_prefix_cache() {
     assert_eq!(handle.metrics().kv_event_batches_dropped_total, 0);
     handle.shutdown();
 }
+
+/// `n > 1`: the first choice computes the prompt; the others fork its full KV blocks (prefix
+/// caching off, so nothing else could share them) and compute only the partial last block. The
+/// fake's K/V is a hash chained through the block tables, so a wrongly shared block would change
+/// the tokens: greedy choices must equal the request run alone.
+#[test]
+fn choices_share_the_prompts_blocks_and_match_running_alone() {
+    let h = start(&fake, 64, config(8, 64, 128, false));
+    let prompt = scenarios::prompt(VOCAB, 3, 10);
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(6) };
+    let alone = run_alone(&h, &[request(1, prompt.clone(), params.clone())]).remove(0);
+    let mut streams = vec![h.submit(request(10, prompt.clone(), params.clone())).expect("valid")];
+    for id in 11..14 {
+        streams.push(h.submit_following(request(id, prompt.clone(), params.clone()), 10).expect("valid"));
+    }
+    let runs: Vec<_> = streams.iter_mut().map(collect).collect();
+    for (i, run) in runs.iter().enumerate() {
+        assert_eq!(run.tokens, alone.tokens, "choice {i}");
+        // 10 prompt tokens, blocks of 4: the two full blocks are shared, the tail recomputed.
+        assert_eq!(run.usage.cached_prompt_tokens, if i == 0 { 0 } else { 8 }, "choice {i}");
+    }
+    // A leader that is not there: an ordinary request.
+    let lone = collect(&mut h.submit_following(request(20, prompt, params), 999).expect("valid"));
+    assert_eq!((lone.tokens, lone.usage.cached_prompt_tokens), (alone.tokens, 0));
+    h.shutdown();
+}

@@ -4,6 +4,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use super::connections::ConnectionLimits;
+use super::tools::ToolParserArg;
 use crate::runtime::{DeviceArg, EngineArgs};
 use std::time::Duration;
 
@@ -82,6 +83,11 @@ pub struct ServeArgs {
     /// The same as `--log-format json` (kept: the operator passes it).
     #[arg(long, env = "PEREGRINE_LOG_JSON")]
     pub log_json: bool,
+    /// How `tool_choice: auto` outputs are parsed into `tool_calls`: `auto` reads the chat
+    /// template (`<tool_call>` → hermes, `<|python_tag|>` → llama3_json); `none` refuses `auto`.
+    /// Forced calls (`required`, a named function) need no parser.
+    #[arg(long, env = "PEREGRINE_TOOL_CALL_PARSER", value_enum, default_value_t = ToolParserArg::Auto)]
+    pub tool_call_parser: ToolParserArg,
     /// KV-cache events for prefix-aware routers (off unless `--kv-events-endpoint`).
     #[command(flatten)]
     pub kv_events: crate::kv_events::KvEventsArgs,

@@ -19,14 +19,19 @@ use super::error::ApiError;
 pub enum PromptInput {
     Text(String),
     Tokens(Vec<u32>),
-    /// Chat turns, rendered with the model's chat template (generation prompt added).
-    Chat(Vec<ChatTurn>),
+    /// Chat turns, rendered with the model's chat template (generation prompt added), with the
+    /// request's `tools` (OpenAI's list) passed to the template as transformers passes them.
+    Chat { turns: Vec<ChatTurn>, tools: Option<serde_json::Value> },
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatTurn {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, arguments as JSON objects (see `ChatMessage::tool_calls`).
+    pub tool_calls: Option<serde_json::Value>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 /// A tokenized prompt, ready for the engine.
@@ -46,6 +51,8 @@ pub struct GenerateInput {
     pub skip_special_tokens: bool,
     /// LoRA adapter name (None: the base model).
     pub adapter: Option<String>,
+    /// Another choice (request id) whose prompt this one shares (`n > 1`).
+    pub follows: Option<u64>,
 }
 
 /// One generated token, detokenized.
@@ -150,6 +157,10 @@ pub trait InferenceBackend: Send + Sync + 'static {
         param: &'static str,
     ) -> impl Future<Output = Result<CompiledGrammar, ApiError>> + Send {
         async move { Err(ApiError::invalid(Some(param.to_string()), "structured outputs are not supported by this backend")) }
+    }
+    /// The chat template's source, for `--tool-call-parser auto` (None: no template).
+    fn chat_template_source(&self) -> Option<String> {
+        None
     }
     /// Tokenizes (and for chat, renders) a prompt on a worker pool, never on the engine thread.
     fn prepare(&self, prompt: PromptInput) -> impl Future<Output = Result<PreparedPrompt, ApiError>> + Send;

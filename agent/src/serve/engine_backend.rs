@@ -219,6 +219,10 @@ impl InferenceBackend for EngineBackend {
         Ok(adapter_status(info))
     }
 
+    fn chat_template_source(&self) -> Option<String> {
+        self.tokenizer.chat_template().map(|t| t.source().to_string())
+    }
+
     async fn prepare(&self, prompt: PromptInput) -> Result<PreparedPrompt, ApiError> {
         let tokenizer = self.tokenizer.clone();
         // Long prompts take milliseconds to tokenize: keep that off the async workers and, above
@@ -236,12 +240,15 @@ impl InferenceBackend for EngineBackend {
                         None => Ok(ids),
                     }
                 }
-                PromptInput::Chat(turns) => {
+                PromptInput::Chat { turns, tools } => {
                     let template = tokenizer.chat_template().ok_or_else(|| {
                         ApiError::invalid(Some("messages".to_string()), "this model has no chat template; use /v1/completions")
                     })?;
-                    let messages: Vec<ChatMessage> = turns.into_iter().map(|t| ChatMessage::new(t.role, t.content)).collect();
-                    let text = template.render(&messages, true).map_err(engine_error)?;
+                    let messages: Vec<ChatMessage> = turns
+                        .into_iter()
+                        .map(|t| ChatMessage { tool_calls: t.tool_calls, tool_call_id: t.tool_call_id, name: t.name, ..ChatMessage::new(t.role, t.content) })
+                        .collect();
+                    let text = template.render_with_tools(&messages, tools.as_ref(), true).map_err(engine_error)?;
                     tokenizer.encode(&text).map_err(engine_error)
                 }
             }
@@ -271,15 +278,13 @@ impl InferenceBackend for EngineBackend {
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
         let prompt_tokens = input.prompt.tokens.len();
         let logprobs = input.params.logprobs.is_some();
-        let stream = self
-            .engine
-            .submit(GenerationRequest {
-                id: input.request_id,
-                prompt_tokens: input.prompt.tokens,
-                params: input.params,
-                adapter: input.adapter,
-            })
-            .map_err(engine_error)?;
+        let request =
+            GenerationRequest { id: input.request_id, prompt_tokens: input.prompt.tokens, params: input.params, adapter: input.adapter };
+        let stream = match input.follows {
+            Some(leader) => self.engine.submit_following(request, leader),
+            None => self.engine.submit(request),
+        }
+        .map_err(engine_error)?;
         let state = Detok {
             stream: Some(stream),
             decoder: IncrementalDecoder::new(self.tokenizer.clone(), input.skip_special_tokens),

@@ -28,6 +28,9 @@ pub struct Job {
     pub params: SamplingParams,
     pub stop: Vec<String>,
     pub skip_special_tokens: bool,
+    /// Another choice of the same request (`n > 1`) whose prompt this one shares (see
+    /// `EngineHandle::submit_following`); None: an ordinary request.
+    pub follows: Option<u64>,
 }
 
 /// What a handler reads from a running request.
@@ -178,6 +181,7 @@ pub async fn start<B: InferenceBackend>(
         stop: job.stop,
         skip_special_tokens: job.skip_special_tokens,
         adapter,
+        follows: job.follows,
     })?;
     tracing::debug!(parent: &span, "queued");
     Ok(Running {
@@ -197,6 +201,35 @@ pub async fn start<B: InferenceBackend>(
         span,
         done: false,
     })
+}
+
+/// Starts the `n` choices of one job: the first computes the prompt, the others follow it (they
+/// fork its KV blocks once it is computed). A seeded request gives choice `i` the seed `seed + i`
+/// so that its choices differ. If one cannot start, those already started are dropped (aborted).
+pub async fn start_choices<B: InferenceBackend>(
+    state: &Arc<AppState<B>>,
+    tenant: Option<TenantId>,
+    job: Job,
+    n: usize,
+) -> Result<Vec<Running>, ApiError> {
+    let mut runs = Vec::with_capacity(n);
+    for i in 0..n.max(1) {
+        let mut choice = job.clone();
+        choice.params.seed = job.params.seed.map(|s| s.wrapping_add(i as u64));
+        choice.follows = runs.first().map(|r: &Running| r.request_id);
+        runs.push(start(state, tenant, choice).await?);
+    }
+    Ok(runs)
+}
+
+/// One choice's steps, tagged with its index.
+pub type ChoiceSteps = std::pin::Pin<Box<dyn futures::Stream<Item = (usize, Step)> + Send>>;
+
+/// The choices' steps as they come, each with its choice index.
+pub fn merge_choices(runs: Vec<Running>) -> futures::stream::SelectAll<ChoiceSteps> {
+    futures::stream::select_all(runs.into_iter().enumerate().map(|(i, r)| {
+        Box::pin(futures::stream::unfold(r, move |mut r| async move { r.next().await.map(|s| ((i, s), r)) })) as ChoiceSteps
+    }))
 }
 
 impl Running {

@@ -26,6 +26,7 @@ pub mod sse;
 pub mod state;
 pub mod telemetry;
 pub mod tenant;
+pub mod tools;
 pub mod vllm;
 
 #[cfg(test)]
@@ -152,6 +153,8 @@ fn server_config(args: &ServeArgs) -> anyhow::Result<state::ServerConfig> {
         max_waiting_requests: args.max_waiting_requests,
         connections: args.connection_limits(),
         adapter_roots: adapter_roots::AdapterRoots::new(&args.lora_roots)?,
+        // Resolved against the chat template once the model is loaded.
+        tool_call_format: None,
     })
 }
 
@@ -166,10 +169,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let _telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.json_logs())?;
         // Keys and limits are checked before the (slow) model load, so a bad flag fails at once.
         let keys = key_store(&args)?;
-        let config = server_config(&args)?;
+        let mut config = server_config(&args)?;
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
         let backend = Arc::new(backend);
+        config.tool_call_format = args.tool_call_parser.resolve(backend.chat_template_source().as_deref());
+        tracing::info!(format = ?config.tool_call_format, "tool-call parser");
         if args.kv_events.kv_events_endpoint.is_some() {
             let batches = backend.engine().subscribe_kv_events(crate::kv_events::engine_queue())?;
             crate::kv_events::start(&args.kv_events, backend.model_name(), batches).await?;
@@ -244,6 +249,7 @@ async fn warm_up<B: InferenceBackend>(state: &AppState<B>) -> Result<(), error::
         stop: Vec::new(),
         skip_special_tokens: true,
         adapter: None,
+        follows: None,
     })?;
     while let Some(event) = events.next().await {
         match event {

@@ -12,6 +12,7 @@ use super::backend::InferenceBackend;
 use super::lifecycle::Lifecycle;
 use super::metrics::Metrics;
 use super::rate_limit::RateLimiter;
+use super::tools::ToolCallFormat;
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -19,13 +20,16 @@ pub struct ServerConfig {
     pub max_waiting_requests: usize,
     pub connections: ConnectionLimits,
     pub adapter_roots: AdapterRoots,
+    /// The format `tool_choice: auto` outputs are parsed in (`--tool-call-parser`, resolved
+    /// against the chat template); None: `auto` is refused.
+    pub tool_call_format: Option<ToolCallFormat>,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             max_body_bytes: 4 * 1024 * 1024, max_waiting_requests: 256, connections: ConnectionLimits::default(),
-            adapter_roots: AdapterRoots::default(),
+            adapter_roots: AdapterRoots::default(), tool_call_format: None,
         }
     }
 }

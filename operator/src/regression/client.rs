@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use peregrine_api::chat::{MessageContent, Role};
+use peregrine_api::chat::Role;
 use peregrine_api::{ChatCompletionRequest, ChatMessage, CompletionRequest, Prompt, SamplingFields, StopSequences, StreamOptions};
 use peregrine_crds::RegressionCase;
 use serde_json::Value;
@@ -136,7 +136,7 @@ fn request_body(model: &str, case: &RegressionCase) -> Result<Value, ClientError
 fn chat_message(m: &peregrine_crds::ChatMessage) -> Result<ChatMessage, ClientError> {
     // The CRD admits only the roles the API has (system, user, assistant); serde maps the name.
     let role: Role = serde_json::from_value(Value::String(m.role.clone())).map_err(|_| ClientError::BadCase(format!("unknown message role {:?}", m.role)))?;
-    Ok(ChatMessage { role, content: Some(MessageContent::Text(m.content.clone())), name: None })
+    Ok(ChatMessage::text(role, m.content.clone()))
 }
 
 /// Accumulates one streamed response.
@@ -250,6 +250,7 @@ pub fn truncate(s: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use peregrine_api::chat::MessageContent;
 
     #[test]
     fn root_accepts_v1_and_slashes() {

@@ -15,7 +15,8 @@ use crate::Result;
 
 /// What flows into the engine thread.
 pub(super) enum Command {
-    Submit { request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant },
+    /// `follows`: another choice of the same prompt (`n > 1`), whose prompt blocks this one forks.
+    Submit { request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant, follows: Option<RequestId> },
     Abort(RequestId),
     Shutdown,
     /// A parsed adapter to register under `name` (parsing happened on the caller's thread).

@@ -77,12 +77,25 @@ impl EngineHandle {
     /// Checks a request and queues it. Errors here are the caller's fault (`InvalidRequest`) or
     /// mean the engine is gone (`EngineStopped`); failures after this arrive as events.
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream> {
+        self.submit_with(request, None)
+    }
+
+    /// [`Self::submit`] for another choice of a request already submitted as `leader` with the
+    /// same prompt and adapter (`n > 1`, `best_of`): the prompt is computed once; this one waits
+    /// until `leader` has computed it, then shares its full KV blocks by reference (the partial
+    /// last block is recomputed into its own). If `leader` is gone, not running, or its prompt
+    /// differs, this runs as an ordinary request.
+    pub fn submit_following(&self, request: GenerationRequest, leader: RequestId) -> Result<RequestStream> {
+        self.submit_with(request, Some(leader))
+    }
+
+    fn submit_with(&self, request: GenerationRequest, follows: Option<RequestId>) -> Result<RequestStream> {
         self.validate(&request)?;
         let (tx, rx) = unbounded_channel();
         let id = request.id;
         self.inner
             .commands
-            .send(Command::Submit { request, events: tx, arrival: Instant::now() })
+            .send(Command::Submit { request, events: tx, arrival: Instant::now(), follows })
             .map_err(|_| EngineError::EngineStopped)?;
         Ok(RequestStream { id, events: rx, commands: self.inner.commands.clone(), done: false })
     }
@@ -102,6 +115,9 @@ impl EngineHandle {
         }
         if let Some(&t) = request.prompt_tokens.iter().find(|&&t| t as usize >= limits.vocab_size) {
             return bad(format!("token id {t} is out of the vocabulary (size {})", limits.vocab_size));
+        }
+        if let Some(&(t, _)) = request.params.logit_bias.iter().find(|(t, _)| *t as usize >= limits.vocab_size) {
+            return bad(format!("logit_bias names token id {t}, outside the vocabulary (size {})", limits.vocab_size));
         }
         if let Some(name) = &request.adapter {
             if !self.has_adapter(name) {

@@ -139,7 +139,7 @@ impl Worker {
 
     fn handle(&mut self, cmd: Command) -> Flow {
         match cmd {
-            Command::Submit { request, events, arrival } => self.add(request, events, arrival),
+            Command::Submit { request, events, arrival, follows } => self.add(request, events, arrival, follows),
             Command::Abort(id) => self.finish(id, FinishReason::Abort),
             Command::Shutdown => return Flow::Stop,
             Command::LoadAdapter { name, source, adapter, reply } => {
@@ -167,7 +167,7 @@ impl Worker {
         Flow::Continue
     }
 
-    fn add(&mut self, request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant) {
+    fn add(&mut self, request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant, follows: Option<RequestId>) {
         if self.requests.contains_key(&request.id) {
             let _ = events.send(RequestEvent::Error(format!("request id {} is already in use", request.id)));
             return;
@@ -177,6 +177,7 @@ impl Worker {
         let prompt_len = request.prompt_tokens.len();
         let mut seq = Sequence::new(request.id, request.prompt_tokens);
         seq.arrival = arrival;
+        seq.follows = follows;
         let id = request.id;
         let mut adapter = None;
         // None: parked until its adapter's weights are back in memory.

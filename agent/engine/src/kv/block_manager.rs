@@ -183,6 +183,38 @@ impl BlockManager {
         Some(hits.len() * self.block_size)
     }
 
+    /// Gives `child` a block table over `tokens` whose leading full blocks are `parent`'s, shared
+    /// by reference count (`n > 1`: the prompt is prefilled once and its choices fork it), the
+    /// rest fresh. Shared: the parent's blocks inside its first `parent_computed` tokens, at most
+    /// the full blocks inside `tokens[..len-1]` (the last token is recomputed for its logits, so
+    /// no one writes into a shared block: the partial last block is the child's own). The caller
+    /// guarantees the child's tokens start with the parent's and use the same adapter. Returns the
+    /// shared token count, or None (changing nothing) when the parent has no table or the pool is
+    /// short. Works with the prefix cache off too.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId, tokens: &[u32], parent_computed: usize) -> Option<usize> {
+        let from = self.seqs.get(&parent)?;
+        let shared = (parent_computed.min(tokens.len().saturating_sub(1)) / self.block_size).min(from.blocks.len());
+        let shared_blocks = from.blocks[..shared].to_vec();
+        let hashes = from.hashes[..shared.min(from.hashes.len())].to_vec();
+        let adapter = from.adapter;
+        let needed = self.blocks_for(tokens.len()) - shared;
+        if parent == child || needed > self.num_free_blocks() {
+            return None;
+        }
+        self.free(child);
+        for &b in &shared_blocks {
+            self.take_ref(b);
+        }
+        let mut entry = SeqBlocks { blocks: shared_blocks, hashes, adapter };
+        for _ in 0..needed {
+            // Cannot fail: counted above; shared blocks are referenced, so never evicted.
+            let block = self.pop_free_block()?;
+            entry.blocks.push(block);
+        }
+        self.seqs.insert(child, entry);
+        Some(shared * self.block_size)
+    }
+
     /// Grows `seq`'s block table to cover `num_tokens` tokens. False (changing nothing) when the
     /// blocks are not there or the sequence has no table.
     pub fn append_slots(&mut self, seq: SeqId, num_tokens: usize) -> bool {
@@ -372,6 +404,46 @@ mod tests {
         assert_eq!(m.num_cached_blocks(), 2, "freed full blocks stay cached");
         // And are found again.
         assert_eq!(m.cached_prefix_len(&b, None), 8);
+    }
+
+    #[test]
+    fn forks_share_the_parents_full_prompt_blocks_by_reference() {
+        for caching in [false, true] {
+            let mut m = BlockManager::new(16, 4, caching);
+            let prompt = toks(0..10);
+            assert_eq!(m.allocate(1, &prompt, None), Some(0));
+            m.commit_computed(1, &prompt, 10);
+            // Three choices fork the computed prompt: its two full blocks are shared, each has
+            // its own copy of the partial third (recomputed, never written into a shared block).
+            for child in 2..=4 {
+                assert_eq!(m.fork(1, child, &prompt, 10), Some(8), "caching {caching}");
+            }
+            let parent = m.block_table(1).unwrap().to_vec();
+            for child in 2..=4 {
+                let t = m.block_table(child).unwrap();
+                assert_eq!(t[..2], parent[..2]);
+                assert!(!parent.contains(&t[2]));
+            }
+            assert_eq!((m.ref_count(parent[0]), m.ref_count(parent[1]), m.ref_count(parent[2])), (4, 4, 1));
+            // 3 blocks for the parent + 1 private block per child, not 3 per child.
+            assert_eq!(m.num_free_blocks(), 16 - 3 - 3);
+            // A parent part-way through its prompt shares only what it has computed.
+            assert_eq!(m.fork(1, 5, &prompt, 5), Some(4));
+            // The shared blocks live on until the last holder goes.
+            for seq in 1..=5 {
+                m.free(seq);
+            }
+            assert_eq!(m.ref_count(parent[0]), 0);
+            assert_eq!(m.num_free_blocks(), 16);
+        }
+        let mut m = BlockManager::new(4, 4, false);
+        assert_eq!(m.allocate(1, &toks(0..12), None), Some(0));
+        assert_eq!(m.allocate(5, &toks(0..4), None), Some(0));
+        assert_eq!(m.fork(1, 2, &toks(0..12), 12), None, "its last block must be fresh, and none is left");
+        assert_eq!(m.block_table(2), None);
+        m.free(5);
+        assert_eq!(m.fork(1, 2, &toks(0..12), 12), Some(8));
+        assert_eq!(m.fork(9, 3, &toks(0..8), 8), None, "no parent");
     }
 
     #[test]

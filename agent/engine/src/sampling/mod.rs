@@ -19,6 +19,11 @@ use crate::{EngineError, Result};
 
 /// Below this temperature sampling is greedy (dividing by it would overflow).
 pub const GREEDY_TEMPERATURE: f32 = 1e-5;
+/// Most `logit_bias` entries one request may carry (bounds the per-token work; OpenAI documents
+/// no limit, vLLM none).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// `logit_bias` values must lie in [-MAX_BIAS, MAX_BIAS] (OpenAI's range).
+pub const MAX_BIAS: f32 = 100.0;
 
 /// Rejects parameters outside the ranges the OpenAI API and vLLM accept.
 pub fn validate(params: &SamplingParams) -> Result<()> {
@@ -44,6 +49,12 @@ pub fn validate(params: &SamplingParams) -> Result<()> {
     if params.max_tokens == 0 {
         return bad("max_tokens must be at least 1".into());
     }
+    if params.logit_bias.len() > MAX_LOGIT_BIAS {
+        return bad(format!("logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {}", params.logit_bias.len()));
+    }
+    if let Some((id, b)) = params.logit_bias.iter().find(|(_, b)| !(-MAX_BIAS..=MAX_BIAS).contains(b)) {
+        return bad(format!("logit_bias values must be in [-{MAX_BIAS}, {MAX_BIAS}], got {b} for token {id}"));
+    }
     Ok(())
 }
 
@@ -64,6 +75,9 @@ mod tests {
             SamplingParams { presence_penalty: 2.5, ..Default::default() },
             SamplingParams { frequency_penalty: -3.0, ..Default::default() },
             SamplingParams { max_tokens: 0, ..Default::default() },
+            SamplingParams { logit_bias: vec![(1, 100.5)], ..Default::default() },
+            SamplingParams { logit_bias: vec![(1, f32::NAN)], ..Default::default() },
+            SamplingParams { logit_bias: (0..=MAX_LOGIT_BIAS as u32).map(|i| (i, 1.0)).collect(), ..Default::default() },
         ];
         for p in cases {
             assert!(matches!(validate(&p), Err(EngineError::InvalidRequest(_))), "{p:?}");

@@ -67,6 +67,12 @@ impl RequestSampler {
         if let Some(g) = &mut self.grammar {
             g.apply(&mut logits);
         }
+        // A forbidden token stays forbidden: -inf plus any bias is -inf.
+        for &(id, bias) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
         apply_penalties(&mut logits, &self.params, &self.penalties);
         let token = if self.params.temperature < GREEDY_TEMPERATURE {
             argmax(&logits)
@@ -90,11 +96,12 @@ impl RequestSampler {
 
     /// How the device should pick this request's next token, for backends that sample on their
     /// device: a draw with this request's parameters and its one RNG number for the token, or
-    /// [`RowSampling::Host`] where penalties or logprobs need the logits on the host.
+    /// [`RowSampling::Host`] where penalties, logit bias, logprobs or a grammar need the logits on
+    /// the host (biased rows are few; the device kernels stay bias-free).
     pub fn device_plan(&mut self) -> RowSampling {
         let p = &self.params;
         let penalties = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        if penalties || p.logprobs.is_some() || self.grammar.is_some() {
+        if penalties || p.logprobs.is_some() || self.grammar.is_some() || !p.logit_bias.is_empty() {
             return RowSampling::Host;
         }
         let (temperature, top_k, top_p, min_p) = (p.temperature, p.top_k.min(u32::MAX as usize) as u32, p.top_p, p.min_p);
@@ -249,6 +256,28 @@ mod tests {
     }
 
     #[test]
+    fn logit_bias_shifts_logits_before_penalties_but_not_logprobs() {
+        let row = [1.0f32, 2.0, 0.5, 1.5];
+        // +100 makes token 2 certain; -100 makes token 1 impossible in practice.
+        let forced = SamplingParams { logit_bias: vec![(2, 100.0)], temperature: 1.0, ..Default::default() };
+        let mut s = RequestSampler::new(forced, &[], 5);
+        assert!((0..50).all(|_| s.sample(&row).token_id == 2));
+        let banned = SamplingParams { logit_bias: vec![(1, -100.0)], logprobs: Some(1), ..SamplingParams::greedy(4) };
+        let out = RequestSampler::new(banned, &[], 0).sample(&row);
+        assert_eq!(out.token_id, 3);
+        // Logprobs are the raw logits' (vLLM's default), bias or not.
+        assert_eq!(out.top_logprobs[0].token_id, 1);
+        assert_eq!(out.logprob, Some(log_softmax(&row)[3]));
+        // Bias then repetition penalty: (1.0 + 1.5) / 2 = 1.25 < 1.5, so token 3 still wins; with
+        // the penalty first it would be 0.5 + 1.5 = 2.0 and token 0 would.
+        let order = SamplingParams { logit_bias: vec![(0, 1.5), (1, -10.0)], repetition_penalty: 2.0, ..SamplingParams::greedy(4) };
+        assert_eq!(RequestSampler::new(order, &[0], 0).sample(&row).token_id, 3);
+        // An id past the row is ignored here (submit refuses it before).
+        let outside = SamplingParams { logit_bias: vec![(99, 5.0)], ..SamplingParams::greedy(4) };
+        assert_eq!(RequestSampler::new(outside, &[], 0).sample(&row).token_id, 1);
+    }
+
+    #[test]
     fn device_plans_carry_the_same_draw_the_host_would_make() {
         let params = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.05, ..Default::default() };
         let mut device = RequestSampler::new(params.clone(), &[], 7);
@@ -271,6 +300,7 @@ mod tests {
             SamplingParams { presence_penalty: 0.5, ..params.clone() },
             SamplingParams { frequency_penalty: -0.5, ..params.clone() },
             SamplingParams { logprobs: Some(0), ..params.clone() },
+            SamplingParams { logit_bias: vec![(3, -1.0)], ..params.clone() },
         ] {
             assert_eq!(RequestSampler::new(p, &[], 1).device_plan(), RowSampling::Host);
         }

@@ -239,9 +239,18 @@ impl Scheduler {
             if !self.lora_fits(lora_id) {
                 break;
             }
+            let leader = match self.leader_of(id) {
+                Leader::Computing => break, // FCFS: it waits a step or two, nothing overtakes it
+                Leader::Ready(leader, computed) => Some((leader, computed)),
+                Leader::None => None,
+            };
             let Some(seq) = self.seqs.get_mut(&id) else { break };
             // FCFS: if the oldest waiting sequence does not fit, nothing behind it jumps the queue.
-            let Some(cached) = self.kv.allocate(id, &seq.tokens, seq.lora) else { break };
+            let allocated = match leader {
+                Some((leader, computed)) => self.kv.fork(leader, id, &seq.tokens, computed),
+                None => self.kv.allocate(id, &seq.tokens, seq.lora),
+            };
+            let Some(cached) = allocated else { break };
             self.waiting.pop_front();
             seq.num_computed = cached;
             out.admitted.push(Admission { id, cached_tokens: cached, first_time: !seq.ever_scheduled });
@@ -250,6 +259,26 @@ impl Scheduler {
             *budget -= n;
             out.chunks.push(prefill_chunk(seq, n));
             self.running.push(id);
+        }
+    }
+
+    /// Where the choice `id` follows stands: still computing the shared prompt (wait), done
+    /// (fork its blocks), or nothing to follow (gone, not running, or not the same prompt and
+    /// adapter: allocate as usual).
+    fn leader_of(&self, id: SeqId) -> Leader {
+        let Some(seq) = self.seqs.get(&id) else { return Leader::None };
+        let Some(leader_id) = seq.follows else { return Leader::None };
+        let Some(leader) = self.seqs.get(&leader_id) else { return Leader::None };
+        let same_prompt = leader.lora == seq.lora
+            && leader.prompt_len == seq.prompt_len
+            && leader.tokens.get(..leader.prompt_len) == seq.tokens.get(..seq.prompt_len);
+        if !same_prompt || !self.running.contains(&leader_id) {
+            return Leader::None;
+        }
+        if leader.decoding {
+            Leader::Ready(leader_id, leader.num_computed.min(leader.prompt_len))
+        } else {
+            Leader::Computing
         }
     }
 
@@ -288,6 +317,13 @@ impl Scheduler {
             self.kv.commit_computed(c.id, &seq.tokens, seq.num_computed);
         }
     }
+}
+
+enum Leader {
+    None,
+    Computing,
+    /// The leader's id and how many prompt tokens it has computed.
+    Ready(SeqId, usize),
 }
 
 fn prefill_chunk(seq: &Sequence, n: usize) -> ScheduledChunk {

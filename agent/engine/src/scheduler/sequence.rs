@@ -20,6 +20,9 @@ pub struct Sequence {
     /// KV). Which device slot holds it is decided per step and travels in `SeqChunk::lora_slot`.
     pub lora: Option<AdapterId>,
     pub arrival: Instant,
+    /// Another choice of the same request (`n > 1`) whose prompt this one shares: it is admitted
+    /// once that one has computed its prompt, and forks its full blocks instead of computing them.
+    pub follows: Option<SeqId>,
     /// True once every token but the newest sampled one is computed: the sequence then takes one
     /// decode token per step. Reset by preemption (the recompute is a prefill again).
     pub(super) decoding: bool,
@@ -36,6 +39,7 @@ impl Sequence {
             num_computed: 0,
             lora: None,
             arrival: Instant::now(),
+            follows: None,
             decoding: false,
             ever_scheduled: false,
         }

@@ -162,3 +162,38 @@ fn prefix_hits_skip_computed_tokens() {
     assert_eq!(summary(&out)[1], (2, 8, 2, true, false));
     assert_eq!(out.batch.seqs[1].block_table[..2], out.batch.seqs[0].block_table[..2]);
 }
+
+#[test]
+fn choices_wait_for_the_shared_prompt_then_fork_its_blocks() {
+    // Prefix caching off: sharing comes from the fork alone.
+    let mut s = sched(16, 4, 8, 64);
+    let prompt: Vec<u32> = (0..10).collect();
+    s.add(Sequence::new(1, prompt.clone()));
+    for id in 2..=4 {
+        s.add(Sequence { follows: Some(1), ..Sequence::new(id, prompt.clone()) });
+    }
+    add(&mut s, 9, 3);
+    // Step 1: only the first choice computes the prompt; the others (and, FCFS, what queues
+    // behind them) wait for it.
+    let out = step(&mut s, 50);
+    assert_eq!(summary(&out), vec![(1, 0, 10, true, false)]);
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![2, 3, 4, 9]);
+    // Step 2: the choices fork its two full blocks and compute only the partial tail (2 tokens).
+    let out = step(&mut s, 51);
+    let cached: Vec<(SeqId, usize)> = out.admitted.iter().map(|a| (a.id, a.cached_tokens)).collect();
+    assert_eq!(cached, vec![(2, 8), (3, 8), (4, 8), (9, 0)]);
+    assert_eq!(summary(&out)[..4], [(1, 10, 1, true, true), (2, 8, 2, true, false), (3, 8, 2, true, false), (4, 8, 2, true, false)]);
+    let leader = s.kv().block_table(1).unwrap().to_vec();
+    for id in 2..=4 {
+        let t = s.kv().block_table(id).unwrap();
+        assert_eq!(t[..2], leader[..2], "prompt blocks shared");
+        assert_ne!(t[2], leader[2], "the partial block is the choice's own");
+    }
+    assert_eq!(s.kv().ref_count(leader[0]), 4);
+    // 3 (leader) + 1 per choice + 1 (seq 9), instead of 3 per choice.
+    assert_eq!(s.kv().num_free_blocks(), 16 - 3 - 3 - 1);
+    // A choice whose leader is gone is admitted the usual way.
+    s.add(Sequence { follows: Some(77), ..Sequence::new(5, prompt) });
+    let out = step(&mut s, 52);
+    assert_eq!(out.admitted, vec![Admission { id: 5, cached_tokens: 0, first_time: true }]);
+}

@@ -11,11 +11,21 @@ use crate::error::{EngineError, Result};
 
 mod strftime;
 
-/// One chat turn.
+/// One chat turn. The optional fields are left out of the template's view when absent, so that
+/// templates testing `message.tool_calls is defined` see what transformers would show them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls: `[{"id", "type": "function", "function": {"name", "arguments"}}]`,
+    /// with `arguments` as a JSON object (templates `tojson` it), as vLLM hands them to templates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -23,6 +33,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -95,9 +108,22 @@ impl ChatTemplate {
 
     /// Renders `messages`; with `add_generation_prompt` the text ends with the assistant turn's header.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Self::render`] with the request's `tools` (OpenAI's list of `{"type": "function",
+    /// "function": {...}}`), passed as transformers' `apply_chat_template(tools=...)` passes them
+    /// (`none` without tools). Templates that ignore `tools` render as without them.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self.env.get_template(NAME).map_err(template_err)?;
         tmpl.render(context! {
             messages => Value::from(minijinja::value::Serde(messages)),
+            tools => tools.map(|t| Value::from(minijinja::value::Serde(t))),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
@@ -246,6 +272,44 @@ mod tests {
             t.render(&[], false).unwrap(),
             "{\n  \"a\": [\n    1\n  ],\n  \"b\": 1\n}"
         );
+    }
+
+    #[test]
+    fn tools_tool_calls_and_tool_turns_reach_the_template() {
+        // A Hermes-style template: tools listed in the system turn, an assistant turn's calls as
+        // `<tool_call>` lines, tool results with their call id; absent fields stay undefined.
+        let src = concat!(
+            "{% if tools %}{{ '<|im_start|>system\\n' }}{% for t in tools %}{{ t.function.name + ': ' }}{{ t.function.parameters | tojson }}{{ '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}",
+            "{% for m in messages %}",
+            "{% if m.tool_calls is defined %}{{ '<|im_start|>assistant\\n' }}{% for c in m.tool_calls %}",
+            "{{ '<tool_call>' + c.function.name + ' ' }}{{ c.function.arguments | tojson }}{{ '</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}",
+            "{% elif m.role == 'tool' %}{{ '<|im_start|>tool ' + m.tool_call_id + '\\n' + m.content + '<|im_end|>\\n' }}",
+            "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}",
+            "{% endfor %}",
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        );
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+        let messages = vec![
+            ChatMessage::new("user", "Hi"),
+            ChatMessage {
+                tool_calls: Some(serde_json::json!([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}])),
+                ..ChatMessage::new("assistant", "")
+            },
+            ChatMessage { tool_call_id: Some("call_1".into()), ..ChatMessage::new("tool", "42") },
+        ];
+        assert_eq!(
+            t.render_with_tools(&messages, Some(&tools), true).unwrap(),
+            concat!(
+                "<|im_start|>system\nf: {\"type\": \"object\"}\n<|im_end|>\n",
+                "<|im_start|>user\nHi<|im_end|>\n",
+                "<|im_start|>assistant\n<tool_call>f {\"x\": 1}</tool_call><|im_end|>\n",
+                "<|im_start|>tool call_1\n42<|im_end|>\n",
+                "<|im_start|>assistant\n",
+            )
+        );
+        // Without tools the template sees `none` (transformers passes `tools=None`).
+        assert!(!t.render_with_tools(&messages[..1], None, false).unwrap().contains("system"));
     }
 
     #[test]

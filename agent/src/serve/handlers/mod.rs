@@ -53,6 +53,8 @@ pub fn sampling_params(f: &SamplingFields, logprobs: Option<usize>) -> SamplingP
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: f.ignore_eos,
         logprobs,
+        // Checked in validation; the engine checks the ids against the vocabulary.
+        logit_bias: f.logit_bias_entries().unwrap_or_default(),
         grammar: None,
     }
 }
@@ -73,7 +75,15 @@ pub fn job(
         params: SamplingParams { grammar, ..sampling_params(f, logprobs) },
         stop: f.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default(),
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        follows: None,
     }
+}
+
+/// Usage of all choices: the prompt once (it is computed once), every choice's completion tokens.
+pub fn total_usage(usages: &[peregrine_engine::request::Usage]) -> peregrine_api::common::Usage {
+    let first = usages.first().copied().unwrap_or_default();
+    let completion: usize = usages.iter().map(|u| u.completion_tokens).sum();
+    peregrine_api::common::Usage::new(first.prompt_tokens, completion, first.cached_prompt_tokens)
 }
 
 /// Validated `max_tokens` (≥ 1 by validation) as a count.

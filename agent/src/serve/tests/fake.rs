@@ -27,6 +27,10 @@ pub struct FakeBackend {
     pub cached_prompt_tokens: usize,
     /// `(name, path)` of every adapter load the server passed on.
     pub loads: Arc<parking_lot::Mutex<Vec<(String, PathBuf)>>>,
+    /// A fixed reply instead of the upper-cased prompt (tool-call outputs).
+    pub reply: Option<String>,
+    /// The `tools` of the last chat prompt prepared.
+    pub last_tools: Arc<parking_lot::Mutex<Option<serde_json::Value>>>,
 }
 
 impl FakeBackend {
@@ -40,6 +44,8 @@ impl FakeBackend {
             shape: EngineShape::default(),
             cached_prompt_tokens: 0,
             loads: Arc::default(),
+            reply: None,
+            last_tools: Arc::default(),
         }
     }
 
@@ -129,7 +135,10 @@ impl InferenceBackend for FakeBackend {
         let text = match prompt {
             PromptInput::Text(t) => t,
             PromptInput::Tokens(ids) => decode(&ids)?,
-            PromptInput::Chat(turns) => turns.iter().map(|t| format!("{}:{}|", t.role, t.content)).collect(),
+            PromptInput::Chat { turns, tools } => {
+                *self.last_tools.lock() = tools;
+                turns.iter().map(|t| format!("{}:{}|", t.role, t.content)).collect()
+            }
         };
         Ok(PreparedPrompt { tokens: text.chars().map(u32::from).collect() })
     }
@@ -139,7 +148,7 @@ impl InferenceBackend for FakeBackend {
             return Err(ApiError::ModelNotFound(gone));
         }
         let prompt = decode(&input.prompt.tokens)?;
-        let reply: Vec<char> = prompt.to_uppercase().chars().collect();
+        let reply: Vec<char> = self.reply.clone().unwrap_or_else(|| prompt.to_uppercase()).chars().collect();
         self.live.fetch_add(1, Ordering::SeqCst);
         self.started.fetch_add(1, Ordering::SeqCst);
         let guard = LiveGuard(self.live.clone());

@@ -2,6 +2,7 @@
 //! admission, disconnects and draining. The real-model tests live in `agent/tests/`.
 
 mod fake;
+mod tools;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -165,7 +166,7 @@ async fn bad_inputs_get_openai_errors_and_server_keeps_serving() {
         ("/v1/completions", br#"{"model":"fake-model","prompt":"a","max_tokens":1000000000000}"#.to_vec(), StatusCode::BAD_REQUEST, "context_length_exceeded"),
         ("/v1/completions", br#"{"model":"fake-model","prompt":"a","max_tokens":64}"#.to_vec(), StatusCode::BAD_REQUEST, "context_length_exceeded"),
         ("/v1/completions", br#"{"model":"fake-model","prompt":"a","temperature":9}"#.to_vec(), StatusCode::BAD_REQUEST, "invalid_value"),
-        ("/v1/completions", br#"{"model":"fake-model","prompt":"a","n":3}"#.to_vec(), StatusCode::BAD_REQUEST, "invalid_value"),
+        ("/v1/completions", br#"{"model":"fake-model","prompt":"a","n":17}"#.to_vec(), StatusCode::BAD_REQUEST, "invalid_value"),
         ("/v1/completions", br#"{"model":"fake-model","prompt":""}"#.to_vec(), StatusCode::BAD_REQUEST, "invalid_value"),
         ("/v1/completions", br#"{"model":"fake-model","prompt":[4294967295]}"#.to_vec(), StatusCode::BAD_REQUEST, "invalid_value"),
         ("/v1/completions", br#"{"model":"nope","prompt":"a"}"#.to_vec(), StatusCode::NOT_FOUND, "model_not_found"),

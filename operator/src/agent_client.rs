@@ -47,6 +47,8 @@ pub trait AgentApi: Send + Sync {
 #[derive(Clone, Debug)]
 pub struct HttpAgentClient {
     http: reqwest::Client,
+    /// Sent as `Authorization: Bearer` on every call (agents accept adapter pushes only with it).
+    admin_key: Option<crate::desired::admin_key::AdminKey>,
 }
 
 impl HttpAgentClient {
@@ -57,11 +59,24 @@ impl HttpAgentClient {
             .connect_timeout(Duration::from_secs(5))
             .build()
             .map_err(|e| AgentError::Transport(e.to_string()))?;
-        Ok(HttpAgentClient { http })
+        Ok(HttpAgentClient { http, admin_key: None })
+    }
+
+    /// Sends `key` as `Authorization: Bearer` (the agents' `--admin-api-key`).
+    pub fn with_admin_key(mut self, key: Option<crate::desired::admin_key::AdminKey>) -> Self {
+        self.admin_key = key;
+        self
+    }
+
+    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.admin_key {
+            Some(key) => request.bearer_auth(key.expose()),
+            None => request,
+        }
     }
 
     async fn post<T: Serialize + ?Sized>(&self, url: String, body: &T) -> Result<reqwest::Response, AgentError> {
-        self.http.post(url).json(body).send().await.map_err(|e| AgentError::Transport(e.to_string()))
+        self.authorized(self.http.post(url).json(body)).send().await.map_err(|e| AgentError::Transport(e.to_string()))
     }
 }
 
@@ -98,7 +113,7 @@ impl AgentApi for HttpAgentClient {
 
     fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>> {
         Box::pin(async move {
-            let response = self.http.get(format!("{base}/v1/models")).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            let response = self.authorized(self.http.get(format!("{base}/v1/models"))).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
             if !response.status().is_success() {
                 return Err(error_of(response).await);
             }

@@ -84,6 +84,13 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
 /// Deployment as the API server has it and when the rollout wants to be looked at again.
 async fn apply_children(md: &ModelDeployment, uri: &SourceUri, ctx: &Context, ns: &str) -> Result<(Deployment, Option<Duration>)> {
     let apply = PatchParams::apply(FIELD_MANAGER).force();
+    if let Some(key) = &ctx.config.admin_api_key {
+        // Before the pods that read it.
+        let secret = crate::desired::admin_key::desired_secret(md, key);
+        Api::<Secret>::namespaced(ctx.client.clone(), ns)
+            .patch(&crate::desired::admin_key::secret_name(md), &apply, &Patch::Apply(&secret))
+            .await?;
+    }
     let desired = desired_deployment(md, uri, &ctx.config);
     // The rollout controller applies the stable Deployment (and any canary) itself, so that a
     // pod-changing edit goes out in gated steps instead of one rolling update.

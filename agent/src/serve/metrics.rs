@@ -162,6 +162,9 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
                 MetricType::Gauge,
             )?)?;
         }
+        if let Some(cache) = &s.adapter_cache {
+            encode_adapter_cache(&mut encoder, cache)?;
+        }
         if let Some(rss) = resident_memory_bytes() {
             ConstGauge::new(rss as i64).encode(encoder.encode_descriptor(
                 names::PROCESS_RESIDENT_MEMORY_BYTES,
@@ -172,6 +175,30 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
         }
         Ok(())
     }
+}
+
+/// The adapter cache's size beside the KV pool and process memory, so a pod's memory can be
+/// accounted for; failed adapters by name (bounded by the adapters loaded).
+fn encode_adapter_cache(encoder: &mut DescriptorEncoder, cache: &super::backend::AdapterCache) -> Result<(), std::fmt::Error> {
+    let gauges: [(&str, &str, i64); 4] = [
+        (names::LORA_CACHE_BYTES, "Bytes of LoRA adapter weights held in host memory.", cache.host_bytes as i64),
+        (names::LORA_CACHE_ADAPTERS, "LoRA adapters whose weights are in host memory.", cache.host_adapters as i64),
+        (names::LORA_SLOTS_USED, "Backend LoRA slots holding an adapter.", cache.slots_used as i64),
+        (names::LORA_SLOTS, "Backend LoRA slots in all (--max-loras).", cache.slots as i64),
+    ];
+    for (name, help, value) in gauges {
+        ConstGauge::new(value).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+    }
+    let mut family = encoder.encode_descriptor(
+        names::LORA_ADAPTER_FAILED,
+        "1 for each loaded LoRA adapter whose files can no longer be read (refused until loaded again).",
+        None,
+        MetricType::Gauge,
+    )?;
+    for name in &cache.failed {
+        ConstGauge::new(1i64).encode(family.encode_family(&ModelLabel { model: name.clone() })?)?;
+    }
+    Ok(())
 }
 
 /// The process's resident set size (Linux: /proc/self/statm, in pages); None elsewhere.

@@ -107,6 +107,9 @@ impl EngineHandle {
             if !self.has_adapter(name) {
                 return Err(EngineError::UnknownAdapter(name.clone()));
             }
+            if self.adapter_failed(name) {
+                return Err(EngineError::AdapterUnavailable(name.clone()));
+            }
         }
         sampling::validate(&request.params)
     }
@@ -156,6 +159,21 @@ impl EngineHandle {
     /// the request arrives, since an unload may race with it.
     pub fn has_adapter(&self, name: &str) -> bool {
         self.inner.lora.as_ref().is_some_and(|l| l.names.read().contains(name))
+    }
+
+    /// Whether adapter `name` is loaded but failed: its evicted weights could not be re-read, and
+    /// requests naming it are refused with `AdapterUnavailable` until it is loaded again. Set by
+    /// the engine thread before it fails the requests that waited for the re-read.
+    pub fn adapter_failed(&self, name: &str) -> bool {
+        self.inner.lora.as_ref().is_some_and(|l| l.failed.read().contains(name))
+    }
+
+    /// Every failed adapter name (see [`Self::adapter_failed`]), sorted.
+    pub fn failed_adapters(&self) -> Vec<String> {
+        let mut names: Vec<String> =
+            self.inner.lora.as_ref().map(|l| l.failed.read().iter().cloned().collect()).unwrap_or_default();
+        names.sort_unstable();
+        names
     }
 
     fn lora_enabled(&self) -> Result<&HandleLora> {

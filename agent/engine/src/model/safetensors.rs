@@ -102,6 +102,11 @@ impl SafetensorsFolder {
         self.index.contains_key(name)
     }
 
+    /// Every tensor name, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
     /// A tensor's dtype, shape and bytes (borrowed from the map).
     fn tensor_raw(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8])> {
         let &i = self.index.get(name).ok_or_else(|| {
@@ -131,7 +136,11 @@ impl SafetensorsFolder {
                 )))
             }
         };
-        let n: usize = shape.iter().product();
+        // The reader checked shape × dtype against the bytes; overflow is still refused, not wrapped.
+        let n = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| err(format!("tensor {name}: shape {shape:?} overflows")))?;
         let data = quant::dequantize(ty, data, n)
             .map_err(|e| err(format!("tensor {name}: {e}")))?;
         Ok((shape, data))

@@ -41,7 +41,15 @@ pub trait AgentApi: Send + Sync {
     /// Unloading an adapter the agent does not have succeeds (the goal state holds).
     fn unload_adapter<'a>(&'a self, base: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
     fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>>;
+    /// The agent's weight-load progress (0–1, `peregrine_load_progress` on its `/metrics`, served
+    /// while it loads); None when it does not report one.
+    fn load_progress<'a>(&'a self, _base: &'a str) -> BoxFuture<'a, Result<Option<f64>, AgentError>> {
+        Box::pin(async { Ok(None) })
+    }
 }
+
+/// A load-progress read is one small scrape: never wait on a busy pod for long.
+const LOAD_PROGRESS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// [`AgentApi`] over HTTP.
 #[derive(Clone, Debug)]
@@ -108,6 +116,18 @@ impl AgentApi for HttpAgentClient {
             } else {
                 Err(error_of(response).await)
             }
+        })
+    }
+
+    fn load_progress<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Option<f64>, AgentError>> {
+        Box::pin(async move {
+            let request = self.http.get(format!("{base}/metrics")).timeout(LOAD_PROGRESS_TIMEOUT);
+            let response = request.send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            if !response.status().is_success() {
+                return Err(error_of(response).await);
+            }
+            let text = response.text().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            Ok(crate::load_progress::parse(&text))
         })
     }
 

@@ -72,9 +72,10 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
         }
     };
 
-    open_readiness_gates(&md, &ns, &ctx, &now).await?;
+    let pods = open_readiness_gates(&md, &ns, &ctx, &now).await?;
+    let load_note = crate::load_progress::note(&pods, ctx.agent.as_ref(), ctx.config.agent_port).await;
 
-    let ready = write_status(&md, &ctx, Some(&deployment), None, &now).await?;
+    let ready = write_status_noting_load(&md, &ctx, Some(&deployment), None, &now, load_note.as_deref()).await?;
     let requeue = if ready { Duration::from_secs(300) } else { Duration::from_secs(15) };
     // A rollout step (pause, canary deadline, retry) may need to be looked at sooner.
     Ok(Action::requeue(rollout_requeue.map_or(requeue, |r| r.min(requeue))))
@@ -109,8 +110,23 @@ async fn write_status(
     problem: Option<&SpecError>,
     now: &Time,
 ) -> Result<bool> {
+    write_status_noting_load(md, ctx, deployment, problem, now, None).await
+}
+
+/// [`write_status`], with the agents' load progress (`load_note`) in the `Progressing` message.
+async fn write_status_noting_load(
+    md: &ModelDeployment,
+    ctx: &Context,
+    deployment: Option<&Deployment>,
+    problem: Option<&SpecError>,
+    now: &Time,
+    load_note: Option<&str>,
+) -> Result<bool> {
     let ns = md.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
-    let status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    let mut status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    if let Some(note) = load_note {
+        crate::load_progress::annotate(&mut status, note);
+    }
     let was_ready = md.status.as_ref().is_some_and(|s| is_true(&s.conditions, CONDITION_READY));
     let ready = is_true(&status.conditions, CONDITION_READY);
     let patch = json!({
@@ -169,11 +185,12 @@ pub fn adapters_loaded_in(pod: &str, gating: &[&LoraAdapter]) -> bool {
 
 /// Sets the `adapters-loaded` readiness gate on pods that have every adapter. A gate, once open,
 /// stays open: adding an adapter must not pull serving pods out of the Service.
-async fn open_readiness_gates(md: &ModelDeployment, ns: &str, ctx: &Context, now: &Time) -> Result<()> {
+/// Returns the deployment's pods (read for the gates, reused for the load progress).
+async fn open_readiness_gates(md: &ModelDeployment, ns: &str, ctx: &Context, now: &Time) -> Result<Vec<Pod>> {
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns);
     let pod_list = pods.list(&ListParams::default().labels(&selector_string(md))).await?;
     if pod_list.items.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let adapters = Api::<LoraAdapter>::namespaced(ctx.client.clone(), ns).list(&ListParams::default()).await?;
     let gating = gating_adapters(&adapters.items, &md.name_any());
@@ -197,7 +214,7 @@ async fn open_readiness_gates(md: &ModelDeployment, ns: &str, ctx: &Context, now
         pods.patch_status(&name, &PatchParams::default(), &Patch::Strategic(&patch)).await?;
         info!(pod = %name, adapters = gating.len(), "opened adapters-loaded readiness gate");
     }
-    Ok(())
+    Ok(pod_list.items)
 }
 
 pub fn error_policy(md: Arc<ModelDeployment>, error: &Error, ctx: Arc<Context>) -> Action {

@@ -41,6 +41,9 @@ pub const SERVER_GENERATION_TOKENS: &str = "peregrine_server_generation_tokens";
 pub const SERVER_REQUESTS_FINISHED: &str = "peregrine_server_requests_finished";
 /// Bytes of the KV-cache pool (gauge; CPU backend).
 pub const KV_CACHE_BYTES: &str = "peregrine_kv_cache_bytes";
+/// Fraction of the model's weight bytes read, 0–1 (gauge): served from the moment the port is
+/// bound, while `/ready` is still 503; 1 once loaded. The operator shows it in `Progressing`.
+pub const LOAD_PROGRESS: &str = "peregrine_load_progress";
 /// Bytes of LoRA adapter weights held in host memory (gauge; only with LoRA on).
 pub const LORA_CACHE_BYTES: &str = "peregrine_lora_cache_bytes";
 /// LoRA adapters whose weights are in host memory (gauge).

@@ -70,6 +70,9 @@ pub enum ApiError {
     QueueFull { waiting: usize, retry_after: Duration },
     #[error("the server is shutting down")]
     Draining,
+    /// The model is still loading (only the loading server answers with it).
+    #[error("the model is still loading; retry later")]
+    Loading,
     #[error("the engine has stopped")]
     EngineStopped,
     #[error("internal error: {0}")]
@@ -104,6 +107,7 @@ impl ApiError {
             ApiError::RateLimited { .. } => "rate_limit_exceeded",
             ApiError::QueueFull { .. } => "queue_full",
             ApiError::Draining => "draining",
+            ApiError::Loading => "model_loading",
             ApiError::EngineStopped => "engine_stopped",
             ApiError::Internal(_) => "internal_error",
         }
@@ -127,7 +131,9 @@ impl ApiError {
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::RateLimited { .. } | ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Draining | ApiError::EngineStopped | ApiError::AdapterUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Draining | ApiError::Loading | ApiError::EngineStopped | ApiError::AdapterUnavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -161,6 +167,7 @@ impl ApiError {
         match self {
             ApiError::RateLimited { retry_after, .. } | ApiError::QueueFull { retry_after, .. } => Some(*retry_after),
             ApiError::Draining => Some(Duration::from_secs(1)),
+            ApiError::Loading => Some(Duration::from_secs(5)),
             _ => None,
         }
     }

@@ -162,6 +162,12 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
                 MetricType::Gauge,
             )?)?;
         }
+        ConstGauge::new(peregrine_engine::progress::weights().snapshot().fraction()).encode(encoder.encode_descriptor(
+            names::LOAD_PROGRESS,
+            super::loading::LOAD_PROGRESS_HELP,
+            None,
+            MetricType::Gauge,
+        )?)?;
         if let Some(cache) = &s.adapter_cache {
             encode_adapter_cache(&mut encoder, cache)?;
         }
@@ -202,7 +208,7 @@ fn encode_adapter_cache(encoder: &mut DescriptorEncoder, cache: &super::backend:
 }
 
 /// The process's resident set size (Linux: /proc/self/statm, in pages); None elsewhere.
-fn resident_memory_bytes() -> Option<u64> {
+pub fn resident_memory_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     // 4 KiB pages: what x86-64 and the usual arm64 kernels use; reading sysconf would need libc.

@@ -18,6 +18,7 @@ pub mod error;
 pub mod generation;
 pub mod handlers;
 pub mod lifecycle;
+pub mod loading;
 pub mod metrics;
 pub mod parse;
 pub mod rate_limit;
@@ -167,15 +168,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         // Keys and limits are checked before the (slow) model load, so a bad flag fails at once.
         let keys = key_store(&args)?;
         let config = server_config(&args)?;
+        // Bound before the load: probes and `/metrics` (with the load's progress) answer while the
+        // weights are read, from a duplicate of the socket the real server accepts on afterwards.
+        let listener = TcpListener::bind((args.host, args.port)).await?.into_std()?;
+        let loading = loading::start(TcpListener::from_std(listener.try_clone()?)?, config.connections);
+        let listener = TcpListener::from_std(listener)?;
+        tracing::info!(addr = %listener.local_addr()?, "listening; loading the model");
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
         let backend = Arc::new(backend);
+        loading.stop().await;
         if args.kv_events.kv_events_endpoint.is_some() {
             let batches = backend.engine().subscribe_kv_events(crate::kv_events::engine_queue())?;
             crate::kv_events::start(&args.kv_events, backend.model_name(), batches).await?;
         }
         let state = Arc::new(AppState::new(backend.clone(), keys, config));
-        let listener = TcpListener::bind((args.host, args.port)).await?;
         tracing::info!(
             addr = %listener.local_addr()?,
             model = backend.model_name(),

@@ -124,10 +124,15 @@ impl EngineHandle {
         let lora = self.lora_enabled()?;
         check_name(name)?;
         let source = canonical_source(path);
+        let t0 = Instant::now();
+        tracing::info!(adapter = name, "loading LoRA adapter");
         let adapter = Arc::new(LoraAdapter::load(&source, &lora.model, lora.config.max_lora_rank)?);
+        let (bytes, rank) = (adapter.size_bytes(), adapter.rank);
         let (reply, answer) = crossbeam_channel::bounded(1);
         self.send(Command::LoadAdapter { name: name.to_string(), source, adapter, reply })?;
-        answer.recv().map_err(|_| EngineError::EngineStopped)
+        let loaded = answer.recv().map_err(|_| EngineError::EngineStopped)?;
+        tracing::info!(adapter = name, rank, bytes, ms = format_args!("{:.1}", t0.elapsed().as_secs_f64() * 1e3), "LoRA adapter loaded");
+        Ok(loaded)
     }
 
     /// Unloads `name`: new requests naming it get `UnknownAdapter` at once; requests already

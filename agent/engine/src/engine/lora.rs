@@ -95,7 +95,13 @@ impl EngineLora {
             let spawned = std::thread::Builder::new()
                 .name("peregrine-lora-load".into())
                 .spawn(move || {
+                    let t0 = std::time::Instant::now();
+                    tracing::info!(adapter_version = id, "re-reading an evicted LoRA adapter");
                     let result = LoraAdapter::load(&source, &model, max_rank).map(Arc::new);
+                    if let Ok(adapter) = &result {
+                        let ms = t0.elapsed().as_secs_f64() * 1e3;
+                        tracing::info!(adapter_version = id, bytes = adapter.size_bytes(), ms = format_args!("{ms:.1}"), "LoRA adapter re-read");
+                    }
                     let _ = commands.send(Command::AdapterReloaded { id, result });
                 });
             if let Err(e) = spawned {

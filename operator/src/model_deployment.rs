@@ -42,7 +42,7 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
     let uri = match validate_name(&name).and_then(|()| validate_spec(&md.spec)) {
         Ok(uri) => uri,
         Err(problem) => {
-            write_status(&md, &ctx, None, Some(&problem), &now).await?;
+            write_status(&md, &ctx, None, Some(&problem), &now, None).await?;
             return Ok(Action::await_change());
         }
     };
@@ -52,7 +52,7 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
                 reason: reasons::SECRET_NOT_FOUND,
                 message: format!("spec.model.secretRef: Secret {:?} not found in namespace {ns}", secret.name),
             };
-            write_status(&md, &ctx, None, Some(&problem), &now).await?;
+            write_status(&md, &ctx, None, Some(&problem), &now, None).await?;
             // Secrets are not watched; look again in a while.
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
@@ -65,7 +65,7 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
             // could not be reached: say so on the object, where `kubectl get` and Argo CD look,
             // and let the error policy retry with backoff.
             let problem = SpecError { reason: reasons::APPLY_FAILED, message: format!("applying the Deployment and Service failed: {error}") };
-            if let Err(status_error) = write_status(&md, &ctx, None, Some(&problem), &now).await {
+            if let Err(status_error) = write_status(&md, &ctx, None, Some(&problem), &now, None).await {
                 warn!(error = %status_error, "writing the ApplyFailed status");
             }
             return Err(error);
@@ -75,7 +75,7 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
     let pods = open_readiness_gates(&md, &ns, &ctx, &now).await?;
     let load_note = crate::load_progress::note(&pods, ctx.agent.as_ref(), ctx.config.agent_port).await;
 
-    let ready = write_status_noting_load(&md, &ctx, Some(&deployment), None, &now, load_note.as_deref()).await?;
+    let ready = write_status(&md, &ctx, Some(&deployment), None, &now, load_note.as_deref()).await?;
     let requeue = if ready { Duration::from_secs(300) } else { Duration::from_secs(15) };
     // A rollout step (pause, canary deadline, retry) may need to be looked at sooner.
     Ok(Action::requeue(rollout_requeue.map_or(requeue, |r| r.min(requeue))))
@@ -102,19 +102,9 @@ async fn apply_children(md: &ModelDeployment, uri: &SourceUri, ctx: &Context, ns
 }
 
 /// Writes the status (server-side apply of the fields this controller owns) and publishes an Event
-/// when `Ready` flips. Returns whether the deployment is ready.
+/// when `Ready` flips; `load_note` (the agents' load progress) ends the `Progressing` message.
+/// Returns whether the deployment is ready.
 async fn write_status(
-    md: &ModelDeployment,
-    ctx: &Context,
-    deployment: Option<&Deployment>,
-    problem: Option<&SpecError>,
-    now: &Time,
-) -> Result<bool> {
-    write_status_noting_load(md, ctx, deployment, problem, now, None).await
-}
-
-/// [`write_status`], with the agents' load progress (`load_note`) in the `Progressing` message.
-async fn write_status_noting_load(
     md: &ModelDeployment,
     ctx: &Context,
     deployment: Option<&Deployment>,

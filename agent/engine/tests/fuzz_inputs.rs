@@ -90,30 +90,20 @@ proptest! {
 
 // --- safetensors: the model folder reader and the adapter reader ---------------------------------
 
-use peregrine_engine::config::{Architecture, ModelConfig};
+use peregrine_engine::config::ModelConfig;
 use peregrine_engine::lora::LoraAdapter;
+use peregrine_engine::model::hf_config::parse_hf_config;
 use peregrine_engine::model::safetensors::{weights_from_safetensors, SafetensorsFolder};
 
-/// A one-layer model small enough that a fuzzed file could hold all of its tensors.
+/// A one-layer model (as its config.json would say) small enough that a fuzzed file could hold all
+/// of its tensors.
 fn tiny_model() -> ModelConfig {
-    ModelConfig {
-        architecture: Architecture::Llama,
-        hidden_size: 4,
-        intermediate_size: 8,
-        num_hidden_layers: 1,
-        num_attention_heads: 2,
-        num_key_value_heads: 1,
-        head_dim: 2,
-        vocab_size: 8,
-        max_position_embeddings: 16,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        bos_token_id: None,
-        eos_token_ids: vec![1],
-    }
+    let config = serde_json::json!({
+        "model_type": "llama", "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 8, "max_position_embeddings": 16,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": true, "eos_token_id": 1
+    });
+    parse_hf_config(&config).unwrap()
 }
 
 /// Tensor names the readers look for, and some they must refuse.

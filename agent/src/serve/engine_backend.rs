@@ -280,6 +280,7 @@ impl InferenceBackend for EngineBackend {
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
         let prompt_tokens = input.prompt.tokens.len();
         let logprobs = input.params.logprobs.is_some();
+        let adapter = input.adapter.clone().map(|name| (name, self.engine.clone()));
         let stream = self
             .engine
             .submit(GenerationRequest {
@@ -291,7 +292,7 @@ impl InferenceBackend for EngineBackend {
             .map_err(engine_error)?;
         let state = Detok {
             stream: Some(stream),
-            adapter: input.adapter.map(|name| (name, self.engine.clone())),
+            adapter,
             decoder: IncrementalDecoder::new(self.tokenizer.clone(), input.skip_special_tokens),
             tokenizer: self.tokenizer.clone(),
             stop: StopMatcher::new(input.stop),

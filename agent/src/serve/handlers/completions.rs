@@ -117,7 +117,8 @@ async fn complete<B: InferenceBackend>(state: &SharedState<B>, out: Output, mut 
                 };
                 return Json(response).into_response();
             }
-            Step::Error(e) => return fail(state, e),
+            // Counted and logged by the generation when it ended; `fail` would count it twice.
+            Step::Error(e) => return e.into_response(),
         }
     }
     fail(state, crate::serve::error::ApiError::EngineStopped)

@@ -57,7 +57,8 @@ class Counts:
 
 
 def one_stream(port, model, kill_after, counts, timeout):
-    """One streaming completion; `kill_after` tokens then close (None: read to the end)."""
+    """One streaming completion; `kill_after` tokens then close (None: read to the end). Returns
+    False when the agent did not answer at all."""
     counts.add("sent")
     body = json.dumps({"model": model, "prompt": random.choice(PROMPTS), "max_tokens": random.randint(4, 48),
                        "temperature": 0.7, "stream": True})
@@ -68,7 +69,7 @@ def one_stream(port, model, kill_after, counts, timeout):
     except (ConnectionError, socket.timeout, http.client.HTTPException, OSError):
         counts.add("unreachable")
         conn.close()
-        return
+        return False
     if resp.status != 200:
         try:
             code = json.loads(resp.read() or b"{}").get("error", {}).get("code", str(resp.status))
@@ -185,6 +186,7 @@ def main():
         assert admin(port, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}) == 200, name
     counts = Counts()
     stop = threading.Event()
+    terminated = threading.Event()
     admin_log = {"load": 0, "unload": 0, "failed": 0}
 
     def worker(seed):
@@ -192,14 +194,17 @@ def main():
         while not stop.is_set():
             model = rng.choice(["base"] + names + ["churn"])
             kill = rng.randint(1, 8) if rng.random() < args.kill_fraction else None
-            one_stream(port, model, kill, counts, timeout=120)
+            if one_stream(port, model, kill, counts, timeout=120) is False:
+                if terminated.is_set():
+                    return  # the agent stopped listening after SIGTERM: this client is done
+                time.sleep(0.1)  # not expected before SIGTERM; never spin
 
     def churn():
         # "churn" is loaded from a rotating adapter and unloaded again while requests name it
         # (those get 404 while it is absent); the other names are replaced in place now and then.
         rng = random.Random(args.seed + 1000)
         loaded = False
-        while not stop.wait(args.admin_every):
+        while not stop.wait(args.admin_every) and not terminated.is_set():
             if loaded and rng.random() < 0.5:
                 status = admin(port, "/v1/unload_lora_adapter", {"lora_name": "churn"})
                 key = "unload"
@@ -224,6 +229,7 @@ def main():
 
     # SIGTERM with streams in flight; the workers keep sending until the agent stops answering.
     print("SIGTERM", flush=True)
+    terminated.set()
     proc.send_signal(signal.SIGTERM)
     try:
         code = proc.wait(timeout=args.grace + 30)

@@ -343,3 +343,77 @@ fn openai_python_client_on_an_adapter() {
     );
 }
 
+
+fn copy_adapter(from: &str, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(PathBuf::from(from).join(file), to.join(file)).unwrap();
+    }
+}
+
+async fn adapter_state(addr: SocketAddr, name: &str) -> String {
+    let (status, body) = get(addr, "/v1/adapters").await.unwrap();
+    assert_eq!(status, 200);
+    let list: Value = serde_json::from_slice(&body).unwrap();
+    let entry = list["data"].as_array().unwrap().iter().find(|a| a["name"] == name).cloned();
+    entry.unwrap_or_else(|| panic!("{name} is not listed: {list}"))["state"].as_str().unwrap().to_string()
+}
+
+/// An adapter evicted from host memory whose files are deleted afterwards answers 503 naming it
+/// (no host path), is listed and exported as failed, and a new admin load clears it; the base
+/// model and the other adapters keep serving their reference texts throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_adapter_whose_files_are_gone_is_failed_not_a_500() {
+    let server = Server::start(&["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", "16"]);
+    let (addr, c, reference) = (server.addr, client(), lora_reference());
+    let scratch = tempfile::tempdir().unwrap();
+    let doomed_dir = scratch.path().join("doomed-copy-of-a");
+    copy_adapter(&adapter_dir("adapter-a"), &doomed_dir);
+
+    let (status, text) = load(&c, addr, "doomed", doomed_dir.to_str().unwrap()).await;
+    assert_eq!(status, 200, "{text}");
+    // One adapter fits in host memory: loading adapter-b evicts doomed.
+    let (status, text) = load(&c, addr, "adapter-b", &adapter_dir("adapter-b")).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(adapter_state(addr, "doomed").await, "evicted");
+    let m = metrics(addr).await;
+    assert_eq!(common::metric(&m, "peregrine_lora_cache_adapters "), Some(1.0), "{m}");
+    assert_eq!(common::metric(&m, "peregrine_lora_slots "), Some(1.0), "{m}");
+    assert!(common::metric(&m, "peregrine_lora_cache_bytes ").is_some_and(|b| b > 0.0), "{m}");
+
+    std::fs::remove_dir_all(&doomed_dir).unwrap();
+    // The first request starts the re-read (which fails), the second is refused up front: both 503.
+    for attempt in 0..2 {
+        let (status, v) = complete(&c, addr, "doomed", "Hello", 4).await;
+        assert_eq!(status, 503, "attempt {attempt}: {v}");
+        assert_eq!(v["error"]["code"], "adapter_unavailable", "{v}");
+        assert_eq!(v["error"]["type"], "service_unavailable_error", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains("doomed"), "{message}");
+        assert!(!message.contains(scratch.path().to_str().unwrap()), "a host path leaked: {message}");
+    }
+    assert_eq!(adapter_state(addr, "doomed").await, "failed");
+    let m = metrics(addr).await;
+    assert_eq!(common::metric(&m, r#"peregrine_lora_adapter_failed{model="doomed"}"#), Some(1.0), "{m}");
+    assert_eq!(common::metric(&m, r#"peregrine_request_errors_total{code="adapter_unavailable"}"#), Some(2.0), "{m}");
+
+    // The base model and the other adapter are untouched.
+    let (prompt, want, max_tokens) = expected(&reference, "adapter-b", 0);
+    let (status, v) = complete(&c, addr, "adapter-b", &prompt, max_tokens).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want);
+    let (status, v) = complete(&c, addr, MODEL_NAME, &prompt, 4).await;
+    assert_eq!(status, 200, "{v}");
+
+    // The files are back and an admin loads it again: servable, no longer failed.
+    copy_adapter(&adapter_dir("adapter-a"), &doomed_dir);
+    let (status, text) = load(&c, addr, "doomed", doomed_dir.to_str().unwrap()).await;
+    assert_eq!(status, 200, "{text}");
+    assert_ne!(adapter_state(addr, "doomed").await, "failed");
+    let (prompt, want, max_tokens) = expected(&reference, "adapter-a", 0);
+    let (status, v) = complete(&c, addr, "doomed", &prompt, max_tokens).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want, "doomed serves adapter-a's weights again");
+    let m = metrics(addr).await;
+    assert_eq!(common::metric(&m, r#"peregrine_lora_adapter_failed{model="doomed"}"#), None, "{m}");
+}

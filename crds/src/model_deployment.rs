@@ -37,6 +37,7 @@ use crate::source::ModelSource;
     printcolumn(name = "Endpoint", type_ = "string", json_path = ".status.endpoint"),
     printcolumn(name = "Status", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].reason"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(name = "Progress", type_ = "string", json_path = ".status.conditions[?(@.type==\"Progressing\")].message", priority = 1),
     validation = kube::core::Rule::new("self.metadata.name.size() <= 52").message("metadata.name must be at most 52 characters (pod names are derived from it)"),
     validation = kube::core::Rule::new(DNS1035_NAME_RULE).message(DNS1035_NAME_MESSAGE),
 )]

@@ -237,7 +237,11 @@ fn crd_names_scale_and_columns() {
     assert_eq!(scale.status_replicas_path, ".status.replicas");
     assert_eq!(scale.label_selector_path.as_deref(), Some(".status.selector"));
     let columns: Vec<_> = version.additional_printer_columns.as_ref().unwrap().iter().map(|c| c.name.as_str()).collect();
-    assert_eq!(columns, ["Model", "Desired", "Ready", "Endpoint", "Status", "Age"]);
+    assert_eq!(columns, ["Model", "Desired", "Ready", "Endpoint", "Status", "Age", "Progress"]);
+    // `-o wide` only, like Model: the Progressing message (with the agents' load progress) is long.
+    let progress = version.additional_printer_columns.as_ref().unwrap().iter().find(|c| c.name == "Progress").unwrap();
+    assert_eq!(progress.json_path, ".status.conditions[?(@.type==\"Progressing\")].message");
+    assert_eq!(progress.priority, Some(1));
     let lora = LoraAdapter::crd();
     assert_eq!(lora.spec.names.short_names.as_deref(), Some(&["lora".to_string()][..]));
     assert!(lora.spec.versions[0].subresources.as_ref().unwrap().status.is_some());

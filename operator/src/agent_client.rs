@@ -41,12 +41,22 @@ pub trait AgentApi: Send + Sync {
     /// Unloading an adapter the agent does not have succeeds (the goal state holds).
     fn unload_adapter<'a>(&'a self, base: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
     fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>>;
+    /// The agent's weight-load progress (0–1, `peregrine_load_progress` on its `/metrics`, served
+    /// while it loads); None when it does not report one.
+    fn load_progress<'a>(&'a self, _base: &'a str) -> BoxFuture<'a, Result<Option<f64>, AgentError>> {
+        Box::pin(async { Ok(None) })
+    }
 }
+
+/// A load-progress read is one small scrape: never wait on a busy pod for long.
+const LOAD_PROGRESS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// [`AgentApi`] over HTTP.
 #[derive(Clone, Debug)]
 pub struct HttpAgentClient {
     http: reqwest::Client,
+    /// Sent as `Authorization: Bearer` on every call (agents accept adapter pushes only with it).
+    admin_key: Option<crate::desired::admin_key::AdminKey>,
 }
 
 impl HttpAgentClient {
@@ -57,11 +67,24 @@ impl HttpAgentClient {
             .connect_timeout(Duration::from_secs(5))
             .build()
             .map_err(|e| AgentError::Transport(e.to_string()))?;
-        Ok(HttpAgentClient { http })
+        Ok(HttpAgentClient { http, admin_key: None })
+    }
+
+    /// Sends `key` as `Authorization: Bearer` (the agents' `--admin-api-key`).
+    pub fn with_admin_key(mut self, key: Option<crate::desired::admin_key::AdminKey>) -> Self {
+        self.admin_key = key;
+        self
+    }
+
+    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.admin_key {
+            Some(key) => request.bearer_auth(key.expose()),
+            None => request,
+        }
     }
 
     async fn post<T: Serialize + ?Sized>(&self, url: String, body: &T) -> Result<reqwest::Response, AgentError> {
-        self.http.post(url).json(body).send().await.map_err(|e| AgentError::Transport(e.to_string()))
+        self.authorized(self.http.post(url).json(body)).send().await.map_err(|e| AgentError::Transport(e.to_string()))
     }
 }
 
@@ -96,9 +119,21 @@ impl AgentApi for HttpAgentClient {
         })
     }
 
+    fn load_progress<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Option<f64>, AgentError>> {
+        Box::pin(async move {
+            let request = self.http.get(format!("{base}/metrics")).timeout(LOAD_PROGRESS_TIMEOUT);
+            let response = request.send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            if !response.status().is_success() {
+                return Err(error_of(response).await);
+            }
+            let text = response.text().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            Ok(crate::load_progress::parse(&text))
+        })
+    }
+
     fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>> {
         Box::pin(async move {
-            let response = self.http.get(format!("{base}/v1/models")).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+            let response = self.authorized(self.http.get(format!("{base}/v1/models"))).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
             if !response.status().is_success() {
                 return Err(error_of(response).await);
             }

@@ -14,6 +14,9 @@ pub struct OperatorConfig {
     pub startup_seconds: i32,
     /// Images of the init container that fetches remote models.
     pub fetch_images: FetchImages,
+    /// The key the operator sends on adapter pushes; agent pods get it through a Secret
+    /// ([`crate::desired::admin_key`]). None: pushes carry no key and agents get none.
+    pub admin_api_key: Option<crate::desired::admin_key::AdminKey>,
 }
 
 /// One image per remote scheme; each is the tool's official image.
@@ -36,6 +39,7 @@ impl Default for OperatorConfig {
                 gs: "gcr.io/google.com/cloudsdktool/google-cloud-cli:502.0.0-slim".to_string(),
                 https: "curlimages/curl:8.11.0".to_string(),
             },
+            admin_api_key: None,
         }
     }
 }

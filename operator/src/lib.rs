@@ -15,6 +15,7 @@ pub mod context;
 pub mod desired;
 pub mod error;
 pub mod leader;
+pub mod load_progress;
 pub mod lora_adapter;
 pub mod metrics;
 pub mod model_deployment;

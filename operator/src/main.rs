@@ -11,6 +11,7 @@ use clap::Parser;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};
 use peregrine_operator::agent_client::HttpAgentClient;
+use peregrine_operator::desired::admin_key::AdminKey;
 use peregrine_operator::autoscaler::controller::{Autoscaler, AutoscalerConfig};
 use peregrine_operator::config::OperatorConfig;
 use peregrine_operator::leader::{self, LeaseLock};
@@ -71,6 +72,12 @@ struct Args {
     /// no export when unset.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
+    /// The agents' admin key: sent as `Authorization: Bearer` on adapter loads/unloads, and given
+    /// to every agent pod the operator creates through a Secret `<deployment>-agent-admin`, so the
+    /// agents accept the operator's pushes and refuse tenants (403). Set it from a Secret (the
+    /// chart's `agent.adminApiKeySecret`); unset, pushes carry no key.
+    #[arg(long, env = "PEREGRINE_ADMIN_API_KEY", hide_env_values = true)]
+    admin_api_key: Option<String>,
     /// Log JSON lines instead of text.
     #[arg(long, env = "PEREGRINE_LOG_JSON", default_value_t = false, action = clap::ArgAction::Set)]
     log_json: bool,
@@ -95,12 +102,15 @@ async fn main() -> anyhow::Result<()> {
         agent_port: args.agent_port,
         drain_seconds: args.agent_drain_seconds,
         startup_seconds: args.agent_startup_seconds,
+        admin_api_key: args.admin_api_key.as_deref().and_then(AdminKey::new),
         ..OperatorConfig::default()
     };
     if let Some(image) = args.agent_image {
         config.agent_image = image;
     }
-    let agent = HttpAgentClient::new(Duration::from_secs(args.agent_timeout_seconds)).context("building agent client")?;
+    let agent = HttpAgentClient::new(Duration::from_secs(args.agent_timeout_seconds))
+        .context("building agent client")?
+        .with_admin_key(config.admin_api_key.clone());
     let metrics = Metrics::default();
     let suite_client = OpenAiClient::new(Duration::from_secs(args.regression_timeout_seconds)).context("building regression client")?;
     let runner = Arc::new(HttpSuiteRunner { client: suite_client });

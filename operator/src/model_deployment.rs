@@ -42,7 +42,7 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
     let uri = match validate_name(&name).and_then(|()| validate_spec(&md.spec)) {
         Ok(uri) => uri,
         Err(problem) => {
-            write_status(&md, &ctx, None, Some(&problem), &now).await?;
+            write_status(&md, &ctx, None, Some(&problem), &now, None).await?;
             return Ok(Action::await_change());
         }
     };
@@ -52,7 +52,7 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
                 reason: reasons::SECRET_NOT_FOUND,
                 message: format!("spec.model.secretRef: Secret {:?} not found in namespace {ns}", secret.name),
             };
-            write_status(&md, &ctx, None, Some(&problem), &now).await?;
+            write_status(&md, &ctx, None, Some(&problem), &now, None).await?;
             // Secrets are not watched; look again in a while.
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
@@ -65,16 +65,17 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
             // could not be reached: say so on the object, where `kubectl get` and Argo CD look,
             // and let the error policy retry with backoff.
             let problem = SpecError { reason: reasons::APPLY_FAILED, message: format!("applying the Deployment and Service failed: {error}") };
-            if let Err(status_error) = write_status(&md, &ctx, None, Some(&problem), &now).await {
+            if let Err(status_error) = write_status(&md, &ctx, None, Some(&problem), &now, None).await {
                 warn!(error = %status_error, "writing the ApplyFailed status");
             }
             return Err(error);
         }
     };
 
-    open_readiness_gates(&md, &ns, &ctx, &now).await?;
+    let pods = open_readiness_gates(&md, &ns, &ctx, &now).await?;
+    let load_note = crate::load_progress::note(&pods, ctx.agent.as_ref(), ctx.config.agent_port).await;
 
-    let ready = write_status(&md, &ctx, Some(&deployment), None, &now).await?;
+    let ready = write_status(&md, &ctx, Some(&deployment), None, &now, load_note.as_deref()).await?;
     let requeue = if ready { Duration::from_secs(300) } else { Duration::from_secs(15) };
     // A rollout step (pause, canary deadline, retry) may need to be looked at sooner.
     Ok(Action::requeue(rollout_requeue.map_or(requeue, |r| r.min(requeue))))
@@ -84,6 +85,13 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
 /// Deployment as the API server has it and when the rollout wants to be looked at again.
 async fn apply_children(md: &ModelDeployment, uri: &SourceUri, ctx: &Context, ns: &str) -> Result<(Deployment, Option<Duration>)> {
     let apply = PatchParams::apply(FIELD_MANAGER).force();
+    if let Some(key) = &ctx.config.admin_api_key {
+        // Before the pods that read it.
+        let secret = crate::desired::admin_key::desired_secret(md, key);
+        Api::<Secret>::namespaced(ctx.client.clone(), ns)
+            .patch(&crate::desired::admin_key::secret_name(md), &apply, &Patch::Apply(&secret))
+            .await?;
+    }
     let desired = desired_deployment(md, uri, &ctx.config);
     // The rollout controller applies the stable Deployment (and any canary) itself, so that a
     // pod-changing edit goes out in gated steps instead of one rolling update.
@@ -94,16 +102,21 @@ async fn apply_children(md: &ModelDeployment, uri: &SourceUri, ctx: &Context, ns
 }
 
 /// Writes the status (server-side apply of the fields this controller owns) and publishes an Event
-/// when `Ready` flips. Returns whether the deployment is ready.
+/// when `Ready` flips; `load_note` (the agents' load progress) ends the `Progressing` message.
+/// Returns whether the deployment is ready.
 async fn write_status(
     md: &ModelDeployment,
     ctx: &Context,
     deployment: Option<&Deployment>,
     problem: Option<&SpecError>,
     now: &Time,
+    load_note: Option<&str>,
 ) -> Result<bool> {
     let ns = md.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
-    let status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    let mut status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    if let Some(note) = load_note {
+        crate::load_progress::annotate(&mut status, note);
+    }
     let was_ready = md.status.as_ref().is_some_and(|s| is_true(&s.conditions, CONDITION_READY));
     let ready = is_true(&status.conditions, CONDITION_READY);
     let patch = json!({
@@ -162,11 +175,12 @@ pub fn adapters_loaded_in(pod: &str, gating: &[&LoraAdapter]) -> bool {
 
 /// Sets the `adapters-loaded` readiness gate on pods that have every adapter. A gate, once open,
 /// stays open: adding an adapter must not pull serving pods out of the Service.
-async fn open_readiness_gates(md: &ModelDeployment, ns: &str, ctx: &Context, now: &Time) -> Result<()> {
+/// Returns the deployment's pods (read for the gates, reused for the load progress).
+async fn open_readiness_gates(md: &ModelDeployment, ns: &str, ctx: &Context, now: &Time) -> Result<Vec<Pod>> {
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns);
     let pod_list = pods.list(&ListParams::default().labels(&selector_string(md))).await?;
     if pod_list.items.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let adapters = Api::<LoraAdapter>::namespaced(ctx.client.clone(), ns).list(&ListParams::default()).await?;
     let gating = gating_adapters(&adapters.items, &md.name_any());
@@ -190,7 +204,7 @@ async fn open_readiness_gates(md: &ModelDeployment, ns: &str, ctx: &Context, now
         pods.patch_status(&name, &PatchParams::default(), &Patch::Strategic(&patch)).await?;
         info!(pod = %name, adapters = gating.len(), "opened adapters-loaded readiness gate");
     }
-    Ok(())
+    Ok(pod_list.items)
 }
 
 pub fn error_policy(md: Arc<ModelDeployment>, error: &Error, ctx: Arc<Context>) -> Action {

@@ -79,3 +79,49 @@ async fn load_list_unload_over_http() {
     let dead = HttpAgentClient::new(Duration::from_secs(2)).unwrap();
     assert!(matches!(dead.list_models("http://127.0.0.1:9").await, Err(AgentError::Transport(_))));
 }
+
+/// With an admin key the client sends `Authorization: Bearer <key>` on every call, as agents
+/// started with `--admin-api-key` require for adapter pushes; without one it sends no header.
+#[tokio::test]
+async fn the_admin_key_goes_in_the_authorization_header() {
+    use axum::http::HeaderMap;
+    use peregrine_operator::desired::admin_key::AdminKey;
+
+    let seen: Arc<Mutex<Vec<(String, Option<String>)>>> = Arc::default();
+    let record = |path: &'static str| {
+        let seen = seen.clone();
+        move |headers: HeaderMap| {
+            let auth = headers.get("authorization").map(|v| v.to_str().unwrap().to_string());
+            seen.lock().unwrap().push((path.to_string(), auth));
+            async { Json(json!({"object": "list", "data": []})) }
+        }
+    };
+    let app = Router::new()
+        .route("/v1/load_lora_adapter", post(record("load")))
+        .route("/v1/unload_lora_adapter", post(record("unload")))
+        .route("/v1/models", get(record("models")));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let keyed = HttpAgentClient::new(Duration::from_secs(5)).unwrap().with_admin_key(AdminKey::new("sk-admin-123"));
+    keyed.load_adapter(&base, "pirate", "/adapters/pirate").await.unwrap();
+    keyed.unload_adapter(&base, "pirate").await.unwrap();
+    keyed.list_models(&base).await.unwrap();
+    let plain = HttpAgentClient::new(Duration::from_secs(5)).unwrap();
+    plain.load_adapter(&base, "pirate", "/adapters/pirate").await.unwrap();
+
+    let bearer = Some("Bearer sk-admin-123".to_string());
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            ("load".to_string(), bearer.clone()),
+            ("unload".to_string(), bearer.clone()),
+            ("models".to_string(), bearer),
+            ("load".to_string(), None),
+        ]
+    );
+    // The key never shows in debug output (logs, config dumps).
+    assert!(!format!("{keyed:?} {:?}", AdminKey::new("sk-admin-123")).contains("sk-admin-123"));
+    assert_eq!(AdminKey::new("  "), None, "a blank key is no key");
+}

@@ -144,7 +144,7 @@ fn rbac_is_least_privilege() {
             assert_eq!(verbs, ["get"], "configmaps: regression suites are read only");
         }
         if resources.contains(&"secrets".to_string()) {
-            assert_eq!(verbs, ["get"], "secrets: existence checks only");
+            assert_eq!(verbs, ["get"], "secrets: existence checks only without an admin key");
         }
         if resources.contains(&"pods".to_string()) {
             assert!(!verbs.iter().any(|v| v == "patch" || v == "update"), "pods are read-only; only pods/status is patched");
@@ -243,4 +243,34 @@ fn agent_pod_monitor_is_skipped_where_prometheus_operator_is_not_installed() {
     // covered: this renderer cannot declare extra API versions.)
     let objects = render(json!({"metrics": {"agentPodMonitor": {"enabled": true}}}));
     assert!(find(&objects, "PodMonitor").is_empty());
+}
+
+/// `agent.adminApiKeySecret` gives the operator its admin key from that Secret and lets it apply
+/// the per-deployment agent Secrets (create/patch, still no list/watch).
+#[test]
+fn admin_key_secret_reaches_the_operator() {
+    let objects = render(json!({"agent": {"adminApiKeySecret": "peregrine-admin"}}));
+    check_all(&objects);
+    let deployment: Deployment = typed(find(&objects, "Deployment")[0]);
+    let container = &deployment.spec.unwrap().template.spec.unwrap().containers[0];
+    let env = container.env.clone().unwrap();
+    let key = env.iter().find(|e| e.name == "PEREGRINE_ADMIN_API_KEY").expect("PEREGRINE_ADMIN_API_KEY");
+    let from = key.value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
+    assert_eq!((from.name.as_str(), from.key.as_str()), ("peregrine-admin", "admin-api-key"));
+
+    let role: ClusterRole = typed(find(&objects, "ClusterRole")[0]);
+    let secret_verbs: Vec<String> = role
+        .rules
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.resources.as_ref().is_some_and(|res| res.contains(&"secrets".to_string())))
+        .flat_map(|r| r.verbs)
+        .collect();
+    assert_eq!(secret_verbs, ["get", "create", "patch"]);
+
+    // Not set: no key variable.
+    let objects = render(json!({}));
+    let deployment: Deployment = typed(find(&objects, "Deployment")[0]);
+    let env = deployment.spec.unwrap().template.spec.unwrap().containers[0].env.clone().unwrap();
+    assert!(!env.iter().any(|e| e.name == "PEREGRINE_ADMIN_API_KEY"));
 }

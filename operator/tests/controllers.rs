@@ -529,3 +529,30 @@ async fn reconcile_metrics_count_runs_and_failures() {
     h.ctx.metrics.reconcile_failed("modeldeployment", &err);
     assert!(h.ctx.metrics.encode().contains("peregrine_operator_reconcile_failures_total{controller=\"modeldeployment\",error=\"missing_field\"} 1"));
 }
+
+/// While pods load their weights, `Progressing` says how far each has come (read from the agents'
+/// `peregrine_load_progress` gauge), so `kubectl get` shows a slow load moving; ready pods and pods
+/// that report nothing are left out.
+#[tokio::test]
+async fn progressing_shows_the_agents_load_progress() {
+    let h = harness();
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", false));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", false));
+    h.agent.script("http://10.0.0.1:8000", AgentScript { load_progress: Some(0.42), ..Default::default() });
+    h.agent.script("http://10.0.0.2:8000", AgentScript { down: true, ..Default::default() });
+    reconcile_md(&h, md_json(base_spec())).await.unwrap();
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let progressing = condition(status, "Progressing");
+    assert_eq!(progressing["status"], "True");
+    let message = progressing["message"].as_str().unwrap();
+    assert!(message.ends_with("; weights loading: smol-a 42%"), "{message}");
+    assert!(h.agent.calls().contains(&"progress http://10.0.0.1:8000".to_string()), "{:?}", h.agent.calls());
+
+    // Loaded (the gauge reads 1, warming up): no note.
+    h.agent.script("http://10.0.0.1:8000", AgentScript { load_progress: Some(1.0), ..Default::default() });
+    let again = h.api.get(&md_path("smol")).unwrap();
+    reconcile_md(&h, again).await.unwrap();
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let message = condition(status, "Progressing")["message"].as_str().unwrap().to_string();
+    assert!(!message.contains("weights loading"), "{message}");
+}

@@ -245,3 +245,31 @@ fn service_selects_the_pods_on_the_http_port() {
     let port = &spec.ports.unwrap()[0];
     assert_eq!((port.port, port.target_port.clone()), (8000, Some(IntOrString::String("http".into()))));
 }
+
+/// With an operator admin key, each ModelDeployment gets a Secret holding it (owned by the
+/// deployment, in its namespace) and the agent container reads it as `PEREGRINE_ADMIN_API_KEYS`,
+/// the agent's `--admin-api-key`; without one, the pod has no such variable.
+#[test]
+fn the_operator_admin_key_reaches_the_agent_through_a_secret() {
+    use peregrine_operator::desired::admin_key::{self, AdminKey};
+
+    let md = minimal("pvc://models/llama", "safetensors");
+    assert_eq!(agent(&build(&md)).env, None);
+
+    let key = AdminKey::new("sk-admin-1").unwrap();
+    let config = OperatorConfig { admin_api_key: Some(key.clone()), ..OperatorConfig::default() };
+    let uri = SourceUri::parse(&md.spec.model.uri).unwrap();
+    let env = agent(&desired_deployment(&md, &uri, &config)).env.unwrap();
+    assert_eq!(env.len(), 1);
+    assert_eq!(env[0].name, "PEREGRINE_ADMIN_API_KEYS");
+    assert_eq!(env[0].value, None, "the key is not written into the pod spec");
+    let from = env[0].value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
+    assert_eq!((from.name.as_str(), from.key.as_str(), from.optional), ("m-agent-admin", "admin-api-key", Some(false)));
+
+    let secret = admin_key::desired_secret(&md, &key);
+    assert_eq!(secret.metadata.name.as_deref(), Some("m-agent-admin"));
+    assert_eq!(secret.metadata.namespace.as_deref(), Some("ns"));
+    assert_eq!(secret.string_data.unwrap()["admin-api-key"], "sk-admin-1");
+    let owner = &secret.metadata.owner_references.unwrap()[0];
+    assert_eq!((owner.kind.as_str(), owner.uid.as_str(), owner.controller), ("ModelDeployment", "uid-2", Some(true)));
+}

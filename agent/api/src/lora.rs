@@ -73,8 +73,9 @@ pub struct AdapterStatus {
     /// The folder it was read from.
     pub source: String,
     pub rank: usize,
-    /// `active` (in a GPU/CPU slot), `loaded` (in host memory), `evicted` (re-read on next use) or
-    /// `unloading`.
+    /// `active` (in a GPU/CPU slot), `loaded` (in host memory), `evicted` (re-read on next use),
+    /// `unloading`, or `failed` (evicted and its files can no longer be read: requests naming it
+    /// get 503 `adapter_unavailable` until it is loaded again).
     pub state: String,
     pub slot: Option<u32>,
     /// Unix seconds.

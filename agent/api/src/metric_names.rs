@@ -41,6 +41,20 @@ pub const SERVER_GENERATION_TOKENS: &str = "peregrine_server_generation_tokens";
 pub const SERVER_REQUESTS_FINISHED: &str = "peregrine_server_requests_finished";
 /// Bytes of the KV-cache pool (gauge; CPU backend).
 pub const KV_CACHE_BYTES: &str = "peregrine_kv_cache_bytes";
+/// Fraction of the model's weight bytes read, 0–1 (gauge): served from the moment the port is
+/// bound, while `/ready` is still 503; 1 once loaded. The operator shows it in `Progressing`.
+pub const LOAD_PROGRESS: &str = "peregrine_load_progress";
+/// Bytes of LoRA adapter weights held in host memory (gauge; only with LoRA on).
+pub const LORA_CACHE_BYTES: &str = "peregrine_lora_cache_bytes";
+/// LoRA adapters whose weights are in host memory (gauge).
+pub const LORA_CACHE_ADAPTERS: &str = "peregrine_lora_cache_adapters";
+/// Backend LoRA slots holding an adapter (gauge), of [`LORA_SLOTS`].
+pub const LORA_SLOTS_USED: &str = "peregrine_lora_slots_used";
+/// Backend LoRA slots in all (`--max-loras`, gauge).
+pub const LORA_SLOTS: &str = "peregrine_lora_slots";
+/// 1 for each loaded adapter marked failed (its evicted weights can no longer be re-read; refused
+/// with 503 until loaded again), labelled `model` (gauge).
+pub const LORA_ADAPTER_FAILED: &str = "peregrine_lora_adapter_failed";
 /// Resident memory of the agent process (gauge; Prometheus' conventional name).
 pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "process_resident_memory_bytes";
 /// HTTP connections being served (gauge).

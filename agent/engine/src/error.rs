@@ -30,6 +30,10 @@ pub enum EngineError {
     /// A request or admin call named an adapter that is not loaded (or is being unloaded).
     #[error("unknown adapter {0:?}")]
     UnknownAdapter(String),
+    /// A loaded adapter whose evicted weights can no longer be re-read from its source (files
+    /// deleted or damaged since the load); it stays refused until it is loaded again.
+    #[error("adapter {0:?} is unavailable: its files can no longer be read; load it again")]
+    AdapterUnavailable(String),
     /// Engine settings that cannot work with this model or backend (block size mismatch, a context
     /// length the KV cache cannot hold).
     #[error("invalid engine config: {0}")]
@@ -52,6 +56,7 @@ impl EngineError {
             EngineError::Backend(_) => "backend",
             EngineError::InvalidAdapter { .. } => "invalid_adapter",
             EngineError::UnknownAdapter(_) => "unknown_adapter",
+            EngineError::AdapterUnavailable(_) => "adapter_unavailable",
             EngineError::InvalidConfig(_) => "invalid_config",
             EngineError::EngineStopped => "engine_stopped",
         }

@@ -26,6 +26,7 @@ pub mod error;
 pub mod lora;
 pub mod model;
 pub mod plan;
+pub mod progress;
 pub mod request;
 pub mod tokenizer;
 

@@ -81,8 +81,22 @@ pub enum GenerateEvent {
 
 pub type EventStream = Pin<Box<dyn Stream<Item = GenerateEvent> + Send>>;
 
+/// The LoRA adapter cache, for metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AdapterCache {
+    /// Bytes of adapter weights in host memory.
+    pub host_bytes: u64,
+    /// Adapter versions with weights in host memory.
+    pub host_adapters: usize,
+    /// Backend slots holding an adapter, of `slots`.
+    pub slots_used: usize,
+    pub slots: usize,
+    /// Adapters whose evicted weights could not be re-read (refused until loaded again).
+    pub failed: Vec<String>,
+}
+
 /// A snapshot of engine-wide state for metrics and `/ready`.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct BackendStats {
     pub kv_cache_usage_ratio: f64,
     pub num_preemptions: u64,
@@ -91,6 +105,8 @@ pub struct BackendStats {
     pub engine_waiting: usize,
     /// Bytes of the KV-cache pool, where the backend knows them (the CPU backend's host memory).
     pub kv_cache_bytes: Option<u64>,
+    /// None when LoRA is off.
+    pub adapter_cache: Option<AdapterCache>,
 }
 
 /// Fixed facts about the engine that gateways read (`vllm:cache_config_info`,

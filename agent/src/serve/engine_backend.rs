@@ -17,7 +17,7 @@ use peregrine_engine::structured::{CompiledGrammar, GrammarCompiler, GrammarSpec
 use peregrine_engine::EngineError;
 
 use super::backend::{
-    AdapterLoaded, BackendStats, EngineShape, EventStream, GenerateEvent, GenerateInput, InferenceBackend, LoadOutcome, PreparedPrompt,
+    AdapterCache, AdapterLoaded, BackendStats, EngineShape, EventStream, GenerateEvent, GenerateInput, InferenceBackend, LoadOutcome, PreparedPrompt,
     PromptInput, TokenOutput,
 };
 use super::error::ApiError;
@@ -70,6 +70,7 @@ fn engine_error(e: EngineError) -> ApiError {
         EngineError::EngineStopped => ApiError::EngineStopped,
         // Only `submit` reaches here with it: a completion naming a model we do not serve.
         EngineError::UnknownAdapter(name) => ApiError::ModelNotFound(name),
+        EngineError::AdapterUnavailable(name) => ApiError::AdapterUnavailable(name),
         other => ApiError::Internal(other.to_string()),
     }
 }
@@ -126,6 +127,7 @@ fn adapter_status(info: AdapterInfo) -> AdapterStatus {
         lora::AdapterState::Loaded => "loaded",
         lora::AdapterState::Evicted => "evicted",
         lora::AdapterState::Unloading => "unloading",
+        lora::AdapterState::Failed => "failed",
     };
     AdapterStatus {
         name: info.name,
@@ -179,6 +181,13 @@ impl InferenceBackend for EngineBackend {
             engine_running: m.num_running,
             engine_waiting: m.num_waiting,
             kv_cache_bytes: self.kv_cache_bytes,
+            adapter_cache: m.lora_cache.map(|c| AdapterCache {
+                host_bytes: c.host_bytes,
+                host_adapters: c.host_adapters,
+                slots_used: c.slots_used,
+                slots: c.slots,
+                failed: self.engine.failed_adapters(),
+            }),
         }
     }
 
@@ -278,6 +287,7 @@ impl InferenceBackend for EngineBackend {
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
         let prompt_tokens = input.prompt.tokens.len();
         let logprobs = input.params.logprobs.is_some();
+        let adapter = input.adapter.clone().map(|name| (name, self.engine.clone()));
         let request =
             GenerationRequest { id: input.request_id, prompt_tokens: input.prompt.tokens, params: input.params, adapter: input.adapter };
         let stream = match input.follows {
@@ -287,6 +297,7 @@ impl InferenceBackend for EngineBackend {
         .map_err(engine_error)?;
         let state = Detok {
             stream: Some(stream),
+            adapter,
             decoder: IncrementalDecoder::new(self.tokenizer.clone(), input.skip_special_tokens),
             tokenizer: self.tokenizer.clone(),
             stop: StopMatcher::new(input.stop),
@@ -306,6 +317,8 @@ impl InferenceBackend for EngineBackend {
 struct Detok {
     /// None once finished (dropping it aborts the request in the engine).
     stream: Option<RequestStream>,
+    /// The request's adapter, to tell an adapter that failed (503 naming it) from other errors.
+    adapter: Option<(String, EngineHandle)>,
     decoder: IncrementalDecoder,
     tokenizer: Tokenizer,
     stop: StopMatcher,
@@ -339,6 +352,12 @@ impl Detok {
             }
             RequestEvent::Error(message) => {
                 self.stream = None;
+                // The engine marks an adapter failed before it fails the requests waiting for it.
+                if let Some((name, engine)) = &self.adapter {
+                    if engine.adapter_failed(name) {
+                        return Some(GenerateEvent::Error(ApiError::AdapterUnavailable(name.clone())));
+                    }
+                }
                 Some(GenerateEvent::Error(ApiError::Internal(message)))
             }
         }

@@ -43,6 +43,11 @@ pub enum ApiError {
     /// answer does not reveal which folders exist.
     #[error("the LoRA adapter `{0}` cannot be loaded: no readable PEFT adapter (adapter_config.json and adapter_model.safetensors) at lora_path inside the server's adapter roots")]
     AdapterUnreadable(String),
+    /// A loaded adapter whose evicted weights can no longer be re-read (its files were deleted or
+    /// damaged after the load). It will not heal by itself, so no `Retry-After`: an admin load of
+    /// the adapter clears it.
+    #[error("the LoRA adapter `{0}` is unavailable: its files can no longer be read on the server; it must be loaded again")]
+    AdapterUnavailable(String),
     #[error("LoRA is not enabled on this server; start it with --enable-lora or --lora-modules")]
     LoraDisabled,
     #[error("no route for {0}")]
@@ -65,6 +70,9 @@ pub enum ApiError {
     QueueFull { waiting: usize, retry_after: Duration },
     #[error("the server is shutting down")]
     Draining,
+    /// The model is still loading (only the loading server answers with it).
+    #[error("the model is still loading; retry later")]
+    Loading,
     #[error("the engine has stopped")]
     EngineStopped,
     #[error("internal error: {0}")]
@@ -89,6 +97,7 @@ impl ApiError {
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::AdapterNotFound(_) => "adapter_not_found",
             ApiError::InvalidAdapter(_) | ApiError::AdapterUnreadable(_) => "invalid_adapter",
+            ApiError::AdapterUnavailable(_) => "adapter_unavailable",
             ApiError::LoraDisabled => "lora_disabled",
             ApiError::RouteNotFound(_) => "route_not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
@@ -98,6 +107,7 @@ impl ApiError {
             ApiError::RateLimited { .. } => "rate_limit_exceeded",
             ApiError::QueueFull { .. } => "queue_full",
             ApiError::Draining => "draining",
+            ApiError::Loading => "model_loading",
             ApiError::EngineStopped => "engine_stopped",
             ApiError::Internal(_) => "internal_error",
         }
@@ -121,7 +131,9 @@ impl ApiError {
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::RateLimited { .. } | ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Draining | ApiError::EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Draining | ApiError::Loading | ApiError::EngineStopped | ApiError::AdapterUnavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -144,7 +156,7 @@ impl ApiError {
             ApiError::UnknownField(f) => Some(f.clone()),
             ApiError::Unprocessable { param, .. } | ApiError::InvalidRequest { param, .. } => param.clone(),
             ApiError::ContextLengthExceeded(_) => Some("messages".to_string()),
-            ApiError::ModelNotFound(_) => Some("model".to_string()),
+            ApiError::ModelNotFound(_) | ApiError::AdapterUnavailable(_) => Some("model".to_string()),
             ApiError::AdapterNotFound(_) => Some("lora_name".to_string()),
             ApiError::InvalidAdapter(_) | ApiError::AdapterUnreadable(_) => Some("lora_path".to_string()),
             _ => None,
@@ -155,6 +167,7 @@ impl ApiError {
         match self {
             ApiError::RateLimited { retry_after, .. } | ApiError::QueueFull { retry_after, .. } => Some(*retry_after),
             ApiError::Draining => Some(Duration::from_secs(1)),
+            ApiError::Loading => Some(Duration::from_secs(5)),
             _ => None,
         }
     }

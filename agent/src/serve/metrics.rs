@@ -162,6 +162,15 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
                 MetricType::Gauge,
             )?)?;
         }
+        ConstGauge::new(peregrine_engine::progress::weights().snapshot().fraction()).encode(encoder.encode_descriptor(
+            names::LOAD_PROGRESS,
+            super::loading::LOAD_PROGRESS_HELP,
+            None,
+            MetricType::Gauge,
+        )?)?;
+        if let Some(cache) = &s.adapter_cache {
+            encode_adapter_cache(&mut encoder, cache)?;
+        }
         if let Some(rss) = resident_memory_bytes() {
             ConstGauge::new(rss as i64).encode(encoder.encode_descriptor(
                 names::PROCESS_RESIDENT_MEMORY_BYTES,
@@ -174,8 +183,32 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
     }
 }
 
+/// The adapter cache's size beside the KV pool and process memory, so a pod's memory can be
+/// accounted for; failed adapters by name (bounded by the adapters loaded).
+fn encode_adapter_cache(encoder: &mut DescriptorEncoder, cache: &super::backend::AdapterCache) -> Result<(), std::fmt::Error> {
+    let gauges: [(&str, &str, i64); 4] = [
+        (names::LORA_CACHE_BYTES, "Bytes of LoRA adapter weights held in host memory.", cache.host_bytes as i64),
+        (names::LORA_CACHE_ADAPTERS, "LoRA adapters whose weights are in host memory.", cache.host_adapters as i64),
+        (names::LORA_SLOTS_USED, "Backend LoRA slots holding an adapter.", cache.slots_used as i64),
+        (names::LORA_SLOTS, "Backend LoRA slots in all (--max-loras).", cache.slots as i64),
+    ];
+    for (name, help, value) in gauges {
+        ConstGauge::new(value).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+    }
+    let mut family = encoder.encode_descriptor(
+        names::LORA_ADAPTER_FAILED,
+        "1 for each loaded LoRA adapter whose files can no longer be read (refused until loaded again).",
+        None,
+        MetricType::Gauge,
+    )?;
+    for name in &cache.failed {
+        ConstGauge::new(1i64).encode(family.encode_family(&ModelLabel { model: name.clone() })?)?;
+    }
+    Ok(())
+}
+
 /// The process's resident set size (Linux: /proc/self/statm, in pages); None elsewhere.
-fn resident_memory_bytes() -> Option<u64> {
+pub fn resident_memory_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     // 4 KiB pages: what x86-64 and the usual arm64 kernels use; reading sysconf would need libc.

@@ -18,6 +18,7 @@ pub mod error;
 pub mod generation;
 pub mod handlers;
 pub mod lifecycle;
+pub mod loading;
 pub mod metrics;
 pub mod parse;
 pub mod rate_limit;
@@ -170,9 +171,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         // Keys and limits are checked before the (slow) model load, so a bad flag fails at once.
         let keys = key_store(&args)?;
         let mut config = server_config(&args)?;
+        // Bound before the load: probes and `/metrics` (with the load's progress) answer while the
+        // weights are read, from a duplicate of the socket the real server accepts on afterwards.
+        let listener = TcpListener::bind((args.host, args.port)).await?.into_std()?;
+        let loading = loading::start(TcpListener::from_std(listener.try_clone()?)?, config.connections);
+        let listener = TcpListener::from_std(listener)?;
+        tracing::info!(addr = %listener.local_addr()?, "listening; loading the model");
         let load_args = args.clone();
         let backend = tokio::task::spawn_blocking(move || load_engine(&load_args)).await??;
         let backend = Arc::new(backend);
+        loading.stop().await;
         config.tool_call_format = args.tool_call_parser.resolve(backend.chat_template_source().as_deref());
         tracing::info!(format = ?config.tool_call_format, "tool-call parser");
         if args.kv_events.kv_events_endpoint.is_some() {
@@ -180,7 +188,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             crate::kv_events::start(&args.kv_events, backend.model_name(), batches).await?;
         }
         let state = Arc::new(AppState::new(backend.clone(), keys, config));
-        let listener = TcpListener::bind((args.host, args.port)).await?;
         tracing::info!(
             addr = %listener.local_addr()?,
             model = backend.model_name(),

@@ -13,7 +13,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use peregrine_crds::{ModelDeployment, SourceUri, ADAPTERS_LOADED_CONDITION};
 
-use super::{args::agent_args, labels, model, selector_labels};
+use super::{admin_key, args::agent_args, labels, model, selector_labels};
 use crate::config::OperatorConfig;
 
 /// Seconds the pod keeps serving after SIGTERM would be sent, so that endpoints controllers and
@@ -51,6 +51,8 @@ pub fn desired_deployment(md: &ModelDeployment, uri: &SourceUri, config: &Operat
             ..Default::default()
         }),
         volume_mounts: non_empty(plan.mounts),
+        // The operator's admin key, so its adapter pushes are accepted and tenants' are not.
+        env: config.admin_api_key.as_ref().map(|_| vec![admin_key::agent_env(md)]),
         ..Default::default()
     };
 

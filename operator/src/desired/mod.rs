@@ -1,6 +1,7 @@
 //! Pure functions from a ModelDeployment to the objects that should exist. No API calls, so every
 //! field can be table-tested.
 
+pub mod admin_key;
 pub mod args;
 pub mod deployment;
 pub mod model;

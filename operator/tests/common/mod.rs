@@ -234,6 +234,8 @@ pub struct AgentScript {
     pub load_error: Option<(u16, String)>,
     /// The agent does not answer at all.
     pub down: bool,
+    /// `peregrine_load_progress` on its `/metrics` (None: not reported).
+    pub load_progress: Option<f64>,
 }
 
 #[derive(Default)]
@@ -282,6 +284,12 @@ impl AgentApi for FakeAgent {
             s.loaded.retain(|n| n != name);
             Ok(())
         });
+        Box::pin(async move { result })
+    }
+
+    fn load_progress<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Option<f64>, AgentError>> {
+        self.calls.lock().unwrap().push(format!("progress {base}"));
+        let result = self.with(base, |s| if s.down { Err(AgentError::Transport("connection refused".into())) } else { Ok(s.load_progress) });
         Box::pin(async move { result })
     }
 

@@ -123,6 +123,9 @@ impl EngineHandle {
             if !self.has_adapter(name) {
                 return Err(EngineError::UnknownAdapter(name.clone()));
             }
+            if self.adapter_failed(name) {
+                return Err(EngineError::AdapterUnavailable(name.clone()));
+            }
         }
         sampling::validate(&request.params)
     }
@@ -137,10 +140,15 @@ impl EngineHandle {
         let lora = self.lora_enabled()?;
         check_name(name)?;
         let source = canonical_source(path);
+        let t0 = Instant::now();
+        tracing::info!(adapter = name, "loading LoRA adapter");
         let adapter = Arc::new(LoraAdapter::load(&source, &lora.model, lora.config.max_lora_rank)?);
+        let (bytes, rank) = (adapter.size_bytes(), adapter.rank);
         let (reply, answer) = crossbeam_channel::bounded(1);
         self.send(Command::LoadAdapter { name: name.to_string(), source, adapter, reply })?;
-        answer.recv().map_err(|_| EngineError::EngineStopped)
+        let loaded = answer.recv().map_err(|_| EngineError::EngineStopped)?;
+        tracing::info!(adapter = name, rank, bytes, ms = format_args!("{:.1}", t0.elapsed().as_secs_f64() * 1e3), "LoRA adapter loaded");
+        Ok(loaded)
     }
 
     /// Unloads `name`: new requests naming it get `UnknownAdapter` at once; requests already
@@ -172,6 +180,21 @@ impl EngineHandle {
     /// the request arrives, since an unload may race with it.
     pub fn has_adapter(&self, name: &str) -> bool {
         self.inner.lora.as_ref().is_some_and(|l| l.names.read().contains(name))
+    }
+
+    /// Whether adapter `name` is loaded but failed: its evicted weights could not be re-read, and
+    /// requests naming it are refused with `AdapterUnavailable` until it is loaded again. Set by
+    /// the engine thread before it fails the requests that waited for the re-read.
+    pub fn adapter_failed(&self, name: &str) -> bool {
+        self.inner.lora.as_ref().is_some_and(|l| l.failed.read().contains(name))
+    }
+
+    /// Every failed adapter name (see [`Self::adapter_failed`]), sorted.
+    pub fn failed_adapters(&self) -> Vec<String> {
+        let mut names: Vec<String> =
+            self.inner.lora.as_ref().map(|l| l.failed.read().iter().cloned().collect()).unwrap_or_default();
+        names.sort_unstable();
+        names
     }
 
     fn lora_enabled(&self) -> Result<&HandleLora> {

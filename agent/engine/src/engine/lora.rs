@@ -14,7 +14,7 @@ use parking_lot::RwLock;
 use super::command::Command;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
-use crate::lora::{AdapterId, AdapterInfo, LoadOutcome, LoraAdapter, LoraConfig, LoraRegistry};
+use crate::lora::{AdapterCacheStats, AdapterId, AdapterInfo, LoadOutcome, LoraAdapter, LoraConfig, LoraRegistry};
 use crate::request::RequestId;
 use crate::scheduler::{Scheduler, SchedulerOutput, Sequence};
 use crate::{EngineError, Result};
@@ -29,12 +29,16 @@ pub(super) struct HandleLora {
     pub model: ModelConfig,
     pub config: LoraConfig,
     pub names: AdapterNames,
+    /// Names whose evicted weights could not be re-read (refused with `AdapterUnavailable` until
+    /// loaded again). Written by the engine thread before it fails the requests that waited.
+    pub failed: AdapterNames,
 }
 
 pub(super) struct EngineLora {
     registry: LoraRegistry,
     model: ModelConfig,
     names: AdapterNames,
+    failed: AdapterNames,
     /// To report reloads back to the engine thread.
     commands: Sender<Command>,
     /// Versions being re-read from disk, with the sequences waiting for them.
@@ -53,13 +57,14 @@ impl EngineLora {
     pub(super) fn new(
         model: ModelConfig,
         config: LoraConfig,
-        names: AdapterNames,
+        (names, failed): (AdapterNames, AdapterNames),
         commands: Sender<Command>,
     ) -> Self {
         EngineLora {
             registry: LoraRegistry::new(config),
             model,
             names,
+            failed,
             commands,
             parked: HashMap::new(),
         }
@@ -90,7 +95,13 @@ impl EngineLora {
             let spawned = std::thread::Builder::new()
                 .name("peregrine-lora-load".into())
                 .spawn(move || {
+                    let t0 = std::time::Instant::now();
+                    tracing::info!(adapter_version = id, "re-reading an evicted LoRA adapter");
                     let result = LoraAdapter::load(&source, &model, max_rank).map(Arc::new);
+                    if let Ok(adapter) = &result {
+                        let ms = t0.elapsed().as_secs_f64() * 1e3;
+                        tracing::info!(adapter_version = id, bytes = adapter.size_bytes(), ms = format_args!("{ms:.1}"), "LoRA adapter re-read");
+                    }
                     let _ = commands.send(Command::AdapterReloaded { id, result });
                 });
             if let Err(e) = spawned {
@@ -105,7 +116,9 @@ impl EngineLora {
         Placement::Parked
     }
 
-    /// A reload finished: the parked sequences to schedule, or to fail with the error.
+    /// A reload finished: the parked sequences to schedule, or to fail with the error. A failed
+    /// reload marks the adapter failed (listed so, refused until an admin load) before the waiting
+    /// requests hear of it, so their error can name the adapter as unavailable.
     pub(super) fn reloaded(
         &mut self,
         id: AdapterId,
@@ -117,8 +130,21 @@ impl EngineLora {
                 self.registry.restore(id, adapter);
                 Ok(waiting)
             }
-            Err(e) => Err((waiting, format!("cannot reload the adapter: {e}"))),
+            Err(e) => {
+                // The path stays in the server's log; clients get the adapter's name only.
+                tracing::warn!(adapter_version = id, error = %e, "an evicted LoRA adapter cannot be re-read; marked failed until it is loaded again");
+                if let Some(name) = self.registry.mark_failed(id) {
+                    self.failed.write().insert(name.clone());
+                    return Err((waiting, EngineError::AdapterUnavailable(name).to_string()));
+                }
+                Err((waiting, format!("cannot reload the adapter: {e}")))
+            }
         }
+    }
+
+    /// What the adapter cache holds now (for metrics).
+    pub(super) fn cache_stats(&self) -> AdapterCacheStats {
+        self.registry.cache_stats()
     }
 
     /// Drops a parked sequence (aborted before its adapter came back).
@@ -172,12 +198,15 @@ impl EngineLora {
     ) -> (LoadOutcome, AdapterInfo) {
         let result = self.registry.install(name, source, adapter);
         self.names.write().insert(name.to_string());
+        // Loaded again (same or another source): servable once more.
+        self.failed.write().remove(name);
         result
     }
 
     pub(super) fn unload(&mut self, name: &str) -> Result<AdapterInfo> {
         let info = self.registry.unload(name)?;
         self.names.write().remove(name);
+        self.failed.write().remove(name);
         Ok(info)
     }
 

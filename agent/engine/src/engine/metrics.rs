@@ -20,4 +20,6 @@ pub struct EngineMetrics {
     pub requests_finished_total: u64,
     /// KV-event batches dropped because the subscriber fell behind.
     pub kv_event_batches_dropped_total: u64,
+    /// The LoRA adapter cache (host memory and backend slots); None when LoRA is off.
+    pub lora_cache: Option<crate::lora::AdapterCacheStats>,
 }

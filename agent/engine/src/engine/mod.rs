@@ -67,10 +67,11 @@ impl Engine {
             model: backend.config().clone(),
             config,
             names: lora::AdapterNames::default(),
+            failed: lora::AdapterNames::default(),
         });
         let engine_lora = handle_lora
             .as_ref()
-            .map(|h| lora::EngineLora::new(h.model.clone(), h.config, h.names.clone(), tx.clone()));
+            .map(|h| lora::EngineLora::new(h.model.clone(), h.config, (h.names.clone(), h.failed.clone()), tx.clone()));
         let metrics = Arc::new(Mutex::new(EngineMetrics::default()));
         tracing::info!(
             backend = backend.name(),

@@ -444,6 +444,7 @@ impl Worker {
         m.kv_usage_ratio = kv.usage_ratio();
         m.num_blocks = kv.num_blocks();
         m.num_free_blocks = kv.num_free_blocks();
+        m.lora_cache = self.lora.as_ref().map(EngineLora::cache_stats);
         *self.metrics.lock() = m;
     }
 }

@@ -20,7 +20,7 @@ pub use config::AdapterConfig;
 pub use crate::plan::{LoraBatchPlan, NO_SLOT};
 pub use random::{RandomAdapterSpec, ZipfSampler};
 pub use registry::{
-    AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry, SlotAssignment,
+    AdapterCacheStats, AdapterId, AdapterInfo, AdapterState, LoadOutcome, LoraConfig, LoraRegistry, SlotAssignment,
 };
 pub use save::save_peft;
 pub use stack::LoraSlotStack;

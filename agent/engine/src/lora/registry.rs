@@ -52,6 +52,9 @@ pub enum AdapterState {
     Evicted,
     /// Unloaded or replaced: new requests cannot use it; waits for its in-flight requests.
     Unloading,
+    /// Evicted, and re-reading `source` failed (files deleted or damaged since the load): requests
+    /// naming it are refused until an admin load of the name succeeds. It does not heal by itself.
+    Failed,
 }
 
 /// What `GET /v1/adapters` reports about one adapter version.
@@ -99,6 +102,20 @@ struct Version {
     /// Host-LRU clock value of the last use.
     host_tick: u64,
     slot: Option<usize>,
+    /// Re-reading the evicted weights failed; cleared only by an admin load.
+    failed: bool,
+}
+
+/// How much the adapter cache holds, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdapterCacheStats {
+    /// Bytes of adapter weights in host memory.
+    pub host_bytes: u64,
+    /// Adapter versions whose weights are in host memory (`max_cpu_loras` bounds the idle ones).
+    pub host_adapters: usize,
+    /// Backend slots holding an adapter, of `slots`.
+    pub slots_used: usize,
+    pub slots: usize,
 }
 
 /// Who occupies a backend slot, and the step it was last used in.
@@ -161,14 +178,20 @@ impl LoraRegistry {
         self.tick += 1;
         let outcome = match self.names.get(name).copied() {
             Some(id) if self.versions.get(&id).is_some_and(|v| v.source == source) => {
+                let mut outcome = LoadOutcome::AlreadyLoaded;
                 if let Some(v) = self.versions.get_mut(&id) {
                     if v.weights.is_none() {
                         v.weights = Some(adapter);
                     }
+                    if v.failed {
+                        // The files are readable again (the caller just parsed them): servable.
+                        v.failed = false;
+                        outcome = LoadOutcome::Loaded;
+                    }
                     v.host_tick = self.tick;
                 }
                 self.enforce_host_limit(id);
-                return (LoadOutcome::AlreadyLoaded, self.info_of(id));
+                return (outcome, self.info_of(id));
             }
             Some(old) => {
                 self.retire(old);
@@ -193,6 +216,7 @@ impl LoraRegistry {
                 retiring: false,
                 host_tick: self.tick,
                 slot: None,
+                failed: false,
             },
         );
         self.names.insert(name.to_string(), id);
@@ -213,11 +237,15 @@ impl LoraRegistry {
         Ok(info)
     }
 
-    /// Pins the current version of `name` for a new request.
+    /// Pins the current version of `name` for a new request. A failed adapter is refused with
+    /// [`EngineError::AdapterUnavailable`].
     pub fn acquire(&mut self, name: &str) -> Result<AdapterId> {
         let id = self
             .lookup(name)
             .ok_or_else(|| EngineError::UnknownAdapter(name.to_string()))?;
+        if self.versions.get(&id).is_some_and(|v| v.failed) {
+            return Err(EngineError::AdapterUnavailable(name.to_string()));
+        }
         self.tick += 1;
         if let Some(v) = self.versions.get_mut(&id) {
             v.in_flight += 1;
@@ -255,6 +283,30 @@ impl LoraRegistry {
             v.host_tick = self.tick;
         }
         self.enforce_host_limit(id);
+    }
+
+    /// Re-reading `id`'s evicted weights failed: new requests for it are refused until an admin
+    /// load. Returns the name when `id` is still the version that name serves (not a retiring one).
+    pub fn mark_failed(&mut self, id: AdapterId) -> Option<String> {
+        let v = self.versions.get_mut(&id)?;
+        if v.weights.is_some() {
+            // Restored meanwhile (an admin load raced with the reload): nothing failed.
+            return None;
+        }
+        v.failed = true;
+        let name = v.name.clone();
+        (self.names.get(&name) == Some(&id)).then_some(name)
+    }
+
+    /// What the adapter cache holds now.
+    pub fn cache_stats(&self) -> AdapterCacheStats {
+        let resident = self.versions.values().filter(|v| v.weights.is_some());
+        AdapterCacheStats {
+            host_bytes: resident.clone().map(|v| v.size_bytes as u64).sum(),
+            host_adapters: resident.count(),
+            slots_used: self.slots.iter().filter(|s| s.is_some()).count(),
+            slots: self.slots.len(),
+        }
     }
 
     /// The adapter version `id` is still known (not fully retired).
@@ -389,6 +441,8 @@ impl LoraRegistry {
         };
         let state = if v.retiring {
             AdapterState::Unloading
+        } else if v.failed {
+            AdapterState::Failed
         } else if v.slot.is_some() {
             AdapterState::Active
         } else if v.weights.is_some() {
@@ -572,5 +626,31 @@ mod tests {
         assert!(r.assign_slots(&[b]).is_ok());
         let info = r.info("a").unwrap();
         assert_eq!((info.requests_served, info.in_flight), (1, 0));
+    }
+
+    #[test]
+    fn a_failed_reload_refuses_the_adapter_until_it_is_loaded_again() {
+        let mut r = registry(1, 1);
+        r.install("a", Path::new("/a"), adapter(1));
+        r.install("b", Path::new("/b"), adapter(2));
+        assert_eq!(r.info("a").unwrap().state, AdapterState::Evicted);
+        let stats = r.cache_stats();
+        assert_eq!((stats.host_adapters, stats.slots_used, stats.slots), (1, 0, 1));
+        assert_eq!(stats.host_bytes, adapter(2).size_bytes() as u64);
+
+        let id = r.acquire("a").unwrap();
+        assert_eq!(r.mark_failed(id), Some("a".to_string()));
+        r.release(id);
+        assert_eq!(r.info("a").unwrap().state, AdapterState::Failed);
+        assert!(matches!(r.acquire("a"), Err(EngineError::AdapterUnavailable(n)) if n == "a"));
+        // Other adapters are unaffected.
+        assert!(r.acquire("b").is_ok());
+
+        // An admin load of the same source clears it.
+        let (outcome, info) = r.install("a", Path::new("/a"), adapter(1));
+        assert_eq!((outcome, info.state), (LoadOutcome::Loaded, AdapterState::Loaded));
+        assert!(r.acquire("a").is_ok());
+        // A version restored meanwhile is not marked failed.
+        assert_eq!(r.mark_failed(info.id), None);
     }
 }

@@ -34,6 +34,7 @@ impl Ctx<'_> {
             )));
         }
         let bytes = self.file.tensor_data(info)?;
+        crate::progress::weights().tensor_done(bytes.len() as u64);
         quant::dequantize(info.ggml_type, bytes, len)
             .map_err(|e| self.err(format!("tensor {name}: {e}")))
     }
@@ -55,6 +56,7 @@ impl Ctx<'_> {
             )));
         }
         let bytes = self.file.tensor_data(info)?;
+        crate::progress::weights().tensor_done(bytes.len() as u64);
         let map = |e: quant::QuantError| self.err(format!("tensor {name}: {e}"));
         if QuantKind::from_ggml(info.ggml_type).is_some() {
             Ok(Matrix::from_quant(
@@ -72,6 +74,15 @@ impl Ctx<'_> {
 
 /// Reads every tensor the config needs.
 pub fn weights_from_gguf(file: &GgufFile, config: &ModelConfig) -> Result<ModelWeights> {
+    let progress = crate::progress::weights();
+    let bytes: u64 = file.tensors().iter().filter_map(|t| t.n_bytes).fold(0, u64::saturating_add);
+    progress.begin(&file.path().display().to_string(), bytes, file.tensors().len() as u64);
+    let weights = read_weights(file, config);
+    progress.finish();
+    weights
+}
+
+fn read_weights(file: &GgufFile, config: &ModelConfig) -> Result<ModelWeights> {
     let cx = Ctx { file };
     let c = config;
     let (h, q, kv, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);

@@ -47,11 +47,18 @@ fn expected_bytes(ty: GgmlType, n_elements: usize) -> Result<usize, QuantError> 
             found: 0,
         });
     }
-    Ok(n_elements / block * size)
+    // A claimed element count can be anything: overflow is a size error, not a wrap or a panic.
+    (n_elements / block).checked_mul(size).ok_or(QuantError::Size { ty, n_elements, expected: 0, found: 0 })
 }
 
 /// Dequantizes `bytes` (exactly `n_elements` elements of type `ty`) to f32.
 pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f32>, QuantError> {
+    // The element count comes from a file's shape: the bytes must confirm it before it sizes an
+    // allocation (a header claiming 2^40 elements over 8 bytes is an error, not an abort).
+    let expected = expected_bytes(ty, n_elements)?;
+    if bytes.len() != expected {
+        return Err(QuantError::Size { ty, n_elements, expected, found: bytes.len() });
+    }
     let mut out = vec![0f32; n_elements];
     dequantize_into(ty, bytes, &mut out)?;
     Ok(out)

@@ -102,6 +102,16 @@ impl SafetensorsFolder {
         self.index.contains_key(name)
     }
 
+    /// Bytes of all mapped files (for load progress: the headers are a rounding error).
+    pub fn total_bytes(&self) -> u64 {
+        self.maps.iter().map(|(_, m)| m.len() as u64).sum()
+    }
+
+    /// Every tensor name, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
     /// A tensor's dtype, shape and bytes (borrowed from the map).
     fn tensor_raw(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8])> {
         let &i = self.index.get(name).ok_or_else(|| {
@@ -120,6 +130,8 @@ impl SafetensorsFolder {
     /// A tensor as f32 with its shape.
     pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let (dtype, shape, data) = self.tensor_raw(name)?;
+        // Counted where a tensor's bytes are used (here, and FP8 codes in `linear`), once each.
+        crate::progress::weights().tensor_done(data.len() as u64);
         let err = |m: String| EngineError::invalid_model(self.path(), m);
         let ty = match dtype {
             Dtype::F32 => GgmlType::F32,
@@ -131,7 +143,11 @@ impl SafetensorsFolder {
                 )))
             }
         };
-        let n: usize = shape.iter().product();
+        // The reader checked shape × dtype against the bytes; overflow is still refused, not wrapped.
+        let n = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| err(format!("tensor {name}: shape {shape:?} overflows")))?;
         let data = quant::dequantize(ty, data, n)
             .map_err(|e| err(format!("tensor {name}: {e}")))?;
         Ok((shape, data))
@@ -155,6 +171,7 @@ impl SafetensorsFolder {
                 format!("tensor {name} is F8_E4M3 but {scale} is missing"),
             ));
         }
+        crate::progress::weights().tensor_done(codes.len() as u64);
         let (scale_shape, scales) = self.tensor_f32(&scale)?;
         fp8_checkpoint::fp8_matrix(name, codes, &shape, &scale_shape, scales, rows, cols)
             .map_err(|m| EngineError::invalid_model(self.path(), m))
@@ -194,6 +211,14 @@ impl SafetensorsFolder {
 /// Reads HF-named tensors (`model.layers.{i}.self_attn.q_proj.weight`, ...) into [`ModelWeights`].
 pub fn weights_from_safetensors(dir: &Path, config: &ModelConfig) -> Result<ModelWeights> {
     let st = SafetensorsFolder::open(dir)?;
+    let progress = crate::progress::weights();
+    progress.begin(&dir.display().to_string(), st.total_bytes(), st.index.len() as u64);
+    let weights = read_weights(&st, dir, config);
+    progress.finish();
+    weights
+}
+
+fn read_weights(st: &SafetensorsFolder, dir: &Path, config: &ModelConfig) -> Result<ModelWeights> {
     let c = config;
     let (h, q, kv, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
     let mut layers = Vec::with_capacity(c.num_hidden_layers);

@@ -156,7 +156,8 @@ async fn complete<B: InferenceBackend>(state: &SharedState<B>, out: Output, runs
                     *f = Some((reason, usage));
                 }
             }
-            Step::Error(e) => return fail(state, e),
+            // Counted and logged by the generation when it ended; `fail` would count it twice.
+            Step::Error(e) => return e.into_response(),
         }
     }
     let mut choices = Vec::with_capacity(total);

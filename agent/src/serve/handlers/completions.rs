@@ -123,7 +123,8 @@ async fn complete<B: InferenceBackend>(state: &SharedState<B>, out: Output, runs
                 c.text.push_str(&trailing_text);
                 c.finish = Some((reason.as_str(), usage));
             }
-            Step::Error(e) => return fail(state, e),
+            // Counted and logged by the generation when it ended; `fail` would count it twice.
+            Step::Error(e) => return e.into_response(),
         }
     }
     if choices.iter().any(|c| c.finish.is_none()) {

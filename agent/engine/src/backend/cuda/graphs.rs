@@ -22,6 +22,7 @@ impl CudaBackend {
     /// Records the launches of a decode step of `n` sequences into a graph (nothing runs).
     pub(super) fn capture(&mut self, key: (usize, bool), rows: usize) -> Result<()> {
         let (n, with_lora) = key;
+        let t0 = std::time::Instant::now();
         let stream = self.cuda.gpu.stream.clone();
         stream
             .begin_capture(peregrine_kernels::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -33,6 +34,16 @@ impl CudaBackend {
         match graph.map_err(|e| gpu_err(e.into()))? {
             Some(g) => {
                 self.graphs.by_batch.insert(key, SendGraph(g));
+                // Captures happen on the first decode steps of each batch size: one line each, with
+                // how many of the possible shapes are done, so a slow warm-up is visibly progressing.
+                tracing::info!(
+                    batch = n,
+                    lora = with_lora,
+                    ms = format_args!("{:.1}", t0.elapsed().as_secs_f64() * 1e3),
+                    captured = self.graphs.by_batch.len(),
+                    of_at_most = 2 * self.graphs.max_batch,
+                    "CUDA graph captured"
+                );
             }
             None => tracing::warn!("CUDA graph capture of a {n}-sequence decode step produced no graph"),
         }

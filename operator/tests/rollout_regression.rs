@@ -156,7 +156,13 @@ fn client() -> OpenAiClient {
 }
 
 fn target(canary: &str, stable: &str, adapters: &[&str]) -> SuiteTarget {
-    SuiteTarget { canary: canary.into(), stable: Some(stable.into()), model: "smollm2".into(), adapters: adapters.iter().map(|s| s.to_string()).collect() }
+    SuiteTarget {
+        canary: canary.into(),
+        stable: Some(stable.into()),
+        model: "smollm2".into(),
+        adapters: adapters.iter().map(|s| s.to_string()).collect(),
+        task: Default::default(),
+    }
 }
 
 #[tokio::test]

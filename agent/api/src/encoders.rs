@@ -164,7 +164,7 @@ fn default_true() -> bool {
     true
 }
 
-fn check_texts<'a>(param: &str, texts: impl Iterator<Item = &'a str>, max: usize) -> Result<(), ValidationError> {
+pub(crate) fn check_texts<'a>(param: &str, texts: impl Iterator<Item = &'a str>, max: usize) -> Result<(), ValidationError> {
     let mut n = 0;
     for t in texts {
         if t.is_empty() {

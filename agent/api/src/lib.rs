@@ -18,6 +18,7 @@ pub mod lora;
 pub mod metric_names;
 pub mod models;
 pub mod structured;
+pub mod tei;
 
 pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage};
 pub use common::{NoUnknownFields, Prompt, SamplingFields, StopSequences, StreamOptions, Usage};

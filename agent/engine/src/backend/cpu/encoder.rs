@@ -192,7 +192,7 @@ impl CpuEncoder {
                     dst, 1, h as isize,
                     false,
                     scores.as_ptr(), 1, len as isize,
-                    v, stride, 1,
+                    v, 1, stride,
                     0.0, 1.0,
                     false, false, false,
                     gemm::Parallelism::None,

@@ -206,7 +206,7 @@ async fn classify_matches_transformers_labels_and_probabilities() {
         ("/classify", json!({"input": long}).to_string(), 400),
         ("/classify", json!({"input": 5}).to_string(), 422),
         ("/classify", json!({"input": [1, 2]}).to_string(), 422),
-        ("/classify", json!({"text": "a"}).to_string(), 422),
+        ("/classify", json!({"text": "a"}).to_string(), 400),
         ("/classify", json!({"model": "other", "input": "a"}).to_string(), 404),
         ("/classify", "[".to_string(), 400),
         // Three labels: no relevance score to give.
@@ -380,7 +380,7 @@ async fn tei_embed_and_rerank_aliases() {
         ("/embed", json!({"inputs": "a", "truncation_direction": "left"}).to_string(), 400),
         ("/embed", json!({"inputs": 5}).to_string(), 422),
         ("/embed", json!({"inputs": [1]}).to_string(), 422),
-        ("/embed", json!({"input": "a"}).to_string(), 422),
+        ("/embed", json!({"input": "a"}).to_string(), 400),
         ("/embed", "{".to_string(), 400),
         ("/rerank", json!({"query": "", "texts": ["a"]}).to_string(), 400),
         ("/rerank", json!({"query": "q", "texts": [1]}).to_string(), 422),

@@ -96,15 +96,6 @@ impl ScrapeWindow {
         self.one_step = one_step;
     }
 
-    /// The histogram whose count is a pod's admitted requests.
-    fn admitted<'a>(&self, m: &'a PodMetrics) -> Option<&'a Histogram> {
-        if self.one_step { m.e2e.as_ref() } else { m.ttft.as_ref() }
-    }
-
-    /// The counter of a pod's work in tokens.
-    fn work_tokens(&self, m: &PodMetrics) -> Option<f64> {
-        if self.one_step { m.prompt_tokens } else { m.generation_tokens }
-    }
 
     pub fn set_window(&mut self, window_seconds: f64) {
         self.window_seconds = window_seconds;
@@ -115,6 +106,7 @@ impl ScrapeWindow {
     /// counts again once it answers.
     pub fn observe(&mut self, now: f64, observations: &[PodObservation]) -> FleetSnapshot {
         self.pods.retain(|name, _| observations.iter().any(|o| &o.pod == name && !matches!(o.state, PodState::Loading)));
+        let one_step = self.one_step;
         let mut snap = FleetSnapshot::default();
         let mut fleet = FleetHistograms::default();
         let mut waiting_now = 0.0;
@@ -170,7 +162,7 @@ impl ScrapeWindow {
             // Rates per pod over that pod's own span, then summed: pods scraped for different
             // lengths of time (a new pod) must not share one divisor.
             if span > 0.0 {
-                if let (Some(a), Some(b)) = (self.work_tokens(metrics), self.work_tokens(base)) {
+                if let (Some(a), Some(b)) = (work_tokens(one_step, metrics), work_tokens(one_step, base)) {
                     tokens += (if a >= b { a - b } else { a }) / span;
                 }
                 if let (Some(a), Some(b)) = (&metrics.e2e, &base.e2e) {
@@ -179,10 +171,10 @@ impl ScrapeWindow {
                 rate_span = rate_span.min(span);
                 let change = metrics.waiting.unwrap_or(0.0) - base.waiting.unwrap_or(0.0);
                 growth = Some(growth.unwrap_or(0.0) + change / span);
-                arrivals.add(arrived(self.admitted(metrics), self.admitted(base), metrics, base), span);
+                arrivals.add(arrived(admitted(one_step, metrics), admitted(one_step, base), metrics, base), span);
             }
             if let Some((t1, prev)) = history.get(history.len() - 2) {
-                recent_arrivals.add(arrived(self.admitted(metrics), self.admitted(prev), metrics, prev), now - t1);
+                recent_arrivals.add(arrived(admitted(one_step, metrics), admitted(one_step, prev), metrics, prev), now - t1);
             }
         }
         if scraped > 0 {
@@ -206,6 +198,16 @@ impl ScrapeWindow {
         snap.requests_in_window = admitted.as_ref().map_or(0.0, |h| h.count);
         snap
     }
+}
+
+/// The histogram whose count is a pod's admitted requests (see [`ScrapeWindow::set_one_step`]).
+fn admitted(one_step: bool, m: &PodMetrics) -> Option<&Histogram> {
+    if one_step { m.e2e.as_ref() } else { m.ttft.as_ref() }
+}
+
+/// The counter of a pod's work in tokens.
+fn work_tokens(one_step: bool, m: &PodMetrics) -> Option<f64> {
+    if one_step { m.prompt_tokens } else { m.generation_tokens }
 }
 
 /// Requests that arrived at one pod between two scrapes: those admitted (that got a first token;

@@ -174,7 +174,7 @@ mod tests {
         RegressionCase {
             name: "c".into(),
             prompt: Some("p".into()),
-            expect: Expectation { kind, value: value.map(Into::into), threshold },
+            expect: Expectation { kind, value: value.map(Into::into), threshold, ..Default::default() },
             ..Default::default()
         }
     }

@@ -280,7 +280,7 @@ mod tests {
 
     #[test]
     fn adapters_get_variants_of_base_cases() {
-        let base = RegressionCase { name: "a".into(), prompt: Some("p".into()), expect: Expectation { kind: ExpectationKind::Exact, value: Some("x".into()), threshold: None }, ..Default::default() };
+        let base = RegressionCase { name: "a".into(), prompt: Some("p".into()), expect: Expectation { kind: ExpectationKind::Exact, value: Some("x".into()), ..Default::default() }, ..Default::default() };
         let pinned = RegressionCase { name: "b".into(), adapter: Some("sql".into()), ..base.clone() };
         let planned = plan(&[base, pinned], &["sql".into(), "chat".into()]);
         let names: Vec<&str> = planned.iter().map(|p| p.name.as_str()).collect();

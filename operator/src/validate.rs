@@ -180,19 +180,9 @@ mod tests {
         let with_slo = |task: ModelTask, slo: LatencySlo| {
             let mut s = spec("file:///m");
             s.model.task = task;
-            s.autoscaling = Some(AutoscalingSpec {
-                min_replicas: 1,
-                max_replicas: 2,
-                slo,
-                max_queue_depth_per_replica: None,
-                max_kv_cache_usage: None,
-                scale_up_stabilization_seconds: 30,
-                scale_down_stabilization_seconds: 300,
-                evaluation_window_seconds: 60,
-                scale_to_zero: ScaleToZero::default(),
-                provisioned_throughput: None,
-                capacity_per_replica: None,
-            });
+            // The CRD's defaults for everything else.
+            let autoscaling = serde_json::json!({"maxReplicas": 2, "slo": slo});
+            s.autoscaling = Some(serde_json::from_value(autoscaling).expect("an autoscaling spec"));
             validate_spec(&s)
         };
         let generation = LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None };

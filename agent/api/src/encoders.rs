@@ -84,12 +84,15 @@ pub struct EmbeddingRequest {
 impl Validate for EmbeddingRequest {
     fn validate(&self) -> Result<(), ValidationError> {
         self.input.validate("input")?;
-        if let Some(d) = self.dimensions {
-            if d < 1 {
-                return Err(ValidationError::new("dimensions", format!("dimensions must be at least 1, got {d}")));
-            }
-        }
-        Ok(())
+        check_dimensions(self.dimensions)
+    }
+}
+
+/// A requested embedding width is at least 1 (its upper bound is the model's, checked by the server).
+pub(crate) fn check_dimensions(dimensions: Option<i64>) -> Result<(), ValidationError> {
+    match dimensions {
+        Some(d) if d < 1 => Err(ValidationError::new("dimensions", format!("dimensions must be at least 1, got {d}"))),
+        _ => Ok(()),
     }
 }
 

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::encoders::{check_texts, ScoreTexts, MAX_DOCUMENTS, MAX_INPUTS};
+use crate::encoders::{check_dimensions, check_texts, ScoreTexts, MAX_DOCUMENTS, MAX_INPUTS};
 use crate::{Validate, ValidationError};
 
 /// TEI cuts over-long inputs only on the right; `left` is refused rather than silently ignored.
@@ -49,12 +49,7 @@ impl Validate for TeiEmbedRequest {
     fn validate(&self) -> Result<(), ValidationError> {
         check_texts("inputs", self.inputs.to_vec().iter().map(String::as_str), MAX_INPUTS)?;
         right_only(self.truncation_direction)?;
-        if let Some(d) = self.dimensions {
-            if d < 1 {
-                return Err(ValidationError::new("dimensions", format!("dimensions must be at least 1, got {d}")));
-            }
-        }
-        Ok(())
+        check_dimensions(self.dimensions)
     }
 }
 

@@ -315,10 +315,11 @@ pub struct ClassifyResponse {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn parse<T: serde::de::DeserializeOwned + Validate>(s: &str) -> Result<T, String> {
+    /// Deserializes and validates a body, as the server does (shared with `tei`'s tests).
+    pub(crate) fn parse<T: serde::de::DeserializeOwned + Validate>(s: &str) -> Result<T, String> {
         let t: T = serde_json::from_str(s).map_err(|e| e.to_string())?;
         t.validate().map_err(|e| e.to_string())?;
         Ok(t)

@@ -91,12 +91,7 @@ pub struct TeiRank {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parse<T: serde::de::DeserializeOwned + Validate>(s: &str) -> Result<T, String> {
-        let t: T = serde_json::from_str(s).map_err(|e| e.to_string())?;
-        t.validate().map_err(|e| e.to_string())?;
-        Ok(t)
-    }
+    use crate::encoders::tests::parse;
 
     #[test]
     fn tei_embed_bodies() {

@@ -68,17 +68,21 @@ fn default_evaluation_window() -> i32 {
     60
 }
 
-/// p95 latency objectives in seconds.
+/// p95 latency objectives in seconds. A `generate` model needs `ttftP95Seconds` and
+/// `tpotP95Seconds`; an encoder (`spec.model.task` embed, rerank or classify) answers in one step and
+/// takes `e2eP95Seconds` only (the ModelDeployment's rules check which).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LatencySlo {
-    /// Time to first token, p95.
+    /// Time to first token, p95 (`generate` only, required there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = kube::core::Rule::new("self > 0.0").message("ttftP95Seconds must be > 0"))]
-    pub ttft_p95_seconds: f64,
-    /// Time per output token after the first, p95.
+    pub ttft_p95_seconds: Option<f64>,
+    /// Time per output token after the first, p95 (`generate` only, required there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = kube::core::Rule::new("self > 0.0").message("tpotP95Seconds must be > 0"))]
-    pub tpot_p95_seconds: f64,
-    /// End-to-end request latency, p95 (optional).
+    pub tpot_p95_seconds: Option<f64>,
+    /// End-to-end request latency, p95 (optional for `generate`, required for encoders).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = kube::core::Rule::new("self > 0.0").message("e2eP95Seconds must be > 0"))]
     pub e2e_p95_seconds: Option<f64>,
@@ -106,7 +110,8 @@ fn default_idle_timeout() -> i32 {
     900
 }
 
-/// A throughput: output tokens per second, and optionally requests per second.
+/// A throughput: output tokens per second, and optionally requests per second. For an encoder
+/// (no output tokens), the tokens are the input tokens it encodes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Throughput {

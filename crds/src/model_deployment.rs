@@ -42,6 +42,7 @@ use crate::source::ModelSource;
     validation = kube::core::Rule::new(DNS1035_NAME_RULE).message(DNS1035_NAME_MESSAGE),
 )]
 #[x_kube(validation = kube::core::Rule::new(GPU_DTYPE_RULE).message(GPU_DTYPE_MESSAGE))]
+#[x_kube(validation = kube::core::Rule::new(SLO_TASK_RULE).message(SLO_TASK_MESSAGE))]
 #[serde(rename_all = "camelCase")]
 pub struct ModelDeploymentSpec {
     /// The base model.
@@ -101,6 +102,12 @@ pub const GPU_DTYPE_RULE: &str =
 /// Message of [`GPU_DTYPE_RULE`].
 pub const GPU_DTYPE_MESSAGE: &str =
     "resources.gpus is 0 (CPU backend): engine.dtype must be auto or float32";
+
+/// The autoscaling SLO fits the task: TTFT and TPOT for `generate`; for an encoder (one step, no
+/// output tokens) the end-to-end p95 and neither of the others.
+pub const SLO_TASK_RULE: &str = "!has(self.autoscaling) || ((has(self.model.task) && self.model.task != 'generate') ? (has(self.autoscaling.slo.e2eP95Seconds) && !has(self.autoscaling.slo.ttftP95Seconds) && !has(self.autoscaling.slo.tpotP95Seconds)) : (has(self.autoscaling.slo.ttftP95Seconds) && has(self.autoscaling.slo.tpotP95Seconds)))";
+/// Message of [`SLO_TASK_RULE`] (the operator's own check says the same).
+pub const SLO_TASK_MESSAGE: &str = "autoscaling.slo must fit model.task: generate needs ttftP95Seconds and tpotP95Seconds; embed, rerank and classify take e2eP95Seconds only (an encoder answers in one step)";
 
 fn default_replicas() -> i32 {
     1

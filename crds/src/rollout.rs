@@ -128,10 +128,12 @@ fn default_cases_key() -> String {
     "cases.yaml".to_string()
 }
 
-/// One regression case: a prompt (or chat), greedy decoding, and what the output must satisfy.
+/// One regression case: a prompt (or chat), greedy decoding, and what the output must satisfy; or,
+/// for an encoder (`spec.model.task` embed, rerank, classify), an `input` (with `documents` to rerank).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = kube::core::Rule::new("has(self.prompt) != (has(self.messages) && size(self.messages) > 0)").message("a case sets exactly one of prompt and messages"))]
+#[x_kube(validation = kube::core::Rule::new(CASE_INPUT_RULE).message(CASE_INPUT_MESSAGE))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.documents) || size(self.documents) == 0 || has(self.input)").message("documents go with input (a rerank case)"))]
 pub struct RegressionCase {
     /// Identifies the case in results.
     #[schemars(length(min = 1, max = 128))]
@@ -144,6 +146,13 @@ pub struct RegressionCase {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub messages: Vec<ChatMessage>,
+    /// Encoder cases: the text to embed or classify, or the query to rerank `documents` against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+    /// Rerank cases: the documents, at most 100. The output is their relevance scores in this order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
+    pub documents: Vec<String>,
     /// Send to this LoraAdapter (its served name) instead of the base model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapter: Option<String>,
@@ -152,6 +161,11 @@ pub struct RegressionCase {
     pub sampling: GreedySampling,
     pub expect: Expectation,
 }
+
+/// A case sends exactly one of a completion prompt, chat messages or an encoder input.
+pub const CASE_INPUT_RULE: &str = "(has(self.prompt) ? 1 : 0) + (has(self.messages) && size(self.messages) > 0 ? 1 : 0) + (has(self.input) ? 1 : 0) == 1";
+/// Message of [`CASE_INPUT_RULE`].
+pub const CASE_INPUT_MESSAGE: &str = "a case sets exactly one of prompt, messages and input";
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
@@ -189,10 +203,17 @@ fn default_max_tokens() -> i32 {
 }
 
 /// What a case's output must satisfy.
+///
+/// An encoder case's output is a vector (the embedding; the scores of `documents` in order; the
+/// class probabilities) and a text (the top label for classify; the document indices, most
+/// relevant first and comma-separated, for rerank), so `exact`/`contains`/`regex` check labels and
+/// rankings, `cosineAtLeast` and `withinTolerance` check the vector against golden `values`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = kube::core::Rule::new("self.type == 'sameAsStable' || has(self.value)").message("expect.value is required for exact, contains and regex"))]
-#[x_kube(validation = kube::core::Rule::new("!has(self.threshold) || self.type == 'sameAsStable'").message("expect.threshold applies only to sameAsStable"))]
+#[x_kube(validation = kube::core::Rule::new("self.type in ['sameAsStable', 'cosineAtLeast', 'withinTolerance'] || has(self.value)").message("expect.value is required for exact, contains and regex"))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.threshold) || self.type in ['sameAsStable', 'cosineAtLeast']").message("expect.threshold applies only to sameAsStable and cosineAtLeast"))]
+#[x_kube(validation = kube::core::Rule::new("!(self.type in ['cosineAtLeast', 'withinTolerance']) || (has(self.values) && size(self.values) > 0)").message("expect.values (the golden vector) is required for cosineAtLeast and withinTolerance"))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.tolerance) || self.type == 'withinTolerance'").message("expect.tolerance applies only to withinTolerance"))]
 pub struct Expectation {
     #[serde(rename = "type")]
     pub kind: ExpectationKind,
@@ -200,10 +221,21 @@ pub struct Expectation {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value: Option<String>,
     /// `sameAsStable`: least fraction (0..1) of leading output tokens that must equal the stable
-    /// revision's output (default 1.0: identical).
+    /// revision's output (default 1.0: identical); for an encoder, the least of 1 - the largest
+    /// difference between the two outputs' values (default 0.999). `cosineAtLeast`: the least
+    /// cosine between the output and `values` (default 0.999).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = kube::core::Rule::new("self >= 0.0 && self <= 1.0").message("threshold must be in [0, 1]"))]
     pub threshold: Option<f64>,
+    /// Golden vector of an encoder case (`cosineAtLeast`, `withinTolerance`), at most 8192 values.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8192))]
+    pub values: Vec<f64>,
+    /// `withinTolerance`: the largest difference allowed between each output value and `values`
+    /// (default 1e-3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("self >= 0.0").message("tolerance must be >= 0"))]
+    pub tolerance: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -218,6 +250,12 @@ pub enum ExpectationKind {
     /// Compare with the stable revision's output for the same case.
     #[serde(rename = "sameAsStable")]
     SameAsStable,
+    /// Encoder cases: the cosine between the output vector and `values` is at least `threshold`.
+    #[serde(rename = "cosineAtLeast")]
+    CosineAtLeast,
+    /// Encoder cases: every output value is within `tolerance` of `values`.
+    #[serde(rename = "withinTolerance")]
+    WithinTolerance,
 }
 
 /// Suite-level thresholds a step must meet to pass.
@@ -228,7 +266,8 @@ pub struct RegressionThresholds {
     #[serde(default = "default_agreement")]
     #[x_kube(validation = kube::core::Rule::new("self >= 0.0 && self <= 1.0").message("minAgreementRate must be in [0, 1]"))]
     pub min_agreement_rate: f64,
-    /// Canary p95 latency (TTFT and TPOT) may be at most this multiple of stable's (default 1.5).
+    /// Canary p95 latency (TTFT and TPOT; an encoder's whole request, reported as TTFT) may be at
+    /// most this multiple of stable's (default 1.5).
     #[serde(default = "default_latency_factor")]
     #[x_kube(validation = kube::core::Rule::new("self >= 1.0").message("maxLatencyFactor must be >= 1"))]
     pub max_latency_factor: f64,

@@ -50,6 +50,48 @@ impl ModelFormat {
     }
 }
 
+/// What the model is served for. It decides how the operator checks and measures it: the
+/// regression cases it accepts (prompts for `generate`; an `input` for the encoder tasks, with
+/// `documents` for `rerank`) and the autoscaling SLO (TTFT/TPOT for `generate`; the whole request's
+/// p95 latency for the encoder tasks, which answer in one step). The agent itself reads the task
+/// from the model folder (a `*ForSequenceClassification` head, a Sentence-Transformers chain).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum ModelTask {
+    /// Text generation (`/v1/completions`, `/v1/chat/completions`).
+    #[default]
+    #[serde(rename = "generate")]
+    Generate,
+    /// Sentence embeddings (`/v1/embeddings`).
+    #[serde(rename = "embed")]
+    Embed,
+    /// A cross-encoder scoring (query, document) pairs (`/v1/rerank`).
+    #[serde(rename = "rerank")]
+    Rerank,
+    /// Sequence classification: labels and probabilities (`/classify`).
+    #[serde(rename = "classify")]
+    Classify,
+}
+
+impl ModelTask {
+    /// Encoders answer a request in one forward: no first token, no time per output token.
+    pub fn is_encoder(self) -> bool {
+        !self.is_generate()
+    }
+
+    pub fn is_generate(&self) -> bool {
+        matches!(self, ModelTask::Generate)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelTask::Generate => "generate",
+            ModelTask::Embed => "embed",
+            ModelTask::Rerank => "rerank",
+            ModelTask::Classify => "classify",
+        }
+    }
+}
+
 /// The base model to serve.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
@@ -66,6 +108,10 @@ pub struct ModelSource {
     /// Credentials for `s3://`, `gs://` or private `https://` sources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_ref: Option<SecretReference>,
+    /// What the model is served for: `generate` (the default when unset), `embed`, `rerank` or
+    /// `classify`.
+    #[serde(default, skip_serializing_if = "ModelTask::is_generate")]
+    pub task: ModelTask,
     /// The model id clients send as `model` (and the `parent` of adapters in `/v1/models`); defaults
     /// to the ModelDeployment's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]

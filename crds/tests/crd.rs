@@ -43,7 +43,7 @@ fn cel(object: &Value, old: Option<&Value>) -> Result<(), Vec<String>> {
 
 fn examples() -> Vec<Value> {
     let mut out = Vec::new();
-    for file in ["smollm2-cpu.yaml", "llama-gpu-full.yaml"] {
+    for file in ["smollm2-cpu.yaml", "llama-gpu-full.yaml", "minilm-embed-cpu.yaml"] {
         let text = std::fs::read_to_string(repo_root().join("crds/examples").join(file)).unwrap();
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let value: Value = serde::Deserialize::deserialize(doc).unwrap();
@@ -56,7 +56,7 @@ fn examples() -> Vec<Value> {
 #[test]
 fn examples_parse_into_the_types_and_pass_every_rule() {
     let examples = examples();
-    assert_eq!(examples.len(), 4);
+    assert_eq!(examples.len(), 5);
     for value in &examples {
         match value["kind"].as_str() {
             Some("ModelDeployment") => {
@@ -166,7 +166,12 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         ("canary without steps", Box::new(|v| set(v, "/spec/rollout/steps", json!([]))), "rollout.steps must not be empty"),
         ("regression step without suite", Box::new(|v| remove(v, "/spec/rollout/regression")), "runRegression needs rollout.regression"),
         ("cases and configmap", Box::new(|v| set(v, "/spec/rollout/regression/suite/configMapRef", json!({"name": "c"}))), "exactly one of cases and configMapRef"),
-        ("prompt and messages", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/0/messages", json!([{"role": "user", "content": "x"}]))), "exactly one of prompt and messages"),
+        ("prompt and messages", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/0/messages", json!([{"role": "user", "content": "x"}]))), "exactly one of prompt, messages and input"),
+        ("prompt and input", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/0/input", json!("x"))), "exactly one of prompt, messages and input"),
+        ("documents without input", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/0/documents", json!(["d"]))), "documents go with input"),
+        ("tolerance on contains", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/0/expect/tolerance", json!(0.1))), "tolerance applies only to withinTolerance"),
+        ("encoder task with a ttft slo", Box::new(|v| set(v, "/spec/model/task", json!("embed"))), "autoscaling.slo must fit model.task"),
+        ("generate without tpot", Box::new(|v| remove(v, "/spec/autoscaling/slo/tpotP95Seconds")), "generate needs ttftP95Seconds and tpotP95Seconds"),
         ("regex without value", Box::new(|v| remove(v, "/spec/rollout/regression/suite/cases/2/expect/value")), "expect.value is required"),
         ("threshold on contains", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/0/expect/threshold", json!(0.5))), "threshold applies only to sameAsStable"),
         ("bad role", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/1/messages/0/role", json!("robot"))), "role must be system, user or assistant"),
@@ -187,6 +192,35 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         let errors = cel(&object, None).expect_err(name);
         assert!(errors.iter().any(|m| m.contains(want)), "{name}: wanted {want:?}, got {errors:?}");
     }
+}
+
+#[test]
+fn encoder_example_fits_its_task_and_bad_encoder_specs_are_refused() {
+    let base = examples()[4].clone();
+    let md: ModelDeployment = serde_json::from_value(base.clone()).unwrap();
+    assert_eq!(md.spec.model.task, peregrine_crds::ModelTask::Embed);
+    let a = md.spec.autoscaling.unwrap();
+    assert_eq!((a.slo.ttft_p95_seconds, a.slo.tpot_p95_seconds, a.slo.e2e_p95_seconds), (None, None, Some(0.2)));
+    let cases = md.spec.rollout.unwrap().regression.unwrap().suite.cases;
+    assert_eq!(cases[0].expect.values.len(), 384);
+    let cases: Vec<(&str, Box<dyn Fn(&mut Value)>, &str)> = vec![
+        ("encoder without an e2e slo", Box::new(|v| set(v, "/spec/autoscaling/slo", json!({"ttftP95Seconds": 0.1, "tpotP95Seconds": 0.01}))), "e2eP95Seconds only"),
+        ("cosineAtLeast without values", Box::new(|v| remove(v, "/spec/rollout/regression/suite/cases/0/expect/values")), "expect.values (the golden vector) is required"),
+        ("threshold on withinTolerance", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/0/expect/type", json!("withinTolerance"))), "threshold applies only to sameAsStable and cosineAtLeast"),
+        ("negative tolerance", Box::new(|v| {
+            set(v, "/spec/rollout/regression/suite/cases/1/expect", json!({"type": "withinTolerance", "values": [0.5], "tolerance": -1.0}));
+        }), "tolerance must be >= 0"),
+    ];
+    for (name, mutate, want) in cases {
+        let mut object = base.clone();
+        mutate(&mut object);
+        let errors = cel(&object, None).expect_err(name);
+        assert!(errors.iter().any(|m| m.contains(want)), "{name}: wanted {want:?}, got {errors:?}");
+    }
+    // A generate model may keep an e2e objective beside TTFT/TPOT; an unset task is generate.
+    let mut object = examples()[2].clone();
+    set(&mut object, "/spec/model/task", json!("generate"));
+    assert_eq!(cel(&object, None), Ok(()));
 }
 
 #[test]

@@ -6,7 +6,7 @@ use peregrine_operator::autoscaler::sim::{self, SimConfig, StepModel, Workload};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seed: u64 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(42);
-    let slo = LatencySlo { ttft_p95_seconds: 0.5, tpot_p95_seconds: 0.05, e2e_p95_seconds: None };
+    let slo = LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None };
     let model = StepModel::smollm2_cpu();
     let workload = Workload { prompt_tokens: 128, min_output_tokens: 32, max_output_tokens: 96 };
     let rps = sim::capacity_at_slo(&model, &workload, &slo, 1800.0, 7);

@@ -1,7 +1,7 @@
 //! Checks of a ModelDeployment that the schema and CEL rules cannot make (or that objects written with
 //! validation off could slip past). A failure becomes a `Degraded` condition, and nothing is created.
 
-use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri, GPUS_MESSAGE};
+use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri, GPUS_MESSAGE, SLO_TASK_MESSAGE};
 
 /// Why a spec cannot be acted on: a condition reason and a message for the user.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,6 +49,7 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
                 format!("autoscaling.maxReplicas ({}) is less than minReplicas ({})", a.max_replicas, a.min_replicas),
             ));
         }
+        validate_slo_task(spec)?;
     }
     if spec.replicas < 0 {
         return Err(SpecError::new(reasons::INVALID_SPEC, "replicas must not be negative"));
@@ -59,6 +60,23 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
         }
     }
     Ok(uri)
+}
+
+/// The SLO fits the task ([`SLO_TASK_RULE`](peregrine_crds::SLO_TASK_RULE) says the same at
+/// admission): TTFT and TPOT for generation; for an encoder, which has neither, the e2e p95 alone.
+fn validate_slo_task(spec: &ModelDeploymentSpec) -> Result<(), SpecError> {
+    let Some(a) = &spec.autoscaling else { return Ok(()) };
+    let slo = &a.slo;
+    let fits = if spec.model.task.is_encoder() {
+        slo.e2e_p95_seconds.is_some() && slo.ttft_p95_seconds.is_none() && slo.tpot_p95_seconds.is_none()
+    } else {
+        slo.ttft_p95_seconds.is_some() && slo.tpot_p95_seconds.is_some()
+    };
+    if fits {
+        Ok(())
+    } else {
+        Err(SpecError::new(reasons::INVALID_SPEC, format!("{SLO_TASK_MESSAGE} (model.task is {})", spec.model.task.as_str())))
+    }
 }
 
 /// Checks the ModelDeployment's name: it names the Service, so it must be a DNS-1035 label (the
@@ -82,7 +100,7 @@ pub fn validate_name(name: &str) -> Result<(), SpecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use peregrine_crds::{AutoscalingSpec, LatencySlo, ModelSource, ScaleToZero};
+    use peregrine_crds::{AutoscalingSpec, LatencySlo, ModelSource, ModelTask, ScaleToZero};
 
     fn spec(uri: &str) -> ModelDeploymentSpec {
         ModelDeploymentSpec { model: ModelSource { uri: uri.into(), ..Default::default() }, replicas: 1, ..Default::default() }
@@ -111,7 +129,7 @@ mod tests {
                 s.autoscaling = Some(AutoscalingSpec {
                     min_replicas: 3,
                     max_replicas: 2,
-                    slo: LatencySlo { ttft_p95_seconds: 1.0, tpot_p95_seconds: 0.1, e2e_p95_seconds: None },
+                    slo: LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None },
                     max_queue_depth_per_replica: None,
                     max_kv_cache_usage: None,
                     scale_up_stabilization_seconds: 30,
@@ -155,5 +173,28 @@ mod tests {
             let err = validate_name(bad).expect_err(bad);
             assert_eq!(err.reason, reasons::INVALID_NAME);
         }
+    }
+
+    #[test]
+    fn the_slo_fits_the_task() {
+        let with_slo = |task: ModelTask, slo: LatencySlo| {
+            let mut s = spec("file:///m");
+            s.model.task = task;
+            // The CRD's defaults for everything else.
+            let autoscaling = serde_json::json!({"maxReplicas": 2, "slo": slo});
+            s.autoscaling = Some(serde_json::from_value(autoscaling).expect("an autoscaling spec"));
+            validate_spec(&s)
+        };
+        let generation = LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None };
+        let request = LatencySlo { ttft_p95_seconds: None, tpot_p95_seconds: None, e2e_p95_seconds: Some(0.2) };
+        assert!(with_slo(ModelTask::Generate, generation.clone()).is_ok());
+        for task in [ModelTask::Embed, ModelTask::Rerank, ModelTask::Classify] {
+            assert!(with_slo(task, request.clone()).is_ok(), "{task:?}");
+            let err = with_slo(task, generation.clone()).expect_err("ttft on an encoder");
+            assert_eq!(err.reason, reasons::INVALID_SPEC);
+            assert!(err.message.contains("e2eP95Seconds only") && err.message.contains(task.as_str()), "{}", err.message);
+        }
+        let err = with_slo(ModelTask::Generate, request).expect_err("no ttft for generation");
+        assert!(err.message.contains("generate needs ttftP95Seconds"), "{}", err.message);
     }
 }

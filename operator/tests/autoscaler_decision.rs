@@ -8,7 +8,7 @@ fn spec() -> AutoscalingSpec {
     AutoscalingSpec {
         min_replicas: 1,
         max_replicas: 10,
-        slo: LatencySlo { ttft_p95_seconds: 0.5, tpot_p95_seconds: 0.05, e2e_p95_seconds: None },
+        slo: LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None },
         max_queue_depth_per_replica: None,
         max_kv_cache_usage: None,
         scale_up_stabilization_seconds: 30,

@@ -71,7 +71,7 @@ fn score(report: &SimReport, trace: &[f64], slo: &LatencySlo, reaction: usize, s
 
 #[test]
 fn standard_trace_holds_the_slo_without_flapping_near_oracle_cost_on_every_seed() {
-    let slo = LatencySlo { ttft_p95_seconds: 0.5, tpot_p95_seconds: 0.05, e2e_p95_seconds: None };
+    let slo = LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None };
     let model = StepModel::smollm2_cpu();
     let workload = Workload { prompt_tokens: 128, min_output_tokens: 32, max_output_tokens: 96 };
     // The "benchmark": the highest request rate one replica holds the SLO at.

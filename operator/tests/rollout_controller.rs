@@ -204,7 +204,7 @@ fn model_deployment(image: &str) -> ModelDeployment {
                         cases: vec![RegressionCase {
                             name: "same".into(),
                             prompt: Some("hello".into()),
-                            expect: Expectation { kind: ExpectationKind::SameAsStable, value: None, threshold: None },
+                            expect: Expectation { kind: ExpectationKind::SameAsStable, ..Default::default() },
                             ..Default::default()
                         }],
                         config_map_ref: None,

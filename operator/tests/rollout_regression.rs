@@ -130,7 +130,7 @@ fn case(name: &str, prompt: &str, kind: ExpectationKind, value: Option<&str>) ->
         name: name.into(),
         prompt: Some(prompt.into()),
         sampling: GreedySampling { max_tokens: 8, ..Default::default() },
-        expect: Expectation { kind, value: value.map(Into::into), threshold: None },
+        expect: Expectation { kind, value: value.map(Into::into), ..Default::default() },
         ..Default::default()
     }
 }
@@ -145,7 +145,7 @@ fn suite() -> Vec<RegressionCase> {
             name: "chat".into(),
             messages: vec![ChatMessage { role: "user".into(), content: "hello there".into() }],
             sampling: GreedySampling { max_tokens: 8, stop: vec!["\n".into()], seed: Some(7) },
-            expect: Expectation { kind: ExpectationKind::SameAsStable, value: None, threshold: None },
+            expect: Expectation { kind: ExpectationKind::SameAsStable, ..Default::default() },
             ..Default::default()
         },
     ]
@@ -156,7 +156,13 @@ fn client() -> OpenAiClient {
 }
 
 fn target(canary: &str, stable: &str, adapters: &[&str]) -> SuiteTarget {
-    SuiteTarget { canary: canary.into(), stable: Some(stable.into()), model: "smollm2".into(), adapters: adapters.iter().map(|s| s.to_string()).collect() }
+    SuiteTarget {
+        canary: canary.into(),
+        stable: Some(stable.into()),
+        model: "smollm2".into(),
+        adapters: adapters.iter().map(|s| s.to_string()).collect(),
+        task: Default::default(),
+    }
 }
 
 #[tokio::test]

@@ -55,3 +55,38 @@ pub fn test_encoder() -> PathBuf {
     }
     path
 }
+
+/// The sequence-classification fixture `head` (`three-labels` or `cross-encoder`, under
+/// `minilm/classifier/`) as a model folder in `dir`: the fixture's `config.json` and head, the test
+/// encoder's tokenizer, its body linked in, and a safetensors index that maps the body's tensors to
+/// the body file and the head's to the head file (the fixtures ship only the head, 2 KB, not a
+/// second 90 MB body). Returns the fixture folder (its `reference.json` holds the logits).
+pub fn assemble_classifier(head: &str, dir: &std::path::Path) -> PathBuf {
+    let fixture = fixtures_dir().join("minilm/classifier").join(head);
+    let body = test_encoder();
+    let copy = |from: PathBuf, to: &str| {
+        if let Err(e) = std::fs::copy(&from, dir.join(to)) {
+            panic!("copy {} into {}: {e}", from.display(), dir.display());
+        }
+    };
+    copy(fixture.join("config.json"), "config.json");
+    copy(body.join("tokenizer.json"), "tokenizer.json");
+    copy(fixture.join("head.safetensors"), "head.safetensors");
+    if let Err(e) = std::os::unix::fs::symlink(body.join("model.safetensors"), dir.join("body.safetensors")) {
+        panic!("link the encoder body into {}: {e}", dir.display());
+    }
+    let bytes = std::fs::read(body.join("model.safetensors")).unwrap_or_else(|e| panic!("read the encoder body: {e}"));
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap_or_else(|e| panic!("the encoder body's header: {e}"));
+    let mut map = serde_json::Map::new();
+    for name in meta.tensors().keys() {
+        map.insert(name.clone(), "body.safetensors".into());
+    }
+    for name in ["classifier.weight", "classifier.bias"] {
+        map.insert(name.into(), "head.safetensors".into());
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    if let Err(e) = std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()) {
+        panic!("write the safetensors index: {e}");
+    }
+    fixture
+}

@@ -84,12 +84,15 @@ pub struct EmbeddingRequest {
 impl Validate for EmbeddingRequest {
     fn validate(&self) -> Result<(), ValidationError> {
         self.input.validate("input")?;
-        if let Some(d) = self.dimensions {
-            if d < 1 {
-                return Err(ValidationError::new("dimensions", format!("dimensions must be at least 1, got {d}")));
-            }
-        }
-        Ok(())
+        check_dimensions(self.dimensions)
+    }
+}
+
+/// A requested embedding width is at least 1 (its upper bound is the model's, checked by the server).
+pub(crate) fn check_dimensions(dimensions: Option<i64>) -> Result<(), ValidationError> {
+    match dimensions {
+        Some(d) if d < 1 => Err(ValidationError::new("dimensions", format!("dimensions must be at least 1, got {d}"))),
+        _ => Ok(()),
     }
 }
 
@@ -164,7 +167,7 @@ fn default_true() -> bool {
     true
 }
 
-fn check_texts<'a>(param: &str, texts: impl Iterator<Item = &'a str>, max: usize) -> Result<(), ValidationError> {
+pub(crate) fn check_texts<'a>(param: &str, texts: impl Iterator<Item = &'a str>, max: usize) -> Result<(), ValidationError> {
     let mut n = 0;
     for t in texts {
         if t.is_empty() {
@@ -312,10 +315,11 @@ pub struct ClassifyResponse {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn parse<T: serde::de::DeserializeOwned + Validate>(s: &str) -> Result<T, String> {
+    /// Deserializes and validates a body, as the server does (shared with `tei`'s tests).
+    pub(crate) fn parse<T: serde::de::DeserializeOwned + Validate>(s: &str) -> Result<T, String> {
         let t: T = serde_json::from_str(s).map_err(|e| e.to_string())?;
         t.validate().map_err(|e| e.to_string())?;
         Ok(t)

@@ -20,6 +20,7 @@ pub mod metric_names;
 pub mod models;
 pub mod structured;
 pub mod tools;
+pub mod tei;
 
 pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage};
 pub use common::{NoUnknownFields, Prompt, SamplingFields, StopSequences, StreamOptions, Usage};

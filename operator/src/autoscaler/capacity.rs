@@ -123,7 +123,7 @@ pub fn within_slo(slo: &LatencySlo, snap: &FleetSnapshot) -> bool {
         (Some(p), Some(t)) => p <= t,
         _ => true,
     };
-    ok(snap.ttft_p95, Some(slo.ttft_p95_seconds)) && ok(snap.tpot_p95, Some(slo.tpot_p95_seconds)) && ok(snap.e2e_p95, slo.e2e_p95_seconds)
+    ok(snap.ttft_p95, slo.ttft_p95_seconds) && ok(snap.tpot_p95, slo.tpot_p95_seconds) && ok(snap.e2e_p95, slo.e2e_p95_seconds)
 }
 
 #[cfg(test)]
@@ -131,7 +131,7 @@ mod tests {
     use super::*;
 
     fn slo() -> LatencySlo {
-        LatencySlo { ttft_p95_seconds: 0.5, tpot_p95_seconds: 0.05, e2e_p95_seconds: None }
+        LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None }
     }
 
     fn snap(ready: u32, tps: f64, ttft: f64) -> FleetSnapshot {

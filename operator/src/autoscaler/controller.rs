@@ -133,6 +133,7 @@ impl Autoscaler {
             seed: spec.capacity_per_replica.clone(),
             history: md.status.as_ref().and_then(|s| s.autoscaling.as_ref()).map(|a| a.history.clone()).unwrap_or_default(),
         });
+        state.window.set_one_step(md.spec.model.task.is_encoder());
         if state.seed != spec.capacity_per_replica {
             // A new seed is new information from a person: start from it again.
             state.capacity = CapacityEstimator::new(spec.capacity_per_replica.as_ref());

@@ -402,8 +402,8 @@ fn signals(spec: &AutoscalingSpec, snap: &FleetSnapshot) -> Vec<(Reason, f64)> {
             }
         }
     };
-    push(Reason::TtftAboveSlo, snap.ttft_p95, Some(spec.slo.ttft_p95_seconds));
-    push(Reason::TpotAboveSlo, snap.tpot_p95, Some(spec.slo.tpot_p95_seconds));
+    push(Reason::TtftAboveSlo, snap.ttft_p95, spec.slo.ttft_p95_seconds);
+    push(Reason::TpotAboveSlo, snap.tpot_p95, spec.slo.tpot_p95_seconds);
     push(Reason::E2eAboveSlo, snap.e2e_p95, spec.slo.e2e_p95_seconds);
     push(Reason::QueueDepth, snap.queue_depth_per_replica, Some(max_queue_depth(spec)));
     push(Reason::KvCacheUsage, snap.kv_cache_usage, spec.max_kv_cache_usage);

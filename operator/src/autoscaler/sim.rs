@@ -252,7 +252,8 @@ pub struct MinuteRow {
 
 impl MinuteRow {
     pub fn within_slo(&self, slo: &LatencySlo) -> bool {
-        self.ttft_p95.is_none_or(|t| t <= slo.ttft_p95_seconds) && self.tpot_p95.is_none_or(|t| t <= slo.tpot_p95_seconds)
+        let holds = |p: Option<f64>, target: Option<f64>| p.is_none_or(|p| target.is_none_or(|t| p <= t));
+        holds(self.ttft_p95, slo.ttft_p95_seconds) && holds(self.tpot_p95, slo.tpot_p95_seconds)
     }
 }
 
@@ -447,7 +448,9 @@ pub fn capacity_at_slo(model: &StepModel, workload: &Workload, slo: &LatencySlo,
         let mut ttfts: Vec<f64> = done.iter().map(|d| d.ttft).collect();
         ttfts.extend(std::iter::repeat_n(f64::INFINITY, r.waiting.len()));
         let tpots: Vec<f64> = done.iter().map(|d| d.tpot).collect();
-        p95(&ttfts).is_some_and(|v| v <= slo.ttft_p95_seconds) && p95(&tpots).is_some_and(|v| v <= slo.tpot_p95_seconds)
+        // The simulation models generation: an objective left unset holds trivially.
+        let holds = |p: Option<f64>, target: Option<f64>| target.is_none_or(|t| p.is_some_and(|v| v <= t));
+        holds(p95(&ttfts), slo.ttft_p95_seconds) && holds(p95(&tpots), slo.tpot_p95_seconds)
     };
     let (mut lo, mut hi) = (0.01, 1.0);
     while holds(hi) && hi < 1e4 {

@@ -80,12 +80,22 @@ impl FleetSnapshot {
 pub struct ScrapeWindow {
     window_seconds: f64,
     pods: BTreeMap<String, VecDeque<(f64, PodMetrics)>>,
+    /// The pods serve an encoder (see [`ScrapeWindow::set_one_step`]).
+    one_step: bool,
 }
 
 impl ScrapeWindow {
     pub fn new(window_seconds: f64) -> Self {
-        ScrapeWindow { window_seconds, pods: BTreeMap::new() }
+        ScrapeWindow { window_seconds, pods: BTreeMap::new(), one_step: false }
     }
+
+    /// An encoder (`spec.model.task` other than generate) answers each request in one step: no
+    /// first token and no output tokens. Its requests are counted when they finish (the e2e
+    /// histogram stands in for TTFT's) and its work is the input tokens it encodes.
+    pub fn set_one_step(&mut self, one_step: bool) {
+        self.one_step = one_step;
+    }
+
 
     pub fn set_window(&mut self, window_seconds: f64) {
         self.window_seconds = window_seconds;
@@ -96,6 +106,7 @@ impl ScrapeWindow {
     /// counts again once it answers.
     pub fn observe(&mut self, now: f64, observations: &[PodObservation]) -> FleetSnapshot {
         self.pods.retain(|name, _| observations.iter().any(|o| &o.pod == name && !matches!(o.state, PodState::Loading)));
+        let one_step = self.one_step;
         let mut snap = FleetSnapshot::default();
         let mut fleet = FleetHistograms::default();
         let mut waiting_now = 0.0;
@@ -151,7 +162,7 @@ impl ScrapeWindow {
             // Rates per pod over that pod's own span, then summed: pods scraped for different
             // lengths of time (a new pod) must not share one divisor.
             if span > 0.0 {
-                if let (Some(a), Some(b)) = (metrics.generation_tokens, base.generation_tokens) {
+                if let (Some(a), Some(b)) = (work_tokens(one_step, metrics), work_tokens(one_step, base)) {
                     tokens += (if a >= b { a - b } else { a }) / span;
                 }
                 if let (Some(a), Some(b)) = (&metrics.e2e, &base.e2e) {
@@ -160,10 +171,10 @@ impl ScrapeWindow {
                 rate_span = rate_span.min(span);
                 let change = metrics.waiting.unwrap_or(0.0) - base.waiting.unwrap_or(0.0);
                 growth = Some(growth.unwrap_or(0.0) + change / span);
-                arrivals.add(arrived(metrics, base), span);
+                arrivals.add(arrived(admitted(one_step, metrics), admitted(one_step, base), metrics, base), span);
             }
             if let Some((t1, prev)) = history.get(history.len() - 2) {
-                recent_arrivals.add(arrived(metrics, prev), now - t1);
+                recent_arrivals.add(arrived(admitted(one_step, metrics), admitted(one_step, prev), metrics, prev), now - t1);
             }
         }
         if scraped > 0 {
@@ -183,15 +194,27 @@ impl ScrapeWindow {
         snap.ttft_p95 = fleet.ttft.as_ref().and_then(|h| h.quantile(0.95));
         snap.tpot_p95 = fleet.tpot.as_ref().and_then(|h| h.quantile(0.95));
         snap.e2e_p95 = fleet.e2e.as_ref().and_then(|h| h.quantile(0.95));
-        snap.requests_in_window = fleet.ttft.as_ref().map_or(0.0, |h| h.count);
+        let admitted = if self.one_step { &fleet.e2e } else { &fleet.ttft };
+        snap.requests_in_window = admitted.as_ref().map_or(0.0, |h| h.count);
         snap
     }
 }
 
-/// Requests that arrived at one pod between two scrapes: those that got a first token plus the
-/// growth of the waiting queue. `None` without the series.
-fn arrived(now: &PodMetrics, base: &PodMetrics) -> Option<f64> {
-    let (Some(a), Some(b)) = (&now.ttft, &base.ttft) else { return None };
+/// The histogram whose count is a pod's admitted requests (see [`ScrapeWindow::set_one_step`]).
+fn admitted(one_step: bool, m: &PodMetrics) -> Option<&Histogram> {
+    if one_step { m.e2e.as_ref() } else { m.ttft.as_ref() }
+}
+
+/// The counter of a pod's work in tokens.
+fn work_tokens(one_step: bool, m: &PodMetrics) -> Option<f64> {
+    if one_step { m.prompt_tokens } else { m.generation_tokens }
+}
+
+/// Requests that arrived at one pod between two scrapes: those admitted (that got a first token;
+/// for an encoder, that finished), `a` now and `b` at the base, plus the growth of the waiting
+/// queue. `None` without the series.
+fn arrived(a: Option<&Histogram>, b: Option<&Histogram>, now: &PodMetrics, base: &PodMetrics) -> Option<f64> {
+    let (Some(a), Some(b)) = (a, b) else { return None };
     // A restarted pod's counters start again from zero.
     let admitted = a.delta_since(b).map_or(a.count, |d| d.count);
     let growth = now.waiting.unwrap_or(0.0) - base.waiting.unwrap_or(0.0);
@@ -341,5 +364,42 @@ mod tests {
         );
         assert!((snap.arrivals_per_second.unwrap() - 120.0 / 45.0).abs() < 1e-9);
         assert!((snap.recent_arrivals_per_second.unwrap() - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn encoder_pods_count_finished_requests_and_input_tokens() {
+        // An encoder's agent exports an empty TTFT histogram and no output tokens: its requests
+        // show in the e2e histogram and its work in the prompt-token counter.
+        let encoder = |latencies: &[f64], waiting: f64, prompt_tokens: f64| {
+            let empty = Histogram::with_bounds(&[0.1, 0.25, 0.5, 1.0, 2.5]);
+            let mut e2e = empty.clone();
+            latencies.iter().for_each(|&v| e2e.observe(v));
+            PodMetrics {
+                ttft: Some(empty),
+                e2e: Some(e2e),
+                waiting: Some(waiting),
+                running: Some(0.0),
+                generation_tokens: Some(0.0),
+                prompt_tokens: Some(prompt_tokens),
+                ..Default::default()
+            }
+        };
+        let mut w = ScrapeWindow::new(60.0);
+        w.set_one_step(true);
+        w.observe(0.0, &[scraped("a", encoder(&[], 0.0, 0.0))]);
+        // 30 s: 60 requests of 16 tokens finished, 30 waiting.
+        let snap = w.observe(30.0, &[scraped("a", encoder(&vec![0.05; 60], 30.0, 960.0))]);
+        assert_eq!(snap.requests_in_window, 60.0);
+        assert!((snap.arrivals_per_second.unwrap() - 3.0).abs() < 1e-9);
+        assert!((snap.output_tokens_per_second.unwrap() - 32.0).abs() < 1e-9, "input tokens per second");
+        assert!((snap.requests_per_second.unwrap() - 2.0).abs() < 1e-9);
+        assert_eq!(snap.ttft_p95, None);
+        assert!(snap.e2e_p95.is_some());
+        assert!(!snap.idle());
+        // Read as a generator, the same pod would look idle but for its queue: no first tokens.
+        let mut g = ScrapeWindow::new(60.0);
+        g.observe(0.0, &[scraped("a", encoder(&[], 0.0, 0.0))]);
+        let snap = g.observe(30.0, &[scraped("a", encoder(&vec![0.05; 60], 0.0, 960.0))]);
+        assert_eq!(snap.requests_in_window, 0.0);
     }
 }

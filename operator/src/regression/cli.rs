@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use peregrine_crds::{RegressionCase, RegressionSpec, RegressionThresholds};
+use peregrine_crds::{ModelTask, RegressionCase, RegressionSpec, RegressionThresholds};
 
 use super::client::OpenAiClient;
 use super::runner::{run_suite, SuiteReport, SuiteTarget};
@@ -31,6 +31,9 @@ pub struct RegressArgs {
     /// Also run every case through this adapter (repeatable).
     #[arg(long = "adapter")]
     pub adapters: Vec<String>,
+    /// The model's task (`spec.model.task`): generate, embed, rerank or classify.
+    #[arg(long, default_value = "generate", value_parser = parse_task)]
+    pub task: ModelTask,
     /// Overrides the suite's minAgreementRate.
     #[arg(long)]
     pub min_agreement_rate: Option<f64>,
@@ -43,6 +46,10 @@ pub struct RegressArgs {
     /// Print the result as JSON (a rollout StepResult) instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_task(s: &str) -> Result<ModelTask, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|_| format!("{s:?} is not a task: generate, embed, rerank or classify"))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,7 +89,13 @@ pub async fn run(args: &RegressArgs) -> Result<SuiteReport, CliError> {
         thresholds.max_latency_factor = f;
     }
     let client = OpenAiClient::new(Duration::from_secs(args.timeout_seconds))?;
-    let target = SuiteTarget { canary: args.canary.clone(), stable: args.stable.clone(), model: args.model.clone(), adapters: args.adapters.clone() };
+    let target = SuiteTarget {
+        canary: args.canary.clone(),
+        stable: args.stable.clone(),
+        model: args.model.clone(),
+        adapters: args.adapters.clone(),
+        task: args.task,
+    };
     Ok(run_suite(&client, &target, &cases, &thresholds).await?)
 }
 

@@ -39,6 +39,9 @@ pub struct Generation {
     pub tpot: Option<Duration>,
     pub completion_tokens: usize,
     pub finish_reason: Option<String>,
+    /// An encoder case's vector (the embedding, the documents' scores in order, the class
+    /// probabilities); `None` for generation. See `encoder_client`.
+    pub values: Option<Vec<f64>>,
 }
 
 /// A small OpenAI client: only what the regression runner sends.
@@ -52,6 +55,10 @@ impl OpenAiClient {
     pub fn new(timeout: Duration) -> Result<Self, ClientError> {
         let http = reqwest::Client::builder().timeout(timeout).build().map_err(|e| ClientError::Transport(e.to_string()))?;
         Ok(OpenAiClient { http })
+    }
+
+    pub(super) fn http(&self) -> &reqwest::Client {
+        &self.http
     }
 
     /// Sends `case` to the server at `base` (its root, e.g. `http://10.0.0.5:8000`; a trailing `/v1`
@@ -92,7 +99,7 @@ impl OpenAiClient {
 }
 
 /// The server root of `base`, without a trailing `/` or `/v1`.
-fn root(base: &str) -> &str {
+pub(super) fn root(base: &str) -> &str {
     let base = base.trim_end_matches('/');
     base.strip_suffix("/v1").unwrap_or(base)
 }

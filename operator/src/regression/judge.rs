@@ -66,16 +66,90 @@ pub fn judge(case: &RegressionCase, canary: &Generation, stable: Option<&Generat
             Ok(re) => verdict(re.is_match(&canary.text), "output does not match the pattern".into(), format!("/{value}/")),
             Err(e) => verdict(false, format!("invalid pattern: {e}"), format!("/{value}/")),
         },
-        ExpectationKind::SameAsStable => same_as_stable(case.expect.threshold.unwrap_or(1.0), canary, stable),
+        ExpectationKind::SameAsStable => {
+            let default = if canary.values.is_some() { ENCODER_DEFAULT_THRESHOLD } else { 1.0 };
+            same_as_stable(case.expect.threshold.unwrap_or(default), canary, stable)
+        }
+        ExpectationKind::CosineAtLeast => {
+            let threshold = case.expect.threshold.unwrap_or(ENCODER_DEFAULT_THRESHOLD);
+            judge_values(canary, &case.expect.values, |got, want| {
+                let c = cosine(got, want);
+                (c >= threshold, format!("cosine with the golden vector {c:.6} is below {threshold}"))
+            })
+        }
+        ExpectationKind::WithinTolerance => {
+            let tolerance = case.expect.tolerance.unwrap_or(DEFAULT_TOLERANCE);
+            judge_values(canary, &case.expect.values, |got, want| {
+                let d = max_abs_diff(got, want);
+                (d <= tolerance, format!("a value differs from the golden one by {d:.6}, more than {tolerance}"))
+            })
+        }
     }
 }
 
-/// Judges token agreement with stable against `threshold`.
+/// Encoder outputs are floats: `sameAsStable` and `cosineAtLeast` allow this much by default
+/// (float32 forwards that batch differently differ by ~1e-6, a changed model by far more).
+pub const ENCODER_DEFAULT_THRESHOLD: f64 = 0.999;
+/// `withinTolerance`'s default.
+pub const DEFAULT_TOLERANCE: f64 = 1e-3;
+
+/// Cosine of two vectors; 0 when either is zero.
+pub fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na = a.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let nb = b.iter().map(|x| x * x).sum::<f64>().sqrt();
+    if na == 0.0 || nb == 0.0 {
+        0.0
+    } else {
+        dot / (na * nb)
+    }
+}
+
+/// Largest elementwise difference (infinite when the lengths differ or a value is not a number).
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, |m, d| if d.is_nan() { f64::INFINITY } else { m.max(d) })
+}
+
+/// First values of a vector, for a verdict's expected/got.
+fn show(values: &[f64]) -> String {
+    let head: Vec<String> = values.iter().take(8).map(|v| format!("{v:.6}")).collect();
+    format!("[{}{}] ({} values)", head.join(", "), if values.len() > 8 { ", ..." } else { "" }, values.len())
+}
+
+/// Judges an encoder output's vector against `want` with `check` → (passed, reason if not).
+fn judge_values(canary: &Generation, want: &[f64], check: impl Fn(&[f64], &[f64]) -> (bool, String)) -> Verdict {
+    let Some(got) = canary.values.as_deref() else {
+        return Verdict { passed: false, reason: "the output has no vector (not an encoder answer)".into(), expected: show(want), got: truncate(&canary.text, SHOWN_CHARS), agreement: None };
+    };
+    let (passed, reason) = if got.len() == want.len() {
+        check(got, want)
+    } else {
+        (false, format!("the output has {} values, the golden vector {}", got.len(), want.len()))
+    };
+    Verdict { passed, reason: if passed { String::new() } else { reason }, expected: show(want), got: show(got), agreement: None }
+}
+
+/// Judges token agreement with stable against `threshold`; for encoder outputs, the agreement is
+/// 1 - the largest difference between the two vectors (0 when they differ in length).
 pub fn same_as_stable(threshold: f64, canary: &Generation, stable: Option<&Generation>) -> Verdict {
     let got = truncate(&canary.text, SHOWN_CHARS);
     let Some(stable) = stable else {
         return Verdict { passed: false, reason: "no stable output to compare with".into(), expected: String::new(), got, agreement: None };
     };
+    if let (Some(c), Some(s)) = (&canary.values, &stable.values) {
+        let a = (1.0 - max_abs_diff(c, s)).clamp(0.0, 1.0);
+        let same_text = canary.text == stable.text;
+        let passed = a >= threshold && same_text;
+        let reason = if !same_text {
+            format!("label or ranking differs from stable's ({:?} vs {:?})", canary.text, stable.text)
+        } else {
+            format!("agreement with stable {a:.6} (1 - largest difference) is below {threshold}")
+        };
+        return Verdict { passed, reason: if passed { String::new() } else { reason }, expected: show(s), got: show(c), agreement: Some(a) };
+    }
     let a = agreement(stable, canary);
     let passed = a >= threshold;
     Verdict {
@@ -100,7 +174,7 @@ mod tests {
         RegressionCase {
             name: "c".into(),
             prompt: Some("p".into()),
-            expect: Expectation { kind, value: value.map(Into::into), threshold },
+            expect: Expectation { kind, value: value.map(Into::into), threshold, ..Default::default() },
             ..Default::default()
         }
     }
@@ -139,5 +213,45 @@ mod tests {
         assert!(judge(&case(ExpectationKind::SameAsStable, None, Some(0.75)), &canary, Some(&stable)).passed);
         assert!(judge(&case(ExpectationKind::SameAsStable, None, None), &stable, Some(&stable)).passed);
         assert!(!judge(&case(ExpectationKind::SameAsStable, None, Some(0.0)), &canary, None).passed, "no stable output");
+    }
+
+    fn encoded(text: &str, values: &[f64]) -> Generation {
+        Generation { text: text.into(), values: Some(values.to_vec()), ..Default::default() }
+    }
+
+    fn vector_case(kind: ExpectationKind, values: &[f64], threshold: Option<f64>, tolerance: Option<f64>) -> RegressionCase {
+        let mut c = case(kind, None, threshold);
+        c.expect.values = values.to_vec();
+        c.expect.tolerance = tolerance;
+        c
+    }
+
+    #[test]
+    fn encoder_outputs_against_golden_vectors() {
+        // Embedding: cosine with the golden vector (scale does not matter, direction does).
+        let golden = [0.6, 0.8, 0.0];
+        assert!(judge(&vector_case(ExpectationKind::CosineAtLeast, &golden, None, None), &encoded("", &[1.2, 1.6, 0.0]), None).passed);
+        let off = judge(&vector_case(ExpectationKind::CosineAtLeast, &golden, None, None), &encoded("", &[0.8, 0.6, 0.0]), None);
+        assert!(!off.passed && off.reason.contains("0.96"), "{off:?}");
+        assert!(judge(&vector_case(ExpectationKind::CosineAtLeast, &golden, Some(0.95), None), &encoded("", &[0.8, 0.6, 0.0]), None).passed);
+        let short = judge(&vector_case(ExpectationKind::CosineAtLeast, &golden, None, None), &encoded("", &[0.6, 0.8]), None);
+        assert!(!short.passed && short.reason.contains("2 values"), "{short:?}");
+        // Rerank scores: each within the tolerance (default 1e-3).
+        let scores = [0.9, 0.2];
+        assert!(judge(&vector_case(ExpectationKind::WithinTolerance, &scores, None, None), &encoded("0,1", &[0.9005, 0.2]), None).passed);
+        assert!(!judge(&vector_case(ExpectationKind::WithinTolerance, &scores, None, None), &encoded("0,1", &[0.9, 0.21]), None).passed);
+        assert!(judge(&vector_case(ExpectationKind::WithinTolerance, &scores, None, Some(0.02)), &encoded("0,1", &[0.9, 0.21]), None).passed);
+        assert!(!judge(&vector_case(ExpectationKind::WithinTolerance, &scores, None, Some(1.0)), &encoded("0,1", &[0.9, f64::NAN]), None).passed);
+        // A generation has no vector.
+        assert!(!judge(&vector_case(ExpectationKind::WithinTolerance, &scores, None, None), &generation("x", None), None).passed);
+        // Classify: the label is the text.
+        assert!(judge(&case(ExpectationKind::Exact, Some("positive"), None), &encoded("positive", &[0.1, 0.9]), None).passed);
+        // sameAsStable: 1 - the largest difference (default 0.999), and the same label/ranking.
+        let stable = encoded("1,0", &[0.2, 0.9]);
+        assert!(judge(&case(ExpectationKind::SameAsStable, None, None), &encoded("1,0", &[0.2, 0.9002]), Some(&stable)).passed);
+        let drift = judge(&case(ExpectationKind::SameAsStable, None, None), &encoded("1,0", &[0.2, 0.95]), Some(&stable));
+        assert!(!drift.passed && drift.agreement.is_some_and(|a| (a - 0.95).abs() < 1e-9), "{drift:?}");
+        let reordered = judge(&case(ExpectationKind::SameAsStable, None, Some(0.0)), &encoded("0,1", &[0.9, 0.2]), Some(&stable));
+        assert!(!reordered.passed && reordered.reason.contains("ranking"), "{reordered:?}");
     }
 }

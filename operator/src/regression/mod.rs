@@ -6,12 +6,14 @@
 //!
 //! - [`suite`]: loading and checking cases (inline, a ConfigMap's YAML, a file).
 //! - [`client`]: one streamed OpenAI request → output text, tokens, TTFT and TPOT.
+//! - [`encoder_client`]: one encoder case (embed, rerank, classify) → its vector, text and latency.
 //! - [`judge`]: one case's verdict; token agreement.
 //! - [`stats`]: percentiles.
 //! - [`runner`]: a whole suite against a canary (and a stable reference) → [`peregrine_crds::StepResult`].
 
 pub mod cli;
 pub mod client;
+pub mod encoder_client;
 pub mod judge;
 pub mod runner;
 pub mod stats;

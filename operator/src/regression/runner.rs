@@ -1,11 +1,12 @@
 //! A whole suite against a canary, with a stable reference for `sameAsStable` cases and latency.
 //!
 //! Cases run one at a time, the stable reference first and the canary right after, so that both see
-//! the same background load; the p95 TTFT and TPOT of the two sides are then compared.
+//! the same background load; the p95 TTFT and TPOT of the two sides are then compared (for an
+//! encoder, the whole request's latency, which its client reports as TTFT).
 
 use std::time::Duration;
 
-use peregrine_crds::{ExpectationKind, LatencyComparison, Mismatch, RegressionCase, RegressionThresholds, StepResult};
+use peregrine_crds::{ExpectationKind, LatencyComparison, Mismatch, ModelTask, RegressionCase, RegressionThresholds, StepResult};
 
 use super::client::{ClientError, Generation, OpenAiClient};
 use super::judge::{judge, same_as_stable, Verdict};
@@ -29,6 +30,8 @@ pub struct SuiteTarget {
     /// Served names of the deployment's adapters: each case without its own `adapter` also runs
     /// through each of these.
     pub adapters: Vec<String>,
+    /// What the model serves (`spec.model.task`): generation, or one encoder request per case.
+    pub task: ModelTask,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +41,9 @@ pub enum RunError {
     Stable { url: String, case: String, source: ClientError },
     #[error("the suite has sameAsStable cases but no stable reference was given")]
     NoStable,
+    /// A case the model's task cannot run (a prompt for an encoder, an input for a generator).
+    #[error("{0}")]
+    TaskMismatch(super::suite::SuiteError),
 }
 
 /// One case's outcome.
@@ -124,14 +130,15 @@ pub async fn run_suite(
     if target.stable.is_none() && super::suite::needs_stable(cases) {
         return Err(RunError::NoStable);
     }
+    super::suite::check_task(cases, target.task).map_err(RunError::TaskMismatch)?;
     let planned = plan(cases, &target.adapters);
     // The first request to a fresh server pays for lazy initialisation; keep it out of the figures.
     if let Some(first) = planned.first() {
         let model = first.case.adapter.as_deref().unwrap_or(&target.model);
         if let Some(stable) = &target.stable {
-            let _ = client.generate(stable, model, &first.case).await;
+            let _ = client.run_case(stable, model, target.task, &first.case).await;
         }
-        let _ = client.generate(&target.canary, model, &first.case).await;
+        let _ = client.run_case(&target.canary, model, target.task, &first.case).await;
     }
 
     let mut outcomes = Vec::with_capacity(planned.len());
@@ -139,14 +146,14 @@ pub async fn run_suite(
     for p in &planned {
         let model = p.case.adapter.as_deref().unwrap_or(&target.model);
         let stable: Option<Generation> = match &target.stable {
-            Some(url) => Some(client.generate(url, model, &p.case).await.map_err(|source| RunError::Stable {
+            Some(url) => Some(client.run_case(url, model, target.task, &p.case).await.map_err(|source| RunError::Stable {
                 url: url.clone(),
                 case: p.name.clone(),
                 source,
             })?),
             None => None,
         };
-        let outcome = match client.generate(&target.canary, model, &p.case).await {
+        let outcome = match client.run_case(&target.canary, model, target.task, &p.case).await {
             Ok(canary) => {
                 if let Some(s) = &stable {
                     stable_ttft.push(s.ttft);
@@ -273,7 +280,7 @@ mod tests {
 
     #[test]
     fn adapters_get_variants_of_base_cases() {
-        let base = RegressionCase { name: "a".into(), prompt: Some("p".into()), expect: Expectation { kind: ExpectationKind::Exact, value: Some("x".into()), threshold: None }, ..Default::default() };
+        let base = RegressionCase { name: "a".into(), prompt: Some("p".into()), expect: Expectation { kind: ExpectationKind::Exact, value: Some("x".into()), ..Default::default() }, ..Default::default() };
         let pinned = RegressionCase { name: "b".into(), adapter: Some("sql".into()), ..base.clone() };
         let planned = plan(&[base, pinned], &["sql".into(), "chat".into()]);
         let names: Vec<&str> = planned.iter().map(|p| p.name.as_str()).collect();

@@ -208,7 +208,7 @@ async fn run_regression(md: &ModelDeployment, ns: &str, step: i32, canary_pods: 
         .filter(|a| a.spec.deployment_ref.name == name && a.metadata.deletion_timestamp.is_none())
         .map(LoraAdapter::served_name)
         .collect();
-    let target = SuiteTarget { canary, stable: Some(stable), model: md.served_model_name(), adapters };
+    let target = SuiteTarget { canary, stable: Some(stable), model: md.served_model_name(), adapters, task: md.spec.model.task };
     info!(deployment = %name, step, canary = %target.canary, cases = cases.len(), "running regression suite");
     let report = match ctx.runner.run(target, cases, regression.thresholds.clone()).await {
         Ok(report) => report,

@@ -140,6 +140,11 @@ impl SentencePipeline {
     /// Pools one sequence's hidden states (`rows × hidden`, every row a real token) and runs the
     /// steps after pooling.
     pub fn embed(&self, rows: &[f32], hidden: usize) -> Vec<f32> {
+        self.embed_with(rows, hidden, true)
+    }
+
+    /// [`Self::embed`], leaving out a final Normalize step when `final_normalize` is false.
+    pub fn embed_with(&self, rows: &[f32], hidden: usize, final_normalize: bool) -> Vec<f32> {
         let n = rows.len() / hidden;
         let mut out = Vec::with_capacity(hidden * self.pooling.len());
         for mode in &self.pooling {
@@ -168,7 +173,11 @@ impl SentencePipeline {
                 }
             }
         }
-        for step in &self.steps {
+        let steps = match self.steps.split_last() {
+            Some((PostStep::Normalize, before)) if !final_normalize => before,
+            _ => &self.steps[..],
+        };
+        for step in steps {
             match step {
                 PostStep::Dense { linear, activation } => {
                     let mut y = linear_apply(linear, &out);

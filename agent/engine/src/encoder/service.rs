@@ -23,6 +23,8 @@ use crate::{EngineError, Result};
 pub enum EncoderJobKind {
     /// The Sentence-Transformers embedding.
     Embed,
+    /// The embedding without the chain's final Normalize, if it has one (TEI's `normalize: false`).
+    EmbedUnnormalized,
     /// The classifier's logits.
     Classify,
 }
@@ -244,6 +246,7 @@ impl Worker {
             let rows = &hidden[batch.range(s).start * h..batch.range(s).end * h];
             active.results[i] = match active.kind {
                 EncoderJobKind::Embed => self.model.pipeline.embed(rows, h),
+                EncoderJobKind::EmbedUnnormalized => self.model.pipeline.embed_with(rows, h, false),
                 EncoderJobKind::Classify => self.model.classify(rows).unwrap_or_default(),
             };
             active.remaining -= 1;

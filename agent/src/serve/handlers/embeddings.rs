@@ -26,14 +26,7 @@ pub async fn handle(State(state): State<SharedState<EncoderOnly>>, body: Result<
 
 async fn embeddings(state: &SharedState<EncoderOnly>, body: Result<Bytes, BytesRejection>) -> Result<EmbeddingResponse, ApiError> {
     let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<EmbeddingRequest>(&b))?;
-    let width = state.backend.encoder().model().embedding_dim();
-    let dims = match request.dimensions {
-        None => width,
-        Some(d) if (d as u64) <= width as u64 => d as usize,
-        Some(d) => {
-            return Err(ApiError::invalid(Some("dimensions".to_string()), format!("dimensions {d} is more than this model's {width}")));
-        }
-    };
+    let dims = output_dims(state, request.dimensions)?;
     let inputs: Vec<EncodeInput> = match request.input {
         EmbeddingInput::Text(t) => vec![EncodeInput::Text(t)],
         EmbeddingInput::Texts(v) => v.into_iter().map(EncodeInput::Text).collect(),
@@ -41,18 +34,13 @@ async fn embeddings(state: &SharedState<EncoderOnly>, body: Result<Bytes, BytesR
         EmbeddingInput::TokenBatches(v) => v.into_iter().map(EncodeInput::Tokens).collect(),
     };
     let encoded = encode(state, Some(&request.model), inputs, request.truncate, EncoderJobKind::Embed).await?;
-    let renormalize = dims < width && state.backend.encoder().model().pipeline.normalizes();
+    let renormalize = state.backend.encoder().model().pipeline.normalizes();
     let data = encoded
         .vectors
         .into_iter()
         .enumerate()
         .map(|(index, mut v)| {
-            // Matryoshka-style shortening: the leading components, unit length again when the
-            // model's own output is unit length.
-            v.truncate(dims);
-            if renormalize {
-                peregrine_engine::encoder::sentence::l2_normalize(&mut v);
-            }
+            shorten(&mut v, dims, renormalize);
             let embedding = match request.encoding_format {
                 EncodingFormat::Float => EmbeddingVector::Float(v),
                 EncodingFormat::Base64 => {
@@ -69,4 +57,25 @@ async fn embeddings(state: &SharedState<EncoderOnly>, body: Result<Bytes, BytesR
         model: state.backend.model_name().to_string(),
         usage: EncoderUsage::new(encoded.tokens),
     })
+}
+
+/// The width a request asks for (`dimensions`), at most the model's.
+pub(super) fn output_dims(state: &SharedState<EncoderOnly>, dimensions: Option<i64>) -> Result<usize, ApiError> {
+    let width = state.backend.encoder().model().embedding_dim();
+    match dimensions {
+        None => Ok(width),
+        Some(d) if d >= 1 && (d as u64) <= width as u64 => Ok(d as usize),
+        Some(d) => Err(ApiError::invalid(Some("dimensions".to_string()), format!("dimensions {d} is outside 1..={width} for this model"))),
+    }
+}
+
+/// Matryoshka-style shortening: the leading `dims` components, unit length again when `renormalize`
+/// (the vector was unit length before).
+pub(super) fn shorten(v: &mut Vec<f32>, dims: usize, renormalize: bool) {
+    if dims < v.len() {
+        v.truncate(dims);
+        if renormalize {
+            peregrine_engine::encoder::sentence::l2_normalize(v);
+        }
+    }
 }

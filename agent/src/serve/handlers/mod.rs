@@ -8,6 +8,7 @@ pub mod lora;
 pub mod probes;
 pub mod rerank;
 pub mod structured;
+pub mod tei;
 
 use std::sync::Arc;
 

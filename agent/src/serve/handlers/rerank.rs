@@ -24,7 +24,7 @@ pub async fn rerank(State(state): State<SharedState<EncoderOnly>>, body: Result<
     let run = async {
         let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<RerankRequest>(&b))?;
         let docs: Vec<String> = request.documents.iter().map(|d| d.text().to_string()).collect();
-        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), std::slice::from_ref(&request.query), &docs, request.truncate).await?;
+        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), std::slice::from_ref(&request.query), &docs, request.truncate, false).await?;
         let mut results: Vec<RerankResult> = scores
             .into_iter()
             .enumerate()
@@ -55,7 +55,7 @@ pub async fn score(State(state): State<SharedState<EncoderOnly>>, body: Result<B
     let run = async {
         let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<ScoreRequest>(&b))?;
         let (a, b) = (request.text_1.to_vec(), request.text_2.to_vec());
-        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), &a, &b, request.truncate).await?;
+        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), &a, &b, request.truncate, false).await?;
         Ok::<_, ApiError>(ScoreResponse {
             id: response_id("score", state.started, state.next_request_id()),
             object: "list".into(),
@@ -71,13 +71,15 @@ pub async fn score(State(state): State<SharedState<EncoderOnly>>, body: Result<B
     }
 }
 
-/// Scores of `firsts[i]` (or `firsts[0]` when there is one) against each of `seconds`.
-async fn score_pairs(
+/// Scores of `firsts[i]` (or `firsts[0]` when there is one) against each of `seconds`; `raw` gives
+/// a cross-encoder's logits rather than sigmoid(logit).
+pub(super) async fn score_pairs(
     state: &SharedState<EncoderOnly>,
     model: Option<&str>,
     firsts: &[String],
     seconds: &[String],
     truncate: bool,
+    raw: bool,
 ) -> Result<(Vec<f32>, usize), ApiError> {
     let first = |i: usize| firsts.get(i).or(firsts.first()).cloned().unwrap_or_default();
     let m = state.backend.encoder().model();
@@ -91,7 +93,8 @@ async fn score_pairs(
             }
             let pairs = seconds.iter().enumerate().map(|(i, s)| EncodeInput::Pair(first(i), s.clone())).collect();
             let out = encode(state, model, pairs, truncate, EncoderJobKind::Classify).await?;
-            Ok((out.vectors.iter().map(|l| sigmoid(l.first().copied().unwrap_or(f32::NAN))).collect(), out.tokens))
+            let logits = out.vectors.iter().map(|l| l.first().copied().unwrap_or(f32::NAN));
+            Ok((if raw { logits.collect() } else { logits.map(sigmoid).collect() }, out.tokens))
         }
         EncoderTask::Embed => {
             // The distinct first texts once, then every second text: one request to the batcher.

@@ -11,7 +11,6 @@
 
 use rayon::prelude::*;
 
-use super::matmul::dot;
 use super::simd::Isa;
 use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
@@ -142,48 +141,95 @@ impl CpuEncoder {
     }
 
     /// Each token's query attends to every key of its own sequence (no causal mask, no padding).
+    /// One task per (sequence, head), on the pool: `S = Q·Kᵀ·scale` and `ctx = softmax(S)·V` as two
+    /// small GEMMs over strided views of the fused `qkv` rows, so each key and value row is loaded
+    /// once per block of queries rather than once per query (the scalar loop this replaced did the
+    /// latter and was the encoder's bottleneck from 128 tokens up). A task reads only its own
+    /// sequence, so a sequence's context does not depend on what else is in the batch.
     fn attention(&self, batch: &RaggedBatch, qkv: &[f32], ctx: &mut [f32]) {
         let c = &self.config;
         let (h, heads, d) = (c.hidden_size, c.num_attention_heads, c.head_dim());
         let scale = 1.0 / (d as f32).sqrt();
-        for s in 0..batch.num_seqs() {
-            let range = batch.range(s);
-            let (start, len) = (range.start, range.len());
-            ctx[start * h..range.end * h]
-                .par_chunks_mut(h)
-                .enumerate()
-                .for_each_init(
-                    || vec![0f32; len],
-                    |scores, (i, out)| {
-                        let q_row = &qkv[(start + i) * 3 * h..(start + i + 1) * 3 * h];
-                        for head in 0..heads {
-                            let q = &q_row[head * d..(head + 1) * d];
-                            let mut max = f32::NEG_INFINITY;
-                            for (j, sc) in scores.iter_mut().enumerate() {
-                                let k0 = (start + j) * 3 * h + h + head * d;
-                                *sc = dot(q, &qkv[k0..k0 + d]) * scale;
-                                max = max.max(*sc);
-                            }
-                            let mut sum = 0f32;
-                            for sc in scores.iter_mut() {
-                                *sc = (*sc - max).exp();
-                                sum += *sc;
-                            }
-                            let o = &mut out[head * d..(head + 1) * d];
-                            o.fill(0.0);
-                            for (j, &p) in scores.iter().enumerate() {
-                                let v0 = (start + j) * 3 * h + 2 * h + head * d;
-                                for (a, &v) in o.iter_mut().zip(&qkv[v0..v0 + d]) {
-                                    *a += p * v;
-                                }
-                            }
-                            let inv = 1.0 / sum;
-                            o.iter_mut().for_each(|a| *a *= inv);
-                        }
-                    },
+        assert!(qkv.len() == batch.num_tokens() * 3 * h && ctx.len() == batch.num_tokens() * h, "attention: shapes");
+        let tasks: Vec<(usize, usize, usize)> = (0..batch.num_seqs())
+            .flat_map(|s| {
+                let range = batch.range(s);
+                (0..heads).map(move |head| (range.start, range.len(), head))
+            })
+            .collect();
+        let out = SharedOut(ctx.as_mut_ptr());
+        tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (start, len, head)| {
+            scores.clear();
+            scores.resize(len * len, 0.0);
+            let q = qkv[start * 3 * h + head * d..].as_ptr();
+            let k = qkv[start * 3 * h + h + head * d..].as_ptr();
+            let v = qkv[start * 3 * h + 2 * h + head * d..].as_ptr();
+            let stride = 3 * h as isize;
+            // SAFETY: rows start..start+len of qkv hold len × 3h floats (asserted above); Q, K and V
+            // of `head` are d columns at offsets head·d, h + head·d and 2h + head·d of each row, so
+            // every read stays inside them. `scores` holds len × len.
+            unsafe {
+                // scores[i, j] = scale · Σ_e Q[i, e] · K[j, e]: rhs is Kᵀ (d × len), column j = K's row j.
+                gemm::gemm(
+                    len, len, d,
+                    scores.as_mut_ptr(), 1, len as isize,
+                    false,
+                    q, 1, stride,
+                    k, stride, 1,
+                    0.0, scale,
+                    false, false, false,
+                    gemm::Parallelism::None,
                 );
-        }
+            }
+            scores.chunks_mut(len).for_each(softmax_row);
+            // SAFETY: ctx has num_tokens × h floats (asserted above). This task writes only rows
+            // start..start+len, columns head·d..(head+1)·d, and no two tasks share a (sequence, head),
+            // so the writes are disjoint; ctx outlives the parallel loop, which joins before returning.
+            unsafe {
+                let dst = out.at(start * h + head * d);
+                gemm::gemm(
+                    len, d, len,
+                    dst, 1, h as isize,
+                    false,
+                    scores.as_ptr(), 1, len as isize,
+                    v, 1, stride,
+                    0.0, 1.0,
+                    false, false, false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
     }
+}
+
+/// The context buffer's base pointer, shared by the attention tasks, which write disjoint blocks.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: see `attention`: every task writes its own (rows, columns) block of the buffer.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// A method, not a field read, so closures capture the whole (Send) wrapper, not the raw pointer.
+    ///
+    /// # Safety
+    /// `offset` must lie inside the buffer.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: the caller keeps `offset` inside the buffer.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// Softmax of one row of attention scores in place.
+fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|x| *x *= inv);
 }
 
 /// Activations of one forward, sized for its token count.

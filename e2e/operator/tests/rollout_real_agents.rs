@@ -16,7 +16,7 @@ fn suite() -> Vec<RegressionCase> {
         name: name.into(),
         prompt: Some(prompt.into()),
         sampling: GreedySampling { max_tokens: 16, ..Default::default() },
-        expect: Expectation { kind: ExpectationKind::SameAsStable, value: None, threshold: None },
+        expect: Expectation { kind: ExpectationKind::SameAsStable, value: None, threshold: None, ..Default::default() },
         ..Default::default()
     };
     vec![
@@ -27,7 +27,7 @@ fn suite() -> Vec<RegressionCase> {
             name: "chat".into(),
             messages: vec![ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }],
             sampling: GreedySampling { max_tokens: 16, ..Default::default() },
-            expect: Expectation { kind: ExpectationKind::Contains, value: Some("Paris".into()), threshold: None },
+            expect: Expectation { kind: ExpectationKind::Contains, value: Some("Paris".into()), threshold: None, ..Default::default() },
             ..Default::default()
         },
     ]
@@ -40,7 +40,7 @@ async fn canary_with_other_max_num_seqs_passes_and_a_truncated_context_fails() {
     let client = OpenAiClient::new(Duration::from_secs(120)).unwrap();
     // Two agents share two cores here: latency is not what this test is about.
     let thresholds = RegressionThresholds { max_latency_factor: 100.0, ..Default::default() };
-    let target = |canary: &str| SuiteTarget { canary: canary.into(), stable: Some(stable.url.clone()), model: MODEL.into(), adapters: vec![] };
+    let target = |canary: &str| SuiteTarget { canary: canary.into(), stable: Some(stable.url.clone()), model: MODEL.into(), adapters: vec![], task: Default::default() };
 
     let report = run_suite(&client, &target(&good.url), &suite(), &thresholds).await.unwrap();
     assert!(report.passed, "{}: {:?}", report.message, report.cases);

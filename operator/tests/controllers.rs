@@ -393,6 +393,58 @@ async fn editing_the_source_reloads_every_pod_under_the_same_name() {
     assert_eq!(condition(status, "Ready")["status"], "True");
 }
 
+#[tokio::test]
+async fn each_pod_records_the_digest_it_loaded_and_is_reloaded_when_it_reports_another() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", true));
+    for ip in ["10.0.0.1", "10.0.0.2"] {
+        h.agent.script(&format!("http://{ip}:8000"), AgentScript { digest: Some("sha256:v1".into()), ..Default::default() });
+    }
+    reconcile_lora(&h, adapter_json("one", Value::Null)).await.unwrap();
+    let status = h.api.get(&lora_path("one")).unwrap()["status"].clone();
+    for pod in status["pods"].as_array().unwrap() {
+        assert_eq!((pod["source"].as_str(), pod["digest"].as_str()), (Some("/mnt/pvc/models/adapters/one"), Some("sha256:v1")), "{pod}");
+    }
+
+    // Nothing changed: asked, not loaded again.
+    h.agent.calls.lock().unwrap().clear();
+    let mut object = adapter_json("one", status.clone());
+    reconcile_lora(&h, object.clone()).await.unwrap();
+    assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000", "list http://10.0.0.2:8000"]);
+
+    // The folder's files were replaced in place and smol-b re-read them (e.g. after evicting the
+    // adapter from host memory): it reports other content than recorded, so it is loaded again
+    // and the digest it answers with is recorded. smol-a still has v1 and is left alone.
+    h.agent.script("http://10.0.0.2:8000", AgentScript { loaded: vec!["one".into()], digest: Some("sha256:v2".into()), ..Default::default() });
+    h.agent.calls.lock().unwrap().clear();
+    object["status"] = h.api.get(&lora_path("one")).unwrap()["status"].clone();
+    reconcile_lora(&h, object).await.unwrap();
+    assert_eq!(
+        h.agent.calls(),
+        ["list http://10.0.0.1:8000", "list http://10.0.0.2:8000", "load http://10.0.0.2:8000 one /mnt/pvc/models/adapters/one"]
+    );
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    let digests: Vec<(&str, &str)> = status["pods"].as_array().unwrap().iter().map(|p| (p["name"].as_str().unwrap(), p["digest"].as_str().unwrap())).collect();
+    assert_eq!(digests, [("smol-a", "sha256:v1"), ("smol-b", "sha256:v2")]);
+    assert_eq!(condition(status, "Ready")["status"], "True");
+}
+
+#[tokio::test]
+async fn a_status_without_digests_takes_the_reported_one_without_reloading() {
+    // Written by an operator (or against an agent) from before digests: nothing to compare, so the
+    // pod is current and what it reports is recorded.
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.agent.script("http://10.0.0.1:8000", AgentScript { loaded: vec!["one".into()], digest: Some("sha256:v1".into()), ..Default::default() });
+    let recorded = json!({"phase": "Ready", "pods": [{"name": "smol-a", "state": "Loaded", "source": "/mnt/pvc/models/adapters/one"}]});
+    reconcile_lora(&h, adapter_json("one", recorded)).await.unwrap();
+    assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000"]);
+    assert_eq!(h.api.get(&lora_path("one")).unwrap()["status"]["pods"][0]["digest"], "sha256:v1");
+}
+
 fn served_as(name: &str, served: &str) -> Value {
     let mut object = adapter_json(name, Value::Null);
     object["spec"]["servedName"] = json!(served);

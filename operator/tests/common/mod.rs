@@ -234,6 +234,9 @@ pub struct AgentScript {
     pub load_error: Option<(u16, String)>,
     /// The agent does not answer at all.
     pub down: bool,
+    /// Content digest the agent reports for what it loads (its files' content); `None`: an agent
+    /// that reports no digest.
+    pub digest: Option<String>,
 }
 
 #[derive(Default)]
@@ -256,7 +259,7 @@ impl FakeAgent {
 }
 
 impl AgentApi for FakeAgent {
-    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<Option<String>, AgentError>> {
         self.calls.lock().unwrap().push(format!("load {base} {name} {path}"));
         let result = self.with(base, |s| {
             if s.down {
@@ -265,8 +268,10 @@ impl AgentApi for FakeAgent {
             match &s.load_error {
                 Some((status, body)) => Err(AgentError::Status { status: *status, body: body.clone() }),
                 None => {
-                    s.loaded.push(name.to_string());
-                    Ok(())
+                    if !s.loaded.iter().any(|n| n == name) {
+                        s.loaded.push(name.to_string());
+                    }
+                    Ok(s.digest.clone())
                 }
             }
         });
@@ -296,6 +301,41 @@ impl AgentApi for FakeAgent {
             Ok(models)
         });
         Box::pin(async move { result })
+    }
+
+    fn list_adapters<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<peregrine_api::AdapterStatus>, AgentError>> {
+        let result = self.adapters(base);
+        Box::pin(async move { result })
+    }
+}
+
+impl FakeAgent {
+    /// What `GET /v1/adapters` answers (recorded as `list <base>`, like the model list).
+    fn adapters(&self, base: &str) -> Result<Vec<peregrine_api::AdapterStatus>, AgentError> {
+        self.calls.lock().unwrap().push(format!("list {base}"));
+        self.with(base, |s| {
+            if s.down {
+                return Err(AgentError::Transport("connection refused".into()));
+            }
+            Ok(s.loaded
+                .iter()
+                .enumerate()
+                .map(|(i, n)| peregrine_api::AdapterStatus {
+                    name: n.clone(),
+                    id: i as u64 + 1,
+                    source: format!("/resolved/{n}"),
+                    rank: 8,
+                    state: "loaded".into(),
+                    slot: None,
+                    loaded_at: 0.0,
+                    last_used: None,
+                    requests_served: 0,
+                    in_flight: 0,
+                    size_bytes: 0,
+                    digest: s.digest.clone(),
+                })
+                .collect())
+        })
     }
 }
 

@@ -4,6 +4,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
+use crate::gateway::AdapterGatewaySpec;
 use crate::source::AdapterSource;
 
 /// Desired state of an adapter.
@@ -39,6 +40,10 @@ pub struct LoraAdapterSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 512))]
     pub rank: Option<i32>,
+    /// Gateway routing: a priority here gives the adapter an `InferenceObjective` in its
+    /// deployment's InferencePool (see docs/gateways.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<AdapterGatewaySpec>,
 }
 
 /// Reference to a ModelDeployment in the same namespace.

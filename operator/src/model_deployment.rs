@@ -21,7 +21,8 @@ use peregrine_crds::{
 use serde_json::json;
 use tracing::{info, instrument, warn};
 
-use crate::conditions::is_true;
+use crate::conditions::{build, is_true, CondSpec};
+use crate::gateway;
 use crate::desired::{deployment::desired_deployment, selector_string, service::desired_service};
 use crate::rollout;
 use crate::status::model_deployment_status;
@@ -74,7 +75,15 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
 
     open_readiness_gates(&md, &ns, &ctx, &now).await?;
 
-    let ready = write_status(&md, &ctx, Some(&deployment), None, &now).await?;
+    // Only deployments that ask for a pool (or had one) cost API calls here.
+    let gateway = if gateway::involved(&md) {
+        let adapters = Api::<LoraAdapter>::namespaced(ctx.client.clone(), &ns).list(&ListParams::default()).await?;
+        gateway::reconcile(&md, &adapters.items, &ctx, &ns).await
+    } else {
+        None
+    };
+
+    let ready = write_status_with_gateway(&md, &ctx, Some(&deployment), None, gateway.as_ref(), &now).await?;
     let requeue = if ready { Duration::from_secs(300) } else { Duration::from_secs(15) };
     // A rollout step (pause, canary deadline, retry) may need to be looked at sooner.
     Ok(Action::requeue(rollout_requeue.map_or(requeue, |r| r.min(requeue))))
@@ -102,8 +111,38 @@ async fn write_status(
     problem: Option<&SpecError>,
     now: &Time,
 ) -> Result<bool> {
+    write_status_with_gateway(md, ctx, deployment, problem, None, now).await
+}
+
+/// [`write_status`] with the gateway step's `InferencePoolReady` condition, if any (left out, it
+/// is removed: this field manager owns it); an Event when its reason changes.
+async fn write_status_with_gateway(
+    md: &ModelDeployment,
+    ctx: &Context,
+    deployment: Option<&Deployment>,
+    problem: Option<&SpecError>,
+    gateway: Option<&CondSpec>,
+    now: &Time,
+) -> Result<bool> {
     let ns = md.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
-    let status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    let mut status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    let previous = md.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    if let Some(cond) = gateway {
+        status.conditions.extend(build(std::slice::from_ref(cond), previous, md.metadata.generation, now));
+        let changed = !previous.iter().any(|c| c.type_ == cond.type_ && c.reason == cond.reason);
+        if changed {
+            let event = Event {
+                type_: if cond.status { EventType::Normal } else { EventType::Warning },
+                reason: cond.reason.to_string(),
+                note: Some(cond.message.chars().take(1024).collect()),
+                action: "Reconcile".into(),
+                secondary: None,
+            };
+            if let Err(e) = ctx.recorder.publish(&event, &md.object_ref(&())).await {
+                warn!(error = %e, "publishing event");
+            }
+        }
+    }
     let was_ready = md.status.as_ref().is_some_and(|s| is_true(&s.conditions, CONDITION_READY));
     let ready = is_true(&status.conditions, CONDITION_READY);
     let patch = json!({

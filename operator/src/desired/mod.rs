@@ -3,6 +3,7 @@
 
 pub mod args;
 pub mod deployment;
+pub mod gateway;
 pub mod model;
 pub mod service;
 

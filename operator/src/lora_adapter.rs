@@ -321,6 +321,7 @@ async fn write_status(
         target_replicas: pods.len() as i32,
         pods,
     };
+    ctx.metrics.record_adapter(ns, &adapter.name_any(), status.loaded_replicas, status.target_replicas);
     let patch = json!({"apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "LoraAdapter", "status": status});
     Api::<LoraAdapter>::namespaced(ctx.client.clone(), ns)
         .patch_status(&adapter.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))

@@ -97,6 +97,7 @@ async fn apply_children(md: &ModelDeployment, uri: &SourceUri, ctx: &Context, ns
     // The rollout controller applies the stable Deployment (and any canary) itself, so that a
     // pod-changing edit goes out in gated steps instead of one rolling update.
     let rollout = rollout::reconcile(md, desired, &ctx.rollout).await?;
+    ctx.metrics.record_rollout_step(ns, &md.name_any(), rollout.plan.status.current_step);
     let service = desired_service(md, ctx.config.agent_port);
     Api::<Service>::namespaced(ctx.client.clone(), ns).patch(&md.name_any(), &apply, &Patch::Apply(&service)).await?;
     Ok((rollout.stable, rollout.requeue))
@@ -126,6 +127,7 @@ async fn write_status_with_gateway(
 ) -> Result<bool> {
     let ns = md.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
     let mut status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    ctx.metrics.record_replicas(&ns, &md.name_any(), status.replicas, status.ready_replicas);
     let previous = md.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
     if let Some(cond) = gateway {
         status.conditions.extend(build(std::slice::from_ref(cond), previous, md.metadata.generation, now));

@@ -581,3 +581,135 @@ async fn reconcile_metrics_count_runs_and_failures() {
     h.ctx.metrics.reconcile_failed("modeldeployment", &err);
     assert!(h.ctx.metrics.encode().contains("peregrine_operator_reconcile_failures_total{controller=\"modeldeployment\",error=\"missing_field\"} 1"));
 }
+
+const POOLS: &str = "/apis/inference.networking.k8s.io/v1/namespaces/models/inferencepools";
+const OBJECTIVES: &str = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/models/inferenceobjectives";
+
+fn install_inference_extension(h: &Harness, objectives: bool) {
+    install_api(&h.api, "inference.networking.k8s.io/v1", "InferencePool", "inferencepools");
+    if objectives {
+        install_api(&h.api, "inference.networking.x-k8s.io/v1alpha2", "InferenceObjective", "inferenceobjectives");
+    }
+}
+
+fn gateway_spec() -> Value {
+    let mut spec = base_spec();
+    spec["gateway"] = json!({"inferencePool": {}});
+    spec
+}
+
+fn with_priority(name: &str, md: &str, priority: Option<i32>) -> Value {
+    let mut object = adapter_json(name, Value::Null);
+    object["spec"]["deploymentRef"]["name"] = json!(md);
+    if let Some(p) = priority {
+        object["spec"]["gateway"] = json!({"priority": p});
+    }
+    object
+}
+
+#[tokio::test]
+async fn inference_pool_without_its_crd_is_a_condition_and_one_warning_not_a_failure() {
+    let h = harness();
+    let action = reconcile_md(&h, md_json(gateway_spec())).await;
+    assert!(action.is_ok(), "a missing CRD is not a reconcile error (no backoff loop): {action:?}");
+    assert!(!h.api.calls().iter().any(|c| c.contains("inferencepools")), "nothing is written to an API that is not there");
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let pool = condition(status, "InferencePoolReady");
+    assert_eq!((pool["status"].as_str(), pool["reason"].as_str()), (Some("False"), Some("InferencePoolCRDMissing")));
+    assert!(pool["message"].as_str().unwrap().contains("inference.networking.k8s.io/v1"), "{pool}");
+    // The deployment itself is created as usual.
+    assert!(h.api.get(&format!("/apis/apps/v1/namespaces/{NS}/deployments/smol")).is_some());
+    let warnings: Vec<Value> = h.api.events().into_iter().filter(|e| e["reason"] == "InferencePoolCRDMissing").collect();
+    assert_eq!(warnings.len(), 1);
+    assert_eq!(warnings[0]["type"], "Warning");
+
+    // Again, unchanged: no second event.
+    reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
+    assert_eq!(h.api.events().iter().filter(|e| e["reason"] == "InferencePoolCRDMissing").count(), 1);
+
+    // The CRDs get installed: the next reconcile creates the pool.
+    install_inference_extension(&h, true);
+    reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_some());
+    assert_eq!(condition(&h.api.get(&md_path("smol")).unwrap()["status"], "InferencePoolReady")["status"], "True");
+}
+
+#[tokio::test]
+async fn inference_pool_and_objectives_are_created_where_the_crds_exist() {
+    let h = harness();
+    install_inference_extension(&h, true);
+    for adapter in [with_priority("sql", "smol", Some(10)), with_priority("chat", "smol", None), with_priority("elsewhere", "other", Some(5))] {
+        h.api.insert(&lora_path(adapter["metadata"]["name"].as_str().unwrap()), adapter);
+    }
+    // Left from when "chat" had a priority.
+    h.api.insert(&format!("{OBJECTIVES}/chat"), json!({
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+        "metadata": {"name": "chat", "namespace": NS, "labels": {"serving.peregrine.dev/model-deployment": "smol"}},
+        "spec": {"priority": 1, "poolRef": {"name": "smol"}}
+    }));
+    let mut spec = gateway_spec();
+    spec["gateway"]["inferencePool"] = json!({"endpointPickerService": "vllm-epp", "endpointPickerPort": 9003, "failureMode": "FailOpen"});
+    reconcile_md(&h, md_json(spec)).await.unwrap();
+
+    let apply = h.api.request("PATCH", &format!("{POOLS}/smol")).expect("the pool is applied");
+    assert!(apply.content_type.starts_with("application/apply-patch"), "{}", apply.content_type);
+    assert!(apply.query.contains("fieldManager=peregrine-operator"), "{}", apply.query);
+    let pool = apply.body;
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    assert_eq!(pool["kind"], "InferencePool");
+    // The pool selects exactly the pods the Service selects, on the agent port.
+    let service = h.api.get(&format!("/api/v1/namespaces/{NS}/services/smol")).unwrap();
+    assert_eq!(pool["spec"]["selector"]["matchLabels"], service["spec"]["selector"]);
+    assert_eq!(pool["spec"]["targetPorts"], json!([{"number": 8000}]));
+    assert_eq!(pool["spec"]["endpointPickerRef"], json!({"group": "", "kind": "Service", "name": "vllm-epp", "port": {"number": 9003}, "failureMode": "FailOpen"}));
+    let owner = &pool["metadata"]["ownerReferences"][0];
+    assert_eq!((owner["kind"].as_str(), owner["uid"].as_str(), owner["controller"].as_bool()), (Some("ModelDeployment"), Some("md-uid"), Some(true)));
+
+    let objective = h.api.request("PATCH", &format!("{OBJECTIVES}/sql")).expect("an objective for the adapter with a priority").body;
+    assert_eq!(objective["apiVersion"], "inference.networking.x-k8s.io/v1alpha2");
+    assert_eq!(objective["spec"], json!({"priority": 10, "poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "smol"}}));
+    let owner = &objective["metadata"]["ownerReferences"][0];
+    assert_eq!((owner["kind"].as_str(), owner["uid"].as_str()), (Some("LoraAdapter"), Some("sql-uid")), "garbage-collected with its adapter");
+    assert!(h.api.request("PATCH", &format!("{OBJECTIVES}/elsewhere")).is_none(), "another deployment's adapter");
+    assert!(h.api.get(&format!("{OBJECTIVES}/chat")).is_none(), "the objective of an adapter without a priority is deleted");
+
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let ready = condition(status, "InferencePoolReady");
+    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("True"), Some("InferencePoolApplied")));
+    assert!(ready["message"].as_str().unwrap().contains("vllm-epp:9003"), "{ready}");
+}
+
+#[tokio::test]
+async fn priorities_without_the_objective_crd_are_reported() {
+    let h = harness();
+    install_inference_extension(&h, false);
+    h.api.insert(&lora_path("sql"), with_priority("sql", "smol", Some(10)));
+    reconcile_md(&h, md_json(gateway_spec())).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_some(), "the pool works without objectives");
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let ready = condition(status, "InferencePoolReady");
+    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("False"), Some("InferencePoolCRDMissing")));
+    assert!(ready["message"].as_str().unwrap().contains("priorities of 1 LoraAdapter"), "{ready}");
+}
+
+#[tokio::test]
+async fn turning_the_pool_off_deletes_what_was_made() {
+    let h = harness();
+    install_inference_extension(&h, true);
+    h.api.insert(&lora_path("sql"), with_priority("sql", "smol", Some(10)));
+    reconcile_md(&h, md_json(gateway_spec())).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_some() && h.api.get(&format!("{OBJECTIVES}/sql")).is_some());
+
+    let mut object = h.api.get(&md_path("smol")).unwrap();
+    object["spec"]["gateway"]["inferencePool"]["enabled"] = json!(false);
+    reconcile_md(&h, object).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_none());
+    assert!(h.api.get(&format!("{OBJECTIVES}/sql")).is_none());
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    assert!(!status["conditions"].as_array().unwrap().iter().any(|c| c["type"] == "InferencePoolReady"), "{status}");
+
+    // Nothing asked, nothing made: no gateway calls at all.
+    let before = h.api.calls().len();
+    reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
+    assert!(!h.api.calls()[before..].iter().any(|c| c.contains("inference.networking")), "{:?}", &h.api.calls()[before..]);
+}

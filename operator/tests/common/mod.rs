@@ -39,7 +39,7 @@ pub struct FakeApi {
     pub refused: Mutex<HashMap<String, (u16, String)>>,
 }
 
-const COLLECTIONS: &[&str] = &["pods", "loraadapters", "modeldeployments", "deployments", "services", "secrets", "events"];
+const COLLECTIONS: &[&str] = &["pods", "loraadapters", "modeldeployments", "deployments", "services", "secrets", "events", "inferenceobjectives"];
 
 impl FakeApi {
     pub fn insert(&self, path: &str, object: Value) {
@@ -156,6 +156,10 @@ impl FakeApi {
                 objects.insert(key, updated.clone());
                 (StatusCode::OK, updated)
             }
+            "DELETE" => match objects.remove(&key) {
+                Some(object) => (StatusCode::OK, object),
+                None => not_found(&key),
+            },
             other => panic!("unexpected method {other}"),
         }
     }
@@ -363,6 +367,15 @@ pub fn md_path(name: &str) -> String {
 pub fn lora_path(name: &str) -> String {
     format!("/apis/serving.peregrine.dev/v1alpha1/namespaces/{NS}/loraadapters/{name}")
 }
+/// Makes the fake API server's discovery list `plural` under `group_version` (as when that CRD is
+/// installed); without it, discovery of the group version answers 404.
+pub fn install_api(api: &FakeApi, group_version: &str, kind: &str, plural: &str) {
+    api.insert(&format!("/apis/{group_version}"), json!({
+        "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version,
+        "resources": [{"name": plural, "singularName": kind.to_lowercase(), "namespaced": true, "kind": kind, "verbs": ["get", "list", "create", "patch", "delete"]}]
+    }));
+}
+
 pub fn pod_path(name: &str) -> String {
     format!("/api/v1/namespaces/{NS}/pods/{name}")
 }

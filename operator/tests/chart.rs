@@ -332,3 +332,25 @@ fn agent_pod_monitor_is_rendered_where_the_pod_monitor_crd_is_installed() {
     // Installed but not asked for: nothing.
     assert!(find(&render_in_cluster(json!({}), &pod_monitor), "PodMonitor").is_empty());
 }
+
+#[test]
+fn dashboards_are_opt_in_config_maps_for_the_grafana_sidecar() {
+    assert!(find(&render(json!({})), "ConfigMap").is_empty(), "off by default");
+    let objects = render(json!({"dashboards": {"enabled": true, "namespace": "monitoring", "annotations": {"grafana_folder": "Peregrine"}}}));
+    check_all(&objects);
+    let maps: Vec<k8s_openapi::api::core::v1::ConfigMap> = find(&objects, "ConfigMap").into_iter().map(typed).collect();
+    let mut files = Vec::new();
+    for map in &maps {
+        assert_eq!(map.metadata.namespace.as_deref(), Some("monitoring"));
+        assert_eq!(map.metadata.labels.as_ref().unwrap().get("grafana_dashboard").map(String::as_str), Some("1"));
+        assert_eq!(map.metadata.annotations.as_ref().unwrap().get("grafana_folder").map(String::as_str), Some("Peregrine"));
+        for (file, text) in map.data.as_ref().unwrap() {
+            // The dashboard as docs/dashboards has it, byte for byte.
+            let source = std::fs::read_to_string(repo_root().join("docs/dashboards").join(file)).unwrap();
+            assert_eq!(text.trim_end(), source.trim_end(), "{file}");
+            files.push(file.clone());
+        }
+    }
+    files.sort();
+    assert_eq!(files, ["peregrine-agent.json", "peregrine-operator.json"]);
+}

@@ -226,3 +226,16 @@ async fn lora_requests_info_follows_load_request_unload() {
     let fams = scrape(&state).await;
     assert_eq!(check_scalar(&fams, names::NUM_REQUESTS_RUNNING, "gauge", names::NUM_REQUESTS_RUNNING, model_labels()), 0.0);
 }
+
+#[tokio::test]
+async fn every_family_of_metric_names_is_exposed() {
+    // What dashboards may name (peregrine_api::metric_names::FAMILIES) is what a scrape has.
+    let state = shaped(Duration::ZERO);
+    let (status, _, v) = post(&state, "/v1/completions", json!({"model": "fake-model", "prompt": "abcd", "max_tokens": 3})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let fams = scrape(&state).await;
+    let exposed: Vec<&str> = fams.iter().filter_map(|f| f["name"].as_str()).collect();
+    for name in peregrine_api::metric_names::FAMILIES {
+        assert!(exposed.contains(name), "{name} is in metric_names::FAMILIES but not exposed: {exposed:?}");
+    }
+}

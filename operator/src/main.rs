@@ -138,8 +138,8 @@ async fn main() -> anyhow::Result<()> {
             // One pair of controllers per watched namespace (or one cluster-wide pair): a
             // namespaced install may not list anything outside its namespaces.
             _ = futures::future::join_all(scope.watches().into_iter().flat_map(|namespace| {
-                let md: futures::future::BoxFuture<'_, ()> = Box::pin(model_deployment::run(ctx.clone(), namespace.clone()));
-                let lora: futures::future::BoxFuture<'_, ()> = Box::pin(lora_adapter::run(ctx.clone(), namespace));
+                let md: futures::future::LocalBoxFuture<'static, ()> = Box::pin(model_deployment::run(ctx.clone(), namespace.clone()));
+                let lora: futures::future::LocalBoxFuture<'static, ()> = Box::pin(lora_adapter::run(ctx.clone(), namespace));
                 [md, lora]
             })) => {}
             () = autoscale => {}

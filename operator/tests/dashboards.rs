@@ -78,7 +78,7 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
     let label_values = regex::Regex::new(r"label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*,\s*[a-zA-Z_][a-zA-Z0-9_]*\s*\)").unwrap();
     text = label_values.replace_all(&text, "label_values($1)").into_owned();
     let ident = regex::Regex::new(r"[a-zA-Z_:][a-zA-Z0-9_:]*(\s*\()?").unwrap();
-    let keywords = ["and", "or", "unless", "bool", "offset", "inf", "nan"];
+    let keywords = ["and", "or", "unless", "bool", "offset", "inf", "nan", "group_left", "group_right"];
     ident
         .captures_iter(&text)
         .filter(|c| c.get(1).is_none())

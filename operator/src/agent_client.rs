@@ -68,6 +68,15 @@ impl HttpAgentClient {
     async fn post<T: Serialize + ?Sized>(&self, url: String, body: &T) -> Result<reqwest::Response, AgentError> {
         self.http.post(url).json(body).send().await.map_err(|e| AgentError::Transport(e.to_string()))
     }
+
+    /// GETs `url` and parses the JSON answer; an error status is [`AgentError::Status`].
+    async fn get_json<T: serde::de::DeserializeOwned>(&self, url: String) -> Result<T, AgentError> {
+        let response = self.http.get(url).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+        if !response.status().is_success() {
+            return Err(error_of(response).await);
+        }
+        response.json().await.map_err(|e| AgentError::Transport(e.to_string()))
+    }
 }
 
 async fn error_of(response: reqwest::Response) -> AgentError {
@@ -103,24 +112,10 @@ impl AgentApi for HttpAgentClient {
     }
 
     fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>> {
-        Box::pin(async move {
-            let response = self.http.get(format!("{base}/v1/models")).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-            if !response.status().is_success() {
-                return Err(error_of(response).await);
-            }
-            let list: ModelList = response.json().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-            Ok(list.data)
-        })
+        Box::pin(async move { Ok(self.get_json::<ModelList>(format!("{base}/v1/models")).await?.data) })
     }
 
     fn list_adapters<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<AdapterStatus>, AgentError>> {
-        Box::pin(async move {
-            let response = self.http.get(format!("{base}/v1/adapters")).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-            if !response.status().is_success() {
-                return Err(error_of(response).await);
-            }
-            let list: AdapterList = response.json().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-            Ok(list.data)
-        })
+        Box::pin(async move { Ok(self.get_json::<AdapterList>(format!("{base}/v1/adapters")).await?.data) })
     }
 }

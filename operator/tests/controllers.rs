@@ -598,6 +598,14 @@ fn gateway_spec() -> Value {
     spec
 }
 
+/// The deployment's `InferencePoolReady` condition as (status, reason, message).
+fn pool_ready(h: &Harness) -> (String, String, String) {
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let c = condition(status, "InferencePoolReady");
+    let text = |k: &str| c[k].as_str().unwrap().to_string();
+    (text("status"), text("reason"), text("message"))
+}
+
 fn with_priority(name: &str, md: &str, priority: Option<i32>) -> Value {
     let mut object = adapter_json(name, Value::Null);
     object["spec"]["deploymentRef"]["name"] = json!(md);
@@ -613,10 +621,9 @@ async fn inference_pool_without_its_crd_is_a_condition_and_one_warning_not_a_fai
     let action = reconcile_md(&h, md_json(gateway_spec())).await;
     assert!(action.is_ok(), "a missing CRD is not a reconcile error (no backoff loop): {action:?}");
     assert!(!h.api.calls().iter().any(|c| c.contains("inferencepools")), "nothing is written to an API that is not there");
-    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
-    let pool = condition(status, "InferencePoolReady");
-    assert_eq!((pool["status"].as_str(), pool["reason"].as_str()), (Some("False"), Some("InferencePoolCRDMissing")));
-    assert!(pool["message"].as_str().unwrap().contains("inference.networking.k8s.io/v1"), "{pool}");
+    let (status, reason, message) = pool_ready(&h);
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "InferencePoolCRDMissing"));
+    assert!(message.contains("inference.networking.k8s.io/v1"), "{message}");
     // The deployment itself is created as usual.
     assert!(h.api.get(&format!("/apis/apps/v1/namespaces/{NS}/deployments/smol")).is_some());
     let warnings: Vec<Value> = h.api.events().into_iter().filter(|e| e["reason"] == "InferencePoolCRDMissing").collect();
@@ -631,7 +638,7 @@ async fn inference_pool_without_its_crd_is_a_condition_and_one_warning_not_a_fai
     install_inference_extension(&h, true);
     reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
     assert!(h.api.get(&format!("{POOLS}/smol")).is_some());
-    assert_eq!(condition(&h.api.get(&md_path("smol")).unwrap()["status"], "InferencePoolReady")["status"], "True");
+    assert_eq!(pool_ready(&h).0, "True");
 }
 
 #[tokio::test]
@@ -673,10 +680,9 @@ async fn inference_pool_and_objectives_are_created_where_the_crds_exist() {
     assert!(h.api.request("PATCH", &format!("{OBJECTIVES}/elsewhere")).is_none(), "another deployment's adapter");
     assert!(h.api.get(&format!("{OBJECTIVES}/chat")).is_none(), "the objective of an adapter without a priority is deleted");
 
-    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
-    let ready = condition(status, "InferencePoolReady");
-    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("True"), Some("InferencePoolApplied")));
-    assert!(ready["message"].as_str().unwrap().contains("vllm-epp:9003"), "{ready}");
+    let (status, reason, message) = pool_ready(&h);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "InferencePoolApplied"));
+    assert!(message.contains("vllm-epp:9003"), "{message}");
 }
 
 #[tokio::test]
@@ -686,10 +692,9 @@ async fn priorities_without_the_objective_crd_are_reported() {
     h.api.insert(&lora_path("sql"), with_priority("sql", "smol", Some(10)));
     reconcile_md(&h, md_json(gateway_spec())).await.unwrap();
     assert!(h.api.get(&format!("{POOLS}/smol")).is_some(), "the pool works without objectives");
-    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
-    let ready = condition(status, "InferencePoolReady");
-    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("False"), Some("InferencePoolCRDMissing")));
-    assert!(ready["message"].as_str().unwrap().contains("priorities of 1 LoraAdapter"), "{ready}");
+    let (status, reason, message) = pool_ready(&h);
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "InferencePoolCRDMissing"));
+    assert!(message.contains("priorities of 1 LoraAdapter"), "{message}");
 }
 
 #[tokio::test]

@@ -321,22 +321,17 @@ impl FakeAgent {
             if s.down {
                 return Err(AgentError::Transport("connection refused".into()));
             }
+            // As the agent answers it on the wire (`GET /v1/adapters`).
             Ok(s.loaded
                 .iter()
                 .enumerate()
-                .map(|(i, n)| peregrine_api::AdapterStatus {
-                    name: n.clone(),
-                    id: i as u64 + 1,
-                    source: format!("/resolved/{n}"),
-                    rank: 8,
-                    state: "loaded".into(),
-                    slot: None,
-                    loaded_at: 0.0,
-                    last_used: None,
-                    requests_served: 0,
-                    in_flight: 0,
-                    size_bytes: 0,
-                    digest: s.digest.clone(),
+                .map(|(i, n)| {
+                    serde_json::from_value(json!({
+                        "name": n, "id": i + 1, "source": format!("/resolved/{n}"), "rank": 8, "state": "loaded",
+                        "slot": null, "loaded_at": 0.0, "last_used": null, "requests_served": 0, "in_flight": 0,
+                        "size_bytes": 0, "digest": s.digest,
+                    }))
+                    .unwrap()
                 })
                 .collect())
         })

@@ -391,7 +391,7 @@ fn bench_adapters_are_written_as_loadable_peft_folders() {
         ["adapter-0", "adapter-1", "adapter-2"]
     );
     for ((_, folder), want) in written.iter().zip(&values) {
-        assert_eq!(&LoraAdapter::load(folder, &cfg, 64).unwrap(), want);
+        assert_eq!(&without_digest(LoraAdapter::load(folder, &cfg, 64).unwrap()), want);
     }
     // Zipf over 4 adapters with a quarter of the requests on the base model.
     let picks = zipf_assignment(40_000, 4, 1.0, 0.25, 3);

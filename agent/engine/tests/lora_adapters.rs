@@ -66,17 +66,9 @@ fn fixture_adapters_load_with_peft_metadata() {
     }
 }
 
-/// `sha256:` + the hex of `cat adapter_config.json adapter_model.safetensors | sha256sum`
-/// (coreutils: an implementation independent of the engine's).
+/// What the agent reports as the adapter's digest, computed by coreutils.
 fn sha256sum_of_files(dir: &std::path::Path) -> String {
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg("cat adapter_config.json adapter_model.safetensors | sha256sum")
-        .current_dir(dir)
-        .output()
-        .expect("sha256sum (coreutils)");
-    assert!(out.status.success());
-    format!("sha256:{}", String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap())
+    peregrine_testkit::sha256sum_of_files(dir, &["adapter_config.json", "adapter_model.safetensors"])
 }
 
 /// The weights only: `digest` records the files read, which an adapter built in memory has none of.

@@ -19,18 +19,9 @@ fn ids(models: &[ModelEntry]) -> Vec<(String, Option<String>)> {
     out
 }
 
-/// `sha256:` + the hex of `cat adapter_config.json adapter_model.safetensors | sha256sum`, computed by
-/// coreutils (an implementation independent of the agent's).
+/// The adapter's digest as the agent should report it, computed by coreutils.
 fn sha256sum_of_files(dir: &std::path::Path) -> String {
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg("cat adapter_config.json adapter_model.safetensors | sha256sum")
-        .current_dir(dir)
-        .output()
-        .expect("sha256sum (coreutils)");
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
-    format!("sha256:{}", text.split_whitespace().next().unwrap())
+    peregrine_testkit::sha256sum_of_files(dir, &["adapter_config.json", "adapter_model.safetensors"])
 }
 
 async fn complete(http: &reqwest::Client, base: &str, model: &str) -> (u16, Value) {

@@ -22,6 +22,10 @@ pub const CONDITION_LOADED: &str = "Loaded";
 /// model; it is not loaded (requests for the name would reach other weights).
 pub const CONDITION_CONFLICT: &str = "Conflict";
 
+/// ModelDeployment with `spec.gateway.inferencePool`: its InferencePool (and its adapters'
+/// InferenceObjectives) exist as the spec asks; False says why not (e.g. the CRDs are not installed).
+pub const CONDITION_INFERENCE_POOL_READY: &str = "InferencePoolReady";
+
 /// Machine-readable reasons (CamelCase, as the API conventions ask).
 pub mod reasons {
     pub const INVALID_SPEC: &str = "InvalidSpec";
@@ -47,4 +51,10 @@ pub mod reasons {
     pub const NO_CONFLICT: &str = "NoConflict";
     /// The adapter's `spec.rank` is above the deployment's `engine.maxLoraRank`.
     pub const RANK_TOO_HIGH: &str = "RankTooHigh";
+    /// The InferencePool (and objectives) are applied.
+    pub const INFERENCE_POOL_APPLIED: &str = "InferencePoolApplied";
+    /// `spec.gateway.inferencePool` asks for a pool but the cluster has no InferencePool API.
+    pub const INFERENCE_POOL_CRD_MISSING: &str = "InferencePoolCRDMissing";
+    /// The API server refused the InferencePool or an InferenceObjective.
+    pub const INFERENCE_POOL_APPLY_FAILED: &str = "InferencePoolApplyFailed";
 }

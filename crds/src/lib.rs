@@ -10,6 +10,7 @@
 
 mod autoscaling;
 mod conditions;
+mod gateway;
 mod lora_adapter;
 mod model_deployment;
 mod rollout;
@@ -18,6 +19,7 @@ mod source;
 
 pub use autoscaling::*;
 pub use conditions::*;
+pub use gateway::*;
 pub use lora_adapter::*;
 pub use model_deployment::*;
 pub use rollout::*;

@@ -4,6 +4,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
+use crate::gateway::AdapterGatewaySpec;
 use crate::source::AdapterSource;
 
 /// Desired state of an adapter.
@@ -39,6 +40,10 @@ pub struct LoraAdapterSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 512))]
     pub rank: Option<i32>,
+    /// Gateway routing: a priority here gives the adapter an `InferenceObjective` in its
+    /// deployment's InferencePool (see docs/gateways.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<AdapterGatewaySpec>,
 }
 
 /// Reference to a ModelDeployment in the same namespace.
@@ -115,6 +120,13 @@ pub struct PodAdapterStatus {
     /// version, then swaps it in; running requests finish on the old one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// What the pod has loaded, by content: the agent's `sha256:` digest of the adapter's files
+    /// (`adapter_config.json` then `adapter_model.safetensors`) as read at load. When the pod later
+    /// reports another digest for the name (its files were re-read after a change, or something
+    /// else loaded it), the operator loads it again and records the new digest; pods whose
+    /// digests differ hold different weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loaded_at: Option<Time>,
     /// Failed attempts in a row (drives the retry backoff).

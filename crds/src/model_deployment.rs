@@ -8,6 +8,7 @@ use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 use crate::autoscaling::{AutoscalingSpec, AutoscalingStatus};
+use crate::gateway::GatewaySpec;
 use crate::rollout::{RolloutSpec, RolloutStatus};
 use crate::source::ModelSource;
 
@@ -82,6 +83,11 @@ pub struct ModelDeploymentSpec {
     /// rolling update).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutSpec>,
+    /// Routing through the Gateway API Inference Extension (see docs/gateways.md): with
+    /// `inferencePool`, the operator creates an `InferencePool` selecting this deployment's pods,
+    /// where that CRD is installed (else the `InferencePoolReady` condition says it is missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewaySpec>,
 }
 
 /// The ModelDeployment's name names its Service, and a Service name must be a DNS-1035 label (a

@@ -1,11 +1,12 @@
-//! Client of the agent's admin API (vLLM-compatible): load/unload LoRA adapters, list models.
+//! Client of the agent's admin API (vLLM-compatible): load/unload LoRA adapters, list models, and
+//! peregrine's own `GET /v1/adapters` (what each version was loaded from, by path and digest).
 //!
 //! A trait so that controllers can be tested without agents; [`HttpAgentClient`] is the real one.
 
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use peregrine_api::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
+use peregrine_api::{AdapterList, AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ADAPTER_DIGEST_HEADER};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +38,9 @@ struct ModelList {
 
 /// What the controllers need from an agent. `base` is the agent's root URL, e.g. `http://10.0.0.5:8000`.
 pub trait AgentApi: Send + Sync {
-    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
+    /// Loads (or reloads) `name` from `path`; returns the content digest of what the agent loaded
+    /// (`None` from an agent that does not report one).
+    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<Option<String>, AgentError>>;
     /// Unloading an adapter the agent does not have succeeds (the goal state holds).
     fn unload_adapter<'a>(&'a self, base: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
     fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>>;
@@ -46,6 +49,8 @@ pub trait AgentApi: Send + Sync {
     fn load_progress<'a>(&'a self, _base: &'a str) -> BoxFuture<'a, Result<Option<f64>, AgentError>> {
         Box::pin(async { Ok(None) })
     }
+    /// `GET /v1/adapters`: every adapter version the agent holds, with source and digest.
+    fn list_adapters<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<AdapterStatus>, AgentError>>;
 }
 
 /// A load-progress read is one small scrape: never wait on a busy pod for long.
@@ -86,6 +91,15 @@ impl HttpAgentClient {
     async fn post<T: Serialize + ?Sized>(&self, url: String, body: &T) -> Result<reqwest::Response, AgentError> {
         self.authorized(self.http.post(url).json(body)).send().await.map_err(|e| AgentError::Transport(e.to_string()))
     }
+
+    /// GETs `url` and parses the JSON answer; an error status is [`AgentError::Status`].
+    async fn get_json<T: serde::de::DeserializeOwned>(&self, url: String) -> Result<T, AgentError> {
+        let response = self.authorized(self.http.get(url)).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
+        if !response.status().is_success() {
+            return Err(error_of(response).await);
+        }
+        response.json().await.map_err(|e| AgentError::Transport(e.to_string()))
+    }
 }
 
 async fn error_of(response: reqwest::Response) -> AgentError {
@@ -97,11 +111,12 @@ async fn error_of(response: reqwest::Response) -> AgentError {
 }
 
 impl AgentApi for HttpAgentClient {
-    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<Option<String>, AgentError>> {
         Box::pin(async move {
             let response = self.post(format!("{base}/v1/load_lora_adapter"), &LoadLoraAdapterRequest { lora_name: name.to_string(), lora_path: path.to_string() }).await?;
             if response.status().is_success() {
-                Ok(())
+                let digest = response.headers().get(ADAPTER_DIGEST_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
+                Ok(digest)
             } else {
                 Err(error_of(response).await)
             }
@@ -132,13 +147,10 @@ impl AgentApi for HttpAgentClient {
     }
 
     fn list_models<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<ModelEntry>, AgentError>> {
-        Box::pin(async move {
-            let response = self.authorized(self.http.get(format!("{base}/v1/models"))).send().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-            if !response.status().is_success() {
-                return Err(error_of(response).await);
-            }
-            let list: ModelList = response.json().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-            Ok(list.data)
-        })
+        Box::pin(async move { Ok(self.get_json::<ModelList>(format!("{base}/v1/models")).await?.data) })
+    }
+
+    fn list_adapters<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<AdapterStatus>, AgentError>> {
+        Box::pin(async move { Ok(self.get_json::<AdapterList>(format!("{base}/v1/adapters")).await?.data) })
     }
 }

@@ -14,6 +14,7 @@ pub mod config;
 pub mod context;
 pub mod desired;
 pub mod error;
+pub mod gateway;
 pub mod leader;
 pub mod load_progress;
 pub mod lora_adapter;

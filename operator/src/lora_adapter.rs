@@ -217,16 +217,20 @@ async fn apply(adapter: Arc<LoraAdapter>, ctx: Arc<Context>, ns: &str) -> Result
     })
 }
 
-/// Brings the adapter into one pod: already there from the same source (agent restarts lose
-/// adapters, so ask), wait out a retry delay, or load it. A pod that has the adapter from another
-/// source (`spec.source` was edited) gets the new one loaded under the same name: the agent reads it
-/// and then swaps it in, so requests never find the name missing.
+/// Brings the adapter into one pod: already there from the same source with the content recorded
+/// for the pod (agent restarts lose adapters, so ask), wait out a retry delay, or load it. A pod
+/// that has the adapter from another source (`spec.source` was edited), or reports another content
+/// digest than the one recorded (the files were replaced and re-read, or something else loaded the
+/// name), gets it loaded again under the same name: the agent reads it and then swaps it in, so
+/// requests never find the name missing. What the load reports is recorded as the pod's source and
+/// digest.
 async fn sync_pod(ctx: &Context, pod: &TargetPod, before: Option<&PodAdapterStatus>, name: &str, path: &str, now: &Time) -> PodAdapterStatus {
     let mut state = before.cloned().unwrap_or(PodAdapterStatus {
         name: pod.name.clone(),
         state: PodAdapterState::Pending,
         message: String::new(),
         source: None,
+        digest: None,
         loaded_at: None,
         failures: 0,
         next_retry_at: None,
@@ -234,24 +238,33 @@ async fn sync_pod(ctx: &Context, pod: &TargetPod, before: Option<&PodAdapterStat
     if state.state == PodAdapterState::Failed && state.next_retry_at.as_ref().is_some_and(|at| at > now) {
         return state;
     }
-    let present = match ctx.agent.list_models(&pod.base_url).await {
-        Ok(models) => models.iter().any(|m| m.id == name),
-        Err(e) => return failed(ctx, state, format!("listing models: {e}"), now),
+    let current = match ctx.agent.list_adapters(&pod.base_url).await {
+        // Versions still finishing requests after a replace or unload are listed as `unloading`.
+        Ok(adapters) => adapters.into_iter().find(|a| a.name == name && a.state != "unloading"),
+        Err(e) => return failed(ctx, state, format!("listing adapters: {e}"), now),
     };
-    if present && state.source.as_deref() == Some(path) {
-        if state.state != PodAdapterState::Loaded {
-            state.loaded_at = Some(now.clone());
+    let present = current.is_some();
+    if let Some(current) = current {
+        if pod_is_current(&state, path, current.digest.as_deref()) {
+            if state.state != PodAdapterState::Loaded {
+                state.loaded_at = Some(now.clone());
+            }
+            let digest = current.digest.or(state.digest.take());
+            return PodAdapterStatus { state: PodAdapterState::Loaded, message: String::new(), digest, failures: 0, next_retry_at: None, ..state };
         }
-        return PodAdapterStatus { state: PodAdapterState::Loaded, message: String::new(), failures: 0, next_retry_at: None, ..state };
+        if state.source.as_deref() == Some(path) {
+            warn!(pod = %pod.name, adapter = name, recorded = state.digest.as_deref().unwrap_or_default(), reported = current.digest.as_deref().unwrap_or_default(), "the pod reports other adapter content than recorded; loading it again");
+        }
     }
     match ctx.agent.load_adapter(&pod.base_url, name, path).await {
-        Ok(()) => {
+        Ok(digest) => {
             ctx.metrics.adapter_call("load", true);
-            info!(pod = %pod.name, adapter = name, source = path, replaced = present, "adapter loaded");
+            info!(pod = %pod.name, adapter = name, source = path, digest = digest.as_deref().unwrap_or_default(), replaced = present, "adapter loaded");
             PodAdapterStatus {
                 state: PodAdapterState::Loaded,
                 message: String::new(),
                 source: Some(path.to_string()),
+                digest,
                 loaded_at: Some(now.clone()),
                 failures: 0,
                 next_retry_at: None,
@@ -263,6 +276,17 @@ async fn sync_pod(ctx: &Context, pod: &TargetPod, before: Option<&PodAdapterStat
             failed(ctx, state, e.to_string(), now)
         }
     }
+}
+
+/// Whether the adapter a pod reports is the one recorded for it: same source, and the same digest
+/// where both sides know one (a status written before digests were recorded, or an agent that
+/// reports none, is taken as current and the reported digest recorded).
+pub fn pod_is_current(recorded: &PodAdapterStatus, path: &str, reported_digest: Option<&str>) -> bool {
+    recorded.source.as_deref() == Some(path)
+        && match (recorded.digest.as_deref(), reported_digest) {
+            (Some(recorded), Some(reported)) => recorded == reported,
+            _ => true,
+        }
 }
 
 fn failed(_ctx: &Context, state: PodAdapterStatus, message: String, now: &Time) -> PodAdapterStatus {
@@ -297,6 +321,7 @@ async fn write_status(
         target_replicas: pods.len() as i32,
         pods,
     };
+    ctx.metrics.record_adapter(ns, &adapter.name_any(), status.loaded_replicas, status.target_replicas);
     let patch = json!({"apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "LoraAdapter", "status": status});
     Api::<LoraAdapter>::namespaced(ctx.client.clone(), ns)
         .patch_status(&adapter.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))

@@ -13,7 +13,7 @@ use kube::{Api, Client};
 use peregrine_operator::agent_client::HttpAgentClient;
 use peregrine_operator::desired::admin_key::AdminKey;
 use peregrine_operator::autoscaler::controller::{Autoscaler, AutoscalerConfig};
-use peregrine_operator::config::OperatorConfig;
+use peregrine_operator::config::{OperatorConfig, WatchScope};
 use peregrine_operator::leader::{self, LeaseLock};
 use peregrine_operator::metrics::Metrics;
 use peregrine_operator::regression::OpenAiClient;
@@ -30,9 +30,10 @@ struct Args {
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "PEREGRINE_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
-    /// Watch only this namespace (default: all namespaces).
-    #[arg(long, env = "PEREGRINE_WATCH_NAMESPACE")]
-    watch_namespace: Option<String>,
+    /// Watch only these namespaces: repeat the flag, or separate with commas (default: all
+    /// namespaces).
+    #[arg(long = "watch-namespace", env = "PEREGRINE_WATCH_NAMESPACE", value_delimiter = ',')]
+    watch_namespaces: Vec<String>,
     /// Agent image for ModelDeployments that name none.
     #[arg(long, env = "PEREGRINE_AGENT_IMAGE")]
     agent_image: Option<String>,
@@ -97,6 +98,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let telemetry = telemetry::init(args.otlp_endpoint.as_deref(), args.log_json).context("setting up logs and tracing")?;
 
+    let scope = WatchScope::from_flags(&args.watch_namespaces).map_err(anyhow::Error::msg)?;
+    info!(?scope, "watching");
     let client = Client::try_default().await.context("building Kubernetes client (in-cluster or KUBECONFIG)")?;
     let mut config = OperatorConfig {
         agent_port: args.agent_port,
@@ -126,7 +129,7 @@ async fn main() -> anyhow::Result<()> {
         let config = AutoscalerConfig {
             interval: Duration::from_secs(args.autoscaler_interval_seconds),
             scrape_timeout: Duration::from_secs(args.autoscaler_scrape_timeout_seconds),
-            namespace: args.watch_namespace.clone(),
+            scope: scope.clone(),
         };
         Some(Autoscaler::new(client.clone(), config, metrics.autoscaler.clone()).context("building autoscaler")?)
     } else {
@@ -142,12 +145,13 @@ async fn main() -> anyhow::Result<()> {
             }
         };
         tokio::select! {
-            _ = async {
-                tokio::join!(
-                    model_deployment::run(ctx.clone(), args.watch_namespace.clone()),
-                    lora_adapter::run(ctx.clone(), args.watch_namespace.clone())
-                )
-            } => {}
+            // One pair of controllers per watched namespace (or one cluster-wide pair): a
+            // namespaced install may not list anything outside its namespaces.
+            _ = futures::future::join_all(scope.watches().into_iter().flat_map(|namespace| {
+                let md: futures::future::LocalBoxFuture<'static, ()> = Box::pin(model_deployment::run(ctx.clone(), namespace.clone()));
+                let lora: futures::future::LocalBoxFuture<'static, ()> = Box::pin(lora_adapter::run(ctx.clone(), namespace));
+                [md, lora]
+            })) => {}
             () = autoscale => {}
         }
     };

@@ -9,7 +9,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::autoscaler::metrics::AutoscalerMetrics;
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::autoscaler::metrics::{AutoscalerMetrics, DeploymentLabels};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
@@ -36,6 +38,14 @@ pub struct Metrics {
     pub failures: Family<FailureLabels, Counter>,
     pub duration: Family<ControllerLabels, Histogram>,
     pub adapter_calls: Family<AdapterCallLabels, Counter>,
+    /// Per ModelDeployment: pods, ready pods (what `status` says), and the canary step under way
+    /// (-1: none), for dashboards beside `peregrine_autoscaler_desired_replicas`.
+    pub replicas: Family<DeploymentLabels, Gauge>,
+    pub ready_replicas: Family<DeploymentLabels, Gauge>,
+    pub rollout_step: Family<DeploymentLabels, Gauge>,
+    /// Per LoraAdapter (`name` is the adapter's): pods it is loaded in, and ready pods it should be in.
+    pub adapter_loaded_replicas: Family<DeploymentLabels, Gauge>,
+    pub adapter_target_replicas: Family<DeploymentLabels, Gauge>,
     /// The autoscaler's `peregrine_autoscaler_*` series, served from the same `/metrics`.
     pub autoscaler: AutoscalerMetrics,
 }
@@ -62,7 +72,29 @@ impl Default for Metrics {
             duration.clone(),
         );
         registry.register("adapter_calls", "Calls to agents' adapter API, by operation and result", adapter_calls.clone());
-        Metrics { registry: Arc::new(root), reconciliations, failures, duration, adapter_calls, autoscaler }
+        let replicas = Family::<DeploymentLabels, Gauge>::default();
+        let ready_replicas = Family::<DeploymentLabels, Gauge>::default();
+        let rollout_step = Family::<DeploymentLabels, Gauge>::default();
+        registry.register("model_deployment_replicas", "Agent pods of a ModelDeployment (status.replicas)", replicas.clone());
+        registry.register("model_deployment_ready_replicas", "Ready agent pods of a ModelDeployment (status.readyReplicas)", ready_replicas.clone());
+        registry.register("rollout_step", "Index of the canary step under way (spec.rollout.steps); -1 when no rollout is", rollout_step.clone());
+        let adapter_loaded_replicas = Family::<DeploymentLabels, Gauge>::default();
+        let adapter_target_replicas = Family::<DeploymentLabels, Gauge>::default();
+        registry.register("adapter_loaded_replicas", "Pods a LoraAdapter is loaded in (status.loadedReplicas)", adapter_loaded_replicas.clone());
+        registry.register("adapter_target_replicas", "Ready pods a LoraAdapter should be loaded in (status.targetReplicas)", adapter_target_replicas.clone());
+        Metrics {
+            registry: Arc::new(root),
+            reconciliations,
+            failures,
+            duration,
+            adapter_calls,
+            replicas,
+            ready_replicas,
+            rollout_step,
+            adapter_loaded_replicas,
+            adapter_target_replicas,
+            autoscaler,
+        }
     }
 }
 
@@ -75,6 +107,26 @@ impl Metrics {
 
     pub fn reconcile_failed(&self, controller: &'static str, error: &crate::Error) {
         self.failures.get_or_create(&FailureLabels { controller, error: error.metric_label() }).inc();
+    }
+
+    /// Records what a ModelDeployment's status says about its pods.
+    pub fn record_replicas(&self, namespace: &str, name: &str, replicas: i32, ready: i32) {
+        let labels = DeploymentLabels { namespace: namespace.into(), name: name.into() };
+        self.replicas.get_or_create(&labels).set(i64::from(replicas));
+        self.ready_replicas.get_or_create(&labels).set(i64::from(ready));
+    }
+
+    /// Records the rollout step under way (`None`: no rollout).
+    pub fn record_rollout_step(&self, namespace: &str, name: &str, step: Option<i32>) {
+        let labels = DeploymentLabels { namespace: namespace.into(), name: name.into() };
+        self.rollout_step.get_or_create(&labels).set(step.map_or(-1, i64::from));
+    }
+
+    /// Records a LoraAdapter's loaded and target pod counts.
+    pub fn record_adapter(&self, namespace: &str, name: &str, loaded: i32, target: i32) {
+        let labels = DeploymentLabels { namespace: namespace.into(), name: name.into() };
+        self.adapter_loaded_replicas.get_or_create(&labels).set(i64::from(loaded));
+        self.adapter_target_replicas.get_or_create(&labels).set(i64::from(target));
     }
 
     pub fn adapter_call(&self, op: &'static str, ok: bool) {

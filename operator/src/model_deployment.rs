@@ -21,7 +21,8 @@ use peregrine_crds::{
 use serde_json::json;
 use tracing::{info, instrument, warn};
 
-use crate::conditions::is_true;
+use crate::conditions::{build, is_true, CondSpec};
+use crate::gateway;
 use crate::desired::{deployment::desired_deployment, selector_string, service::desired_service};
 use crate::rollout;
 use crate::status::model_deployment_status;
@@ -75,7 +76,15 @@ pub async fn reconcile(md: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Ac
     let pods = open_readiness_gates(&md, &ns, &ctx, &now).await?;
     let load_note = crate::load_progress::note(&pods, ctx.agent.as_ref(), ctx.config.agent_port).await;
 
-    let ready = write_status(&md, &ctx, Some(&deployment), None, &now, load_note.as_deref()).await?;
+    // Only deployments that ask for a pool (or had one) cost API calls here.
+    let gateway = if gateway::involved(&md) {
+        let adapters = Api::<LoraAdapter>::namespaced(ctx.client.clone(), &ns).list(&ListParams::default()).await?;
+        gateway::reconcile(&md, &adapters.items, &ctx, &ns).await
+    } else {
+        None
+    };
+
+    let ready = write_status_with_gateway(&md, &ctx, Some(&deployment), None, gateway.as_ref(), &now, load_note.as_deref()).await?;
     let requeue = if ready { Duration::from_secs(300) } else { Duration::from_secs(15) };
     // A rollout step (pause, canary deadline, retry) may need to be looked at sooner.
     Ok(Action::requeue(rollout_requeue.map_or(requeue, |r| r.min(requeue))))
@@ -96,6 +105,7 @@ async fn apply_children(md: &ModelDeployment, uri: &SourceUri, ctx: &Context, ns
     // The rollout controller applies the stable Deployment (and any canary) itself, so that a
     // pod-changing edit goes out in gated steps instead of one rolling update.
     let rollout = rollout::reconcile(md, desired, &ctx.rollout).await?;
+    ctx.metrics.record_rollout_step(ns, &md.name_any(), rollout.plan.status.current_step);
     let service = desired_service(md, ctx.config.agent_port);
     Api::<Service>::namespaced(ctx.client.clone(), ns).patch(&md.name_any(), &apply, &Patch::Apply(&service)).await?;
     Ok((rollout.stable, rollout.requeue))
@@ -112,8 +122,40 @@ async fn write_status(
     now: &Time,
     load_note: Option<&str>,
 ) -> Result<bool> {
+    write_status_with_gateway(md, ctx, deployment, problem, None, now, load_note).await
+}
+
+/// [`write_status`] with the gateway step's `InferencePoolReady` condition, if any (left out, it
+/// is removed: this field manager owns it); an Event when its reason changes.
+async fn write_status_with_gateway(
+    md: &ModelDeployment,
+    ctx: &Context,
+    deployment: Option<&Deployment>,
+    problem: Option<&SpecError>,
+    gateway: Option<&CondSpec>,
+    now: &Time,
+    load_note: Option<&str>,
+) -> Result<bool> {
     let ns = md.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
     let mut status = model_deployment_status(md, deployment, problem, ctx.config.agent_port, now);
+    ctx.metrics.record_replicas(&ns, &md.name_any(), status.replicas, status.ready_replicas);
+    let previous = md.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    if let Some(cond) = gateway {
+        status.conditions.extend(build(std::slice::from_ref(cond), previous, md.metadata.generation, now));
+        let changed = !previous.iter().any(|c| c.type_ == cond.type_ && c.reason == cond.reason);
+        if changed {
+            let event = Event {
+                type_: if cond.status { EventType::Normal } else { EventType::Warning },
+                reason: cond.reason.to_string(),
+                note: Some(cond.message.chars().take(1024).collect()),
+                action: "Reconcile".into(),
+                secondary: None,
+            };
+            if let Err(e) = ctx.recorder.publish(&event, &md.object_ref(&())).await {
+                warn!(error = %e, "publishing event");
+            }
+        }
+    }
     if let Some(note) = load_note {
         crate::load_progress::annotate(&mut status, note);
     }

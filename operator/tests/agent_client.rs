@@ -18,15 +18,24 @@ struct Agent {
     adapters: Arc<Mutex<Vec<String>>>,
 }
 
-async fn load(State(agent): State<Agent>, Json(body): Json<Value>) -> (StatusCode, Json<Value>) {
+async fn load(State(agent): State<Agent>, Json(body): Json<Value>) -> (StatusCode, [(&'static str, &'static str); 1], Json<Value>) {
     let keys: Vec<&String> = body.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["lora_name", "lora_path"], "vLLM's request shape");
     let name = body["lora_name"].as_str().unwrap().to_string();
     if body["lora_path"] == "/missing" {
-        return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "adapter_config.json not found", "type": "BadRequestError", "code": 400}})));
+        return (StatusCode::BAD_REQUEST, [("x-other", "")], Json(json!({"error": {"message": "adapter_config.json not found", "type": "BadRequestError", "code": 400}})));
     }
     agent.adapters.lock().unwrap().push(name);
-    (StatusCode::OK, Json(json!("Success")))
+    (StatusCode::OK, [(peregrine_api::ADAPTER_DIGEST_HEADER, "sha256:abc")], Json(json!("Success")))
+}
+
+/// peregrine's `GET /v1/adapters`, in the shape of `peregrine_api::AdapterList`.
+async fn adapters(State(agent): State<Agent>) -> Json<Value> {
+    let data: Vec<Value> = agent.adapters.lock().unwrap().iter().enumerate().map(|(i, a)| json!({
+        "name": a, "id": i + 1, "source": format!("/adapters/{a}"), "rank": 8, "state": "loaded", "slot": null,
+        "loaded_at": 1.0, "last_used": null, "requests_served": 0, "in_flight": 0, "size_bytes": 64, "digest": "sha256:abc"
+    })).collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn unload(State(agent): State<Agent>, Json(body): Json<Value>) -> StatusCode {
@@ -54,13 +63,17 @@ async fn load_list_unload_over_http() {
         .route("/v1/load_lora_adapter", post(load))
         .route("/v1/unload_lora_adapter", post(unload))
         .route("/v1/models", get(models))
+        .route("/v1/adapters", get(adapters))
         .with_state(agent);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
     let client = HttpAgentClient::new(Duration::from_secs(5)).unwrap();
-    client.load_adapter(&base, "pirate", "/mnt/pvc/models/adapters/pirate").await.unwrap();
+    let digest = client.load_adapter(&base, "pirate", "/mnt/pvc/models/adapters/pirate").await.unwrap();
+    assert_eq!(digest.as_deref(), Some("sha256:abc"), "the digest comes from the answer's header");
+    let listed = client.list_adapters(&base).await.unwrap();
+    assert_eq!((listed[0].name.as_str(), listed[0].digest.as_deref()), ("pirate", Some("sha256:abc")));
     let models = client.list_models(&base).await.unwrap();
     assert_eq!(models.len(), 2);
     assert_eq!((models[1].id.as_str(), models[1].parent.as_deref()), ("pirate", Some("smol")));

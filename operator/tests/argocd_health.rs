@@ -1,5 +1,5 @@
-//! The Argo CD health checks shipped in `charts/peregrine/argocd/`, run by a Lua interpreter (mlua,
-//! Lua 5.4; Argo CD runs them on gopher-lua 5.1, so the scripts keep to what both share) against
+//! The Argo CD health checks shipped in `charts/peregrine/argocd/`, run by a Lua 5.1 interpreter
+//! (mlua, vendored PUC Lua 5.1: the language of gopher-lua, which Argo CD runs them on) against
 //! objects shaped like the ones the operator writes.
 
 use std::path::Path;
@@ -46,6 +46,15 @@ fn health(kind: &str, object: &Value) -> (String, String) {
     lua.globals().set("obj", to_lua(&lua, object)).unwrap();
     let hs: Table = lua.load(script(kind)).set_name(kind).eval().unwrap();
     (hs.get("status").unwrap(), hs.get("message").unwrap())
+}
+
+#[test]
+fn the_interpreter_is_lua_5_1_as_in_argo_cd() {
+    // Lua 5.2+ only (goto, integer division, the utf8 library) would pass under 5.4 and fail in
+    // Argo CD: the scripts must be run by 5.1.
+    let lua = Lua::new();
+    assert_eq!(lua.globals().get::<String>("_VERSION").unwrap(), "Lua 5.1");
+    assert!(lua.load("local x = 7 // 2").exec().is_err(), "5.3's integer division must not parse");
 }
 
 fn cond(type_: &str, status: &str, reason: &str, message: &str) -> Value {

@@ -32,12 +32,26 @@ fn render(values: Value) -> Vec<Value> {
 /// Renders the chart, or says why Helm refused (lint findings, among them values that break
 /// `values.schema.json`, or a failed render).
 fn try_render(values: Value) -> Result<Vec<Value>, String> {
-    let out = Command::new(python())
+    run_renderer(values, None)
+}
+
+/// Renders the chart as `helm install --dry-run=server` does against a cluster whose API
+/// discovery offers the built-in kinds plus `apis` ("group/version/Kind"): the renderer's mock API
+/// server answers Helm's discovery, so `.Capabilities.APIVersions` is what such a cluster reports.
+fn render_in_cluster(values: Value, apis: &[&str]) -> Vec<Value> {
+    run_renderer(values, Some(apis)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn run_renderer(values: Value, apis: Option<&[&str]>) -> Result<Vec<Value>, String> {
+    let mut command = Command::new(python());
+    command
         .arg(repo_root().join("scripts/render-chart.py"))
         .arg(repo_root().join("charts/peregrine"))
-        .args(["peregrine", "peregrine-system", &values.to_string()])
-        .output()
-        .expect("running the chart renderer");
+        .args(["peregrine", "peregrine-system", &values.to_string()]);
+    if let Some(apis) = apis {
+        command.arg(json!(apis).to_string());
+    }
+    let out = command.output().expect("running the chart renderer");
     if !out.status.success() {
         return Err(format!("render failed (is helm-python-sdk installed? run `make python-deps`): {}", String::from_utf8_lossy(&out.stderr)));
     }
@@ -82,6 +96,13 @@ fn check_all(objects: &[Value]) {
                 assert_eq!(value["apiVersion"], "monitoring.coreos.com/v1");
                 assert_eq!(value["spec"]["endpoints"][0]["port"], "metrics");
             }
+            "PodMonitor" => {
+                assert_eq!(value["apiVersion"], "monitoring.coreos.com/v1");
+                // The agent container's port is named `http` (operator/src/desired/deployment.rs).
+                assert_eq!(value["spec"]["podMetricsEndpoints"][0]["port"], "http");
+                assert_eq!(value["spec"]["podMetricsEndpoints"][0]["path"], "/metrics");
+            }
+            "ConfigMap" => drop(typed::<k8s_openapi::api::core::v1::ConfigMap>(value)),
             other => panic!("unexpected kind {other:?} rendered"),
         }
     }
@@ -137,8 +158,12 @@ fn rbac_is_least_privilege() {
         let resources = rule.resources.unwrap_or_default();
         assert!(!verbs.iter().any(|v| v == "*" || v == "deletecollection"), "{verbs:?}");
         if verbs.iter().any(|v| v == "delete") {
-            // Only rollouts' canary Deployments are deleted.
-            assert_eq!(resources, ["deployments"], "delete on {resources:?}");
+            // Only rollouts' canary Deployments, and the Inference Extension objects the operator
+            // made for a deployment whose spec.gateway no longer asks for them, are deleted.
+            assert!(
+                [&["deployments"][..], &["inferencepools"], &["inferenceobjectives"]].contains(&resources.iter().map(String::as_str).collect::<Vec<_>>().as_slice()),
+                "delete on {resources:?}"
+            );
         }
         if resources.contains(&"configmaps".to_string()) {
             assert_eq!(verbs, ["get"], "configmaps: regression suites are read only");
@@ -159,24 +184,51 @@ fn rbac_is_least_privilege() {
 #[test]
 fn namespaced_install_with_service_monitor() {
     let objects = render(json!({
-        "operator": {"watchNamespace": "models", "replicas": 2, "otlpEndpoint": "http://otel-collector:4318"},
+        "operator": {"watchNamespaces": ["models", "team-b"], "replicas": 2, "otlpEndpoint": "http://otel-collector:4318"},
         "metrics": {"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}}},
         "serviceAccount": {"create": false, "name": "existing"}
     }));
     check_all(&objects);
-    assert!(find(&objects, "ClusterRole").is_empty(), "watching one namespace needs no cluster-wide role");
+    assert!(find(&objects, "ClusterRole").is_empty(), "watching listed namespaces needs no cluster-wide role");
+    assert!(find(&objects, "ClusterRoleBinding").is_empty());
     assert!(find(&objects, "ServiceAccount").is_empty());
     let roles: Vec<Role> = find(&objects, "Role").into_iter().map(typed).collect();
-    assert!(roles.iter().any(|r| r.metadata.namespace.as_deref() == Some("models")));
+    // One Role per watched namespace holds every controller rule (Secrets among them), and no
+    // other namespace gets one: the leader-election Role in the release namespace is leases only.
+    for ns in ["models", "team-b"] {
+        let role = roles.iter().find(|r| r.metadata.namespace.as_deref() == Some(ns)).unwrap_or_else(|| panic!("no Role in {ns}"));
+        let rules = role.rules.clone().unwrap();
+        assert!(rules.iter().any(|r| r.resources.as_ref().is_some_and(|res| res.contains(&"secrets".to_string()))), "{ns}: {rules:?}");
+    }
+    for role in &roles {
+        let ns = role.metadata.namespace.as_deref().unwrap();
+        let reads_secrets = role.rules.iter().flatten().any(|r| r.resources.iter().flatten().any(|res| res == "secrets"));
+        assert_eq!(reads_secrets, ["models", "team-b"].contains(&ns), "Secret access in {ns}");
+    }
+    assert_eq!(roles.len(), 3, "one per watched namespace and the leader-election Role");
     let bindings: Vec<RoleBinding> = find(&objects, "RoleBinding").into_iter().map(typed).collect();
+    assert_eq!(bindings.len(), 3);
     assert!(bindings.iter().all(|b| b.subjects.as_ref().unwrap()[0].name == "existing"));
+    assert!(bindings.iter().all(|b| b.subjects.as_ref().unwrap()[0].namespace.as_deref() == Some("peregrine-system")));
     let deployment: Deployment = typed(find(&objects, "Deployment")[0]);
     let spec = deployment.spec.unwrap();
     assert_eq!(spec.replicas, Some(2));
     let args = spec.template.spec.unwrap().containers[0].args.clone().unwrap();
-    assert!(args.contains(&"--watch-namespace=models".to_string()), "{args:?}");
+    let watched: Vec<&String> = args.iter().filter(|a| a.starts_with("--watch-namespace")).collect();
+    assert_eq!(watched, ["--watch-namespace=models", "--watch-namespace=team-b"], "{args:?}");
     assert!(args.contains(&"--otlp-endpoint=http://otel-collector:4318".to_string()), "{args:?}");
     assert_eq!(find(&objects, "ServiceMonitor")[0]["metadata"]["labels"]["release"], "prom");
+}
+
+#[test]
+fn an_empty_namespace_list_watches_everything_through_one_cluster_role() {
+    let objects = render(json!({"operator": {"watchNamespaces": []}}));
+    check_all(&objects);
+    assert_eq!(find(&objects, "ClusterRole").len(), 1);
+    assert_eq!(find(&objects, "ClusterRoleBinding").len(), 1);
+    let roles: Vec<Role> = find(&objects, "Role").into_iter().map(typed).collect();
+    assert_eq!(roles.len(), 1, "only the leader-election Role");
+    assert_eq!(roles[0].metadata.name.as_deref(), Some("peregrine-leader-election"));
 }
 
 #[test]
@@ -210,9 +262,11 @@ fn values_are_checked_against_the_schema() {
     // ... and what a new team gets wrong is refused by Helm, naming the key.
     for (values, key) in [
         (json!({"operator": {"replicas": "two"}}), "replicas"),
-        (json!({"operator": {"watchNamespaces": ["models"]}}), "watchNamespaces"),
+        // The old single-namespace key is gone: refused by name rather than silently ignored.
+        (json!({"operator": {"watchNamespace": "models"}}), "watchNamespace"),
+        (json!({"operator": {"watchNamespaces": "models"}}), "watchNamespaces"),
         (json!({"agent": {"port": 70000}}), "port"),
-        (json!({"operator": {"watchNamespace": "Models_Prod"}}), "watchNamespace"),
+        (json!({"operator": {"watchNamespaces": ["models", "Models_Prod"]}}), "watchNamespaces"),
         (json!({"metrics": {"serviceMonitor": {"interval": "soon"}}}), "interval"),
     ] {
         let err = try_render(values.clone()).expect_err(&values.to_string());
@@ -238,11 +292,67 @@ fn operator_pods_have_a_disruption_budget_that_never_blocks_a_drain() {
 
 #[test]
 fn agent_pod_monitor_is_skipped_where_prometheus_operator_is_not_installed() {
-    // The renderer's cluster has no monitoring.coreos.com/v1 API: enabling the PodMonitor must not
-    // render an object the API server would refuse. (Its rendering where the CRD exists is not
-    // covered: this renderer cannot declare extra API versions.)
-    let objects = render(json!({"metrics": {"agentPodMonitor": {"enabled": true}}}));
+    // Offline (Helm's default capabilities) and on a cluster whose discovery has no
+    // monitoring.coreos.com/v1: enabling the PodMonitor must not render an object the API server
+    // would refuse.
+    let values = json!({"metrics": {"agentPodMonitor": {"enabled": true}}});
+    assert!(find(&render(values.clone()), "PodMonitor").is_empty());
+    let objects = render_in_cluster(values, &[]);
+    check_all(&objects);
     assert!(find(&objects, "PodMonitor").is_empty());
+    assert_eq!(find(&objects, "Deployment").len(), 1, "the rest of the chart renders");
+}
+
+#[test]
+fn agent_pod_monitor_is_rendered_where_the_pod_monitor_crd_is_installed() {
+    let pod_monitor = ["monitoring.coreos.com/v1/PodMonitor"];
+    let objects = render_in_cluster(json!({"metrics": {"agentPodMonitor": {"enabled": true, "labels": {"release": "prom"}}}}), &pod_monitor);
+    check_all(&objects);
+    let monitors = find(&objects, "PodMonitor");
+    assert_eq!(monitors.len(), 1);
+    let monitor = monitors[0];
+    assert_eq!(monitor["metadata"]["namespace"], "peregrine-system");
+    assert_eq!(monitor["metadata"]["labels"]["release"], "prom");
+    assert_eq!(monitor["spec"]["namespaceSelector"], json!({"any": true}), "every namespace when the list is empty");
+    // It selects the pods the operator creates, by the labels it puts on them.
+    let md: peregrine_crds::ModelDeployment = serde_json::from_value(json!({
+        "apiVersion": "serving.peregrine.dev/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": "smol", "namespace": "models"},
+        "spec": {"model": {"uri": "pvc://models/smol.gguf"}}
+    })).unwrap();
+    let pod_labels = peregrine_operator::desired::labels(&md);
+    for (k, v) in monitor["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(pod_labels.get(k).map(String::as_str), v.as_str(), "{k}");
+    }
+
+    // Watching a list of namespaces, it scrapes exactly those.
+    let objects = render_in_cluster(json!({"metrics": {"agentPodMonitor": {"enabled": true}}, "operator": {"watchNamespaces": ["models", "team-b"]}}), &pod_monitor);
+    assert_eq!(find(&objects, "PodMonitor")[0]["spec"]["namespaceSelector"], json!({"matchNames": ["models", "team-b"]}));
+
+    // Installed but not asked for: nothing.
+    assert!(find(&render_in_cluster(json!({}), &pod_monitor), "PodMonitor").is_empty());
+}
+
+#[test]
+fn dashboards_are_opt_in_config_maps_for_the_grafana_sidecar() {
+    assert!(find(&render(json!({})), "ConfigMap").is_empty(), "off by default");
+    let objects = render(json!({"dashboards": {"enabled": true, "namespace": "monitoring", "annotations": {"grafana_folder": "Peregrine"}}}));
+    check_all(&objects);
+    let maps: Vec<k8s_openapi::api::core::v1::ConfigMap> = find(&objects, "ConfigMap").into_iter().map(typed).collect();
+    let mut files = Vec::new();
+    for map in &maps {
+        assert_eq!(map.metadata.namespace.as_deref(), Some("monitoring"));
+        assert_eq!(map.metadata.labels.as_ref().unwrap().get("grafana_dashboard").map(String::as_str), Some("1"));
+        assert_eq!(map.metadata.annotations.as_ref().unwrap().get("grafana_folder").map(String::as_str), Some("Peregrine"));
+        for (file, text) in map.data.as_ref().unwrap() {
+            // The dashboard as docs/dashboards has it, byte for byte.
+            let source = std::fs::read_to_string(repo_root().join("docs/dashboards").join(file)).unwrap();
+            assert_eq!(text.trim_end(), source.trim_end(), "{file}");
+            files.push(file.clone());
+        }
+    }
+    files.sort();
+    assert_eq!(files, ["peregrine-agent.json", "peregrine-operator.json"]);
 }
 
 /// `agent.adminApiKeySecret` gives the operator its admin key from that Secret and lets it apply

@@ -393,6 +393,58 @@ async fn editing_the_source_reloads_every_pod_under_the_same_name() {
     assert_eq!(condition(status, "Ready")["status"], "True");
 }
 
+#[tokio::test]
+async fn each_pod_records_the_digest_it_loaded_and_is_reloaded_when_it_reports_another() {
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.api.insert(&pod_path("smol-b"), pod("smol-b", "smol", "10.0.0.2", true));
+    for ip in ["10.0.0.1", "10.0.0.2"] {
+        h.agent.script(&format!("http://{ip}:8000"), AgentScript { digest: Some("sha256:v1".into()), ..Default::default() });
+    }
+    reconcile_lora(&h, adapter_json("one", Value::Null)).await.unwrap();
+    let status = h.api.get(&lora_path("one")).unwrap()["status"].clone();
+    for pod in status["pods"].as_array().unwrap() {
+        assert_eq!((pod["source"].as_str(), pod["digest"].as_str()), (Some("/mnt/pvc/models/adapters/one"), Some("sha256:v1")), "{pod}");
+    }
+
+    // Nothing changed: asked, not loaded again.
+    h.agent.calls.lock().unwrap().clear();
+    let mut object = adapter_json("one", status.clone());
+    reconcile_lora(&h, object.clone()).await.unwrap();
+    assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000", "list http://10.0.0.2:8000"]);
+
+    // The folder's files were replaced in place and smol-b re-read them (e.g. after evicting the
+    // adapter from host memory): it reports other content than recorded, so it is loaded again
+    // and the digest it answers with is recorded. smol-a still has v1 and is left alone.
+    h.agent.script("http://10.0.0.2:8000", AgentScript { loaded: vec!["one".into()], digest: Some("sha256:v2".into()), ..Default::default() });
+    h.agent.calls.lock().unwrap().clear();
+    object["status"] = h.api.get(&lora_path("one")).unwrap()["status"].clone();
+    reconcile_lora(&h, object).await.unwrap();
+    assert_eq!(
+        h.agent.calls(),
+        ["list http://10.0.0.1:8000", "list http://10.0.0.2:8000", "load http://10.0.0.2:8000 one /mnt/pvc/models/adapters/one"]
+    );
+    let status = &h.api.get(&lora_path("one")).unwrap()["status"];
+    let digests: Vec<(&str, &str)> = status["pods"].as_array().unwrap().iter().map(|p| (p["name"].as_str().unwrap(), p["digest"].as_str().unwrap())).collect();
+    assert_eq!(digests, [("smol-a", "sha256:v1"), ("smol-b", "sha256:v2")]);
+    assert_eq!(condition(status, "Ready")["status"], "True");
+}
+
+#[tokio::test]
+async fn a_status_without_digests_takes_the_reported_one_without_reloading() {
+    // Written by an operator (or against an agent) from before digests: nothing to compare, so the
+    // pod is current and what it reports is recorded.
+    let h = harness();
+    with_deployment(&h);
+    h.api.insert(&pod_path("smol-a"), pod("smol-a", "smol", "10.0.0.1", true));
+    h.agent.script("http://10.0.0.1:8000", AgentScript { loaded: vec!["one".into()], digest: Some("sha256:v1".into()), ..Default::default() });
+    let recorded = json!({"phase": "Ready", "pods": [{"name": "smol-a", "state": "Loaded", "source": "/mnt/pvc/models/adapters/one"}]});
+    reconcile_lora(&h, adapter_json("one", recorded)).await.unwrap();
+    assert_eq!(h.agent.calls(), ["list http://10.0.0.1:8000"]);
+    assert_eq!(h.api.get(&lora_path("one")).unwrap()["status"]["pods"][0]["digest"], "sha256:v1");
+}
+
 fn served_as(name: &str, served: &str) -> Value {
     let mut object = adapter_json(name, Value::Null);
     object["spec"]["servedName"] = json!(served);
@@ -555,4 +607,141 @@ async fn progressing_shows_the_agents_load_progress() {
     let status = &h.api.get(&md_path("smol")).unwrap()["status"];
     let message = condition(status, "Progressing")["message"].as_str().unwrap().to_string();
     assert!(!message.contains("weights loading"), "{message}");
+}
+
+const POOLS: &str = "/apis/inference.networking.k8s.io/v1/namespaces/models/inferencepools";
+const OBJECTIVES: &str = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/models/inferenceobjectives";
+
+fn install_inference_extension(h: &Harness, objectives: bool) {
+    install_api(&h.api, "inference.networking.k8s.io/v1", "InferencePool", "inferencepools");
+    if objectives {
+        install_api(&h.api, "inference.networking.x-k8s.io/v1alpha2", "InferenceObjective", "inferenceobjectives");
+    }
+}
+
+fn gateway_spec() -> Value {
+    let mut spec = base_spec();
+    spec["gateway"] = json!({"inferencePool": {}});
+    spec
+}
+
+/// The deployment's `InferencePoolReady` condition as (status, reason, message).
+fn pool_ready(h: &Harness) -> (String, String, String) {
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    let c = condition(status, "InferencePoolReady");
+    let text = |k: &str| c[k].as_str().unwrap().to_string();
+    (text("status"), text("reason"), text("message"))
+}
+
+fn with_priority(name: &str, md: &str, priority: Option<i32>) -> Value {
+    let mut object = adapter_json(name, Value::Null);
+    object["spec"]["deploymentRef"]["name"] = json!(md);
+    if let Some(p) = priority {
+        object["spec"]["gateway"] = json!({"priority": p});
+    }
+    object
+}
+
+#[tokio::test]
+async fn inference_pool_without_its_crd_is_a_condition_and_one_warning_not_a_failure() {
+    let h = harness();
+    let action = reconcile_md(&h, md_json(gateway_spec())).await;
+    assert!(action.is_ok(), "a missing CRD is not a reconcile error (no backoff loop): {action:?}");
+    assert!(!h.api.calls().iter().any(|c| c.contains("inferencepools")), "nothing is written to an API that is not there");
+    let (status, reason, message) = pool_ready(&h);
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "InferencePoolCRDMissing"));
+    assert!(message.contains("inference.networking.k8s.io/v1"), "{message}");
+    // The deployment itself is created as usual.
+    assert!(h.api.get(&format!("/apis/apps/v1/namespaces/{NS}/deployments/smol")).is_some());
+    let warnings: Vec<Value> = h.api.events().into_iter().filter(|e| e["reason"] == "InferencePoolCRDMissing").collect();
+    assert_eq!(warnings.len(), 1);
+    assert_eq!(warnings[0]["type"], "Warning");
+
+    // Again, unchanged: no second event.
+    reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
+    assert_eq!(h.api.events().iter().filter(|e| e["reason"] == "InferencePoolCRDMissing").count(), 1);
+
+    // The CRDs get installed: the next reconcile creates the pool.
+    install_inference_extension(&h, true);
+    reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_some());
+    assert_eq!(pool_ready(&h).0, "True");
+}
+
+#[tokio::test]
+async fn inference_pool_and_objectives_are_created_where_the_crds_exist() {
+    let h = harness();
+    install_inference_extension(&h, true);
+    for adapter in [with_priority("sql", "smol", Some(10)), with_priority("chat", "smol", None), with_priority("elsewhere", "other", Some(5))] {
+        h.api.insert(&lora_path(adapter["metadata"]["name"].as_str().unwrap()), adapter);
+    }
+    // Left from when "chat" had a priority.
+    h.api.insert(&format!("{OBJECTIVES}/chat"), json!({
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+        "metadata": {"name": "chat", "namespace": NS, "labels": {"serving.peregrine.dev/model-deployment": "smol"}},
+        "spec": {"priority": 1, "poolRef": {"name": "smol"}}
+    }));
+    let mut spec = gateway_spec();
+    spec["gateway"]["inferencePool"] = json!({"endpointPickerService": "vllm-epp", "endpointPickerPort": 9003, "failureMode": "FailOpen"});
+    reconcile_md(&h, md_json(spec)).await.unwrap();
+
+    let apply = h.api.request("PATCH", &format!("{POOLS}/smol")).expect("the pool is applied");
+    assert!(apply.content_type.starts_with("application/apply-patch"), "{}", apply.content_type);
+    assert!(apply.query.contains("fieldManager=peregrine-operator"), "{}", apply.query);
+    let pool = apply.body;
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    assert_eq!(pool["kind"], "InferencePool");
+    // The pool selects exactly the pods the Service selects, on the agent port.
+    let service = h.api.get(&format!("/api/v1/namespaces/{NS}/services/smol")).unwrap();
+    assert_eq!(pool["spec"]["selector"]["matchLabels"], service["spec"]["selector"]);
+    assert_eq!(pool["spec"]["targetPorts"], json!([{"number": 8000}]));
+    assert_eq!(pool["spec"]["endpointPickerRef"], json!({"group": "", "kind": "Service", "name": "vllm-epp", "port": {"number": 9003}, "failureMode": "FailOpen"}));
+    let owner = &pool["metadata"]["ownerReferences"][0];
+    assert_eq!((owner["kind"].as_str(), owner["uid"].as_str(), owner["controller"].as_bool()), (Some("ModelDeployment"), Some("md-uid"), Some(true)));
+
+    let objective = h.api.request("PATCH", &format!("{OBJECTIVES}/sql")).expect("an objective for the adapter with a priority").body;
+    assert_eq!(objective["apiVersion"], "inference.networking.x-k8s.io/v1alpha2");
+    assert_eq!(objective["spec"], json!({"priority": 10, "poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "smol"}}));
+    let owner = &objective["metadata"]["ownerReferences"][0];
+    assert_eq!((owner["kind"].as_str(), owner["uid"].as_str()), (Some("LoraAdapter"), Some("sql-uid")), "garbage-collected with its adapter");
+    assert!(h.api.request("PATCH", &format!("{OBJECTIVES}/elsewhere")).is_none(), "another deployment's adapter");
+    assert!(h.api.get(&format!("{OBJECTIVES}/chat")).is_none(), "the objective of an adapter without a priority is deleted");
+
+    let (status, reason, message) = pool_ready(&h);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "InferencePoolApplied"));
+    assert!(message.contains("vllm-epp:9003"), "{message}");
+}
+
+#[tokio::test]
+async fn priorities_without_the_objective_crd_are_reported() {
+    let h = harness();
+    install_inference_extension(&h, false);
+    h.api.insert(&lora_path("sql"), with_priority("sql", "smol", Some(10)));
+    reconcile_md(&h, md_json(gateway_spec())).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_some(), "the pool works without objectives");
+    let (status, reason, message) = pool_ready(&h);
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "InferencePoolCRDMissing"));
+    assert!(message.contains("priorities of 1 LoraAdapter"), "{message}");
+}
+
+#[tokio::test]
+async fn turning_the_pool_off_deletes_what_was_made() {
+    let h = harness();
+    install_inference_extension(&h, true);
+    h.api.insert(&lora_path("sql"), with_priority("sql", "smol", Some(10)));
+    reconcile_md(&h, md_json(gateway_spec())).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_some() && h.api.get(&format!("{OBJECTIVES}/sql")).is_some());
+
+    let mut object = h.api.get(&md_path("smol")).unwrap();
+    object["spec"]["gateway"]["inferencePool"]["enabled"] = json!(false);
+    reconcile_md(&h, object).await.unwrap();
+    assert!(h.api.get(&format!("{POOLS}/smol")).is_none());
+    assert!(h.api.get(&format!("{OBJECTIVES}/sql")).is_none());
+    let status = &h.api.get(&md_path("smol")).unwrap()["status"];
+    assert!(!status["conditions"].as_array().unwrap().iter().any(|c| c["type"] == "InferencePoolReady"), "{status}");
+
+    // Nothing asked, nothing made: no gateway calls at all.
+    let before = h.api.calls().len();
+    reconcile_md(&h, h.api.get(&md_path("smol")).unwrap()).await.unwrap();
+    assert!(!h.api.calls()[before..].iter().any(|c| c.contains("inference.networking")), "{:?}", &h.api.calls()[before..]);
 }

@@ -90,3 +90,20 @@ pub fn assemble_classifier(head: &str, dir: &std::path::Path) -> PathBuf {
     }
     fixture
 }
+
+/// `sha256:` + the hex digest of `files` in `dir` read one after the other, as coreutils computes it
+/// (`cat FILE... | sha256sum`): a reference for digests the engine computes itself (adapters'
+/// content digests), from an implementation independent of ours.
+pub fn sha256sum_of_files(dir: &std::path::Path, files: &[&str]) -> String {
+    let script = format!("cat {} | sha256sum", files.join(" "));
+    let out = match std::process::Command::new("sh").arg("-c").arg(&script).current_dir(dir).output() {
+        Ok(out) if out.status.success() => out,
+        Ok(out) => panic!("`{script}` in {} failed: {}", dir.display(), String::from_utf8_lossy(&out.stderr)),
+        Err(e) => panic!("running `{script}` (needs sh and coreutils' sha256sum): {e}"),
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.split_whitespace().next() {
+        Some(hex) if hex.len() == 64 => format!("sha256:{hex}"),
+        _ => panic!("unexpected sha256sum output {text:?}"),
+    }
+}

@@ -26,7 +26,7 @@ pub use chat::{ChatCompletionChunk, ChatCompletionRequest, ChatCompletionRespons
 pub use common::{NoUnknownFields, Prompt, SamplingFields, StopSequences, StreamOptions, Usage};
 pub use completions::{CompletionChunk, CompletionRequest, CompletionResponse};
 pub use error::{ErrorBody, ErrorDetail, ValidationError};
-pub use lora::{AdapterList, AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
+pub use lora::{AdapterList, AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ADAPTER_DIGEST_HEADER};
 pub use models::{ModelCard, ModelList};
 pub use structured::{OutputConstraint, ResponseFormat, StructuredFields, StructuredOutputs};
 

@@ -8,6 +8,10 @@ use crate::{Validate, ValidationError};
 /// Longest adapter name the engine accepts.
 pub const MAX_ADAPTER_NAME_LEN: usize = 256;
 
+/// Header of a successful `POST /v1/load_lora_adapter` answer: the loaded version's content digest
+/// (see [`AdapterStatus::digest`]). A header, so the body stays vLLM's plain-text message.
+pub const ADAPTER_DIGEST_HEADER: &str = "x-peregrine-adapter-digest";
+
 /// `POST /v1/load_lora_adapter`, as vLLM takes it. Loading a name again from the same path changes
 /// nothing; from another path it replaces the adapter (running requests finish on the old one).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,4 +91,9 @@ pub struct AdapterStatus {
     /// Requests on it now (waiting or running).
     pub in_flight: usize,
     pub size_bytes: usize,
+    /// What this version was read from, by content: `sha256:<hex>` of `adapter_config.json`'s bytes
+    /// followed by `adapter_model.safetensors`'s (`cat adapter_config.json
+    /// adapter_model.safetensors | sha256sum`), computed at load. Absent from agents that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }

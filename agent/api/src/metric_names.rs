@@ -63,6 +63,50 @@ pub const HTTP_CONNECTIONS_OPEN: &str = "peregrine_http_connections_open";
 pub const HTTP_CONNECTIONS_REFUSED: &str = "peregrine_http_connections_refused";
 pub const HTTP_CONNECTIONS_REFUSED_TOTAL: &str = "peregrine_http_connections_refused_total";
 
+/// Every metric family the agent always exposes, as its `# TYPE` line names it (counters without
+/// `_total`). [`KV_CACHE_BYTES`] and [`PROCESS_RESIDENT_MEMORY_BYTES`] are left out: they appear
+/// only where the backend or the OS provides them. Dashboards and alerts may name these (and their
+/// `_total`, `_bucket`, `_sum`, `_count` samples); a test scrapes the agent for each.
+pub const FAMILIES: &[&str] = &[
+    // Gauges.
+    NUM_REQUESTS_WAITING,
+    NUM_REQUESTS_RUNNING,
+    KV_CACHE_USAGE_RATIO,
+    SERVER_NUM_REQUESTS_WAITING,
+    SERVER_NUM_REQUESTS_RUNNING,
+    HTTP_CONNECTIONS_OPEN,
+    vllm::NUM_REQUESTS_WAITING,
+    vllm::NUM_REQUESTS_RUNNING,
+    vllm::KV_CACHE_USAGE_PERC,
+    vllm::GPU_CACHE_USAGE_PERC,
+    vllm::CACHE_CONFIG_INFO,
+    vllm::LORA_REQUESTS_INFO,
+    // Histograms.
+    QUEUE_TIME_SECONDS,
+    TIME_TO_FIRST_TOKEN_SECONDS,
+    TIME_PER_OUTPUT_TOKEN_SECONDS,
+    E2E_REQUEST_LATENCY_SECONDS,
+    vllm::REQUEST_QUEUE_TIME_SECONDS,
+    vllm::TIME_TO_FIRST_TOKEN_SECONDS,
+    vllm::TIME_PER_OUTPUT_TOKEN_SECONDS,
+    vllm::E2E_REQUEST_LATENCY_SECONDS,
+    // Counters.
+    NUM_PREEMPTIONS,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    PREFIX_CACHE_HIT_TOKENS,
+    REQUEST_SUCCESS,
+    REQUEST_ERRORS,
+    SERVER_PROMPT_TOKENS,
+    SERVER_GENERATION_TOKENS,
+    SERVER_REQUESTS_FINISHED,
+    HTTP_CONNECTIONS_REFUSED,
+    vllm::PROMPT_TOKENS,
+    vllm::GENERATION_TOKENS,
+    vllm::PREFIX_CACHE_QUERIES,
+    vllm::PREFIX_CACHE_HITS,
+];
+
 /// Every series the operator's autoscaler reads from a pod, as exposed.
 pub const AUTOSCALER_INPUTS: &[&str] = &[
     TIME_TO_FIRST_TOKEN_SECONDS,

@@ -66,13 +66,37 @@ fn fixture_adapters_load_with_peft_metadata() {
     }
 }
 
+/// What the agent reports as the adapter's digest, computed by coreutils.
+fn sha256sum_of_files(dir: &std::path::Path) -> String {
+    peregrine_testkit::sha256sum_of_files(dir, &["adapter_config.json", "adapter_model.safetensors"])
+}
+
+/// The weights only: `digest` records the files read, which an adapter built in memory has none of.
+fn without_digest(adapter: LoraAdapter) -> LoraAdapter {
+    LoraAdapter { digest: String::new(), ..adapter }
+}
+
 #[test]
 fn random_adapter_round_trips_through_peft_files() {
     let cfg = smollm2_config();
     let adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(4, 42));
     let dir = tempfile::tempdir().unwrap();
     save_peft(&adapter, dir.path()).unwrap();
-    assert_eq!(LoraAdapter::load(dir.path(), &cfg, 64).unwrap(), adapter);
+    let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
+    assert_eq!(loaded.digest, sha256sum_of_files(dir.path()));
+    assert_eq!(without_digest(loaded), adapter);
+}
+
+#[test]
+fn the_digest_names_the_files_content() {
+    let cfg = smollm2_config();
+    for name in ["adapter-a", "adapter-b"] {
+        let adapter = LoraAdapter::load(&adapter_dir(name), &cfg, 64).unwrap();
+        assert_eq!(adapter.digest, sha256sum_of_files(&adapter_dir(name)), "{name}");
+    }
+    let a = LoraAdapter::load(&adapter_dir("adapter-a"), &cfg, 64).unwrap();
+    let b = LoraAdapter::load(&adapter_dir("adapter-b"), &cfg, 64).unwrap();
+    assert_ne!(a.digest, b.digest);
 }
 
 #[test]
@@ -295,7 +319,7 @@ fn bf16_and_f16_tensors_decode_exactly() {
             .map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap()))
             .collect();
         std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
-        let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
+        let loaded = without_digest(LoraAdapter::load(dir.path(), &cfg, 64).unwrap());
         assert_eq!(loaded, expected, "{dtype:?}");
         assert_ne!(loaded, adapter, "{dtype:?} rounding must be visible");
     }
@@ -359,7 +383,7 @@ fn bench_adapters_are_written_as_loadable_peft_folders() {
         ["adapter-0", "adapter-1", "adapter-2"]
     );
     for ((_, folder), want) in written.iter().zip(&values) {
-        assert_eq!(&LoraAdapter::load(folder, &cfg, 64).unwrap(), want);
+        assert_eq!(&without_digest(LoraAdapter::load(folder, &cfg, 64).unwrap()), want);
     }
     // Zipf over 4 adapters with a quarter of the requests on the base model.
     let picks = zipf_assignment(40_000, 4, 1.0, 0.25, 3);

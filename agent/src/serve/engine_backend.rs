@@ -141,6 +141,7 @@ fn adapter_status(info: AdapterInfo) -> AdapterStatus {
         requests_served: info.requests_served,
         in_flight: info.in_flight,
         size_bytes: info.size_bytes,
+        digest: (!info.digest.is_empty()).then_some(info.digest),
     }
 }
 

@@ -26,8 +26,3 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
-
-{{/* Role when watching one namespace, ClusterRole otherwise. */}}
-{{- define "peregrine.roleKind" -}}
-{{- if .Values.operator.watchNamespace -}}Role{{- else -}}ClusterRole{{- end -}}
-{{- end -}}

@@ -19,6 +19,11 @@ fn ids(models: &[ModelEntry]) -> Vec<(String, Option<String>)> {
     out
 }
 
+/// The adapter's digest as the agent should report it, computed by coreutils.
+fn sha256sum_of_files(dir: &std::path::Path) -> String {
+    peregrine_testkit::sha256sum_of_files(dir, &["adapter_config.json", "adapter_model.safetensors"])
+}
+
 async fn complete(http: &reqwest::Client, base: &str, model: &str) -> (u16, Value) {
     let response = http
         .post(format!("{base}/v1/completions"))
@@ -41,7 +46,14 @@ async fn operator_client_loads_and_unloads_fixture_adapters_in_a_real_agent() {
     assert_eq!(ids(&client.list_models(base).await.unwrap()), [(MODEL.to_string(), None)]);
 
     for name in ADAPTERS {
-        client.load_adapter(base, name, lora.join(name).to_str().unwrap()).await.unwrap();
+        let digest = client.load_adapter(base, name, lora.join(name).to_str().unwrap()).await.unwrap();
+        // What the LoraAdapter status records per pod: the files' digest, as coreutils computes it.
+        assert_eq!(digest, Some(sha256sum_of_files(&lora.join(name))), "{name}");
+    }
+    let listed = client.list_adapters(base).await.unwrap();
+    for name in ADAPTERS {
+        let entry = listed.iter().find(|a| a.name == name).unwrap();
+        assert_eq!(entry.digest, Some(sha256sum_of_files(&lora.join(name))), "GET /v1/adapters reports the same digest");
     }
     // Loading again from the same path is what a retried reconcile does: it must succeed.
     client.load_adapter(base, "adapter-a", lora.join("adapter-a").to_str().unwrap()).await.unwrap();

@@ -23,6 +23,7 @@ use super::decision::{decide, Decision, DecisionInput, DecisionState};
 use super::metrics::{AutoscalerMetrics, DeploymentLabels};
 use super::scraper::Scraper;
 use super::window::{PodObservation, PodState, ScrapeWindow};
+use crate::config::WatchScope;
 
 /// Field manager of the autoscaler's writes (spec.replicas through /scale, status.autoscaling).
 pub const FIELD_MANAGER: &str = "peregrine-autoscaler";
@@ -51,13 +52,13 @@ pub struct AutoscalerConfig {
     pub interval: Duration,
     /// Per-pod `/metrics` timeout.
     pub scrape_timeout: Duration,
-    /// Only this namespace (`--watch-namespace`; a namespaced install has no right to list others).
-    pub namespace: Option<String>,
+    /// Only these namespaces (`--watch-namespace`; a namespaced install has no right to list others).
+    pub scope: WatchScope,
 }
 
 impl Default for AutoscalerConfig {
     fn default() -> Self {
-        AutoscalerConfig { interval: Duration::from_secs(15), scrape_timeout: Duration::from_secs(3), namespace: None }
+        AutoscalerConfig { interval: Duration::from_secs(15), scrape_timeout: Duration::from_secs(3), scope: WatchScope::All }
     }
 }
 
@@ -99,13 +100,16 @@ impl Autoscaler {
 
     /// One round over every autoscaled deployment.
     pub async fn round(&mut self) -> Result<(), AutoscalerError> {
-        let all: Api<ModelDeployment> = match &self.config.namespace {
-            Some(ns) => Api::namespaced(self.client.clone(), ns),
-            None => Api::all(self.client.clone()),
-        };
-        let deployments = all.list(&ListParams::default()).await?;
+        let mut deployments = Vec::new();
+        for namespace in self.config.scope.watches() {
+            let api: Api<ModelDeployment> = match &namespace {
+                Some(ns) => Api::namespaced(self.client.clone(), ns),
+                None => Api::all(self.client.clone()),
+            };
+            deployments.extend(api.list(&ListParams::default()).await?.items);
+        }
         let mut seen = Vec::new();
-        for md in deployments.items.iter().filter(|md| md.spec.autoscaling.is_some()) {
+        for md in deployments.iter().filter(|md| md.spec.autoscaling.is_some()) {
             let key = (md.namespace().unwrap_or_default(), md.name_any());
             seen.push(key.clone());
             if let Err(err) = self.reconcile(md).await {

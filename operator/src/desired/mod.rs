@@ -4,6 +4,7 @@
 pub mod admin_key;
 pub mod args;
 pub mod deployment;
+pub mod gateway;
 pub mod model;
 pub mod service;
 

@@ -39,7 +39,7 @@ pub struct FakeApi {
     pub refused: Mutex<HashMap<String, (u16, String)>>,
 }
 
-const COLLECTIONS: &[&str] = &["pods", "loraadapters", "modeldeployments", "deployments", "services", "secrets", "events"];
+const COLLECTIONS: &[&str] = &["pods", "loraadapters", "modeldeployments", "deployments", "services", "secrets", "events", "inferenceobjectives"];
 
 impl FakeApi {
     pub fn insert(&self, path: &str, object: Value) {
@@ -156,6 +156,10 @@ impl FakeApi {
                 objects.insert(key, updated.clone());
                 (StatusCode::OK, updated)
             }
+            "DELETE" => match objects.remove(&key) {
+                Some(object) => (StatusCode::OK, object),
+                None => not_found(&key),
+            },
             other => panic!("unexpected method {other}"),
         }
     }
@@ -236,6 +240,9 @@ pub struct AgentScript {
     pub down: bool,
     /// `peregrine_load_progress` on its `/metrics` (None: not reported).
     pub load_progress: Option<f64>,
+    /// Content digest the agent reports for what it loads (its files' content); `None`: an agent
+    /// that reports no digest.
+    pub digest: Option<String>,
 }
 
 #[derive(Default)]
@@ -258,7 +265,7 @@ impl FakeAgent {
 }
 
 impl AgentApi for FakeAgent {
-    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+    fn load_adapter<'a>(&'a self, base: &'a str, name: &'a str, path: &'a str) -> BoxFuture<'a, Result<Option<String>, AgentError>> {
         self.calls.lock().unwrap().push(format!("load {base} {name} {path}"));
         let result = self.with(base, |s| {
             if s.down {
@@ -267,8 +274,10 @@ impl AgentApi for FakeAgent {
             match &s.load_error {
                 Some((status, body)) => Err(AgentError::Status { status: *status, body: body.clone() }),
                 None => {
-                    s.loaded.push(name.to_string());
-                    Ok(())
+                    if !s.loaded.iter().any(|n| n == name) {
+                        s.loaded.push(name.to_string());
+                    }
+                    Ok(s.digest.clone())
                 }
             }
         });
@@ -305,6 +314,36 @@ impl AgentApi for FakeAgent {
         });
         Box::pin(async move { result })
     }
+
+    fn list_adapters<'a>(&'a self, base: &'a str) -> BoxFuture<'a, Result<Vec<peregrine_api::AdapterStatus>, AgentError>> {
+        let result = self.adapters(base);
+        Box::pin(async move { result })
+    }
+}
+
+impl FakeAgent {
+    /// What `GET /v1/adapters` answers (recorded as `list <base>`, like the model list).
+    fn adapters(&self, base: &str) -> Result<Vec<peregrine_api::AdapterStatus>, AgentError> {
+        self.calls.lock().unwrap().push(format!("list {base}"));
+        self.with(base, |s| {
+            if s.down {
+                return Err(AgentError::Transport("connection refused".into()));
+            }
+            // As the agent answers it on the wire (`GET /v1/adapters`).
+            Ok(s.loaded
+                .iter()
+                .enumerate()
+                .map(|(i, n)| {
+                    serde_json::from_value(json!({
+                        "name": n, "id": i + 1, "source": format!("/resolved/{n}"), "rank": 8, "state": "loaded",
+                        "slot": null, "loaded_at": 0.0, "last_used": null, "requests_served": 0, "in_flight": 0,
+                        "size_bytes": 0, "digest": s.digest,
+                    }))
+                    .unwrap()
+                })
+                .collect())
+        })
+    }
 }
 
 pub struct Harness {
@@ -331,6 +370,15 @@ pub fn md_path(name: &str) -> String {
 pub fn lora_path(name: &str) -> String {
     format!("/apis/serving.peregrine.dev/v1alpha1/namespaces/{NS}/loraadapters/{name}")
 }
+/// Makes the fake API server's discovery list `plural` under `group_version` (as when that CRD is
+/// installed); without it, discovery of the group version answers 404.
+pub fn install_api(api: &FakeApi, group_version: &str, kind: &str, plural: &str) {
+    api.insert(&format!("/apis/{group_version}"), json!({
+        "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version,
+        "resources": [{"name": plural, "singularName": kind.to_lowercase(), "namespaced": true, "kind": kind, "verbs": ["get", "list", "create", "patch", "delete"]}]
+    }));
+}
+
 pub fn pod_path(name: &str) -> String {
     format!("/api/v1/namespaces/{NS}/pods/{name}")
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
+use sha2::{Digest, Sha256};
 
 use super::config::AdapterConfig;
 use super::target::TargetModule;
@@ -33,6 +34,20 @@ pub struct LoraAdapter {
     pub targets: Vec<TargetModule>,
     /// `layers[l][module.index()]`: `Some` exactly for the targeted modules.
     pub layers: Vec<[Option<LoraPair>; 7]>,
+    /// What was read: [`content_digest`] of the folder's files at load; empty for adapters built
+    /// in memory.
+    pub digest: String,
+}
+
+/// `sha256:<hex>` of `adapter_config.json`'s bytes followed by `adapter_model.safetensors`'s, so
+/// that `cat adapter_config.json adapter_model.safetensors | sha256sum` gives the same hex. It
+/// names the content a pod serves: the operator records it per pod and compares pods by it.
+pub fn content_digest(config_bytes: &[u8], weights_bytes: &[u8]) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(config_bytes);
+    hasher.update(weights_bytes);
+    let hex: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
 }
 
 impl LoraAdapter {
@@ -65,13 +80,21 @@ impl LoraAdapter {
                 format!("missing {WEIGHTS_FILE}"),
             ));
         }
-        let config = AdapterConfig::from_file(&config_path)?;
+        // Read once: the digest and the parsed adapter come from the same bytes.
+        let config_text = std::fs::read_to_string(&config_path).map_err(|source| EngineError::Io {
+            path: config_path.clone(),
+            source,
+        })?;
+        let config = AdapterConfig::from_json(&config_text)
+            .map_err(|message| EngineError::invalid_adapter(&config_path, message))?;
         let bytes = std::fs::read(&weights_path).map_err(|source| EngineError::Io {
             path: weights_path.clone(),
             source,
         })?;
-        LoraAdapter::from_parts(&config, &bytes, base, max_rank)
-            .map_err(|message| EngineError::invalid_adapter(&weights_path, message))
+        let mut adapter = LoraAdapter::from_parts(&config, &bytes, base, max_rank)
+            .map_err(|message| EngineError::invalid_adapter(&weights_path, message))?;
+        adapter.digest = content_digest(config_text.as_bytes(), &bytes);
+        Ok(adapter)
     }
 
     /// Builds the adapter from a parsed config and the bytes of a safetensors file.
@@ -126,6 +149,7 @@ impl LoraAdapter {
             scaling: config.scaling(),
             targets: config.target_modules.iter().copied().collect(),
             layers,
+            digest: String::new(),
         })
     }
 
@@ -224,6 +248,16 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn content_digest_is_sha256_of_the_files_one_after_the_other() {
+        // FIPS 180-2's "abc" test vector, split across the two files.
+        assert_eq!(
+            content_digest(b"ab", b"c"),
+            "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(content_digest(b"abc", b""), content_digest(b"a", b"bc"));
+    }
 
     #[test]
     fn parses_peft_tensor_names() {

@@ -61,6 +61,7 @@ impl LoraAdapter {
             scaling: spec.alpha / rank as f32,
             targets,
             layers,
+            digest: String::new(),
         }
     }
 }

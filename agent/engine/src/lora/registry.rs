@@ -73,6 +73,9 @@ pub struct AdapterInfo {
     /// Requests holding this version now (waiting or running).
     pub in_flight: usize,
     pub size_bytes: usize,
+    /// `sha256:` digest of the files this version's weights were read from (see
+    /// [`super::adapter::content_digest`]); empty for adapters built in memory.
+    pub digest: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -93,6 +96,7 @@ struct Version {
     source: PathBuf,
     rank: usize,
     size_bytes: usize,
+    digest: String,
     weights: Option<Arc<LoraAdapter>>,
     loaded_at: SystemTime,
     last_used: Option<SystemTime>,
@@ -166,9 +170,10 @@ impl LoraRegistry {
         self.names.get(name).copied()
     }
 
-    /// Registers parsed weights under `name`. Same name and source as the loaded version: no-op
-    /// (weights refilled if they had been evicted). Another source: the new version takes the name
-    /// at once and the old one retires when its last request finishes.
+    /// Registers parsed weights under `name`. Same name, source and content digest as the loaded
+    /// version: no-op (weights refilled if they had been evicted). Another source, or the same
+    /// folder with other content (files replaced in place): the new version takes the name at once
+    /// and the old one retires when its last request finishes.
     pub fn install(
         &mut self,
         name: &str,
@@ -177,7 +182,7 @@ impl LoraRegistry {
     ) -> (LoadOutcome, AdapterInfo) {
         self.tick += 1;
         let outcome = match self.names.get(name).copied() {
-            Some(id) if self.versions.get(&id).is_some_and(|v| v.source == source) => {
+            Some(id) if self.versions.get(&id).is_some_and(|v| v.source == source && v.digest == adapter.digest) => {
                 let mut outcome = LoadOutcome::AlreadyLoaded;
                 if let Some(v) = self.versions.get_mut(&id) {
                     if v.weights.is_none() {
@@ -208,6 +213,7 @@ impl LoraRegistry {
                 source: source.to_path_buf(),
                 rank: adapter.rank,
                 size_bytes: adapter.size_bytes(),
+                digest: adapter.digest.clone(),
                 weights: Some(adapter),
                 loaded_at: SystemTime::now(),
                 last_used: None,
@@ -279,6 +285,10 @@ impl LoraRegistry {
     pub fn restore(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) {
         self.tick += 1;
         if let Some(v) = self.versions.get_mut(&id) {
+            if v.weights.is_none() {
+                // Re-read from the folder: report what is served now, even if the files changed.
+                v.digest = adapter.digest.clone();
+            }
             v.weights.get_or_insert(adapter);
             v.host_tick = self.tick;
         }
@@ -437,6 +447,7 @@ impl LoraRegistry {
                 requests_served: 0,
                 in_flight: 0,
                 size_bytes: 0,
+                digest: String::new(),
             };
         };
         let state = if v.retiring {
@@ -462,6 +473,7 @@ impl LoraRegistry {
             requests_served: v.requests_served,
             in_flight: v.in_flight,
             size_bytes: v.size_bytes,
+            digest: v.digest.clone(),
         }
     }
 
@@ -524,6 +536,28 @@ mod tests {
             max_lora_rank: 8,
             max_cpu_loras,
         })
+    }
+
+    fn with_digest(seed: u64, digest: &str) -> Arc<LoraAdapter> {
+        let mut a = (*adapter(seed)).clone();
+        a.digest = digest.to_string();
+        Arc::new(a)
+    }
+
+    #[test]
+    fn the_same_folder_with_other_content_is_a_new_version() {
+        let mut r = registry(2, 4);
+        let (_, v1) = r.install("a", Path::new("/x/a"), with_digest(1, "sha256:11"));
+        assert_eq!(v1.digest, "sha256:11");
+        let (o, same) = r.install("a", Path::new("/x/a"), with_digest(1, "sha256:11"));
+        assert_eq!((o, same.id), (LoadOutcome::AlreadyLoaded, v1.id));
+        // Files replaced in place: same path, other bytes.
+        let (o, v2) = r.install("a", Path::new("/x/a"), with_digest(2, "sha256:22"));
+        assert_eq!(o, LoadOutcome::Replaced);
+        assert_ne!(v2.id, v1.id);
+        assert_eq!(v2.digest, "sha256:22");
+        let listed: Vec<(String, String)> = r.list().into_iter().filter(|i| i.state != AdapterState::Unloading).map(|i| (i.name, i.digest)).collect();
+        assert_eq!(listed, [("a".to_string(), "sha256:22".to_string())]);
     }
 
     #[test]

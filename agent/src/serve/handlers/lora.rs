@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use peregrine_api::{AdapterList, LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
+use peregrine_api::{AdapterList, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ADAPTER_DIGEST_HEADER};
 
 use super::{fail, SharedState};
 use crate::serve::backend::{InferenceBackend, LoadOutcome};
@@ -39,8 +39,13 @@ pub async fn load<B: InferenceBackend>(State(state): State<SharedState<B>>, body
                 LoadOutcome::Replaced => "replaced successfully",
                 LoadOutcome::AlreadyLoaded => "is already loaded from this path",
             };
-            tracing::info!(adapter = %name, path = %request.lora_path, rank = loaded.adapter.rank, outcome = what, "LoRA adapter load");
-            text(format!("Success: LoRA adapter '{name}' {what}."))
+            tracing::info!(adapter = %name, path = %request.lora_path, rank = loaded.adapter.rank, digest = loaded.adapter.digest.as_deref().unwrap_or_default(), outcome = what, "LoRA adapter load");
+            let mut response = text(format!("Success: LoRA adapter '{name}' {what}."));
+            // The operator records what each pod loaded by this digest.
+            if let Some(value) = loaded.adapter.digest.as_deref().and_then(|d| header::HeaderValue::from_str(d).ok()) {
+                response.headers_mut().insert(ADAPTER_DIGEST_HEADER, value);
+            }
+            response
         }
         Err(e) => fail(&state, e),
     }

@@ -62,6 +62,7 @@ impl FakeBackend {
             requests_served: 0,
             in_flight: 0,
             size_bytes: 0,
+            digest: Some(format!("sha256:fake-{name}")),
         }
     }
 }

@@ -226,3 +226,18 @@ async fn lora_requests_info_follows_load_request_unload() {
     let fams = scrape(&state).await;
     assert_eq!(check_scalar(&fams, names::NUM_REQUESTS_RUNNING, "gauge", names::NUM_REQUESTS_RUNNING, model_labels()), 0.0);
 }
+
+#[tokio::test]
+async fn every_family_of_metric_names_is_exposed() {
+    // What dashboards may name (peregrine_api::metric_names::FAMILIES) is what a scrape has.
+    let state = shaped(Duration::ZERO);
+    let (status, _, v) = post(&state, "/v1/completions", json!({"model": "fake-model", "prompt": "abcd", "max_tokens": 3})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    // One refused request, so that the error family has a series.
+    let (status, _, _) = post(&state, "/v1/completions", json!({"model": "no-such-model", "prompt": "abcd", "max_tokens": 3})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let fams = scrape(&state).await;
+    let exposed: Vec<&str> = fams.iter().filter_map(|f| f["name"].as_str()).collect();
+    let missing: Vec<&&str> = peregrine_api::metric_names::FAMILIES.iter().filter(|name| !exposed.contains(name)).collect();
+    assert!(missing.is_empty(), "in metric_names::FAMILIES but not exposed: {missing:?} (exposed: {exposed:?})");
+}

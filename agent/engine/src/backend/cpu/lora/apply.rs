@@ -307,6 +307,7 @@ mod tests {
             scaling,
             targets,
             layers,
+            digest: String::new(),
         }
     }
 

@@ -1,18 +1,17 @@
-// Row-wise FP8 (W8A8) for decode-sized steps, the GPU side of `--quantization fp8` (issue 17).
-// sm_89+ (e4m3 conversions); the kernels compile everywhere and are never launched below that.
+// Row-wise 8-bit W8A8 for decode-sized steps, the GPU side of `--quantization fp8|int8` (issue 17).
+// e4m3 needs sm_89+ (conversions); the kernels compile everywhere and are never launched below that.
 //
 // quant_rows_e4m3: one block per token row: amax over the row (bf16 in), scale = amax / 448 (0 for a
 //   zero row), codes = e4m3(x / scale) rounded to nearest even and saturating: exactly the CPU's
 //   `rowquant::quantize_activations` on the same values (IEEE division on both sides), so codes and
-//   scales are bit-identical to the CPU path's.
-// gemv_e4m3_m{M}: y[m, n] = (Σ_k xq[i, k] · wq[j, k]) · xs[i] · ws[j], the token scale, then the row
-//   scale, as the CPU's matmul_w8a8 epilogue. One warp per weight row, 16 codes per 16-byte load,
-//   each pair converted e4m3x2 -> f16x2 (exact) -> f32; products of two e4m3 values are exact in f32;
-//   the sum runs in f32 in this kernel's own order (so results match the CPU to f32 rounding, not
-//   bit for bit). k % 16 == 0 and 16-byte aligned rows.
-// A first, simple version for correctness and a first figure: one warp per row, no split of k
-// across warps and no PDL yet (gemv.cu's bf16 kernel has both).
+//   scales are bit-identical to the CPU path's. (int8: quant_rows_i8 in quant8.cu.)
+// gemv_e4m3_m{M}, gemv_i8_m{M}: y[m, n] = (Σ_k xq[i, k] · wq[j, k]) · xs[i] · ws[j], the token scale,
+//   then the row scale, as the CPU's matmul_w8a8 epilogue. e4m3: each code pair converted e4m3x2 ->
+//   f16x2 (exact) -> f32, products of two e4m3 values are exact in f32, sums in f32 in this kernel's
+//   own order (so results match the CPU to f32 rounding, not bit for bit). int8: dp4a, exact s32
+//   sums. k % 16 == 0 and 16-byte aligned rows; m <= 16.
 #define GEMV8_WARPS 8
+#define GEMV8_UNROLL 8
 
 // f16x2 -> two floats (low half first), exactly.
 __device__ __forceinline__ float2 f16x2_to_float2(u32 v) {
@@ -64,43 +63,117 @@ extern "C" __global__ void __launch_bounds__(256) quant_rows_e4m3(unsigned char*
     for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = scale > 0.f ? f2e4m3(bf2f(xr[i]) / scale) : (unsigned char)0;
 }
 
-template <int MAXM>
-__device__ __forceinline__ void gemv_e4m3_impl(void* __restrict__ y, int y_f32, const unsigned char* __restrict__ xq,
-                                               const float* __restrict__ xs, const unsigned char* __restrict__ w,
-                                               const float* __restrict__ ws, int m, int n, int k) {
+// Σ of 16 products of int8 codes, exact (4 dp4a).
+__device__ __forceinline__ int dot16_i8(const uint4 a, const uint4 b) {
+    int s = __dp4a((int)a.x, (int)b.x, 0);
+    s = __dp4a((int)a.y, (int)b.y, s);
+    s = __dp4a((int)a.z, (int)b.z, s);
+    return __dp4a((int)a.w, (int)b.w, s);
+}
+
+// The accumulator of a format: f32 for e4m3 products (exact in f32), s32 for int8 (exact sums).
+template <int FMT>
+struct Gemv8Acc {
+    typedef float T;
+    static __device__ __forceinline__ float dot(const uint4 a, const uint4 b) { return dot16_e4m3(a, b); }
+    static __device__ __forceinline__ float warp_total(float v) { return warp_sum(v); }
+    static __device__ __forceinline__ float to_bits(float v) { return v; }
+    static __device__ __forceinline__ float from_bits(float v) { return v; }
+};
+template <>
+struct Gemv8Acc<Q8_I8> {
+    typedef int T;
+    static __device__ __forceinline__ int dot(const uint4 a, const uint4 b) { return dot16_i8(a, b); }
+    static __device__ __forceinline__ int warp_total(int v) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    }
+    static __device__ __forceinline__ float to_bits(int v) { return __int_as_float(v); }
+    static __device__ __forceinline__ int from_bits(float v) { return __float_as_int(v); }
+};
+
+// As gemv.cu's bf16 GEMV: `wpr` warps share one weight row, each a contiguous share of k, GEMV8_UNROLL
+// 16-byte weight loads in flight per lane (the first ones issued before pdl_wait(): the weights do
+// not depend on the kernel before), activation codes through the read-only cache; the warps of a row
+// add their partial sums in a fixed order. Epilogue: (Σ) · xs[i] · ws[row].
+template <int FMT, int MAXM>
+__device__ __forceinline__ void gemv8_impl(void* __restrict__ y, int y_f32, const unsigned char* __restrict__ xq,
+                                           const float* __restrict__ xs, const unsigned char* __restrict__ w,
+                                           const float* __restrict__ ws, int m, int n, int k, int wpr) {
+    typedef Gemv8Acc<FMT> A;
+    typedef typename A::T T;
+    __shared__ float partial[GEMV8_WARPS][MAXM];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row = blockIdx.x * GEMV8_WARPS + warp;
-    if (row >= n) return;  // whole warps leave; no block-wide barrier below
+    const int rows_per_block = GEMV8_WARPS / wpr;
+    const int row = blockIdx.x * rows_per_block + warp / wpr;
+    const int part = warp % wpr;
     const int chunks = k >> 4;  // 16 codes per 16-byte chunk
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)row * k);
-    float acc[MAXM];
+    const int per = (chunks + wpr - 1) / wpr;
+    const int cbeg = part * per, cend = min(chunks, cbeg + per);
+    T acc[MAXM];
 #pragma unroll
-    for (int i = 0; i < MAXM; ++i) acc[i] = 0.f;
-    for (int c = lane; c < chunks; c += 32) {
-        const uint4 wv = __ldcs(wr + c);  // streamed once
+    for (int i = 0; i < MAXM; ++i) acc[i] = 0;
+    const bool live = row < n;
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)min(row, n - 1) * k);
+    uint4 wv[GEMV8_UNROLL];
+    int c = cbeg + lane;
+    pdl_trigger();
 #pragma unroll
-        for (int i = 0; i < MAXM; ++i) {
-            if (i < m) acc[i] += dot16_e4m3(wv, __ldg(reinterpret_cast<const uint4*>(xq + (u64)i * k) + c));
+    for (int u = 0; u < GEMV8_UNROLL; ++u) {
+        const int cu = c + 32 * u;
+        wv[u] = (live && cu < cend) ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);  // streamed once
+    }
+    pdl_wait();
+    if (live) {
+        for (; c < cend; c += 32 * GEMV8_UNROLL) {
+            if (c != cbeg + lane) {
+#pragma unroll
+                for (int u = 0; u < GEMV8_UNROLL; ++u) {
+                    const int cu = c + 32 * u;
+                    wv[u] = cu < cend ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV8_UNROLL; ++u) {
+                const int cu = c + 32 * u;
+                if (cu < cend) {
+#pragma unroll
+                    for (int i = 0; i < MAXM; ++i) {
+                        if (i < m) acc[i] += A::dot(wv[u], __ldg(reinterpret_cast<const uint4*>(xq + (u64)i * k) + cu));
+                    }
+                }
+            }
         }
     }
 #pragma unroll
     for (int i = 0; i < MAXM; ++i) {
-        const float s = warp_sum(acc[i]);
-        if (lane == 0 && i < m) {
-            const float v = s * xs[i] * ws[row];
-            if (y_f32) reinterpret_cast<float*>(y)[(u64)i * n + row] = v;
-            else reinterpret_cast<bf16_t*>(y)[(u64)i * n + row] = f2bf(v);
-        }
+        const T s = A::warp_total(acc[i]);
+        if (lane == 0) partial[warp][i] = A::to_bits(s);
+    }
+    __syncthreads();
+    if (part == 0 && lane < m && row < n) {
+        T s = 0;
+        for (int p = 0; p < wpr; ++p) s += A::from_bits(partial[warp + p][lane]);
+        const float v = (float)s * xs[lane] * ws[row];
+        if (y_f32) reinterpret_cast<float*>(y)[(u64)lane * n + row] = v;
+        else reinterpret_cast<bf16_t*>(y)[(u64)lane * n + row] = f2bf(v);
     }
 }
 
-#define GEMV_E4M3(M)                                                                                      \
+#define GEMV8(NAME, FMT, M)                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMV8_WARPS * 32)                                        \
-        gemv_e4m3_m##M(void* y, int y_f32, const unsigned char* xq, const float* xs, const unsigned char* w, \
-                       const float* ws, int m, int n, int k) {                                            \
-        gemv_e4m3_impl<M>(y, y_f32, xq, xs, w, ws, m, n, k);                                              \
+        NAME##_m##M(void* y, int y_f32, const unsigned char* xq, const float* xs, const unsigned char* w,  \
+                    const float* ws, int m, int n, int k, int wpr) {                                      \
+        gemv8_impl<FMT, M>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);                                        \
     }
-GEMV_E4M3(1)
-GEMV_E4M3(2)
-GEMV_E4M3(4)
-GEMV_E4M3(8)
+GEMV8(gemv_e4m3, Q8_E4M3, 1)
+GEMV8(gemv_e4m3, Q8_E4M3, 2)
+GEMV8(gemv_e4m3, Q8_E4M3, 4)
+GEMV8(gemv_e4m3, Q8_E4M3, 8)
+GEMV8(gemv_e4m3, Q8_E4M3, 16)
+GEMV8(gemv_i8, Q8_I8, 1)
+GEMV8(gemv_i8, Q8_I8, 2)
+GEMV8(gemv_i8, Q8_I8, 4)
+GEMV8(gemv_i8, Q8_I8, 8)
+GEMV8(gemv_i8, Q8_I8, 16)

@@ -161,7 +161,7 @@ impl GpuWeights {
         // One bf16 staging matrix as large as the largest linear, reused for every 8-bit one.
         let staging_len = if w8.is_some() { [(q + 2 * kv) * h, h * q, 2 * inter * h, h * inter].into_iter().max().unwrap_or(1) } else { 1 };
         let staging = cuda.gpu.alloc_zeros::<u16>(staging_len).map_err(gpu_err)?;
-        let mut linear = |fill: &mut RandomFill<'_>, rows: usize, cols: usize| -> Result<Linear> {
+        let linear = |fill: &mut RandomFill<'_>, rows: usize, cols: usize| -> Result<Linear> {
             let Some(format) = w8 else { return Ok(Linear::Bf16(fill.new_bf16(rows * cols, cols)?)) };
             // SAFETY: staging holds at least rows*cols bf16 values (the largest linear).
             unsafe { fill.bf16(staging.ptr(), rows * cols, cols) }?;

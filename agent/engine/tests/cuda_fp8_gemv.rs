@@ -9,19 +9,8 @@ use half::bf16;
 use peregrine_engine::backend::cpu::{matmul::matmul, simd::Isa};
 use peregrine_engine::model::rowquant::{quantize_activations, RowFormat, RowQuantMatrix};
 use peregrine_engine::model::Matrix;
+use cuda_common::values;
 use peregrine_kernels::testing::cuda_or_skip;
-
-/// Deterministic values with a few outliers, as hidden states have (uniform in ±scale, every 97th ×20).
-fn values(n: usize, salt: u64, scale: f32) -> Vec<f32> {
-    let mut s = salt.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|i| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let u = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-            u * scale * if i % 97 == 3 { 20.0 } else { 1.0 }
-        })
-        .collect()
-}
 
 #[test]
 fn fp8_gemv_and_activation_quant_match_the_cpu_path() {

@@ -16,13 +16,12 @@
 mod common;
 mod cuda_common;
 
-use cuda_common::{argmax, gpu_or_skip, report, top2_margin};
+use cuda_common::{argmax, gpu_or_skip, greedy, one_seq, report, top2_margin, u32s};
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, WeightInit};
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
 use peregrine_engine::model::rowquant::RowFormat;
 use peregrine_engine::model::{self, quantize, LoadFormat, ModelWeights};
-use serde_json::Value;
 
 const BLOCK: usize = 16;
 /// GPU vs CPU, both W8A8, on the CPU's top-10 logits at every position: each |Δ| within W8_ATOL
@@ -31,18 +30,6 @@ const W8_ATOL: f32 = 1.5;
 const W8_MEAN_ATOL: f64 = 0.3;
 /// CPU top-2 logits closer than this may swap between the two backends.
 const W8_NOISE_MARGIN: f32 = 1.0;
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn one_seq(tokens: &[u32], context_len: usize, table: Vec<u32>) -> StepBatch {
-    StepBatch {
-        tokens: tokens.to_vec(),
-        positions: (context_len..context_len + tokens.len()).map(|p| p as u32).collect(),
-        seqs: vec![SeqChunk { start: 0, len: tokens.len(), context_len, block_table: table, wants_logits: true, lora_slot: None }],
-    }
-}
 
 /// The model as loaded (f32), and the CPU backend over its `format` quantization.
 fn backends(format: RowFormat) -> Option<(CudaBackend, CpuBackend)> {
@@ -131,24 +118,6 @@ fn logits_match_the_cpu(format: RowFormat) {
     assert!(mean <= W8_MEAN_ATOL, "{format:?}: mean |Δlogit| {mean}");
 }
 
-fn greedy(b: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
-    let table: Vec<u32> = (0..8).collect();
-    let mut row = b.forward(&one_seq(prompt, 0, table.clone())).unwrap().row(0).to_vec();
-    let (mut ids, mut margins) = (vec![], vec![]);
-    let mut pos = prompt.len();
-    for _ in 0..steps {
-        let next = argmax(&row);
-        ids.push(next);
-        margins.push(top2_margin(&row));
-        if next == 2 {
-            break; // <|im_end|>
-        }
-        row = b.forward(&one_seq(&[next], pos, table.clone())).unwrap().row(0).to_vec();
-        pos += 1;
-    }
-    (ids, margins)
-}
-
 fn greedy_matches_the_cpu(format: RowFormat) {
     let Some((mut g, mut cpu)) = backends(format) else { return };
     let reference = common::reference();
@@ -157,8 +126,9 @@ fn greedy_matches_the_cpu(format: RowFormat) {
     for (pi, prompt) in prompts.iter().enumerate() {
         let ids = u32s(&prompt["input_ids"]);
         let steps = prompt["greedy"]["max_new_tokens"].as_u64().unwrap() as usize;
-        let (cpu_ids, cpu_margins) = greedy(&mut cpu, &ids, steps);
-        let (gpu_ids, _) = greedy(&mut g, &ids, steps);
+        let table: Vec<u32> = (0..8).collect();
+        let (cpu_ids, cpu_margins) = greedy(&mut cpu, &ids, steps, &table);
+        let (gpu_ids, _) = greedy(&mut g, &ids, steps, &table);
         let n = cpu_ids.len().min(gpu_ids.len());
         match (0..n).find(|&s| cpu_ids[s] != gpu_ids[s]) {
             None => {

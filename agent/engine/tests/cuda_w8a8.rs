@@ -15,22 +15,11 @@ mod cuda_common;
 use half::bf16;
 use peregrine_engine::backend::cpu::ops::{rms_norm, swiglu};
 use peregrine_engine::model::rowquant::{quantize_activations, RowFormat, RowQuantMatrix};
+use cuda_common::values;
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, OutType, W8Format};
 
 const FORMATS: [(RowFormat, W8Format); 2] = [(RowFormat::Fp8E4m3, W8Format::E4m3), (RowFormat::Int8, W8Format::I8)];
-
-/// Deterministic values with a few outliers, as hidden states have (uniform in ±scale, every 97th ×20).
-fn values(n: usize, salt: u64, scale: f32) -> Vec<f32> {
-    let mut s = salt.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|i| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let u = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-            u * scale * if i % 97 == 3 { 20.0 } else { 1.0 }
-        })
-        .collect()
-}
 
 /// Whether this GPU runs `format`'s kernels; a visible skip (or a failure where required) if not.
 fn ready(c: &Cuda, format: W8Format) -> bool {

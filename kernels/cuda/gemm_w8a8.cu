@@ -8,7 +8,8 @@
 // (sm_80+; exact integer sums, converted to f32 once in the epilogue).
 //
 // A simple tiled kernel (correct first; not yet tuned): 64 × 64 output tiles, 4 warps of 32 × 32,
-// k in steps of 64 bytes, both tiles streamed into shared memory with cp.async, two stages deep.
+// k in steps of 64 bytes, both tiles streamed into shared memory with cp.async, two stages deep,
+// fragments loaded with ldmatrix.
 // Rows of a tile past m or n and k past the end load as zeros (cp.async's zero fill), so any m and
 // n are fine; k must be a multiple of 16 and the rows 16-byte aligned. A row's result depends on
 // that row and the weights alone (the k order is fixed), so it does not depend on the batch.
@@ -103,23 +104,24 @@ __device__ __forceinline__ void gemm_w8a8_impl(void* __restrict__ y, int y_f32, 
         const unsigned char* bs = b_s[buf];
 #pragma unroll
         for (int ks = 0; ks < G8_BK; ks += 32) {
+            // ldmatrix (8 × 8 b16 = 8 rows × 16 bytes per matrix) hands each lane the 4 bytes at row
+            // lane / 4, bytes 4 · (lane % 4): the 8-bit A/B fragment layout. A: matrices (rows 0-7 | 8-15)
+            // × (bytes 0-15 | 16-31) = a0..a3; B: (bytes 0-15 | 16-31) × (n tile j | j + 1).
             u32 a[2][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const unsigned char* r0 = as + (wm + i * 16 + g) * G8_PITCH + ks + t * 4;
-                const unsigned char* r8 = r0 + 8 * G8_PITCH;
-                a[i][0] = *reinterpret_cast<const u32*>(r0);
-                a[i][1] = *reinterpret_cast<const u32*>(r8);
-                a[i][2] = *reinterpret_cast<const u32*>(r0 + 16);
-                a[i][3] = *reinterpret_cast<const u32*>(r8 + 16);
-            }
+            for (int i = 0; i < 2; ++i)
+                ldmatrix_x4(smem_addr(as + (wm + i * 16 + (lane & 15)) * G8_PITCH + ks + (lane >> 4) * 16), a[i][0], a[i][1],
+                            a[i][2], a[i][3]);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const unsigned char* br = bs + (wn + j * 8 + g) * G8_PITCH + ks + t * 4;
-                const u32 b0 = *reinterpret_cast<const u32*>(br);
-                const u32 b1 = *reinterpret_cast<const u32*>(br + 16);
+            for (int j = 0; j < 4; j += 2) {
+                u32 b0, b1, b2, b3;
+                ldmatrix_x4(smem_addr(bs + (wn + j * 8 + ((lane >> 4) << 3) + (lane & 7)) * G8_PITCH + ks + ((lane >> 3) & 1) * 16),
+                            b0, b1, b2, b3);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) mma8<FMT>(acc[i][j], a[i], b0, b1);
+                for (int i = 0; i < 2; ++i) {
+                    mma8<FMT>(acc[i][j], a[i], b0, b1);
+                    mma8<FMT>(acc[i][j + 1], a[i], b2, b3);
+                }
             }
         }
         __syncthreads();  // the next iteration's loads overwrite the other buffer only

@@ -214,3 +214,24 @@ impl RandomFill<'_> {
         Ok(buf)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lora::test_support::tiny_config;
+    use crate::model::dummy::dummy_weights;
+    use crate::model::quantize::quantize_linear_weights;
+
+    #[test]
+    fn the_8bit_format_is_the_flags_else_a_fully_8bit_checkpoints_else_none() {
+        let mut w = dummy_weights(&tiny_config(), 1);
+        assert_eq!(GpuWeights::w8_format_of(&w, None), None, "f32 weights stay bf16 on the GPU");
+        assert_eq!(GpuWeights::w8_format_of(&w, Some(RowFormat::Int8)), Some(RowFormat::Int8));
+        quantize_linear_weights(&mut w, RowFormat::Fp8E4m3).unwrap();
+        assert_eq!(GpuWeights::w8_format_of(&w, None), Some(RowFormat::Fp8E4m3), "an FP8 checkpoint stays 8-bit");
+        // One linear left in floating point: not a fully 8-bit model, so bf16 (dequantized).
+        let l0 = &mut w.layers[0];
+        l0.o_proj = Matrix::from_f32(l0.o_proj.rows, l0.o_proj.cols, l0.o_proj.to_f32());
+        assert_eq!(GpuWeights::w8_format_of(&w, None), None);
+    }
+}

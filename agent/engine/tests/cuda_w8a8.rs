@@ -82,36 +82,52 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
                 .collect();
             let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
             let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
-            let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
-            unsafe { c.linear_w8(w8, yf.ptr(), OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap() };
-            let got = yf.download(s).unwrap();
+            // GEMV sizes: Cuda::linear_w8's path. GEMM sizes: both tiles (the plan picks by grid
+            // size, so one sequence may meet either in different batches).
+            let tiles: &[Option<usize>] = if m <= peregrine_kernels::ops::GEMV_FP8_MAX_M { &[None] } else { &[Some(64), Some(32)] };
+            let run = |y: u64, out: OutType, rows: usize, tile: Option<usize>| match tile {
+                None => unsafe { c.linear_w8(w8, y, out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k).unwrap() },
+                Some(t) => unsafe { c.kernels.gemm_w8a8_tile(s, w8, y, out == OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k, t).unwrap() },
+            };
+            let mut first: Option<Vec<f32>> = None;
             let mut worst = 0f64;
-            for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
-                // int8: integer sums are exact, one f32 rounding per epilogue product. e4m3: products
-                // are exact, but an fp8 mma adds its 32 products to the f32 accumulator with fewer
-                // bits than f32 (Hopper aligns to the largest term and keeps about 14 bits), so
-                // each k step may lose up to 2⁻¹² of max(|sum so far|, Σ|its products|). A wrong
-                // fragment layout or a lost tile is off by the whole sum, far above this.
-                let tol = match format {
-                    RowFormat::Int8 => 4e-7 * want.abs() + 1e-30,
-                    RowFormat::Fp8E4m3 => budget / 4096.0 + 4e-7 * want.abs() + 1e-30,
-                };
-                let err = (g as f64 - want).abs();
-                worst = worst.max(err / tol);
-                assert!(err <= tol, "{format:?} m {m} n {n} k {k} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);
-            }
-            let yb = c.gpu.upload(&vec![0xFFFFu16; m * n]).unwrap();
-            unsafe { c.linear_w8(w8, yb.ptr(), OutType::Bf16, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap() };
-            for (e, (&bits, &f)) in yb.download(s).unwrap().iter().zip(&got).enumerate() {
-                assert_eq!(bits, bf16::from_f32(f).to_bits(), "{format:?} m {m} n {n} k {k} [{e}]: bf16 output is the f32 one rounded");
-            }
-            // The same rows in a smaller batch (still above the GEMV's 16 rows): bit-identical.
-            if m > 17 {
-                let m2 = 17;
-                let y2 = c.gpu.upload(&vec![f32::NAN; m2 * n]).unwrap();
-                unsafe { c.linear_w8(w8, y2.ptr(), OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m2, n, k).unwrap() };
-                let alone = y2.download(s).unwrap();
-                assert!(alone.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{format:?} m {m} n {n} k {k}: rows depend on the batch");
+            for &tile in tiles {
+                let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
+                run(yf.ptr(), OutType::F32, m, tile);
+                let got = yf.download(s).unwrap();
+                for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
+                    // int8: integer sums are exact, one f32 rounding per epilogue product. e4m3:
+                    // products are exact, but an fp8 mma adds its 32 products to the f32
+                    // accumulator with fewer bits than f32 (Hopper aligns to the largest term and
+                    // keeps about 14 bits), so each k step may lose up to 2⁻¹² of max(|sum so far|,
+                    // Σ|its products|). A wrong fragment layout or a lost tile is off by the whole
+                    // sum, far above this.
+                    let tol = match format {
+                        RowFormat::Int8 => 4e-7 * want.abs() + 1e-30,
+                        RowFormat::Fp8E4m3 => budget / 4096.0 + 4e-7 * want.abs() + 1e-30,
+                    };
+                    let err = (g as f64 - want).abs();
+                    worst = worst.max(err / tol);
+                    assert!(err <= tol, "{format:?} m {m} n {n} k {k} tile {tile:?} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);
+                }
+                let yb = c.gpu.upload(&vec![0xFFFFu16; m * n]).unwrap();
+                run(yb.ptr(), OutType::Bf16, m, tile);
+                for (e, (&bits, &f)) in yb.download(s).unwrap().iter().zip(&got).enumerate() {
+                    assert_eq!(bits, bf16::from_f32(f).to_bits(), "{format:?} m {m} n {n} k {k} tile {tile:?} [{e}]: bf16 output is the f32 one rounded");
+                }
+                // The same rows in a smaller batch (still above the GEMV's 16 rows), and under the
+                // other tile: bit-identical (every output sums the same k steps in the same order).
+                if m > 17 {
+                    let m2 = 17;
+                    let y2 = c.gpu.upload(&vec![f32::NAN; m2 * n]).unwrap();
+                    run(y2.ptr(), OutType::F32, m2, tile);
+                    let alone = y2.download(s).unwrap();
+                    assert!(alone.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{format:?} m {m} n {n} k {k} tile {tile:?}: rows depend on the batch");
+                }
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => assert!(f.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{format:?} m {m} n {n} k {k}: 64 and 32 tiles differ"),
+                }
             }
             cuda_common::report(&format!("{format:?} linear_w8 m {m} n {n} k {k}: worst error {worst:.3} of the tolerance"));
         }

@@ -107,7 +107,10 @@ pub struct Kernels {
     /// quant8.cu's fused quantizers and gemm_w8a8.cu's GEMMs, indexed by [`W8Format::index`].
     add_rmsnorm_quant: [CudaFunction; 2],
     silu_mul_quant: [CudaFunction; 2],
-    gemm_w8a8: [CudaFunction; 2],
+    /// gemm_w8a8.cu, [64 × 64 tiles, 32 × 32 tiles][format].
+    gemm_w8a8: [[CudaFunction; 2]; 2],
+    /// `PEREGRINE_GEMM8_TILE=64|32` forces the 8-bit GEMM's tile (None: by grid size).
+    gemm8_tile: Option<usize>,
     /// Compute capability 8.9+: e4m3 conversions and e4m3 mma exist (the FP8 kernels' requirement).
     fp8_arch: bool,
     /// Compute capability 8.0+: int8 mma.sync (the int8 GEMM's requirement).
@@ -196,7 +199,8 @@ impl Kernels {
             quant_rows_i8: f("quant_rows_i8")?,
             add_rmsnorm_quant: [f("add_rmsnorm_quant_e4m3")?, f("add_rmsnorm_quant_i8")?],
             silu_mul_quant: [f("silu_mul_quant_e4m3")?, f("silu_mul_quant_i8")?],
-            gemm_w8a8: [f("gemm_w8a8_e4m3")?, f("gemm_w8a8_i8")?],
+            gemm_w8a8: [[f("gemm_w8a8_e4m3")?, f("gemm_w8a8_i8")?], [f("gemm_w8a8_e4m3_t32")?, f("gemm_w8a8_i8_t32")?]],
+            gemm8_tile: std::env::var("PEREGRINE_GEMM8_TILE").ok().and_then(|v| v.parse().ok()).filter(|t| matches!(t, 32 | 64)),
             fp8_arch: arch >= (8, 9),
             int8_arch: arch >= (8, 0),
             num_sms: num_sms.max(1),

@@ -61,6 +61,9 @@ struct Diffs {
     max: f32,
     sum: f64,
     count: usize,
+    /// Where the largest |Δ| was (asserted after every position has been seen and printed).
+    worst: String,
+    top1_mismatch: Option<String>,
 }
 
 impl Diffs {
@@ -70,13 +73,15 @@ impl Diffs {
         ids.sort_by(|&a, &b| cpu[b].total_cmp(&cpu[a]));
         for &id in &ids[..10] {
             let d = (gpu[id] - cpu[id]).abs();
+            if d > self.max {
+                self.worst = format!("{what}: logit of {id}: cuda {} vs cpu {}", gpu[id], cpu[id]);
+            }
             self.max = self.max.max(d);
             self.sum += d as f64;
             self.count += 1;
-            assert!(d <= W8_ATOL, "{what}: logit of {id}: cuda {} vs cpu {}", gpu[id], cpu[id]);
         }
-        if top2_margin(cpu) > 2.0 * W8_ATOL {
-            assert_eq!(argmax(gpu), argmax(cpu), "{what}: top-1 (CPU margin {})", top2_margin(cpu));
+        if top2_margin(cpu) > 2.0 * W8_ATOL && argmax(gpu) != argmax(cpu) && self.top1_mismatch.is_none() {
+            self.top1_mismatch = Some(format!("{what}: top-1 cuda {} vs cpu {} (CPU margin {})", argmax(gpu), argmax(cpu), top2_margin(cpu)));
         }
     }
 
@@ -114,7 +119,9 @@ fn logits_match_the_cpu(format: RowFormat) {
         d.check(together.row(i), want, &format!("{format:?} prompt {i} (all prompts in one step)"));
     }
     let mean = d.mean();
-    report(&format!("cuda vs cpu, both {format:?} W8A8: max |Δlogit| {:.3}, mean {mean:.4} over {} CPU top-10 logits", d.max, d.count));
+    report(&format!("cuda vs cpu, both {format:?} W8A8: max |Δlogit| {:.3}, mean {mean:.4} over {} CPU top-10 logits; worst: {}", d.max, d.count, d.worst));
+    assert!(d.top1_mismatch.is_none(), "{format:?}: {}", d.top1_mismatch.unwrap_or_default());
+    assert!(d.max <= W8_ATOL, "{format:?}: {}", d.worst);
     assert!(mean <= W8_MEAN_ATOL, "{format:?}: mean |Δlogit| {mean}");
 }
 
@@ -143,6 +150,59 @@ fn greedy_matches_the_cpu(format: RowFormat) {
         }
     }
     assert!(identical * 2 >= prompts.len(), "{format:?}: only {identical} of {} prompts identical over all steps", prompts.len());
+}
+
+/// Error of each W8A8 implementation against the unquantized model (the CPU backend in f32) at
+/// every decode position of the fixture prompts, over the f32 model's top-10 logits.
+///
+/// This is the criterion that separates a bug from legitimate rounding: GPU and CPU compute with the
+/// same weight codes, but the GPU rounds its activations to bf16 between kernels (q|k|v, attention
+/// output, gate|up, the residual's delta) and keeps a bf16 KV cache, so an activation that sits near a
+/// code boundary lands one step away on one side. For e4m3 (3 mantissa bits: relative step 2⁻³ against
+/// bf16's 2⁻⁸ rounding) about 1 code in 30 moves by a whole step, i.e. the two backends carry partly
+/// different quantization noise, of the same order as the quantization noise itself
+/// (quant_fidelity: fp8 W8A8 vs f32 mean |Δlogit| ≈ 1.0 on the CPU). Their difference from each
+/// other can therefore reach a few logits where the model is sensitive; their distance from f32 must
+/// still be the same size. A wiring bug (a scale on the wrong column, a stale buffer) makes the GPU's
+/// distance from f32 much larger than the CPU's.
+fn error_against_f32_is_the_cpus(format: RowFormat) {
+    let Some((mut g, mut cpu)) = backends(format) else { return };
+    let w: ModelWeights = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF").weights;
+    let mut exact = CpuBackend::new(w, KvCacheShape { num_blocks: 64, block_size: BLOCK }, 4).expect("CPU backend (f32)");
+    let reference = common::reference();
+    let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| u32s(&p["input_ids"])).collect();
+    let (mut gpu_err, mut cpu_err, mut between) = (Diffs::default(), Diffs::default(), Diffs::default());
+    let (mut gpu_top1, mut cpu_top1, mut positions) = (0, 0, 0);
+    for (pi, ids) in prompts.iter().enumerate() {
+        let table: Vec<u32> = (0..4).rev().collect();
+        for (p, &t) in ids.iter().enumerate() {
+            let step = one_seq(&[t], p, table.clone());
+            let (gl, cl, fl) = (g.forward(&step).unwrap(), cpu.forward(&step).unwrap(), exact.forward(&step).unwrap());
+            let what = format!("prompt {pi} pos {p}");
+            gpu_err.check(gl.row(0), fl.row(0), &what);
+            cpu_err.check(cl.row(0), fl.row(0), &what);
+            between.check(gl.row(0), cl.row(0), &what);
+            gpu_top1 += usize::from(argmax(gl.row(0)) == argmax(fl.row(0)));
+            cpu_top1 += usize::from(argmax(cl.row(0)) == argmax(fl.row(0)));
+            positions += 1;
+        }
+    }
+    report(&format!(
+        "{format:?} W8A8 vs f32 over f32's top-10 at {positions} positions: cuda mean |Δ| {:.4} max {:.3} top-1 {gpu_top1}; cpu mean |Δ| {:.4} max {:.3} top-1 {cpu_top1}; cuda vs cpu mean {:.4} max {:.3} ({})",
+        gpu_err.mean(), gpu_err.max, cpu_err.mean(), cpu_err.max, between.mean(), between.max, between.worst
+    ));
+    assert!(gpu_err.mean() <= 1.3 * cpu_err.mean() + 0.05, "{format:?}: the GPU's W8A8 is further from f32 (mean {}) than the CPU's (mean {})", gpu_err.mean(), cpu_err.mean());
+    assert!(gpu_top1 + 2 >= cpu_top1, "{format:?}: top-1 agreement with f32: cuda {gpu_top1}, cpu {cpu_top1} of {positions}");
+}
+
+#[test]
+fn fp8_error_against_f32_is_the_cpus() {
+    error_against_f32_is_the_cpus(RowFormat::Fp8E4m3);
+}
+
+#[test]
+fn int8_error_against_f32_is_the_cpus() {
+    error_against_f32_is_the_cpus(RowFormat::Int8);
 }
 
 #[test]

@@ -15,6 +15,8 @@
 
 mod common;
 mod cuda_common;
+#[path = "common/w8a8_pos0.rs"]
+mod w8a8_pos0;
 
 use cuda_common::{argmax, gpu_or_skip, greedy, one_seq, report, top2_margin, u32s};
 use peregrine_engine::backend::cpu::CpuBackend;
@@ -24,11 +26,31 @@ use peregrine_engine::model::rowquant::RowFormat;
 use peregrine_engine::model::{self, quantize, LoadFormat, ModelWeights};
 
 const BLOCK: usize = 16;
-/// GPU vs CPU, both W8A8, on the CPU's top-10 logits at every position: each |Δ| within W8_ATOL
-/// and their mean within W8_MEAN_ATOL.
-const W8_ATOL: f32 = 1.5;
-const W8_MEAN_ATOL: f64 = 0.3;
-/// CPU top-2 logits closer than this may swap between the two backends.
+/// GPU vs CPU, both W8A8, on the CPU's top-10 logits at every position: each |Δ| within the
+/// format's bound and their mean within W8_MEAN_ATOL.
+///
+/// These bounds are wide on purpose, and they are not the correctness criterion (that is
+/// `*_position0_matches_the_emulation_of_the_gpus_rounding`, bound 0.5, and
+/// `*_error_against_f32_is_the_cpus`). Why two correct W8A8 implementations differ by whole logits:
+/// the GPU rounds its intermediates to bf16 (q|k|v, o, gate|up and down outputs, the embedding) and
+/// every such rounding moves some activations across an 8-bit code boundary, a full code step each
+/// (for e4m3 about 1 code in 30 moves, by 2⁻³ relative). On SmolLM2 that is enough to move fp8 logits
+/// by several units where the model is sensitive: at prompt 0's first token, applying the GPU's
+/// roundings to the CPU's own W8A8 computation moves the top logit from 28.99 to 22.87 (exactly what
+/// the H100 computed; `w8a8_pos0_emulation` shows each rounding alone moves it by 0.4–5.5). And
+/// flipping ~3 % of the *weight* codes by bf16-rounding the weights before quantizing moves the CPU's
+/// own W8A8 logits by up to 4.6 (fp8) / 3.6 (int8), mean 0.69 / 0.94, over the fixture prompts
+/// (measured on the CPU, 07:55). The bounds below are those figures with a margin; please replace
+/// them by 1.5× the GPU's measured max/mean once printed.
+fn w8_atol(format: RowFormat) -> f32 {
+    match format {
+        RowFormat::Fp8E4m3 => 10.0,
+        RowFormat::Int8 => 6.0,
+    }
+}
+const W8_MEAN_ATOL: f64 = 1.2;
+/// CPU top-2 logits closer than this may swap between the two backends (measured: int8 diverged
+/// only at CPU margins ≤ 0.41).
 const W8_NOISE_MARGIN: f32 = 1.0;
 
 /// The model as loaded (f32), and the CPU backend over its `format` quantization.
@@ -56,8 +78,9 @@ fn backends(format: RowFormat) -> Option<(CudaBackend, CpuBackend)> {
     Some((gpu, cpu))
 }
 
-#[derive(Default)]
 struct Diffs {
+    /// Bound for the top-1 check: the top-1 must agree where the reference's margin exceeds 2 × atol.
+    atol: f32,
     max: f32,
     sum: f64,
     count: usize,
@@ -67,6 +90,10 @@ struct Diffs {
 }
 
 impl Diffs {
+    fn new(atol: f32) -> Self {
+        Diffs { atol, max: 0.0, sum: 0.0, count: 0, worst: String::new(), top1_mismatch: None }
+    }
+
     fn check(&mut self, gpu: &[f32], cpu: &[f32], what: &str) {
         assert!(gpu.iter().all(|v| v.is_finite()), "{what}: non-finite logits");
         let mut ids: Vec<usize> = (0..cpu.len()).collect();
@@ -80,7 +107,7 @@ impl Diffs {
             self.sum += d as f64;
             self.count += 1;
         }
-        if top2_margin(cpu) > 2.0 * W8_ATOL && argmax(gpu) != argmax(cpu) && self.top1_mismatch.is_none() {
+        if top2_margin(cpu) > 2.0 * self.atol && argmax(gpu) != argmax(cpu) && self.top1_mismatch.is_none() {
             self.top1_mismatch = Some(format!("{what}: top-1 cuda {} vs cpu {} (CPU margin {})", argmax(gpu), argmax(cpu), top2_margin(cpu)));
         }
     }
@@ -94,7 +121,7 @@ fn logits_match_the_cpu(format: RowFormat) {
     let Some((mut g, mut cpu)) = backends(format) else { return };
     let reference = common::reference();
     let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| u32s(&p["input_ids"])).collect();
-    let mut d = Diffs::default();
+    let mut d = Diffs::new(w8_atol(format));
     let mut cpu_last = Vec::new();
     for (pi, ids) in prompts.iter().enumerate() {
         let table: Vec<u32> = (0..4).rev().collect();
@@ -121,7 +148,7 @@ fn logits_match_the_cpu(format: RowFormat) {
     let mean = d.mean();
     report(&format!("cuda vs cpu, both {format:?} W8A8: max |Δlogit| {:.3}, mean {mean:.4} over {} CPU top-10 logits; worst: {}", d.max, d.count, d.worst));
     assert!(d.top1_mismatch.is_none(), "{format:?}: {}", d.top1_mismatch.unwrap_or_default());
-    assert!(d.max <= W8_ATOL, "{format:?}: {}", d.worst);
+    assert!(d.max <= w8_atol(format), "{format:?}: {}", d.worst);
     assert!(mean <= W8_MEAN_ATOL, "{format:?}: mean |Δlogit| {mean}");
 }
 
@@ -149,7 +176,53 @@ fn greedy_matches_the_cpu(format: RowFormat) {
             }
         }
     }
-    assert!(identical * 2 >= prompts.len(), "{format:?}: only {identical} of {} prompts identical over all steps", prompts.len());
+    // No minimum count of identical prompts: with logit noise of mean ~0.7–0.9 between two valid
+    // W8A8 implementations (see w8_atol), 32 greedy steps without a near-tie flip are luck (the H100
+    // run at 07:33: int8 0 of 6 identical, every divergence at a CPU margin ≤ 0.41). What is asserted
+    // is that each divergence is at a near tie.
+    report(&format!("{format:?}: {identical} of {} prompts identical over all steps", prompts.len()));
+}
+
+/// Position 0 (one key: attention returns v, RoPE is the identity) against the host emulation of the
+/// CUDA backend's W8A8 forward with the GPU's bf16 rounding points (`common/w8a8_pos0.rs`, itself
+/// checked against the CPU backend in CI). This is the tight check of the wiring (fused quantizers,
+/// per-token and row scales, fused q|k|v and gate|up layouts, the attention-output quantizer, the
+/// residual): the emulation predicts the GPU's logits up to f32 summation order (measured on the
+/// H100 at 07:33: prompt 0's top logit 22.8712 on the GPU, 22.871 emulated, while the CPU backend
+/// without those roundings gives 28.989). The bound allows a rare activation code flipped by the
+/// summation order; a wiring error moves logits by whole units.
+const POS0_ATOL: f32 = 0.5;
+
+fn pos0_matches_the_emulation_of_the_gpus_rounding(format: RowFormat) {
+    let Some((mut g, mut cpu)) = backends(format) else { return };
+    let mut q: ModelWeights = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF").weights;
+    quantize::quantize_linear_weights(&mut q, format).expect("quantize");
+    let reference = common::reference();
+    let mut worst = 0f32;
+    for (pi, p) in reference["prompts"].as_array().unwrap().iter().enumerate() {
+        let t = p["input_ids"][0].as_u64().unwrap() as u32;
+        let gl = g.forward(&one_seq(&[t], 0, vec![pi as u32])).unwrap().row(0).to_vec();
+        let cl = cpu.forward(&one_seq(&[t], 0, vec![pi as u32])).unwrap().row(0).to_vec();
+        let emulated = w8a8_pos0::logits(&q, t, &w8a8_pos0::ALL);
+        let d = w8a8_pos0::top10_gap(&gl, &emulated);
+        report(&format!(
+            "{format:?} prompt {pi} token {t} at position 0: cuda vs emulation of its bf16 roundings max |Δ| {d:.4}; cuda vs cpu {:.3}; emulation vs cpu {:.3}",
+            w8a8_pos0::top10_gap(&gl, &cl),
+            w8a8_pos0::top10_gap(&emulated, &cl)
+        ));
+        worst = worst.max(d);
+    }
+    assert!(worst <= POS0_ATOL, "{format:?}: the CUDA backend is {worst} from the emulation of its own rounding at position 0: a wiring bug");
+}
+
+#[test]
+fn fp8_position0_matches_the_emulation_of_the_gpus_rounding() {
+    pos0_matches_the_emulation_of_the_gpus_rounding(RowFormat::Fp8E4m3);
+}
+
+#[test]
+fn int8_position0_matches_the_emulation_of_the_gpus_rounding() {
+    pos0_matches_the_emulation_of_the_gpus_rounding(RowFormat::Int8);
 }
 
 /// Error of each W8A8 implementation against the unquantized model (the CPU backend in f32) at
@@ -171,7 +244,7 @@ fn error_against_f32_is_the_cpus(format: RowFormat) {
     let mut exact = CpuBackend::new(w, KvCacheShape { num_blocks: 64, block_size: BLOCK }, 4).expect("CPU backend (f32)");
     let reference = common::reference();
     let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| u32s(&p["input_ids"])).collect();
-    let (mut gpu_err, mut cpu_err, mut between) = (Diffs::default(), Diffs::default(), Diffs::default());
+    let (mut gpu_err, mut cpu_err, mut between) = (Diffs::new(w8_atol(format)), Diffs::new(w8_atol(format)), Diffs::new(w8_atol(format)));
     let (mut gpu_top1, mut cpu_top1, mut positions) = (0, 0, 0);
     for (pi, ids) in prompts.iter().enumerate() {
         let table: Vec<u32> = (0..4).rev().collect();

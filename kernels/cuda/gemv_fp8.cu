@@ -22,24 +22,6 @@ __device__ __forceinline__ float2 f16x2_to_float2(u32 v) {
     return make_float2(lo, hi);
 }
 
-// Σ of 16 products of e4m3 codes (a: 16 codes, b: 16 codes), in a fixed order.
-__device__ __forceinline__ float dot16_e4m3(const uint4 a, const uint4 b) {
-    const u32 av[4] = {a.x, a.y, a.z, a.w};
-    const u32 bv[4] = {b.x, b.y, b.z, b.w};
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float2 fa = f16x2_to_float2(e4m3x2_to_f16x2(av[i] >> (16 * h)));
-            const float2 fb = f16x2_to_float2(e4m3x2_to_f16x2(bv[i] >> (16 * h)));
-            s = fmaf(fa.x, fb.x, s);
-            s = fmaf(fa.y, fb.y, s);
-        }
-    }
-    return s;
-}
-
 extern "C" __global__ void __launch_bounds__(256) quant_rows_e4m3(unsigned char* __restrict__ q, float* __restrict__ scales,
                                                                  const bf16_t* __restrict__ x, int k) {
     __shared__ float red[32];
@@ -71,11 +53,52 @@ __device__ __forceinline__ int dot16_i8(const uint4 a, const uint4 b) {
     return __dp4a((int)a.w, (int)b.w, s);
 }
 
+// 16 e4m3 codes as f32 values (exact), low byte first.
+struct E4m3x16 {
+    float v[16];
+};
+__device__ __forceinline__ E4m3x16 decode16_e4m3(const uint4 a) {
+    const u32 av[4] = {a.x, a.y, a.z, a.w};
+    E4m3x16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 f = f16x2_to_float2(e4m3x2_to_f16x2(av[i] >> (16 * h)));
+            r.v[4 * i + 2 * h] = f.x;
+            r.v[4 * i + 2 * h + 1] = f.y;
+        }
+    }
+    return r;
+}
+
+// Σ of the 16 products of a decoded weight chunk and 16 activation codes, in a fixed order (the
+// weight chunk is decoded once and shared by the m tokens).
+__device__ __forceinline__ float dot16_e4m3_decoded(const E4m3x16& w, const uint4 b) {
+    const u32 bv[4] = {b.x, b.y, b.z, b.w};
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 fb = f16x2_to_float2(e4m3x2_to_f16x2(bv[i] >> (16 * h)));
+            s = fmaf(w.v[4 * i + 2 * h], fb.x, s);
+            s = fmaf(w.v[4 * i + 2 * h + 1], fb.y, s);
+        }
+    }
+    return s;
+}
+
 // The accumulator of a format: f32 for e4m3 products (exact in f32), s32 for int8 (exact sums).
+// `W` is a weight chunk as the dot product wants it: decoded once per chunk for e4m3 (the conversions,
+// not the loads, bound the e4m3 GEMV at m = 8..16 when each token re-decoded the weights), the raw
+// codes for int8 (dp4a reads them as they are).
 template <int FMT>
 struct Gemv8Acc {
     typedef float T;
-    static __device__ __forceinline__ float dot(const uint4 a, const uint4 b) { return dot16_e4m3(a, b); }
+    typedef E4m3x16 W;
+    static __device__ __forceinline__ W prepare(const uint4 a) { return decode16_e4m3(a); }
+    static __device__ __forceinline__ float dot(const W& a, const uint4 b) { return dot16_e4m3_decoded(a, b); }
     static __device__ __forceinline__ float warp_total(float v) { return warp_sum(v); }
     static __device__ __forceinline__ float to_bits(float v) { return v; }
     static __device__ __forceinline__ float from_bits(float v) { return v; }
@@ -83,7 +106,9 @@ struct Gemv8Acc {
 template <>
 struct Gemv8Acc<Q8_I8> {
     typedef int T;
-    static __device__ __forceinline__ int dot(const uint4 a, const uint4 b) { return dot16_i8(a, b); }
+    typedef uint4 W;
+    static __device__ __forceinline__ W prepare(const uint4 a) { return a; }
+    static __device__ __forceinline__ int dot(const W& a, const uint4 b) { return dot16_i8(a, b); }
     static __device__ __forceinline__ int warp_total(int v) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -138,9 +163,10 @@ __device__ __forceinline__ void gemv8_impl(void* __restrict__ y, int y_f32, cons
             for (int u = 0; u < GEMV8_UNROLL; ++u) {
                 const int cu = c + 32 * u;
                 if (cu < cend) {
+                    const typename A::W wd = A::prepare(wv[u]);
 #pragma unroll
                     for (int i = 0; i < MAXM; ++i) {
-                        if (i < m) acc[i] += A::dot(wv[u], __ldg(reinterpret_cast<const uint4*>(xq + (u64)i * k) + cu));
+                        if (i < m) acc[i] += A::dot(wd, __ldg(reinterpret_cast<const uint4*>(xq + (u64)i * k) + cu));
                     }
                 }
             }

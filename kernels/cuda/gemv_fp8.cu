@@ -118,88 +118,115 @@ struct Gemv8Acc<Q8_I8> {
     static __device__ __forceinline__ int from_bits(float v) { return __float_as_int(v); }
 };
 
-// As gemv.cu's bf16 GEMV: `wpr` warps share one weight row, each a contiguous share of k, GEMV8_UNROLL
-// 16-byte weight loads in flight per lane (the first ones issued before pdl_wait(): the weights do
-// not depend on the kernel before), activation codes through the read-only cache; the warps of a row
-// add their partial sums in a fixed order. Epilogue: (Σ) · xs[i] · ws[row].
-template <int FMT, int MAXM>
+// As gemv.cu's bf16 GEMV: `wpr` warps share a tile of ROWS weight rows, each warp a contiguous share of
+// k, GEMV8_UNROLL 16-byte weight loads in flight per lane (GEMV8_UNROLL / ROWS per row; the first ones
+// issued before pdl_wait(): the weights do not depend on the kernel before), activation codes through
+// the read-only cache; the warps of a tile add their partial sums in a fixed order. Epilogue:
+// (Σ) · xs[i] · ws[row]. ROWS > 1 (the m = 8 and 16 variants): each activation load (and, for e4m3,
+// its decode) serves ROWS weight rows; with one row per warp the m activation rows were re-read from
+// L1 for every weight row (n·m·k bytes per call against n·k of weights), which made m = 8..16 slower
+// than the bf16 GEMV. Each output is still one row's chunks in the same order: results do not depend
+// on ROWS.
+template <int FMT, int MAXM, int ROWS>
 __device__ __forceinline__ void gemv8_impl(void* __restrict__ y, int y_f32, const unsigned char* __restrict__ xq,
                                            const float* __restrict__ xs, const unsigned char* __restrict__ w,
                                            const float* __restrict__ ws, int m, int n, int k, int wpr) {
     typedef Gemv8Acc<FMT> A;
     typedef typename A::T T;
-    __shared__ float partial[GEMV8_WARPS][MAXM];
+    constexpr int UNROLL = GEMV8_UNROLL / ROWS;
+    __shared__ float partial[GEMV8_WARPS][ROWS][MAXM];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rows_per_block = GEMV8_WARPS / wpr;
-    const int row = blockIdx.x * rows_per_block + warp / wpr;
+    const int tiles_per_block = GEMV8_WARPS / wpr;
+    const int row0 = (blockIdx.x * tiles_per_block + warp / wpr) * ROWS;
     const int part = warp % wpr;
     const int chunks = k >> 4;  // 16 codes per 16-byte chunk
     const int per = (chunks + wpr - 1) / wpr;
     const int cbeg = part * per, cend = min(chunks, cbeg + per);
-    T acc[MAXM];
+    T acc[ROWS][MAXM];
 #pragma unroll
-    for (int i = 0; i < MAXM; ++i) acc[i] = 0;
-    const bool live = row < n;
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)min(row, n - 1) * k);
-    uint4 wv[GEMV8_UNROLL];
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int i = 0; i < MAXM; ++i) acc[r][i] = 0;
+    const bool live = row0 < n;
+    const uint4* wr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (u64)min(row0 + r, n - 1) * k);
+    uint4 wv[ROWS][UNROLL];
     int c = cbeg + lane;
     pdl_trigger();
 #pragma unroll
-    for (int u = 0; u < GEMV8_UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
         const int cu = c + 32 * u;
-        wv[u] = (live && cu < cend) ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);  // streamed once
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) wv[r][u] = (live && cu < cend) ? __ldcs(wr[r] + cu) : make_uint4(0u, 0u, 0u, 0u);  // streamed once
     }
     pdl_wait();
     if (live) {
-        for (; c < cend; c += 32 * GEMV8_UNROLL) {
+        for (; c < cend; c += 32 * UNROLL) {
             if (c != cbeg + lane) {
 #pragma unroll
-                for (int u = 0; u < GEMV8_UNROLL; ++u) {
+                for (int u = 0; u < UNROLL; ++u) {
                     const int cu = c + 32 * u;
-                    wv[u] = cu < cend ? __ldcs(wr + cu) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) wv[r][u] = cu < cend ? __ldcs(wr[r] + cu) : make_uint4(0u, 0u, 0u, 0u);
                 }
             }
 #pragma unroll
-            for (int u = 0; u < GEMV8_UNROLL; ++u) {
+            for (int u = 0; u < UNROLL; ++u) {
                 const int cu = c + 32 * u;
                 if (cu < cend) {
-                    const typename A::W wd = A::prepare(wv[u]);
+                    typename A::W wd[ROWS];
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) wd[r] = A::prepare(wv[r][u]);
 #pragma unroll
                     for (int i = 0; i < MAXM; ++i) {
-                        if (i < m) acc[i] += A::dot(wd, __ldg(reinterpret_cast<const uint4*>(xq + (u64)i * k) + cu));
+                        if (i < m) {
+                            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xq + (u64)i * k) + cu);
+#pragma unroll
+                            for (int r = 0; r < ROWS; ++r) acc[r][i] += A::dot(wd[r], xv);
+                        }
                     }
                 }
             }
         }
     }
 #pragma unroll
-    for (int i = 0; i < MAXM; ++i) {
-        const T s = A::warp_total(acc[i]);
-        if (lane == 0) partial[warp][i] = A::to_bits(s);
-    }
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int i = 0; i < MAXM; ++i) {
+            const T s = A::warp_total(acc[r][i]);
+            if (lane == 0) partial[warp][r][i] = A::to_bits(s);
+        }
     __syncthreads();
-    if (part == 0 && lane < m && row < n) {
-        T s = 0;
-        for (int p = 0; p < wpr; ++p) s += A::from_bits(partial[warp + p][lane]);
-        const float v = (float)s * xs[lane] * ws[row];
-        if (y_f32) reinterpret_cast<float*>(y)[(u64)lane * n + row] = v;
-        else reinterpret_cast<bf16_t*>(y)[(u64)lane * n + row] = f2bf(v);
+    if (part == 0 && lane < m) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int row = row0 + r;
+            if (row < n) {
+                T s = 0;
+                for (int p = 0; p < wpr; ++p) s += A::from_bits(partial[warp + p][r][lane]);
+                const float v = (float)s * xs[lane] * ws[row];
+                if (y_f32) reinterpret_cast<float*>(y)[(u64)lane * n + row] = v;
+                else reinterpret_cast<bf16_t*>(y)[(u64)lane * n + row] = f2bf(v);
+            }
+        }
     }
 }
 
-#define GEMV8(NAME, FMT, M)                                                                               \
+#define GEMV8(NAME, FMT, M, ROWS)                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV8_WARPS * 32)                                        \
         NAME##_m##M(void* y, int y_f32, const unsigned char* xq, const float* xs, const unsigned char* w,  \
                     const float* ws, int m, int n, int k, int wpr) {                                      \
-        gemv8_impl<FMT, M>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);                                        \
+        gemv8_impl<FMT, M, ROWS>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);                                  \
     }
-GEMV8(gemv_e4m3, Q8_E4M3, 1)
-GEMV8(gemv_e4m3, Q8_E4M3, 2)
-GEMV8(gemv_e4m3, Q8_E4M3, 4)
-GEMV8(gemv_e4m3, Q8_E4M3, 8)
-GEMV8(gemv_e4m3, Q8_E4M3, 16)
-GEMV8(gemv_i8, Q8_I8, 1)
-GEMV8(gemv_i8, Q8_I8, 2)
-GEMV8(gemv_i8, Q8_I8, 4)
-GEMV8(gemv_i8, Q8_I8, 8)
-GEMV8(gemv_i8, Q8_I8, 16)
+// Weight rows per warp tile: keep in step with `gemv8_rows` in kernels/src/ops/gemv_fp8.rs.
+GEMV8(gemv_e4m3, Q8_E4M3, 1, 1)
+GEMV8(gemv_e4m3, Q8_E4M3, 2, 1)
+GEMV8(gemv_e4m3, Q8_E4M3, 4, 1)
+GEMV8(gemv_e4m3, Q8_E4M3, 8, 2)
+GEMV8(gemv_e4m3, Q8_E4M3, 16, 2)
+GEMV8(gemv_i8, Q8_I8, 1, 1)
+GEMV8(gemv_i8, Q8_I8, 2, 1)
+GEMV8(gemv_i8, Q8_I8, 4, 1)
+GEMV8(gemv_i8, Q8_I8, 8, 2)
+GEMV8(gemv_i8, Q8_I8, 16, 2)

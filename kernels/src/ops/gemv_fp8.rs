@@ -102,7 +102,7 @@ impl Kernels {
             wpr = if k >= 8192 { large } else { small };
         }
         let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
-        let grid = as_u32(n.div_ceil(GEMV8_WARPS / wpr), "gemv_w8 blocks")?;
+        let grid = as_u32(n.div_ceil(GEMV8_WARPS / wpr * Self::gemv8_rows(index)), "gemv_w8 blocks")?;
         Launch::new(func)
             .arg(&y)
             .arg(&yf)
@@ -116,6 +116,17 @@ impl Kernels {
             .arg(&wpr_i)
             .launch(s, cfg(grid, (GEMV8_WARPS * 32) as u32), self.pdl)?;
         Ok(())
+    }
+
+    /// Weight rows per warp tile of the 8-bit GEMV variant `index` (m up to 1, 2, 4, 8, 16): 2 from
+    /// m = 8, where re-reading the activations per weight row dominated. Must match the ROWS of the
+    /// GEMV8 instances in gemv_fp8.cu.
+    fn gemv8_rows(index: usize) -> usize {
+        if index >= 3 {
+            2
+        } else {
+            1
+        }
     }
 
     /// Warps per weight row of the 8-bit GEMV: the bf16 GEMV's plan ([`Kernels::gemv_plan`]) at the

@@ -40,12 +40,15 @@ const BLOCK: usize = 16;
 /// the H100 computed; `w8a8_pos0_emulation` shows each rounding alone moves it by 0.4–5.5). And
 /// flipping ~3 % of the *weight* codes by bf16-rounding the weights before quantizing moves the CPU's
 /// own W8A8 logits by up to 4.6 (fp8) / 3.6 (int8), mean 0.69 / 0.94, over the fixture prompts
-/// (measured on the CPU, 07:55). The bounds below are those figures with a margin; please replace
-/// them by 1.5× the GPU's measured max/mean once printed.
+/// (measured on the CPU, 07:55). Measured on an H100 (2026-11-25 08:15 UTC, docs/benchmarks.md): max
+/// |Δ| 7.05 / 6.88 and mean 0.90 / 0.88 (fp8 / int8) over the CPU's top-10 at every position, while
+/// the GPU's distance from the f32 model matched the CPU's (the `*_error_against_f32_is_the_cpus`
+/// tests) and position 0 matched the emulation of its roundings exactly: the bounds are 1.5× the
+/// measured max and about 1.35× the measured mean.
 fn w8_atol(format: RowFormat) -> f32 {
     match format {
-        RowFormat::Fp8E4m3 => 10.0,
-        RowFormat::Int8 => 6.0,
+        RowFormat::Fp8E4m3 => 10.5,
+        RowFormat::Int8 => 10.5,
     }
 }
 const W8_MEAN_ATOL: f64 = 1.2;

@@ -1,11 +1,12 @@
 //! Micro-benchmarks of the decode-critical kernels on Llama-3.1-8B shapes (run on a GPU):
 //! skinny GEMM vs cuBLAS at m = 1 (achieved GB/s of weight reads) and decode attention with and
 //! without the sequence split, the grouped LoRA kernels (`MICRO=lora`), and the row-wise FP8 GEMV
-//! against the bf16 one (`MICRO=fp8`). Prints a table; asserts nothing.
+//! against the bf16 one (`MICRO=fp8`), the 8-bit tensor-core GEMMs against cuBLAS bf16 (`MICRO=w8`).
+//! Prints a table; asserts nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
 use peregrine_kernels::ops::AttentionKernel;
-use peregrine_kernels::{Cuda, KvCacheDtype, OutType};
+use peregrine_kernels::{Cuda, KvCacheDtype, OutType, W8Format};
 
 fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
     f();
@@ -43,6 +44,10 @@ fn main() {
     }
     if std::env::var("MICRO").is_ok_and(|v| v == "fp8") {
         fp8(&c);
+        return;
+    }
+    if std::env::var("MICRO").is_ok_and(|v| v == "w8") {
+        w8(&c);
         return;
     }
     println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
@@ -342,6 +347,51 @@ fn fp8(c: &Cuda) {
                 t8 * 1e6,
                 tq * 1e6,
                 (n * k) as f64 / t8 / 1e9
+            );
+        }
+    }
+}
+
+/// The row-wise 8-bit GEMMs (gemm_w8a8.cu, e4m3 and int8, prefill-sized m) against cuBLAS's bf16
+/// GEMM on the Llama-3.1-8B projection shapes, and the 8-bit GEMVs at m = 1, 16 (the decode rows
+/// they take): microseconds per call and TFLOP/s (GEMM) or GB/s of weight bytes (GEMV).
+fn w8(c: &Cuda) {
+    let s = &c.gpu.stream;
+    let formats: Vec<W8Format> = [W8Format::E4m3, W8Format::I8].into_iter().filter(|&f| c.kernels.w8_ready(f)).collect();
+    println!("{:<18} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}", "[n x k]", "m", "bf16 us", "bf16 TF/s", "e4m3 us", "e4m3 TF/s", "int8 us", "int8 TF/s");
+    for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
+        let wb = c.gpu.alloc_zeros::<u16>(n * k).unwrap();
+        unsafe { c.kernels.fill_uniform_bf16(s, wb.ptr(), n * k, 1, 0.02).unwrap() };
+        let wq = c.gpu.alloc_zeros::<u8>(n * k).unwrap();
+        let ws = c.gpu.alloc_zeros::<f32>(n).unwrap();
+        for m in [1usize, 16, 128, 512, 2048] {
+            let x = c.gpu.alloc_zeros::<u16>(m * k).unwrap();
+            unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), m * k, 99, 1.0).unwrap() };
+            let y = c.gpu.alloc_zeros::<u16>(m * n).unwrap();
+            let tb = time(c, 20, || unsafe { c.linear(y.ptr(), OutType::Bf16, x.ptr(), wb.ptr(), m, n, k).unwrap() });
+            let mut cols = vec![];
+            for &f in &[W8Format::E4m3, W8Format::I8] {
+                if !formats.contains(&f) {
+                    cols.push((f64::NAN, f64::NAN));
+                    continue;
+                }
+                let xq = c.gpu.alloc_zeros::<u8>(m * k).unwrap();
+                let xs = c.gpu.alloc_zeros::<f32>(m).unwrap();
+                // Real codes for both operands: the bf16 values quantized per row.
+                unsafe { c.kernels.quant_rows(s, f, wq.ptr(), ws.ptr(), wb.ptr(), n, k).unwrap() };
+                unsafe { c.kernels.quant_rows(s, f, xq.ptr(), xs.ptr(), x.ptr(), m, k).unwrap() };
+                let t = time(c, 20, || unsafe { c.linear_w8(f, y.ptr(), OutType::Bf16, xq.ptr(), xs.ptr(), wq.ptr(), ws.ptr(), m, n, k).unwrap() });
+                cols.push((t, 2.0 * (m * n * k) as f64 / t / 1e12));
+            }
+            println!(
+                "{:<18} {m:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                format!("[{n} x {k}]"),
+                tb * 1e6,
+                2.0 * (m * n * k) as f64 / tb / 1e12,
+                cols[0].0 * 1e6,
+                cols[0].1,
+                cols[1].0 * 1e6,
+                cols[1].1
             );
         }
     }

@@ -24,8 +24,12 @@ const SOURCES: &[(&str, &str)] = &[
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),
+    // After rope_kv.cu (f2e4m3); defines the 8-bit formats' names gemv_fp8.cu and gemm_w8a8.cu use.
+    ("quant8.cu", include_str!("../cuda/quant8.cu")),
     // After rope_kv.cu and attention_mma.cu: uses their e4m3 conversions.
     ("gemv_fp8.cu", include_str!("../cuda/gemv_fp8.cu")),
+    // After attention_mma.cu (cp.async helpers).
+    ("gemm_w8a8.cu", include_str!("../cuda/gemm_w8a8.cu")),
     ("fill.cu", include_str!("../cuda/fill.cu")),
     ("sample.cu", include_str!("../cuda/sample.cu")),
     ("lora.cu", include_str!("../cuda/lora.cu")),

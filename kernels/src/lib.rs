@@ -20,7 +20,7 @@ pub use cudarc;
 pub use device::{probe, DevBuf, Gpu};
 pub use error::{KernelError, Result};
 pub use gemm::{Blas, OutType};
-pub use ops::{DPtr, Kernels, KvCacheDtype};
+pub use ops::{DPtr, Kernels, KvCacheDtype, W8Format};
 
 /// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
 pub struct Cuda {
@@ -57,6 +57,23 @@ impl Cuda {
             self.kernels.gemv(&self.gpu.stream, y, out == OutType::F32, x, w, m, n, k)
         } else {
             self.blas.matmul(y, out, x, w, m, n, k, 0.0)
+        }
+    }
+
+    /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`, a linear layer over row-wise 8-bit weights (`wq`
+    /// n × k codes, `ws` one scale per output row) and per-token 8-bit activations (`xq` m × k
+    /// codes, `xs` one scale per token): the 8-bit GEMV for decode-sized m (≤
+    /// [`ops::GEMV_FP8_MAX_M`]), the tensor-core GEMM otherwise (or always, with `PEREGRINE_GEMV=0`).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemm_w8a8`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn linear_w8(&self, format: W8Format, y: DPtr, out: OutType, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        let f32_out = out == OutType::F32;
+        if self.use_gemv && m <= ops::GEMV_FP8_MAX_M {
+            self.kernels.gemv_w8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k)
+        } else {
+            self.kernels.gemm_w8a8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k)
         }
     }
 

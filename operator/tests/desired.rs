@@ -79,6 +79,7 @@ const AGENT_SERVE_FLAGS: &[&str] = &[
     "max-waiting-requests", "max-body-bytes", "api-key", "api-keys-file", "rate-limit-rpm", "rate-limit-tpm",
     "drain-delay", "shutdown-grace-period", "otlp-endpoint", "log-json",
     "device", "gpu-memory-utilization", "max-loras", "max-lora-rank", "max-cpu-loras", "lora-modules", "enable-lora",
+    "quantization",
 ];
 
 fn assert_agent_accepts(args: &[String]) {
@@ -101,6 +102,23 @@ fn generated_flags_are_the_agents() {
     assert!(!args.iter().any(|a| a.contains("dtype") || a.contains("enable-prefix")), "{args:?}");
     assert_agent_accepts(&args);
     assert_agent_accepts(&agent_args(&minimal("file:///m.gguf", "gguf"), "/m.gguf", 8000));
+}
+
+#[test]
+fn dtype_fp8_becomes_quantization_fp8_and_the_others_pass_nothing() {
+    use peregrine_crds::Dtype;
+    let mut md = full();
+    md.spec.engine.dtype = Some(Dtype::Fp8);
+    let args = agent_args(&md, "/m", 8000);
+    let at = args.iter().position(|a| a == "--quantization").expect("--quantization");
+    assert_eq!(args[at + 1], "fp8");
+    assert_eq!(args.iter().filter(|a| *a == "--quantization").count(), 1);
+    assert_agent_accepts(&args);
+    for dtype in [Dtype::Auto, Dtype::Float32, Dtype::Float16, Dtype::Bfloat16] {
+        md.spec.engine.dtype = Some(dtype);
+        let args = agent_args(&md, "/m", 8000);
+        assert!(!args.iter().any(|a| a.contains("quantization") || a.contains("dtype")), "{dtype:?}: {args:?}");
+    }
 }
 
 #[test]

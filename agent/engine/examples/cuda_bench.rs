@@ -1,9 +1,11 @@
 //! CUDA backend figures on a Llama-3.1-8B-shaped model with random bf16 weights made on the GPU:
 //! HBM bandwidth, batch-1 and batch-64 decode (128 prompt + 128 new tokens), prefill 1 x 2048 and
 //! 8 x 512, TTFT of a 2048-token prompt. `cargo build --release --example cuda_bench`, run on a GPU.
-//! Optional argument: decode steps (default 128). CUDA_BENCH_KV=fp8 runs with an fp8 KV cache.
+//! Optional argument: decode steps (default 128). CUDA_BENCH_KV=fp8 runs with an fp8 KV cache;
+//! CUDA_BENCH_QUANT=fp8|int8 with 8-bit decoder linears (`--quantization`, made on the GPU).
 
 use peregrine_engine::backend::cuda::{bench, CudaBackend, CudaOptions, KvCacheDtype, WeightInit};
+use peregrine_engine::model::rowquant::RowFormat;
 
 fn main() {
     if let Err(e) = run() {
@@ -29,6 +31,12 @@ fn run() -> peregrine_engine::Result<()> {
         max_num_seqs: 256.max(batches.iter().copied().max().unwrap_or(0)),
         cuda_graph_max_batch: if graphs { 256 } else { 0 },
         kv_cache_dtype: if std::env::var("CUDA_BENCH_KV").is_ok_and(|v| v == "fp8") { KvCacheDtype::Fp8E4m3 } else { KvCacheDtype::Bf16 },
+        quantization: match std::env::var("CUDA_BENCH_QUANT").as_deref() {
+            Ok("fp8") => Some(RowFormat::Fp8E4m3),
+            Ok("int8") => Some(RowFormat::Int8),
+            Ok("") | Ok("bf16") | Err(_) => None,
+            Ok(other) => return Err(peregrine_engine::EngineError::InvalidRequest(format!("CUDA_BENCH_QUANT={other}: fp8, int8 or bf16"))),
+        },
         ..CudaOptions::default()
     };
     let t0 = std::time::Instant::now();
@@ -41,7 +49,13 @@ fn run() -> peregrine_engine::Result<()> {
     // Warm-up (kernel load, cuBLAS heuristics, first-touch of the KV cache).
     bench::decode(&mut b, 1, 16, 4, 4096)?;
     let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
-    println!("cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}, KV cache: {:?}", on("PEREGRINE_GEMV"), std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"), opts.kv_cache_dtype);
+    println!(
+        "cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}, KV cache: {:?}, linears: {}",
+        on("PEREGRINE_GEMV"),
+        std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"),
+        opts.kv_cache_dtype,
+        opts.quantization.map_or("bf16", |f| f.name())
+    );
     for &batch in &batches {
         let f = bench::decode(&mut b, batch, 128, steps, 4096)?;
         let extra = if batch == 1 { format!(", {:.1}% of the bandwidth bound", 100.0 * f.tokens_per_second() / bound) } else { String::new() };

@@ -27,7 +27,7 @@ mod cuda_common;
 use std::io::Write;
 
 use peregrine_engine::backend::cpu::CpuBackend;
-use cuda_common::{argmax, gpu_or_skip, top2_margin};
+use cuda_common::{argmax, gpu_or_skip, greedy, one_seq, top2_margin, u32s};
 use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, WeightInit};
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
 use peregrine_engine::model::{self, LoadFormat, ModelWeights};
@@ -75,20 +75,8 @@ fn gpu_with(w: &ModelWeights, kv: KvCacheDtype) -> Option<CudaBackend> {
     }
 }
 
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
 fn f32s(v: &Value) -> Vec<f32> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
-
-fn one_seq(tokens: &[u32], context_len: usize, table: Vec<u32>) -> StepBatch {
-    StepBatch {
-        tokens: tokens.to_vec(),
-        positions: (context_len..context_len + tokens.len()).map(|p| p as u32).collect(),
-        seqs: vec![SeqChunk { start: 0, len: tokens.len(), context_len, block_table: table, wants_logits: true, lora_slot: None }],
-    }
 }
 
 fn logsumexp(row: &[f32]) -> f64 {
@@ -169,24 +157,6 @@ fn logits_match_transformers(kv: KvCacheDtype, atol: f32, mean_atol: f64, min_to
     );
     assert!(mean <= mean_atol, "mean |Δlogit| {mean}");
     assert!(d.top1_checked >= min_top1, "too few positions with a clear top-1 ({})", d.top1_checked);
-}
-
-/// Greedy ids from a backend, with each step's top-2 margin.
-fn greedy(b: &mut dyn Backend, prompt: &[u32], steps: usize, table: &[u32]) -> (Vec<u32>, Vec<f32>) {
-    let mut row = b.forward(&one_seq(prompt, 0, table.to_vec())).unwrap().row(0).to_vec();
-    let (mut ids, mut margins) = (vec![], vec![]);
-    let mut pos = prompt.len();
-    for _ in 0..steps {
-        let next = argmax(&row);
-        ids.push(next);
-        margins.push(top2_margin(&row));
-        if next == 2 {
-            break; // <|im_end|>
-        }
-        row = b.forward(&one_seq(&[next], pos, table.to_vec())).unwrap().row(0).to_vec();
-        pos += 1;
-    }
-    (ids, margins)
 }
 
 #[test]

@@ -137,7 +137,8 @@ pub struct EngineArgs {
     pub kv_cache_dtype: KvCacheDtypeArg,
     /// Quantize the decoder layers' linear weights to 8 bits at load (one scale per output row;
     /// activations per token at run time). Embedding, norms and LM head stay as loaded. An FP8
-    /// checkpoint (config.json quant_method "fp8") is read as FP8 without this flag. cpu only for now.
+    /// checkpoint (config.json quant_method "fp8") is read as FP8 without this flag. cuda: fp8 needs
+    /// compute capability 8.9+, int8 8.0+ (8-bit GEMV for decode, 8-bit tensor-core GEMM for prefill).
     #[arg(long, value_enum, env = "PEREGRINE_QUANTIZATION")]
     pub quantization: Option<QuantizationArg>,
     /// Serve LoRA adapters (implied by --lora-modules).

@@ -71,10 +71,6 @@ impl EngineArgs {
             let asked = self.kv_cache_dtype.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
             anyhow::bail!("--kv-cache-dtype {asked}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda");
         }
-        if let (DeviceArg::Cuda, Some(q)) = (device, self.quantization) {
-            let asked = q.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
-            anyhow::bail!("--quantization {asked}: the CUDA backend has no 8-bit GEMM yet; use --device cpu");
-        }
         let tokenizer = load_tokenizer(&self.model, self.load_format)?;
         let loading = || format!("loading model {}", self.model.display());
         let (config, backend): (ModelConfig, Box<dyn Backend>) = match device {
@@ -135,6 +131,8 @@ impl EngineArgs {
                 KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 => KvCacheDtype::Bf16,
                 KvCacheDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
             },
+            // The backend quantizes host weights itself (the CPU's values) or makes dummy ones 8-bit.
+            quantization: self.quantization.map(Into::into),
             ..CudaOptions::default()
         };
         let init = match source {

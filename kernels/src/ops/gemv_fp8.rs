@@ -1,13 +1,13 @@
-//! gemv_fp8.cu: row-wise FP8 W8A8 for decode-sized steps: per-token activation quantization and the
-//! e4m3 GEMV with both scales in its epilogue (sm_89+).
+//! gemv_fp8.cu: row-wise 8-bit W8A8 for decode-sized steps: per-token activation quantization and the
+//! e4m3 (sm_89+) and int8 GEMVs with both scales in their epilogue.
 
 use cudarc::driver::{CudaStream, PushKernelArg};
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels};
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, W8Format};
 use crate::{KernelError, Result};
 
-/// Largest row count the FP8 GEMV takes.
-pub const GEMV_FP8_MAX_M: usize = 8;
+/// Largest row count the 8-bit GEMVs take (larger steps take [`Kernels::gemm_w8a8`]).
+pub const GEMV_FP8_MAX_M: usize = 16;
 const GEMV8_WARPS: usize = 8;
 
 impl Kernels {
@@ -16,25 +16,49 @@ impl Kernels {
         self.fp8_arch
     }
 
+    /// Whether the 8-bit kernels of `format` can run here (e4m3: compute capability 8.9+; int8's
+    /// tensor-core GEMM: 8.0+).
+    pub fn w8_ready(&self, format: W8Format) -> bool {
+        match format {
+            W8Format::E4m3 => self.fp8_arch,
+            W8Format::I8 => self.int8_arch,
+        }
+    }
+
+    pub(super) fn check_w8(&self, format: W8Format, what: &str) -> Result<()> {
+        if self.w8_ready(format) {
+            Ok(())
+        } else {
+            Err(KernelError::Unsupported(format!("{what} ({format:?}) needs compute capability {}+", format.min_arch())))
+        }
+    }
+
     /// `q[m, k]` = e4m3 codes of each bf16 row of `x` divided by its scale, `scales[m]` = the row's
     /// max |x| / 448 (0 for a zero row).
     ///
     /// # Safety
     /// x: m*k bf16; q: m*k bytes; scales: m f32.
     pub unsafe fn quant_rows_e4m3(&self, s: &CudaStream, q: DPtr, scales: DPtr, x: DPtr, m: usize, k: usize) -> Result<()> {
+        self.quant_rows(s, W8Format::E4m3, q, scales, x, m, k)
+    }
+
+    /// `q[m, k]` = 8-bit codes of each bf16 row of `x` divided by its scale, `scales[m]` = the row's
+    /// max |x| / the format's largest code (0 for a zero row).
+    ///
+    /// # Safety
+    /// x: m*k bf16; q: m*k bytes; scales: m f32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn quant_rows(&self, s: &CudaStream, format: W8Format, q: DPtr, scales: DPtr, x: DPtr, m: usize, k: usize) -> Result<()> {
         if m == 0 || k == 0 {
             return Ok(());
         }
-        if !self.fp8_arch {
-            return Err(KernelError::Unsupported("quant_rows_e4m3 needs compute capability 8.9+".into()));
-        }
+        self.check_w8(format, "quant_rows")?;
+        let func = match format {
+            W8Format::E4m3 => &self.quant_rows_e4m3,
+            W8Format::I8 => &self.quant_rows_i8,
+        };
         let ki = as_i32(k, "k")?;
-        s.launch_builder(&self.quant_rows_e4m3)
-            .arg(&q)
-            .arg(&scales)
-            .arg(&x)
-            .arg(&ki)
-            .launch(cfg(as_u32(m, "rows")?, 256))?;
+        s.launch_builder(func).arg(&q).arg(&scales).arg(&x).arg(&ki).launch(cfg(as_u32(m, "rows")?, 256))?;
         Ok(())
     }
 
@@ -46,24 +70,40 @@ impl Kernels {
     /// output type.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemv_e4m3(&self, s: &CudaStream, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        self.gemv_w8(s, W8Format::E4m3, y, y_f32, xq, xs, wq, ws, m, n, k)
+    }
+
+    /// As [`Kernels::gemv_e4m3`] for codes of `format` (int8: exact integer sums).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv_e4m3`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_w8(&self, s: &CudaStream, format: W8Format, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        if !self.fp8_arch {
-            return Err(KernelError::Unsupported("gemv_e4m3 needs compute capability 8.9+".into()));
-        }
+        self.check_w8(format, "gemv_w8")?;
         if m > GEMV_FP8_MAX_M || !k.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) {
-            return Err(KernelError::Unsupported(format!("gemv_e4m3: m {m}, k {k} (m <= {GEMV_FP8_MAX_M}, k % 16 == 0, aligned)")));
+            return Err(KernelError::Unsupported(format!("gemv_w8: m {m}, k {k} (m <= {GEMV_FP8_MAX_M}, k % 16 == 0, aligned)")));
         }
-        let func = &self.gemv_e4m3[match m {
+        let index = match m {
             0..=1 => 0,
             2 => 1,
             3..=4 => 2,
-            _ => 3,
-        }];
-        let (yf, mi, ni, ki) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?);
-        let grid = as_u32(n.div_ceil(GEMV8_WARPS), "gemv_e4m3 blocks")?;
-        s.launch_builder(func)
+            5..=8 => 3,
+            _ => 4,
+        };
+        let func = match format {
+            W8Format::E4m3 => &self.gemv_e4m3[index],
+            W8Format::I8 => &self.gemv_i8[index],
+        };
+        let mut wpr = Self::gemv8_plan(k);
+        if let Some((small, large)) = self.gemv8_wpr {
+            wpr = if k >= 8192 { large } else { small };
+        }
+        let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
+        let grid = as_u32(n.div_ceil(GEMV8_WARPS / wpr * Self::gemv8_rows(index)), "gemv_w8 blocks")?;
+        Launch::new(func)
             .arg(&y)
             .arg(&yf)
             .arg(&xq)
@@ -73,7 +113,30 @@ impl Kernels {
             .arg(&mi)
             .arg(&ni)
             .arg(&ki)
-            .launch(cfg(grid, (GEMV8_WARPS * 32) as u32))?;
+            .arg(&wpr_i)
+            .launch(s, cfg(grid, (GEMV8_WARPS * 32) as u32), self.pdl)?;
         Ok(())
+    }
+
+    /// Weight rows per warp tile of the 8-bit GEMV variant `index` (m up to 1, 2, 4, 8, 16): 2 from
+    /// m = 8, where re-reading the activations per weight row dominated. Must match the ROWS of the
+    /// GEMV8 instances in gemv_fp8.cu.
+    fn gemv8_rows(index: usize) -> usize {
+        if index >= 3 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Warps per weight row of the 8-bit GEMV: the bf16 GEMV's plan ([`Kernels::gemv_plan`]) at the
+    /// same bytes per warp (a code is half a bf16), so 2 below k = 8192 and 4 from there. Not yet
+    /// measured on its own: `PEREGRINE_GEMV8_WPR=a,b` overrides it for a sweep.
+    pub fn gemv8_plan(k: usize) -> usize {
+        if k >= 8192 {
+            4
+        } else {
+            2
+        }
     }
 }

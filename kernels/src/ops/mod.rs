@@ -8,8 +8,10 @@ mod attention;
 mod embedding;
 mod fill;
 mod gemv;
+mod gemm_w8a8;
 mod gemv_fp8;
 mod lora;
+mod quant8;
 mod rmsnorm;
 mod rope_kv;
 mod sample;
@@ -30,6 +32,31 @@ use crate::{KernelError, Result};
 
 /// Device address.
 pub type DPtr = u64;
+
+/// The 8-bit code format of row-wise quantized (W8A8) weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum W8Format {
+    /// OCP E4M3 (largest code 448), compute capability 8.9+.
+    E4m3,
+    /// Symmetric int8 (codes −127..=127), compute capability 8.0+.
+    I8,
+}
+
+impl W8Format {
+    fn index(self) -> usize {
+        match self {
+            W8Format::E4m3 => 0,
+            W8Format::I8 => 1,
+        }
+    }
+
+    fn min_arch(self) -> &'static str {
+        match self {
+            W8Format::E4m3 => "8.9",
+            W8Format::I8 => "8.0",
+        }
+    }
+}
 
 /// Every kernel of the module, loaded once.
 pub struct Kernels {
@@ -72,16 +99,30 @@ pub struct Kernels {
     gemv: [[CudaFunction; 4]; 2],
     /// gate/up GEMV with SwiGLU in the epilogue, m ≤ 1, 2, 4, 8.
     gemv_silu: [CudaFunction; 4],
-    /// Row-wise FP8 W8A8 GEMV (gemv_fp8.cu), m ≤ 1, 2, 4, 8, and its per-token quantizer.
-    gemv_e4m3: [CudaFunction; 4],
+    /// Row-wise 8-bit W8A8 GEMVs (gemv_fp8.cu), m ≤ 1, 2, 4, 8, 16, and the per-token quantizers of
+    /// bf16 rows.
+    gemv_e4m3: [CudaFunction; 5],
+    gemv_i8: [CudaFunction; 5],
     quant_rows_e4m3: CudaFunction,
-    /// Compute capability 8.9+: e4m3 conversions exist (the FP8 GEMV's requirement).
+    quant_rows_i8: CudaFunction,
+    /// quant8.cu's fused quantizers and gemm_w8a8.cu's GEMMs, indexed by [`W8Format::index`].
+    add_rmsnorm_quant: [CudaFunction; 2],
+    silu_mul_quant: [CudaFunction; 2],
+    /// gemm_w8a8.cu, [64 × 64 tiles, 32 × 32 tiles][format].
+    gemm_w8a8: [[CudaFunction; 2]; 2],
+    /// `PEREGRINE_GEMM8_TILE=64|32` forces the 8-bit GEMM's tile (None: by grid size).
+    gemm8_tile: Option<usize>,
+    /// Compute capability 8.9+: e4m3 conversions and e4m3 mma exist (the FP8 kernels' requirement).
     fp8_arch: bool,
+    /// Compute capability 8.0+: int8 mma.sync (the int8 GEMM's requirement).
+    int8_arch: bool,
     num_sms: u32,
     /// Tuning knobs read once from the environment, for measuring alternatives on a GPU without a
     /// rebuild: `PEREGRINE_GEMV_WPR=a,b` (warps per row for k < 8192 and k >= 8192, instead of
     /// [`Kernels::gemv_plan`]'s) and `PEREGRINE_ATTN_MAX_SPLITS=n` (instead of 16).
     gemv_wpr: Option<(usize, usize)>,
+    /// `PEREGRINE_GEMV8_WPR=a,b`: the same for the 8-bit GEMVs (instead of [`Kernels::gemv8_plan`]'s).
+    gemv8_wpr: Option<(usize, usize)>,
     attn_max_splits: usize,
     /// `PEREGRINE_LORA_SHRINK=split|whole|staged|staged-whole`: the LoRA shrink's kernel and grid, instead of
     /// [`Kernels::lora_shrink`]'s choice by step size (None).
@@ -91,6 +132,14 @@ pub struct Kernels {
     lora_expand_tiles: Option<usize>,
     /// Launch GEMVs with programmatic dependent launch (sm_90+; `PEREGRINE_PDL=0` turns it off).
     pdl: bool,
+}
+
+/// Warps per GEMV row from `var` = "a,b" (for k < 8192 and k >= 8192; each 1, 2, 4 or 8).
+fn wpr_from_env(var: &str) -> Option<(usize, usize)> {
+    let v = std::env::var(var).ok()?;
+    let (a, b) = v.split_once(',')?;
+    let ok = |w: usize| matches!(w, 1 | 2 | 4 | 8).then_some(w);
+    Some((ok(a.trim().parse().ok()?)?, ok(b.trim().parse().ok()?)?))
 }
 
 fn cfg(grid: u32, block: u32) -> LaunchConfig {
@@ -146,15 +195,19 @@ impl Kernels {
                 [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
             ],
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
-            gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?],
+            gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?, f("gemv_e4m3_m16")?],
+            gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?],
             quant_rows_e4m3: f("quant_rows_e4m3")?,
+            quant_rows_i8: f("quant_rows_i8")?,
+            add_rmsnorm_quant: [f("add_rmsnorm_quant_e4m3")?, f("add_rmsnorm_quant_i8")?],
+            silu_mul_quant: [f("silu_mul_quant_e4m3")?, f("silu_mul_quant_i8")?],
+            gemm_w8a8: [[f("gemm_w8a8_e4m3")?, f("gemm_w8a8_i8")?], [f("gemm_w8a8_e4m3_t32")?, f("gemm_w8a8_i8_t32")?]],
+            gemm8_tile: std::env::var("PEREGRINE_GEMM8_TILE").ok().and_then(|v| v.parse().ok()).filter(|t| matches!(t, 32 | 64)),
             fp8_arch: arch >= (8, 9),
+            int8_arch: arch >= (8, 0),
             num_sms: num_sms.max(1),
-            gemv_wpr: std::env::var("PEREGRINE_GEMV_WPR").ok().and_then(|v| {
-                let (a, b) = v.split_once(',')?;
-                let ok = |w: usize| matches!(w, 1 | 2 | 4 | 8).then_some(w);
-                Some((ok(a.trim().parse().ok()?)?, ok(b.trim().parse().ok()?)?))
-            }),
+            gemv_wpr: wpr_from_env("PEREGRINE_GEMV_WPR"),
+            gemv8_wpr: wpr_from_env("PEREGRINE_GEMV8_WPR"),
             attn_max_splits: std::env::var("PEREGRINE_ATTN_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| (1..=16).contains(&n)).unwrap_or(16),
             lora_shrink_shape: match std::env::var("PEREGRINE_LORA_SHRINK").as_deref() {
                 Ok("whole") => Some(LoraShrinkShape::Whole),

@@ -1,12 +1,13 @@
 //! The `peregrine-agent serve` command line for a ModelDeployment.
 
-use peregrine_crds::{ModelDeployment, ModelFormat};
+use peregrine_crds::{Dtype, ModelDeployment, ModelFormat};
 
 /// Arguments of the agent container. `model_path` is where the model is inside the container.
 ///
 /// The flags are `peregrine-agent serve`'s own (mostly vLLM's names); unset engine fields are left
-/// out so the agent's own defaults apply. `spec.engine.dtype` is not passed: the agent has no
-/// `--dtype` yet and picks the dtype from the weights (see docs/crd-reference.md).
+/// out so the agent's own defaults apply. `spec.engine.dtype: fp8` becomes `--quantization fp8`
+/// (8-bit linears, W8A8); the other dtypes pass nothing: the agent has no `--dtype` and computes in
+/// bf16 on GPUs, f32 on the CPU (see docs/crd-reference.md).
 pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<String> {
     let spec = &md.spec;
     let engine = &spec.engine;
@@ -34,6 +35,7 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
             args.push(value);
         }
     };
+    flag("quantization", (engine.dtype == Some(Dtype::Fp8)).then(|| "fp8".to_string()));
     flag("max-model-len", engine.max_model_len.map(|v| v.to_string()));
     flag("max-num-seqs", engine.max_num_seqs.map(|v| v.to_string()));
     flag("max-num-batched-tokens", engine.max_num_batched_tokens.map(|v| v.to_string()));

@@ -11,6 +11,12 @@
 //! ```
 //!
 //! The plan's metadata crosses to the device in one copy per step ([`plan`]).
+//!
+//! With 8-bit weights (`CudaOptions::quantization`, or an FP8 checkpoint) the seven decoder linears
+//! are W8A8 ([`weights::Linear::W8`]): the norms and SwiGLU write each token's 8-bit codes and scale
+//! beside their bf16 output (`add_rmsnorm_quant`, `silu_mul_quant`), the attention output is
+//! quantized by its own kernel, and the linears run the 8-bit GEMV (≤ 16 tokens) or the 8-bit
+//! tensor-core GEMM, both scales in their epilogue. LoRA reads the bf16 activations as before.
 
 pub mod bench;
 mod graphs;
@@ -24,11 +30,11 @@ mod weights;
 pub use lora::LoraCapacity;
 pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
-pub use weights::GpuWeights;
+pub use weights::{GpuWeights, Linear};
 
 use peregrine_kernels::ops::{DPtr, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
-use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType};
+use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
 use self::graphs::Graphs;
 use self::lora::{GpuLora, Projection};
@@ -37,6 +43,7 @@ use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowSampling, SampledStep, StepBatch};
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::config::ModelConfig;
+use crate::model::rowquant::RowFormat;
 use crate::{EngineError, Result};
 
 pub(crate) fn gpu_err(e: KernelError) -> EngineError {
@@ -77,6 +84,11 @@ pub struct CudaOptions {
     /// Element type of the KV cache (`--kv-cache-dtype`): bf16, or e4m3 for twice the tokens and half
     /// the attention traffic.
     pub kv_cache_dtype: KvCacheDtype,
+    /// `--quantization fp8|int8`: the decoder linears as 8-bit codes with one scale per output row
+    /// (host weights are quantized by `RowQuantMatrix::quantize`, the CPU backend's values; dummy
+    /// weights on the device), activations quantized per token (W8A8). None: bf16, unless the
+    /// checkpoint's linears are 8-bit already (an FP8 checkpoint), which then stay 8-bit.
+    pub quantization: Option<RowFormat>,
 }
 
 impl Default for CudaOptions {
@@ -92,14 +104,41 @@ impl Default for CudaOptions {
             cuda_graph_max_batch: 256,
             lora: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
+            quantization: None,
         }
     }
+}
+
+/// Refuses 8-bit linears this GPU or this model's shapes cannot run.
+fn check_w8(cuda: &Cuda, c: &ModelConfig, f: RowFormat) -> Result<()> {
+    let format: W8Format = weights::w8_format(f);
+    if !cuda.kernels.w8_ready(format) {
+        return Err(EngineError::InvalidRequest(format!(
+            "--quantization {}: needs compute capability {} or newer (this GPU: {}.{})",
+            f.name(),
+            if format == W8Format::E4m3 { "8.9" } else { "8.0" },
+            cuda.gpu.arch.0,
+            cuda.gpu.arch.1
+        )));
+    }
+    // The 8-bit kernels read 16 codes per load.
+    if [c.hidden_size, c.q_dim(), c.intermediate_size].iter().any(|d| d % 16 != 0) {
+        return Err(EngineError::Unsupported(format!(
+            "--quantization {}: the CUDA backend's 8-bit kernels need hidden size, q dim and intermediate size that are multiples of 16 (model: {}, {}, {})",
+            f.name(),
+            c.hidden_size,
+            c.q_dim(),
+            c.intermediate_size
+        )));
+    }
+    Ok(())
 }
 
 /// Where the weights come from.
 pub enum WeightInit<'a> {
     Host(&'a crate::model::ModelWeights),
-    /// Random bf16 weights made on the GPU (`--load-format dummy`).
+    /// Random bf16 weights made on the GPU (`--load-format dummy`; the decoder linears 8-bit with
+    /// [`CudaOptions::quantization`]).
     Random { config: ModelConfig, seed: u64 },
 }
 
@@ -149,11 +188,18 @@ impl CudaBackend {
         }
         // Before the weights go up: a cache type this GPU cannot serve is refused at once.
         cuda.kernels.check_kv_dtype(opts.kv_cache_dtype, opts.block_size).map_err(|e| EngineError::InvalidRequest(format!("--kv-cache-dtype: {e}")))?;
+        let w8 = match &init {
+            WeightInit::Host(w) => GpuWeights::w8_format_of(w, opts.quantization),
+            WeightInit::Random { .. } => opts.quantization,
+        };
+        if let Some(f) = w8 {
+            check_w8(&cuda, c, f)?;
+        }
         let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
         let (config, weights) = match init {
-            WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w)?),
+            WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w, w8)?),
             WeightInit::Random { config, seed } => {
-                let w = GpuWeights::random(&cuda, &config, seed)?;
+                let w = GpuWeights::random(&cuda, &config, seed, w8)?;
                 (config, w)
             }
         };
@@ -162,7 +208,7 @@ impl CudaBackend {
             max_seqs: opts.max_num_seqs,
             max_blocks: opts.max_model_len.div_ceil(opts.block_size),
         };
-        let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout)?;
+        let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout, w8.is_some())?;
         let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens)).transpose()?;
         let (cos, sin) = rope::tables(&config, opts.max_model_len);
         let rope_cos = cuda.gpu.upload(&cos).map_err(gpu_err)?;
@@ -190,19 +236,20 @@ impl CudaBackend {
                 opts.max_model_len,
                 opts.block_size,
                 weights.bytes() as f64 / (1u64 << 30) as f64,
-                Scratch::bytes(&config, opts.max_num_batched_tokens, &layout) as f64 / (1u64 << 30) as f64,
+                Scratch::bytes(&config, opts.max_num_batched_tokens, &layout, w8.is_some()) as f64 / (1u64 << 30) as f64,
                 total as f64 / (1u64 << 30) as f64,
                 opts.gpu_memory_utilization
             )));
         }
         let kv_cache = cuda.gpu.alloc_zeros::<u16>((num_blocks * block_bytes).div_ceil(2)).map_err(gpu_err)?;
         tracing::info!(
-            "cuda:{} {} sm_{}{}: weights {:.2} GiB, KV cache {num_blocks} blocks × {} tokens ({:.2} GiB, {:?})",
+            "cuda:{} {} sm_{}{}: weights {:.2} GiB ({}), KV cache {num_blocks} blocks × {} tokens ({:.2} GiB, {:?})",
             opts.device,
             cuda.gpu.name,
             cuda.gpu.arch.0,
             cuda.gpu.arch.1,
             weights.bytes() as f64 / (1u64 << 30) as f64,
+            w8.map_or("bf16 linears", |f| if f == RowFormat::Int8 { "int8 linears" } else { "fp8 linears" }),
             opts.block_size,
             (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64,
             opts.kv_cache_dtype
@@ -279,6 +326,8 @@ impl CudaBackend {
         let w = &self.weights;
         let lora = self.lora.as_ref().filter(|_| with_lora);
         let lora_slots = m(lay.lora_slots());
+        let w8 = w.w8;
+        let (xq, xs) = (sc.xq.ptr(), sc.xs.ptr());
         // A base projection `y = x · Wᵀ` (`base`) with its group's LoRA updates around it; `outs`
         // are (module, column offset) in `y`.
         let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<()> {
@@ -291,15 +340,31 @@ impl CudaBackend {
         // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
         // against the cache.
         unsafe {
+            // `y = x · Wᵀ` on the step's n tokens: a bf16 linear reads `x`; an 8-bit one reads x's
+            // codes and token scales, which the kernel that produced `x` left in xq/xs.
+            let linear = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize| -> peregrine_kernels::Result<()> {
+                match (wt, w8) {
+                    (Linear::Bf16(wb), _) => cuda.linear(y, OutType::Bf16, x, wb.ptr(), n, n_out, k_in),
+                    (Linear::W8 { codes, scales }, Some(f)) => cuda.linear_w8(f, y, OutType::Bf16, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in),
+                    (Linear::W8 { .. }, None) => Err(KernelError::Unsupported("8-bit weights without a format".into())),
+                }
+            };
+            // add + RMSNorm into `normed`, and with 8-bit linears its codes into xq/xs.
+            let norm = |delta: Option<DPtr>, weight: DPtr| -> peregrine_kernels::Result<()> {
+                match w8 {
+                    Some(f) => k.add_rmsnorm_quant(s, f, sc.residual.ptr(), delta, weight, sc.normed.ptr(), xq, xs, n, h, eps),
+                    None => k.add_rmsnorm(s, sc.residual.ptr(), delta, weight, sc.normed.ptr(), None, n, h, eps),
+                }
+            };
             k.embedding_gather(s, sc.residual.ptr(), w.embed.ptr(), m(lay.ids()), n, h)?;
             if let Some(lora) = lora {
                 lora.begin_step(cuda, lora_slots, n)?;
             }
             for (l, lw) in w.layers.iter().enumerate() {
                 let delta = (l > 0).then(|| sc.delta.ptr());
-                k.add_rmsnorm(s, sc.residual.ptr(), delta, lw.input_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
+                norm(delta, lw.input_norm.ptr())?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
-                project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| cuda.linear(sc.qkv.ptr(), OutType::Bf16, sc.normed.ptr(), lw.qkv.ptr(), n, qkv_w, h))?;
+                project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 k.rope_kv_write(
                     s,
@@ -320,16 +385,28 @@ impl CudaBackend {
                     self.kv_dtype,
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
-                project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.attn.ptr(), lw.o.ptr(), n, h, c.q_dim()))?;
-                k.add_rmsnorm(s, sc.residual.ptr(), Some(sc.delta.ptr()), lw.post_norm.ptr(), sc.normed.ptr(), None, n, h, eps)?;
-                // Decode-sized steps without LoRA: one kernel for gate/up and SwiGLU; otherwise the
-                // projection (+ LoRA updates on gate and up), then SwiGLU.
-                if lora.is_some() || !cuda.gate_up_silu(sc.act.ptr(), sc.normed.ptr(), lw.gate_up.ptr(), n, inter, h)? {
-                    let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
-                    project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| cuda.linear(sc.gate_up.ptr(), OutType::Bf16, sc.normed.ptr(), lw.gate_up.ptr(), n, 2 * inter, h))?;
-                    k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?;
+                if let Some(f) = w8 {
+                    // The attention output is the one 8-bit input without a fused quantizer.
+                    k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
-                project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| cuda.linear(sc.delta.ptr(), OutType::Bf16, sc.act.ptr(), lw.down.ptr(), n, h, inter))?;
+                project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim()))?;
+                norm(Some(sc.delta.ptr()), lw.post_norm.ptr())?;
+                // Decode-sized bf16 steps without LoRA: one kernel for gate/up and SwiGLU; otherwise
+                // the projection (+ LoRA updates on gate and up), then SwiGLU (quantizing its output
+                // for an 8-bit down projection).
+                let fused = match (&lw.gate_up, lora) {
+                    (Linear::Bf16(gu), None) => cuda.gate_up_silu(sc.act.ptr(), sc.normed.ptr(), gu.ptr(), n, inter, h)?,
+                    _ => false,
+                };
+                if !fused {
+                    let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
+                    project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h))?;
+                    match w8 {
+                        Some(f) => k.silu_mul_quant(s, f, sc.act.ptr(), xq, xs, sc.gate_up.ptr(), n, inter)?,
+                        None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?,
+                    }
+                }
+                project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter))?;
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());

@@ -26,10 +26,14 @@ pub(super) struct Scratch {
     pub(super) meta: DevBuf<i32>,
     pub(super) meta_host: Vec<i32>,
     pub(super) attn_partials: DevBuf<f32>,
+    /// W8A8 models only (else one element each): the 8-bit codes of the activations the next linear
+    /// reads (`t × max(hidden, q_dim, intermediate)` bytes) and one scale per token.
+    pub(super) xq: DevBuf<u8>,
+    pub(super) xs: DevBuf<f32>,
 }
 
 impl Scratch {
-    pub(super) fn new(cuda: &Cuda, c: &ModelConfig, t: usize, layout: &PlanLayout) -> Result<Self> {
+    pub(super) fn new(cuda: &Cuda, c: &ModelConfig, t: usize, layout: &PlanLayout, w8: bool) -> Result<Self> {
         let h = c.hidden_size;
         let r = layout.max_seqs;
         let a = |n: usize| cuda.gpu.alloc_zeros::<u16>(n).map_err(gpu_err);
@@ -50,12 +54,19 @@ impl Scratch {
             meta: cuda.gpu.alloc_zeros::<i32>(layout.len()).map_err(gpu_err)?,
             meta_host: vec![0; layout.len()],
             attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
+            xq: cuda.gpu.alloc_zeros::<u8>(if w8 { Self::xq_len(c, t) } else { 1 }).map_err(gpu_err)?,
+            xs: cuda.gpu.alloc_zeros::<f32>(if w8 { t } else { 1 }).map_err(gpu_err)?,
         })
     }
 
-    pub(super) fn bytes(c: &ModelConfig, t: usize, layout: &PlanLayout) -> usize {
+    fn xq_len(c: &ModelConfig, t: usize) -> usize {
+        t * c.hidden_size.max(c.q_dim()).max(c.intermediate_size)
+    }
+
+    pub(super) fn bytes(c: &ModelConfig, t: usize, layout: &PlanLayout, w8: bool) -> usize {
         let h = c.hidden_size;
         let bf = t * (h * 3 + c.q_dim() * 2 + c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size) + layout.max_seqs * h;
-        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4
+        let w8_bytes = if w8 { Self::xq_len(c, t) + t * 4 } else { 0 };
+        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4 + w8_bytes
     }
 }

@@ -1,0 +1,270 @@
+//! The W8A8 kernels of `--quantization fp8|int8` on the GPU (issue 17), against references computed
+//! here from the definitions and against the CPU's `rowquant` functions:
+//! - the 8-bit linear (`Cuda::linear_w8`: GEMV for ≤ 16 rows, tensor-core GEMM above) on ragged
+//!   shapes against an f64 dot product of the same codes, within the format's error (int8: exact
+//!   integer sums, so f32 rounding only; e4m3: the tensor cores' reduced-precision accumulation, at
+//!   most 2⁻¹² of |sum so far| + Σ|products| per 32-wide k step); the GEMM's rows do not depend on the other rows (bit for bit);
+//! - the fused per-token quantizers (RMSNorm, SiLU·mul) against the CPU's `rms_norm`/`swiglu` then
+//!   `quantize_activations`: codes bit-identical where the f32 maths is exact (a sum of squares
+//!   without rounding), else within one code step; scales to f32 rounding.
+//! Needs compute capability 8.9+ for e4m3 (8.0+ for int8); skips visibly elsewhere unless
+//! PEREGRINE_REQUIRE_GPU (and PEREGRINE_REQUIRE_FP8 for e4m3).
+
+mod cuda_common;
+
+use half::bf16;
+use peregrine_engine::backend::cpu::ops::{rms_norm, swiglu};
+use peregrine_engine::model::rowquant::{quantize_activations, RowFormat, RowQuantMatrix};
+use cuda_common::values;
+use peregrine_kernels::testing::cuda_or_skip;
+use peregrine_kernels::{Cuda, OutType, W8Format};
+
+const FORMATS: [(RowFormat, W8Format); 2] = [(RowFormat::Fp8E4m3, W8Format::E4m3), (RowFormat::Int8, W8Format::I8)];
+
+/// Whether this GPU runs `format`'s kernels; a visible skip (or a failure where required) if not.
+fn ready(c: &Cuda, format: W8Format) -> bool {
+    if c.kernels.w8_ready(format) {
+        return true;
+    }
+    let required = match format {
+        W8Format::E4m3 => std::env::var_os("PEREGRINE_REQUIRE_FP8").is_some(),
+        W8Format::I8 => std::env::var_os("PEREGRINE_REQUIRE_GPU").is_some(),
+    };
+    assert!(!required, "{format:?} kernels required but this GPU cannot run them");
+    cuda_common::report(&format!("skipped: the {format:?} W8A8 kernels need a newer GPU"));
+    false
+}
+
+/// One code step of `format` at the magnitude of `v` (unscaled code values).
+fn code_step(format: RowFormat, v: f32) -> f32 {
+    match format {
+        RowFormat::Int8 => 1.0,
+        // 3 mantissa bits; the subnormal grid below 2⁻⁶ has steps of 2⁻⁹.
+        RowFormat::Fp8E4m3 => (2f32.powi(v.abs().max(2f32.powi(-6)).log2().floor() as i32 - 3)).max(2f32.powi(-9)),
+    }
+}
+
+#[test]
+fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invariant() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    for (format, w8) in FORMATS {
+        if !ready(&c, w8) {
+            continue;
+        }
+        // (m, n, k): GEMV sizes, GEMM sizes with ragged m and n (not multiples of the 64 × 64
+        // tile), k not a multiple of the 64-byte k step, SmolLM2 and Llama-3.1-8B shapes.
+        for (m, n, k) in [(1usize, 37usize, 64usize), (5, 576, 1536), (16, 1536, 576), (17, 37, 80), (70, 200, 576), (100, 1536, 576), (129, 576, 1536), (64, 4096, 4096), (33, 4096, 14336)] {
+            let w = values(n * k, (n * 31 + k) as u64, 0.05);
+            let x = values(m * k, (m * 7 + k) as u64, 2.0);
+            let wq = RowQuantMatrix::quantize(format, n, k, &w).unwrap();
+            // Per-token activation codes are a row-quantized matrix of the tokens.
+            let xq = RowQuantMatrix::quantize(format, m, k, &x).unwrap();
+            let reference: Vec<(f64, f64)> = (0..m * n)
+                .map(|e| {
+                    let (i, j) = (e / n, e % n);
+                    // `budget`: Σ over the GEMM's 32-wide k steps of |sum so far| + Σ|products of
+                    // the step|, what each step's accumulation may lose a fraction of.
+                    let (mut dot, mut budget) = (0f64, 0f64);
+                    for t0 in (0..k).step_by(32) {
+                        let (mut step, mut abs) = (0f64, 0f64);
+                        for t in t0..(t0 + 32).min(k) {
+                            let p = format.decode(xq.codes()[i * k + t]) as f64 * format.decode(wq.codes()[j * k + t]) as f64;
+                            step += p;
+                            abs += p.abs();
+                        }
+                        budget += dot.abs() + abs;
+                        dot += step;
+                    }
+                    let scale = xq.scales()[i] as f64 * wq.scales()[j] as f64;
+                    (dot * scale, budget * scale)
+                })
+                .collect();
+            let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
+            let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
+            // GEMV sizes: Cuda::linear_w8's path. GEMM sizes: both tiles (the plan picks by grid
+            // size, so one sequence may meet either in different batches).
+            let tiles: &[Option<usize>] = if m <= peregrine_kernels::ops::GEMV_FP8_MAX_M { &[None] } else { &[Some(64), Some(32)] };
+            let run = |y: u64, out: OutType, rows: usize, tile: Option<usize>| match tile {
+                None => unsafe { c.linear_w8(w8, y, out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k).unwrap() },
+                Some(t) => unsafe { c.kernels.gemm_w8a8_tile(s, w8, y, out == OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k, t).unwrap() },
+            };
+            let mut first: Option<Vec<f32>> = None;
+            let mut worst = 0f64;
+            for &tile in tiles {
+                let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
+                run(yf.ptr(), OutType::F32, m, tile);
+                let got = yf.download(s).unwrap();
+                for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
+                    // int8: integer sums are exact, one f32 rounding per epilogue product. e4m3:
+                    // products are exact, but an fp8 mma adds its 32 products to the f32
+                    // accumulator with fewer bits than f32 (Hopper aligns to the largest term and
+                    // keeps about 14 bits), so each k step may lose up to 2⁻¹² of max(|sum so far|,
+                    // Σ|its products|). A wrong fragment layout or a lost tile is off by the whole
+                    // sum, far above this.
+                    let tol = match format {
+                        RowFormat::Int8 => 4e-7 * want.abs() + 1e-30,
+                        RowFormat::Fp8E4m3 => budget / 4096.0 + 4e-7 * want.abs() + 1e-30,
+                    };
+                    let err = (g as f64 - want).abs();
+                    worst = worst.max(err / tol);
+                    assert!(err <= tol, "{format:?} m {m} n {n} k {k} tile {tile:?} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);
+                }
+                let yb = c.gpu.upload(&vec![0xFFFFu16; m * n]).unwrap();
+                run(yb.ptr(), OutType::Bf16, m, tile);
+                for (e, (&bits, &f)) in yb.download(s).unwrap().iter().zip(&got).enumerate() {
+                    assert_eq!(bits, bf16::from_f32(f).to_bits(), "{format:?} m {m} n {n} k {k} tile {tile:?} [{e}]: bf16 output is the f32 one rounded");
+                }
+                // The same rows in a smaller batch (still above the GEMV's 16 rows), and under the
+                // other tile: bit-identical (every output sums the same k steps in the same order).
+                if m > 17 {
+                    let m2 = 17;
+                    let y2 = c.gpu.upload(&vec![f32::NAN; m2 * n]).unwrap();
+                    run(y2.ptr(), OutType::F32, m2, tile);
+                    let alone = y2.download(s).unwrap();
+                    assert!(alone.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{format:?} m {m} n {n} k {k} tile {tile:?}: rows depend on the batch");
+                }
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => assert!(f.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{format:?} m {m} n {n} k {k}: 64 and 32 tiles differ"),
+                }
+            }
+            cuda_common::report(&format!("{format:?} linear_w8 m {m} n {n} k {k}: worst error {worst:.3} of the tolerance"));
+        }
+    }
+}
+
+#[test]
+fn zero_rows_give_zero_scales_codes_and_outputs() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    for (format, w8) in FORMATS {
+        if !ready(&c, w8) {
+            continue;
+        }
+        let (m, n, k) = (20usize, 48usize, 64usize);
+        let mut x = values(m * k, 5, 1.0);
+        x[3 * k..4 * k].fill(0.0);
+        let xbits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let dx = c.gpu.upload(&xbits).unwrap();
+        let dq = c.gpu.upload(&vec![0xAAu8; m * k]).unwrap();
+        let dxs = c.gpu.upload(&vec![f32::NAN; m]).unwrap();
+        unsafe { c.kernels.quant_rows(s, w8, dq.ptr(), dxs.ptr(), dx.ptr(), m, k).unwrap() };
+        let xr: Vec<f32> = xbits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+        let (want_vals, want_scales) = quantize_activations(format, &xr, m, k);
+        let (got_q, got_s) = (dq.download(s).unwrap(), dxs.download(s).unwrap());
+        assert_eq!(got_s[3], 0.0);
+        assert!(got_q[3 * k..4 * k].iter().all(|&q| q == 0));
+        for (i, (a, b)) in got_s.iter().zip(&want_scales).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{format:?} token scale {i}");
+        }
+        for (i, (&q, want)) in got_q.iter().zip(&want_vals).enumerate() {
+            assert_eq!(format.decode(q).to_bits(), want.to_bits(), "{format:?} code {i}");
+        }
+        let w = RowQuantMatrix::quantize(format, n, k, &values(n * k, 9, 0.1)).unwrap();
+        let (dw, dws) = (c.gpu.upload(w.codes()).unwrap(), c.gpu.upload(w.scales()).unwrap());
+        let y = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
+        unsafe { c.linear_w8(w8, y.ptr(), OutType::F32, dq.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap() };
+        let got = y.download(s).unwrap();
+        assert!(got[3 * n..4 * n].iter().all(|&v| v == 0.0), "{format:?}: a zero token gives zero outputs");
+        assert!(got.iter().all(|v| v.is_finite()));
+    }
+}
+
+/// Asserts GPU codes/scales against the CPU's quantization of the same f32 rows: scales within f32
+/// rounding, codes equal (`exact`) or within one code step.
+fn check_codes(format: RowFormat, what: &str, rows: usize, k: usize, want_f32: &[f32], got_q: &[u8], got_s: &[f32], exact: bool) {
+    let (want_vals, want_scales) = quantize_activations(format, want_f32, rows, k);
+    let mut differing = 0usize;
+    for r in 0..rows {
+        let (a, b) = (got_s[r], want_scales[r]);
+        if exact {
+            assert_eq!(a.to_bits(), b.to_bits(), "{what} {format:?} row {r}: scale {a} vs {b}");
+        } else {
+            assert!((a - b).abs() <= b.abs() * 4e-6, "{what} {format:?} row {r}: scale {a} vs {b}");
+        }
+        for i in r * k..(r + 1) * k {
+            let (g, w) = (format.decode(got_q[i]), want_vals[i]);
+            if exact {
+                assert_eq!(g.to_bits(), w.to_bits(), "{what} {format:?} [{r}, {}]: code value {g} vs {w}", i - r * k);
+            } else {
+                assert!((g - w).abs() <= code_step(format, w) * 1.001, "{what} {format:?} [{r}, {}]: code value {g} vs {w} (more than one step)", i - r * k);
+            }
+            differing += (g != w) as usize;
+        }
+    }
+    cuda_common::report(&format!("{what} {format:?}: {differing} of {} codes one step from the CPU's ({})", rows * k, if exact { "exact inputs" } else { "rounded inputs" }));
+}
+
+#[test]
+fn fused_rmsnorm_quant_matches_the_cpu_rms_norm_then_quantize() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    for (format, w8) in FORMATS {
+        if !ready(&c, w8) {
+            continue;
+        }
+        for (rows, hidden) in [(3usize, 576usize), (20, 4096)] {
+            let eps = 1e-5f32;
+            let weight: Vec<f32> = values(hidden, 11, 1.0).iter().map(|v| 1.0 + v * 0.25).collect();
+            // exact: multiples of 1/8 in ±4 (squares and their sum exact in f32 in any order), so the
+            // GPU's f32 maths is the CPU's bit for bit; else arbitrary values.
+            for exact in [true, false] {
+                let quantize = |v: f32| if exact { (v * 8.0).round() / 8.0 } else { v };
+                let residual: Vec<f32> = values(rows * hidden, 3, 2.0).into_iter().map(|v| quantize(v.clamp(-4.0, 4.0))).collect();
+                // delta in bf16 (what the o / down projections write), also exact multiples of 1/8.
+                let delta: Vec<f32> = values(rows * hidden, 4, 1.0).into_iter().map(|v| bf16::from_f32(quantize(v.clamp(-2.0, 2.0))).to_f32()).collect();
+                let summed: Vec<f32> = residual.iter().zip(&delta).map(|(a, b)| a + b).collect();
+                let mut want = vec![0f32; rows * hidden];
+                rms_norm(&summed, &weight, eps, &mut want);
+
+                let dres = c.gpu.upload(&residual).unwrap();
+                let ddelta = c.gpu.upload(&delta.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<u16>>()).unwrap();
+                let dw = c.gpu.upload(&weight).unwrap();
+                let dout = c.gpu.upload(&vec![0xFFFFu16; rows * hidden]).unwrap();
+                let dq = c.gpu.upload(&vec![0xAAu8; rows * hidden]).unwrap();
+                let ds = c.gpu.upload(&vec![f32::NAN; rows]).unwrap();
+                unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), Some(ddelta.ptr()), dw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, hidden, eps).unwrap() };
+                let res_after = dres.download(s).unwrap();
+                assert!(res_after.iter().zip(&summed).all(|(a, b)| a.to_bits() == b.to_bits()), "residual += delta");
+                for (i, (&bits, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
+                    let g = bf16::from_bits(bits).to_f32();
+                    assert!((g - w).abs() <= w.abs() / 128.0 + 1e-6, "{format:?} normed bf16 [{i}]: {g} vs {w}");
+                }
+                check_codes(format, &format!("rmsnorm {rows}x{hidden}"), rows, hidden, &want, &dq.download(s).unwrap(), &ds.download(s).unwrap(), exact);
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    for (format, w8) in FORMATS {
+        if !ready(&c, w8) {
+            continue;
+        }
+        for (rows, inter) in [(2usize, 1536usize), (17, 14336)] {
+            let mut gate_up = values(rows * 2 * inter, 21, 4.0);
+            // A token whose SwiGLU is all zeros: scale 0, codes 0.
+            gate_up[2 * inter..4 * inter].fill(0.0);
+            let bits: Vec<u16> = gate_up.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+            let gu: Vec<f32> = bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+            let mut want = vec![0f32; rows * inter];
+            swiglu(&gu, inter, &mut want);
+            let dgu = c.gpu.upload(&bits).unwrap();
+            let dout = c.gpu.upload(&vec![0xFFFFu16; rows * inter]).unwrap();
+            let dq = c.gpu.upload(&vec![0xAAu8; rows * inter]).unwrap();
+            let ds = c.gpu.upload(&vec![f32::NAN; rows]).unwrap();
+            unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter).unwrap() };
+            for (i, (&b, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
+                let g = bf16::from_bits(b).to_f32();
+                assert!((g - w).abs() <= w.abs() / 128.0 + 1e-6, "{format:?} SwiGLU bf16 [{i}]: {g} vs {w}");
+            }
+            let (q, sc) = (dq.download(s).unwrap(), ds.download(s).unwrap());
+            assert_eq!(sc[1], 0.0, "zero token's scale");
+            check_codes(format, &format!("silu_mul {rows}x{inter}"), rows, inter, &want, &q, &sc, false);
+        }
+    }
+}

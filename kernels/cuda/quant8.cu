@@ -1,0 +1,149 @@
+// Per-token 8-bit activation quantization for the W8A8 linears (`--quantization fp8|int8`, issue 17),
+// fused into the kernels that produce the activations so that no extra pass over memory is needed:
+//
+// - add_rmsnorm_quant_{e4m3,i8}: add_rmsnorm (rmsnorm.cu) that also writes the normalized row's
+//   8-bit codes and its scale (input of q|k|v and gate|up);
+// - silu_mul_quant_{e4m3,i8}: silu_mul (silu_mul.cu) with one block per row, likewise (input of down);
+// - quant_rows_i8: bf16 rows -> int8 codes (the attention output, and dummy weights), the int8 twin
+//   of gemv_fp8.cu's quant_rows_e4m3.
+//
+// Every row gets scale = max |v| / Q (Q = 448 for e4m3, 127 for int8; 0 for a zero row) and codes
+// encode(v / scale), as the CPU's `rowquant::quantize_activations`: e4m3 rounds to nearest even and
+// saturates (f2e4m3, rope_kv.cu), int8 rounds to nearest even and clamps to ±127. The fused kernels
+// quantize the f32 value before any bf16 rounding (the CPU backend quantizes its f32 activations);
+// their bf16 output is still written for the LoRA updates, which read bf16.
+// silu uses expf, not __expf, for the same reason.
+// The codes are computed in a second pass that recomputes the f32 value (bit-identical: same
+// operations in the same order), so no row has to fit in shared memory.
+
+#define Q8_E4M3 0
+#define Q8_I8 1
+
+template <int FMT>
+__device__ __forceinline__ float q8_max() {
+    return FMT == Q8_E4M3 ? 448.f : 127.f;
+}
+
+template <int FMT>
+__device__ __forceinline__ unsigned char q8_encode(float v) {
+    if (FMT == Q8_E4M3) return f2e4m3(v);
+    const int q = min(max(__float2int_rn(v), -127), 127);
+    return (unsigned char)(signed char)q;
+}
+
+// Max over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_max(float v, float* scratch /* >= 33 floats */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = (threadIdx.x < nwarps) ? scratch[threadIdx.x] : 0.f;
+    if (warp == 0) {
+        t = warp_max(t);
+        if (lane == 0) scratch[32] = t;
+    }
+    __syncthreads();
+    const float r = scratch[32];
+    __syncthreads();
+    return r;
+}
+
+template <int FMT>
+__device__ __forceinline__ float q8_scale(float amax) {
+    return amax > 0.f ? amax / q8_max<FMT>() : 0.f;
+}
+
+template <int FMT>
+__device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ residual, const bf16_t* __restrict__ delta,
+                                                       const float* __restrict__ weight, bf16_t* __restrict__ out,
+                                                       unsigned char* __restrict__ q, float* __restrict__ scales,
+                                                       int hidden, float eps) {
+    __shared__ float scratch[33];
+    pdl_trigger();  // the GEMV after this may start streaming its weights now
+    const u64 row = blockIdx.x;
+    float* x = residual + row * hidden;
+    float ss = 0.f;
+    if (delta) {
+        const bf16_t* d = delta + row * hidden;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float v = x[j] + bf2f(d[j]);
+            x[j] = v;
+            ss += v * v;
+        }
+    } else {
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float v = x[j];
+            ss += v * v;
+        }
+    }
+    // 1 / sqrt and w * (x * inv), as the CPU's rms_norm (rsqrtf would differ in the last bits).
+    const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)hidden + eps);
+    bf16_t* o = out + row * hidden;
+    float amax = 0.f;
+    // Each thread re-reads only the elements it wrote itself, so no barrier is needed.
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+        const float v = weight[j] * (x[j] * inv);
+        o[j] = f2bf(v);
+        amax = fmaxf(amax, fabsf(v));
+    }
+    const float scale = q8_scale<FMT>(block_max(amax, scratch));
+    if (threadIdx.x == 0) scales[row] = scale;
+    unsigned char* qr = q + row * hidden;
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x)
+        qr[j] = scale > 0.f ? q8_encode<FMT>(weight[j] * (x[j] * inv) / scale) : (unsigned char)0;
+}
+
+template <int FMT>
+__device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, unsigned char* __restrict__ q,
+                                                    float* __restrict__ scales, const bf16_t* __restrict__ gate_up,
+                                                    int inter) {
+    __shared__ float scratch[33];
+    pdl_trigger();
+    const u64 row = blockIdx.x;
+    const bf16_t* g = gate_up + row * 2 * inter;
+    const bf16_t* u = g + inter;
+    bf16_t* o = out + row * inter;
+    float amax = 0.f;
+    for (int j = threadIdx.x; j < inter; j += blockDim.x) {
+        const float gv = bf2f(g[j]);
+        const float v = gv / (1.f + expf(-gv)) * bf2f(u[j]);
+        o[j] = f2bf(v);
+        amax = fmaxf(amax, fabsf(v));
+    }
+    const float scale = q8_scale<FMT>(block_max(amax, scratch));
+    if (threadIdx.x == 0) scales[row] = scale;
+    unsigned char* qr = q + row * inter;
+    for (int j = threadIdx.x; j < inter; j += blockDim.x) {
+        const float gv = bf2f(g[j]);
+        const float v = gv / (1.f + expf(-gv)) * bf2f(u[j]);
+        qr[j] = scale > 0.f ? q8_encode<FMT>(v / scale) : (unsigned char)0;
+    }
+}
+
+#define Q8_FAMILY(SUFFIX, FMT)                                                                                  \
+    extern "C" __global__ void add_rmsnorm_quant_##SUFFIX(float* residual, const bf16_t* delta, const float* weight, \
+                                                          bf16_t* out, unsigned char* q, float* scales, int hidden,  \
+                                                          float eps) {                                               \
+        add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps);                           \
+    }                                                                                                                \
+    extern "C" __global__ void silu_mul_quant_##SUFFIX(bf16_t* out, unsigned char* q, float* scales,                 \
+                                                       const bf16_t* gate_up, int inter) {                           \
+        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter);                                                    \
+    }
+Q8_FAMILY(e4m3, Q8_E4M3)
+Q8_FAMILY(i8, Q8_I8)
+
+// bf16 rows -> int8 codes and one scale per row (one block per row).
+extern "C" __global__ void __launch_bounds__(256) quant_rows_i8(unsigned char* __restrict__ q, float* __restrict__ scales,
+                                                               const bf16_t* __restrict__ x, int k) {
+    __shared__ float scratch[33];
+    pdl_trigger();
+    const u64 row = blockIdx.x;
+    const bf16_t* xr = x + row * k;
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(xr[i])));
+    const float scale = q8_scale<Q8_I8>(block_max(amax, scratch));
+    if (threadIdx.x == 0) scales[row] = scale;
+    unsigned char* qr = q + row * k;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = scale > 0.f ? q8_encode<Q8_I8>(bf2f(xr[i]) / scale) : (unsigned char)0;
+}

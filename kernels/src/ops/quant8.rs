@@ -1,0 +1,61 @@
+//! quant8.cu: per-token 8-bit activation quantization fused into RMSNorm and SiLU·mul (the inputs
+//! of the W8A8 linears), each also writing its usual bf16 output (read by LoRA).
+
+use cudarc::driver::CudaStream;
+
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, W8Format};
+use crate::Result;
+
+impl Kernels {
+    /// [`Kernels::add_rmsnorm`] on all `n` rows (no row selection), which also writes each normalized
+    /// row's codes to `q` (`n × hidden` bytes) and its scale to `scales` (computed from the f32
+    /// values, before their bf16 rounding).
+    ///
+    /// # Safety
+    /// residual: n*hidden f32; delta: like residual in bf16; weight: hidden f32; out: n*hidden bf16;
+    /// q: n*hidden bytes; scales: n f32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_rmsnorm_quant(&self, s: &CudaStream, format: W8Format, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, q: DPtr, scales: DPtr, n: usize, hidden: usize, eps: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.check_w8(format, "add_rmsnorm_quant")?;
+        let delta = delta.unwrap_or(0);
+        let hidden_i = as_i32(hidden, "hidden")?;
+        let threads = if hidden >= 4096 { 1024 } else { 256 };
+        Launch::new(&self.add_rmsnorm_quant[format.index()])
+            .arg(&residual)
+            .arg(&delta)
+            .arg(&weight)
+            .arg(&out)
+            .arg(&q)
+            .arg(&scales)
+            .arg(&hidden_i)
+            .arg(&eps)
+            .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
+        Ok(())
+    }
+
+    /// [`Kernels::silu_mul`] that also writes each output row's codes to `q` (`n × inter` bytes) and
+    /// its scale to `scales` (from the f32 values). One block per row.
+    ///
+    /// # Safety
+    /// out: n*inter bf16; q: n*inter bytes; scales: n f32; gate_up: n*2*inter bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.check_w8(format, "silu_mul_quant")?;
+        let inter_i = as_i32(inter, "intermediate")?;
+        let threads = if inter >= 4096 { 1024 } else { 256 };
+        Launch::new(&self.silu_mul_quant[format.index()])
+            .arg(&out)
+            .arg(&q)
+            .arg(&scales)
+            .arg(&gate_up)
+            .arg(&inter_i)
+            .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
+        Ok(())
+    }
+}

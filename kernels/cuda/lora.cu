@@ -91,6 +91,31 @@ __device__ __forceinline__ void lora_mma(float (&d)[4], const u32 (&a)[4], u32 b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Stores v (a scaled sum) as t ≈ hi + lo at token i, column `at` of t.
+__device__ __forceinline__ void lora_store_t(bf16_t* t_hi, bf16_t* t_lo, u64 at, float v) {
+    const bf16_t hi = f2bf(v);
+    t_hi[at] = hi;
+    t_lo[at] = f2bf(v - bf2f(hi));
+}
+
+// The last block of a tile: every split's partial sum of each (token, rank) of the tile added in
+// split order from 0, scaled, stored as t (zeros past the slot's rank up to r_pad). Threads
+// `first`, `first + stride`, ... share the tile's len * r_pad values.
+__device__ __forceinline__ void lora_sum_splits(bf16_t* t_hi, bf16_t* t_lo, const float* t_part, const int* order,
+                                                int start, int len, int n, int R, int mod, int r_pad, int rank,
+                                                float scale, int splits, int first, int stride) {
+    for (int e = first; e < len * r_pad; e += stride) {
+        const int row = e / r_pad, col = e % r_pad;
+        const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
+        float v = 0.f;
+        if (col < rank) {
+            for (int s = 0; s < splits; ++s) v += __ldcg(t_part + (u64)s * n * R + at);
+            v *= scale;
+        }
+        lora_store_t(t_hi, t_lo, at, v);
+    }
+}
+
 // t_hi, t_lo: [n, R] bf16 with R = n_modules * r_pad (module m's ranks at columns m * r_pad), zeros
 // past each slot's rank; t_part: [splits, n, R] f32 partial sums; counters: 3 i32 per tile, 0
 // between launches; x rows `x_stride` apart; a_m: module m's A stack for this layer, [slots, r_pad,
@@ -188,10 +213,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
         for (int e = threadIdx.x; e < len * r_pad; e += blockDim.x) {
             const int row = e / r_pad, col = e % r_pad;
             const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
-            const float v = col < rank ? red[0][row][col] * scale : 0.f;
-            const bf16_t hi = f2bf(v);
-            t_hi[at] = hi;
-            t_lo[at] = f2bf(v - bf2f(hi));
+            lora_store_t(t_hi, t_lo, at, col < rank ? red[0][row][col] * scale : 0.f);
         }
         return;
     }
@@ -206,19 +228,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
     if (!last) return;
     __threadfence();
     if (threadIdx.x == 0) counters[tile * 3 + mod] = 0;
-    const int splits = gridDim.x;
-    for (int e = threadIdx.x; e < len * r_pad; e += blockDim.x) {
-        const int row = e / r_pad, col = e % r_pad;
-        const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
-        float v = 0.f;
-        if (col < rank) {
-            for (int s = 0; s < splits; ++s) v += __ldcg(t_part + (u64)s * n * R + at);
-            v *= scale;
-        }
-        const bf16_t hi = f2bf(v);
-        t_hi[at] = hi;
-        t_lo[at] = f2bf(v - bf2f(hi));
-    }
+    lora_sum_splits(t_hi, t_lo, t_part, order, start, len, n, R, mod, r_pad, rank, scale, gridDim.x, threadIdx.x, blockDim.x);
 }
 
 // Prefill-sized steps: lora_shrink_staged computes what lora_shrink_sgmv computes, bit for bit, with
@@ -242,13 +252,6 @@ __device__ __forceinline__ void lora_cp16(void* smem, const void* gmem, bool fil
 }
 __device__ __forceinline__ void lora_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void lora_cp_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-
-// Stores v (a scaled sum) as t ≈ hi + lo at token i, column `at` of t.
-__device__ __forceinline__ void lora_store_t(bf16_t* t_hi, bf16_t* t_lo, u64 at, float v) {
-    const bf16_t hi = f2bf(v);
-    t_hi[at] = hi;
-    t_lo[at] = f2bf(v - bf2f(hi));
-}
 
 extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
     bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, float* __restrict__ t_part, int* __restrict__ counters,
@@ -403,16 +406,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
     const int rank = min(ranks[my_slot], r_pad);
     if (rank <= 0) return;
     const float scale = scales[my_slot];
-    for (int e = lane; e < len * r_pad; e += 32) {
-        const int row = e / r_pad, col = e % r_pad;
-        const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
-        float v = 0.f;
-        if (col < rank) {
-            for (int c = 0; c < chunks; ++c) v += __ldcg(t_part + (u64)c * n * R + at);
-            v *= scale;
-        }
-        lora_store_t(t_hi, t_lo, at, v);
-    }
+    lora_sum_splits(t_hi, t_lo, t_part, order, start, len, n, R, mod, r_pad, rank, scale, chunks, lane, 32);
 }
 
 // y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each

@@ -4,6 +4,8 @@
 //!   shapes against an f64 dot product of the same codes, within the format's error (int8: exact
 //!   integer sums, so f32 rounding only; e4m3: the tensor cores' reduced-precision accumulation, at
 //!   most 2⁻¹² of |sum so far| + Σ|products| per 32-wide k step); the GEMM's rows do not depend on the other rows (bit for bit);
+//! - cuBLASLt's FP8 GEMM with outer-vector (row and token) scales, the e4m3 path above 16 rows,
+//!   against the same reference and tolerance;
 //! - the fused per-token quantizers (RMSNorm, SiLU·mul) against the CPU's `rms_norm`/`swiglu` then
 //!   `quantize_activations`: codes bit-identical where the f32 maths is exact (a sum of squares
 //!   without rounding), else within one code step; scales to f32 rounding.
@@ -44,6 +46,90 @@ fn code_step(format: RowFormat, v: f32) -> f32 {
     }
 }
 
+/// `(dot · xs[i] · ws[j], budget)` per output of `xq · wqᵀ` in f64: `budget` is Σ over the GEMM's
+/// 32-wide k steps of |sum so far| + Σ|products of the step|, what each step's accumulation may
+/// lose a fraction of (scaled like the dot).
+fn f64_reference(format: RowFormat, xq: &RowQuantMatrix, wq: &RowQuantMatrix, m: usize, n: usize, k: usize) -> Vec<(f64, f64)> {
+    (0..m * n)
+        .map(|e| {
+            let (i, j) = (e / n, e % n);
+            let (mut dot, mut budget) = (0f64, 0f64);
+            for t0 in (0..k).step_by(32) {
+                let (mut step, mut abs) = (0f64, 0f64);
+                for t in t0..(t0 + 32).min(k) {
+                    let p = format.decode(xq.codes()[i * k + t]) as f64 * format.decode(wq.codes()[j * k + t]) as f64;
+                    step += p;
+                    abs += p.abs();
+                }
+                budget += dot.abs() + abs;
+                dot += step;
+            }
+            let scale = xq.scales()[i] as f64 * wq.scales()[j] as f64;
+            (dot * scale, budget * scale)
+        })
+        .collect()
+}
+
+/// How far an 8-bit GEMM output may be from [`f64_reference`]. int8: integer sums are exact, one
+/// f32 rounding per epilogue product. e4m3: products are exact, but an fp8 mma adds its 32
+/// products to the f32 accumulator with fewer bits than f32 (Hopper aligns to the largest term and
+/// keeps about 14 bits), so each k step may lose up to 2⁻¹² of max(|sum so far|, Σ|its products|).
+/// A wrong fragment layout, a lost tile or a misapplied scale is off by the whole sum, far above this.
+fn tolerance(format: RowFormat, want: f64, budget: f64) -> f64 {
+    match format {
+        RowFormat::Int8 => 4e-7 * want.abs() + 1e-30,
+        RowFormat::Fp8E4m3 => budget / 4096.0 + 4e-7 * want.abs() + 1e-30,
+    }
+}
+
+#[test]
+fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    if !ready(&c, W8Format::E4m3) {
+        return;
+    }
+    let Some(lt) = &c.blas_lt else {
+        cuda_common::report("skipped: libcublasLt not found (or PEREGRINE_GEMM8=ours)");
+        return;
+    };
+    let format = RowFormat::Fp8E4m3;
+    // (m, n, k): prefill- and batch-sized m, SmolLM2 and Llama-3.1-8B shapes, a ragged m.
+    for (m, n, k) in [(17usize, 576usize, 1536usize), (100, 1536, 576), (64, 4096, 4096), (256, 1024, 4096), (33, 4096, 14336), (1000, 576, 576)] {
+        let w = values(n * k, (n * 31 + k) as u64, 0.05);
+        let x = values(m * k, (m * 7 + k) as u64, 2.0);
+        let wq = RowQuantMatrix::quantize(format, n, k, &w).unwrap();
+        let xq = RowQuantMatrix::quantize(format, m, k, &x).unwrap();
+        let reference = f64_reference(format, &xq, &wq, m, n, k);
+        let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
+        let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
+        let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
+        let ran = unsafe { lt.gemm_fp8_rowwise(yf.ptr(), true, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap() };
+        assert!(ran, "cuBLASLt refused the FP8 row-scaled GEMM m {m} n {n} k {k}");
+        let got = yf.download(s).unwrap();
+        let mut worst = 0f64;
+        for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
+            let tol = tolerance(format, want, budget);
+            let err = (g as f64 - want).abs();
+            worst = worst.max(err / tol);
+            assert!(err <= tol, "cuBLASLt e4m3 m {m} n {n} k {k} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);
+        }
+        // bf16 output: the f32 result rounded (cuBLASLt may round from its accumulator, so one bf16 ulp).
+        let yb = c.gpu.upload(&vec![0xFFFFu16; m * n]).unwrap();
+        assert!(unsafe { lt.gemm_fp8_rowwise(yb.ptr(), false, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap() });
+        for (e, (&bits, &f)) in yb.download(s).unwrap().iter().zip(&got).enumerate() {
+            let b = bf16::from_bits(bits).to_f32();
+            let ulp = (bf16::from_f32(f).to_f32().abs() * 2f32.powi(-7)).max(1e-30);
+            assert!((b - f).abs() <= ulp, "cuBLASLt e4m3 bf16 m {m} n {n} k {k} [{e}]: {b} vs f32 {f}");
+        }
+        cuda_common::report(&format!("cuBLASLt e4m3 m {m} n {n} k {k}: worst error {worst:.3} of the tolerance"));
+    }
+    // A shape it cannot take (n not a multiple of 16) is declined, not launched.
+    let dummy = c.gpu.upload(&vec![0u8; 64 * 64]).unwrap();
+    let declined = unsafe { lt.gemm_fp8_rowwise(dummy.ptr(), true, dummy.ptr(), dummy.ptr(), dummy.ptr(), dummy.ptr(), 17, 37, 64).unwrap() };
+    assert!(!declined, "n = 37 must fall back to gemm_w8a8");
+}
+
 #[test]
 fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invariant() {
     let Some(c) = cuda_or_skip() else { return };
@@ -60,26 +146,7 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
             let wq = RowQuantMatrix::quantize(format, n, k, &w).unwrap();
             // Per-token activation codes are a row-quantized matrix of the tokens.
             let xq = RowQuantMatrix::quantize(format, m, k, &x).unwrap();
-            let reference: Vec<(f64, f64)> = (0..m * n)
-                .map(|e| {
-                    let (i, j) = (e / n, e % n);
-                    // `budget`: Σ over the GEMM's 32-wide k steps of |sum so far| + Σ|products of
-                    // the step|, what each step's accumulation may lose a fraction of.
-                    let (mut dot, mut budget) = (0f64, 0f64);
-                    for t0 in (0..k).step_by(32) {
-                        let (mut step, mut abs) = (0f64, 0f64);
-                        for t in t0..(t0 + 32).min(k) {
-                            let p = format.decode(xq.codes()[i * k + t]) as f64 * format.decode(wq.codes()[j * k + t]) as f64;
-                            step += p;
-                            abs += p.abs();
-                        }
-                        budget += dot.abs() + abs;
-                        dot += step;
-                    }
-                    let scale = xq.scales()[i] as f64 * wq.scales()[j] as f64;
-                    (dot * scale, budget * scale)
-                })
-                .collect();
+            let reference = f64_reference(format, &xq, &wq, m, n, k);
             let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
             let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
             // GEMV sizes: Cuda::linear_w8's path. GEMM sizes: both tiles (the plan picks by grid
@@ -96,16 +163,7 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
                 run(yf.ptr(), OutType::F32, m, tile);
                 let got = yf.download(s).unwrap();
                 for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
-                    // int8: integer sums are exact, one f32 rounding per epilogue product. e4m3:
-                    // products are exact, but an fp8 mma adds its 32 products to the f32
-                    // accumulator with fewer bits than f32 (Hopper aligns to the largest term and
-                    // keeps about 14 bits), so each k step may lose up to 2⁻¹² of max(|sum so far|,
-                    // Σ|its products|). A wrong fragment layout or a lost tile is off by the whole
-                    // sum, far above this.
-                    let tol = match format {
-                        RowFormat::Int8 => 4e-7 * want.abs() + 1e-30,
-                        RowFormat::Fp8E4m3 => budget / 4096.0 + 4e-7 * want.abs() + 1e-30,
-                    };
+                    let tol = tolerance(format, want, budget);
                     let err = (g as f64 - want).abs();
                     worst = worst.max(err / tol);
                     assert!(err <= tol, "{format:?} m {m} n {n} k {k} tile {tile:?} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);

@@ -1,8 +1,10 @@
-//! Row-wise FP8 GEMMs through cuBLASLt: `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` with the token scales
-//! `xs` and the weight-row scales `ws` applied by cuBLASLt's "outer vector" scaling mode (one f32
-//! per row of each operand, applied to the f32 accumulator in the epilogue). Hopper's FP8 tensor
+//! Row-wise FP8 GEMMs through cuBLASLt: `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`: Hopper's FP8 tensor
 //! cores through NVIDIA's own pipelined kernels (TMA, warp-specialised), where our `gemm_w8a8`
-//! (mma.sync, no software pipeline) reaches about a third of the chip.
+//! (mma.sync, no software pipeline) reaches about a third of the chip. The token scales `xs` and
+//! weight-row scales `ws` go to cuBLASLt's "outer vector" scaling mode where the library offers it
+//! for the GPU (one f32 per row of each operand, applied to the f32 accumulator); where it does not
+//! (cuBLAS 13.0 on the H100 refuses it), the GEMM runs unscaled and the caller applies both scales
+//! in place afterwards (`Kernels::scale_outer`: one more pass over the output, 2 × m × n × 2 bytes).
 //!
 //! cuBLASLt picks its kernel per shape (`cublasLtMatmulAlgoGetHeuristic`, tens of microseconds on
 //! the host), so a plan (descriptors + chosen algorithm) is made once per (m, n, k, output type)
@@ -33,8 +35,21 @@ fn lt_err(what: &str, e: CublasError) -> KernelError {
     KernelError::Unsupported(format!("cuBLASLt {what}: {e:?}"))
 }
 
+/// What [`BlasLt::gemm_fp8_rowwise`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LtRun {
+    /// Nothing launched: cuBLASLt has no kernel for the shape.
+    Declined,
+    /// `y` holds the scaled result.
+    Scaled,
+    /// `y` holds `xq · wqᵀ` unscaled: the caller multiplies by `xs[i] · ws[j]`.
+    Unscaled,
+}
+
 /// Descriptors and the chosen algorithm of one shape.
 struct Plan {
+    /// The scales go to cuBLASLt's outer-vector mode (else the GEMM runs unscaled).
+    outer: bool,
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
@@ -99,20 +114,21 @@ impl BlasLt {
     }
 
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` over e4m3 codes (`xq` m × k tokens, `wq` n × k weight
-    /// rows, both row-major), y bf16 or f32. Returns false (nothing launched) where cuBLASLt has no
+    /// rows, both row-major), y bf16 or f32, or the same unscaled ([`LtRun::Unscaled`]) where the
+    /// library cannot scale by rows; [`LtRun::Declined`] (nothing launched) where cuBLASLt has no
     /// kernel for the shape (k or n not a multiple of 16, or the library refuses it).
     ///
     /// # Safety
     /// xq: m*k bytes, wq: n*k bytes, 16-byte aligned; xs: m f32; ws: n f32; y: m*n of the output
     /// type; all on this handle's stream.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemm_fp8_rowwise(&self, y: DPtr, f32_out: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<bool> {
+    pub unsafe fn gemm_fp8_rowwise(&self, y: DPtr, f32_out: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<LtRun> {
         if m == 0 || n == 0 {
-            return Ok(true);
+            return Ok(LtRun::Scaled);
         }
         // FP8 cuBLASLt needs 16-element leading dimensions and 16-byte aligned operands.
-        if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) {
-            return Ok(false);
+        if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !y.is_multiple_of(16) {
+            return Ok(LtRun::Declined);
         }
         let key = PlanKey { m, n, k, f32_out };
         let mut plans = self.plans.lock().map_err(|_| KernelError::Unsupported("cuBLASLt plan cache poisoned".into()))?;
@@ -123,7 +139,7 @@ impl BlasLt {
             let plan = self.plan(key).ok();
             plans.insert(key, plan);
         }
-        let Some(plan) = plans.get(&key).and_then(Option::as_ref) else { return Ok(false) };
+        let Some(plan) = plans.get(&key).and_then(Option::as_ref) else { return Ok(LtRun::Declined) };
         // Column-major view, as in `Blas::matmul`: yᵀ[n, m] = wq[n, k] (a k × n matrix, transposed) ·
         // xqᵀ[k, m]. cuBLASLt's A is the weight (its rows are our output columns: scales `ws`), B the
         // tokens (its columns are our rows: scales `xs`).
@@ -131,8 +147,10 @@ impl BlasLt {
             let p = p as *const c_void;
             lt::set_matmul_desc_attribute(plan.desc, attr, &p as *const *const c_void as *const c_void, size_of::<*const c_void>())
         };
-        set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ws).map_err(|e| lt_err("A scales", e))?;
-        set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, xs).map_err(|e| lt_err("B scales", e))?;
+        if plan.outer {
+            set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ws).map_err(|e| lt_err("A scales", e))?;
+            set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, xs).map_err(|e| lt_err("B scales", e))?;
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (ws_ptr, _sync) = self.workspace.device_ptr(self.stream.as_ref());
         let [a, b, d] = plan.layouts;
@@ -155,18 +173,25 @@ impl BlasLt {
             self.stream.cu_stream() as sys::cudaStream_t,
         )
         .map_err(|e| lt_err("matmul", e))?;
-        Ok(true)
+        Ok(if plan.outer { LtRun::Scaled } else { LtRun::Unscaled })
     }
 
-    /// Descriptors for one shape and cuBLASLt's first-choice algorithm for them.
+    /// The plan for one shape: with outer-vector scales if cuBLASLt has a kernel for them, else
+    /// unscaled.
     fn plan(&self, key: PlanKey) -> std::result::Result<Plan, CublasError> {
+        self.plan_with(key, true).or_else(|_| self.plan_with(key, false))
+    }
+
+    /// Descriptors for one shape (`outer`: with outer-vector scale modes) and cuBLASLt's first-choice
+    /// algorithm for them.
+    fn plan_with(&self, key: PlanKey, outer: bool) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         let PlanKey { m, n, k, f32_out } = key;
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
         let d_type = if f32_out { sys::cudaDataType::CUDA_R_32F } else { sys::cudaDataType::CUDA_R_16BF };
         // Each layout is owned by the plan as soon as it exists, so an error below frees it.
-        let mut plan = Plan { desc, layouts: [std::ptr::null_mut(); 3], algo: unsafe { MaybeUninit::zeroed().assume_init() } };
+        let mut plan = Plan { outer, desc, layouts: [std::ptr::null_mut(); 3], algo: unsafe { MaybeUninit::zeroed().assume_init() } };
         plan.layouts[0] = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_8F_E4M3, k64, n64, k as i64)?;
         plan.layouts[1] = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_8F_E4M3, k64, m64, k as i64)?;
         plan.layouts[2] = lt::create_matrix_layout(d_type, n64, m64, n as i64)?;
@@ -175,9 +200,11 @@ impl BlasLt {
             let set_u32 = |attr: Attr, v: u32| lt::set_matmul_desc_attribute(desc, attr, &v as *const u32 as *const c_void, size_of::<u32>());
             set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSA, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as u32)?;
             set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSB, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N as u32)?;
-            let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
-            set_u32(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, outer)?;
-            set_u32(Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, outer)?;
+            if outer {
+                let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
+                set_u32(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode)?;
+                set_u32(Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode)?;
+            }
             let pref = lt::create_matmul_pref()?;
             let ws = WORKSPACE_BYTES as u64;
             let set = lt::set_matmul_pref_attribute(

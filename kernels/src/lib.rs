@@ -23,6 +23,11 @@ pub use error::{KernelError, Result};
 pub use gemm::{Blas, OutType};
 pub use ops::{DPtr, Kernels, KvCacheDtype, W8Format};
 
+/// Above this many tokens an 8-bit linear leaves the GEMV for the tensor-core GEMM: measured on the
+/// H100 (Llama-3.1-8B shape, fp8 decode), cuBLASLt's FP8 GEMM takes a step of 8 tokens in 5.2 ms
+/// where the GEMV's 8-row kernels take 9.9 ms, and 16 tokens in 5.0 against 15.8 ms.
+pub const GEMV8_DEFAULT_MAX_M: usize = 4;
+
 /// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
 pub struct Cuda {
     pub gpu: Gpu,
@@ -34,6 +39,9 @@ pub struct Cuda {
     /// cuBLASLt for the FP8 GEMMs above the GEMV's rows (None where the library is missing or
     /// `PEREGRINE_GEMM8=ours` keeps them on our own tensor-core kernel).
     pub blas_lt: Option<gemm_lt::BlasLt>,
+    /// The most tokens an 8-bit linear sends to the GEMV: [`GEMV8_DEFAULT_MAX_M`], or
+    /// `PEREGRINE_GEMV8_MAX_M` up to the kernels' [`ops::GEMV_FP8_MAX_M`] (for comparisons).
+    pub gemv8_max_m: usize,
 }
 
 impl Cuda {
@@ -50,7 +58,11 @@ impl Cuda {
             Ok("ours") => None,
             _ => gemm_lt::BlasLt::new(&gpu.stream)?,
         };
-        Ok(Cuda { gpu, kernels, blas, use_gemv, blas_lt })
+        let gemv8_max_m = std::env::var("PEREGRINE_GEMV8_MAX_M")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(GEMV8_DEFAULT_MAX_M, |m| m.min(ops::GEMV_FP8_MAX_M));
+        Ok(Cuda { gpu, kernels, blas, use_gemv, blas_lt, gemv8_max_m })
     }
 
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer on `m` tokens): the skinny bandwidth-bound
@@ -70,8 +82,7 @@ impl Cuda {
 
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`, a linear layer over row-wise 8-bit weights (`wq`
     /// n × k codes, `ws` one scale per output row) and per-token 8-bit activations (`xq` m × k
-    /// codes, `xs` one scale per token): the 8-bit GEMV for decode-sized m (≤
-    /// [`ops::GEMV_FP8_MAX_M`]), above that cuBLASLt's FP8 GEMM with row scales for e4m3 where it
+    /// codes, `xs` one scale per token): the 8-bit GEMV for decode-sized m (≤ `gemv8_max_m`), above that cuBLASLt's FP8 GEMM with row scales for e4m3 where it
     /// takes the shape, else our tensor-core GEMM (always the GEMMs with `PEREGRINE_GEMV=0`; never
     /// cuBLASLt with `PEREGRINE_GEMM8=ours`).
     ///
@@ -80,12 +91,14 @@ impl Cuda {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn linear_w8(&self, format: W8Format, y: DPtr, out: OutType, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
         let f32_out = out == OutType::F32;
-        if self.use_gemv && m <= ops::GEMV_FP8_MAX_M {
+        if self.use_gemv && m <= self.gemv8_max_m {
             return self.kernels.gemv_w8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k);
         }
         if let (W8Format::E4m3, Some(lt)) = (format, &self.blas_lt) {
-            if lt.gemm_fp8_rowwise(y, f32_out, xq, xs, wq, ws, m, n, k)? {
-                return Ok(());
+            match lt.gemm_fp8_rowwise(y, f32_out, xq, xs, wq, ws, m, n, k)? {
+                gemm_lt::LtRun::Scaled => return Ok(()),
+                gemm_lt::LtRun::Unscaled => return self.kernels.scale_outer(&self.gpu.stream, y, f32_out, xs, ws, m, n),
+                gemm_lt::LtRun::Declined => {}
             }
         }
         self.kernels.gemm_w8a8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k)

@@ -27,6 +27,9 @@ use crate::{KernelError, Result};
 
 /// cuBLASLt's recommended workspace on Hopper; fixed, so that calls can be captured into graphs.
 const WORKSPACE_BYTES: usize = 32 << 20;
+/// The int8 GEMM's int32 sums go through this scratch (16 Mi elements, 64 MiB) before the scales make
+/// them bf16/f32; longer steps run in row chunks that fit.
+const ACC_ELEMS: usize = 16 << 20;
 /// Plans kept before the cache is emptied (prefill steps of many different lengths each make
 /// one per projection shape; a plan is a few hundred bytes of descriptors).
 const MAX_PLANS: usize = 2048;
@@ -67,17 +70,22 @@ impl Drop for Plan {
     }
 }
 
+/// One GEMM shape and its operand types: e4m3 codes into bf16/f32 (`f32_out`), or int8 codes into
+/// exact int32 sums (`int8`; `f32_out` unused).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct PlanKey {
     m: usize,
     n: usize,
     k: usize,
     f32_out: bool,
+    int8: bool,
 }
 
 pub struct BlasLt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
+    /// int32 sums of the int8 GEMM, [`ACC_ELEMS`].
+    acc: CudaSlice<i32>,
     stream: Arc<CudaStream>,
     /// None: cuBLASLt has no kernel for this shape (the caller uses its own).
     plans: Mutex<HashMap<PlanKey, Option<Plan>>>,
@@ -110,7 +118,8 @@ impl BlasLt {
         }
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
         let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
-        Ok(Some(BlasLt { handle, workspace, stream: stream.clone(), plans: Mutex::new(HashMap::new()) }))
+        let acc = stream.alloc_zeros::<i32>(ACC_ELEMS)?;
+        Ok(Some(BlasLt { handle, workspace, acc, stream: stream.clone(), plans: Mutex::new(HashMap::new()) }))
     }
 
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` over e4m3 codes (`xq` m × k tokens, `wq` n × k weight
@@ -130,7 +139,66 @@ impl BlasLt {
         if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !y.is_multiple_of(16) {
             return Ok(LtRun::Declined);
         }
-        let key = PlanKey { m, n, k, f32_out };
+        let key = PlanKey { m, n, k, f32_out, int8: false };
+        // SAFETY: as this function's contract.
+        unsafe { self.run(key, y, xq, xs, wq, ws) }
+    }
+
+    /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` over int8 codes, y bf16 or f32: cuBLASLt's int8 GEMM
+    /// into exact int32 sums (in row chunks through its scratch), then `scale(y_rows, acc, xs_rows,
+    /// rows)` for each chunk (the caller's `Kernels::scale_outer_i32` with the row scales `ws`,
+    /// bit-identical to `gemm_w8a8`'s epilogue). false: nothing launched (cuBLASLt has no kernel for
+    /// the shape).
+    ///
+    /// # Safety
+    /// As [`BlasLt::gemm_fp8_rowwise`]; `scale(y, acc, xs, m)` must write `m` rows of `y` from `m`
+    /// rows of int32 sums at `acc`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_i8_rowwise(
+        &self,
+        y: DPtr,
+        f32_out: bool,
+        xq: DPtr,
+        xs: DPtr,
+        wq: DPtr,
+        m: usize,
+        n: usize,
+        k: usize,
+        scale: impl Fn(DPtr, DPtr, DPtr, usize) -> Result<()>,
+    ) -> Result<bool> {
+        if m == 0 || n == 0 {
+            return Ok(true);
+        }
+        if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !y.is_multiple_of(16) || n > ACC_ELEMS {
+            return Ok(false);
+        }
+        let rows = (ACC_ELEMS / n).min(m);
+        let (acc, _sync) = self.acc.device_ptr(self.stream.as_ref());
+        let out_bytes = if f32_out { 4 } else { 2 };
+        let mut r0 = 0;
+        while r0 < m {
+            let chunk = rows.min(m - r0);
+            let key = PlanKey { m: chunk, n, k, f32_out: false, int8: true };
+            // SAFETY: the chunk's rows of xq and the scratch (chunk * n <= ACC_ELEMS) as the contract.
+            let ran = unsafe { self.run(key, acc, xq + (r0 * k) as u64, 0, wq, 0)? };
+            if ran == LtRun::Declined {
+                if r0 == 0 {
+                    return Ok(false);
+                }
+                return Err(KernelError::Unsupported(format!("cuBLASLt took the first rows of an int8 GEMM but not {chunk} rows (n {n}, k {k})")));
+            }
+            scale(y + (r0 * n * out_bytes) as u64, acc, xs + (r0 * 4) as u64, chunk)?;
+            r0 += chunk;
+        }
+        Ok(true)
+    }
+
+    /// Runs `key`'s plan (made on first use) on `d = a · bᵀ` in our row-major terms (`a` = the weight
+    /// codes, `b` = the token codes), with the outer-vector scales where the plan has them.
+    ///
+    /// # Safety
+    /// As [`BlasLt::gemm_fp8_rowwise`] for `key`'s shape and types.
+    unsafe fn run(&self, key: PlanKey, d_ptr: DPtr, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr) -> Result<LtRun> {
         let mut plans = self.plans.lock().map_err(|_| KernelError::Unsupported("cuBLASLt plan cache poisoned".into()))?;
         if !plans.contains_key(&key) {
             if plans.len() >= MAX_PLANS {
@@ -145,33 +213,43 @@ impl BlasLt {
         // tokens (its columns are our rows: scales `xs`).
         let set_ptr = |attr: sys::cublasLtMatmulDescAttributes_t, p: DPtr| {
             let p = p as *const c_void;
-            lt::set_matmul_desc_attribute(plan.desc, attr, &p as *const *const c_void as *const c_void, size_of::<*const c_void>())
+            // SAFETY: the plan's descriptor is live; the value is copied by the call.
+            unsafe { lt::set_matmul_desc_attribute(plan.desc, attr, &p as *const *const c_void as *const c_void, size_of::<*const c_void>()) }
         };
         if plan.outer {
             set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ws).map_err(|e| lt_err("A scales", e))?;
             set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, xs).map_err(|e| lt_err("B scales", e))?;
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        // The scale type is f32 for FP8 and int32 for int8 (`plan_with`).
+        let (alpha_f, beta_f, alpha_i, beta_i) = (1.0f32, 0.0f32, 1i32, 0i32);
+        let (alpha, beta) = if key.int8 {
+            (&alpha_i as *const i32 as *const c_void, &beta_i as *const i32 as *const c_void)
+        } else {
+            (&alpha_f as *const f32 as *const c_void, &beta_f as *const f32 as *const c_void)
+        };
         let (ws_ptr, _sync) = self.workspace.device_ptr(self.stream.as_ref());
         let [a, b, d] = plan.layouts;
-        lt::matmul(
-            self.handle,
-            plan.desc,
-            &alpha as *const f32 as *const c_void,
-            &beta as *const f32 as *const c_void,
-            wq as *const c_void,
-            a,
-            xq as *const c_void,
-            b,
-            y as *const c_void,
-            d,
-            y as *mut c_void,
-            d,
-            &plan.algo,
-            ws_ptr as *mut c_void,
-            WORKSPACE_BYTES,
-            self.stream.cu_stream() as sys::cudaStream_t,
-        )
+        // SAFETY: descriptors live; pointers as the caller's contract; the workspace is ours.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                alpha,
+                beta,
+                wq as *const c_void,
+                a,
+                xq as *const c_void,
+                b,
+                d_ptr as *const c_void,
+                d,
+                d_ptr as *mut c_void,
+                d,
+                &plan.algo,
+                ws_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
         .map_err(|e| lt_err("matmul", e))?;
         Ok(if plan.outer { LtRun::Scaled } else { LtRun::Unscaled })
     }
@@ -179,6 +257,9 @@ impl BlasLt {
     /// The plan for one shape: with outer-vector scales if cuBLASLt has a kernel for them, else
     /// unscaled.
     fn plan(&self, key: PlanKey) -> std::result::Result<Plan, CublasError> {
+        if key.int8 {
+            return self.plan_with(key, false);
+        }
         self.plan_with(key, true).or_else(|_| self.plan_with(key, false))
     }
 
@@ -186,14 +267,19 @@ impl BlasLt {
     /// algorithm for them.
     fn plan_with(&self, key: PlanKey, outer: bool) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
-        let PlanKey { m, n, k, f32_out } = key;
+        let PlanKey { m, n, k, f32_out, int8 } = key;
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
-        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
-        let d_type = if f32_out { sys::cudaDataType::CUDA_R_32F } else { sys::cudaDataType::CUDA_R_16BF };
+        let (compute, scale_type, code_type, d_type) = if int8 {
+            (sys::cublasComputeType_t::CUBLAS_COMPUTE_32I, sys::cudaDataType::CUDA_R_32I, sys::cudaDataType::CUDA_R_8I, sys::cudaDataType::CUDA_R_32I)
+        } else {
+            let d_type = if f32_out { sys::cudaDataType::CUDA_R_32F } else { sys::cudaDataType::CUDA_R_16BF };
+            (sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F, sys::cudaDataType::CUDA_R_8F_E4M3, d_type)
+        };
+        let desc = lt::create_matmul_desc(compute, scale_type)?;
         // Each layout is owned by the plan as soon as it exists, so an error below frees it.
         let mut plan = Plan { outer, desc, layouts: [std::ptr::null_mut(); 3], algo: unsafe { MaybeUninit::zeroed().assume_init() } };
-        plan.layouts[0] = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_8F_E4M3, k64, n64, k as i64)?;
-        plan.layouts[1] = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_8F_E4M3, k64, m64, k as i64)?;
+        plan.layouts[0] = lt::create_matrix_layout(code_type, k64, n64, k as i64)?;
+        plan.layouts[1] = lt::create_matrix_layout(code_type, k64, m64, k as i64)?;
         plan.layouts[2] = lt::create_matrix_layout(d_type, n64, m64, n as i64)?;
         // SAFETY: the descriptor is live; each value outlives its call.
         unsafe {

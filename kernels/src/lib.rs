@@ -24,9 +24,10 @@ pub use gemm::{Blas, OutType};
 pub use ops::{DPtr, Kernels, KvCacheDtype, W8Format};
 
 /// Above this many tokens an 8-bit linear leaves the GEMV for the tensor-core GEMM: measured on the
-/// H100 (Llama-3.1-8B shape, fp8 decode), cuBLASLt's FP8 GEMM takes a step of 8 tokens in 5.2 ms
-/// where the GEMV's 8-row kernels take 9.9 ms, and 16 tokens in 5.0 against 15.8 ms.
-pub const GEMV8_DEFAULT_MAX_M: usize = 4;
+/// H100 (Llama-3.1-8B shape, fp8 decode steps), cuBLASLt's FP8 GEMM beats the GEMV's multi-row
+/// kernels from 2 tokens on (2 / 4 / 8 / 16 tokens: 4.7 / 4.8 / 5.2 / 5.0 ms per step against
+/// 5.6 / 7.3 / 9.9 / 15.8); one token stays on the GEMV (4.5 ms, at the weight-bandwidth bound's 59 %).
+pub const GEMV8_DEFAULT_MAX_M: usize = 1;
 
 /// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
 pub struct Cuda {
@@ -94,11 +95,20 @@ impl Cuda {
         if self.use_gemv && m <= self.gemv8_max_m {
             return self.kernels.gemv_w8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k);
         }
-        if let (W8Format::E4m3, Some(lt)) = (format, &self.blas_lt) {
-            match lt.gemm_fp8_rowwise(y, f32_out, xq, xs, wq, ws, m, n, k)? {
-                gemm_lt::LtRun::Scaled => return Ok(()),
-                gemm_lt::LtRun::Unscaled => return self.kernels.scale_outer(&self.gpu.stream, y, f32_out, xs, ws, m, n),
-                gemm_lt::LtRun::Declined => {}
+        if let Some(lt) = &self.blas_lt {
+            let s = &self.gpu.stream;
+            match format {
+                W8Format::E4m3 => match lt.gemm_fp8_rowwise(y, f32_out, xq, xs, wq, ws, m, n, k)? {
+                    gemm_lt::LtRun::Scaled => return Ok(()),
+                    gemm_lt::LtRun::Unscaled => return self.kernels.scale_outer(s, y, f32_out, xs, ws, m, n),
+                    gemm_lt::LtRun::Declined => {}
+                },
+                W8Format::I8 => {
+                    let scale = |y_rows, acc, xs_rows, rows| self.kernels.scale_outer_i32(s, y_rows, f32_out, acc, xs_rows, ws, rows, n);
+                    if lt.gemm_i8_rowwise(y, f32_out, xq, xs, wq, m, n, k, scale)? {
+                        return Ok(());
+                    }
+                }
             }
         }
         self.kernels.gemm_w8a8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k)

@@ -1,11 +1,12 @@
 //! The W8A8 kernels of `--quantization fp8|int8` on the GPU (issue 17), against references computed
 //! here from the definitions and against the CPU's `rowquant` functions:
-//! - the 8-bit linear (`Cuda::linear_w8`: GEMV for ≤ 16 rows, tensor-core GEMM above) on ragged
+//! - our 8-bit kernels (the GEMV for ≤ 16 rows, the tensor-core GEMM above) on ragged
 //!   shapes against an f64 dot product of the same codes, within the format's error (int8: exact
 //!   integer sums, so f32 rounding only; e4m3: the tensor cores' reduced-precision accumulation, at
 //!   most 2⁻¹² of |sum so far| + Σ|products| per 32-wide k step); the GEMM's rows do not depend on the other rows (bit for bit);
-//! - cuBLASLt's FP8 GEMM with outer-vector (row and token) scales, the e4m3 path above 16 rows,
-//!   against the same reference and tolerance;
+//! - cuBLASLt's FP8 GEMM (unscaled + `scale_outer` where it cannot scale by rows), the e4m3 path
+//!   above 4 rows, against the same reference and tolerance; its int8 GEMM (+ `scale_outer_i32`)
+//!   bit-identical to `gemm_w8a8` (exact integer sums, the same epilogue);
 //! - the fused per-token quantizers (RMSNorm, SiLU·mul) against the CPU's `rms_norm`/`swiglu` then
 //!   `quantize_activations`: codes bit-identical where the f32 maths is exact (a sum of squares
 //!   without rounding), else within one code step; scales to f32 rounding.
@@ -141,6 +142,42 @@ fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
 }
 
 #[test]
+fn cublaslt_int8_gemm_is_bit_identical_to_gemm_w8a8() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    if !ready(&c, W8Format::I8) {
+        return;
+    }
+    let Some(lt) = &c.blas_lt else {
+        cuda_common::report("skipped: libcublasLt not found (or PEREGRINE_GEMM8=ours)");
+        return;
+    };
+    // Integer sums are exact and the scale epilogue is the same expression, so cuBLASLt's int8 path
+    // must give gemm_w8a8's bits. (700, 28672, 4096): more rows than one chunk of the int32 scratch.
+    for (m, n, k) in [(17usize, 576usize, 1536usize), (256, 4096, 4096), (700, 28672, 4096)] {
+        let w = values(n * k, (n * 31 + k) as u64, 0.05);
+        let x = values(m * k, (m * 7 + k) as u64, 2.0);
+        let wq = RowQuantMatrix::quantize(RowFormat::Int8, n, k, &w).unwrap();
+        let xq = RowQuantMatrix::quantize(RowFormat::Int8, m, k, &x).unwrap();
+        let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
+        let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
+        for f32_out in [true, false] {
+            let bytes = if f32_out { 4 } else { 2 };
+            let ours = c.gpu.upload(&vec![0xA5u8; m * n * bytes]).unwrap();
+            unsafe { c.kernels.gemm_w8a8_tile(s, W8Format::I8, ours.ptr(), f32_out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k, 64).unwrap() };
+            let theirs = c.gpu.upload(&vec![0x5Au8; m * n * bytes]).unwrap();
+            let scale = |y_rows, acc, xs_rows, rows| unsafe { c.kernels.scale_outer_i32(s, y_rows, f32_out, acc, xs_rows, dws.ptr(), rows, n) };
+            let ran = unsafe { lt.gemm_i8_rowwise(theirs.ptr(), f32_out, dx.ptr(), dxs.ptr(), dw.ptr(), m, n, k, scale).unwrap() };
+            assert!(ran, "cuBLASLt refused the int8 GEMM m {m} n {n} k {k}");
+            let (a, b) = (ours.download(s).unwrap(), theirs.download(s).unwrap());
+            let first = a.iter().zip(&b).position(|(x, y)| x != y);
+            assert!(first.is_none(), "int8 m {m} n {n} k {k} f32 {f32_out}: cuBLASLt differs from gemm_w8a8 at byte {first:?}");
+        }
+        cuda_common::report(&format!("cuBLASLt int8 m {m} n {n} k {k}: bit-identical to gemm_w8a8"));
+    }
+}
+
+#[test]
 fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invariant() {
     let Some(c) = cuda_or_skip() else { return };
     let s = &c.gpu.stream;
@@ -159,11 +196,12 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
             let reference = f64_reference(format, &xq, &wq, m, n, k);
             let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
             let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
-            // GEMV sizes: Cuda::linear_w8's path. GEMM sizes: both tiles (the plan picks by grid
+            // GEMV sizes: the 8-bit GEMV (up to 16 rows). GEMM sizes: both tiles (the plan picks by grid
             // size, so one sequence may meet either in different batches).
             let tiles: &[Option<usize>] = if m <= peregrine_kernels::ops::GEMV_FP8_MAX_M { &[None] } else { &[Some(64), Some(32)] };
             let run = |y: u64, out: OutType, rows: usize, tile: Option<usize>| match tile {
-                None => unsafe { c.linear_w8(w8, y, out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k).unwrap() },
+                // Our GEMV itself (`Cuda::linear_w8` sends more than 4 rows to cuBLASLt, tested above).
+                None => unsafe { c.kernels.gemv_w8(s, w8, y, out == OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k).unwrap() },
                 Some(t) => unsafe { c.kernels.gemm_w8a8_tile(s, w8, y, out == OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k, t).unwrap() },
             };
             let mut first: Option<Vec<f32>> = None;

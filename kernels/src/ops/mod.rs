@@ -107,6 +107,8 @@ pub struct Kernels {
     quant_rows_i8: CudaFunction,
     /// `y *= xs[i] · ws[j]` after an unscaled 8-bit GEMM (quant8.cu).
     scale_outer: CudaFunction,
+    /// `y = acc · xs[i] · ws[j]` from an unscaled int8 GEMM's int32 sums (quant8.cu).
+    scale_outer_i32: CudaFunction,
     /// quant8.cu's fused quantizers and gemm_w8a8.cu's GEMMs, indexed by [`W8Format::index`].
     add_rmsnorm_quant: [CudaFunction; 2],
     silu_mul_quant: [CudaFunction; 2],
@@ -202,6 +204,7 @@ impl Kernels {
             quant_rows_e4m3: f("quant_rows_e4m3")?,
             quant_rows_i8: f("quant_rows_i8")?,
             scale_outer: f("scale_outer")?,
+            scale_outer_i32: f("scale_outer_i32")?,
             add_rmsnorm_quant: [f("add_rmsnorm_quant_e4m3")?, f("add_rmsnorm_quant_i8")?],
             silu_mul_quant: [f("silu_mul_quant_e4m3")?, f("silu_mul_quant_i8")?],
             gemm_w8a8: [[f("gemm_w8a8_e4m3")?, f("gemm_w8a8_i8")?], [f("gemm_w8a8_e4m3_t32")?, f("gemm_w8a8_i8_t32")?]],

@@ -101,7 +101,7 @@ fn fp8_cache_with_hadamard_matches_the_cpu_rotation_and_differs_from_plain_fp8()
     let Some(mut rotated) = gpu(&w, KvCacheDtype::Fp8E4m3, true) else { return };
     let got = rows(&mut rotated);
     drop(rotated);
-    let want = cpu_rows(&w, KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard: true });
+    let want = cpu_rows(&w, KvFormat::both(KvElem::Fp8E4m3, true));
     let f = compare(&got, &want);
     report(&format!("cuda fp8 KV + hadamard vs cpu fp8 + hadamard: max |Δ| {:.3}, mean {:.4}, top-1 {}/{}", f.max_abs_diff, f.mean_abs_diff(), f.top1_agree, f.positions));
     assert!(f.max_abs_diff <= 2.0 && f.mean_abs_diff() <= 0.5, "{f:?}");

@@ -50,15 +50,15 @@ impl WeightOption {
 pub enum KvOption {
     /// The backend's own: f32 on the CPU, bf16 on CUDA.
     Native,
-    /// K and V each as `k`/`v`, q and k Hadamard-rotated per head when `hadamard`.
-    Typed { k: KvElem, v: KvElem, hadamard: bool },
+    /// As the CPU cache's format says (the CUDA cache runs the ones with one type for K and V).
+    Typed(KvFormat),
 }
 
 impl KvOption {
-    pub const BF16: KvOption = KvOption::Typed { k: KvElem::Bf16, v: KvElem::Bf16, hadamard: false };
+    pub const BF16: KvOption = KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard: false, hadamard_v: false });
 
     pub fn fp8(hadamard: bool) -> KvOption {
-        KvOption::Typed { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard }
+        KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3, hadamard))
     }
 
     /// What a `--kv-cache-dtype` value stores.
@@ -78,7 +78,7 @@ impl KvOption {
                 DeviceArg::Cpu => "KV f32".into(),
                 DeviceArg::Cuda => "KV bf16".into(),
             },
-            KvOption::Typed { k, v, hadamard } => format!("KV {}", KvFormat { k: *k, v: *v, hadamard: *hadamard }.label()),
+            KvOption::Typed(format) => format!("KV {}", format.label()),
         }
     }
 }
@@ -123,9 +123,11 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
     if device == DeviceArg::Cpu {
         // The cheaper alternatives: only one of K and V in fp8 (CPU only so far).
         for hadamard in [false, true] {
-            out.push(unquantized(KvOption::Typed { k: KvElem::Fp8E4m3, v: KvElem::Bf16, hadamard }));
+            out.push(unquantized(KvOption::Typed(KvFormat { v: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, hadamard) })));
         }
-        out.push(unquantized(KvOption::Typed { k: KvElem::Bf16, v: KvElem::Fp8E4m3, hadamard: false }));
+        out.push(unquantized(KvOption::Typed(KvFormat { k: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, false) })));
+        // V rotated too (output rotated back): what the rotation could buy for V's rounding.
+        out.push(unquantized(KvOption::Typed(KvFormat { hadamard_v: true, ..KvFormat::both(KvElem::Fp8E4m3, true) })));
     }
     out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::fp8(FP8_KV_HADAMARD_DEFAULT) });
     out
@@ -145,8 +147,8 @@ pub fn cpu_backend(weights: &ModelWeights, variant: &Variant, longest: usize, th
     let block_size = 16;
     let shape = KvCacheShape { num_blocks: longest.div_ceil(block_size).max(1), block_size };
     let mut backend = CpuBackend::new(weights_for(weights, variant.weights)?, shape, threads)?;
-    if let KvOption::Typed { k, v, hadamard } = variant.kv {
-        backend.set_kv_format(KvFormat { k, v, hadamard })?;
+    if let KvOption::Typed(format) = variant.kv {
+        backend.set_kv_format(format)?;
     }
     Ok(Box::new(backend))
 }
@@ -164,9 +166,10 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
     };
     let (kv_cache_dtype, kv_hadamard) = match variant.kv {
         KvOption::Native => (KvCacheDtype::Bf16, false),
-        KvOption::Typed { k: KvElem::Bf16, v: KvElem::Bf16, hadamard } => (KvCacheDtype::Bf16, hadamard),
-        KvOption::Typed { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard } => (KvCacheDtype::Fp8E4m3, hadamard),
-        KvOption::Typed { .. } => anyhow::bail!("the CUDA cache keeps K and V in one type (bf16 or fp8)"),
+        KvOption::Typed(KvFormat { hadamard_v: true, .. }) => anyhow::bail!("the CUDA backend does not rotate V"),
+        KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard, .. }) => (KvCacheDtype::Bf16, hadamard),
+        KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard, .. }) => (KvCacheDtype::Fp8E4m3, hadamard),
+        KvOption::Typed(_) => anyhow::bail!("the CUDA cache keeps K and V in one type (bf16 or fp8)"),
     };
     let block_size = 16;
     let opts = CudaOptions {

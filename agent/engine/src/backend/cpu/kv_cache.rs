@@ -40,15 +40,23 @@ impl KvElem {
 
 /// How the cache keeps K and V, and whether q and k are Hadamard-rotated per head before k is stored
 /// ([`super::hadamard`]): scores are unchanged, k's outliers are spread before they are rounded.
+/// `hadamard_v` rotates v too, and each head of the attention output back (H is its own inverse, so
+/// the output is unchanged in exact arithmetic): a CPU-only measurement of what rotating V would buy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KvFormat {
     pub k: KvElem,
     pub v: KvElem,
     pub hadamard: bool,
+    pub hadamard_v: bool,
 }
 
 impl KvFormat {
-    pub const F32: KvFormat = KvFormat { k: KvElem::F32, v: KvElem::F32, hadamard: false };
+    pub const F32: KvFormat = KvFormat { k: KvElem::F32, v: KvElem::F32, hadamard: false, hadamard_v: false };
+
+    /// K and V both as `elem`, q/k rotated when `hadamard`.
+    pub fn both(elem: KvElem, hadamard: bool) -> KvFormat {
+        KvFormat { k: elem, v: elem, hadamard, hadamard_v: false }
+    }
 
     /// A short label: `f32`, `fp8`, `fp8+hadamard`, `k fp8 / v bf16`, ...
     pub fn label(&self) -> String {
@@ -57,10 +65,11 @@ impl KvFormat {
         } else {
             format!("k {} / v {}", self.k.name(), self.v.name())
         };
-        if self.hadamard {
-            format!("{elems}, hadamard q/k")
-        } else {
-            elems
+        match (self.hadamard, self.hadamard_v) {
+            (false, false) => elems,
+            (true, false) => format!("{elems}, hadamard q/k"),
+            (false, true) => format!("{elems}, hadamard v"),
+            (true, true) => format!("{elems}, hadamard q/k/v"),
         }
     }
 }

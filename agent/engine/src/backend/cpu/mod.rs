@@ -135,7 +135,7 @@ impl CpuBackend {
     /// to measure what a GPU cache type costs with the CPU's arithmetic. Set it before the first
     /// step; values cached before keep the old format. Errors for a rotation the head size cannot have.
     pub fn set_kv_format(&mut self, format: KvFormat) -> Result<()> {
-        if format.hadamard && !hadamard::supports(self.config.head_dim) {
+        if (format.hadamard || format.hadamard_v) && !hadamard::supports(self.config.head_dim) {
             return Err(EngineError::InvalidRequest(format!(
                 "Hadamard rotation needs a power-of-two head dimension, this model's is {}",
                 self.config.head_dim
@@ -300,9 +300,16 @@ impl CpuBackend {
                     hadamard::rotate_heads(q, c.head_dim);
                     hadamard::rotate_heads(k, c.head_dim);
                 }
+                if self.kv.format.hadamard_v {
+                    hadamard::rotate_heads(v, c.head_dim);
+                }
                 attention::write_kv(&mut self.kv, li, tc.block_table, tc.pos, k, v);
             }
             attention::attention(isa, &self.kv, li, n_heads, &qkv, qkv_dim, &ctx, &mut attn);
+            if self.kv.format.hadamard_v {
+                // The output is H times the unrotated one: rotate it back.
+                hadamard::rotate_heads(&mut attn, c.head_dim);
+            }
             matmul(isa, &attn, n, &layer.o, &mut proj);
             if let Some(lora) = &self.lora {
                 let x = Rows { data: &attn, stride: q_dim, offset: 0 };
@@ -429,17 +436,20 @@ mod kv_format_tests {
     #[test]
     fn hadamard_rotated_attention_equals_unrotated_in_f32() {
         let plain = run(KvFormat::F32, &TOKENS);
-        let rotated = run(KvFormat { hadamard: true, ..KvFormat::F32 }, &TOKENS);
         let scale = plain.iter().fold(0f32, |m, v| m.max(v.abs()));
-        assert!(max_diff(&plain, &rotated) <= 1e-5 * scale.max(1.0), "{} (logits up to {scale})", max_diff(&plain, &rotated));
+        for (hadamard, hadamard_v) in [(true, false), (false, true), (true, true)] {
+            let rotated = run(KvFormat { hadamard, hadamard_v, ..KvFormat::F32 }, &TOKENS);
+            let d = max_diff(&plain, &rotated);
+            assert!(d <= 1e-5 * scale.max(1.0), "q/k {hadamard}, v {hadamard_v}: {d} (logits up to {scale})");
+        }
     }
 
     #[test]
     fn rounded_caches_change_the_logits_by_their_precision() {
         let exact = run(KvFormat::F32, &TOKENS);
-        let bf16 = run(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard: false }, &TOKENS);
-        let fp8 = run(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard: false }, &TOKENS);
-        let fp8_h = run(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard: true }, &TOKENS);
+        let bf16 = run(KvFormat::both(KvElem::Bf16, false), &TOKENS);
+        let fp8 = run(KvFormat::both(KvElem::Fp8E4m3, false), &TOKENS);
+        let fp8_h = run(KvFormat::both(KvElem::Fp8E4m3, true), &TOKENS);
         let (d_bf16, d_fp8, d_fp8_h) = (max_diff(&exact, &bf16), max_diff(&exact, &fp8), max_diff(&exact, &fp8_h));
         assert!(d_bf16 > 0.0 && d_fp8 > d_bf16, "bf16 {d_bf16}, fp8 {d_fp8}");
         // The rotation changes which values are rounded, so the fp8 results differ.

@@ -20,7 +20,7 @@ use peregrine_engine::backend::cpu::ops::{rms_norm, swiglu};
 use peregrine_engine::model::rowquant::{quantize_activations, RowFormat, RowQuantMatrix};
 use cuda_common::values;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::gemm_lt::LtRun;
+use peregrine_kernels::gemm_lt::{BlasLt, LtRun};
 use peregrine_kernels::{Cuda, OutType, W8Format};
 
 const FORMATS: [(RowFormat, W8Format); 2] = [(RowFormat::Fp8E4m3, W8Format::E4m3), (RowFormat::Int8, W8Format::I8)];
@@ -37,6 +37,17 @@ fn ready(c: &Cuda, format: W8Format) -> bool {
     assert!(!required, "{format:?} kernels required but this GPU cannot run them");
     cuda_common::report(&format!("skipped: the {format:?} W8A8 kernels need a newer GPU"));
     false
+}
+
+/// cuBLASLt, where this GPU runs `format` and the library is there; a visible skip if not.
+fn blas_lt(c: &Cuda, format: W8Format) -> Option<&BlasLt> {
+    if !ready(c, format) {
+        return None;
+    }
+    if c.blas_lt.is_none() {
+        cuda_common::report("skipped: libcublasLt not found (or PEREGRINE_GEMM8=ours)");
+    }
+    c.blas_lt.as_ref()
 }
 
 /// One code step of `format` at the magnitude of `v` (unscaled code values).
@@ -88,13 +99,7 @@ fn tolerance(format: RowFormat, want: f64, budget: f64) -> f64 {
 fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
     let Some(c) = cuda_or_skip() else { return };
     let s = &c.gpu.stream;
-    if !ready(&c, W8Format::E4m3) {
-        return;
-    }
-    let Some(lt) = &c.blas_lt else {
-        cuda_common::report("skipped: libcublasLt not found (or PEREGRINE_GEMM8=ours)");
-        return;
-    };
+    let Some(lt) = blas_lt(&c, W8Format::E4m3) else { return };
     let format = RowFormat::Fp8E4m3;
     // (m, n, k): prefill- and batch-sized m, SmolLM2 and Llama-3.1-8B shapes, a ragged m.
     for (m, n, k) in [(17usize, 576usize, 1536usize), (100, 1536, 576), (64, 4096, 4096), (256, 1024, 4096), (33, 4096, 14336), (1000, 576, 576)] {
@@ -145,13 +150,7 @@ fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
 fn cublaslt_int8_gemm_is_bit_identical_to_gemm_w8a8() {
     let Some(c) = cuda_or_skip() else { return };
     let s = &c.gpu.stream;
-    if !ready(&c, W8Format::I8) {
-        return;
-    }
-    let Some(lt) = &c.blas_lt else {
-        cuda_common::report("skipped: libcublasLt not found (or PEREGRINE_GEMM8=ours)");
-        return;
-    };
+    let Some(lt) = blas_lt(&c, W8Format::I8) else { return };
     // Integer sums are exact and the scale epilogue is the same expression, so cuBLASLt's int8 path
     // must give gemm_w8a8's bits. (700, 28672, 4096): more rows than one chunk of the int32 scratch.
     for (m, n, k) in [(17usize, 576usize, 1536usize), (256, 4096, 4096), (700, 28672, 4096)] {

@@ -69,10 +69,7 @@ impl Kernels {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        if !n.is_multiple_of(8) || !y.is_multiple_of(16) {
-            return Err(crate::KernelError::Unsupported(format!("scale_outer: n {n} (a multiple of 8, 16-byte aligned y)")));
-        }
-        let threads = m.checked_mul(n / 8).ok_or_else(|| crate::KernelError::Unsupported("scale_outer: m * n overflows".into()))?;
+        let blocks = outer8_blocks("scale_outer", m, n, &[y])?;
         let (yf, mi, ni) = (y_f32 as i32, as_i32(m, "m")?, as_i32(n, "n")?);
         Launch::new(&self.scale_outer)
             .arg(&y)
@@ -81,7 +78,7 @@ impl Kernels {
             .arg(&ws)
             .arg(&mi)
             .arg(&ni)
-            .launch(s, cfg(as_u32(threads.div_ceil(256), "scale_outer blocks")?, 256), false)?;
+            .launch(s, cfg(blocks, 256), false)?;
         Ok(())
     }
 
@@ -96,10 +93,7 @@ impl Kernels {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        if !n.is_multiple_of(8) || !y.is_multiple_of(16) || !acc.is_multiple_of(16) {
-            return Err(crate::KernelError::Unsupported(format!("scale_outer_i32: n {n} (a multiple of 8, 16-byte aligned buffers)")));
-        }
-        let threads = m.checked_mul(n / 8).ok_or_else(|| crate::KernelError::Unsupported("scale_outer_i32: m * n overflows".into()))?;
+        let blocks = outer8_blocks("scale_outer_i32", m, n, &[y, acc])?;
         let (yf, mi, ni) = (y_f32 as i32, as_i32(m, "m")?, as_i32(n, "n")?);
         Launch::new(&self.scale_outer_i32)
             .arg(&y)
@@ -109,7 +103,17 @@ impl Kernels {
             .arg(&ws)
             .arg(&mi)
             .arg(&ni)
-            .launch(s, cfg(as_u32(threads.div_ceil(256), "scale_outer_i32 blocks")?, 256), false)?;
+            .launch(s, cfg(blocks, 256), false)?;
         Ok(())
     }
+}
+
+/// Blocks of 256 threads for the outer-scale epilogues (8 outputs per thread), after checking their
+/// shape: n a multiple of 8, every buffer 16-byte aligned.
+fn outer8_blocks(kernel: &str, m: usize, n: usize, buffers: &[DPtr]) -> Result<u32> {
+    if !n.is_multiple_of(8) || buffers.iter().any(|b| !b.is_multiple_of(16)) {
+        return Err(crate::KernelError::Unsupported(format!("{kernel}: n {n} (a multiple of 8, 16-byte aligned buffers)")));
+    }
+    let threads = m.checked_mul(n / 8).ok_or_else(|| crate::KernelError::Unsupported(format!("{kernel}: m * n overflows")))?;
+    as_u32(threads.div_ceil(256), "outer-scale blocks")
 }

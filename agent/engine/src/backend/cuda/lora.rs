@@ -301,6 +301,7 @@ impl GpuLora {
                 self.layers
             )));
         }
+        let started = std::time::Instant::now();
         let dims: Vec<(usize, usize)> = self.modules.iter().map(|m| (m.fan_in, m.fan_out)).collect();
         let image_len = SlotImage::len(&dims, self.layers, self.r_pad);
         if self.uploader.is_none() {
@@ -332,6 +333,15 @@ impl GpuLora {
         self.scales.write(main, &self.scales_host).map_err(gpu_err)?;
         self.ranks_host[slot] = adapter.rank as i32;
         self.ranks.write(main, &self.ranks_host).map_err(gpu_err)?;
+        // Host time only: the copy itself (MiB / PCIe bandwidth) runs on the uploader stream and the
+        // next step waits for it on the GPU.
+        tracing::debug!(
+            slot,
+            rank = adapter.rank,
+            mib = format_args!("{:.1}", (image_len * 2) as f64 / (1 << 20) as f64),
+            host_ms = format_args!("{:.1}", started.elapsed().as_secs_f64() * 1e3),
+            "LoRA adapter written into a GPU slot"
+        );
         Ok(())
     }
 

@@ -19,6 +19,10 @@ pub struct ServeArgs {
     pub host: IpAddr,
     #[arg(long, env = "PEREGRINE_PORT", default_value_t = 8000)]
     pub port: u16,
+    /// Also serve the encoder endpoints over gRPC (`peregrine.encoder.v1.Encoder`) on this port,
+    /// on the same host, keys and limits; off unless set. Encoder models only.
+    #[arg(long, env = "PEREGRINE_GRPC_PORT")]
+    pub grpc_port: Option<u16>,
     /// Threads of the async runtime that runs HTTP, SSE and detokenizing (default: on the CPU
     /// backend, the cores its `--threads` leave free, at least 1; on a GPU, every core).
     #[arg(long, env = "PEREGRINE_HTTP_WORKERS")]

@@ -11,10 +11,14 @@ use tokio::net::TcpListener;
 
 use crate::serve::backend::InferenceBackend;
 use super::encoder_backend::EncoderOnly;
+use super::grpc;
 use super::handlers::{classify, embeddings, rerank, tei};
 use super::state::AppState;
 use super::{engine_backend, shutdown_signal, telemetry, DrainConfig, ServeArgs};
 use crate::runtime::DeviceArg;
+
+/// After HTTP has stopped, how long the gRPC server may still take to close.
+const GRPC_STOP_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The encoder endpoints, and TEI's `/embed` and `/rerank` with TEI's own bodies.
 pub fn encoder_routes() -> Router<Arc<AppState<EncoderOnly>>> {
@@ -78,7 +82,34 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             }
         });
         let drain = DrainConfig { delay: args.drain_delay, grace_period: args.shutdown_grace_period };
-        super::serve_with(listener, state, encoder_routes(), drain, shutdown_signal()).await?;
+        // One signal for both servers: HTTP drains as usual; gRPC keeps answering through the
+        // drain delay too, then stops accepting and lets its calls finish.
+        let (signalled, signal) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = signalled.send(true);
+        });
+        let when_signalled = |mut rx: tokio::sync::watch::Receiver<bool>, after: std::time::Duration| async move {
+            let _ = rx.wait_for(|s| *s).await;
+            tokio::time::sleep(after).await;
+        };
+        let grpc = match args.grpc_port {
+            Some(port) => {
+                let listener = TcpListener::bind((args.host, port)).await?;
+                tracing::info!(addr = %listener.local_addr()?, "gRPC listening");
+                Some(tokio::spawn(grpc::serve(listener, state.clone(), when_signalled(signal.clone(), drain.delay))))
+            }
+            None => None,
+        };
+        super::serve_with(listener, state, encoder_routes(), drain, when_signalled(signal, std::time::Duration::ZERO)).await?;
+        if let Some(grpc) = grpc {
+            // HTTP has drained (or cut off) its requests; gRPC's have had as long.
+            match tokio::time::timeout(GRPC_STOP_WAIT, grpc).await {
+                Ok(Ok(Err(e))) => tracing::error!(error = %e, "gRPC server failed"),
+                Ok(_) => {}
+                Err(_) => tracing::warn!("gRPC calls still in flight at exit"),
+            }
+        }
         tracing::info!("stopped");
         Ok(())
     })

@@ -16,6 +16,7 @@ pub mod encoder_serve;
 pub mod engine_backend;
 pub mod error;
 pub mod generation;
+pub mod grpc;
 pub mod handlers;
 pub mod lifecycle;
 pub mod loading;
@@ -163,6 +164,9 @@ fn server_config(args: &ServeArgs) -> anyhow::Result<state::ServerConfig> {
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if peregrine_engine::encoder::is_encoder_folder(&args.engine.model) {
         return encoder_serve::run(args);
+    }
+    if args.grpc_port.is_some() {
+        anyhow::bail!("--grpc-port serves the encoder endpoints; this model is served over HTTP only");
     }
     let workers = args.http_workers(args.engine.device()?);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;

@@ -26,6 +26,11 @@ pub async fn handle(State(state): State<SharedState<EncoderOnly>>, body: Result<
 
 async fn embeddings(state: &SharedState<EncoderOnly>, body: Result<Bytes, BytesRejection>) -> Result<EmbeddingResponse, ApiError> {
     let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<EmbeddingRequest>(&b))?;
+    respond(state, request).await
+}
+
+/// The answer to a validated request (HTTP's body or gRPC's `Embed`).
+pub async fn respond(state: &SharedState<EncoderOnly>, request: EmbeddingRequest) -> Result<EmbeddingResponse, ApiError> {
     let dims = output_dims(state, request.dimensions)?;
     let inputs: Vec<EncodeInput> = match request.input {
         EmbeddingInput::Text(t) => vec![EncodeInput::Text(t)],

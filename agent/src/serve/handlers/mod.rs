@@ -24,13 +24,18 @@ use super::state::AppState;
 
 /// Counts the error, logs it and renders it.
 pub fn fail<B: InferenceBackend>(state: &AppState<B>, e: ApiError) -> Response {
+    record_failure(state, &e);
+    e.into_response()
+}
+
+/// Counts and logs a failed request (HTTP through [`fail`], gRPC through its status mapping).
+pub fn record_failure<B: InferenceBackend>(state: &AppState<B>, e: &ApiError) {
     state.metrics.error(e.label());
     if e.status().is_server_error() {
         tracing::error!(code = e.label(), error = %e, "request failed");
     } else {
         tracing::debug!(code = e.label(), error = %e, "request refused");
     }
-    e.into_response()
 }
 
 /// `cmpl-…` / `chatcmpl-…`: unique per process run and request.

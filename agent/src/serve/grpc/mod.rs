@@ -35,7 +35,9 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves the Encoder service on `listener` until `shutdown` completes, then lets calls in flight
 /// finish (the caller bounds how long it waits). Request messages are limited like HTTP bodies
-/// (`--max-body-bytes`): a larger one gets RESOURCE_EXHAUSTED before it is decoded.
+/// (`--max-body-bytes`): tonic refuses a larger one from its length prefix, before reading it, with
+/// OUT_OF_RANGE (its code for this; the call never reaches the service, so it is not counted in
+/// `peregrine_request_errors_total`).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState<EncoderOnly>>,

@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// on the same host, keys and limits; off unless set. Encoder models only.
     #[arg(long, env = "PEREGRINE_GRPC_PORT")]
     pub grpc_port: Option<u16>,
+    /// What to serve: `generate` (completions and chat) or `embed` (a decoder's last-token
+    /// embeddings through the encoder endpoints). Default: an encoder folder's own task, else generate.
+    #[arg(long, env = "PEREGRINE_TASK", value_enum)]
+    pub task: Option<ServeTask>,
     /// Threads of the async runtime that runs HTTP, SSE and detokenizing (default: on the CPU
     /// backend, the cores its `--threads` leave free, at least 1; on a GPU, every core).
     #[arg(long, env = "PEREGRINE_HTTP_WORKERS")]
@@ -95,6 +99,12 @@ pub struct ServeArgs {
     /// KV-cache events for prefix-aware routers (off unless `--kv-events-endpoint`).
     #[command(flatten)]
     pub kv_events: crate::kv_events::KvEventsArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServeTask {
+    Generate,
+    Embed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -260,3 +260,18 @@ async fn cross_encoder_rerank_and_score_match_transformers() {
     let answer = client.rerank(RerankRequest { query: query.into(), documents: docs[..1].to_vec(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(answer.results.len(), 1, "still serving");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_and_rate_limits_are_resource_exhausted() {
+    // No waiting slot at all, and one request per minute per key: the first call passes the key's
+    // limit and finds the queue full, the second is over the key's limit.
+    let model = peregrine_testkit::test_encoder();
+    let (_server, mut client) = start(&model, &["--api-key", KEY, "--max-waiting-requests", "0", "--rate-limit-rpm", "1"]).await;
+    let label = |s: &Status| s.metadata().get(ERROR_LABEL_KEY).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let first = client.embed(authed(EmbedRequest { inputs: texts(&["a"]), ..Default::default() })).await.unwrap_err();
+    refused(first.clone(), Code::ResourceExhausted, "queue full");
+    assert_eq!(label(&first).as_deref(), Some("queue_full"), "{first:?}");
+    let second = client.embed(authed(EmbedRequest { inputs: texts(&["a"]), ..Default::default() })).await.unwrap_err();
+    refused(second.clone(), Code::ResourceExhausted, "rate limited");
+    assert_eq!(label(&second).as_deref(), Some("rate_limit_exceeded"), "{second:?}");
+}

@@ -4,28 +4,18 @@
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use peregrine_api::encoders::{ClassifyData, ClassifyRequest, ClassifyResponse, EncoderUsage};
 use peregrine_engine::encoder::{softmax, EncoderJobKind, EncoderTask};
 
 use crate::serve::backend::InferenceBackend;
-use super::{fail, response_id, SharedState};
+use super::{answer_json, response_id, SharedState};
 use crate::serve::encoder_backend::{encode, EncodeInput, EncoderOnly};
 use crate::serve::error::ApiError;
-use crate::serve::parse::{body_bytes, parse_request};
 use crate::serve::state::unix_now;
 
 pub async fn handle(State(state): State<SharedState<EncoderOnly>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<ClassifyRequest>(&b));
-    let answer = match request {
-        Ok(r) => respond(&state, r).await,
-        Err(e) => Err(e),
-    };
-    match answer {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&state, e),
-    }
+    answer_json(&state, body, |r: ClassifyRequest| respond(&state, r)).await
 }
 
 /// The answer to a validated request (HTTP's body or gRPC's `Classify`).

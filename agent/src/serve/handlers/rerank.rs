@@ -6,30 +6,20 @@
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use peregrine_api::encoders::{
     EncoderUsage, RerankRequest, RerankResponse, RerankResult, RerankResultDocument, ScoreData, ScoreRequest, ScoreResponse,
 };
 use peregrine_engine::encoder::{sigmoid, EncoderJobKind, EncoderTask};
 
 use crate::serve::backend::InferenceBackend;
-use super::{fail, response_id, SharedState};
+use super::{answer_json, response_id, SharedState};
 use crate::serve::encoder_backend::{encode, EncodeInput, EncoderOnly};
 use crate::serve::error::ApiError;
-use crate::serve::parse::{body_bytes, parse_request};
 use crate::serve::state::unix_now;
 
 pub async fn rerank(State(state): State<SharedState<EncoderOnly>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<RerankRequest>(&b));
-    let answer = match request {
-        Ok(r) => rerank_response(&state, r).await,
-        Err(e) => Err(e),
-    };
-    match answer {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&state, e),
-    }
+    answer_json(&state, body, |r: RerankRequest| rerank_response(&state, r)).await
 }
 
 /// The answer to a validated rerank request (HTTP's body or gRPC's `Rerank`).
@@ -58,15 +48,7 @@ pub async fn rerank_response(state: &SharedState<EncoderOnly>, request: RerankRe
 }
 
 pub async fn score(State(state): State<SharedState<EncoderOnly>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<ScoreRequest>(&b));
-    let answer = match request {
-        Ok(r) => score_response(&state, r).await,
-        Err(e) => Err(e),
-    };
-    match answer {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&state, e),
-    }
+    answer_json(&state, body, |r: ScoreRequest| score_response(&state, r)).await
 }
 
 /// The answer to a validated score request (HTTP's body or gRPC's `Score`).

@@ -50,8 +50,10 @@ impl EncoderService {
     }
 
     fn admit<Q>(&self, request: &Request<Q>) -> Result<(), ApiError> {
-        // HTTP binds only once the model is loaded; its warm-up is the one remaining step.
-        if self.state.lifecycle.status() == "starting" {
+        // HTTP binds only once the model is loaded; its warm-up is the one remaining step. (While
+        // draining, calls are still answered, as HTTP answers them until the drain delay ends.)
+        let lifecycle = &self.state.lifecycle;
+        if !lifecycle.is_ready() && !lifecycle.is_draining() {
             return Err(ApiError::Loading);
         }
         let authorization = request.metadata().get("authorization").map(|v| v.as_bytes());

@@ -96,3 +96,20 @@ async fn decoder_last_token_embeddings_match_transformers() {
     let norm: f64 = floats(&v["data"][0]["embedding"]).iter().map(|x| x * x).sum::<f64>().sqrt();
     assert!((norm - 1.0).abs() < 1e-5, "unit length: {norm}");
 }
+
+#[test]
+fn generation_refuses_grpc_and_an_encoder_refuses_generate() {
+    let refused = |model: &std::path::Path, extra: &[&str], says: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_peregrine-agent"))
+            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+            .arg("--model")
+            .arg(model)
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{extra:?}: {stderr}");
+    };
+    refused(&common::model_path(), &["--grpc-port", "1"], "--grpc-port serves the encoder endpoints");
+    refused(&peregrine_testkit::test_encoder(), &["--task", "generate"], "this model is an encoder");
+}

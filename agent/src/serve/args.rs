@@ -177,6 +177,16 @@ mod tests {
     }
 
     #[test]
+    fn task_and_grpc_port_are_off_unless_given() {
+        let plain = parse(&[]);
+        assert_eq!((plain.task, plain.grpc_port), (None, None));
+        let embed = parse(&["--task", "embed", "--grpc-port", "50051"]);
+        assert_eq!((embed.task, embed.grpc_port), (Some(ServeTask::Embed), Some(50051)));
+        assert_eq!(parse(&["--task", "generate"]).task, Some(ServeTask::Generate));
+        assert!(Cli::try_parse_from(["serve", "--model", "/m.gguf", "--task", "rerank"]).is_err());
+    }
+
+    #[test]
     fn log_format_flags() {
         assert!(!parse(&[]).json_logs());
         assert!(parse(&["--log-format", "json"]).json_logs());

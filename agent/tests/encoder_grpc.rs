@@ -24,13 +24,19 @@ const LOGIT_TOL: f64 = 1e-4;
 
 /// A server with `--grpc-port` and the given extra flags, and a client connected to it.
 async fn start(model: &std::path::Path, extra: &[&str]) -> (Server, EncoderClient<Channel>) {
+    let (server, client, _) = start_on_port(model, extra).await;
+    (server, client)
+}
+
+/// [`start`], also giving the gRPC port.
+async fn start_on_port(model: &std::path::Path, extra: &[&str]) -> (Server, EncoderClient<Channel>, String) {
     let port = common::free_port().to_string();
     let mut args = vec!["--threads", "2", "--max-num-batched-tokens", "1024", "--grpc-port", &port];
     args.extend_from_slice(extra);
     let server = Server::start_model(model, NAME, &args);
     let channel = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap().connect_timeout(Duration::from_secs(10));
     let client = EncoderClient::new(channel.connect().await.expect("connect to the gRPC port"));
-    (server, client)
+    (server, client, port)
 }
 
 /// A request with the API key in its metadata.
@@ -274,4 +280,19 @@ async fn overload_and_rate_limits_are_resource_exhausted() {
     let second = client.embed(authed(EmbedRequest { inputs: texts(&["a"]), ..Default::default() })).await.unwrap_err();
     refused(second.clone(), Code::ResourceExhausted, "rate limited");
     assert_eq!(label(&second).as_deref(), Some("rate_limit_exceeded"), "{second:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_limit_are_closed() {
+    let model = peregrine_testkit::test_encoder();
+    let (_server, mut first, port) = start_on_port(&model, &["--max-connections", "1"]).await;
+    let request = || EmbedRequest { inputs: texts(&["a"]), ..Default::default() };
+    first.embed(request()).await.expect("the first connection is served");
+    // A second connection while the first is open: closed on arrival, so no call goes through on it.
+    let endpoint = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap().connect_timeout(Duration::from_secs(5));
+    if let Ok(channel) = endpoint.connect().await {
+        let refused = EncoderClient::new(channel).embed(request()).await;
+        assert!(refused.is_err(), "a call on a connection beyond the limit: {refused:?}");
+    }
+    first.embed(request()).await.expect("the first connection is still served");
 }

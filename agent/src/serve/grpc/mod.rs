@@ -9,6 +9,7 @@ pub mod proto {
     #![allow(clippy::all, clippy::pedantic, missing_docs)]
     tonic::include_proto!("peregrine.encoder.v1");
 }
+pub mod connections;
 pub mod service;
 pub mod status;
 
@@ -17,7 +18,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use super::encoder_backend::EncoderOnly;
 use super::state::AppState;
@@ -37,13 +37,14 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// finish (the caller bounds how long it waits). Request messages are limited like HTTP bodies
 /// (`--max-body-bytes`): tonic refuses a larger one from its length prefix, before reading it, with
 /// OUT_OF_RANGE (its code for this; the call never reaches the service, so it is not counted in
-/// `peregrine_request_errors_total`).
+/// `peregrine_request_errors_total`). At most `--max-connections` gRPC connections are open at once.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState<EncoderOnly>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let max_request = state.config.max_body_bytes;
+    let incoming = connections::limited(listener, state.config.connections.max_connections);
     let encoder = EncoderServer::new(EncoderService::new(state))
         .max_decoding_message_size(max_request)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
@@ -52,6 +53,6 @@ pub async fn serve(
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(encoder)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }

@@ -79,7 +79,7 @@ const AGENT_SERVE_FLAGS: &[&str] = &[
     "max-waiting-requests", "max-body-bytes", "api-key", "api-keys-file", "rate-limit-rpm", "rate-limit-tpm",
     "drain-delay", "shutdown-grace-period", "otlp-endpoint", "log-json",
     "device", "gpu-memory-utilization", "max-loras", "max-lora-rank", "max-cpu-loras", "lora-modules", "enable-lora",
-    "quantization",
+    "quantization", "task", "grpc-port",
 ];
 
 fn assert_agent_accepts(args: &[String]) {
@@ -102,6 +102,22 @@ fn generated_flags_are_the_agents() {
     assert!(!args.iter().any(|a| a.contains("dtype") || a.contains("enable-prefix")), "{args:?}");
     assert_agent_accepts(&args);
     assert_agent_accepts(&agent_args(&minimal("file:///m.gguf", "gguf"), "/m.gguf", 8000));
+}
+
+#[test]
+fn task_embed_becomes_task_embed_and_the_others_pass_nothing() {
+    use peregrine_crds::ModelTask;
+    let mut md = minimal("file:///m.gguf", "gguf");
+    md.spec.model.task = ModelTask::Embed;
+    let args = agent_args(&md, "/m.gguf", 8000);
+    let at = args.iter().position(|a| a == "--task").expect("--task");
+    assert_eq!(args[at + 1], "embed");
+    assert_agent_accepts(&args);
+    for task in [ModelTask::Generate, ModelTask::Rerank, ModelTask::Classify] {
+        md.spec.model.task = task;
+        let args = agent_args(&md, "/m.gguf", 8000);
+        assert!(!args.iter().any(|a| a == "--task"), "{task:?}: {args:?}");
+    }
 }
 
 #[test]

@@ -19,6 +19,14 @@ pub struct ServeArgs {
     pub host: IpAddr,
     #[arg(long, env = "PEREGRINE_PORT", default_value_t = 8000)]
     pub port: u16,
+    /// Also serve the encoder endpoints over gRPC (`peregrine.encoder.v1.Encoder`) on this port,
+    /// on the same host, keys and limits; off unless set. Encoder models only.
+    #[arg(long, env = "PEREGRINE_GRPC_PORT")]
+    pub grpc_port: Option<u16>,
+    /// What to serve: `generate` (completions and chat) or `embed` (a decoder's last-token
+    /// embeddings through the encoder endpoints). Default: an encoder folder's own task, else generate.
+    #[arg(long, env = "PEREGRINE_TASK", value_enum)]
+    pub task: Option<ServeTask>,
     /// Threads of the async runtime that runs HTTP, SSE and detokenizing (default: on the CPU
     /// backend, the cores its `--threads` leave free, at least 1; on a GPU, every core).
     #[arg(long, env = "PEREGRINE_HTTP_WORKERS")]
@@ -94,6 +102,12 @@ pub struct ServeArgs {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServeTask {
+    Generate,
+    Embed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
     Json,
@@ -160,6 +174,16 @@ mod tests {
         assert_eq!(parse(&["--threads", "1"]).http_workers(DeviceArg::Cpu), cores.saturating_sub(1).max(1));
         assert_eq!(parse(&["--http-workers", "3"]).http_workers(DeviceArg::Cpu), 3);
         assert_eq!(parse(&["--http-workers", "0"]).http_workers(DeviceArg::Cuda), 1);
+    }
+
+    #[test]
+    fn task_and_grpc_port_are_off_unless_given() {
+        let plain = parse(&[]);
+        assert_eq!((plain.task, plain.grpc_port), (None, None));
+        let embed = parse(&["--task", "embed", "--grpc-port", "50051"]);
+        assert_eq!((embed.task, embed.grpc_port), (Some(ServeTask::Embed), Some(50051)));
+        assert_eq!(parse(&["--task", "generate"]).task, Some(ServeTask::Generate));
+        assert!(Cli::try_parse_from(["serve", "--model", "/m.gguf", "--task", "rerank"]).is_err());
     }
 
     #[test]

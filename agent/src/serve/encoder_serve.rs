@@ -1,20 +1,31 @@
-//! `serve --model <encoder folder>`: loads a BERT-family encoder, starts its batching thread and
-//! serves the encoder endpoints beside the usual probes, behind the same auth, limits and drain.
+//! `serve --model <encoder folder>` (or a decoder with `--task embed`): loads a BERT-family encoder
+//! (or the decoder's embedder), starts its batching thread and serves the encoder endpoints beside
+//! the usual probes, behind the same auth, limits and drain.
 
 use std::sync::Arc;
 
 use axum::routing::post;
 use axum::Router;
+use anyhow::Context;
 use peregrine_engine::backend::cpu::encoder::CpuEncoder;
-use peregrine_engine::encoder::{EncoderHandle, EncoderJobKind, EncoderModel, EncoderServiceConfig};
+use peregrine_engine::backend::cpu::CpuBackend;
+use peregrine_engine::backend::{EncoderBackend, KvCacheShape};
+use peregrine_engine::encoder::decoder::DecoderEmbedder;
+use peregrine_engine::encoder::{is_encoder_folder, EncoderHandle, EncoderJobKind, EncoderModel, EncoderServiceConfig};
+use peregrine_engine::model;
+use peregrine_engine::tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
 use crate::serve::backend::InferenceBackend;
 use super::encoder_backend::EncoderOnly;
+use super::grpc;
 use super::handlers::{classify, embeddings, rerank, tei};
 use super::state::AppState;
 use super::{engine_backend, shutdown_signal, telemetry, DrainConfig, ServeArgs};
 use crate::runtime::DeviceArg;
+
+/// After HTTP has stopped, how long the gRPC server may still take to close.
+const GRPC_STOP_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The encoder endpoints, and TEI's `/embed` and `/rerank` with TEI's own bodies.
 pub fn encoder_routes() -> Router<Arc<AppState<EncoderOnly>>> {
@@ -31,19 +42,43 @@ pub fn encoder_routes() -> Router<Arc<AppState<EncoderOnly>>> {
 fn load(args: &ServeArgs) -> anyhow::Result<EncoderOnly> {
     let t0 = std::time::Instant::now();
     if args.engine.device()? != DeviceArg::Cpu {
-        anyhow::bail!("encoders run on the CPU backend only for now (--device cpu)");
+        anyhow::bail!("encoders and decoder embeddings run on the CPU backend only for now (--device cpu)");
     }
+    let (model, backend) = if is_encoder_folder(&args.engine.model) { load_encoder(args)? } else { load_decoder(args)? };
+    let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.engine.model));
+    let config = EncoderServiceConfig { max_num_batched_tokens: args.engine.max_num_batched_tokens };
+    let handle = EncoderHandle::start(backend, Arc::new(model), config)?;
+    tracing::info!(model = %name, backend = handle.backend_name(), task = ?handle.model().task, load_s = t0.elapsed().as_secs_f64(), "encoder loaded");
+    Ok(EncoderOnly::new(name, handle))
+}
+
+/// A BERT-family folder.
+fn load_encoder(args: &ServeArgs) -> anyhow::Result<(EncoderModel, Box<dyn EncoderBackend>)> {
     let (mut model, weights) = EncoderModel::load(&args.engine.model)?;
     // --max-model-len overrides Sentence-Transformers' max_seq_length (up to the position table).
     if let Some(n) = args.engine.max_model_len {
         model.set_max_seq_length(n)?;
     }
     let backend = CpuEncoder::new(model.config.clone(), weights, args.engine.threads())?;
-    let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.engine.model));
-    let config = EncoderServiceConfig { max_num_batched_tokens: args.engine.max_num_batched_tokens };
-    let handle = EncoderHandle::start(Box::new(backend), Arc::new(model), config)?;
-    tracing::info!(model = %name, backend = handle.backend_name(), task = ?handle.model().task, load_s = t0.elapsed().as_secs_f64(), "encoder loaded");
-    Ok(EncoderOnly::new(name, handle))
+    Ok((model, Box::new(backend)))
+}
+
+/// A decoder (`--task embed`): last-token embeddings from its final norm. Inputs are limited to
+/// `--max-model-len`, by default the model's context or `--max-num-batched-tokens`, the smaller.
+fn load_decoder(args: &ServeArgs) -> anyhow::Result<(EncoderModel, Box<dyn EncoderBackend>)> {
+    let path = &args.engine.model;
+    let mut loaded = model::load(path, args.engine.load_format.into()).with_context(|| format!("loading model {}", path.display()))?;
+    if let Some(q) = args.engine.quantization {
+        model::quantize::quantize_linear_weights(&mut loaded.weights, q.into())?;
+    }
+    let tokenizer = Tokenizer::for_model(path).with_context(|| format!("loading the tokenizer of {}", path.display()))?;
+    let max_tokens = args.engine.max_num_batched_tokens;
+    let max_seq_length = args.engine.max_model_len.unwrap_or(loaded.config.max_position_embeddings.min(max_tokens));
+    let model = EncoderModel::for_decoder(&loaded.config, &tokenizer, max_seq_length)?;
+    let block_size = args.engine.block_size;
+    let kv = KvCacheShape { num_blocks: DecoderEmbedder::blocks_for(max_tokens, block_size), block_size };
+    let backend = CpuBackend::new(loaded.weights, kv, args.engine.threads())?;
+    Ok((model, Box::new(DecoderEmbedder::new(backend))))
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -78,7 +113,34 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             }
         });
         let drain = DrainConfig { delay: args.drain_delay, grace_period: args.shutdown_grace_period };
-        super::serve_with(listener, state, encoder_routes(), drain, shutdown_signal()).await?;
+        // One signal for both servers: HTTP drains as usual; gRPC keeps answering through the
+        // drain delay too, then stops accepting and lets its calls finish.
+        let (signalled, signal) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = signalled.send(true);
+        });
+        let when_signalled = |mut rx: tokio::sync::watch::Receiver<bool>, after: std::time::Duration| async move {
+            let _ = rx.wait_for(|s| *s).await;
+            tokio::time::sleep(after).await;
+        };
+        let grpc = match args.grpc_port {
+            Some(port) => {
+                let listener = TcpListener::bind((args.host, port)).await?;
+                tracing::info!(addr = %listener.local_addr()?, "gRPC listening");
+                Some(tokio::spawn(grpc::serve(listener, state.clone(), when_signalled(signal.clone(), drain.delay))))
+            }
+            None => None,
+        };
+        super::serve_with(listener, state, encoder_routes(), drain, when_signalled(signal, std::time::Duration::ZERO)).await?;
+        if let Some(grpc) = grpc {
+            // HTTP has drained (or cut off) its requests; gRPC's have had as long.
+            match tokio::time::timeout(GRPC_STOP_WAIT, grpc).await {
+                Ok(Ok(Err(e))) => tracing::error!(error = %e, "gRPC server failed"),
+                Ok(_) => {}
+                Err(_) => tracing::warn!("gRPC calls still in flight at exit"),
+            }
+        }
         tracing::info!("stopped");
         Ok(())
     })

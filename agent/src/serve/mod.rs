@@ -16,6 +16,7 @@ pub mod encoder_serve;
 pub mod engine_backend;
 pub mod error;
 pub mod generation;
+pub mod grpc;
 pub mod handlers;
 pub mod lifecycle;
 pub mod loading;
@@ -161,8 +162,17 @@ fn server_config(args: &ServeArgs) -> anyhow::Result<state::ServerConfig> {
 
 /// Loads the model, starts the engine and serves until SIGTERM; exits 0 after draining.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    if peregrine_engine::encoder::is_encoder_folder(&args.engine.model) {
-        return encoder_serve::run(args);
+    let encoder_folder = peregrine_engine::encoder::is_encoder_folder(&args.engine.model);
+    match args.task {
+        Some(args::ServeTask::Generate) if encoder_folder => {
+            anyhow::bail!("--task generate: this model is an encoder (embeddings, rerank, classify)")
+        }
+        Some(args::ServeTask::Embed) => return encoder_serve::run(args),
+        _ if encoder_folder => return encoder_serve::run(args),
+        _ => {}
+    }
+    if args.grpc_port.is_some() {
+        anyhow::bail!("--grpc-port serves the encoder endpoints (an encoder, or a decoder with --task embed); generation is served over HTTP only");
     }
     let workers = args.http_workers(args.engine.device()?);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;

@@ -64,26 +64,34 @@ async fn require_key<B: InferenceBackend>(
     mut request: Request,
     next: Next,
 ) -> Response {
-    if state.keys.is_open() {
-        request.extensions_mut().insert(Tenant(None));
-        return next.run(request).await;
+    let presented = request.headers().get(AUTHORIZATION).map(|h| h.as_bytes());
+    match authorize(&state, presented) {
+        Ok(tenant) => {
+            request.extensions_mut().insert(tenant);
+            next.run(request).await
+        }
+        Err(e) => fail(&state, e),
     }
-    let presented = request.headers().get(AUTHORIZATION).and_then(|h| bearer_token(h.as_bytes()));
+}
+
+/// The tenant of an `Authorization` header's value (any, when no keys are configured), after its
+/// requests-per-minute limit; for HTTP's routes and the gRPC service alike.
+pub fn authorize<B: InferenceBackend>(state: &AppState<B>, authorization: Option<&[u8]>) -> Result<Tenant, ApiError> {
+    if state.keys.is_open() {
+        return Ok(Tenant(None));
+    }
+    let presented = authorization.and_then(bearer_token);
     let Some(tenant) = presented.and_then(|key| state.keys.authenticate(key)) else {
         let why = if presented.is_some() { "incorrect API key provided" } else { "missing API key (Authorization: Bearer KEY)" };
-        return fail(&state, ApiError::Unauthorized(why.to_string()));
+        return Err(ApiError::Unauthorized(why.to_string()));
     };
     if let Err(r) = state.limiter.check_request(tenant, state.keys.limits(tenant), Instant::now()) {
-        return fail(
-            &state,
-            ApiError::RateLimited {
-                message: format!("rate limit reached for {} per minute; retry after {:.1}s", r.what, r.retry_after.as_secs_f64()),
-                retry_after: r.retry_after,
-            },
-        );
+        return Err(ApiError::RateLimited {
+            message: format!("rate limit reached for {} per minute; retry after {:.1}s", r.what, r.retry_after.as_secs_f64()),
+            retry_after: r.retry_after,
+        });
     }
-    request.extensions_mut().insert(Tenant(Some(tenant)));
-    next.run(request).await
+    Ok(Tenant(Some(tenant)))
 }
 
 async fn require_admin_key<B: InferenceBackend>(State(state): State<Arc<AppState<B>>>, request: Request, next: Next) -> Response {

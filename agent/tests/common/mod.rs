@@ -27,7 +27,7 @@ pub fn reference() -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(fixtures_reference()).unwrap()).unwrap()
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 

@@ -1,6 +1,6 @@
 //! The `peregrine-agent serve` command line for a ModelDeployment.
 
-use peregrine_crds::{Dtype, ModelDeployment, ModelFormat};
+use peregrine_crds::{Dtype, ModelDeployment, ModelFormat, ModelTask};
 
 /// Arguments of the agent container. `model_path` is where the model is inside the container.
 ///
@@ -28,6 +28,10 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
     ];
     if spec.model.format != ModelFormat::Auto {
         args.extend(["--load-format".to_string(), spec.model.format.as_flag().to_string()]);
+    }
+    // An encoder folder says its own task; a decoder serves embeddings (last-token) only when told.
+    if spec.model.task == ModelTask::Embed {
+        args.extend(["--task".to_string(), "embed".to_string()]);
     }
     let mut flag = |name: &str, value: Option<String>| {
         if let Some(value) = value {

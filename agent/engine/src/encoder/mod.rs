@@ -11,6 +11,7 @@
 //! (`backend::cpu::encoder::CpuEncoder`).
 
 pub mod config;
+pub mod decoder;
 pub mod sentence;
 pub mod service;
 pub mod tokenize;

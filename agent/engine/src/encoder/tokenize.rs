@@ -46,8 +46,14 @@ impl EncoderTokenizer {
         if !path.is_file() {
             return Err(EngineError::invalid_model(&path, "tokenizer.json is missing"));
         }
-        let mut plain = tokenizers::Tokenizer::from_file(&path)
+        let plain = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| EngineError::invalid_model(&path, format!("cannot load: {e}")))?;
+        Self::from_tokenizer(plain, max_seq_length)
+    }
+
+    /// An already loaded `tokenizers` pipeline (a decoder's, for its embeddings), used as it is
+    /// (its post-processor's special tokens), with padding and truncation off.
+    pub fn from_tokenizer(mut plain: tokenizers::Tokenizer, max_seq_length: usize) -> Result<EncoderTokenizer> {
         plain.with_padding(None);
         plain.with_truncation(None).map_err(tok_err)?;
         let mut tokenizer = EncoderTokenizer { truncating: plain.clone(), plain, max_seq_length };

@@ -138,6 +138,11 @@ impl Tokenizer {
         }
     }
 
+    /// The `tokenizers` pipeline itself (for a decoder's embeddings, which tokenize through it).
+    pub fn pipeline(&self) -> &tokenizers::Tokenizer {
+        &self.inner.tk
+    }
+
     /// Tokenizes `text` the way the model expects by default: special tokens written in the text
     /// (e.g. `<|im_start|>`) are matched as such, and BOS/EOS are added only if the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

@@ -3,8 +3,7 @@
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use base64::Engine as _;
 use peregrine_api::encoders::{
     EmbeddingData, EmbeddingInput, EmbeddingRequest, EmbeddingResponse, EmbeddingVector, EncoderUsage, EncodingFormat,
@@ -12,20 +11,16 @@ use peregrine_api::encoders::{
 use peregrine_engine::encoder::EncoderJobKind;
 
 use crate::serve::backend::InferenceBackend;
-use super::{fail, SharedState};
+use super::{answer_json, SharedState};
 use crate::serve::encoder_backend::{encode, EncodeInput, EncoderOnly};
 use crate::serve::error::ApiError;
-use crate::serve::parse::{body_bytes, parse_request};
 
 pub async fn handle(State(state): State<SharedState<EncoderOnly>>, body: Result<Bytes, BytesRejection>) -> Response {
-    match embeddings(&state, body).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&state, e),
-    }
+    answer_json(&state, body, |r: EmbeddingRequest| respond(&state, r)).await
 }
 
-async fn embeddings(state: &SharedState<EncoderOnly>, body: Result<Bytes, BytesRejection>) -> Result<EmbeddingResponse, ApiError> {
-    let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<EmbeddingRequest>(&b))?;
+/// The answer to a validated request (HTTP's body or gRPC's `Embed`).
+pub async fn respond(state: &SharedState<EncoderOnly>, request: EmbeddingRequest) -> Result<EmbeddingResponse, ApiError> {
     let dims = output_dims(state, request.dimensions)?;
     let inputs: Vec<EncodeInput> = match request.input {
         EmbeddingInput::Text(t) => vec![EncodeInput::Text(t)],

@@ -10,27 +10,59 @@ pub mod rerank;
 pub mod structured;
 pub mod tei;
 
+use std::future::Future;
 use std::sync::Arc;
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
-use peregrine_api::SamplingFields;
+use peregrine_api::{SamplingFields, Validate};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use peregrine_engine::request::SamplingParams;
 use peregrine_engine::structured::CompiledGrammar;
 
 use super::backend::{InferenceBackend, PromptInput};
 use super::error::ApiError;
 use super::generation::Job;
+use super::parse::{body_bytes, parse_request};
 use super::state::AppState;
 
 /// Counts the error, logs it and renders it.
 pub fn fail<B: InferenceBackend>(state: &AppState<B>, e: ApiError) -> Response {
+    record_failure(state, &e);
+    e.into_response()
+}
+
+/// Counts and logs a failed request (HTTP through [`fail`], gRPC through its status mapping).
+pub fn record_failure<B: InferenceBackend>(state: &AppState<B>, e: &ApiError) {
     state.metrics.error(e.label());
     if e.status().is_server_error() {
         tracing::error!(code = e.label(), error = %e, "request failed");
     } else {
         tracing::debug!(code = e.label(), error = %e, "request refused");
     }
-    e.into_response()
+}
+
+/// A JSON endpoint whose answer is a function of the validated request (the encoder endpoints, whose
+/// functions gRPC shares): reads and parses the body, runs `respond`, renders the answer or the error.
+pub async fn answer_json<B, Q, R, F, Fut>(state: &AppState<B>, body: Result<Bytes, BytesRejection>, respond: F) -> Response
+where
+    B: InferenceBackend,
+    Q: DeserializeOwned + Validate,
+    R: Serialize,
+    F: FnOnce(Q) -> Fut,
+    Fut: Future<Output = Result<R, ApiError>>,
+{
+    let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<Q>(&b));
+    let answer = match request {
+        Ok(r) => respond(r).await,
+        Err(e) => Err(e),
+    };
+    match answer {
+        Ok(r) => axum::Json(r).into_response(),
+        Err(e) => fail(state, e),
+    }
 }
 
 /// `cmpl-…` / `chatcmpl-…`: unique per process run and request.

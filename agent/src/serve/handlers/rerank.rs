@@ -6,69 +6,63 @@
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use peregrine_api::encoders::{
     EncoderUsage, RerankRequest, RerankResponse, RerankResult, RerankResultDocument, ScoreData, ScoreRequest, ScoreResponse,
 };
 use peregrine_engine::encoder::{sigmoid, EncoderJobKind, EncoderTask};
 
 use crate::serve::backend::InferenceBackend;
-use super::{fail, response_id, SharedState};
+use super::{answer_json, response_id, SharedState};
 use crate::serve::encoder_backend::{encode, EncodeInput, EncoderOnly};
 use crate::serve::error::ApiError;
-use crate::serve::parse::{body_bytes, parse_request};
 use crate::serve::state::unix_now;
 
 pub async fn rerank(State(state): State<SharedState<EncoderOnly>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let run = async {
-        let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<RerankRequest>(&b))?;
-        let docs: Vec<String> = request.documents.iter().map(|d| d.text().to_string()).collect();
-        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), std::slice::from_ref(&request.query), &docs, request.truncate, false).await?;
-        let mut results: Vec<RerankResult> = scores
-            .into_iter()
-            .enumerate()
-            .map(|(index, relevance_score)| RerankResult {
-                index,
-                relevance_score,
-                document: request.return_documents.then(|| RerankResultDocument { text: docs[index].clone() }),
-            })
-            .collect();
-        results.sort_by(|a, b| b.relevance_score.total_cmp(&a.relevance_score).then(a.index.cmp(&b.index)));
-        if let Some(n) = request.top_n {
-            results.truncate(usize::try_from(n).unwrap_or(usize::MAX));
-        }
-        Ok::<_, ApiError>(RerankResponse {
-            id: response_id("rerank", state.started, state.next_request_id()),
-            model: state.backend.model_name().to_string(),
-            usage: EncoderUsage::new(tokens),
-            results,
+    answer_json(&state, body, |r: RerankRequest| rerank_response(&state, r)).await
+}
+
+/// The answer to a validated rerank request (HTTP's body or gRPC's `Rerank`).
+pub async fn rerank_response(state: &SharedState<EncoderOnly>, request: RerankRequest) -> Result<RerankResponse, ApiError> {
+    let docs: Vec<String> = request.documents.iter().map(|d| d.text().to_string()).collect();
+    let (scores, tokens) = score_pairs(state, request.model.as_deref(), std::slice::from_ref(&request.query), &docs, request.truncate, false).await?;
+    let mut results: Vec<RerankResult> = scores
+        .into_iter()
+        .enumerate()
+        .map(|(index, relevance_score)| RerankResult {
+            index,
+            relevance_score,
+            document: request.return_documents.then(|| RerankResultDocument { text: docs[index].clone() }),
         })
-    };
-    match run.await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&state, e),
+        .collect();
+    results.sort_by(|a, b| b.relevance_score.total_cmp(&a.relevance_score).then(a.index.cmp(&b.index)));
+    if let Some(n) = request.top_n {
+        results.truncate(usize::try_from(n).unwrap_or(usize::MAX));
     }
+    Ok(RerankResponse {
+        id: response_id("rerank", state.started, state.next_request_id()),
+        model: state.backend.model_name().to_string(),
+        usage: EncoderUsage::new(tokens),
+        results,
+    })
 }
 
 pub async fn score(State(state): State<SharedState<EncoderOnly>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let run = async {
-        let request = body_bytes(body, state.config.max_body_bytes).and_then(|b| parse_request::<ScoreRequest>(&b))?;
-        let (a, b) = (request.text_1.to_vec(), request.text_2.to_vec());
-        let (scores, tokens) = score_pairs(&state, request.model.as_deref(), &a, &b, request.truncate, false).await?;
-        Ok::<_, ApiError>(ScoreResponse {
-            id: response_id("score", state.started, state.next_request_id()),
-            object: "list".into(),
-            created: unix_now(),
-            model: state.backend.model_name().to_string(),
-            data: scores.into_iter().enumerate().map(|(index, score)| ScoreData { index, object: "score".into(), score }).collect(),
-            usage: EncoderUsage::new(tokens),
-        })
-    };
-    match run.await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&state, e),
-    }
+    answer_json(&state, body, |r: ScoreRequest| score_response(&state, r)).await
+}
+
+/// The answer to a validated score request (HTTP's body or gRPC's `Score`).
+pub async fn score_response(state: &SharedState<EncoderOnly>, request: ScoreRequest) -> Result<ScoreResponse, ApiError> {
+    let (a, b) = (request.text_1.to_vec(), request.text_2.to_vec());
+    let (scores, tokens) = score_pairs(state, request.model.as_deref(), &a, &b, request.truncate, false).await?;
+    Ok(ScoreResponse {
+        id: response_id("score", state.started, state.next_request_id()),
+        object: "list".into(),
+        created: unix_now(),
+        model: state.backend.model_name().to_string(),
+        data: scores.into_iter().enumerate().map(|(index, score)| ScoreData { index, object: "score".into(), score }).collect(),
+        usage: EncoderUsage::new(tokens),
+    })
 }
 
 /// Scores of `firsts[i]` (or `firsts[0]` when there is one) against each of `seconds`; `raw` gives

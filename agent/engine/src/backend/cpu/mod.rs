@@ -244,6 +244,50 @@ impl CpuBackend {
     }
 
     fn forward_inner(&mut self, batch: &StepBatch) -> Logits {
+        let h = self.trunk(batch);
+        let (c, isa) = (&self.config, self.isa);
+        let hidden = c.hidden_size;
+        let eps = c.rms_norm_eps;
+
+        // LM head only for the rows that want logits.
+        let rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .filter(|s| s.wants_logits)
+            .map(|s| s.start + s.len - 1)
+            .collect();
+        let mut last = vec![0f32; rows.len() * hidden];
+        for (dst, &r) in last.chunks_exact_mut(hidden).zip(&rows) {
+            dst.copy_from_slice(&h[r * hidden..(r + 1) * hidden]);
+        }
+        let mut normed = vec![0f32; last.len()];
+        ops::rms_norm(&last, &self.norm, eps, &mut normed);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut data = vec![0f32; rows.len() * c.vocab_size];
+        matmul(isa, &normed, rows.len(), head, &mut data);
+        Logits {
+            vocab: c.vocab_size,
+            data,
+        }
+    }
+
+    /// The final norm's output for every token of `batch` (`tokens × hidden_size`, row-major): the
+    /// hidden states a decoder model's embeddings are pooled from (last-token pooling). The batch's
+    /// K/V are written to the cache as for a forward.
+    pub fn final_hidden_states(&mut self, batch: &StepBatch) -> Result<Vec<f32>> {
+        self.check_batch(batch)?;
+        if self.lora.is_some() {
+            return Err(EngineError::Backend("final hidden states are for the base model only (no LoRA)".into()));
+        }
+        let pool = std::sync::Arc::clone(&self.pool);
+        let h = pool.install(|| self.trunk(batch));
+        let mut normed = vec![0f32; h.len()];
+        ops::rms_norm(&h, &self.norm, self.config.rms_norm_eps, &mut normed);
+        Ok(normed)
+    }
+
+    /// Embedding and every decoder layer: the residual stream of each token before the final norm.
+    fn trunk(&mut self, batch: &StepBatch) -> Vec<f32> {
         let c = &self.config;
         let n = batch.tokens.len();
         let (hidden, q_dim, kv_dim, inter) =
@@ -336,27 +380,7 @@ impl CpuBackend {
                 *a += b;
             }
         }
-
-        // LM head only for the rows that want logits.
-        let rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .filter(|s| s.wants_logits)
-            .map(|s| s.start + s.len - 1)
-            .collect();
-        let mut last = vec![0f32; rows.len() * hidden];
-        for (dst, &r) in last.chunks_exact_mut(hidden).zip(&rows) {
-            dst.copy_from_slice(&h[r * hidden..(r + 1) * hidden]);
-        }
-        let mut normed = vec![0f32; last.len()];
-        ops::rms_norm(&last, &self.norm, eps, &mut normed);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut data = vec![0f32; rows.len() * c.vocab_size];
-        matmul(isa, &normed, rows.len(), head, &mut data);
-        Logits {
-            vocab: c.vocab_size,
-            data,
-        }
+        h
     }
 }
 

@@ -129,8 +129,9 @@ fn greedy_output_matches_direct_computation() {
 #[test]
 fn prefix_cache_under_memory_pressure_stays_correct() {
     // 24 blocks of 4 tokens; 12 requests of 16-24 prompt tokens + 20 generated, sharing three
-    // 16-token prefixes: blocks are shared, evicted, reused and preempted sequences re-hit their own.
-    let h = start(&fake, 24, config(12, 32, 64, true));
+    // 16-token prefixes: blocks are shared, evicted, reused and preempted sequences re-hit their own
+    // (admitting on current blocks alone, without the look-ahead, so that preemptions happen).
+    let h = start(&fake, 24, EngineConfig { kv_lookahead: false, ..config(12, 32, 64, true) });
     let prefixes: Vec<Vec<u32>> = (0..3).map(|i| scenarios::prompt(VOCAB, 500 + i, 16)).collect();
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) };
     let requests: Vec<_> = (0..12u64)

@@ -16,6 +16,9 @@ pub struct EngineConfig {
     /// Tokens per KV block; must match the backend's cache.
     pub block_size: usize,
     pub enable_prefix_caching: bool,
+    /// Admit a request only when the running ones' projected KV growth leaves room for it (see
+    /// `scheduler`); false: admit whatever fits now and preempt when the cache runs out.
+    pub kv_lookahead: bool,
     /// Seeds the RNG of requests that bring no seed of their own (mixed with the request id).
     pub seed: u64,
 }
@@ -28,6 +31,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             block_size: 16,
             enable_prefix_caching: true,
+            kv_lookahead: true,
             seed: 0,
         }
     }

@@ -157,6 +157,26 @@ impl BlockManager {
         needed + evictable_hits <= self.num_free_blocks()
     }
 
+    /// Blocks that `allocate` for these tokens would take out of the free pool (fresh blocks plus
+    /// evictable prefix hits), which are also the blocks the sequence alone then holds. The
+    /// scheduler's admission look-ahead weighs this before it allocates anything.
+    pub fn allocation_cost(&self, tokens: &[u32], adapter: Option<AdapterKey>) -> usize {
+        let hits = self.prefix_hits(tokens, adapter);
+        let (needed, evictable_hits) = self.new_blocks_needed(tokens, &hits);
+        needed + evictable_hits
+    }
+
+    /// Blocks a `fork` over `len` tokens takes from the pool once its parent has computed
+    /// `parent_computed` of them: all but the shared full blocks (see [`BlockManager::fork`]).
+    pub fn fork_cost(&self, len: usize, parent_computed: usize) -> usize {
+        self.blocks_for(len) - parent_computed.min(len.saturating_sub(1)) / self.block_size
+    }
+
+    /// Blocks of `seq`'s table that no other sequence references: what ending it gives back.
+    pub fn private_blocks(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.blocks.iter().filter(|&&b| self.ref_counts[b as usize] == 1).count())
+    }
+
     /// Gives `seq` a block table covering all of `tokens`, reusing cached prefix blocks. Returns the
     /// number of leading tokens whose K/V is already there, or None (changing nothing) when there
     /// are not enough free blocks.

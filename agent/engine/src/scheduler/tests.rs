@@ -2,7 +2,7 @@ use super::*;
 
 fn sched(num_blocks: usize, block_size: usize, max_seqs: usize, max_tokens: usize) -> Scheduler {
     Scheduler::new(
-        SchedulerConfig { max_num_seqs: max_seqs, max_num_batched_tokens: max_tokens },
+        SchedulerConfig { max_num_seqs: max_seqs, max_num_batched_tokens: max_tokens, lookahead: true },
         BlockManager::new(num_blocks, block_size, false),
     )
 }
@@ -150,7 +150,7 @@ fn a_sequence_preempts_itself_when_it_is_the_newest() {
 #[test]
 fn prefix_hits_skip_computed_tokens() {
     let mut s = Scheduler::new(
-        SchedulerConfig { max_num_seqs: 8, max_num_batched_tokens: 64 },
+        SchedulerConfig { max_num_seqs: 8, max_num_batched_tokens: 64, lookahead: true },
         BlockManager::new(16, 4, true),
     );
     let prompt: Vec<u32> = (0..10).collect();

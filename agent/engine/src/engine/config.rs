@@ -41,6 +41,8 @@ impl Default for EngineConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResolvedLimits {
     pub max_model_len: usize,
+    /// Most sequences running at once: the most choices one request may have.
+    pub max_num_seqs: usize,
     pub vocab_size: usize,
 }
 
@@ -112,6 +114,6 @@ impl EngineConfig {
         if max_model_len == 0 {
             return bad("the KV cache has no blocks".into());
         }
-        Ok(ResolvedLimits { max_model_len, vocab_size: model.vocab_size })
+        Ok(ResolvedLimits { max_model_len, max_num_seqs: self.max_num_seqs, vocab_size: model.vocab_size })
     }
 }

@@ -140,6 +140,12 @@ impl Worker {
     fn handle(&mut self, cmd: Command) -> Flow {
         match cmd {
             Command::Submit { request, events, arrival, follows } => self.add(request, events, arrival, follows),
+            Command::SubmitChoices { requests, arrival } => {
+                let leader = requests.first().map(|(r, _)| r.id);
+                for (i, (request, events)) in requests.into_iter().enumerate() {
+                    self.add(request, events, arrival, leader.filter(|_| i > 0));
+                }
+            }
             Command::Abort(id) => self.finish(id, FinishReason::Abort),
             Command::Shutdown => return Flow::Stop,
             Command::LoadAdapter { name, source, adapter, reply } => {

@@ -293,7 +293,9 @@ impl Scheduler {
     }
 
     fn admit(&mut self, out: &mut SchedulerOutput, budget: &mut usize) {
-        let mut outlook = self.config.lookahead.then(|| self.outlook());
+        // Only worth building (O(running blocks)) when someone could be admitted.
+        let could_admit = *budget > 0 && self.running.len() < self.config.max_num_seqs && !self.waiting.is_empty();
+        let mut outlook = (self.config.lookahead && could_admit).then(|| self.outlook());
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
             let Some(seq) = self.seqs.get(&id) else {

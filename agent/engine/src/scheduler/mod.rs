@@ -5,8 +5,9 @@
 //! Memory pressure. A sequence is admitted only when its blocks exist now *and* the running
 //! sequences' projected growth (see [`lookahead`]) leaves room for it, so that what is admitted is
 //! not preempted a few hundred steps later. Each sequence is projected to reach a fraction of its
-//! remaining `max_tokens`: the fraction finished sequences actually used (a moving average,
-//! starting at 1), pulled back towards 1 by every preemption. Like SGLang's `new_token_ratio` it
+//! remaining `max_tokens` (clipped at 4096 tokens, as SGLang clips its estimate): the fraction
+//! finished sequences actually used (a moving average, starting at 1), pulled back towards 1 by
+//! every preemption. Like SGLang's `new_token_ratio` it
 //! is optimistic only where requests end early; unlike a blind decay it learns from what ended,
 //! so workloads that run to `max_tokens` (benchmarks with `ignore_eos`) keep the exact projection
 //! and never preempt, while chat traffic with loose `max_tokens` is not starved.
@@ -46,6 +47,11 @@ pub struct SchedulerConfig {
 
 /// Finished sequences the growth ratio averages over (an exponential moving average's window).
 const RATIO_WINDOW: f64 = 32.0;
+
+/// Most tokens of growth projected for one sequence (SGLang clips its estimate at the same 4096):
+/// a request without `max_tokens` may run to the context length, and projecting that would let
+/// one chat request hold back a whole cache's worth of admissions until the ratio has learned.
+const GROWTH_CLIP: usize = 4096;
 
 /// One sequence's part of a step, in batch order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -269,7 +275,7 @@ impl Scheduler {
 
     fn learn_growth(&mut self, seq: &Sequence) {
         let Some(max_len) = seq.max_len else { return };
-        let budget = max_len.saturating_sub(seq.prompt_len);
+        let budget = max_len.saturating_sub(seq.prompt_len).min(GROWTH_CLIP);
         if !seq.ever_scheduled || budget == 0 {
             return;
         }
@@ -412,13 +418,13 @@ impl Scheduler {
 
     /// `seq`'s projected future: it grows one token per step (after `prefill_tokens` more prompt
     /// tokens, its own included, are computed at the step budget's pace) up to the growth ratio's
-    /// share of its remaining `max_tokens`, holding `private` blocks of its own. None: no limit
-    /// known.
+    /// share of its remaining `max_tokens` (at most [`GROWTH_CLIP`]), holding `private` blocks of
+    /// its own. None: no limit known.
     fn projection(&self, seq: &Sequence, private: usize, prefill_tokens: usize) -> Option<Projection> {
         let max_len = seq.max_len?;
         let len = seq.tokens.len().max(1);
         // The newest token never needs a slot: the last step holds max_len - 1 tokens.
-        let remaining = max_len.saturating_sub(1).saturating_sub(len);
+        let remaining = max_len.saturating_sub(1).saturating_sub(len).min(GROWTH_CLIP);
         let grow = ((remaining as f64 * self.growth_ratio).ceil() as usize).min(remaining);
         let prefill_budget = self.config.max_num_batched_tokens.saturating_sub(self.running.len()).max(1);
         let prefill_steps = prefill_tokens.div_ceil(prefill_budget).saturating_sub(1);

@@ -166,6 +166,24 @@ fn a_shift_to_long_generations_preempts_briefly_and_never_the_same_sequence_twic
 }
 
 #[test]
+fn a_request_without_max_tokens_does_not_hold_the_cache_back() {
+    // 4096 blocks of 4 tokens; a request free to run to a 1M-token context is projected to grow
+    // at most 4096 tokens (1024 blocks), so the next ones are admitted beside it.
+    let mut s = scheduler(4096, true);
+    s.add(Sequence { max_len: Some(1 << 20), ..Sequence::new(1, vec![1; 8]) });
+    let first = s.schedule();
+    s.step_done(&first);
+    s.append_token(1, 5);
+    for id in 2..=4 {
+        s.add(Sequence { max_len: Some(8 + 4096), ..Sequence::new(id, vec![id as u32; 8]) });
+    }
+    let out = s.schedule();
+    assert_eq!(out.admitted.iter().map(|a| a.id).collect::<Vec<_>>(), vec![2, 3]);
+    // A fourth 1024-block projection would not fit: it waits.
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![4]);
+}
+
+#[test]
 fn a_resumed_sequence_is_not_the_next_victim() {
     // No lookahead, so the pool runs out: 6 blocks of 2 tokens, three 2-token prompts.
     let mut s = Scheduler::new(

@@ -6,7 +6,7 @@
 //! decode batch and the modeled time. A model, not a measurement: it ranks policies, the GPU run
 //! settles them.
 //!
-//! `cargo run --release -p peregrine-engine --example sched_model -- [--num-prompts 1000]
+//! `cargo run -p peregrine-engine --example sched_model -- [--num-prompts 1000]
 //! [--input-len 1000] [--output-len 1000] [--kv-tokens 420000] [--block-size 16]
 //! [--max-num-seqs 1024] [--max-num-batched-tokens 16384]`
 

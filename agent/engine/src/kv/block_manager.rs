@@ -386,6 +386,36 @@ mod tests {
     }
 
     #[test]
+    fn costs_match_what_allocate_and_fork_take_and_private_blocks_what_free_gives_back() {
+        let mut m = BlockManager::new(16, 4, true);
+        let a = toks(0..10);
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 10);
+        // Seq 1 holds 3 blocks of its own.
+        assert_eq!(m.private_blocks(1), 3);
+        // A second copy of the prompt reuses the 2 cached full blocks (in use: not from the pool).
+        let before = m.num_free_blocks();
+        assert_eq!(m.allocation_cost(&a, None), 1);
+        m.allocate(2, &a, None);
+        assert_eq!(before - m.num_free_blocks(), 1);
+        assert_eq!((m.private_blocks(1), m.private_blocks(2)), (1, 1));
+        // Evictable hits leave the pool too: free both, then allocate again.
+        m.free(1);
+        m.free(2);
+        assert_eq!(m.allocation_cost(&a, None), 3);
+        let before = m.num_free_blocks();
+        m.allocate(3, &a, None);
+        assert_eq!(before - m.num_free_blocks(), 3);
+        // A fork shares the computed full blocks and takes the rest.
+        assert_eq!(m.fork_cost(10, 10), 1);
+        assert_eq!(m.fork_cost(10, 4), 2);
+        let before = m.num_free_blocks();
+        m.fork(3, 4, &a, 10);
+        assert_eq!(before - m.num_free_blocks(), 1);
+        assert_eq!((m.private_blocks(3), m.private_blocks(4), m.private_blocks(99)), (1, 1, 0));
+    }
+
+    #[test]
     fn allocation_fails_without_side_effects_when_pool_is_short() {
         let mut m = BlockManager::new(3, 4, false);
         assert_eq!(m.allocate(1, &toks(0..8), None), Some(0));

@@ -9,8 +9,8 @@
 //! finished sequences actually used (a moving average, starting at 1), pulled back towards 1 by
 //! every preemption. Like SGLang's `new_token_ratio` it
 //! is optimistic only where requests end early; unlike a blind decay it learns from what ended,
-//! so workloads that run to `max_tokens` (benchmarks with `ignore_eos`) keep the exact projection
-//! and never preempt, while chat traffic with loose `max_tokens` is not starved.
+//! so workloads that run to `max_tokens` (benchmarks with `ignore_eos`, up to the clip) keep an
+//! exact projection and never preempt, while chat traffic with loose `max_tokens` is not starved.
 //!
 //! When a decode still finds no block (the projection was too optimistic), the victim is the
 //! running sequence preempted the fewest times so far, newest first among equals (vLLM's choice

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_serve;
+pub mod eval;
 pub mod generate;
 pub mod kv_events;
 pub mod runtime;

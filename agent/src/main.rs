@@ -20,6 +20,9 @@ enum Command {
     Bench(peregrine_agent::bench::BenchCommand),
     /// Offline throughput of many requests at once (like vLLM's benchmark_throughput), no HTTP.
     Throughput(peregrine_agent::throughput::ThroughputArgs),
+    /// Fidelity of 8-bit weights and KV caches against the unquantized model: |Δlogit|, top-1, KL
+    /// on the fixture prompts, perplexity on a public-domain text, every option side by side.
+    Eval(peregrine_agent::eval::EvalArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,6 +32,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => peregrine_agent::generate::run(args),
         Command::Bench(cmd) => peregrine_agent::bench::dispatch(cmd),
         Command::Throughput(args) => peregrine_agent::throughput::run(args),
+        Command::Eval(args) => peregrine_agent::eval::run(args),
     }
 }
 

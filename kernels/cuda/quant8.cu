@@ -147,3 +147,67 @@ extern "C" __global__ void __launch_bounds__(256) quant_rows_i8(unsigned char* _
     unsigned char* qr = q + row * k;
     for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = scale > 0.f ? q8_encode<Q8_I8>(bf2f(xr[i]) / scale) : (unsigned char)0;
 }
+
+// y[i, j] *= xs[i] * ws[j] in place (y bf16 or f32, n a multiple of 8): the row and token scales of a
+// W8A8 GEMM that ran unscaled (cuBLASLt's FP8 GEMM where it offers no per-row scaling). One thread
+// per 8 consecutive outputs of a row (16 or 32 bytes).
+extern "C" __global__ void __launch_bounds__(256) scale_outer(void* __restrict__ y, int y_f32, const float* __restrict__ xs,
+                                                             const float* __restrict__ ws, int m, int n) {
+    const u64 per_row = (u64)(n >> 3);
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)m * per_row) return;
+    const u64 i = idx / per_row;
+    const int j0 = (int)(idx - i * per_row) << 3;
+    const float sx = xs[i];
+    float s[8];
+#pragma unroll
+    for (int t = 0; t < 8; t++) s[t] = sx * ws[j0 + t];
+    if (y_f32) {
+        float4* p = reinterpret_cast<float4*>(static_cast<float*>(y) + i * (u64)n + j0);
+        float4 a = p[0], b = p[1];
+        a.x *= s[0]; a.y *= s[1]; a.z *= s[2]; a.w *= s[3];
+        b.x *= s[4]; b.y *= s[5]; b.z *= s[6]; b.w *= s[7];
+        p[0] = a;
+        p[1] = b;
+    } else {
+        uint4* p = reinterpret_cast<uint4*>(static_cast<bf16_t*>(y) + i * (u64)n + j0);
+        uint4 v = *p;
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            const bf16_t lo = f2bf(bf2f((bf16_t)(w[t] & 0xffffu)) * s[2 * t]);
+            const bf16_t hi = f2bf(bf2f((bf16_t)(w[t] >> 16)) * s[2 * t + 1]);
+            w[t] = (u32)lo | ((u32)hi << 16);
+        }
+        *p = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// y[i, j] = acc[i, j] · xs[i] · ws[j] (y bf16 or f32; acc the exact int32 sums of an int8 GEMM that
+// ran unscaled; n a multiple of 8): the epilogue of cuBLASLt's int8 GEMM. One thread per 8 outputs.
+extern "C" __global__ void __launch_bounds__(256) scale_outer_i32(void* __restrict__ y, int y_f32, const int* __restrict__ acc,
+                                                                 const float* __restrict__ xs, const float* __restrict__ ws, int m, int n) {
+    const u64 per_row = (u64)(n >> 3);
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)m * per_row) return;
+    const u64 i = idx / per_row;
+    const int j0 = (int)(idx - i * per_row) << 3;
+    const float sx = xs[i];
+    const int4* a = reinterpret_cast<const int4*>(acc + i * (u64)n + j0);
+    const int4 a0 = a[0], a1 = a[1];
+    const int v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+    float r[8];
+#pragma unroll
+    for (int t = 0; t < 8; t++) r[t] = (float)v[t] * sx * ws[j0 + t];
+    if (y_f32) {
+        float4* p = reinterpret_cast<float4*>(static_cast<float*>(y) + i * (u64)n + j0);
+        p[0] = make_float4(r[0], r[1], r[2], r[3]);
+        p[1] = make_float4(r[4], r[5], r[6], r[7]);
+    } else {
+        uint4* p = reinterpret_cast<uint4*>(static_cast<bf16_t*>(y) + i * (u64)n + j0);
+        u32 w[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) w[t] = (u32)f2bf(r[2 * t]) | ((u32)f2bf(r[2 * t + 1]) << 16);
+        *p = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}

@@ -7,6 +7,12 @@
 // - rope_kv_write_fp8: e4m3 bytes (scale 1, saturating, one rounding from f32), K as
 //   [blocks, Hkv, block_size, D] and V transposed within each block, [blocks, Hkv, D, block_size]
 //   (the layout attention_mma.cu's fp8 kernels read).
+// The _had variants (`--kv-cache-dtype fp8`/`fp8-hadamard`) also rotate every q and k head by the
+// normalized Walsh-Hadamard matrix H = H_D / sqrt(D) (Sylvester's +-1 matrix; D a power of two, 64 or
+// 128) after RoPE and before rounding: scores q.k are unchanged (H is orthogonal), while k's outlier
+// dimensions are spread over the whole head before they are rounded to the cache's type. The rotated
+// heads are staged in shared memory for the log2(D) butterfly passes (the CPU backend's
+// hadamard::rotate is the reference, same pass order).
 // grid: (tokens, ceil((Hq + 2*Hkv) / ROPE_HEADS)).
 
 // f32 -> e4m3 byte, round to nearest even, saturating to +-448 (sm_89+; never launched below).
@@ -24,7 +30,23 @@ __device__ __forceinline__ unsigned char f2e4m3(float x) {
 // step of one token spreads over several SMs instead of looping in one block.
 #define ROPE_HEADS 4
 
+// Largest head dimension the rotation stages in shared memory (the backend allows 64 and 128).
+#define ROPE_HAD_MAX_D 128
+
+// Stores rotated value y of column c0 of q/k head h (q heads first) for token t.
 template <bool F8>
+__device__ __forceinline__ void rope_store_qk(float y, int h, int c0, u64 t, bf16_t* __restrict__ q_out, void* __restrict__ k_cache,
+                                              int hq, int hkv, int d, int block_size, u64 blk, u64 off) {
+    if (h < hq) {
+        q_out[t * (u64)(hq * d) + h * d + c0] = f2bf(y);
+    } else {
+        const u64 at = ((blk * hkv + (h - hq)) * block_size + off) * d + c0;
+        if constexpr (F8) static_cast<unsigned char*>(k_cache)[at] = f2e4m3(y);
+        else static_cast<bf16_t*>(k_cache)[at] = f2bf(y);
+    }
+}
+
+template <bool F8, bool HAD>
 __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
                                                    const int* __restrict__ positions, const float* __restrict__ cos_t,
                                                    const float* __restrict__ sin_t, const int* __restrict__ slots,
@@ -43,6 +65,8 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     const int h0 = blockIdx.y * ROPE_HEADS, h1 = min(h0 + ROPE_HEADS, hq + 2 * hkv);
     // q and k heads: one thread per rotated pair.
     const int r1 = min(h1, hq + hkv);
+    // HAD: the block's RoPE'd q/k heads, staged for the Walsh-Hadamard butterflies.
+    __shared__ float had[HAD ? ROPE_HEADS * ROPE_HAD_MAX_D : 1];
     for (int p = h0 * half + threadIdx.x; p < r1 * half; p += blockDim.x) {
         const int h = p / half, i = p % half;
         const int c0 = h * d + i, c1 = c0 + half;
@@ -50,19 +74,32 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
         if (bias) { x0 += bias[c0]; x1 += bias[c1]; }
         const float y0 = x0 * c[i] - x1 * s[i];
         const float y1 = x1 * c[i] + x0 * s[i];
-        if (h < hq) {
-            q_out[t * (u64)(hq * d) + c0] = f2bf(y0);
-            q_out[t * (u64)(hq * d) + c1] = f2bf(y1);
+        if constexpr (HAD) {
+            had[(h - h0) * d + i] = y0;
+            had[(h - h0) * d + i + half] = y1;
         } else {
-            const u64 base = ((blk * hkv + (h - hq)) * block_size + off) * d;
-            if constexpr (F8) {
-                static_cast<unsigned char*>(k_cache)[base + i] = f2e4m3(y0);
-                static_cast<unsigned char*>(k_cache)[base + i + half] = f2e4m3(y1);
-            } else {
-                static_cast<bf16_t*>(k_cache)[base + i] = f2bf(y0);
-                static_cast<bf16_t*>(k_cache)[base + i + half] = f2bf(y1);
-            }
+            rope_store_qk<F8>(y0, h, i, t, q_out, k_cache, hq, hkv, d, block_size, blk, off);
+            rope_store_qk<F8>(y1, h, i + half, t, q_out, k_cache, hq, hkv, d, block_size, blk, off);
         }
+    }
+    if constexpr (HAD) {
+        // Block-uniform: every thread takes part in the barriers.
+        const int nrot = max(r1 - h0, 0);
+        __syncthreads();
+        // Pass `len`: pairs (lo, lo + len) within each 2*len group become (a + b, a - b).
+        for (int len = 1; len < d; len <<= 1) {
+            for (int b = threadIdx.x; b < nrot * half; b += blockDim.x) {
+                const int hh = b / half, j = b % half;
+                const int lo = hh * d + (j / len) * 2 * len + j % len, hi = lo + len;
+                const float a = had[lo], e = had[hi];
+                had[lo] = a + e;
+                had[hi] = a - e;
+            }
+            __syncthreads();
+        }
+        const float norm = 1.f / sqrtf((float)d);
+        for (int e = threadIdx.x; e < nrot * d; e += blockDim.x)
+            rope_store_qk<F8>(had[e] * norm, h0 + e / d, e % d, t, q_out, k_cache, hq, hkv, d, block_size, blk, off);
     }
     // v heads: copied as they are.
     const int vstart = (hq + hkv) * d;
@@ -76,12 +113,14 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     }
 }
 
-#define ROPE_KV_WRITE(NAME, F8)                                                                                 \
+#define ROPE_KV_WRITE(NAME, F8, HAD)                                                                            \
     extern "C" __global__ void NAME(const bf16_t* qkv, const float* bias, const int* positions, const float* cos_t, \
                                     const float* sin_t, const int* slots, bf16_t* q_out, void* k_cache,          \
                                     void* v_cache, int hq, int hkv, int d, int block_size) {                     \
-        rope_kv_write_impl<F8>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, hkv, d,   \
-                               block_size);                                                                      \
+        rope_kv_write_impl<F8, HAD>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, hkv, \
+                                    d, block_size);                                                              \
     }
-ROPE_KV_WRITE(rope_kv_write, false)
-ROPE_KV_WRITE(rope_kv_write_fp8, true)
+ROPE_KV_WRITE(rope_kv_write, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8, true, false)
+ROPE_KV_WRITE(rope_kv_write_had, false, true)
+ROPE_KV_WRITE(rope_kv_write_fp8_had, true, true)

@@ -358,16 +358,18 @@ fn fp8(c: &Cuda) {
 fn w8(c: &Cuda) {
     let s = &c.gpu.stream;
     let formats: Vec<W8Format> = [W8Format::E4m3, W8Format::I8].into_iter().filter(|&f| c.kernels.w8_ready(f)).collect();
-    println!("{:<18} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}", "[n x k]", "m", "bf16 us", "bf16 TF/s", "e4m3 us", "e4m3 TF/s", "int8 us", "int8 TF/s");
+    // e4m3: `linear_w8` (cuBLASLt above 16 rows where the library is there) and our gemm_w8a8 alone.
+    println!("{:<18} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}", "[n x k]", "m", "bf16 us", "bf16 TF/s", "e4m3 us", "e4m3 TF/s", "ours us", "int8 us", "int8 TF/s");
     for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
         let wb = c.gpu.alloc_zeros::<u16>(n * k).unwrap();
         unsafe { c.kernels.fill_uniform_bf16(s, wb.ptr(), n * k, 1, 0.02).unwrap() };
         let wq = c.gpu.alloc_zeros::<u8>(n * k).unwrap();
         let ws = c.gpu.alloc_zeros::<f32>(n).unwrap();
-        for m in [1usize, 16, 128, 512, 2048] {
+        for m in [1usize, 16, 64, 128, 256, 512, 2048] {
             let x = c.gpu.alloc_zeros::<u16>(m * k).unwrap();
             unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), m * k, 99, 1.0).unwrap() };
             let y = c.gpu.alloc_zeros::<u16>(m * n).unwrap();
+            let mut ours = f64::NAN;
             let tb = time(c, 20, || unsafe { c.linear(y.ptr(), OutType::Bf16, x.ptr(), wb.ptr(), m, n, k).unwrap() });
             let mut cols = vec![];
             for &f in &[W8Format::E4m3, W8Format::I8] {
@@ -381,15 +383,19 @@ fn w8(c: &Cuda) {
                 unsafe { c.kernels.quant_rows(s, f, wq.ptr(), ws.ptr(), wb.ptr(), n, k).unwrap() };
                 unsafe { c.kernels.quant_rows(s, f, xq.ptr(), xs.ptr(), x.ptr(), m, k).unwrap() };
                 let t = time(c, 20, || unsafe { c.linear_w8(f, y.ptr(), OutType::Bf16, xq.ptr(), xs.ptr(), wq.ptr(), ws.ptr(), m, n, k).unwrap() });
+                if f == W8Format::E4m3 && m > peregrine_kernels::ops::GEMV_FP8_MAX_M {
+                    ours = time(c, 20, || unsafe { c.kernels.gemm_w8a8(s, f, y.ptr(), false, xq.ptr(), xs.ptr(), wq.ptr(), ws.ptr(), m, n, k).unwrap() });
+                }
                 cols.push((t, 2.0 * (m * n * k) as f64 / t / 1e12));
             }
             println!(
-                "{:<18} {m:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                "{:<18} {m:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
                 format!("[{n} x {k}]"),
                 tb * 1e6,
                 2.0 * (m * n * k) as f64 / tb / 1e12,
                 cols[0].0 * 1e6,
                 cols[0].1,
+                ours * 1e6,
                 cols[1].0 * 1e6,
                 cols[1].1
             );

@@ -4,7 +4,7 @@
 //! - [`compile`]: the `.cu` sources (embedded), compiled with NVRTC at run time and cached on disk.
 //! - [`ops`]: one launch wrapper per kernel, one file per `.cu` family (embedding gather, add+RMSNorm, RoPE+KV write, paged
 //!   attention, SiLU·mul, argmax, fills).
-//! - [`gemm`]: bf16 GEMMs through cuBLAS.
+//! - [`gemm`]: bf16 GEMMs through cuBLAS; [`gemm_lt`]: row-wise FP8 GEMMs through cuBLASLt.
 //!
 //! Kernels know nothing of requests: they take tensors and plans (block tables, slot maps).
 //! Libraries are loaded at run time (cudarc's dynamic loading), so building needs no CUDA toolkit.
@@ -13,6 +13,7 @@ pub mod compile;
 pub mod device;
 pub mod error;
 pub mod gemm;
+pub mod gemm_lt;
 pub mod ops;
 pub mod testing;
 
@@ -22,6 +23,12 @@ pub use error::{KernelError, Result};
 pub use gemm::{Blas, OutType};
 pub use ops::{DPtr, Kernels, KvCacheDtype, W8Format};
 
+/// Above this many tokens an 8-bit linear leaves the GEMV for the tensor-core GEMM: measured on the
+/// H100 (Llama-3.1-8B shape, fp8 decode steps), cuBLASLt's FP8 GEMM beats the GEMV's multi-row
+/// kernels from 2 tokens on (2 / 4 / 8 / 16 tokens: 4.7 / 4.8 / 5.2 / 5.0 ms per step against
+/// 5.6 / 7.3 / 9.9 / 15.8); one token stays on the GEMV (4.5 ms, at the weight-bandwidth bound's 59 %).
+pub const GEMV8_DEFAULT_MAX_M: usize = 1;
+
 /// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
 pub struct Cuda {
     pub gpu: Gpu,
@@ -30,6 +37,12 @@ pub struct Cuda {
     /// Route GEMMs of at most [`ops::GEMV_MAX_M`] rows to the skinny kernel (on unless
     /// `PEREGRINE_GEMV=0`, which keeps everything on cuBLAS for comparisons).
     pub use_gemv: bool,
+    /// cuBLASLt for the FP8 GEMMs above the GEMV's rows (None where the library is missing or
+    /// `PEREGRINE_GEMM8=ours` keeps them on our own tensor-core kernel).
+    pub blas_lt: Option<gemm_lt::BlasLt>,
+    /// The most tokens an 8-bit linear sends to the GEMV: [`GEMV8_DEFAULT_MAX_M`], or
+    /// `PEREGRINE_GEMV8_MAX_M` up to the kernels' [`ops::GEMV_FP8_MAX_M`] (for comparisons).
+    pub gemv8_max_m: usize,
 }
 
 impl Cuda {
@@ -42,7 +55,15 @@ impl Cuda {
         let kernels = Kernels::load(&module, sms.max(1) as u32, gpu.arch)?;
         let blas = Blas::new(&gpu.stream)?;
         let use_gemv = std::env::var("PEREGRINE_GEMV").map_or(true, |v| v != "0");
-        Ok(Cuda { gpu, kernels, blas, use_gemv })
+        let blas_lt = match std::env::var("PEREGRINE_GEMM8").as_deref() {
+            Ok("ours") => None,
+            _ => gemm_lt::BlasLt::new(&gpu.stream)?,
+        };
+        let gemv8_max_m = std::env::var("PEREGRINE_GEMV8_MAX_M")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(GEMV8_DEFAULT_MAX_M, |m| m.min(ops::GEMV_FP8_MAX_M));
+        Ok(Cuda { gpu, kernels, blas, use_gemv, blas_lt, gemv8_max_m })
     }
 
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer on `m` tokens): the skinny bandwidth-bound
@@ -62,19 +83,35 @@ impl Cuda {
 
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`, a linear layer over row-wise 8-bit weights (`wq`
     /// n × k codes, `ws` one scale per output row) and per-token 8-bit activations (`xq` m × k
-    /// codes, `xs` one scale per token): the 8-bit GEMV for decode-sized m (≤
-    /// [`ops::GEMV_FP8_MAX_M`]), the tensor-core GEMM otherwise (or always, with `PEREGRINE_GEMV=0`).
+    /// codes, `xs` one scale per token): the 8-bit GEMV for decode-sized m (≤ `gemv8_max_m`), above that cuBLASLt's FP8 GEMM with row scales for e4m3 where it
+    /// takes the shape, else our tensor-core GEMM (always the GEMMs with `PEREGRINE_GEMV=0`; never
+    /// cuBLASLt with `PEREGRINE_GEMM8=ours`).
     ///
     /// # Safety
     /// As [`Kernels::gemm_w8a8`].
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn linear_w8(&self, format: W8Format, y: DPtr, out: OutType, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
         let f32_out = out == OutType::F32;
-        if self.use_gemv && m <= ops::GEMV_FP8_MAX_M {
-            self.kernels.gemv_w8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k)
-        } else {
-            self.kernels.gemm_w8a8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k)
+        if self.use_gemv && m <= self.gemv8_max_m {
+            return self.kernels.gemv_w8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k);
         }
+        if let Some(lt) = &self.blas_lt {
+            let s = &self.gpu.stream;
+            match format {
+                W8Format::E4m3 => match lt.gemm_fp8_rowwise(y, f32_out, xq, xs, wq, ws, m, n, k)? {
+                    gemm_lt::LtRun::Scaled => return Ok(()),
+                    gemm_lt::LtRun::Unscaled => return self.kernels.scale_outer(s, y, f32_out, xs, ws, m, n),
+                    gemm_lt::LtRun::Declined => {}
+                },
+                W8Format::I8 => {
+                    let scale = |y_rows, acc, xs_rows, rows| self.kernels.scale_outer_i32(s, y_rows, f32_out, acc, xs_rows, ws, rows, n);
+                    if lt.gemm_i8_rowwise(y, f32_out, xq, xs, wq, m, n, k, scale)? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        self.kernels.gemm_w8a8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k)
     }
 
     /// The fused gate/up projection with SwiGLU on `m` tokens, `act[m, inter] = silu(x · gate) * (x ·

@@ -243,12 +243,28 @@ fn rand_caches(c: &Cuda, r: &mut ChaCha8Rng, kv: KvCacheDtype, len: usize, hkv: 
 
 #[test]
 fn rope_kv_write_matches_reference() {
-    rope_kv_write_case(KvCacheDtype::Bf16);
+    rope_kv_write_case(KvCacheDtype::Bf16, false);
 }
 
 #[test]
 fn rope_kv_write_fp8_matches_reference() {
-    rope_kv_write_case(KvCacheDtype::Fp8E4m3);
+    rope_kv_write_case(KvCacheDtype::Fp8E4m3, false);
+}
+
+/// The Hadamard-rotated variants (`--kv-cache-dtype fp8` default / `fp8-hadamard`): q and k heads
+/// after RoPE multiplied by Sylvester's normalized matrix, entry by entry.
+#[test]
+fn rope_kv_write_hadamard_matches_reference() {
+    rope_kv_write_case(KvCacheDtype::Bf16, true);
+    rope_kv_write_case(KvCacheDtype::Fp8E4m3, true);
+}
+
+/// `H x` with H[i][j] = (-1)^popcount(i & j) / sqrt(n).
+fn sylvester_rotate(x: &[f64]) -> Vec<f64> {
+    let n = x.len();
+    (0..n)
+        .map(|i| (0..n).map(|j| if (i & j).count_ones() % 2 == 0 { x[j] } else { -x[j] }).sum::<f64>() / (n as f64).sqrt())
+        .collect()
 }
 
 /// e4m3 rounding to nearest: within half a unit of the last place, 2^-4 relative for normal values
@@ -261,7 +277,7 @@ fn assert_fp8_close(got: &[u8], want: &[f64], what: &str) {
     }
 }
 
-fn rope_kv_write_case(kv: KvCacheDtype) {
+fn rope_kv_write_case(kv: KvCacheDtype, hadamard: bool) {
     let Some(c) = cuda_for(kv) else { return };
     let mut r = rng();
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
@@ -313,7 +329,7 @@ fn rope_kv_write_case(kv: KvCacheDtype) {
         let vc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
         unsafe {
             c.kernels
-                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv)
+                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, hadamard)
                 .unwrap()
         };
         let gq = qout.download(&c.gpu.stream).unwrap();
@@ -338,6 +354,9 @@ fn rope_kv_write_case(kv: KvCacheDtype) {
                     let (x0, x1) = (x(h * d + i), x(h * d + i + half));
                     want[i] = x0 * cs[i] as f64 - x1 * sn[i] as f64;
                     want[i + half] = x1 * cs[i] as f64 + x0 * sn[i] as f64;
+                }
+                if hadamard {
+                    want = sylvester_rotate(&want);
                 }
                 if h < hq {
                     assert_bf16_close(&gq[t * hq * d + h * d..t * hq * d + (h + 1) * d], &want, "rotated q");

@@ -1,9 +1,12 @@
 //! The W8A8 kernels of `--quantization fp8|int8` on the GPU (issue 17), against references computed
 //! here from the definitions and against the CPU's `rowquant` functions:
-//! - the 8-bit linear (`Cuda::linear_w8`: GEMV for ≤ 16 rows, tensor-core GEMM above) on ragged
+//! - our 8-bit kernels (the GEMV for ≤ 16 rows, the tensor-core GEMM above) on ragged
 //!   shapes against an f64 dot product of the same codes, within the format's error (int8: exact
 //!   integer sums, so f32 rounding only; e4m3: the tensor cores' reduced-precision accumulation, at
 //!   most 2⁻¹² of |sum so far| + Σ|products| per 32-wide k step); the GEMM's rows do not depend on the other rows (bit for bit);
+//! - cuBLASLt's FP8 GEMM (unscaled + `scale_outer` where it cannot scale by rows), the e4m3 path
+//!   above 4 rows, against the same reference and tolerance; its int8 GEMM (+ `scale_outer_i32`)
+//!   bit-identical to `gemm_w8a8` (exact integer sums, the same epilogue);
 //! - the fused per-token quantizers (RMSNorm, SiLU·mul) against the CPU's `rms_norm`/`swiglu` then
 //!   `quantize_activations`: codes bit-identical where the f32 maths is exact (a sum of squares
 //!   without rounding), else within one code step; scales to f32 rounding.
@@ -17,6 +20,7 @@ use peregrine_engine::backend::cpu::ops::{rms_norm, swiglu};
 use peregrine_engine::model::rowquant::{quantize_activations, RowFormat, RowQuantMatrix};
 use cuda_common::values;
 use peregrine_kernels::testing::cuda_or_skip;
+use peregrine_kernels::gemm_lt::LtRun;
 use peregrine_kernels::{Cuda, OutType, W8Format};
 
 const FORMATS: [(RowFormat, W8Format); 2] = [(RowFormat::Fp8E4m3, W8Format::E4m3), (RowFormat::Int8, W8Format::I8)];
@@ -44,6 +48,135 @@ fn code_step(format: RowFormat, v: f32) -> f32 {
     }
 }
 
+/// `(dot · xs[i] · ws[j], budget)` per output of `xq · wqᵀ` in f64: `budget` is Σ over the GEMM's
+/// 32-wide k steps of |sum so far| + Σ|products of the step|, what each step's accumulation may
+/// lose a fraction of (scaled like the dot).
+fn f64_reference(format: RowFormat, xq: &RowQuantMatrix, wq: &RowQuantMatrix, m: usize, n: usize, k: usize) -> Vec<(f64, f64)> {
+    (0..m * n)
+        .map(|e| {
+            let (i, j) = (e / n, e % n);
+            let (mut dot, mut budget) = (0f64, 0f64);
+            for t0 in (0..k).step_by(32) {
+                let (mut step, mut abs) = (0f64, 0f64);
+                for t in t0..(t0 + 32).min(k) {
+                    let p = format.decode(xq.codes()[i * k + t]) as f64 * format.decode(wq.codes()[j * k + t]) as f64;
+                    step += p;
+                    abs += p.abs();
+                }
+                budget += dot.abs() + abs;
+                dot += step;
+            }
+            let scale = xq.scales()[i] as f64 * wq.scales()[j] as f64;
+            (dot * scale, budget * scale)
+        })
+        .collect()
+}
+
+/// How far an 8-bit GEMM output may be from [`f64_reference`]. int8: integer sums are exact, one
+/// f32 rounding per epilogue product. e4m3: products are exact, but an fp8 mma adds its 32
+/// products to the f32 accumulator with fewer bits than f32 (Hopper aligns to the largest term and
+/// keeps about 14 bits), so each k step may lose up to 2⁻¹² of max(|sum so far|, Σ|its products|).
+/// A wrong fragment layout, a lost tile or a misapplied scale is off by the whole sum, far above this.
+fn tolerance(format: RowFormat, want: f64, budget: f64) -> f64 {
+    match format {
+        RowFormat::Int8 => 4e-7 * want.abs() + 1e-30,
+        RowFormat::Fp8E4m3 => budget / 4096.0 + 4e-7 * want.abs() + 1e-30,
+    }
+}
+
+#[test]
+fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    if !ready(&c, W8Format::E4m3) {
+        return;
+    }
+    let Some(lt) = &c.blas_lt else {
+        cuda_common::report("skipped: libcublasLt not found (or PEREGRINE_GEMM8=ours)");
+        return;
+    };
+    let format = RowFormat::Fp8E4m3;
+    // (m, n, k): prefill- and batch-sized m, SmolLM2 and Llama-3.1-8B shapes, a ragged m.
+    for (m, n, k) in [(17usize, 576usize, 1536usize), (100, 1536, 576), (64, 4096, 4096), (256, 1024, 4096), (33, 4096, 14336), (1000, 576, 576)] {
+        let w = values(n * k, (n * 31 + k) as u64, 0.05);
+        let x = values(m * k, (m * 7 + k) as u64, 2.0);
+        let wq = RowQuantMatrix::quantize(format, n, k, &w).unwrap();
+        let xq = RowQuantMatrix::quantize(format, m, k, &x).unwrap();
+        let reference = f64_reference(format, &xq, &wq, m, n, k);
+        let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
+        let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
+        // As `Cuda::linear_w8` runs it: cuBLASLt, then the scales where it could not apply them.
+        let run = |y: u64, f32_out: bool| unsafe {
+            let how = lt.gemm_fp8_rowwise(y, f32_out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap();
+            assert_ne!(how, LtRun::Declined, "cuBLASLt refused the FP8 GEMM m {m} n {n} k {k}");
+            if how == LtRun::Unscaled {
+                c.kernels.scale_outer(s, y, f32_out, dxs.ptr(), dws.ptr(), m, n).unwrap();
+            }
+            how
+        };
+        let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
+        let how = run(yf.ptr(), true);
+        let got = yf.download(s).unwrap();
+        let mut worst = 0f64;
+        for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
+            let tol = tolerance(format, want, budget);
+            let err = (g as f64 - want).abs();
+            worst = worst.max(err / tol);
+            assert!(err <= tol, "cuBLASLt e4m3 m {m} n {n} k {k} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);
+        }
+        // bf16 output: the f32 result rounded, once by cuBLASLt's epilogue and, unscaled, once more
+        // after the scales: within two bf16 steps.
+        let yb = c.gpu.upload(&vec![0xFFFFu16; m * n]).unwrap();
+        run(yb.ptr(), false);
+        for (e, (&bits, &f)) in yb.download(s).unwrap().iter().zip(&got).enumerate() {
+            let b = bf16::from_bits(bits).to_f32();
+            let two_steps = (f.abs() * 2f32.powi(-7)).max(1e-30);
+            assert!((b - f).abs() <= two_steps, "cuBLASLt e4m3 bf16 m {m} n {n} k {k} [{e}]: {b} vs f32 {f}");
+        }
+        cuda_common::report(&format!("cuBLASLt e4m3 ({how:?}) m {m} n {n} k {k}: worst error {worst:.3} of the tolerance"));
+    }
+    // A shape it cannot take (n not a multiple of 16) is declined, not launched.
+    let dummy = c.gpu.upload(&vec![0u8; 64 * 64]).unwrap();
+    let how = unsafe { lt.gemm_fp8_rowwise(dummy.ptr(), true, dummy.ptr(), dummy.ptr(), dummy.ptr(), dummy.ptr(), 17, 37, 64).unwrap() };
+    assert_eq!(how, LtRun::Declined, "n = 37 must fall back to gemm_w8a8");
+}
+
+#[test]
+fn cublaslt_int8_gemm_is_bit_identical_to_gemm_w8a8() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    if !ready(&c, W8Format::I8) {
+        return;
+    }
+    let Some(lt) = &c.blas_lt else {
+        cuda_common::report("skipped: libcublasLt not found (or PEREGRINE_GEMM8=ours)");
+        return;
+    };
+    // Integer sums are exact and the scale epilogue is the same expression, so cuBLASLt's int8 path
+    // must give gemm_w8a8's bits. (700, 28672, 4096): more rows than one chunk of the int32 scratch.
+    for (m, n, k) in [(17usize, 576usize, 1536usize), (256, 4096, 4096), (700, 28672, 4096)] {
+        let w = values(n * k, (n * 31 + k) as u64, 0.05);
+        let x = values(m * k, (m * 7 + k) as u64, 2.0);
+        let wq = RowQuantMatrix::quantize(RowFormat::Int8, n, k, &w).unwrap();
+        let xq = RowQuantMatrix::quantize(RowFormat::Int8, m, k, &x).unwrap();
+        let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
+        let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
+        for f32_out in [true, false] {
+            let bytes = if f32_out { 4 } else { 2 };
+            let ours = c.gpu.upload(&vec![0xA5u8; m * n * bytes]).unwrap();
+            unsafe { c.kernels.gemm_w8a8_tile(s, W8Format::I8, ours.ptr(), f32_out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k, 64).unwrap() };
+            let theirs = c.gpu.upload(&vec![0x5Au8; m * n * bytes]).unwrap();
+            let scale = |y_rows, acc, xs_rows, rows| unsafe { c.kernels.scale_outer_i32(s, y_rows, f32_out, acc, xs_rows, dws.ptr(), rows, n) };
+            let ran = unsafe { lt.gemm_i8_rowwise(theirs.ptr(), f32_out, dx.ptr(), dxs.ptr(), dw.ptr(), m, n, k, scale).unwrap() };
+            assert!(ran, "cuBLASLt refused the int8 GEMM m {m} n {n} k {k}");
+            let (a, b) = (ours.download(s).unwrap(), theirs.download(s).unwrap());
+            let first = a.iter().zip(&b).position(|(x, y)| x != y);
+            assert!(first.is_none(), "int8 m {m} n {n} k {k} f32 {f32_out}: cuBLASLt differs from gemm_w8a8 at byte {first:?}");
+        }
+        cuda_common::report(&format!("cuBLASLt int8 m {m} n {n} k {k}: bit-identical to gemm_w8a8"));
+    }
+}
+
 #[test]
 fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invariant() {
     let Some(c) = cuda_or_skip() else { return };
@@ -60,33 +193,15 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
             let wq = RowQuantMatrix::quantize(format, n, k, &w).unwrap();
             // Per-token activation codes are a row-quantized matrix of the tokens.
             let xq = RowQuantMatrix::quantize(format, m, k, &x).unwrap();
-            let reference: Vec<(f64, f64)> = (0..m * n)
-                .map(|e| {
-                    let (i, j) = (e / n, e % n);
-                    // `budget`: Σ over the GEMM's 32-wide k steps of |sum so far| + Σ|products of
-                    // the step|, what each step's accumulation may lose a fraction of.
-                    let (mut dot, mut budget) = (0f64, 0f64);
-                    for t0 in (0..k).step_by(32) {
-                        let (mut step, mut abs) = (0f64, 0f64);
-                        for t in t0..(t0 + 32).min(k) {
-                            let p = format.decode(xq.codes()[i * k + t]) as f64 * format.decode(wq.codes()[j * k + t]) as f64;
-                            step += p;
-                            abs += p.abs();
-                        }
-                        budget += dot.abs() + abs;
-                        dot += step;
-                    }
-                    let scale = xq.scales()[i] as f64 * wq.scales()[j] as f64;
-                    (dot * scale, budget * scale)
-                })
-                .collect();
+            let reference = f64_reference(format, &xq, &wq, m, n, k);
             let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
             let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
-            // GEMV sizes: Cuda::linear_w8's path. GEMM sizes: both tiles (the plan picks by grid
+            // GEMV sizes: the 8-bit GEMV (up to 16 rows). GEMM sizes: both tiles (the plan picks by grid
             // size, so one sequence may meet either in different batches).
             let tiles: &[Option<usize>] = if m <= peregrine_kernels::ops::GEMV_FP8_MAX_M { &[None] } else { &[Some(64), Some(32)] };
             let run = |y: u64, out: OutType, rows: usize, tile: Option<usize>| match tile {
-                None => unsafe { c.linear_w8(w8, y, out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k).unwrap() },
+                // Our GEMV itself (`Cuda::linear_w8` sends more than 4 rows to cuBLASLt, tested above).
+                None => unsafe { c.kernels.gemv_w8(s, w8, y, out == OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k).unwrap() },
                 Some(t) => unsafe { c.kernels.gemm_w8a8_tile(s, w8, y, out == OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k, t).unwrap() },
             };
             let mut first: Option<Vec<f32>> = None;
@@ -96,16 +211,7 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
                 run(yf.ptr(), OutType::F32, m, tile);
                 let got = yf.download(s).unwrap();
                 for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
-                    // int8: integer sums are exact, one f32 rounding per epilogue product. e4m3:
-                    // products are exact, but an fp8 mma adds its 32 products to the f32
-                    // accumulator with fewer bits than f32 (Hopper aligns to the largest term and
-                    // keeps about 14 bits), so each k step may lose up to 2⁻¹² of max(|sum so far|,
-                    // Σ|its products|). A wrong fragment layout or a lost tile is off by the whole
-                    // sum, far above this.
-                    let tol = match format {
-                        RowFormat::Int8 => 4e-7 * want.abs() + 1e-30,
-                        RowFormat::Fp8E4m3 => budget / 4096.0 + 4e-7 * want.abs() + 1e-30,
-                    };
+                    let tol = tolerance(format, want, budget);
                     let err = (g as f64 - want).abs();
                     worst = worst.max(err / tol);
                     assert!(err <= tol, "{format:?} m {m} n {n} k {k} tile {tile:?} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);

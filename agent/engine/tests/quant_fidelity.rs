@@ -8,8 +8,9 @@
 //!
 //! The test model is the Q4_1 GGUF; it is quantized from its dequantized f32 weights, and the
 //! reference is transformers on the same dequantized weights, so only the 8-bit step is measured.
-//! Figures (and the per-tensor comparison): `cargo run --release -p peregrine-engine --example
-//! quant_fidelity`, recorded in docs/benchmarks.md.
+//! The bounds are `fidelity::SMOLLM2_WEIGHT_BOUNDS` (shared with the agent's `eval` test). Figures
+//! (and the per-tensor and KV-cache comparisons): `peregrine-agent eval --device cpu`, recorded in
+//! docs/benchmarks.md.
 
 mod common;
 
@@ -17,7 +18,6 @@ use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::KvCacheShape;
 use peregrine_engine::bench::fidelity::{self, Fidelity};
 use peregrine_engine::model::quantize::{quantize_linear_weights_with, Granularity};
-use peregrine_engine::model::rowquant::{Activations, RowFormat};
 use peregrine_engine::model::{self, LoadFormat, ModelWeights};
 
 fn measure(weights: ModelWeights) -> Fidelity {
@@ -30,16 +30,6 @@ fn fidelity_prompts() -> Vec<fidelity::ReferencePrompt> {
     fidelity::prompts_from_reference(&common::reference()).unwrap()
 }
 
-/// Bounds, from the figures measured on 2026-11-25 (docs/benchmarks.md, "8-bit weights: fidelity"),
-/// mean |Δlogit| / top-1 of 36: fp8 W8A8 1.032 / 31, int8 W8A8 1.197 / 32, int8 weight-only 0.205 /
-/// 36. Headroom: +25% on the mean and 2 positions of top-1, because the other kernel ISAs (AVX2,
-/// portable) sum in another order and a different rounding of one activation code moves these
-/// figures a little; a broken quantizer moves them by whole units (per-tensor int8: 1.8 / 21).
-const BOUNDS: [(&str, RowFormat, Activations, f64, usize); 3] = [
-    ("fp8 W8A8", RowFormat::Fp8E4m3, Activations::PerToken, 1.3, 29),
-    ("int8 W8A8", RowFormat::Int8, Activations::PerToken, 1.5, 30),
-    ("int8 weight-only", RowFormat::Int8, Activations::Float, 0.26, 34),
-];
 
 #[test]
 fn eight_bit_weights_stay_within_their_fidelity_bounds() {
@@ -50,7 +40,7 @@ fn eight_bit_weights_stay_within_their_fidelity_bounds() {
     assert_eq!(f32_path.top1_agree, 36, "{f32_path:?}");
     assert!(f32_path.max_abs_diff < 1e-3, "{f32_path:?}");
 
-    for (label, format, activations, max_mean, min_top1) in BOUNDS {
+    for (label, format, activations, max_mean, min_top1) in fidelity::SMOLLM2_WEIGHT_BOUNDS {
         let mut w = base.clone();
         quantize_linear_weights_with(&mut w, format, Granularity::PerRow, activations).unwrap();
         let f = measure(w);

@@ -35,9 +35,30 @@ pub enum KvCacheDtypeArg {
     /// The backend's own: bf16 on cuda, f32 on cpu.
     Auto,
     Bf16,
-    /// e4m3 bytes, scale 1 (cuda, compute capability 8.9+).
+    /// e4m3 bytes, scale 1 (cuda, compute capability 8.9+), q and k Hadamard-rotated or not as
+    /// [`FP8_KV_HADAMARD_DEFAULT`] says (the figures of `peregrine-agent eval` chose it).
     #[value(alias = "fp8_e4m3")]
     Fp8,
+    /// fp8 with q and k rotated by the normalized Walsh–Hadamard matrix per head before k is
+    /// stored: scores unchanged, k's outlier dimensions spread before rounding.
+    Fp8Hadamard,
+    /// fp8 without the rotation.
+    Fp8Plain,
+}
+
+/// Whether `--kv-cache-dtype fp8` rotates q and k (see docs/benchmarks.md, "KV cache: fidelity").
+pub const FP8_KV_HADAMARD_DEFAULT: bool = true;
+
+impl KvCacheDtypeArg {
+    /// The fp8 cache's rotation, or None for a non-fp8 cache.
+    pub fn fp8_hadamard(self) -> Option<bool> {
+        match self {
+            KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 => None,
+            KvCacheDtypeArg::Fp8 => Some(FP8_KV_HADAMARD_DEFAULT),
+            KvCacheDtypeArg::Fp8Hadamard => Some(true),
+            KvCacheDtypeArg::Fp8Plain => Some(false),
+        }
+    }
 }
 
 /// `--quantization`: 8-bit linear weights made at load, one scale per output row, with activations
@@ -136,7 +157,8 @@ pub struct EngineArgs {
     #[arg(long, env = "PEREGRINE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
     pub gpu_memory_utilization: f32,
     /// KV cache element type. fp8 (cuda only, compute capability 8.9+): e4m3 with scale 1, twice the
-    /// tokens in the same memory and half the bytes decode attention reads, at fp8's precision.
+    /// tokens in the same memory and half the bytes decode attention reads, at fp8's precision; q
+    /// and k Hadamard-rotated first (fp8-plain: not rotated; fp8-hadamard: rotated).
     #[arg(long, value_enum, env = "PEREGRINE_KV_CACHE_DTYPE", default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtypeArg,
     /// Quantize the decoder layers' linear weights to 8 bits at load (one scale per output row;

@@ -49,7 +49,7 @@ impl EngineArgs {
                 Ok(()) => Ok(DeviceArg::Cuda),
                 Err(why) => anyhow::bail!("--device cuda: no usable CUDA device: {why}"),
             },
-            None => Ok(if cuda_available().is_ok() { DeviceArg::Cuda } else { DeviceArg::Cpu }),
+            None => Ok(default_device()),
         }
     }
 
@@ -128,10 +128,11 @@ impl EngineArgs {
             num_blocks: self.num_kv_blocks,
             // Reserved before the KV cache takes the rest of the memory.
             lora: self.lora_config().map(|l| LoraCapacity { max_loras: l.max_loras, max_rank: l.max_lora_rank }),
-            kv_cache_dtype: match self.kv_cache_dtype {
-                KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 => KvCacheDtype::Bf16,
-                KvCacheDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
+            kv_cache_dtype: match self.kv_cache_dtype.fp8_hadamard() {
+                None => KvCacheDtype::Bf16,
+                Some(_) => KvCacheDtype::Fp8E4m3,
             },
+            kv_hadamard: self.kv_cache_dtype.fp8_hadamard().unwrap_or(false),
             // The backend quantizes host weights itself (the CPU's values) or makes dummy ones 8-bit.
             quantization: self.quantization.map(Into::into),
             ..CudaOptions::default()
@@ -164,6 +165,11 @@ fn cuda_available() -> Result<(), String> {
 #[cfg(not(feature = "cuda"))]
 fn cuda_available() -> Result<(), String> {
     Err("this build has no CUDA support".into())
+}
+
+/// cuda when a CUDA device is usable, else cpu (`--device`'s default).
+pub fn default_device() -> DeviceArg {
+    if cuda_available().is_ok() { DeviceArg::Cuda } else { DeviceArg::Cpu }
 }
 
 /// The tokenizer of a model path; a dummy model may come without one.
@@ -231,6 +237,10 @@ mod tests {
         assert_eq!(parse(&["--kv-cache-dtype", "fp8"]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Fp8);
         assert_eq!(parse(&["--kv-cache-dtype", "fp8_e4m3"]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Fp8, "vLLM's long name");
         assert_eq!(parse(&["--kv-cache-dtype", "bf16"]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Bf16);
+        assert_eq!(parse(&["--kv-cache-dtype", "fp8-hadamard"]).unwrap().kv_cache_dtype.fp8_hadamard(), Some(true));
+        assert_eq!(parse(&["--kv-cache-dtype", "fp8-plain"]).unwrap().kv_cache_dtype.fp8_hadamard(), Some(false));
+        assert_eq!(KvCacheDtypeArg::Fp8.fp8_hadamard(), Some(super::super::FP8_KV_HADAMARD_DEFAULT));
+        assert_eq!(KvCacheDtypeArg::Bf16.fp8_hadamard(), None);
         assert!(parse(&["--kv-cache-dtype", "int4"]).is_err());
     }
 

@@ -64,6 +64,8 @@ pub struct Kernels {
     add_rmsnorm: CudaFunction,
     rope_kv_write: CudaFunction,
     rope_kv_write_fp8: CudaFunction,
+    rope_kv_write_had: CudaFunction,
+    rope_kv_write_fp8_had: CudaFunction,
     paged_attention_d64: CudaFunction,
     paged_attention_d128: CudaFunction,
     paged_attention_tiled_d64: CudaFunction,
@@ -105,6 +107,10 @@ pub struct Kernels {
     gemv_i8: [CudaFunction; 5],
     quant_rows_e4m3: CudaFunction,
     quant_rows_i8: CudaFunction,
+    /// `y *= xs[i] · ws[j]` after an unscaled 8-bit GEMM (quant8.cu).
+    scale_outer: CudaFunction,
+    /// `y = acc · xs[i] · ws[j]` from an unscaled int8 GEMM's int32 sums (quant8.cu).
+    scale_outer_i32: CudaFunction,
     /// quant8.cu's fused quantizers and gemm_w8a8.cu's GEMMs, indexed by [`W8Format::index`].
     add_rmsnorm_quant: [CudaFunction; 2],
     silu_mul_quant: [CudaFunction; 2],
@@ -162,6 +168,8 @@ impl Kernels {
             add_rmsnorm: f("add_rmsnorm")?,
             rope_kv_write: f("rope_kv_write")?,
             rope_kv_write_fp8: f("rope_kv_write_fp8")?,
+            rope_kv_write_had: f("rope_kv_write_had")?,
+            rope_kv_write_fp8_had: f("rope_kv_write_fp8_had")?,
             paged_attention_d64: f("paged_attention_d64")?,
             paged_attention_d128: f("paged_attention_d128")?,
             paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,
@@ -199,6 +207,8 @@ impl Kernels {
             gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?],
             quant_rows_e4m3: f("quant_rows_e4m3")?,
             quant_rows_i8: f("quant_rows_i8")?,
+            scale_outer: f("scale_outer")?,
+            scale_outer_i32: f("scale_outer_i32")?,
             add_rmsnorm_quant: [f("add_rmsnorm_quant_e4m3")?, f("add_rmsnorm_quant_i8")?],
             silu_mul_quant: [f("silu_mul_quant_e4m3")?, f("silu_mul_quant_i8")?],
             gemm_w8a8: [[f("gemm_w8a8_e4m3")?, f("gemm_w8a8_i8")?], [f("gemm_w8a8_e4m3_t32")?, f("gemm_w8a8_i8_t32")?]],

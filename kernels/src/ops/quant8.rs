@@ -58,4 +58,58 @@ impl Kernels {
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }
+
+    /// `y[i, j] *= xs[i] · ws[j]` in place over an `m × n` output (bf16 or f32): the token and row
+    /// scales of an 8-bit GEMM that ran unscaled.
+    ///
+    /// # Safety
+    /// y: m*n of its type, 16-byte aligned; xs: m f32; ws: n f32; n a multiple of 8.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn scale_outer(&self, s: &CudaStream, y: DPtr, y_f32: bool, xs: DPtr, ws: DPtr, m: usize, n: usize) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if !n.is_multiple_of(8) || !y.is_multiple_of(16) {
+            return Err(crate::KernelError::Unsupported(format!("scale_outer: n {n} (a multiple of 8, 16-byte aligned y)")));
+        }
+        let threads = m.checked_mul(n / 8).ok_or_else(|| crate::KernelError::Unsupported("scale_outer: m * n overflows".into()))?;
+        let (yf, mi, ni) = (y_f32 as i32, as_i32(m, "m")?, as_i32(n, "n")?);
+        Launch::new(&self.scale_outer)
+            .arg(&y)
+            .arg(&yf)
+            .arg(&xs)
+            .arg(&ws)
+            .arg(&mi)
+            .arg(&ni)
+            .launch(s, cfg(as_u32(threads.div_ceil(256), "scale_outer blocks")?, 256), false)?;
+        Ok(())
+    }
+
+    /// `y[i, j] = acc[i, j] · xs[i] · ws[j]` over an `m × n` output (bf16 or f32) from the exact
+    /// int32 sums of an int8 GEMM that ran unscaled: the same expression, in the same order, as
+    /// `gemm_w8a8`'s int8 epilogue, so the results are bit-identical to it.
+    ///
+    /// # Safety
+    /// y: m*n of its type and acc: m*n i32, both 16-byte aligned; xs: m f32; ws: n f32; n a multiple of 8.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn scale_outer_i32(&self, s: &CudaStream, y: DPtr, y_f32: bool, acc: DPtr, xs: DPtr, ws: DPtr, m: usize, n: usize) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if !n.is_multiple_of(8) || !y.is_multiple_of(16) || !acc.is_multiple_of(16) {
+            return Err(crate::KernelError::Unsupported(format!("scale_outer_i32: n {n} (a multiple of 8, 16-byte aligned buffers)")));
+        }
+        let threads = m.checked_mul(n / 8).ok_or_else(|| crate::KernelError::Unsupported("scale_outer_i32: m * n overflows".into()))?;
+        let (yf, mi, ni) = (y_f32 as i32, as_i32(m, "m")?, as_i32(n, "n")?);
+        Launch::new(&self.scale_outer_i32)
+            .arg(&y)
+            .arg(&yf)
+            .arg(&acc)
+            .arg(&xs)
+            .arg(&ws)
+            .arg(&mi)
+            .arg(&ni)
+            .launch(s, cfg(as_u32(threads.div_ceil(256), "scale_outer_i32 blocks")?, 256), false)?;
+        Ok(())
+    }
 }

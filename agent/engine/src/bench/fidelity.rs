@@ -1,8 +1,10 @@
-//! How close a backend's logits are to a reference's (e.g. transformers in float32): mean and max
-//! |Δlogit| over the reference's top-k ids at every position, and top-1 agreement. Used to measure
-//! what 8-bit weights cost (`examples/quant_fidelity.rs`) and to bound it in tests.
+//! How close a backend's logits are to a reference's (e.g. transformers in float32, or the same
+//! weights unquantized): mean and max |Δlogit| over the reference's top-k ids at every position,
+//! top-1 agreement, KL(reference ‖ ours) over the whole vocabulary, and perplexity on a text. Used by
+//! `peregrine-agent eval` to measure what 8-bit weights and KV caches cost, and to bound it in tests.
 
 use crate::backend::Backend;
+use crate::model::rowquant::{Activations, RowFormat};
 use crate::plan::{SeqChunk, StepBatch};
 use crate::Result;
 
@@ -77,6 +79,188 @@ impl Fidelity {
     }
 }
 
+/// The bounds 8-bit weights must meet on SmolLM2 against transformers' float32 logits of the same
+/// weights (`fixtures/smollm2/reference.json`, 36 positions, |Δ| over the reference's top-10 ids):
+/// `(label, format, activations, max mean |Δlogit|, min top-1 of 36)`, per-row scales. From the
+/// figures measured on 2026-11-25 (docs/benchmarks.md, "8-bit weights: fidelity"), mean |Δlogit| /
+/// top-1: fp8 W8A8 1.032 / 31, int8 W8A8 1.197 / 32, int8 weight-only 0.205 / 36, plus headroom of
+/// 25% on the mean and 2 positions of top-1, because the other kernel ISAs (AVX2, portable) sum in
+/// another order and a different rounding of one activation code moves these figures a little; a
+/// broken quantizer moves them by whole units (per-tensor int8: 1.8 / 21). `tests/quant_fidelity.rs`
+/// checks them against the fixture, the agent's `eval` test against the unquantized model (which
+/// equals the fixture to 1e-3).
+pub const SMOLLM2_WEIGHT_BOUNDS: [(&str, RowFormat, Activations, f64, usize); 3] = [
+    ("fp8 W8A8", RowFormat::Fp8E4m3, Activations::PerToken, 1.3, 29),
+    ("int8 W8A8", RowFormat::Int8, Activations::PerToken, 1.5, 30),
+    ("int8 weight-only", RowFormat::Int8, Activations::Float, 0.26, 34),
+];
+
+/// Runs `tokens` (one sequence from position 0) through the backend and hands `visit` the logits row
+/// of every position, in order. Each step carries up to `chunk` positions, each as its own
+/// one-token sequence over the same block table (blocks `0..`): the step writes every token's K and V
+/// before any attends, so position `p` sees exactly `0..=p`, and one step yields all its rows'
+/// logits (a prefill chunk would give only the last).
+pub fn for_each_position(
+    backend: &mut dyn Backend,
+    tokens: &[u32],
+    chunk: usize,
+    mut visit: impl FnMut(usize, &[f32]),
+) -> Result<()> {
+    let block = backend.kv_shape().block_size.max(1);
+    let table: Vec<u32> = (0..tokens.len().div_ceil(block) as u32).collect();
+    let chunk = chunk.max(1);
+    for start in (0..tokens.len()).step_by(chunk) {
+        let end = (start + chunk).min(tokens.len());
+        let batch = StepBatch {
+            tokens: tokens[start..end].to_vec(),
+            positions: (start as u32..end as u32).collect(),
+            seqs: (start..end)
+                .map(|pos| SeqChunk {
+                    start: pos - start,
+                    len: 1,
+                    context_len: pos,
+                    block_table: table.clone(),
+                    wants_logits: true,
+                    lora_slot: None,
+                })
+                .collect(),
+        };
+        let out = backend.forward(&batch)?;
+        for (i, pos) in (start..end).enumerate() {
+            visit(pos, out.row(i));
+        }
+    }
+    Ok(())
+}
+
+/// `log Σ exp(row)`, in f64.
+fn log_sum_exp(row: &[f32]) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln()
+}
+
+/// KL(p ‖ q) of the softmax distributions of two logits rows, in nats.
+pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
+    let (lp, lq) = (log_sum_exp(p_logits), log_sum_exp(q_logits));
+    let kl: f64 = p_logits
+        .iter()
+        .zip(q_logits)
+        .map(|(&a, &b)| {
+            let log_p = a as f64 - lp;
+            log_p.exp() * (log_p - (b as f64 - lq))
+        })
+        .sum();
+    // Rounding can leave a hair below zero for identical rows; NaN stays NaN.
+    if kl < 0.0 { 0.0 } else { kl }
+}
+
+/// `-log softmax(row)[id]`: the negative log-likelihood of token `id`.
+pub fn nll(row: &[f32], id: u32) -> f64 {
+    let v = row.get(id as usize).copied().unwrap_or(f32::NAN) as f64;
+    log_sum_exp(row) - v
+}
+
+/// Indices of the `k` largest values, largest first.
+pub fn top_k(row: &[f32], k: usize) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..row.len() as u32).collect();
+    let k = k.min(ids.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    ids.select_nth_unstable_by(k - 1, |&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    ids.truncate(k);
+    ids.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+    ids
+}
+
+/// A reference run: every position's full logits row of each prompt, and the NLL of each next token
+/// of the text with the reference's greedy pick there.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    /// Per prompt: its tokens and one logits row per position.
+    pub prompts: Vec<(Vec<u32>, Vec<Vec<f32>>)>,
+    pub text: TextRun,
+}
+
+/// What one model did on the perplexity text.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TextRun {
+    /// NLL of token `i + 1` given `0..=i`, for every position but the last.
+    pub nll: Vec<f64>,
+    /// The greedy pick at every position but the last.
+    pub argmax: Vec<u32>,
+}
+
+impl TextRun {
+    pub fn perplexity(&self) -> f64 {
+        (self.nll.iter().sum::<f64>() / self.nll.len().max(1) as f64).exp()
+    }
+}
+
+/// Runs `text` through the backend: NLL and greedy pick per position.
+pub fn run_text(backend: &mut dyn Backend, text: &[u32], chunk: usize) -> Result<TextRun> {
+    let mut run = TextRun::default();
+    for_each_position(backend, text, chunk, |pos, row| {
+        if let Some(&next) = text.get(pos + 1) {
+            run.nll.push(nll(row, next));
+            run.argmax.push(argmax(row) as u32);
+        }
+    })?;
+    Ok(run)
+}
+
+/// Runs the reference model: keeps every prompt position's logits, and the text's run.
+pub fn run_reference(backend: &mut dyn Backend, prompts: &[Vec<u32>], text: &[u32], chunk: usize) -> Result<Reference> {
+    let mut out = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let mut rows = Vec::with_capacity(p.len());
+        for_each_position(backend, p, chunk, |_, row| rows.push(row.to_vec()))?;
+        out.push((p.clone(), rows));
+    }
+    Ok(Reference { prompts: out, text: run_text(backend, text, chunk)? })
+}
+
+/// How one configuration compares with the reference.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Comparison {
+    /// |Δlogit| over the reference's top-10 ids and top-1 agreement, on the prompts.
+    pub logits: Fidelity,
+    /// KL(reference ‖ ours) per prompt position.
+    pub kl_sum: f64,
+    pub kl_max: f64,
+    pub text: TextRun,
+    /// Text positions where our greedy pick equals the reference's.
+    pub text_top1_agree: usize,
+}
+
+impl Comparison {
+    pub fn kl_mean(&self) -> f64 {
+        self.kl_sum / self.logits.positions.max(1) as f64
+    }
+}
+
+/// Runs the prompts and the text through `backend` and compares every position with `reference`.
+pub fn compare(backend: &mut dyn Backend, reference: &Reference, text: &[u32], chunk: usize) -> Result<Comparison> {
+    let mut c = Comparison::default();
+    for (tokens, ref_rows) in &reference.prompts {
+        let mut rows = Vec::with_capacity(tokens.len());
+        for_each_position(backend, tokens, chunk, |_, row| rows.push(row.to_vec()))?;
+        for (ours, theirs) in rows.iter().zip(ref_rows) {
+            let ids = top_k(theirs, 10);
+            let ref_logits: Vec<f32> = ids.iter().map(|&i| theirs[i as usize]).collect();
+            c.logits.add(ours, &ids, &ref_logits);
+            let kl = kl_divergence(theirs, ours);
+            c.kl_sum += kl;
+            if kl.is_nan() || kl > c.kl_max {
+                c.kl_max = if kl.is_nan() { f64::INFINITY } else { kl };
+            }
+        }
+    }
+    c.text = run_text(backend, text, chunk)?;
+    c.text_top1_agree = c.text.argmax.iter().zip(&reference.text.argmax).filter(|(a, b)| a == b).count();
+    Ok(c)
+}
+
 /// Lowest index of the largest value (the greedy pick).
 fn argmax(row: &[f32]) -> usize {
     let mut best = 0;
@@ -129,5 +313,25 @@ mod tests {
         assert_eq!(f.max_abs_diff, 1.0);
         f.add(&[f32::NAN, 0.0], &[0], &[1.0]);
         assert_eq!(f.max_abs_diff, f64::INFINITY, "NaN logits are never hidden");
+    }
+
+    #[test]
+    fn kl_nll_and_top_k_by_their_definitions() {
+        let p = [1.0f32, 2.0, 0.5];
+        assert!(kl_divergence(&p, &p).abs() < 1e-12);
+        // A constant shift is the same distribution.
+        assert!(kl_divergence(&p, &[11.0, 12.0, 10.5]).abs() < 1e-9);
+        let q = [2.0f32, 0.0, 0.5];
+        let soft = |r: &[f32]| {
+            let z: f64 = r.iter().map(|&v| (v as f64).exp()).sum();
+            r.iter().map(|&v| (v as f64).exp() / z).collect::<Vec<_>>()
+        };
+        let (sp, sq) = (soft(&p), soft(&q));
+        let want: f64 = sp.iter().zip(&sq).map(|(a, b)| a * (a / b).ln()).sum();
+        assert!((kl_divergence(&p, &q) - want).abs() < 1e-9);
+        assert!((nll(&p, 1) - -sp[1].ln()).abs() < 1e-9);
+        assert_eq!(top_k(&[0.1, 3.0, -1.0, 3.0, 2.0], 3), vec![1, 3, 4]);
+        let run = TextRun { nll: vec![1.0, 3.0], argmax: vec![0, 0] };
+        assert!((run.perplexity() - 2f64.exp()).abs() < 1e-12);
     }
 }

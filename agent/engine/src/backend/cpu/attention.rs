@@ -17,7 +17,8 @@ pub struct TokenCtx<'a> {
     pub block_table: &'a [u32],
 }
 
-/// Writes K and V of token `pos` (`kv_dim` each) into `layer`'s cache.
+/// Writes K and V of token `pos` (`kv_dim` each) into `layer`'s cache, rounded to the cache's
+/// [`super::kv_cache::KvFormat`] (k already rotated when the format says so).
 pub fn write_kv(
     cache: &mut KvCache,
     layer: usize,
@@ -29,11 +30,16 @@ pub fn write_kv(
     let bs = cache.shape.block_size;
     let (block, slot) = (block_table[pos / bs] as usize, pos % bs);
     let hd = cache.head_dim;
+    let format = cache.format;
     for g in 0..cache.kv_heads {
         let off = cache.offset(block, g, slot);
         let (kc, vc) = &mut cache.layers[layer];
-        kc[off..off + hd].copy_from_slice(&k[g * hd..(g + 1) * hd]);
-        vc[off..off + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
+        for (dst, &x) in kc[off..off + hd].iter_mut().zip(&k[g * hd..(g + 1) * hd]) {
+            *dst = format.k.round(x);
+        }
+        for (dst, &x) in vc[off..off + hd].iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
+            *dst = format.v.round(x);
+        }
     }
 }
 

@@ -2,10 +2,81 @@
 //! so one head's keys within a block are contiguous.
 
 use crate::backend::KvCacheShape;
+use crate::model::rowquant::{e4m3_from_f32, e4m3_to_f32};
 use crate::{EngineError, Result};
+
+/// The values K or V are stored as. The CPU cache always holds f32, but rounded to the element type
+/// a GPU cache would hold, so the CPU computes with the same values and measures what that type costs
+/// (`peregrine-agent eval`); it saves no memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvElem {
+    #[default]
+    F32,
+    /// Round to nearest even bf16.
+    Bf16,
+    /// e4m3, scale 1, saturating at ±448: the CUDA fp8 cache's values.
+    Fp8E4m3,
+}
+
+impl KvElem {
+    /// `x` as this type would store it.
+    #[inline]
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            KvElem::F32 => x,
+            KvElem::Bf16 => half::bf16::from_f32(x).to_f32(),
+            KvElem::Fp8E4m3 => e4m3_to_f32(e4m3_from_f32(x)),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvElem::F32 => "f32",
+            KvElem::Bf16 => "bf16",
+            KvElem::Fp8E4m3 => "fp8",
+        }
+    }
+}
+
+/// How the cache keeps K and V, and whether q and k are Hadamard-rotated per head before k is stored
+/// ([`super::hadamard`]): scores are unchanged, k's outliers are spread before they are rounded.
+/// `hadamard_v` rotates v too, and each head of the attention output back (H is its own inverse, so
+/// the output is unchanged in exact arithmetic): a CPU-only measurement of what rotating V would buy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvFormat {
+    pub k: KvElem,
+    pub v: KvElem,
+    pub hadamard: bool,
+    pub hadamard_v: bool,
+}
+
+impl KvFormat {
+    pub const F32: KvFormat = KvFormat { k: KvElem::F32, v: KvElem::F32, hadamard: false, hadamard_v: false };
+
+    /// K and V both as `elem`, q/k rotated when `hadamard`.
+    pub fn both(elem: KvElem, hadamard: bool) -> KvFormat {
+        KvFormat { k: elem, v: elem, hadamard, hadamard_v: false }
+    }
+
+    /// A short label: `f32`, `fp8`, `fp8+hadamard`, `k fp8 / v bf16`, ...
+    pub fn label(&self) -> String {
+        let elems = if self.k == self.v {
+            self.k.name().to_string()
+        } else {
+            format!("k {} / v {}", self.k.name(), self.v.name())
+        };
+        match (self.hadamard, self.hadamard_v) {
+            (false, false) => elems,
+            (true, false) => format!("{elems}, hadamard q/k"),
+            (false, true) => format!("{elems}, hadamard v"),
+            (true, true) => format!("{elems}, hadamard q/k/v"),
+        }
+    }
+}
 
 pub struct KvCache {
     pub shape: KvCacheShape,
+    pub format: KvFormat,
     pub kv_heads: usize,
     pub head_dim: usize,
     /// `(k, v)` per layer.
@@ -49,6 +120,7 @@ impl KvCache {
             .collect();
         Ok(KvCache {
             shape,
+            format: KvFormat::F32,
             kv_heads,
             head_dim,
             layers,

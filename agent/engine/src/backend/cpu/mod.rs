@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod encoder;
+pub mod hadamard;
 pub mod kv_cache;
 pub mod lora;
 pub mod matmul;
@@ -13,7 +14,7 @@ pub mod ops;
 pub mod simd;
 
 use attention::TokenCtx;
-use kv_cache::KvCache;
+use kv_cache::{KvCache, KvFormat};
 use matmul::matmul;
 use ops::Rope;
 use simd::Isa;
@@ -128,6 +129,24 @@ impl CpuBackend {
             isa: Isa::detect(),
             lora: None,
         })
+    }
+
+    /// Stores K and V as `format` says from now on (rounded to bf16/e4m3, Hadamard-rotated q and k):
+    /// to measure what a GPU cache type costs with the CPU's arithmetic. Set it before the first
+    /// step; values cached before keep the old format. Errors for a rotation the head size cannot have.
+    pub fn set_kv_format(&mut self, format: KvFormat) -> Result<()> {
+        if (format.hadamard || format.hadamard_v) && !hadamard::supports(self.config.head_dim) {
+            return Err(EngineError::InvalidRequest(format!(
+                "Hadamard rotation needs a power-of-two head dimension, this model's is {}",
+                self.config.head_dim
+            )));
+        }
+        self.kv.format = format;
+        Ok(())
+    }
+
+    pub fn kv_format(&self) -> KvFormat {
+        self.kv.format
     }
 
     /// Bytes one KV block of `block_size` tokens takes in this backend (f32 K and V, every layer).
@@ -277,9 +296,20 @@ impl CpuBackend {
                 let (k, v) = rest.split_at_mut(kv_dim);
                 self.rope.apply(q, tc.pos as u32, &mut cos, &mut sin);
                 self.rope.apply(k, tc.pos as u32, &mut cos, &mut sin);
+                if self.kv.format.hadamard {
+                    hadamard::rotate_heads(q, c.head_dim);
+                    hadamard::rotate_heads(k, c.head_dim);
+                }
+                if self.kv.format.hadamard_v {
+                    hadamard::rotate_heads(v, c.head_dim);
+                }
                 attention::write_kv(&mut self.kv, li, tc.block_table, tc.pos, k, v);
             }
             attention::attention(isa, &self.kv, li, n_heads, &qkv, qkv_dim, &ctx, &mut attn);
+            if self.kv.format.hadamard_v {
+                // The output is H times the unrotated one: rotate it back.
+                hadamard::rotate_heads(&mut attn, c.head_dim);
+            }
             matmul(isa, &attn, n, &layer.o, &mut proj);
             if let Some(lora) = &self.lora {
                 let x = Rows { data: &attn, stride: q_dim, offset: 0 };
@@ -369,5 +399,72 @@ impl Backend for CpuBackend {
             Some(lora) => lora.set_slot(slot, adapter),
             None => Err(EngineError::Backend("set_lora_slot before enable_lora".into())),
         }
+    }
+}
+
+#[cfg(test)]
+mod kv_format_tests {
+    use super::kv_cache::{KvElem, KvFormat};
+    use super::*;
+    use crate::lora::test_support::tiny_config;
+    use crate::model::dummy::dummy_weights;
+    use crate::plan::SeqChunk;
+
+    /// Logits of every position of `tokens`, fed one step per token through the cache.
+    fn run(format: KvFormat, tokens: &[u32]) -> Vec<f32> {
+        let config = tiny_config();
+        let mut b = CpuBackend::new(dummy_weights(&config, 7), KvCacheShape { num_blocks: 4, block_size: 4 }, 1).unwrap();
+        b.set_kv_format(format).unwrap();
+        let mut out = Vec::new();
+        for (pos, &t) in tokens.iter().enumerate() {
+            let batch = StepBatch {
+                tokens: vec![t],
+                positions: vec![pos as u32],
+                seqs: vec![SeqChunk { start: 0, len: 1, context_len: pos, block_table: vec![0, 1, 2, 3], wants_logits: true, lora_slot: None }],
+            };
+            out.extend(b.forward(&batch).unwrap().data);
+        }
+        out
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    const TOKENS: [u32; 11] = [3, 17, 42, 99, 5, 64, 3, 12, 77, 8, 50];
+
+    #[test]
+    fn hadamard_rotated_attention_equals_unrotated_in_f32() {
+        let plain = run(KvFormat::F32, &TOKENS);
+        let scale = plain.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (hadamard, hadamard_v) in [(true, false), (false, true), (true, true)] {
+            let rotated = run(KvFormat { hadamard, hadamard_v, ..KvFormat::F32 }, &TOKENS);
+            let d = max_diff(&plain, &rotated);
+            assert!(d <= 1e-5 * scale.max(1.0), "q/k {hadamard}, v {hadamard_v}: {d} (logits up to {scale})");
+        }
+    }
+
+    #[test]
+    fn rounded_caches_change_the_logits_by_their_precision() {
+        let exact = run(KvFormat::F32, &TOKENS);
+        let bf16 = run(KvFormat::both(KvElem::Bf16, false), &TOKENS);
+        let fp8 = run(KvFormat::both(KvElem::Fp8E4m3, false), &TOKENS);
+        let fp8_h = run(KvFormat::both(KvElem::Fp8E4m3, true), &TOKENS);
+        let (d_bf16, d_fp8, d_fp8_h) = (max_diff(&exact, &bf16), max_diff(&exact, &fp8), max_diff(&exact, &fp8_h));
+        assert!(d_bf16 > 0.0 && d_fp8 > d_bf16, "bf16 {d_bf16}, fp8 {d_fp8}");
+        // The rotation changes which values are rounded, so the fp8 results differ.
+        assert!(d_fp8_h > 0.0 && max_diff(&fp8, &fp8_h) > 0.0);
+    }
+
+    #[test]
+    fn a_rotation_needs_a_power_of_two_head_dim() {
+        let mut config = tiny_config();
+        config.head_dim = 6;
+        config.num_attention_heads = 4;
+        let mut b = CpuBackend::new(dummy_weights(&config, 7), KvCacheShape { num_blocks: 2, block_size: 4 }, 1).unwrap();
+        let e = b.set_kv_format(KvFormat { hadamard: true, ..KvFormat::F32 }).unwrap_err().to_string();
+        assert!(e.contains("power-of-two"), "{e}");
+        assert_eq!(KvElem::Fp8E4m3.round(1000.0), 448.0, "saturates as the CUDA cache does");
+        assert_eq!(KvElem::Bf16.round(1.0 + 1.0 / 512.0), 1.0);
     }
 }

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError};
+use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
 use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, DPtr, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
@@ -63,6 +63,8 @@ pub struct GpuLora {
     counters: DevBuf<i32>,
     /// Where the shrink runs beside the base projection (None: on the main stream after it).
     overlap: Option<SideStream>,
+    /// Copies adapters into slots (made at the first load: its pinned image is one slot's size).
+    uploader: Option<SlotUploader>,
 }
 
 /// A second stream and the two events that fork it from the main stream (the projection's input is
@@ -90,6 +92,98 @@ impl SideStream {
             input_ready: ctx.new_event(None).map_err(driver)?,
             shrink_done: ctx.new_event(None).map_err(driver)?,
         }))
+    }
+}
+
+/// A copy stream, pinned memory for one slot's bf16 image, and the events that order a copy after
+/// the steps already enqueued (`slot_free`) and the next step after the copy (`copied`).
+struct SlotUploader {
+    stream: Arc<CudaStream>,
+    staging: PinnedHostSlice<u16>,
+    slot_free: CudaEvent,
+    copied: CudaEvent,
+    /// A copy from `staging` was enqueued and may not have finished.
+    in_flight: bool,
+}
+
+// SAFETY: as SideStream: used only from the engine thread that owns the backend.
+unsafe impl Send for SlotUploader {}
+
+impl SlotUploader {
+    fn new(cuda: &Cuda, image_len: usize) -> Result<Self> {
+        let ctx = &cuda.gpu.ctx;
+        let driver = |e: DriverError| gpu_err(e.into());
+        // SAFETY: u16 has no invalid bit patterns; every element is written before it is read.
+        let staging = unsafe { ctx.alloc_pinned::<u16>(image_len.max(1)) }.map_err(driver)?;
+        Ok(SlotUploader {
+            stream: ctx.new_stream().map_err(driver)?,
+            staging,
+            slot_free: ctx.new_event(None).map_err(driver)?,
+            copied: ctx.new_event(None).map_err(driver)?,
+            in_flight: false,
+        })
+    }
+
+    /// The pinned image, once the previous copy out of it has finished.
+    fn staging(&mut self, len: usize) -> Result<&mut [u16]> {
+        let driver = |e: DriverError| gpu_err(e.into());
+        if self.in_flight {
+            self.copied.synchronize().map_err(driver)?;
+            self.in_flight = false;
+        }
+        let all = self.staging.as_mut_slice().map_err(driver)?;
+        all.get_mut(..len).ok_or_else(|| EngineError::Backend("LoRA staging smaller than a slot".into()))
+    }
+}
+
+/// One slot's bf16 image in the order `set_slot` copies it: per module (in
+/// [`TargetModule::ALL`] order), per layer, A `[r_pad, fan_in]` (rank rows, then zero rows) then B
+/// `[fan_out, r_pad]` (each row's rank columns, then zeros).
+struct SlotImage;
+
+impl SlotImage {
+    fn len(dims: &[(usize, usize)], layers: usize, r_pad: usize) -> usize {
+        dims.iter().map(|&(fan_in, fan_out)| layers * r_pad * (fan_in + fan_out)).sum()
+    }
+
+    /// Converts `adapter` into `out` on the CPU's cores (a rank-32 adapter of an 8B model is 84M
+    /// values: one thread takes a good part of a second).
+    fn fill(out: &mut [u16], adapter: &LoraAdapter, dims: &[(usize, usize)], layers: usize, r_pad: usize) -> Result<()> {
+        use rayon::prelude::*;
+        let bits = |v: f32| bf16::from_f32(v).to_bits();
+        let rank = adapter.rank;
+        // One work item per (module, layer): its A and B ranges of `out`.
+        let mut items = Vec::with_capacity(dims.len() * layers);
+        let mut rest = out;
+        for (module, &(fan_in, fan_out)) in TargetModule::ALL.into_iter().zip(dims) {
+            for layer in 0..layers {
+                let (a, tail) = rest.split_at_mut(r_pad * fan_in);
+                let (b, tail) = tail.split_at_mut(fan_out * r_pad);
+                rest = tail;
+                items.push((module, layer, fan_in, fan_out, a, b));
+            }
+        }
+        items.into_par_iter().try_for_each(|(module, layer, fan_in, fan_out, a, b)| {
+            a.fill(0);
+            b.fill(0);
+            let Some(pair) = adapter.pair(layer, module) else { return Ok(()) };
+            if pair.a.len() != rank * fan_in || pair.b.len() != fan_out * rank {
+                return Err(EngineError::InvalidRequest(format!("layer {layer} {}: LoRA shapes do not match the model", module.peft_name())));
+            }
+            // A: [rank, in] rows, then zero rows up to r_pad.
+            for (dst, &src) in a.iter_mut().zip(&pair.a) {
+                *dst = bits(src);
+            }
+            // B: [out, rank] → [out, r_pad], zero-padded per row.
+            if rank > 0 {
+                for (dst, src) in b.chunks_exact_mut(r_pad).zip(pair.b.chunks_exact(rank)) {
+                    for (d, &v) in dst.iter_mut().zip(src) {
+                        *d = bits(v);
+                    }
+                }
+            }
+            Ok(())
+        })
     }
 }
 
@@ -181,14 +275,19 @@ impl GpuLora {
             t_lo: zeros(max_tokens.max(1) * 3 * r_pad)?,
             counters: ints(3 * lora_max_tiles(max_tokens, cap.max_loras))?,
             overlap: SideStream::new(cuda)?,
+            uploader: None,
         })
     }
 
-    /// Writes `adapter` into `slot` (every layer and module; untargeted modules become zeros).
+    /// Writes `adapter` into `slot` (every layer and module; untargeted modules become zeros)
+    /// without blocking the engine thread on the GPU: the bf16 image is built on the CPU's cores
+    /// into pinned memory and copied on the uploader's own stream, which first waits for the work
+    /// already enqueued (an earlier step may still read the slot's previous adapter); the main stream
+    /// then waits for the copy, so the next step sees the whole adapter. The host waits only when a
+    /// second load follows before the first one's copy has finished (its pinned image is reused).
     pub fn set_slot(&mut self, cuda: &Cuda, slot: u32, adapter: &LoraAdapter) -> Result<()> {
         let slot = slot as usize;
         let LoraCapacity { max_loras, max_rank } = self.capacity;
-        let r_max = self.r_pad;
         if slot >= max_loras {
             return Err(EngineError::InvalidRequest(format!("LoRA slot {slot} outside the {max_loras} slots")));
         }
@@ -202,44 +301,37 @@ impl GpuLora {
                 self.layers
             )));
         }
-        let stream = &cuda.gpu.stream;
-        let bits = |v: f32| bf16::from_f32(v).to_bits();
-        for (mi, module) in TargetModule::ALL.into_iter().enumerate() {
-            let stack = &mut self.modules[mi];
-            let (fan_in, fan_out) = (stack.fan_in, stack.fan_out);
-            let mut a = vec![0u16; r_max * fan_in];
-            let mut b = vec![0u16; fan_out * r_max];
+        let dims: Vec<(usize, usize)> = self.modules.iter().map(|m| (m.fan_in, m.fan_out)).collect();
+        let image_len = SlotImage::len(&dims, self.layers, self.r_pad);
+        if self.uploader.is_none() {
+            self.uploader = Some(SlotUploader::new(cuda, image_len)?);
+        }
+        let Some(up) = &mut self.uploader else { return Err(EngineError::Backend("LoRA uploader missing".into())) };
+        SlotImage::fill(up.staging(image_len)?, adapter, &dims, self.layers, self.r_pad)?;
+        let main = &cuda.gpu.stream;
+        let driver = |e: DriverError| gpu_err(e.into());
+        let staging = up.staging.as_slice().map_err(driver)?;
+        up.slot_free.record(main).map_err(driver)?;
+        up.stream.wait(&up.slot_free).map_err(driver)?;
+        let r_pad = self.r_pad;
+        let mut offset = 0;
+        for stack in &mut self.modules {
+            let (a_len, b_len) = (r_pad * stack.fan_in, stack.fan_out * r_pad);
             for layer in 0..self.layers {
-                a.fill(0);
-                b.fill(0);
-                if let Some(pair) = adapter.pair(layer, module) {
-                    let rank = adapter.rank;
-                    if pair.a.len() != rank * fan_in || pair.b.len() != fan_out * rank {
-                        return Err(EngineError::InvalidRequest(format!(
-                            "layer {layer} {}: LoRA shapes do not match the model",
-                            module.peft_name()
-                        )));
-                    }
-                    // A: [rank, in] rows, then zero rows up to r_pad.
-                    for (dst, &src) in a.iter_mut().zip(&pair.a) {
-                        *dst = bits(src);
-                    }
-                    // B: [out, rank] → [out, r_pad], zero-padded per row.
-                    for o in 0..fan_out {
-                        for r in 0..rank {
-                            b[o * r_max + r] = bits(pair.b[o * rank + r]);
-                        }
-                    }
-                }
                 let at = layer * max_loras + slot;
-                stack.a.write_at(stream, at * r_max * fan_in, &a).map_err(gpu_err)?;
-                stack.b.write_at(stream, at * fan_out * r_max, &b).map_err(gpu_err)?;
+                stack.a.write_at(&up.stream, at * a_len, &staging[offset..offset + a_len]).map_err(gpu_err)?;
+                offset += a_len;
+                stack.b.write_at(&up.stream, at * b_len, &staging[offset..offset + b_len]).map_err(gpu_err)?;
+                offset += b_len;
             }
         }
+        up.copied.record(&up.stream).map_err(driver)?;
+        up.in_flight = true;
+        main.wait(&up.copied).map_err(driver)?;
         self.scales_host[slot] = adapter.scaling;
-        self.scales.write(stream, &self.scales_host).map_err(gpu_err)?;
+        self.scales.write(main, &self.scales_host).map_err(gpu_err)?;
         self.ranks_host[slot] = adapter.rank as i32;
-        self.ranks.write(stream, &self.ranks_host).map_err(gpu_err)?;
+        self.ranks.write(main, &self.ranks_host).map_err(gpu_err)?;
         Ok(())
     }
 

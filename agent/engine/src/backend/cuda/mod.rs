@@ -84,6 +84,10 @@ pub struct CudaOptions {
     /// Element type of the KV cache (`--kv-cache-dtype`): bf16, or e4m3 for twice the tokens and half
     /// the attention traffic.
     pub kv_cache_dtype: KvCacheDtype,
+    /// Rotate q and k of every head by the normalized Walsh–Hadamard matrix before k is stored
+    /// (`--kv-cache-dtype fp8`/`fp8-hadamard`): scores are unchanged, k's outliers are spread before
+    /// they are rounded to the cache's type. Needs a power-of-two head dimension.
+    pub kv_hadamard: bool,
     /// `--quantization fp8|int8`: the decoder linears as 8-bit codes with one scale per output row
     /// (host weights are quantized by `RowQuantMatrix::quantize`, the CPU backend's values; dummy
     /// weights on the device), activations quantized per token (W8A8). None: bf16, unless the
@@ -104,6 +108,7 @@ impl Default for CudaOptions {
             cuda_graph_max_batch: 256,
             lora: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
+            kv_hadamard: false,
             quantization: None,
         }
     }
@@ -150,6 +155,8 @@ pub struct CudaBackend {
     /// `kv_dtype` in its layout ([`KvCacheDtype`]), in one allocation.
     kv_cache: DevBuf<u16>,
     kv_dtype: KvCacheDtype,
+    /// q and k Hadamard-rotated per head in `rope_kv_write` ([`CudaOptions::kv_hadamard`]).
+    kv_hadamard: bool,
     rope_cos: DevBuf<f32>,
     rope_sin: DevBuf<f32>,
     scratch: Scratch,
@@ -262,7 +269,7 @@ impl CudaBackend {
             lora_slots: lora.as_ref().map_or(0, |l| l.capacity.max_loras),
         };
         let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
-        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
+        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_hadamard: opts.kv_hadamard, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -383,6 +390,7 @@ impl CudaBackend {
                     d,
                     bs,
                     self.kv_dtype,
+                    self.kv_hadamard,
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
                 if let Some(f) = w8 {

@@ -1,0 +1,231 @@
+//! `peregrine-agent eval`: what 8-bit weights and 8-bit KV caches cost in quality, measured against
+//! the unquantized model on the same weights (f32 on the CPU, bf16 on CUDA). Over the fixture
+//! prompts (`prompts.json`, every position): mean and max |Δlogit| over the reference's top-10 ids,
+//! top-1 agreement and KL(reference ‖ configuration); on a public-domain text
+//! (`pride-and-prejudice-ch1.txt`, Project Gutenberg eBook #1342, chapter 1): perplexity, and how
+//! often the greedy pick agrees with the reference's. Without `--quantization`/`--kv-cache-dtype` it
+//! prints every option side by side, so the defaults' choice is visible; with them, that one
+//! configuration.
+
+mod variants;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use peregrine_engine::backend::Backend;
+use peregrine_engine::bench::fidelity::{self, Comparison, Reference};
+use peregrine_engine::model::{self, ModelWeights};
+use peregrine_engine::tokenizer::Tokenizer;
+
+use crate::runtime::{DeviceArg, KvCacheDtypeArg, LoadFormatArg, QuantizationArg};
+pub use variants::{KvOption, Variant, WeightOption};
+
+/// The fixture prompts (transformers' reference logits for SmolLM2 were computed on these).
+const PROMPTS: &str = include_str!("prompts.json");
+/// Project Gutenberg eBook #1342 (Jane Austen, Pride and Prejudice), chapter 1: public domain.
+pub const TEXT: &str = include_str!("pride-and-prejudice-ch1.txt");
+
+#[derive(Debug, Clone, Args)]
+pub struct EvalArgs {
+    /// Model: a GGUF file or a Hugging Face folder.
+    #[arg(long, env = "PEREGRINE_MODEL")]
+    pub model: PathBuf,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub load_format: LoadFormatArg,
+    /// Where the model runs (default: cuda when usable, else cpu).
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceArg>,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Evaluate only this weight quantization (with --kv-cache-dtype, or the backend's own cache).
+    #[arg(long, value_enum)]
+    pub quantization: Option<QuantizationArg>,
+    /// Evaluate only this KV cache type (with --quantization, or unquantized weights).
+    #[arg(long, value_enum)]
+    pub kv_cache_dtype: Option<KvCacheDtypeArg>,
+    /// Perplexity text instead of the built-in chapter (UTF-8, at most 1 MiB).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Tokens of the text to use (the first ones; 0: all).
+    #[arg(long, default_value_t = 0)]
+    pub text_tokens: usize,
+    /// Positions per forward step.
+    #[arg(long, default_value_t = 64)]
+    pub chunk: usize,
+}
+
+/// Longest perplexity text read from a file (bounds the work and the memory).
+const MAX_TEXT_BYTES: u64 = 1 << 20;
+
+/// One evaluated configuration.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub variant: Variant,
+    pub comparison: Comparison,
+}
+
+/// What `eval` measured.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub device: DeviceArg,
+    pub reference_label: String,
+    pub reference: Reference,
+    pub text_tokens: usize,
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    pub fn reference_perplexity(&self) -> f64 {
+        self.reference.text.perplexity()
+    }
+
+    /// The row of `variant`, if it was measured.
+    pub fn row(&self, variant: &Variant) -> Option<&Row> {
+        self.rows.iter().find(|r| &r.variant == variant)
+    }
+}
+
+/// The prompts and text as token ids.
+pub struct Inputs {
+    pub prompts: Vec<Vec<u32>>,
+    pub text: Vec<u32>,
+}
+
+impl EvalArgs {
+    fn inputs(&self, tokenizer: &Tokenizer) -> anyhow::Result<Inputs> {
+        let prompts: Vec<String> = serde_json::from_str(PROMPTS).context("the built-in prompts")?;
+        let prompts = prompts
+            .iter()
+            .map(|p| tokenizer.encode(p))
+            .collect::<Result<Vec<_>, _>>()
+            .context("tokenizing the prompts")?;
+        let text = match &self.text {
+            None => TEXT.to_string(),
+            Some(path) => {
+                let len = std::fs::metadata(path).map_err(|e| anyhow::anyhow!("--text: cannot read the file: {}", e.kind()))?.len();
+                if len > MAX_TEXT_BYTES {
+                    anyhow::bail!("--text: {len} bytes, at most {MAX_TEXT_BYTES}");
+                }
+                std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("--text: cannot read the file as UTF-8 text: {}", e.kind()))?
+            }
+        };
+        let mut text = tokenizer.encode(&text).context("tokenizing the text")?;
+        if self.text_tokens > 0 {
+            text.truncate(self.text_tokens);
+        }
+        if text.len() < 2 || prompts.iter().any(|p| p.is_empty()) {
+            anyhow::bail!("the perplexity text needs at least 2 tokens and every prompt 1");
+        }
+        Ok(Inputs { prompts, text })
+    }
+
+    /// The configurations to compare: the one asked for, or every one the device runs.
+    fn variants(&self, device: DeviceArg) -> anyhow::Result<Vec<Variant>> {
+        if self.quantization.is_none() && self.kv_cache_dtype.is_none() {
+            return Ok(variants::table(device));
+        }
+        let weights = match self.quantization {
+            None => WeightOption::Unquantized,
+            Some(q) => WeightOption::default_for(q.into()),
+        };
+        let kv = match self.kv_cache_dtype {
+            None | Some(KvCacheDtypeArg::Auto) => KvOption::Native,
+            Some(k) => KvOption::from_flag(k),
+        };
+        Ok(vec![Variant { weights, kv }])
+    }
+
+    fn device(&self) -> DeviceArg {
+        self.device.unwrap_or_else(crate::runtime::default_device)
+    }
+
+    /// Measures the configurations the flags ask for, handing each output line to `progress`.
+    pub fn evaluate(&self, progress: impl FnMut(&str)) -> anyhow::Result<Report> {
+        let variants = self.variants(self.device())?;
+        self.evaluate_variants(&variants, progress)
+    }
+
+    /// Measures `variants` against the unquantized model.
+    pub fn evaluate_variants(&self, variants: &[Variant], mut progress: impl FnMut(&str)) -> anyhow::Result<Report> {
+        let device = self.device();
+        let tokenizer = Tokenizer::for_model(&self.model).with_context(|| format!("loading the tokenizer of {}", self.model.display()))?;
+        let inputs = self.inputs(&tokenizer)?;
+        let loaded = model::load(&self.model, self.load_format.into()).with_context(|| format!("loading model {}", self.model.display()))?;
+        let weights = loaded.weights;
+        let longest = inputs.prompts.iter().map(Vec::len).chain([inputs.text.len()]).max().unwrap_or(0);
+        let backends = Backends { device, threads: self.threads, longest, chunk: self.chunk.clamp(1, 256) };
+
+        let ref_variant = Variant { weights: WeightOption::Unquantized, kv: KvOption::Native };
+        let reference_label = ref_variant.label(device);
+        let mut backend = backends.build(&weights, &ref_variant)?;
+        let reference = fidelity::run_reference(backend.as_mut(), &inputs.prompts, &inputs.text, backends.chunk)?;
+        drop(backend);
+        progress(&header(&reference_label, reference.text.perplexity(), inputs.text.len()));
+        let mut rows = Vec::new();
+        for &variant in variants {
+            let mut backend = match backends.build(&weights, &variant) {
+                Ok(b) => b,
+                Err(e) => {
+                    progress(&format!("{:<44} not measured: {e:#}", variant.label(device)));
+                    continue;
+                }
+            };
+            let comparison = fidelity::compare(backend.as_mut(), &reference, &inputs.text, backends.chunk)?;
+            drop(backend);
+            let row = Row { variant, comparison };
+            progress(&format_row(device, &row, reference.text.perplexity()));
+            rows.push(row);
+        }
+        Ok(Report { device, reference_label, reference, text_tokens: inputs.text.len(), rows })
+    }
+}
+
+/// Builds a backend for each configuration, sized for the longest input.
+struct Backends {
+    device: DeviceArg,
+    threads: Option<usize>,
+    longest: usize,
+    chunk: usize,
+}
+
+impl Backends {
+    fn build(&self, weights: &ModelWeights, variant: &Variant) -> anyhow::Result<Box<dyn Backend>> {
+        match self.device {
+            DeviceArg::Cpu => variants::cpu_backend(weights, variant, self.longest, self.threads.unwrap_or(0)),
+            DeviceArg::Cuda => variants::cuda_backend(weights, variant, self.longest, self.chunk),
+        }
+    }
+}
+
+fn header(reference: &str, perplexity: f64, text_tokens: usize) -> String {
+    format!(
+        "reference: {reference}, perplexity {perplexity:.4} on {text_tokens} tokens\n{:<44} {:>9} {:>8} {:>6} {:>9} {:>8} {:>10} {:>7} {:>10}",
+        "configuration", "mean |Δ|", "max |Δ|", "top-1", "KL mean", "KL max", "perplexity", "Δppl", "text top-1"
+    )
+}
+
+fn format_row(device: DeviceArg, row: &Row, reference_ppl: f64) -> String {
+    let c = &row.comparison;
+    let ppl = c.text.perplexity();
+    format!(
+        "{:<44} {:>9.4} {:>8.3} {:>3}/{:<2} {:>9.5} {:>8.4} {:>10.4} {:>+6.2}% {:>5}/{}",
+        row.variant.label(device),
+        c.logits.mean_abs_diff(),
+        c.logits.max_abs_diff,
+        c.logits.top1_agree,
+        c.logits.positions,
+        c.kl_mean(),
+        c.kl_max,
+        ppl,
+        100.0 * (ppl / reference_ppl - 1.0),
+        c.text_top1_agree,
+        c.text.argmax.len()
+    )
+}
+
+pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    args.evaluate(|line| println!("{line}"))?;
+    Ok(())
+}

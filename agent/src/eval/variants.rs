@@ -1,0 +1,194 @@
+//! The configurations `eval` compares (weights × KV cache), and the backend each one runs on.
+
+use peregrine_engine::backend::cpu::kv_cache::{KvElem, KvFormat};
+use peregrine_engine::backend::cpu::CpuBackend;
+use peregrine_engine::backend::{Backend, KvCacheShape};
+use peregrine_engine::model::quantize::{quantize_linear_weights_with, Granularity};
+use peregrine_engine::model::rowquant::{Activations, RowFormat};
+use peregrine_engine::model::ModelWeights;
+
+use crate::runtime::{DeviceArg, KvCacheDtypeArg, FP8_KV_HADAMARD_DEFAULT};
+
+/// How the decoder's linear weights are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightOption {
+    /// As loaded: f32 on the CPU, bf16 on CUDA.
+    Unquantized,
+    Quantized { format: RowFormat, granularity: Granularity, activations: Activations },
+}
+
+impl WeightOption {
+    /// What `--quantization` does: one scale per output row, activations per token (W8A8).
+    pub fn default_for(format: RowFormat) -> Self {
+        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken }
+    }
+
+    fn label(&self, device: DeviceArg) -> String {
+        match *self {
+            WeightOption::Unquantized => match device {
+                DeviceArg::Cpu => "weights f32".into(),
+                DeviceArg::Cuda => "weights bf16".into(),
+            },
+            WeightOption::Quantized { format, granularity, activations } => format!(
+                "{} {}, per {}",
+                format.name(),
+                match activations {
+                    Activations::PerToken => "W8A8",
+                    Activations::Float => "W8A16",
+                },
+                match granularity {
+                    Granularity::PerRow => "row",
+                    Granularity::PerTensor => "tensor",
+                }
+            ),
+        }
+    }
+}
+
+/// How the KV cache keeps K and V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvOption {
+    /// The backend's own: f32 on the CPU, bf16 on CUDA.
+    Native,
+    /// As the CPU cache's format says (the CUDA cache runs the ones with one type for K and V).
+    Typed(KvFormat),
+}
+
+impl KvOption {
+    pub const BF16: KvOption = KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard: false, hadamard_v: false });
+
+    pub fn fp8(hadamard: bool) -> KvOption {
+        KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3, hadamard))
+    }
+
+    /// What a `--kv-cache-dtype` value stores.
+    pub fn from_flag(flag: KvCacheDtypeArg) -> KvOption {
+        match flag {
+            KvCacheDtypeArg::Auto => KvOption::Native,
+            KvCacheDtypeArg::Bf16 => KvOption::BF16,
+            KvCacheDtypeArg::Fp8 => KvOption::fp8(FP8_KV_HADAMARD_DEFAULT),
+            KvCacheDtypeArg::Fp8Hadamard => KvOption::fp8(true),
+            KvCacheDtypeArg::Fp8Plain => KvOption::fp8(false),
+        }
+    }
+
+    fn label(&self, device: DeviceArg) -> String {
+        match self {
+            KvOption::Native => match device {
+                DeviceArg::Cpu => "KV f32".into(),
+                DeviceArg::Cuda => "KV bf16".into(),
+            },
+            KvOption::Typed(format) => format!("KV {}", format.label()),
+        }
+    }
+}
+
+/// One configuration: weights × KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Variant {
+    pub weights: WeightOption,
+    pub kv: KvOption,
+}
+
+impl Variant {
+    pub fn label(&self, device: DeviceArg) -> String {
+        format!("{} · {}", self.weights.label(device), self.kv.label(device))
+    }
+}
+
+/// Every configuration worth comparing on `device`: each weight format with the native cache, each
+/// cache with unquantized weights, and fp8 weights with the fp8 cache's default.
+pub fn table(device: DeviceArg) -> Vec<Variant> {
+    use Activations::{Float, PerToken};
+    use Granularity::{PerRow, PerTensor};
+    let native = |weights| Variant { weights, kv: KvOption::Native };
+    let unquantized = |kv| Variant { weights: WeightOption::Unquantized, kv };
+    let mut out = Vec::new();
+    for format in [RowFormat::Fp8E4m3, RowFormat::Int8] {
+        let combos: &[(Granularity, Activations)] = match device {
+            // The CPU computes every combination with the same 8-bit values.
+            DeviceArg::Cpu => &[(PerRow, PerToken), (PerTensor, PerToken), (PerRow, Float), (PerTensor, Float)],
+            // The CUDA backend runs what `--quantization` does.
+            DeviceArg::Cuda => &[(PerRow, PerToken)],
+        };
+        for &(granularity, activations) in combos {
+            out.push(native(WeightOption::Quantized { format, granularity, activations }));
+        }
+    }
+    if device == DeviceArg::Cpu {
+        out.push(unquantized(KvOption::BF16));
+    }
+    out.push(unquantized(KvOption::fp8(false)));
+    out.push(unquantized(KvOption::fp8(true)));
+    if device == DeviceArg::Cpu {
+        // The cheaper alternatives: only one of K and V in fp8 (CPU only so far).
+        for hadamard in [false, true] {
+            out.push(unquantized(KvOption::Typed(KvFormat { v: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, hadamard) })));
+        }
+        out.push(unquantized(KvOption::Typed(KvFormat { k: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, false) })));
+        // V rotated too (output rotated back): what the rotation could buy for V's rounding.
+        out.push(unquantized(KvOption::Typed(KvFormat { hadamard_v: true, ..KvFormat::both(KvElem::Fp8E4m3, true) })));
+    }
+    out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::fp8(FP8_KV_HADAMARD_DEFAULT) });
+    out
+}
+
+/// The weights a configuration runs with (a copy, quantized as it says).
+fn weights_for(weights: &ModelWeights, option: WeightOption) -> anyhow::Result<ModelWeights> {
+    let mut w = weights.clone();
+    if let WeightOption::Quantized { format, granularity, activations } = option {
+        quantize_linear_weights_with(&mut w, format, granularity, activations)?;
+    }
+    Ok(w)
+}
+
+/// A CPU backend for `variant` with room for `longest` tokens.
+pub fn cpu_backend(weights: &ModelWeights, variant: &Variant, longest: usize, threads: usize) -> anyhow::Result<Box<dyn Backend>> {
+    let block_size = 16;
+    let shape = KvCacheShape { num_blocks: longest.div_ceil(block_size).max(1), block_size };
+    let mut backend = CpuBackend::new(weights_for(weights, variant.weights)?, shape, threads)?;
+    if let KvOption::Typed(format) = variant.kv {
+        backend.set_kv_format(format)?;
+    }
+    Ok(Box::new(backend))
+}
+
+/// A CUDA backend for `variant` with room for `longest` tokens and steps of `chunk` one-token
+/// sequences.
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, chunk: usize) -> anyhow::Result<Box<dyn Backend>> {
+    use anyhow::Context;
+    use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, WeightInit};
+    let quantization = match variant.weights {
+        WeightOption::Unquantized => None,
+        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken } => Some(format),
+        WeightOption::Quantized { .. } => anyhow::bail!("the CUDA backend runs per-row W8A8 weights only"),
+    };
+    let (kv_cache_dtype, kv_hadamard) = match variant.kv {
+        KvOption::Native => (KvCacheDtype::Bf16, false),
+        KvOption::Typed(KvFormat { hadamard_v: true, .. }) => anyhow::bail!("the CUDA backend does not rotate V"),
+        KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard, .. }) => (KvCacheDtype::Bf16, hadamard),
+        KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard, .. }) => (KvCacheDtype::Fp8E4m3, hadamard),
+        KvOption::Typed(_) => anyhow::bail!("the CUDA cache keeps K and V in one type (bf16 or fp8)"),
+    };
+    let block_size = 16;
+    let opts = CudaOptions {
+        block_size,
+        gpu_memory_utilization: 0.9,
+        max_model_len: longest.next_multiple_of(block_size),
+        max_num_batched_tokens: chunk,
+        max_num_seqs: chunk,
+        num_blocks: Some(longest.div_ceil(block_size) + 1),
+        cuda_graph_max_batch: 0,
+        kv_cache_dtype,
+        kv_hadamard,
+        quantization,
+        ..CudaOptions::default()
+    };
+    Ok(Box::new(CudaBackend::new(WeightInit::Host(weights), &opts).context("starting the CUDA backend")?))
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_backend(_: &ModelWeights, _: &Variant, _: usize, _: usize) -> anyhow::Result<Box<dyn Backend>> {
+    anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
+}

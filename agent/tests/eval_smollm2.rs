@@ -1,0 +1,88 @@
+//! `peregrine-agent eval` on the CPU with SmolLM2: its unquantized reference equals transformers'
+//! float32 logits (`fixtures/smollm2/reference.json`) and perplexity (`fixtures/smollm2/perplexity.json`,
+//! made by `scripts/make-perplexity-fixture.py` on the first 256 tokens of the built-in text), and
+//! the 8-bit weight rows stay within the bounds `tests/quant_fidelity.rs` checks against the same
+//! fixture (`fidelity::SMOLLM2_WEIGHT_BOUNDS`, the one set of bounds).
+
+mod common;
+
+use peregrine_agent::eval::{EvalArgs, KvOption, Variant, WeightOption};
+use peregrine_agent::runtime::{DeviceArg, LoadFormatArg};
+use peregrine_engine::bench::fidelity::{self, SMOLLM2_WEIGHT_BOUNDS};
+use peregrine_engine::model::quantize::Granularity;
+
+fn fixture(name: &str) -> serde_json::Value {
+    let path = peregrine_testkit::fixtures_dir().join("smollm2").join(name);
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
+    let perplexity = fixture("perplexity.json");
+    let prefix = perplexity["prefix_tokens"].as_u64().unwrap() as usize;
+    let args = EvalArgs {
+        model: peregrine_testkit::test_model(),
+        load_format: LoadFormatArg::Auto,
+        device: Some(DeviceArg::Cpu),
+        threads: Some(2),
+        quantization: None,
+        kv_cache_dtype: None,
+        text: None,
+        text_tokens: prefix,
+        chunk: 64,
+    };
+    let bounded: Vec<Variant> = SMOLLM2_WEIGHT_BOUNDS
+        .iter()
+        .map(|&(_, format, activations, _, _)| Variant {
+            weights: WeightOption::Quantized { format, granularity: Granularity::PerRow, activations },
+            kv: KvOption::Native,
+        })
+        .collect();
+    let mut variants = bounded.clone();
+    variants.push(Variant { weights: WeightOption::Unquantized, kv: KvOption::fp8(true) });
+    let report = args.evaluate_variants(&variants, |line| eprintln!("{line}")).unwrap();
+
+    // The reference is transformers' model: same prompt tokens, logits within 1e-3 at every position.
+    let reference = fixture("reference.json");
+    let prompts = reference["prompts"].as_array().unwrap();
+    assert_eq!(report.reference.prompts.len(), prompts.len());
+    for ((tokens, rows), p) in report.reference.prompts.iter().zip(prompts) {
+        assert_eq!(tokens, &ids(&p["input_ids"]), "{}", p["prompt"]);
+        let want = fidelity::prompts_from_reference(&serde_json::json!({ "prompts": [p] })).unwrap().remove(0);
+        let mut f = fidelity::Fidelity::default();
+        for (row, (top, logits)) in rows.iter().zip(&want.positions) {
+            f.add(row, top, logits);
+        }
+        assert_eq!(f.top1_agree, f.positions, "{}", p["prompt"]);
+        assert!(f.max_abs_diff < 1e-3, "{}: {f:?}", p["prompt"]);
+    }
+
+    // Perplexity of the same tokens as transformers'.
+    assert_eq!(report.text_tokens, prefix);
+    let want_ids = ids(&perplexity["input_ids"]);
+    assert_eq!(report.reference.text.nll.len(), prefix - 1);
+    let want_ppl = perplexity["prefix_perplexity"].as_f64().unwrap();
+    let got_ppl = report.reference_perplexity();
+    assert!((got_ppl / want_ppl - 1.0).abs() < 1e-3, "perplexity {got_ppl}, transformers {want_ppl}");
+    let want_nll: Vec<f64> = perplexity["nll"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    for (i, (g, w)) in report.reference.text.nll.iter().zip(&want_nll).enumerate() {
+        assert!((g - w).abs() < 2e-3, "token {} ({}): NLL {g}, transformers {w}", i + 1, want_ids[i + 1]);
+    }
+
+    for (variant, (label, _, _, max_mean, min_top1)) in bounded.iter().zip(SMOLLM2_WEIGHT_BOUNDS) {
+        let c = &report.row(variant).unwrap().comparison;
+        assert_eq!(c.logits.positions, 36);
+        assert!(c.logits.mean_abs_diff() <= max_mean, "{label}: mean |Δlogit| {} > {max_mean}", c.logits.mean_abs_diff());
+        assert!(c.logits.top1_agree >= min_top1, "{label}: top-1 {}/36 < {min_top1}", c.logits.top1_agree);
+        // 8-bit weights cost something, never everything: KL and perplexity finite and near the reference.
+        let ppl = c.text.perplexity();
+        assert!(c.kl_mean() > 0.0 && c.kl_max.is_finite(), "{label}: {c:?}");
+        assert!(ppl.is_finite() && (ppl / got_ppl - 1.0).abs() < 0.25, "{label}: perplexity {ppl} vs {got_ppl}");
+    }
+    let fp8_kv = &report.row(&variants[3]).unwrap().comparison;
+    assert!(fp8_kv.logits.mean_abs_diff() > 0.0 && fp8_kv.text.perplexity().is_finite(), "{fp8_kv:?}");
+}

@@ -1,0 +1,309 @@
+//! Row-wise FP8 GEMMs through cuBLASLt: `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`: Hopper's FP8 tensor
+//! cores through NVIDIA's own pipelined kernels (TMA, warp-specialised), where our `gemm_w8a8`
+//! (mma.sync, no software pipeline) reaches about a third of the chip. The token scales `xs` and
+//! weight-row scales `ws` go to cuBLASLt's "outer vector" scaling mode where the library offers it
+//! for the GPU (one f32 per row of each operand, applied to the f32 accumulator); where it does not
+//! (cuBLAS 13.0 on the H100 refuses it), the GEMM runs unscaled and the caller applies both scales
+//! in place afterwards (`Kernels::scale_outer`: one more pass over the output, 2 × m × n × 2 bytes).
+//!
+//! cuBLASLt picks its kernel per shape (`cublasLtMatmulAlgoGetHeuristic`, tens of microseconds on
+//! the host), so a plan (descriptors + chosen algorithm) is made once per (m, n, k, output type)
+//! and kept; a shape cuBLASLt refuses is remembered as refused and the caller falls back to our
+//! kernel. Like the bf16 cuBLAS path, the kernel (split-K, tile) depends on m, so a row's last bits
+//! may differ between batch sizes; `PEREGRINE_GEMM8=ours` keeps every 8-bit GEMM on `gemm_w8a8`,
+//! whose rows are batch invariant.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::{size_of, MaybeUninit};
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::result::{self as lt, CublasError};
+use cudarc::cublaslt::sys;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use crate::ops::DPtr;
+use crate::{KernelError, Result};
+
+/// cuBLASLt's recommended workspace on Hopper; fixed, so that calls can be captured into graphs.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// The int8 GEMM's int32 sums go through this scratch (16 Mi elements, 64 MiB) before the scales make
+/// them bf16/f32; longer steps run in row chunks that fit.
+const ACC_ELEMS: usize = 16 << 20;
+/// Plans kept before the cache is emptied (prefill steps of many different lengths each make
+/// one per projection shape; a plan is a few hundred bytes of descriptors).
+const MAX_PLANS: usize = 2048;
+
+fn lt_err(what: &str, e: CublasError) -> KernelError {
+    KernelError::Unsupported(format!("cuBLASLt {what}: {e:?}"))
+}
+
+/// What [`BlasLt::gemm_fp8_rowwise`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LtRun {
+    /// Nothing launched: cuBLASLt has no kernel for the shape.
+    Declined,
+    /// `y` holds the scaled result.
+    Scaled,
+    /// `y` holds `xq · wqᵀ` unscaled: the caller multiplies by `xs[i] · ws[j]`.
+    Unscaled,
+}
+
+/// Descriptors and the chosen algorithm of one shape.
+struct Plan {
+    /// The scales go to cuBLASLt's outer-vector mode (else the GEMM runs unscaled).
+    outer: bool,
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created by `Plan::new`, destroyed once here; errors on teardown are not actionable.
+        unsafe {
+            for layout in self.layouts {
+                let _ = lt::destroy_matrix_layout(layout);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// One GEMM shape and its operand types: e4m3 codes into bf16/f32 (`f32_out`), or int8 codes into
+/// exact int32 sums (`int8`; `f32_out` unused).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    m: usize,
+    n: usize,
+    k: usize,
+    f32_out: bool,
+    int8: bool,
+}
+
+pub struct BlasLt {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    /// int32 sums of the int8 GEMM, [`ACC_ELEMS`].
+    acc: CudaSlice<i32>,
+    stream: Arc<CudaStream>,
+    /// None: cuBLASLt has no kernel for this shape (the caller uses its own).
+    plans: Mutex<HashMap<PlanKey, Option<Plan>>>,
+}
+
+// SAFETY: the handle and descriptors are used under the plans' mutex or from the one thread that
+// owns the stream; cuBLASLt handles may be used from any thread.
+unsafe impl Send for BlasLt {}
+unsafe impl Sync for BlasLt {}
+
+impl Drop for BlasLt {
+    fn drop(&mut self) {
+        if let Ok(mut plans) = self.plans.lock() {
+            plans.clear();
+        }
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+impl BlasLt {
+    /// A handle on `stream`, or None where libcublasLt cannot be loaded (the caller keeps its own
+    /// kernels).
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Option<Self>> {
+        // SAFETY: only probes whether the library loads.
+        if !unsafe { sys::is_culib_present() } {
+            return Ok(None);
+        }
+        let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        let acc = stream.alloc_zeros::<i32>(ACC_ELEMS)?;
+        Ok(Some(BlasLt { handle, workspace, acc, stream: stream.clone(), plans: Mutex::new(HashMap::new()) }))
+    }
+
+    /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` over e4m3 codes (`xq` m × k tokens, `wq` n × k weight
+    /// rows, both row-major), y bf16 or f32, or the same unscaled ([`LtRun::Unscaled`]) where the
+    /// library cannot scale by rows; [`LtRun::Declined`] (nothing launched) where cuBLASLt has no
+    /// kernel for the shape (k or n not a multiple of 16, or the library refuses it).
+    ///
+    /// # Safety
+    /// xq: m*k bytes, wq: n*k bytes, 16-byte aligned; xs: m f32; ws: n f32; y: m*n of the output
+    /// type; all on this handle's stream.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_fp8_rowwise(&self, y: DPtr, f32_out: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<LtRun> {
+        if m == 0 || n == 0 {
+            return Ok(LtRun::Scaled);
+        }
+        // FP8 cuBLASLt needs 16-element leading dimensions and 16-byte aligned operands.
+        if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !y.is_multiple_of(16) {
+            return Ok(LtRun::Declined);
+        }
+        let key = PlanKey { m, n, k, f32_out, int8: false };
+        // SAFETY: as this function's contract.
+        unsafe { self.run(key, y, xq, xs, wq, ws) }
+    }
+
+    /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` over int8 codes, y bf16 or f32: cuBLASLt's int8 GEMM
+    /// into exact int32 sums (in row chunks through its scratch), then `scale(y_rows, acc, xs_rows,
+    /// rows)` for each chunk (the caller's `Kernels::scale_outer_i32` with the row scales `ws`,
+    /// bit-identical to `gemm_w8a8`'s epilogue). false: nothing launched (cuBLASLt has no kernel for
+    /// the shape).
+    ///
+    /// # Safety
+    /// As [`BlasLt::gemm_fp8_rowwise`]; `scale(y, acc, xs, m)` must write `m` rows of `y` from `m`
+    /// rows of int32 sums at `acc`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_i8_rowwise(
+        &self,
+        y: DPtr,
+        f32_out: bool,
+        xq: DPtr,
+        xs: DPtr,
+        wq: DPtr,
+        m: usize,
+        n: usize,
+        k: usize,
+        scale: impl Fn(DPtr, DPtr, DPtr, usize) -> Result<()>,
+    ) -> Result<bool> {
+        if m == 0 || n == 0 {
+            return Ok(true);
+        }
+        if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !y.is_multiple_of(16) || n > ACC_ELEMS {
+            return Ok(false);
+        }
+        let rows = (ACC_ELEMS / n).min(m);
+        let (acc, _sync) = self.acc.device_ptr(self.stream.as_ref());
+        let out_bytes = if f32_out { 4 } else { 2 };
+        let mut r0 = 0;
+        while r0 < m {
+            let chunk = rows.min(m - r0);
+            let key = PlanKey { m: chunk, n, k, f32_out: false, int8: true };
+            // SAFETY: the chunk's rows of xq and the scratch (chunk * n <= ACC_ELEMS) as the contract.
+            let ran = unsafe { self.run(key, acc, xq + (r0 * k) as u64, 0, wq, 0)? };
+            if ran == LtRun::Declined {
+                if r0 == 0 {
+                    return Ok(false);
+                }
+                return Err(KernelError::Unsupported(format!("cuBLASLt took the first rows of an int8 GEMM but not {chunk} rows (n {n}, k {k})")));
+            }
+            scale(y + (r0 * n * out_bytes) as u64, acc, xs + (r0 * 4) as u64, chunk)?;
+            r0 += chunk;
+        }
+        Ok(true)
+    }
+
+    /// Runs `key`'s plan (made on first use) on `d = a · bᵀ` in our row-major terms (`a` = the weight
+    /// codes, `b` = the token codes), with the outer-vector scales where the plan has them.
+    ///
+    /// # Safety
+    /// As [`BlasLt::gemm_fp8_rowwise`] for `key`'s shape and types.
+    unsafe fn run(&self, key: PlanKey, d_ptr: DPtr, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr) -> Result<LtRun> {
+        let mut plans = self.plans.lock().map_err(|_| KernelError::Unsupported("cuBLASLt plan cache poisoned".into()))?;
+        if !plans.contains_key(&key) {
+            if plans.len() >= MAX_PLANS {
+                plans.clear();
+            }
+            let plan = self.plan(key).ok();
+            plans.insert(key, plan);
+        }
+        let Some(plan) = plans.get(&key).and_then(Option::as_ref) else { return Ok(LtRun::Declined) };
+        // Column-major view, as in `Blas::matmul`: yᵀ[n, m] = wq[n, k] (a k × n matrix, transposed) ·
+        // xqᵀ[k, m]. cuBLASLt's A is the weight (its rows are our output columns: scales `ws`), B the
+        // tokens (its columns are our rows: scales `xs`).
+        let set_ptr = |attr: sys::cublasLtMatmulDescAttributes_t, p: DPtr| {
+            let p = p as *const c_void;
+            // SAFETY: the plan's descriptor is live; the value is copied by the call.
+            unsafe { lt::set_matmul_desc_attribute(plan.desc, attr, &p as *const *const c_void as *const c_void, size_of::<*const c_void>()) }
+        };
+        if plan.outer {
+            set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ws).map_err(|e| lt_err("A scales", e))?;
+            set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, xs).map_err(|e| lt_err("B scales", e))?;
+        }
+        // The scale type is f32 for FP8 and int32 for int8 (`plan_with`).
+        let (alpha_f, beta_f, alpha_i, beta_i) = (1.0f32, 0.0f32, 1i32, 0i32);
+        let (alpha, beta) = if key.int8 {
+            (&alpha_i as *const i32 as *const c_void, &beta_i as *const i32 as *const c_void)
+        } else {
+            (&alpha_f as *const f32 as *const c_void, &beta_f as *const f32 as *const c_void)
+        };
+        let (ws_ptr, _sync) = self.workspace.device_ptr(self.stream.as_ref());
+        let [a, b, d] = plan.layouts;
+        // SAFETY: descriptors live; pointers as the caller's contract; the workspace is ours.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                alpha,
+                beta,
+                wq as *const c_void,
+                a,
+                xq as *const c_void,
+                b,
+                d_ptr as *const c_void,
+                d,
+                d_ptr as *mut c_void,
+                d,
+                &plan.algo,
+                ws_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| lt_err("matmul", e))?;
+        Ok(if plan.outer { LtRun::Scaled } else { LtRun::Unscaled })
+    }
+
+    /// The plan for one shape: with outer-vector scales if cuBLASLt has a kernel for them, else
+    /// unscaled.
+    fn plan(&self, key: PlanKey) -> std::result::Result<Plan, CublasError> {
+        if key.int8 {
+            return self.plan_with(key, false);
+        }
+        self.plan_with(key, true).or_else(|_| self.plan_with(key, false))
+    }
+
+    /// Descriptors for one shape (`outer`: with outer-vector scale modes) and cuBLASLt's first-choice
+    /// algorithm for them.
+    fn plan_with(&self, key: PlanKey, outer: bool) -> std::result::Result<Plan, CublasError> {
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
+        let PlanKey { m, n, k, f32_out, int8 } = key;
+        let (m64, n64, k64) = (m as u64, n as u64, k as u64);
+        let (compute, scale_type, code_type, d_type) = if int8 {
+            (sys::cublasComputeType_t::CUBLAS_COMPUTE_32I, sys::cudaDataType::CUDA_R_32I, sys::cudaDataType::CUDA_R_8I, sys::cudaDataType::CUDA_R_32I)
+        } else {
+            let d_type = if f32_out { sys::cudaDataType::CUDA_R_32F } else { sys::cudaDataType::CUDA_R_16BF };
+            (sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F, sys::cudaDataType::CUDA_R_8F_E4M3, d_type)
+        };
+        let desc = lt::create_matmul_desc(compute, scale_type)?;
+        // Each layout is owned by the plan as soon as it exists, so an error below frees it.
+        let mut plan = Plan { outer, desc, layouts: [std::ptr::null_mut(); 3], algo: unsafe { MaybeUninit::zeroed().assume_init() } };
+        plan.layouts[0] = lt::create_matrix_layout(code_type, k64, n64, k as i64)?;
+        plan.layouts[1] = lt::create_matrix_layout(code_type, k64, m64, k as i64)?;
+        plan.layouts[2] = lt::create_matrix_layout(d_type, n64, m64, n as i64)?;
+        // SAFETY: the descriptor is live; each value outlives its call.
+        unsafe {
+            let set_u32 = |attr: Attr, v: u32| lt::set_matmul_desc_attribute(desc, attr, &v as *const u32 as *const c_void, size_of::<u32>());
+            set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSA, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as u32)?;
+            set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSB, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N as u32)?;
+            if outer {
+                let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
+                set_u32(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode)?;
+                set_u32(Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode)?;
+            }
+            let pref = lt::create_matmul_pref()?;
+            let ws = WORKSPACE_BYTES as u64;
+            let set = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                size_of::<u64>(),
+            );
+            let [a, b, d] = plan.layouts;
+            let found = set.and_then(|()| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
+            let _ = lt::destroy_matmul_pref(pref);
+            plan.algo = found?.algo;
+        }
+        Ok(plan)
+    }
+}

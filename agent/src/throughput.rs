@@ -77,6 +77,9 @@ struct ThroughputReport {
     ttft_p50_seconds: f64,
     ttft_p99_seconds: f64,
     preemptions: u64,
+    /// Tokens run through prefill, recomputation after preemption included (the prompts alone
+    /// are `num_prompts * input_len`).
+    prefill_tokens_computed: u64,
     engine_steps: u64,
     /// With `--lora`: the same workload on the adapters.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -102,6 +105,7 @@ struct Pass {
     output_tokens: usize,
     ttft: Vec<f64>,
     preemptions: u64,
+    prefill_tokens_computed: u64,
     engine_steps: u64,
 }
 
@@ -179,6 +183,7 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
         ttft_p50_seconds: base.pct(0.5),
         ttft_p99_seconds: base.pct(0.99),
         preemptions: base.preemptions,
+        prefill_tokens_computed: base.prefill_tokens_computed,
         engine_steps: base.engine_steps,
         lora,
     };
@@ -191,6 +196,11 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
             report.num_prompts, report.input_len, report.output_len, report.max_num_seqs, report.max_num_batched_tokens
         );
         println!("elapsed     {:.2} s ({} engine steps, {} preemptions)", report.seconds, report.engine_steps, report.preemptions);
+        println!(
+            "prefill     {} tokens computed for {} prompt tokens (the rest is recomputation after preemption)",
+            report.prefill_tokens_computed,
+            report.num_prompts * report.input_len
+        );
         println!("throughput  {:.2} requests/s, {:.1} output tokens/s, {:.1} total tokens/s", report.requests_per_second, report.output_tokens_per_second, report.total_tokens_per_second);
         println!("TTFT        p50 {:.3} s, p99 {:.3} s (all requests submitted at t=0)", report.ttft_p50_seconds, report.ttft_p99_seconds);
         if let Some(l) = &report.lora {
@@ -259,6 +269,7 @@ fn run_pass(engine: &EngineHandle, args: &ThroughputArgs, params: &SamplingParam
         output_tokens,
         ttft,
         preemptions: after.preemptions_total.saturating_sub(before.preemptions_total),
+        prefill_tokens_computed: after.prefill_tokens_computed_total.saturating_sub(before.prefill_tokens_computed_total),
         engine_steps: after.steps_total.saturating_sub(before.steps_total),
     })
 }

@@ -92,6 +92,7 @@ pub const FAMILIES: &[&str] = &[
     vllm::E2E_REQUEST_LATENCY_SECONDS,
     // Counters.
     NUM_PREEMPTIONS,
+    vllm::NUM_PREEMPTIONS,
     PROMPT_TOKENS,
     GENERATION_TOKENS,
     PREFIX_CACHE_HIT_TOKENS,
@@ -155,6 +156,9 @@ pub mod vllm {
     /// Prompt tokens found there (counter).
     pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits";
     pub const PREFIX_CACHE_HITS_TOTAL: &str = "vllm:prefix_cache_hits_total";
+    /// Sequences preempted (recomputed later) because the KV cache ran out (counter).
+    pub const NUM_PREEMPTIONS: &str = "vllm:num_preemptions";
+    pub const NUM_PREEMPTIONS_TOTAL: &str = "vllm:num_preemptions_total";
 
     /// Label names.
     pub const LABEL_MODEL_NAME: &str = "model_name";

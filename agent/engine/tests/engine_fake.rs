@@ -129,8 +129,9 @@ fn greedy_output_matches_direct_computation() {
 #[test]
 fn prefix_cache_under_memory_pressure_stays_correct() {
     // 24 blocks of 4 tokens; 12 requests of 16-24 prompt tokens + 20 generated, sharing three
-    // 16-token prefixes: blocks are shared, evicted, reused and preempted sequences re-hit their own.
-    let h = start(&fake, 24, config(12, 32, 64, true));
+    // 16-token prefixes: blocks are shared, evicted, reused and preempted sequences re-hit their own
+    // (admitting on current blocks alone, without the look-ahead, so that preemptions happen).
+    let h = start(&fake, 24, EngineConfig { kv_lookahead: false, ..config(12, 32, 64, true) });
     let prefixes: Vec<Vec<u32>> = (0..3).map(|i| scenarios::prompt(VOCAB, 500 + i, 16)).collect();
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) };
     let requests: Vec<_> = (0..12u64)
@@ -437,7 +438,20 @@ fn choices_share_the_prompts_blocks_and_match_running_alone() {
         assert_eq!(run.usage.cached_prompt_tokens, if i == 0 { 0 } else { 8 }, "choice {i}");
     }
     // A leader that is not there: an ordinary request.
-    let lone = collect(&mut h.submit_following(request(20, prompt, params), 999).expect("valid"));
-    assert_eq!((lone.tokens, lone.usage.cached_prompt_tokens), (alone.tokens, 0));
+    let lone = collect(&mut h.submit_following(request(20, prompt.clone(), params.clone()), 999).expect("valid"));
+    assert_eq!((lone.tokens, lone.usage.cached_prompt_tokens), (alone.tokens.clone(), 0));
+
+    // The same choices in one message: queued together, the first computes, the rest fork.
+    let choices = (30..34).map(|id| request(id, prompt.clone(), params.clone())).collect();
+    let mut streams = h.submit_choices(choices).expect("valid");
+    for (i, run) in streams.iter_mut().map(collect).enumerate() {
+        assert_eq!((&run.tokens, run.usage.cached_prompt_tokens), (&alone.tokens, if i == 0 { 0 } else { 8 }), "choice {i}");
+    }
+    // More choices than max_num_seqs (8) could never run together; an invalid one refuses all.
+    let nine = (40..49).map(|id| request(id, prompt.clone(), params.clone())).collect();
+    assert!(matches!(h.submit_choices(nine), Err(EngineError::InvalidRequest(_))));
+    let bad = vec![request(50, prompt.clone(), params.clone()), request(51, vec![u32::MAX], params.clone())];
+    assert!(matches!(h.submit_choices(bad), Err(EngineError::InvalidRequest(_))));
+    assert_eq!(scenarios::final_metrics(&h).num_waiting, 0, "nothing was queued");
     h.shutdown();
 }

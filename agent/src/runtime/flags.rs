@@ -140,6 +140,10 @@ pub struct EngineArgs {
     pub kv_cache_memory: f64,
     #[arg(long, env = "PEREGRINE_DISABLE_PREFIX_CACHING")]
     pub disable_prefix_caching: bool,
+    /// Admit requests on the KV blocks they need now only, without projecting how far the running
+    /// ones will still grow (more preemptions under memory pressure; vLLM's policy).
+    #[arg(long, env = "PEREGRINE_DISABLE_KV_LOOKAHEAD")]
+    pub disable_kv_lookahead: bool,
     /// CPU backend threads (default: all cores).
     #[arg(long, env = "PEREGRINE_THREADS")]
     pub threads: Option<usize>,

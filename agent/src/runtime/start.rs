@@ -60,6 +60,7 @@ impl EngineArgs {
             max_model_len: self.max_model_len,
             block_size: self.block_size,
             enable_prefix_caching: !self.disable_prefix_caching,
+            kv_lookahead: !self.disable_kv_lookahead,
             seed: self.seed,
         }
     }

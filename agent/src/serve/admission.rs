@@ -43,6 +43,35 @@ impl Admission {
     }
 }
 
+impl Admission {
+    /// Takes `n` slots at once for the `n` choices of one request (each choice waits, and runs, as
+    /// a request of its own), or none: 429 when they are not all free now, 400 when `n` exceeds
+    /// the queue itself (the request could never be admitted, retrying would not help). Taking
+    /// them one by one would let a large `n` hold part of the queue only to give it back.
+    pub fn try_admit_many(&self, n: usize, gauges: Vec<Gauge>) -> Result<Vec<WaitingSlot>, ApiError> {
+        if n > self.max_waiting {
+            return Err(ApiError::invalid(
+                None,
+                format!("{n} choices cannot be queued together: this server queues at most {} requests", self.max_waiting),
+            ));
+        }
+        let taken = self.waiting.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+            (w.saturating_add(n) <= self.max_waiting).then_some(w + n)
+        });
+        match taken {
+            Ok(_) => Ok((0..n)
+                .map(|_| {
+                    gauges.iter().for_each(|g| {
+                        g.inc();
+                    });
+                    WaitingSlot { waiting: Some(self.waiting.clone()), gauges: gauges.clone() }
+                })
+                .collect()),
+            Err(w) => Err(ApiError::QueueFull { waiting: w, retry_after: Duration::from_secs(1) }),
+        }
+    }
+}
+
 /// Held while a request waits; released when it is scheduled, fails or is dropped.
 #[derive(Debug)]
 pub struct WaitingSlot {
@@ -110,5 +139,25 @@ mod tests {
         assert_eq!(a.waiting(), 0);
         assert_eq!(g.get(), 0);
         assert!(a.try_admit(vec![g]).is_ok());
+    }
+
+    #[test]
+    fn choices_take_their_slots_all_or_none() {
+        let a = Admission::new(4);
+        let g = Gauge::default();
+        let one = a.try_admit(vec![g.clone()]).unwrap();
+        // 3 free: 3 choices fit, 4 do not (and take nothing), 5 never could.
+        assert!(matches!(a.try_admit_many(4, vec![g.clone()]), Err(ApiError::QueueFull { waiting: 1, .. })));
+        assert_eq!((a.waiting(), g.get()), (1, 1));
+        assert!(matches!(a.try_admit_many(5, vec![g.clone()]), Err(ApiError::InvalidRequest { .. })));
+        let mut three = a.try_admit_many(3, vec![g.clone()]).unwrap();
+        assert_eq!((three.len(), a.waiting(), g.get()), (3, 4, 4));
+        assert!(a.try_admit(vec![g.clone()]).is_err());
+        // Each choice gives its own slot back when it is scheduled.
+        three[0].release();
+        assert_eq!((a.waiting(), g.get()), (3, 3));
+        drop(three);
+        drop(one);
+        assert_eq!((a.waiting(), g.get()), (0, 0));
     }
 }

@@ -182,4 +182,10 @@ pub trait InferenceBackend: Send + Sync + 'static {
     fn prepare(&self, prompt: PromptInput) -> impl Future<Output = Result<PreparedPrompt, ApiError>> + Send;
     /// Submits a request; dropping the returned stream aborts it and frees its KV blocks.
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError>;
+    /// Submits the `n` choices of one request (the first computes the prompt, the others have
+    /// `follows` set to it), together where the backend can queue them as a whole; one stream
+    /// per input, in order. By default, one by one.
+    fn generate_choices(&self, inputs: Vec<GenerateInput>) -> Result<Vec<EventStream>, ApiError> {
+        inputs.into_iter().map(|input| self.generate(input)).collect()
+    }
 }

@@ -286,31 +286,69 @@ impl InferenceBackend for EngineBackend {
     }
 
     fn generate(&self, input: GenerateInput) -> Result<EventStream, ApiError> {
-        let prompt_tokens = input.prompt.tokens.len();
-        let logprobs = input.params.logprobs.is_some();
-        let adapter = input.adapter.clone().map(|name| (name, self.engine.clone()));
-        let request =
-            GenerationRequest { id: input.request_id, prompt_tokens: input.prompt.tokens, params: input.params, adapter: input.adapter };
-        let stream = match input.follows {
+        let (request, detok) = self.split(input);
+        let stream = match detok.follows {
             Some(leader) => self.engine.submit_following(request, leader),
             None => self.engine.submit(request),
         }
         .map_err(engine_error)?;
-        let state = Detok {
-            stream: Some(stream),
-            adapter,
+        Ok(detok.stream(stream))
+    }
+
+    /// One engine message for all the choices: the scheduler admits them as a whole.
+    fn generate_choices(&self, inputs: Vec<GenerateInput>) -> Result<Vec<EventStream>, ApiError> {
+        let (requests, detoks): (Vec<_>, Vec<_>) = inputs.into_iter().map(|input| self.split(input)).unzip();
+        let streams = self.engine.submit_choices(requests).map_err(engine_error)?;
+        Ok(detoks.into_iter().zip(streams).map(|(d, s)| d.stream(s)).collect())
+    }
+}
+
+impl EngineBackend {
+    /// The engine's part of a request, and what turns its events into text.
+    fn split(&self, input: GenerateInput) -> (GenerationRequest, DetokSetup) {
+        let setup = DetokSetup {
+            adapter: input.adapter.clone().map(|name| (name, self.engine.clone())),
             decoder: IncrementalDecoder::new(self.tokenizer.clone(), input.skip_special_tokens),
             tokenizer: self.tokenizer.clone(),
             stop: StopMatcher::new(input.stop),
-            logprobs,
+            logprobs: input.params.logprobs.is_some(),
+            prompt_tokens: input.prompt.tokens.len(),
+            follows: input.follows,
+        };
+        let request =
+            GenerationRequest { id: input.request_id, prompt_tokens: input.prompt.tokens, params: input.params, adapter: input.adapter };
+        (request, setup)
+    }
+}
+
+/// A [`Detok`] waiting for its engine stream.
+struct DetokSetup {
+    adapter: Option<(String, EngineHandle)>,
+    decoder: IncrementalDecoder,
+    tokenizer: Tokenizer,
+    stop: StopMatcher,
+    logprobs: bool,
+    prompt_tokens: usize,
+    follows: Option<u64>,
+}
+
+impl DetokSetup {
+    fn stream(self, stream: RequestStream) -> EventStream {
+        let state = Detok {
+            stream: Some(stream),
+            adapter: self.adapter,
+            decoder: self.decoder,
+            tokenizer: self.tokenizer,
+            stop: self.stop,
+            logprobs: self.logprobs,
             pending: VecDeque::new(),
-            prompt_tokens,
+            prompt_tokens: self.prompt_tokens,
             completion_tokens: 0,
         };
-        Ok(Box::pin(futures::stream::unfold(state, |mut s| async move {
+        Box::pin(futures::stream::unfold(state, |mut s| async move {
             let event = s.next().await?;
             Some((event, s))
-        })))
+        }))
     }
 }
 

@@ -11,7 +11,7 @@ use tracing::Span;
 
 use super::admission::{RunningSlot, WaitingSlot};
 use super::tenant::TenantId;
-use super::backend::{EventStream, GenerateEvent, GenerateInput, InferenceBackend, PromptInput, TokenOutput};
+use super::backend::{EventStream, GenerateEvent, GenerateInput, InferenceBackend, PreparedPrompt, PromptInput, TokenOutput};
 use super::error::ApiError;
 use super::metrics::{served_label, Metrics, ModelSeries};
 use super::state::AppState;
@@ -110,15 +110,108 @@ pub async fn start<B: InferenceBackend>(
     job: Job,
 ) -> Result<Running, ApiError> {
     let arrival = Instant::now();
-    let backend = &state.backend;
-    let Some(label) = served_label(backend.as_ref(), &job.model) else {
-        return Err(ApiError::ModelNotFound(job.model));
-    };
-    let adapter = (job.model != backend.model_name()).then(|| job.model.clone());
+    let series = model_series(state, &job.model)?;
     // No refusal while draining: load balancers may still route here until they see `/ready` fail,
     // and every request that reaches us is served (the listener closes after the drain delay).
-    let series = state.metrics.series(&label);
     let waiting = state.admission.try_admit(vec![series.waiting.clone(), series.totals.waiting.clone()])?;
+    let (pending, input) = check(state, tenant, job, series, waiting, arrival, None).await?;
+    let events = state.backend.generate(input)?;
+    Ok(pending.launch(state, events))
+}
+
+/// Starts the `n` choices of one job: the first computes the prompt, the others follow it (they
+/// fork its KV blocks once it is computed). A seeded request gives choice `i` the seed `seed + i`
+/// so that its choices differ. Each choice is a request of its own to the queue and a sequence to
+/// the engine, and the `n` are admitted as a whole, as vLLM admits a request's sequence group:
+/// all `n` waiting slots are taken at once or the request is refused (429 while the queue is too
+/// full, 400 when `n` exceeds the queue or `max_num_seqs`, which it never could fit); the engine
+/// receives them in one message and starts them together (see `EngineHandle::submit_choices`).
+/// Waiting as a whole rather than running some choices early: the response needs them all.
+pub async fn start_choices<B: InferenceBackend>(
+    state: &Arc<AppState<B>>,
+    tenant: Option<TenantId>,
+    job: Job,
+    n: usize,
+) -> Result<Vec<Running>, ApiError> {
+    if n <= 1 {
+        return Ok(vec![start(state, tenant, job).await?]);
+    }
+    let arrival = Instant::now();
+    let series = model_series(state, &job.model)?;
+    let slots = state.admission.try_admit_many(n, vec![series.waiting.clone(), series.totals.waiting.clone()])?;
+    let mut pending = Vec::with_capacity(n);
+    let mut inputs: Vec<GenerateInput> = Vec::with_capacity(n);
+    for (i, slot) in slots.into_iter().enumerate() {
+        let mut choice = job.clone();
+        choice.params.seed = job.params.seed.map(|s| s.wrapping_add(i as u64));
+        // The prompt is tokenized once.
+        let prompt = inputs.first().map(|first| first.prompt.clone());
+        let (p, mut input) = check(state, tenant, choice, series.clone(), slot, arrival, prompt).await?;
+        input.follows = inputs.first().map(|first| first.request_id);
+        pending.push(p);
+        inputs.push(input);
+    }
+    // If this fails, dropping `pending` gives back every slot and token reservation.
+    let streams = state.backend.generate_choices(inputs)?;
+    Ok(pending.into_iter().zip(streams).map(|(p, events)| p.launch(state, events)).collect())
+}
+
+/// The series of the model a job names (the base model or one of its adapters).
+fn model_series<B: InferenceBackend>(state: &Arc<AppState<B>>, model: &str) -> Result<ModelSeries, ApiError> {
+    let Some(label) = served_label(state.backend.as_ref(), model) else {
+        return Err(ApiError::ModelNotFound(model.to_string()));
+    };
+    Ok(state.metrics.series(&label))
+}
+
+/// A request admitted to the queue and checked, not yet submitted.
+struct Pending {
+    request_id: u64,
+    prompt_tokens: usize,
+    series: ModelSeries,
+    activity: ActivityGuard,
+    waiting: WaitingSlot,
+    arrival: Instant,
+    reservation: Option<TokenReservation>,
+    span: Span,
+}
+
+impl Pending {
+    fn launch<B: InferenceBackend>(self, state: &Arc<AppState<B>>, events: EventStream) -> Running {
+        tracing::debug!(parent: &self.span, "queued");
+        Running {
+            request_id: self.request_id,
+            prompt_tokens: self.prompt_tokens,
+            events,
+            series: self.series,
+            activity: self.activity,
+            metrics: state.metrics.clone(),
+            waiting: self.waiting,
+            running: None,
+            arrival: self.arrival,
+            last_token: None,
+            completion_tokens: 0,
+            reservation: self.reservation,
+            cut_off: Box::pin(state.lifecycle.cut_off_signal()),
+            span: self.span,
+            done: false,
+        }
+    }
+}
+
+/// Tokenizes (unless `prompt` is given), checks the length and reserves the tenant's tokens for
+/// a request holding a waiting slot.
+async fn check<B: InferenceBackend>(
+    state: &Arc<AppState<B>>,
+    tenant: Option<TenantId>,
+    job: Job,
+    series: ModelSeries,
+    waiting: WaitingSlot,
+    arrival: Instant,
+    prompt: Option<PreparedPrompt>,
+) -> Result<(Pending, GenerateInput), ApiError> {
+    let backend = &state.backend;
+    let adapter = (job.model != backend.model_name()).then(|| job.model.clone());
     let activity = state.metrics.vllm.enter(adapter.clone());
     let request_id = state.next_request_id();
     let span = tracing::info_span!(
@@ -131,7 +224,10 @@ pub async fn start<B: InferenceBackend>(
         finish_reason = tracing::field::Empty,
     );
 
-    let prompt = backend.prepare(job.prompt).await?;
+    let prompt = match prompt {
+        Some(p) => p,
+        None => backend.prepare(job.prompt).await?,
+    };
     let prompt_len = prompt.tokens.len();
     if prompt_len == 0 {
         return Err(ApiError::invalid(Some("prompt".to_string()), "the prompt is empty"));
@@ -174,7 +270,7 @@ pub async fn start<B: InferenceBackend>(
 
     let mut params = job.params;
     params.max_tokens = max_tokens;
-    let events = backend.generate(GenerateInput {
+    let input = GenerateInput {
         request_id,
         prompt,
         params,
@@ -182,44 +278,9 @@ pub async fn start<B: InferenceBackend>(
         skip_special_tokens: job.skip_special_tokens,
         adapter,
         follows: job.follows,
-    })?;
-    tracing::debug!(parent: &span, "queued");
-    Ok(Running {
-        request_id,
-        prompt_tokens: prompt_len,
-        events,
-        series,
-        activity,
-        metrics: state.metrics.clone(),
-        waiting,
-        running: None,
-        arrival,
-        last_token: None,
-        completion_tokens: 0,
-        reservation,
-        cut_off: Box::pin(state.lifecycle.cut_off_signal()),
-        span,
-        done: false,
-    })
-}
-
-/// Starts the `n` choices of one job: the first computes the prompt, the others follow it (they
-/// fork its KV blocks once it is computed). A seeded request gives choice `i` the seed `seed + i`
-/// so that its choices differ. If one cannot start, those already started are dropped (aborted).
-pub async fn start_choices<B: InferenceBackend>(
-    state: &Arc<AppState<B>>,
-    tenant: Option<TenantId>,
-    job: Job,
-    n: usize,
-) -> Result<Vec<Running>, ApiError> {
-    let mut runs = Vec::with_capacity(n);
-    for i in 0..n.max(1) {
-        let mut choice = job.clone();
-        choice.params.seed = job.params.seed.map(|s| s.wrapping_add(i as u64));
-        choice.follows = runs.first().map(|r: &Running| r.request_id);
-        runs.push(start(state, tenant, choice).await?);
-    }
-    Ok(runs)
+    };
+    let pending = Pending { request_id, prompt_tokens: prompt_len, series, activity, waiting, arrival, reservation, span };
+    Ok((pending, input))
 }
 
 /// One choice's steps, tagged with its index.

@@ -17,6 +17,9 @@ use crate::Result;
 pub(super) enum Command {
     /// `follows`: another choice of the same prompt (`n > 1`), whose prompt blocks this one forks.
     Submit { request: GenerationRequest, events: UnboundedSender<RequestEvent>, arrival: Instant, follows: Option<RequestId> },
+    /// The `n` choices of one request in one message, so that the engine queues them together
+    /// and admits them as a whole: the first computes the prompt, the others follow it.
+    SubmitChoices { requests: Vec<(GenerationRequest, UnboundedSender<RequestEvent>)>, arrival: Instant },
     Abort(RequestId),
     Shutdown,
     /// A parsed adapter to register under `name` (parsing happened on the caller's thread).

@@ -16,6 +16,9 @@ pub struct EngineConfig {
     /// Tokens per KV block; must match the backend's cache.
     pub block_size: usize,
     pub enable_prefix_caching: bool,
+    /// Admit a request only when the running ones' projected KV growth leaves room for it (see
+    /// `scheduler`); false: admit whatever fits now and preempt when the cache runs out.
+    pub kv_lookahead: bool,
     /// Seeds the RNG of requests that bring no seed of their own (mixed with the request id).
     pub seed: u64,
 }
@@ -28,6 +31,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             block_size: 16,
             enable_prefix_caching: true,
+            kv_lookahead: true,
             seed: 0,
         }
     }
@@ -37,6 +41,8 @@ impl Default for EngineConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResolvedLimits {
     pub max_model_len: usize,
+    /// Most sequences running at once: the most choices one request may have.
+    pub max_num_seqs: usize,
     pub vocab_size: usize,
 }
 
@@ -108,6 +114,6 @@ impl EngineConfig {
         if max_model_len == 0 {
             return bad("the KV cache has no blocks".into());
         }
-        Ok(ResolvedLimits { max_model_len, vocab_size: model.vocab_size })
+        Ok(ResolvedLimits { max_model_len, max_num_seqs: self.max_num_seqs, vocab_size: model.vocab_size })
     }
 }

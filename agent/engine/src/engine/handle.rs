@@ -89,6 +89,37 @@ impl EngineHandle {
         self.submit_with(request, Some(leader))
     }
 
+    /// The `n` choices of one request (`n > 1`, `best_of`; the same prompt and adapter, their
+    /// own ids and seeds), queued together in one message: the first computes the prompt, the
+    /// others fork its blocks (see [`Self::submit_following`]), and the scheduler admits them as
+    /// a whole, taking one of `max_num_seqs`' seats per choice. More choices than
+    /// `max_num_seqs` could never run together: `InvalidRequest`. Nothing is queued unless every
+    /// choice is valid.
+    pub fn submit_choices(&self, requests: Vec<GenerationRequest>) -> Result<Vec<RequestStream>> {
+        let max = self.inner.limits.max_num_seqs;
+        if requests.len() > max {
+            return Err(EngineError::InvalidRequest(format!(
+                "{} choices cannot run together: this server runs at most {max} sequences at once",
+                requests.len()
+            )));
+        }
+        for r in &requests {
+            self.validate(r)?;
+        }
+        let mut streams = Vec::with_capacity(requests.len());
+        let mut queued = Vec::with_capacity(requests.len());
+        for request in requests {
+            let (tx, rx) = unbounded_channel();
+            streams.push(RequestStream { id: request.id, events: rx, commands: self.inner.commands.clone(), done: false });
+            queued.push((request, tx));
+        }
+        self.inner
+            .commands
+            .send(Command::SubmitChoices { requests: queued, arrival: Instant::now() })
+            .map_err(|_| EngineError::EngineStopped)?;
+        Ok(streams)
+    }
+
     fn submit_with(&self, request: GenerationRequest, follows: Option<RequestId>) -> Result<RequestStream> {
         self.validate(&request)?;
         let (tx, rx) = unbounded_channel();

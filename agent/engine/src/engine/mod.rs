@@ -56,6 +56,7 @@ impl Engine {
             SchedulerConfig {
                 max_num_seqs: config.max_num_seqs,
                 max_num_batched_tokens: config.max_num_batched_tokens,
+                lookahead: config.kv_lookahead,
             },
             BlockManager::new(kv_shape.num_blocks, kv_shape.block_size, config.enable_prefix_caching),
         );

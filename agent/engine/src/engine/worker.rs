@@ -140,6 +140,12 @@ impl Worker {
     fn handle(&mut self, cmd: Command) -> Flow {
         match cmd {
             Command::Submit { request, events, arrival, follows } => self.add(request, events, arrival, follows),
+            Command::SubmitChoices { requests, arrival } => {
+                let leader = requests.first().map(|(r, _)| r.id);
+                for (i, (request, events)) in requests.into_iter().enumerate() {
+                    self.add(request, events, arrival, leader.filter(|_| i > 0));
+                }
+            }
             Command::Abort(id) => self.finish(id, FinishReason::Abort),
             Command::Shutdown => return Flow::Stop,
             Command::LoadAdapter { name, source, adapter, reply } => {
@@ -172,12 +178,15 @@ impl Worker {
             let _ = events.send(RequestEvent::Error(format!("request id {} is already in use", request.id)));
             return;
         }
+        let max_tokens = request.params.max_tokens;
         let seed = request_seed(&request.params, request.id, self.seed);
         let sampler = RequestSampler::new(request.params, &request.prompt_tokens, seed);
         let prompt_len = request.prompt_tokens.len();
         let mut seq = Sequence::new(request.id, request.prompt_tokens);
         seq.arrival = arrival;
         seq.follows = follows;
+        // Where it ends at the latest, for the admission look-ahead.
+        seq.max_len = Some(prompt_len.saturating_add(max_tokens).min(self.limits.max_model_len));
         let id = request.id;
         let mut adapter = None;
         // None: parked until its adapter's weights are back in memory.

@@ -157,6 +157,26 @@ impl BlockManager {
         needed + evictable_hits <= self.num_free_blocks()
     }
 
+    /// Blocks that `allocate` for these tokens would take out of the free pool (fresh blocks plus
+    /// evictable prefix hits), which are also the blocks the sequence alone then holds. The
+    /// scheduler's admission look-ahead weighs this before it allocates anything.
+    pub fn allocation_cost(&self, tokens: &[u32], adapter: Option<AdapterKey>) -> usize {
+        let hits = self.prefix_hits(tokens, adapter);
+        let (needed, evictable_hits) = self.new_blocks_needed(tokens, &hits);
+        needed + evictable_hits
+    }
+
+    /// Blocks a `fork` over `len` tokens takes from the pool once its parent has computed
+    /// `parent_computed` of them: all but the shared full blocks (see [`BlockManager::fork`]).
+    pub fn fork_cost(&self, len: usize, parent_computed: usize) -> usize {
+        self.blocks_for(len) - parent_computed.min(len.saturating_sub(1)) / self.block_size
+    }
+
+    /// Blocks of `seq`'s table that no other sequence references: what ending it gives back.
+    pub fn private_blocks(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.blocks.iter().filter(|&&b| self.ref_counts[b as usize] == 1).count())
+    }
+
     /// Gives `seq` a block table covering all of `tokens`, reusing cached prefix blocks. Returns the
     /// number of leading tokens whose K/V is already there, or None (changing nothing) when there
     /// are not enough free blocks.
@@ -363,6 +383,36 @@ mod tests {
         assert_eq!(m.num_free_blocks(), 8);
         assert_eq!(m.block_table(1), None);
         assert_eq!(m.usage_ratio(), 0.0);
+    }
+
+    #[test]
+    fn costs_match_what_allocate_and_fork_take_and_private_blocks_what_free_gives_back() {
+        let mut m = BlockManager::new(16, 4, true);
+        let a = toks(0..10);
+        m.allocate(1, &a, None);
+        m.commit_computed(1, &a, 10);
+        // Seq 1 holds 3 blocks of its own.
+        assert_eq!(m.private_blocks(1), 3);
+        // A second copy of the prompt reuses the 2 cached full blocks (in use: not from the pool).
+        let before = m.num_free_blocks();
+        assert_eq!(m.allocation_cost(&a, None), 1);
+        m.allocate(2, &a, None);
+        assert_eq!(before - m.num_free_blocks(), 1);
+        assert_eq!((m.private_blocks(1), m.private_blocks(2)), (1, 1));
+        // Evictable hits leave the pool too: free both, then allocate again.
+        m.free(1);
+        m.free(2);
+        assert_eq!(m.allocation_cost(&a, None), 3);
+        let before = m.num_free_blocks();
+        m.allocate(3, &a, None);
+        assert_eq!(before - m.num_free_blocks(), 3);
+        // A fork shares the computed full blocks and takes the rest.
+        assert_eq!(m.fork_cost(10, 10), 1);
+        assert_eq!(m.fork_cost(10, 4), 2);
+        let before = m.num_free_blocks();
+        m.fork(3, 4, &a, 10);
+        assert_eq!(before - m.num_free_blocks(), 1);
+        assert_eq!((m.private_blocks(3), m.private_blocks(4), m.private_blocks(99)), (1, 1, 0));
     }
 
     #[test]

@@ -23,11 +23,21 @@ pub struct Sequence {
     /// Another choice of the same request (`n > 1`) whose prompt this one shares: it is admitted
     /// once that one has computed its prompt, and forks its full blocks instead of computing them.
     pub follows: Option<SeqId>,
+    /// Length (prompt + output) at which the sequence ends at the latest: `max_tokens` or the
+    /// context length reached. The admission look-ahead projects its KV growth up to it; None:
+    /// unknown, no growth projected.
+    pub max_len: Option<usize>,
     /// True once every token but the newest sampled one is computed: the sequence then takes one
     /// decode token per step. Reset by preemption (the recompute is a prefill again).
     pub(super) decoding: bool,
     /// Whether any step has scheduled this sequence yet (preemption does not reset it).
     pub(super) ever_scheduled: bool,
+    /// Times preempted: a sequence is only chosen again once every running one has been chosen
+    /// as often.
+    pub(super) preemptions: u32,
+    /// Order of first admission (kept across preemptions): among sequences preempted equally
+    /// often, the newest is the victim.
+    pub(super) rank: u64,
 }
 
 impl Sequence {
@@ -40,13 +50,21 @@ impl Sequence {
             lora: None,
             arrival: Instant::now(),
             follows: None,
+            max_len: None,
             decoding: false,
             ever_scheduled: false,
+            preemptions: 0,
+            rank: 0,
         }
     }
 
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// Times this sequence was preempted so far.
+    pub fn preemptions(&self) -> u32 {
+        self.preemptions
     }
 
     pub fn is_decoding(&self) -> bool {

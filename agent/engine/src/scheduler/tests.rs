@@ -2,7 +2,7 @@ use super::*;
 
 fn sched(num_blocks: usize, block_size: usize, max_seqs: usize, max_tokens: usize) -> Scheduler {
     Scheduler::new(
-        SchedulerConfig { max_num_seqs: max_seqs, max_num_batched_tokens: max_tokens },
+        SchedulerConfig { max_num_seqs: max_seqs, max_num_batched_tokens: max_tokens, lookahead: true },
         BlockManager::new(num_blocks, block_size, false),
     )
 }
@@ -150,7 +150,7 @@ fn a_sequence_preempts_itself_when_it_is_the_newest() {
 #[test]
 fn prefix_hits_skip_computed_tokens() {
     let mut s = Scheduler::new(
-        SchedulerConfig { max_num_seqs: 8, max_num_batched_tokens: 64 },
+        SchedulerConfig { max_num_seqs: 8, max_num_batched_tokens: 64, lookahead: true },
         BlockManager::new(16, 4, true),
     );
     let prompt: Vec<u32> = (0..10).collect();
@@ -196,4 +196,60 @@ fn choices_wait_for_the_shared_prompt_then_fork_its_blocks() {
     s.add(Sequence { follows: Some(77), ..Sequence::new(5, prompt) });
     let out = step(&mut s, 52);
     assert_eq!(out.admitted, vec![Admission { id: 5, cached_tokens: 0, first_time: true }]);
+}
+
+#[test]
+fn a_requests_choices_take_their_seats_as_a_whole() {
+    let mut s = sched(64, 4, 4, 64);
+    add(&mut s, 9, 3);
+    step(&mut s, 50);
+    // Four choices of one prompt (a leader and three followers), then an ordinary request.
+    let prompt: Vec<u32> = (0..10).collect();
+    s.add(Sequence::new(1, prompt.clone()));
+    for id in 2..=4 {
+        s.add(Sequence { follows: Some(1), ..Sequence::new(id, prompt.clone()) });
+    }
+    add(&mut s, 5, 3);
+    // 3 seats are free, the choices need 4: none of them starts (the leader alone would hold its
+    // blocks with its followers stuck behind), and request 5 does not overtake them.
+    let out = step(&mut s, 51);
+    assert_eq!(summary(&out), vec![(9, 3, 1, true, true)]);
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+    // Seat freed: the leader computes the prompt, its followers fork it at the next step, and
+    // request 5 waits for a seat.
+    s.remove(9);
+    let out = step(&mut s, 52);
+    assert_eq!(summary(&out), vec![(1, 0, 10, true, false)]);
+    let out = step(&mut s, 53);
+    assert_eq!(out.admitted.iter().map(|a| (a.id, a.cached_tokens)).collect::<Vec<_>>(), vec![(2, 8), (3, 8), (4, 8)]);
+    assert_eq!(s.num_running(), 4);
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![5]);
+}
+
+#[test]
+fn the_lookahead_counts_every_choice() {
+    // 20 blocks of 4 tokens. Request 9 (8 + up to 24 tokens) runs; then choices of a 7-token
+    // prompt that may grow to 23 tokens (6 blocks each at their end, the first one shared).
+    let start = |followers: u64| {
+        let mut s = sched(20, 4, 8, 64);
+        s.add(Sequence { max_len: Some(32), ..Sequence::new(9, (0..8).collect()) });
+        step(&mut s, 50);
+        s.add(Sequence { max_len: Some(23), ..Sequence::new(1, (100..107).collect()) });
+        for id in 2..2 + followers {
+            s.add(Sequence { follows: Some(1), max_len: Some(23), ..Sequence::new(id, (100..107).collect()) });
+        }
+        s
+    };
+    let mut alone = start(0);
+    assert_eq!(step(&mut alone, 51).admitted.len(), 1);
+    // Alone, the leader's 2 blocks (6 at its end) fit beside request 9's; with its two followers
+    // counted in, they would not: the choices wait, together.
+    let mut s = start(2);
+    let out = step(&mut s, 51);
+    assert!(out.admitted.is_empty(), "{:?}", out.admitted);
+    // Once request 9 ends, all three fit and start.
+    s.remove(9);
+    step(&mut s, 52);
+    let out = step(&mut s, 53);
+    assert_eq!(out.admitted.iter().map(|a| a.id).collect::<Vec<_>>(), vec![2, 3]);
 }

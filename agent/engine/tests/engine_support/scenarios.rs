@@ -39,6 +39,7 @@ pub fn config(
         max_model_len: Some(max_model_len),
         block_size: BLOCK_SIZE,
         enable_prefix_caching: caching,
+        kv_lookahead: true,
         seed: 1234,
     }
 }
@@ -186,7 +187,8 @@ pub fn preemption_keeps_outputs(factory: Factory) -> EngineMetrics {
     alone.shutdown();
 
     // Each request grows to 40-47 tokens (10-12 blocks); 30 blocks hold fewer than three.
-    let small = start(factory, 30, config(8, 32, 64, false));
+    // Admitting on current blocks alone (no look-ahead) forces preemptions.
+    let small = start(factory, 30, EngineConfig { kv_lookahead: false, ..config(8, 32, 64, false) });
     let got = run_together(&small, &requests);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "request {i} differs after preemption");
@@ -195,6 +197,17 @@ pub fn preemption_keeps_outputs(factory: Factory) -> EngineMetrics {
     assert!(m.preemptions_total > 0, "the pool was meant to be too small: {m:?}");
     assert_eq!(m.num_running + m.num_waiting, 0);
     assert_eq!(m.num_free_blocks, m.num_blocks, "every block is back");
+    small.shutdown();
+
+    // With the look-ahead, the same requests (all run to max_tokens) never need preempting.
+    let ahead = start(factory, 30, config(8, 32, 64, false));
+    let got = run_together(&ahead, &requests);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i} differs with the look-ahead");
+    }
+    let with = final_metrics(&ahead);
+    assert_eq!(with.preemptions_total, 0, "{with:?}");
+    assert_eq!(with.num_free_blocks, with.num_blocks, "every block is back");
     m
 }
 

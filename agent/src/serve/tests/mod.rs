@@ -330,6 +330,36 @@ async fn queue_full_gives_429_with_retry_after() {
     assert_eq!(s, StatusCode::OK);
 }
 
+/// The `n` choices of a request each take a queue slot, all at once or none.
+#[tokio::test]
+async fn choices_are_queued_as_a_whole() {
+    let state = state_with(
+        FakeBackend::new(Duration::from_millis(200)),
+        KeyStore::default(),
+        ServerConfig { max_waiting_requests: 3, ..ServerConfig::default() },
+    );
+    let router = super::routes::router(state.clone());
+    let body = json!({"model": "fake-model", "prompt": "abc", "max_tokens": 3, "stream": true}).to_string();
+    let req = Request::post("/v1/completions").body(Body::from(body)).unwrap();
+    let resp = router.clone().oneshot(req).await.unwrap();
+    assert_eq!(state.admission.waiting(), 1);
+    let choices = |n: u32| json!({"model": "fake-model", "prompt": "abc", "max_tokens": 2, "n": n}).to_string();
+    // 2 slots free: 3 choices are refused whole (and take none), 4 could never be queued.
+    let (s, _, b) = call(router.clone(), Method::POST, "/v1/completions", choices(3), &[]).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b:?}");
+    assert_eq!(state.admission.waiting(), 1);
+    let (s, _, b) = call(router.clone(), Method::POST, "/v1/completions", choices(4), &[]).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b:?}");
+    let (s, _, b) = call(router.clone(), Method::POST, "/v1/completions", choices(2), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{b:?}");
+    let _ = resp.into_body().collect().await.unwrap();
+    let (s, _, b) = call(router, Method::POST, "/v1/completions", choices(3), &[]).await;
+    assert_eq!(s, StatusCode::OK, "{b:?}");
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(3));
+    assert_eq!(state.admission.waiting(), 0);
+}
+
 #[tokio::test]
 async fn client_disconnect_aborts_generation() {
     let backend = FakeBackend::new(Duration::from_millis(20));

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use peregrine_api::metric_names::vllm as names;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
@@ -195,6 +196,14 @@ impl<F: Fn() -> BackendStats + Send + Sync + 'static> prometheus_client::collect
             (names::LABEL_ENGINE, ENGINE_INDEX.to_string()),
         ];
         gauge(e, names::CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", &cache_config, 1_i64)?;
+        // The engine's own total, read at scrape time like the gauges.
+        let mut preemptions = e.encode_descriptor(
+            names::NUM_PREEMPTIONS,
+            "Cumulative number of preemption from the engine.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(stats.num_preemptions).encode(preemptions.encode_family(&self.labels)?)?;
         if let Some(max_loras) = self.shape.max_loras {
             // One series: the current adapters (names comma-joined, as vLLM writes them), valued
             // with the time they last changed. vLLM keeps every past combination as a series and

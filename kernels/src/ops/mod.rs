@@ -24,7 +24,7 @@ pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
-pub use token_mask::{mask_words, packed_capacity, TokenConstraints, TOKEN_MASK_HEADER};
+pub use token_mask::{mask_words, pack_token_constraints, packed_capacity, ConstrainedRow, TOKEN_MASK_HEADER};
 
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
 //! token_mask.cu: per-row token bitmasks and sparse logit biases applied to logits in place, and
-//! [`TokenConstraints`], the one buffer a step packs them into.
+//! [`pack_token_constraints`], which lays one step's out in one buffer.
 
 use cudarc::driver::{CudaStream, PushKernelArg};
 
@@ -23,96 +23,66 @@ pub fn packed_capacity(rows: usize, vocab: usize, max_biases: usize) -> usize {
     rows * (TOKEN_MASK_HEADER + mask_words(vocab) + 2 * max_biases)
 }
 
-/// One step's constraints, packed for token_mask.cu: per constrained row a header (logits row, mask
-/// offset or none, bias pairs' [begin, end)), then the masks, then (token, f32 bits) pairs.
-/// Rows are added with [`TokenConstraints::push`]; [`TokenConstraints::pack`] lays out the buffer.
-#[derive(Debug, Clone)]
-pub struct TokenConstraints {
-    vocab: usize,
-    /// (logits row, index into `masks` in rows of `mask_words(vocab)`, bias range in `biases`).
-    rows: Vec<(u32, Option<usize>, std::ops::Range<usize>)>,
-    masks: Vec<u32>,
-    biases: Vec<(u32, f32)>,
+/// One logits row's constraints: `mask` (exactly [`mask_words`] words, bit set = allowed) and
+/// `biases` (token, bias), added after the mask in this order.
+#[derive(Debug, Clone, Copy)]
+pub struct ConstrainedRow<'a> {
+    pub row: usize,
+    pub mask: Option<&'a [u32]>,
+    pub biases: &'a [(u32, f32)],
 }
 
-impl TokenConstraints {
-    pub fn new(vocab: usize) -> Self {
-        TokenConstraints { vocab, rows: Vec::new(), masks: Vec::new(), biases: Vec::new() }
-    }
-
-    pub fn vocab(&self) -> usize {
-        self.vocab
-    }
-
-    /// Constrained rows so far.
-    pub fn len(&self) -> usize {
-        self.rows.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
-    }
-
-    /// Adds logits row `row`'s constraints: `mask` (exactly [`mask_words`] words, bit set = allowed)
-    /// and `biases` (token, bias), added after the mask in this order. A row with neither is skipped.
-    pub fn push(&mut self, row: usize, mask: Option<&[u32]>, biases: &[(u32, f32)]) -> Result<()> {
-        if mask.is_none() && biases.is_empty() {
-            return Ok(());
+/// Packs one step's constrained rows (increasing row order; rows with neither mask nor bias are
+/// skipped) into the buffer token_mask.cu reads: per row a header (logits row, mask offset or none,
+/// bias pairs' [begin, end)), then the masks, then (token, f32 bits) pairs. `out` is cleared first.
+/// Returns the number of rows packed (the kernel's grid).
+pub fn pack_token_constraints(vocab: usize, rows: &[ConstrainedRow], out: &mut Vec<u32>) -> Result<usize> {
+    out.clear();
+    let words = mask_words(vocab);
+    let rows: Vec<&ConstrainedRow> = rows.iter().filter(|r| r.mask.is_some() || !r.biases.is_empty()).collect();
+    let mut last = None;
+    for r in &rows {
+        if last.is_some_and(|l| l >= r.row) {
+            return Err(KernelError::Unsupported(format!("constrained rows must come in increasing order ({})", r.row)));
         }
-        let row = as_u32(row, "constrained logits row")?;
-        if self.rows.last().is_some_and(|r| r.0 >= row) {
-            return Err(KernelError::Unsupported(format!("constrained rows must be pushed in increasing order ({row})")));
+        last = Some(r.row);
+        if let Some(m) = r.mask.filter(|m| m.len() != words) {
+            return Err(KernelError::Unsupported(format!("a token mask of {} words for a vocabulary of {vocab} ({words} words)", m.len())));
         }
-        let words = mask_words(self.vocab);
-        let mask_index = match mask {
-            Some(m) if m.len() != words => {
-                return Err(KernelError::Unsupported(format!("a token mask of {} words for a vocabulary of {} ({words} words)", m.len(), self.vocab)));
+    }
+    let masks_at = rows.len() * TOKEN_MASK_HEADER;
+    let num_masks = rows.iter().filter(|r| r.mask.is_some()).count();
+    let biases_at = masks_at + num_masks * words;
+    let total = biases_at + 2 * rows.iter().map(|r| r.biases.len()).sum::<usize>();
+    as_u32(total, "packed constraint words")?;
+    out.reserve(total);
+    let (mut next_mask, mut next_bias) = (masks_at, biases_at);
+    for r in &rows {
+        let mask_at = match r.mask {
+            Some(_) => {
+                next_mask += words;
+                (next_mask - words) as u32
             }
-            Some(m) => {
-                self.masks.extend_from_slice(m);
-                Some(self.masks.len() / words - 1)
-            }
-            None => None,
+            None => TOKEN_MASK_NONE,
         };
-        let begin = self.biases.len();
-        self.biases.extend_from_slice(biases);
-        self.rows.push((row, mask_index, begin..self.biases.len()));
-        Ok(())
+        let begin = next_bias;
+        next_bias += 2 * r.biases.len();
+        out.extend_from_slice(&[as_u32(r.row, "constrained logits row")?, mask_at, begin as u32, next_bias as u32]);
     }
-
-    /// The buffer token_mask.cu reads, appended to `out` (cleared first), in u32 words.
-    pub fn pack(&self, out: &mut Vec<u32>) -> Result<()> {
-        out.clear();
-        let words = mask_words(self.vocab);
-        let masks_at = self.rows.len() * TOKEN_MASK_HEADER;
-        let biases_at = masks_at + self.masks.len();
-        let total = biases_at + 2 * self.biases.len();
-        as_u32(total, "packed constraint words")?;
-        out.reserve(total);
-        for (row, mask, bias) in &self.rows {
-            let mask_at = mask.map_or(TOKEN_MASK_NONE, |m| (masks_at + m * words) as u32);
-            out.extend_from_slice(&[*row, mask_at, (biases_at + 2 * bias.start) as u32, (biases_at + 2 * bias.end) as u32]);
-        }
-        out.extend_from_slice(&self.masks);
-        for &(t, b) in &self.biases {
-            out.extend_from_slice(&[t, b.to_bits()]);
-        }
-        Ok(())
+    for m in rows.iter().filter_map(|r| r.mask) {
+        out.extend_from_slice(m);
     }
-
-    /// Forgets every row (keeps the allocations).
-    pub fn clear(&mut self) {
-        self.rows.clear();
-        self.masks.clear();
-        self.biases.clear();
+    for &(t, b) in rows.iter().flat_map(|r| r.biases) {
+        out.extend_from_slice(&[t, b.to_bits()]);
     }
+    Ok(rows.len())
 }
 
 impl Kernels {
-    /// Applies a packed [`TokenConstraints`] (`num_rows` constrained rows) to `logits` in place.
+    /// Applies constraints packed by [`pack_token_constraints`] (`num_rows` constrained rows) to `logits` in place.
     ///
     /// # Safety
-    /// logits: at least (largest row + 1) * vocab f32; packed: the buffer [`TokenConstraints::pack`]
+    /// logits: at least (largest row + 1) * vocab f32; packed: the buffer [`pack_token_constraints`]
     /// wrote for this vocabulary, with `num_rows` rows.
     pub unsafe fn apply_token_constraints(&self, s: &CudaStream, logits: DPtr, vocab: usize, packed: DPtr, num_rows: usize) -> Result<()> {
         if num_rows == 0 {
@@ -150,27 +120,30 @@ mod tests {
         }
     }
 
+    fn row<'a>(row: usize, mask: Option<&'a [u32]>, biases: &'a [(u32, f32)]) -> ConstrainedRow<'a> {
+        ConstrainedRow { row, mask, biases }
+    }
+
     #[test]
     fn packing_keeps_each_rows_mask_and_biases_in_order() {
         let vocab = 40; // two words, the second partly used
-        let mut c = TokenConstraints::new(vocab);
         let mut m1 = vec![0u32; 2];
         m1[0] = 0b1010; // tokens 1 and 3
         m1[1] = 1 << 3; // token 35
-        c.push(1, Some(&m1), &[]).unwrap();
-        c.push(2, None, &[]).unwrap(); // nothing: skipped
-        c.push(3, None, &[(5, 2.5), (5, -1.0), (39, 7.0)]).unwrap();
         let m4 = vec![u32::MAX, 0];
-        c.push(4, Some(&m4), &[(3, 1.0), (33, 4.0)]).unwrap();
-        assert_eq!(c.len(), 3);
+        let b3 = [(5, 2.5), (5, -1.0), (39, 7.0)];
+        let b4 = [(3, 1.0), (33, 4.0)];
+        // Row 2 has nothing: skipped.
+        let rows = [row(1, Some(&m1), &[]), row(2, None, &[]), row(3, None, &b3), row(4, Some(&m4), &b4)];
         let mut packed = Vec::new();
-        c.pack(&mut packed).unwrap();
+        let n = pack_token_constraints(vocab, &rows, &mut packed).unwrap();
+        assert_eq!(n, 3);
         assert_eq!(packed.len(), 3 * TOKEN_MASK_HEADER + 2 * 2 + 5 * 2);
         assert!(packed.len() <= packed_capacity(3, vocab, 3));
 
         let base: Vec<f32> = (0..5 * vocab).map(|i| i as f32 * 0.25).collect();
         let mut got = base.clone();
-        apply_like_the_kernel(&packed, c.len(), vocab, &mut got);
+        apply_like_the_kernel(&packed, n, vocab, &mut got);
         let mut want = base.clone();
         for (j, l) in want[vocab..2 * vocab].iter_mut().enumerate() {
             if ![1, 3, 35].contains(&j) {
@@ -190,13 +163,13 @@ mod tests {
 
     #[test]
     fn bad_masks_and_row_order_are_refused() {
-        let mut c = TokenConstraints::new(64);
-        assert!(c.push(0, Some(&[0; 3]), &[]).is_err());
-        c.push(2, None, &[(1, 1.0)]).unwrap();
-        assert!(c.push(2, None, &[(1, 1.0)]).is_err());
-        assert!(c.push(1, None, &[(1, 1.0)]).is_err());
-        c.clear();
-        assert!(c.is_empty());
-        c.push(1, None, &[(1, 1.0)]).unwrap();
+        let mut out = Vec::new();
+        assert!(pack_token_constraints(64, &[row(0, Some(&[0; 3]), &[])], &mut out).is_err());
+        let b = [(1, 1.0)];
+        assert!(pack_token_constraints(64, &[row(2, None, &b), row(2, None, &b)], &mut out).is_err());
+        assert!(pack_token_constraints(64, &[row(2, None, &b), row(1, None, &b)], &mut out).is_err());
+        assert_eq!(pack_token_constraints(64, &[row(1, None, &b), row(5, Some(&[1, 2]), &[])], &mut out).unwrap(), 2);
+        assert_eq!(pack_token_constraints(64, &[], &mut out).unwrap(), 0);
+        assert!(out.is_empty());
     }
 }

@@ -8,7 +8,7 @@
 // ceil(vocab / 32) words, bit (t & 31) of word (t >> 5) set where token t is allowed (llguidance's
 // layout); a token not allowed gets -inf. The biases are added after the mask by one thread, in the
 // order given, so each sum is the host sampler's (left to right; -inf + bias stays -inf). A row has at
-// most MAX_LOGIT_BIAS (300) biases, so the serial loop is short.
+// most the engine's MAX_LOGIT_BIAS (1024) biases, so the serial loop is short.
 // grid: one block per constrained row; any blockDim.x.
 
 #define TOKEN_MASK_HEADER 4

@@ -11,6 +11,6 @@ pub mod step;
 
 pub use lora_segments::{LoraBatchPlan, NO_SLOT};
 pub use ragged::RaggedBatch;
-pub use row_constraints::{ConstrainedRowRef, RowConstraints};
+pub use row_constraints::{ConstrainedRowRef, MaskWriter, RowConstraints};
 pub use row_sampling::RowSampling;
 pub use step::{SeqChunk, StepBatch};

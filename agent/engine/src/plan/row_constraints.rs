@@ -12,6 +12,9 @@ pub struct RowConstraints {
     biases: Vec<(u32, f32)>,
 }
 
+/// Fills a zeroed bitmask with the allowed tokens; false where no mask applies.
+pub type MaskWriter<'a> = &'a mut dyn FnMut(&mut [u32]) -> bool;
+
 /// One constrained row, as [`RowConstraints::rows`] hands it out.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ConstrainedRowRef<'a> {
@@ -40,7 +43,7 @@ impl RowConstraints {
 
     /// Adds logits row `row` (after every row added so far): `write_mask` fills a zeroed mask and
     /// says whether one applies; `biases` are added after the mask in their order.
-    pub fn push(&mut self, row: usize, write_mask: Option<&mut dyn FnMut(&mut [u32]) -> bool>, biases: &[(u32, f32)]) {
+    pub fn push(&mut self, row: usize, write_mask: Option<MaskWriter<'_>>, biases: &[(u32, f32)]) {
         let mask = write_mask.and_then(|write| {
             let at = self.masks.len();
             self.masks.resize(at + self.words_per_row, 0);

@@ -7,7 +7,7 @@ use super::filters::keep_mask;
 use super::logprobs::{log_softmax, top_logprobs};
 use super::penalties::{apply_penalties, PenaltyState};
 use super::GREEDY_TEMPERATURE;
-use crate::plan::{RowConstraints, RowSampling};
+use crate::plan::{MaskWriter, RowConstraints, RowSampling};
 use crate::request::{RequestId, SampledToken, SamplingParams};
 use crate::structured::{GrammarOutcome, GrammarState};
 
@@ -136,7 +136,7 @@ impl RequestSampler {
     pub fn push_constraints(&mut self, row: usize, out: &mut RowConstraints) {
         let has_grammar = self.grammar.is_some();
         let mut write = |words: &mut [u32]| self.grammar.as_mut().is_some_and(|g| g.write_mask(words));
-        let write: Option<&mut dyn FnMut(&mut [u32]) -> bool> = if has_grammar { Some(&mut write) } else { None };
+        let write: Option<MaskWriter<'_>> = if has_grammar { Some(&mut write) } else { None };
         out.push(row, write, &self.params.logit_bias);
     }
 

@@ -2,8 +2,10 @@
 //! `Backend::forward_sample` and the CUDA kernel (`sample.cu`) exactly: candidates as the CPU sampler
 //! keeps them (`keep_mask`), then the inverse CDF in id order at the request's own number `u`. It lets
 //! the engine's device-sampling path (row plans, host rows, token routing) run in CI without a GPU.
+//! [`HostDeviceMasks`] also applies token masks and logit biases "on the device" as `token_mask.cu`
+//! does (the mask, then the biases in order), for the engine's constrained path.
 
-use peregrine_engine::backend::{Backend, KvCacheShape, Logits, RowSampling, SampledStep, StepBatch};
+use peregrine_engine::backend::{Backend, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
 use peregrine_engine::config::ModelConfig;
 use peregrine_engine::sampling::{argmax, keep_mask, GREEDY_TEMPERATURE};
 
@@ -48,6 +50,17 @@ impl<B: Backend> Backend for HostDevice<B> {
 
     fn forward_sample(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> peregrine_engine::Result<SampledStep> {
         let logits = self.0.forward(batch)?;
+        Ok(sample_rows(&logits, rows))
+    }
+
+    fn name(&self) -> String {
+        format!("{} (sampling as on a device)", self.0.name())
+    }
+}
+
+/// What the device sampler returns for these logits and plans.
+fn sample_rows(logits: &Logits, rows: &[RowSampling]) -> SampledStep {
+    {
         assert_eq!(rows.len(), logits.rows(), "one plan per logits row");
         let mut step = SampledStep { tokens: Vec::new(), host_logits: Logits { vocab: logits.vocab, data: Vec::new() } };
         for (r, plan) in rows.iter().enumerate() {
@@ -60,10 +73,65 @@ impl<B: Backend> Backend for HostDevice<B> {
                 RowSampling::Draw { temperature, top_k, top_p, min_p, uniform } => Some(pick(row, temperature, top_k, top_p, min_p, uniform)),
             });
         }
-        Ok(step)
+        step
+    }
+}
+
+/// [`HostDevice`] that also applies masks and biases itself (`Backend::forward_sample_constrained`).
+pub struct HostDeviceMasks<B>(pub B);
+
+/// Constrained rows [`HostDeviceMasks`] has applied, in this process (proof the path ran).
+pub static CONSTRAINED_ROWS_APPLIED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl<B: Backend> Backend for HostDeviceMasks<B> {
+    fn config(&self) -> &ModelConfig {
+        self.0.config()
+    }
+
+    fn kv_shape(&self) -> KvCacheShape {
+        self.0.kv_shape()
+    }
+
+    fn forward(&mut self, batch: &StepBatch) -> peregrine_engine::Result<Logits> {
+        self.0.forward(batch)
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_sample(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> peregrine_engine::Result<SampledStep> {
+        let logits = self.0.forward(batch)?;
+        Ok(sample_rows(&logits, rows))
+    }
+
+    fn applies_constraints_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_sample_constrained(&mut self, batch: &StepBatch, rows: &[RowSampling], while_running: &mut dyn FnMut() -> RowConstraints) -> peregrine_engine::Result<SampledStep> {
+        let mut logits = self.0.forward(batch)?;
+        let constraints = while_running();
+        let vocab = logits.vocab;
+        CONSTRAINED_ROWS_APPLIED.fetch_add(constraints.len(), std::sync::atomic::Ordering::Relaxed);
+        for c in constraints.rows() {
+            assert!(matches!(rows[c.row], RowSampling::Draw { .. }), "constraints only for device rows");
+            let row = &mut logits.data[c.row * vocab..(c.row + 1) * vocab];
+            if let Some(mask) = c.mask {
+                for (t, l) in row.iter_mut().enumerate() {
+                    if (mask[t / 32] >> (t % 32)) & 1 == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            for &(t, b) in c.biases {
+                row[t as usize] += b;
+            }
+        }
+        Ok(sample_rows(&logits, rows))
     }
 
     fn name(&self) -> String {
-        format!("{} (sampling as on a device)", self.0.name())
+        format!("{} (sampling and masks as on a device)", self.0.name())
     }
 }

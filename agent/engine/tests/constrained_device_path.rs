@@ -1,7 +1,7 @@
 //! The engine's constrained device path (`Backend::forward_sample_constrained`: grammar masks and
 //! logit biases gathered while the step runs, applied by the backend before it samples) on the real
 //! SmolLM2 model, without a GPU: the CPU backend wrapped to apply masks and sample as the CUDA
-//! backend does (`engine_support::device_sampling::HostDeviceMasks`). Reference: the same requests
+//! backend does (`engine_support::device_sampling::HostDevice::with_masks`). Reference: the same requests
 //! through the plain CPU backend, where the host sampler applies mask and biases. Greedy rows must get
 //! identical tokens (same logits, same mask, same argmax); penalised constrained rows go to the host on
 //! both paths and must match too.
@@ -9,44 +9,15 @@
 mod common;
 mod engine_support;
 
-use engine_support::device_sampling::HostDeviceMasks;
+use engine_support::device_sampling::HostDevice;
+use engine_support::scenarios::{config, request, run_together, start};
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape};
-use peregrine_engine::engine::{Engine, EngineConfig, EngineHandle};
 use peregrine_engine::model::gguf::GgufFile;
 use peregrine_engine::model::{self, LoadFormat, ModelWeights};
-use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
+use peregrine_engine::request::SamplingParams;
 use peregrine_engine::structured::{GrammarCompiler, GrammarSpec};
 use peregrine_engine::tokenizer::Tokenizer;
-
-const SHAPE: KvCacheShape = KvCacheShape { num_blocks: 128, block_size: 16 };
-
-fn start(backend: Box<dyn Backend>) -> EngineHandle {
-    let config = EngineConfig { max_num_seqs: 8, max_num_batched_tokens: 256, block_size: 16, enable_prefix_caching: false, ..EngineConfig::default() };
-    Engine::start(backend, config).expect("engine")
-}
-
-fn run_together(e: &EngineHandle, requests: &[(Vec<u32>, SamplingParams)]) -> Vec<Vec<u32>> {
-    let streams: Vec<_> = requests
-        .iter()
-        .map(|(p, params)| e.submit(GenerationRequest { id: e.new_request_id(), prompt_tokens: p.clone(), params: params.clone(), adapter: None }).unwrap())
-        .collect();
-    streams
-        .into_iter()
-        .map(|mut s| {
-            let mut out = Vec::new();
-            loop {
-                match s.blocking_next() {
-                    Some(RequestEvent::Token(t)) => out.push(t.token_id),
-                    Some(RequestEvent::Finished { .. }) => return out,
-                    Some(RequestEvent::Error(m)) => panic!("request failed: {m}"),
-                    Some(RequestEvent::Scheduled { .. }) => {}
-                    None => panic!("engine stopped"),
-                }
-            }
-        })
-        .collect()
-}
 
 #[test]
 fn constrained_rows_sampled_as_on_a_device_equal_host_sampling() {
@@ -77,11 +48,14 @@ fn constrained_rows_sampled_as_on_a_device_equal_host_sampling() {
         // Unconstrained beside them.
         (prompt("The capital of France is"), greedy.clone()),
     ];
-    let host = start(Box::new(CpuBackend::new(weights.clone(), SHAPE, 2).unwrap()));
-    let want = run_together(&host, &requests);
+    let requests: Vec<_> = requests.into_iter().enumerate().map(|(i, (p, params))| request(i as u64 + 1, p, params)).collect();
+    let on_host = |shape: KvCacheShape| -> Box<dyn Backend> { Box::new(CpuBackend::new(weights.clone(), shape, 2).unwrap()) };
+    let on_device = |shape: KvCacheShape| -> Box<dyn Backend> { Box::new(HostDevice::with_masks(CpuBackend::new(weights.clone(), shape, 2).unwrap())) };
+    let host = start(&on_host, 512, config(8, 256, 512, false));
+    let want: Vec<Vec<u32>> = run_together(&host, &requests).into_iter().map(|r| r.tokens).collect();
     host.shutdown();
-    let device = start(Box::new(HostDeviceMasks(CpuBackend::new(weights, SHAPE, 2).unwrap())));
-    let got = run_together(&device, &requests);
+    let device = start(&on_device, 512, config(8, 256, 512, false));
+    let got: Vec<Vec<u32>> = run_together(&device, &requests).into_iter().map(|r| r.tokens).collect();
     device.shutdown();
     let applied = engine_support::device_sampling::CONSTRAINED_ROWS_APPLIED.load(std::sync::atomic::Ordering::Relaxed);
     assert!(applied >= 5 * 5, "only {applied} constrained rows went through the device path");

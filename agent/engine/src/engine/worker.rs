@@ -302,8 +302,10 @@ impl Worker {
         // A request gone since scheduling still has a row: greedy, and its token is dropped.
         let greedy = RowSampling::Draw { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, uniform: 0.0 };
         // Where the backend applies token masks and logit biases itself, constrained rows stay on
-        // the device; their masks are gathered while it computes the step.
-        let on_device = self.backend.applies_constraints_on_device();
+        // the device; their masks are gathered while it computes the step. A step without any
+        // keeps the plain path (its sampler is enqueued before the host's work, as before).
+        let on_device = self.backend.applies_constraints_on_device()
+            && wanting.iter().any(|id| self.requests.get(id).is_some_and(|r| r.sampler.has_constraints()));
         let plans: Vec<RowSampling> = wanting
             .iter()
             .map(|id| {

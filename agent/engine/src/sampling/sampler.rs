@@ -97,7 +97,8 @@ impl RequestSampler {
     /// How the device should pick this request's next token, for backends that sample on their
     /// device: a draw with this request's parameters and its one RNG number for the token, or
     /// [`RowSampling::Host`] where penalties, logit bias, logprobs or a grammar need the logits on
-    /// the host (biased rows are few; the device kernels stay bias-free).
+    /// the host (for backends that cannot apply masks and biases themselves; see
+    /// [`RequestSampler::device_plan_constrained`] for those that can).
     pub fn device_plan(&mut self) -> RowSampling {
         if self.has_constraints() {
             return RowSampling::Host;

@@ -3,7 +3,9 @@
 //! With `--lora N`, each decode batch size is run a second time with N random adapters (Zipf-spread
 //! over the batch) and the throughput is reported relative to the base model's. With
 //! `--json-schema FILE`, likewise with every sequence constrained to that JSON schema (llguidance
-//! masks, computed beside the forward pass), relative to unconstrained decode.
+//! masks, computed beside the forward pass), relative to unconstrained decode, and the host time one
+//! step's masks take for 32 and 256 sequences (the tokenizer's vocabulary; with a dummy-weight shape,
+//! `--tokenizer` supplies one).
 
 use std::time::{Duration, Instant};
 
@@ -128,6 +130,21 @@ struct ConstrainedFigure {
     relative_to_unconstrained: f64,
 }
 
+/// One step's masks for `sequences` constrained sequences, computed on the host's thread pool.
+#[derive(Debug, Serialize)]
+struct MaskFigure {
+    sequences: usize,
+    vocab: usize,
+    /// Median over the measured steps, milliseconds for all the sequences' masks.
+    ms_per_step: f64,
+    /// The first masks of fresh sequences.
+    first_ms: f64,
+}
+
+/// Sequences per step whose mask time `bench --json-schema` reports (the CPU and GPU batches).
+const MASK_TIMING_SEQUENCES: [usize; 2] = [32, 256];
+const MASK_TIMING_STEPS: usize = 16;
+
 #[derive(Debug, Serialize)]
 struct LoraFigure {
     tokens_per_second: f64,
@@ -156,10 +173,24 @@ struct BenchReport {
     decode: Vec<DecodeFigure>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lora: Option<LoraSetup>,
+    /// With `--json-schema`: host time of one step's masks.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    masks: Vec<MaskFigure>,
     peak_rss_mib: Option<f64>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let json = args.json;
+    let report = measure(args)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(())
+}
+
+fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
     let mut engine_args = args.engine.clone();
     // Every measurement uses fresh prompts; the prefix cache would only blur the prefill figure.
     engine_args.disable_prefix_caching = true;
@@ -186,6 +217,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let grammar = match &args.json_schema {
         Some(path) => Some(compile_schema(&runtime, path)?),
         None => None,
+    };
+    // Before any decode, so the engine's threads do not share the cores with it.
+    let masks = match (&grammar, &runtime.tokenizer) {
+        (Some(g), Some(t)) => MASK_TIMING_SEQUENCES
+            .iter()
+            .map(|&n| {
+                let m = peregrine_engine::bench::masks::time_masks(g, t.vocab_size(), n, MASK_TIMING_STEPS);
+                MaskFigure { sequences: n, vocab: m.vocab, ms_per_step: m.step.as_secs_f64() * 1e3, first_ms: m.first.as_secs_f64() * 1e3 }
+            })
+            .collect(),
+        _ => Vec::new(),
     };
 
     // Warm-up: first-touch of weights and KV pages.
@@ -234,11 +276,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             zipf_s: args.zipf_s,
             max_loras: engine_args.max_loras,
         }),
+        masks,
         peak_rss_mib: peak_rss_mib(),
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
+    Ok(report)
+}
+
+fn print_report(report: &BenchReport) {
+    {
         println!("model      {}", report.model);
         println!("device     {} (backend {}, {} threads)", report.device, report.backend, report.threads);
         println!("prefill    {:>9.1} tokens/s  (1 x {} tokens)", report.prefill_tokens_per_second, report.prompt_len);
@@ -254,12 +299,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 println!("  + schema {:>9.1} tokens/s  ({:.3} x unconstrained)", j.tokens_per_second, j.relative_to_unconstrained);
             }
         }
+        for m in &report.masks {
+            println!("masks      {:>9.2} ms/step   ({} sequences, {}-token vocabulary; first masks {:.2} ms)", m.ms_per_step, m.sequences, m.vocab, m.first_ms);
+        }
         match report.peak_rss_mib {
             Some(m) => println!("peak RSS   {m:>9.1} MiB"),
             None => println!("peak RSS   unknown on this platform"),
         }
     }
-    Ok(())
 }
 
 /// The schema in `path`, compiled against the model's tokenizer the way the server compiles one.
@@ -440,5 +487,52 @@ mod tests {
         assert_eq!(parse(&["serve"]).map(|c| matches!(c, BenchCommand::Serve(a) if a.request_rate.is_infinite())).ok(), Some(true));
         assert!(parse(&[]).is_err(), "offline needs --model");
         assert!(parse(&["--model", "/m", "serve"]).is_err(), "offline flags and a subcommand conflict");
+    }
+
+    /// `bench --json-schema` on a dummy-weight shape with Llama 3's vocabulary size, the stand-in
+    /// tokenizer from `scripts/make-stand-in-tokenizer.py` (`--tokenizer`), on the CPU: the
+    /// constrained figures and the mask timings come out, for that vocabulary.
+    #[test]
+    fn json_schema_bench_runs_on_a_dummy_shape_with_the_stand_in_tokenizer() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let dir = tempfile::tempdir().unwrap();
+        let python = std::env::var("PEREGRINE_PYTHON").unwrap_or_else(|_| "python3".into());
+        let tok_dir = dir.path().join("tokenizer");
+        let status = std::process::Command::new(&python)
+            .arg(root.join("scripts/make-stand-in-tokenizer.py"))
+            .arg(&tok_dir)
+            .status()
+            .unwrap_or_else(|e| panic!("running {python}: {e}"));
+        assert!(status.success(), "make-stand-in-tokenizer.py failed");
+        let tok = peregrine_engine::tokenizer::Tokenizer::for_model(&tok_dir).unwrap();
+        assert_eq!(tok.vocab_size(), 128_256);
+        assert_eq!(tok.eos_token_ids().first(), Some(&128_001));
+        assert_eq!(tok.token_to_id("<|eot_id|>"), Some(128_009));
+        // Pair tokens encode like the text they stand for.
+        assert_eq!(tok.decode(&tok.encode("hello world, 42").unwrap(), false).unwrap(), "hello world, 42");
+
+        // Llama-3.1-8B's shape file, shrunk (its vocabulary and end ids kept).
+        let mut shape: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root.join("scripts/shapes/llama-3.1-8b.json")).unwrap()).unwrap();
+        for (k, v) in [("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_layers", 2), ("num_attention_heads", 4), ("num_key_value_heads", 2), ("head_dim", 16), ("max_position_embeddings", 1024)] {
+            shape[k] = v.into();
+        }
+        let shape_path = dir.path().join("tiny-llama3-vocab.json");
+        std::fs::write(&shape_path, shape.to_string()).unwrap();
+        let schema = root.join("scripts/schemas/integer-array.json");
+        let (shape_arg, tok_arg, schema_arg) = (shape_path.to_str().unwrap(), tok_dir.to_str().unwrap(), schema.to_str().unwrap());
+        let args = [
+            "--model", shape_arg, "--load-format", "dummy", "--device", "cpu", "--threads", "2", "--tokenizer", tok_arg,
+            "--json-schema", schema_arg, "--batch-sizes", "1,4", "--repeat", "1", "--prompt-len", "8", "--context-len", "4", "--decode-tokens", "4",
+        ];
+        let BenchCommand::Offline(bench) = parse(&args).unwrap() else { panic!("offline") };
+        let report = measure(bench).unwrap();
+        assert_eq!(report.decode.len(), 2);
+        for d in &report.decode {
+            let j = d.json_schema.as_ref().expect("constrained figure");
+            assert!(j.tokens_per_second > 0.0 && d.tokens_per_second > 0.0);
+        }
+        let masks: Vec<(usize, usize)> = report.masks.iter().map(|m| (m.sequences, m.vocab)).collect();
+        assert_eq!(masks, vec![(32, 128_256), (256, 128_256)]);
+        assert!(report.masks.iter().all(|m| m.ms_per_step > 0.0));
     }
 }

@@ -32,6 +32,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("gemm_w8a8.cu", include_str!("../cuda/gemm_w8a8.cu")),
     ("fill.cu", include_str!("../cuda/fill.cu")),
     ("sample.cu", include_str!("../cuda/sample.cu")),
+    ("token_mask.cu", include_str!("../cuda/token_mask.cu")),
     ("lora.cu", include_str!("../cuda/lora.cu")),
 ];
 

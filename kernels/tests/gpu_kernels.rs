@@ -10,7 +10,7 @@
 
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::ops::AttentionKernel;
+use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow};
 use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -511,6 +511,61 @@ fn silu_mul_matches_reference() {
     }
     // __expf has ~2 ulp of f32 error: far below the bf16 rounding the check allows.
     assert_bf16_close(&got, &want, "silu*up");
+}
+
+#[test]
+fn token_constraints_match_the_host_reference() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    // Llama 3's vocabulary (not a multiple of 32 words' worth of bits is covered by the 49,155 case).
+    for vocab in [128_256usize, 49_155] {
+        let rows = 64;
+        let words = peregrine_kernels::ops::mask_words(vocab);
+        let logits: Vec<f32> = (0..rows * vocab).map(|_| r.random_range(-10.0..10.0)).collect();
+        let mut want = logits.clone();
+        let mut per_row = Vec::new();
+        for row in 0..rows {
+            // About a third of the rows have a mask, a third biases, some both, the rest nothing.
+            let mask = (r.random_range(0..3) == 0).then(|| {
+                let density: f64 = r.random_range(0.0..1.0);
+                let mut m = vec![0u32; words];
+                for t in 0..vocab {
+                    if r.random_bool(density) {
+                        m[t / 32] |= 1 << (t % 32);
+                    }
+                }
+                m
+            });
+            let biases: Vec<(u32, f32)> = if r.random_range(0..3) == 0 {
+                (0..r.random_range(1..300)).map(|_| (r.random_range(0..vocab as u32), r.random_range(-100.0..100.0))).collect()
+            } else {
+                Vec::new()
+            };
+            let w = &mut want[row * vocab..(row + 1) * vocab];
+            if let Some(m) = &mask {
+                for (t, l) in w.iter_mut().enumerate() {
+                    if (m[t / 32] >> (t % 32)) & 1 == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            for &(t, b) in &biases {
+                w[t as usize] += b;
+            }
+            per_row.push((row, mask, biases));
+        }
+        let rows: Vec<ConstrainedRow> = per_row.iter().map(|(row, mask, biases)| ConstrainedRow { row: *row, mask: mask.as_deref(), biases }).collect();
+        let mut packed = Vec::new();
+        let n = pack_token_constraints(vocab, &rows, &mut packed).unwrap();
+        let dl = c.gpu.upload(&logits).unwrap();
+        let dp = c.gpu.upload(&packed).unwrap();
+        unsafe { c.kernels.apply_token_constraints(&c.gpu.stream, dl.ptr(), vocab, dp.ptr(), n).unwrap() };
+        let got = dl.download(&c.gpu.stream).unwrap();
+        // Same f32 operations in the same order: bit-exact (untouched rows included).
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g.to_bits() == w.to_bits(), "vocab {vocab}, row {}, token {}: got {g}, want {w}", i / vocab, i % vocab);
+        }
+    }
 }
 
 #[test]

@@ -332,7 +332,7 @@ fn config_is_checked_against_the_backend() {
 }
 
 fn fake_sampling_on_device(shape: KvCacheShape) -> Box<dyn Backend> {
-    Box::new(engine_support::device_sampling::HostDevice(FakeBackend::new(shape)))
+    Box::new(engine_support::device_sampling::HostDevice::new(FakeBackend::new(shape)))
 }
 
 /// The engine's device-sampling path (plans per row, host rows for penalties/logprobs, tokens routed

@@ -123,6 +123,11 @@ pub struct EngineArgs {
     pub model: PathBuf,
     #[arg(long, value_enum, env = "PEREGRINE_LOAD_FORMAT", default_value = "auto")]
     pub load_format: LoadFormatArg,
+    /// Tokenizer to use instead of the model's: a `tokenizer.json`, a folder with one (and
+    /// `tokenizer_config.json` for the end-of-sequence token) or a GGUF file. For `--load-format
+    /// dummy` shapes, which come without one; its vocabulary must fit the model's.
+    #[arg(long, env = "PEREGRINE_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
     /// Context length (default: the model's, capped to what the KV cache holds).
     #[arg(long, env = "PEREGRINE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,

@@ -72,7 +72,10 @@ impl EngineArgs {
             let asked = self.kv_cache_dtype.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
             anyhow::bail!("--kv-cache-dtype {asked}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda");
         }
-        let tokenizer = load_tokenizer(&self.model, self.load_format)?;
+        let tokenizer = match &self.tokenizer {
+            Some(path) => Some(Tokenizer::for_model(path).with_context(|| format!("loading --tokenizer {}", path.display()))?),
+            None => load_tokenizer(&self.model, self.load_format)?,
+        };
         let loading = || format!("loading model {}", self.model.display());
         let (config, backend): (ModelConfig, Box<dyn Backend>) = match device {
             // Random weights of a big model are made on the GPU; a host copy would not even fit.
@@ -94,6 +97,9 @@ impl EngineArgs {
                 (loaded.config, Box::new(CpuBackend::new(loaded.weights, kv_shape, self.threads())?))
             }
         };
+        if let Some(t) = tokenizer.as_ref().filter(|t| t.vocab_size() > config.vocab_size) {
+            anyhow::bail!("the tokenizer has {} tokens, more than the model's vocabulary of {}", t.vocab_size(), config.vocab_size);
+        }
         let backend_name = backend.name();
         let kv_shape = backend.kv_shape();
         let engine = match self.lora_config() {

@@ -16,6 +16,7 @@ mod rmsnorm;
 mod rope_kv;
 mod sample;
 mod silu_mul;
+mod token_mask;
 
 use attention::mma_smem_opt_in;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
@@ -23,6 +24,7 @@ pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
+pub use token_mask::{mask_words, pack_token_constraints, packed_capacity, ConstrainedRow, TOKEN_MASK_HEADER};
 
 use std::sync::Arc;
 
@@ -90,6 +92,7 @@ pub struct Kernels {
     silu_mul: CudaFunction,
     argmax_rows: CudaFunction,
     sample_rows: CudaFunction,
+    apply_token_constraints: CudaFunction,
     lora_group: CudaFunction,
     lora_shrink_sgmv: CudaFunction,
     lora_shrink_staged: CudaFunction,
@@ -191,6 +194,7 @@ impl Kernels {
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
             sample_rows: f("sample_rows")?,
+            apply_token_constraints: f("apply_token_constraints")?,
             lora_group: f("lora_group")?,
             lora_shrink_sgmv: f("lora_shrink_sgmv")?,
             lora_shrink_staged: f("lora_shrink_staged")?,

@@ -14,7 +14,7 @@ use crate::Result;
 
 // The step plan lives below the backend (in `crate::plan`); re-exported here because every
 // backend call takes it.
-pub use crate::plan::{RowSampling, SeqChunk, StepBatch};
+pub use crate::plan::{ConstrainedRowRef, RowConstraints, RowSampling, SeqChunk, StepBatch};
 
 /// Row-major logits, one row per [`SeqChunk`] with `wants_logits`, in batch order.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -93,6 +93,21 @@ pub trait Backend: Send {
     fn forward_sample_with(&mut self, batch: &StepBatch, rows: &[RowSampling], while_running: &mut dyn FnMut()) -> Result<SampledStep> {
         while_running();
         self.forward_sample(batch, rows)
+    }
+
+    /// Whether [`Backend::forward_sample_constrained`] works: the backend applies token masks and
+    /// logit biases on its device, so constrained rows need not send their logits to the host.
+    fn applies_constraints_on_device(&self) -> bool {
+        false
+    }
+
+    /// [`Backend::forward_sample_with`] where rows may carry token masks and logit biases:
+    /// `while_running` is called once while the device computes the step and returns them (so the
+    /// masks' computation overlaps the device's work); they are applied to the logits before the
+    /// device picks the rows' tokens.
+    fn forward_sample_constrained(&mut self, batch: &StepBatch, rows: &[RowSampling], while_running: &mut dyn FnMut() -> RowConstraints) -> Result<SampledStep> {
+        let _ = (batch, rows, while_running);
+        Err(crate::EngineError::Unsupported(format!("backend {} does not apply token masks on its device", self.name())))
     }
 
     /// A short name for logs and `bench` output ("cpu", "cuda:0").

@@ -9,6 +9,7 @@ use crate::Result;
 
 pub mod fidelity;
 pub mod lora;
+pub mod masks;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchFigure {

@@ -15,7 +15,7 @@ use super::metrics::EngineMetrics;
 use super::outbox::Outbox;
 use super::step_profile::StepProfile;
 use crate::backend::{Backend, Logits};
-use crate::plan::RowSampling;
+use crate::plan::{RowConstraints, RowSampling};
 use crate::lora::AdapterId;
 use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, SampledToken, Usage};
 use crate::sampling::{request_seed, RequestSampler};
@@ -310,13 +310,44 @@ impl Worker {
         let wanting: Vec<RequestId> = out.chunks.iter().filter(|c| c.wants_logits).map(|c| c.id).collect();
         // A request gone since scheduling still has a row: greedy, and its token is dropped.
         let greedy = RowSampling::Draw { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, uniform: 0.0 };
-        let plans: Vec<RowSampling> =
-            wanting.iter().map(|id| self.requests.get_mut(id).map_or(greedy, |r| r.sampler.device_plan())).collect();
+        // Where the backend applies token masks and logit biases itself, constrained rows stay on
+        // the device; their masks are gathered while it computes the step. A step without any
+        // keeps the plain path (its sampler is enqueued before the host's work, as before).
+        let on_device = self.backend.applies_constraints_on_device()
+            && wanting.iter().any(|id| self.requests.get(id).is_some_and(|r| r.sampler.has_constraints()));
+        let plans: Vec<RowSampling> = wanting
+            .iter()
+            .map(|id| {
+                self.requests.get_mut(id).map_or(greedy, |r| {
+                    if on_device {
+                        r.sampler.device_plan_constrained()
+                    } else {
+                        r.sampler.device_plan()
+                    }
+                })
+            })
+            .collect();
         let outbox = &mut self.outbox;
-        let step = self
-            .backend
-            .forward_sample_with(&out.batch, &plans, &mut || outbox.deliver())
-            .map_err(|e| e.to_string())?;
+        let step = if on_device {
+            let requests = &mut self.requests;
+            let vocab = self.backend.config().vocab_size;
+            let mut gather = || {
+                outbox.deliver();
+                let mut constraints = RowConstraints::new(vocab);
+                for (row, (id, plan)) in wanting.iter().zip(&plans).enumerate() {
+                    if let (RowSampling::Draw { .. }, Some(r)) = (plan, requests.get_mut(id)) {
+                        if r.sampler.has_constraints() {
+                            r.sampler.push_constraints(row, &mut constraints);
+                        }
+                    }
+                }
+                constraints
+            };
+            self.backend.forward_sample_constrained(&out.batch, &plans, &mut gather)
+        } else {
+            self.backend.forward_sample_with(&out.batch, &plans, &mut || outbox.deliver())
+        }
+        .map_err(|e| e.to_string())?;
         let host_rows = plans.iter().filter(|p| **p == RowSampling::Host).count();
         if step.tokens.len() != wanting.len() {
             return Err(format!("the backend sampled {} rows for {} sequences", step.tokens.len(), wanting.len()));

@@ -7,7 +7,7 @@ use super::filters::keep_mask;
 use super::logprobs::{log_softmax, top_logprobs};
 use super::penalties::{apply_penalties, PenaltyState};
 use super::GREEDY_TEMPERATURE;
-use crate::plan::RowSampling;
+use crate::plan::{MaskWriter, RowConstraints, RowSampling};
 use crate::request::{RequestId, SampledToken, SamplingParams};
 use crate::structured::{GrammarOutcome, GrammarState};
 
@@ -97,11 +97,22 @@ impl RequestSampler {
     /// How the device should pick this request's next token, for backends that sample on their
     /// device: a draw with this request's parameters and its one RNG number for the token, or
     /// [`RowSampling::Host`] where penalties, logit bias, logprobs or a grammar need the logits on
-    /// the host (biased rows are few; the device kernels stay bias-free).
+    /// the host (for backends that cannot apply masks and biases themselves; see
+    /// [`RequestSampler::device_plan_constrained`] for those that can).
     pub fn device_plan(&mut self) -> RowSampling {
+        if self.has_constraints() {
+            return RowSampling::Host;
+        }
+        self.device_plan_constrained()
+    }
+
+    /// [`RequestSampler::device_plan`] for backends that apply token masks and logit biases on
+    /// their device (`Backend::applies_constraints_on_device`): only penalties and logprobs need
+    /// the host; a grammar's mask and the biases go with [`RequestSampler::push_constraints`].
+    pub fn device_plan_constrained(&mut self) -> RowSampling {
         let p = &self.params;
         let penalties = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        if penalties || p.logprobs.is_some() || self.grammar.is_some() || !p.logit_bias.is_empty() {
+        if penalties || p.logprobs.is_some() {
             return RowSampling::Host;
         }
         let (temperature, top_k, top_p, min_p) = (p.temperature, p.top_k.min(u32::MAX as usize) as u32, p.top_p, p.min_p);
@@ -112,6 +123,22 @@ impl RequestSampler {
             (self.rng.random::<f64>() as f32).min(1.0 - f32::EPSILON)
         };
         RowSampling::Draw { temperature, top_k, top_p, min_p, uniform }
+    }
+
+    /// Whether the next token is constrained by a grammar or logit biases.
+    pub fn has_constraints(&self) -> bool {
+        self.grammar.is_some() || !self.params.logit_bias.is_empty()
+    }
+
+    /// Adds this request's grammar mask (waiting for it if it is still being computed) and logit
+    /// biases for its next token to `out`, as logits row `row`: what the device applies for a row
+    /// planned by [`RequestSampler::device_plan_constrained`], the same as [`RequestSampler::sample`]
+    /// does on the host (the mask, then the biases in order).
+    pub fn push_constraints(&mut self, row: usize, out: &mut RowConstraints) {
+        let has_grammar = self.grammar.is_some();
+        let mut write = |words: &mut [u32]| self.grammar.as_mut().is_some_and(|g| g.write_mask(words));
+        let write: Option<MaskWriter<'_>> = if has_grammar { Some(&mut write) } else { None };
+        out.push(row, write, &self.params.logit_bias);
     }
 
     /// Records a token the device picked under [`RequestSampler::device_plan`].

@@ -33,7 +33,8 @@ impl CompiledGrammar {
         (*self.matcher).clone()
     }
 
-    pub(super) fn eos_ids(&self) -> &Arc<[u32]> {
+    /// The end-of-sequence ids the grammar treats as its end.
+    pub fn eos_ids(&self) -> &Arc<[u32]> {
         &self.eos_ids
     }
 }

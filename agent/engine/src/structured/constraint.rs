@@ -74,6 +74,23 @@ impl GrammarState {
     /// Sets every logit the grammar does not allow to -inf. Waits for this sequence's mask if it is
     /// still being computed.
     pub fn apply(&mut self, logits: &mut [f32]) {
+        let mut words = vec![0u32; logits.len().div_ceil(32)];
+        if !self.write_mask(&mut words) {
+            return;
+        }
+        for (id, l) in logits.iter_mut().enumerate() {
+            if (words[id / 32] >> (id % 32)) & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+
+    /// Writes the allowed-token bitmask for the next token into `words` (bit `t % 32` of word
+    /// `t / 32` set where token `t` is allowed; ids past the grammar's vocabulary are not), the form
+    /// the GPU applies (token_mask.cu). Waits for this sequence's mask if it is still being computed.
+    /// False where no mask applies (the grammar failed: the request ends after this token), `words`
+    /// then untouched.
+    pub fn write_mask(&mut self, words: &mut [u32]) -> bool {
         let (matcher, mask) = match std::mem::replace(&mut self.state, State::Done) {
             State::Ready(mut m) => {
                 let mask = m.compute_mask().map_err(|e| e.to_string());
@@ -83,38 +100,49 @@ impl GrammarState {
                 Ok(r) => r,
                 Err(_) => {
                     self.state = State::Failed("the grammar mask task stopped".into());
-                    return;
+                    return false;
                 }
             },
             State::Done => {
                 // Complete: only the end may follow (the worker ends the sequence before sampling
                 // again; this keeps the mask right for any caller that samples once more).
-                for (id, l) in logits.iter_mut().enumerate() {
-                    if !self.eos_ids.contains(&(id as u32)) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-                self.state = State::Done;
-                return;
+                words.fill(0);
+                self.allow_eos(words);
+                return true;
             }
             State::Failed(e) => {
                 self.state = State::Failed(e);
-                return;
+                return false;
             }
         };
         match mask {
             Ok(mask) => {
-                let eos_allowed = self.eos_ids.first().is_some_and(|&e| mask.is_allowed(e));
-                for (id, l) in logits.iter_mut().enumerate() {
-                    let id = id as u32;
-                    let allowed = ((id as usize) < mask.len() && mask.is_allowed(id)) || (eos_allowed && self.eos_ids.contains(&id));
-                    if !allowed {
-                        *l = f32::NEG_INFINITY;
-                    }
+                let bits = mask.len().min(words.len() * 32);
+                let src = mask.as_slice();
+                for (i, w) in words.iter_mut().enumerate() {
+                    let keep = bits.saturating_sub(i * 32).min(32);
+                    let valid = if keep == 32 { u32::MAX } else { (1u32 << keep) - 1 };
+                    *w = src.get(i).copied().unwrap_or(0) & valid;
+                }
+                // The grammar sees one end id; the model may have several: all of them end it.
+                if self.eos_ids.first().is_some_and(|&e| mask.is_allowed(e)) {
+                    self.allow_eos(words);
                 }
                 self.state = State::Ready(matcher);
+                true
             }
-            Err(e) => self.state = State::Failed(format!("grammar: {e}")),
+            Err(e) => {
+                self.state = State::Failed(format!("grammar: {e}"));
+                false
+            }
+        }
+    }
+
+    fn allow_eos(&self, words: &mut [u32]) {
+        for &e in self.eos_ids.iter() {
+            if let Some(w) = words.get_mut(e as usize / 32) {
+                *w |= 1 << (e % 32);
+            }
         }
     }
 

@@ -32,7 +32,7 @@ pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
 pub use weights::{GpuWeights, Linear};
 
-use peregrine_kernels::ops::{DPtr, SAMPLE_PARAMS};
+use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
@@ -40,7 +40,7 @@ use self::graphs::Graphs;
 use self::lora::{GpuLora, Projection};
 use self::scratch::Scratch;
 use self::timing::StepTiming;
-use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowSampling, SampledStep, StepBatch};
+use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::config::ModelConfig;
 use crate::model::rowquant::RowFormat;
@@ -447,6 +447,75 @@ impl CudaBackend {
         self.cuda.gpu.synchronize().map_err(gpu_err)
     }
 
+    /// One step with sampling on the device. `while_running` is called once the step is enqueued,
+    /// while the device computes it; where it returns constraints (token masks, logit biases), they
+    /// are uploaded in one copy and applied to the logits just before the sampler, outside the CUDA
+    /// graph: which rows are constrained, and how many, changes every step, while a graph replays
+    /// fixed launches, and the sampler itself runs outside the graph too.
+    fn sample_step(&mut self, batch: &StepBatch, sampling: &[RowSampling], while_running: &mut dyn FnMut() -> Option<RowConstraints>) -> Result<SampledStep> {
+        let rows = self.run(batch)?;
+        if sampling.len() != rows {
+            return Err(EngineError::InvalidRequest(format!("{} sampling entries for {rows} logits rows", sampling.len())));
+        }
+        let vocab = self.config.vocab_size;
+        if rows == 0 {
+            let _ = while_running();
+            self.account_step()?;
+            return Ok(SampledStep { tokens: Vec::new(), host_logits: Logits { vocab, data: Vec::new() } });
+        }
+        let params = &mut self.scratch.sample_params_host[..rows * SAMPLE_PARAMS];
+        for (p, how) in params.chunks_exact_mut(SAMPLE_PARAMS).zip(sampling) {
+            p.copy_from_slice(&match *how {
+                RowSampling::Draw { temperature, top_k, top_p, min_p, uniform } => [temperature, top_k as f32, top_p, min_p, uniform],
+                // Greedy is the cheapest row to run; its choice is dropped.
+                RowSampling::Host => [0.0, 0.0, 1.0, 0.0, 0.0],
+            });
+        }
+        let Scratch { sample_params, sample_params_host, logits, argmax, constraints, constraints_host, .. } = &mut self.scratch;
+        let stream = &self.cuda.gpu.stream;
+        sample_params.write(stream, &sample_params_host[..rows * SAMPLE_PARAMS]).map_err(gpu_err)?;
+        // The whole step is enqueued (the forward pass); the host's work overlaps it.
+        if let Some(c) = while_running() {
+            let packed_rows: Vec<ConstrainedRow> = c.rows().map(|r| ConstrainedRow { row: r.row, mask: r.mask, biases: r.biases }).collect();
+            if packed_rows.iter().any(|r| r.row >= rows) {
+                return Err(EngineError::InvalidRequest(format!("token constraints for a row past the step's {rows} logits rows")));
+            }
+            let n = pack_token_constraints(vocab, &packed_rows, constraints_host).map_err(gpu_err)?;
+            if constraints_host.len() > constraints.len() {
+                // Bounded at start for max_num_seqs rows with the most biases each: not reachable
+                // through validated requests.
+                return Err(EngineError::InvalidRequest(format!(
+                    "{} words of token constraints exceed the {} reserved",
+                    constraints_host.len(),
+                    constraints.len()
+                )));
+            }
+            if n > 0 {
+                constraints.write(stream, constraints_host).map_err(gpu_err)?;
+                // SAFETY: logits hold `rows` rows of vocab f32 and every packed row is below `rows`;
+                // the packed buffer was laid out for this vocabulary with `n` rows.
+                unsafe { self.cuda.kernels.apply_token_constraints(stream, logits.ptr(), vocab, constraints.ptr(), n) }.map_err(gpu_err)?;
+            }
+        }
+        // SAFETY: logits hold `rows` rows of vocab f32; params `rows` entries; argmax max_num_seqs >= rows.
+        unsafe { self.cuda.kernels.sample_rows(stream, logits.ptr(), rows, vocab, sample_params.ptr(), argmax.ptr()) }.map_err(gpu_err)?;
+        let mut ids = vec![0u32; rows];
+        stream.memcpy_dtoh(&argmax.slice().slice(0..rows), &mut ids).map_err(|e| gpu_err(e.into()))?;
+        let mut host = Vec::new();
+        for (r, how) in sampling.iter().enumerate() {
+            if *how == RowSampling::Host {
+                let at = host.len();
+                host.resize(at + vocab, 0.0);
+                stream
+                    .memcpy_dtoh(&logits.slice().slice(r * vocab..(r + 1) * vocab), &mut host[at..])
+                    .map_err(|e| gpu_err(e.into()))?;
+            }
+        }
+        self.account_step()?;
+        let tokens = ids.into_iter().zip(sampling).map(|(id, how)| (*how != RowSampling::Host).then_some(id)).collect();
+        Ok(SampledStep { tokens, host_logits: Logits { vocab, data: host } })
+    }
+
     pub fn device_name(&self) -> &str {
         &self.cuda.gpu.name
     }
@@ -494,46 +563,18 @@ impl Backend for CudaBackend {
     }
 
     fn forward_sample_with(&mut self, batch: &StepBatch, sampling: &[RowSampling], while_running: &mut dyn FnMut()) -> Result<SampledStep> {
-        let rows = self.run(batch)?;
-        if sampling.len() != rows {
-            return Err(EngineError::InvalidRequest(format!("{} sampling entries for {rows} logits rows", sampling.len())));
-        }
-        let vocab = self.config.vocab_size;
-        if rows == 0 {
+        self.sample_step(batch, sampling, &mut || {
             while_running();
-            self.account_step()?;
-            return Ok(SampledStep { tokens: Vec::new(), host_logits: Logits { vocab, data: Vec::new() } });
-        }
-        let params = &mut self.scratch.sample_params_host[..rows * SAMPLE_PARAMS];
-        for (p, how) in params.chunks_exact_mut(SAMPLE_PARAMS).zip(sampling) {
-            p.copy_from_slice(&match *how {
-                RowSampling::Draw { temperature, top_k, top_p, min_p, uniform } => [temperature, top_k as f32, top_p, min_p, uniform],
-                // Greedy is the cheapest row to run; its choice is dropped.
-                RowSampling::Host => [0.0, 0.0, 1.0, 0.0, 0.0],
-            });
-        }
-        let Scratch { sample_params, sample_params_host, logits, argmax, .. } = &mut self.scratch;
-        let stream = &self.cuda.gpu.stream;
-        sample_params.write(stream, &sample_params_host[..rows * SAMPLE_PARAMS]).map_err(gpu_err)?;
-        // SAFETY: logits hold `rows` rows of vocab f32; params `rows` entries; argmax max_num_seqs >= rows.
-        unsafe { self.cuda.kernels.sample_rows(stream, logits.ptr(), rows, vocab, sample_params.ptr(), argmax.ptr()) }.map_err(gpu_err)?;
-        // The whole step is enqueued; the copy below waits for it.
-        while_running();
-        let mut ids = vec![0u32; rows];
-        stream.memcpy_dtoh(&argmax.slice().slice(0..rows), &mut ids).map_err(|e| gpu_err(e.into()))?;
-        let mut host = Vec::new();
-        for (r, how) in sampling.iter().enumerate() {
-            if *how == RowSampling::Host {
-                let at = host.len();
-                host.resize(at + vocab, 0.0);
-                stream
-                    .memcpy_dtoh(&logits.slice().slice(r * vocab..(r + 1) * vocab), &mut host[at..])
-                    .map_err(|e| gpu_err(e.into()))?;
-            }
-        }
-        self.account_step()?;
-        let tokens = ids.into_iter().zip(sampling).map(|(id, how)| (*how != RowSampling::Host).then_some(id)).collect();
-        Ok(SampledStep { tokens, host_logits: Logits { vocab, data: host } })
+            None
+        })
+    }
+
+    fn applies_constraints_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_sample_constrained(&mut self, batch: &StepBatch, sampling: &[RowSampling], while_running: &mut dyn FnMut() -> RowConstraints) -> Result<SampledStep> {
+        self.sample_step(batch, sampling, &mut || Some(while_running()))
     }
 
     fn enable_lora(&mut self, max_loras: usize, max_rank: usize) -> Result<()> {

@@ -1,10 +1,11 @@
 //! Per-step activation buffers on the device, and the packed plan metadata's staging.
 
-use peregrine_kernels::ops::SAMPLE_PARAMS;
+use peregrine_kernels::ops::{packed_capacity, SAMPLE_PARAMS};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::{gpu_err, PlanLayout};
 use crate::config::ModelConfig;
+use crate::sampling::MAX_LOGIT_BIAS;
 use crate::Result;
 
 /// Per-step activations, sized for `max_num_batched_tokens` tokens and `max_num_seqs` logit rows.
@@ -23,6 +24,10 @@ pub(super) struct Scratch {
     /// [`peregrine_kernels::ops::SAMPLE_PARAMS`] floats per logits row.
     pub(super) sample_params: DevBuf<f32>,
     pub(super) sample_params_host: Vec<f32>,
+    /// One step's token masks and logit biases packed for token_mask.cu (one upload per step),
+    /// sized at start for every row masked with the most biases ([`Scratch::constraint_words`]).
+    pub(super) constraints: DevBuf<u32>,
+    pub(super) constraints_host: Vec<u32>,
     pub(super) meta: DevBuf<i32>,
     pub(super) meta_host: Vec<i32>,
     pub(super) attn_partials: DevBuf<f32>,
@@ -51,12 +56,20 @@ impl Scratch {
             argmax: cuda.gpu.alloc_zeros::<u32>(r).map_err(gpu_err)?,
             sample_params: cuda.gpu.alloc_zeros::<f32>(r * SAMPLE_PARAMS).map_err(gpu_err)?,
             sample_params_host: vec![0.0; r * SAMPLE_PARAMS],
+            constraints: cuda.gpu.alloc_zeros::<u32>(Self::constraint_words(c, r)).map_err(gpu_err)?,
+            constraints_host: Vec::new(),
             meta: cuda.gpu.alloc_zeros::<i32>(layout.len()).map_err(gpu_err)?,
             meta_host: vec![0; layout.len()],
             attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
             xq: cuda.gpu.alloc_zeros::<u8>(if w8 { Self::xq_len(c, t) } else { 1 }).map_err(gpu_err)?,
             xs: cuda.gpu.alloc_zeros::<f32>(if w8 { t } else { 1 }).map_err(gpu_err)?,
         })
+    }
+
+    /// The most words a step's packed constraints take: `rows` rows, each with a mask and
+    /// [`MAX_LOGIT_BIAS`] biases (at batch 256 and a 128k vocabulary about 6 MB).
+    pub(super) fn constraint_words(c: &ModelConfig, rows: usize) -> usize {
+        packed_capacity(rows, c.vocab_size, MAX_LOGIT_BIAS)
     }
 
     fn xq_len(c: &ModelConfig, t: usize) -> usize {
@@ -67,6 +80,6 @@ impl Scratch {
         let h = c.hidden_size;
         let bf = t * (h * 3 + c.q_dim() * 2 + c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size) + layout.max_seqs * h;
         let w8_bytes = if w8 { Self::xq_len(c, t) + t * 4 } else { 0 };
-        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4 + w8_bytes
+        bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4 + w8_bytes + Self::constraint_words(c, layout.max_seqs) * 4
     }
 }

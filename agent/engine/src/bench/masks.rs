@@ -1,0 +1,88 @@
+//! How long one decode step's token masks take for a batch of constrained sequences: what the host
+//! must finish while the device runs a step for constrained decode to keep its speed
+//! (`peregrine-agent bench --json-schema` prints it).
+//!
+//! Each sequence has its own matcher; after a token is committed its next mask is computed on
+//! rayon's pool (`GrammarState::commit`), all sequences at once, as in the engine. A step here is:
+//! commit one allowed token per sequence, then wait for every mask (`GrammarState::write_mask`).
+
+use std::time::{Duration, Instant};
+
+use crate::structured::{CompiledGrammar, GrammarOutcome, GrammarState};
+
+/// Mask timing for one batch size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MaskTiming {
+    pub sequences: usize,
+    /// Bits per mask (the tokenizer's vocabulary).
+    pub vocab: usize,
+    /// Median wall time of one step's masks, all sequences.
+    pub step: Duration,
+    /// The first masks (fresh matchers, as at the end of prefill).
+    pub first: Duration,
+}
+
+/// Times `steps` steps of masks for `sequences` sequences under `grammar` (vocabulary `vocab`).
+/// Each sequence follows its own path: at each step it takes an allowed token chosen by its index,
+/// so the sequences' matchers do different work, as different outputs would.
+pub fn time_masks(grammar: &CompiledGrammar, vocab: usize, sequences: usize, steps: usize) -> MaskTiming {
+    let words = vocab.div_ceil(32);
+    let mut masks = vec![0u32; sequences * words];
+    let t0 = Instant::now();
+    let mut states: Vec<GrammarState> = (0..sequences).map(|_| GrammarState::new(grammar)).collect();
+    wait_all(&mut states, &mut masks, words);
+    let first = t0.elapsed();
+    let mut times = Vec::with_capacity(steps);
+    for step in 0..steps {
+        // The picks stand for sampling, which is not the masks' cost: outside the timing.
+        let picks: Vec<Option<u32>> =
+            (0..sequences).map(|i| pick_allowed(&masks[i * words..(i + 1) * words], i * 7919 + step * 31, grammar.eos_ids())).collect();
+        let t = Instant::now();
+        for (s, pick) in states.iter_mut().zip(picks) {
+            match pick {
+                Some(token) => s.commit(token),
+                None => *s = GrammarState::new(grammar),
+            }
+            if s.outcome() != GrammarOutcome::Continue {
+                *s = GrammarState::new(grammar);
+            }
+        }
+        wait_all(&mut states, &mut masks, words);
+        times.push(t.elapsed());
+    }
+    times.sort();
+    MaskTiming { sequences, vocab, step: times.get(times.len() / 2).copied().unwrap_or(first), first }
+}
+
+fn wait_all(states: &mut [GrammarState], masks: &mut [u32], words: usize) {
+    for (s, m) in states.iter_mut().zip(masks.chunks_exact_mut(words)) {
+        m.fill(0);
+        s.write_mask(m);
+    }
+}
+
+/// The `(k mod allowed)`-th allowed token that is not an end id; None where only the end is left.
+fn pick_allowed(mask: &[u32], k: usize, eos: &[u32]) -> Option<u32> {
+    let allowed = |t: u32| (mask[t as usize / 32] >> (t % 32)) & 1 == 1 && !eos.contains(&t);
+    let count = (0..mask.len() as u32 * 32).filter(|&t| allowed(t)).count();
+    if count == 0 {
+        return None;
+    }
+    (0..mask.len() as u32 * 32).filter(|&t| allowed(t)).nth(k % count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_the_kth_allowed_non_end_token() {
+        let mask = [0b1011u32, 1 << 4];
+        assert_eq!(pick_allowed(&mask, 0, &[]), Some(0));
+        assert_eq!(pick_allowed(&mask, 2, &[]), Some(3));
+        assert_eq!(pick_allowed(&mask, 3, &[]), Some(36));
+        assert_eq!(pick_allowed(&mask, 4, &[]), Some(0));
+        assert_eq!(pick_allowed(&mask, 0, &[0]), Some(1));
+        assert_eq!(pick_allowed(&[1 << 5], 0, &[5]), None);
+    }
+}

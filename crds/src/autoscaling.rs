@@ -21,6 +21,12 @@ pub struct AutoscalingSpec {
     /// Most replicas.
     #[schemars(range(min = 1, max = 1000))]
     pub max_replicas: i32,
+    /// Most GPUs the deployment may hold at once: each replica counts as `resources.gpus` GPUs
+    /// (its tensor-parallel ranks), so the autoscaler stays at or below `maxGpus / gpus` replicas
+    /// (and `maxReplicas`). No effect on a CPU deployment (0 GPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 8000))]
+    pub max_gpus: Option<i32>,
     /// Latency objectives, as 95th percentiles over `evaluationWindowSeconds`.
     pub slo: LatencySlo,
     /// Scale up when the mean waiting requests per replica exceeds this.
@@ -129,6 +135,9 @@ pub struct AutoscalingStatus {
     /// Replica count the autoscaler wants now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_replicas: Option<i32>,
+    /// GPUs those replicas hold (`desiredReplicas × resources.gpus`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_gpus: Option<i32>,
     /// What one replica was measured to sustain while meeting the SLO.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub measured_capacity_per_replica: Option<Throughput>,

@@ -371,6 +371,7 @@ pub fn run(config: &SimConfig, trace: &[f64], oracle: &dyn Fn(f64) -> i32) -> Si
                 snapshot: &snapshot,
                 capacity: capacity.per_replica(),
                 wake_requested: load > 0.0,
+                gpus_per_replica: 1,
             };
             let decision = decide(spec, &mut decisions, &input);
             if decision.to_replicas != replicas_spec {
@@ -498,5 +499,6 @@ pub fn standard_spec(slo: LatencySlo, capacity: Throughput) -> AutoscalingSpec {
         scale_to_zero: ScaleToZero::default(),
         provisioned_throughput: None,
         capacity_per_replica: Some(capacity),
+        max_gpus: None,
     }
 }

@@ -134,7 +134,7 @@ impl TpPlan {
             (config.vocab_size, "vocabulary"),
         ]
         .into_iter()
-        .filter(|&(n, _)| n % size != 0)
+        .filter(|&(n, _)| !n.is_multiple_of(size))
         .map(|(n, name)| format!("{name} ({n})"))
         .collect();
         if !what.is_empty() {

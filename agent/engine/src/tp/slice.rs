@@ -36,7 +36,7 @@ fn slice(m: &Matrix, rows: Range<usize>, cols: Range<usize>) -> Result<Matrix, S
             Ok(Matrix::from_f32(rows.len(), cols.len(), out))
         }
         MatrixData::Quant(q) => {
-            if cols.start % QK != 0 || cols.end % QK != 0 {
+            if !cols.start.is_multiple_of(QK) || !cols.end.is_multiple_of(QK) {
                 return Err(format!(
                     "columns {cols:?} do not fall on {QK}-value {:?} block boundaries (a block cannot be split)",
                     q.kind

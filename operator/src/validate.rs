@@ -113,6 +113,24 @@ mod tests {
         ModelDeploymentSpec { model: ModelSource { uri: uri.into(), ..Default::default() }, replicas: 1, ..Default::default() }
     }
 
+    /// A generate deployment's autoscaling with these bounds and GPU budget, the rest defaulted.
+    fn autoscaling(min_replicas: i32, max_replicas: i32, max_gpus: Option<i32>) -> AutoscalingSpec {
+        AutoscalingSpec {
+            min_replicas,
+            max_replicas,
+            slo: LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None },
+            max_queue_depth_per_replica: None,
+            max_kv_cache_usage: None,
+            scale_up_stabilization_seconds: 30,
+            scale_down_stabilization_seconds: 300,
+            evaluation_window_seconds: 60,
+            scale_to_zero: ScaleToZero::default(),
+            provisioned_throughput: None,
+            capacity_per_replica: None,
+            max_gpus,
+        }
+    }
+
     #[test]
     fn table() {
         let ok = spec("pvc://models/m.gguf");
@@ -133,20 +151,7 @@ mod tests {
             }, reasons::NO_GPUS_FOR_DTYPE, "engine.dtype is bfloat16"),
             ("max < min", {
                 let mut s = spec("file:///m.gguf");
-                s.autoscaling = Some(AutoscalingSpec {
-                    min_replicas: 3,
-                    max_replicas: 2,
-                    slo: LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None },
-                    max_queue_depth_per_replica: None,
-                    max_kv_cache_usage: None,
-                    scale_up_stabilization_seconds: 30,
-                    scale_down_stabilization_seconds: 300,
-                    evaluation_window_seconds: 60,
-                    scale_to_zero: ScaleToZero::default(),
-                    provisioned_throughput: None,
-                    capacity_per_replica: None,
-                    max_gpus: None,
-                });
+                s.autoscaling = Some(autoscaling(3, 2, None));
                 s
             }, reasons::INVALID_SPEC, "maxReplicas (2) is less than minReplicas (3)"),
             ("three gpus", {
@@ -168,20 +173,7 @@ mod tests {
             ("gpu budget below min replicas", {
                 let mut s = spec("file:///m.gguf");
                 s.resources.gpus = 4;
-                s.autoscaling = Some(AutoscalingSpec {
-                    min_replicas: 2,
-                    max_replicas: 8,
-                    slo: LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None },
-                    max_queue_depth_per_replica: None,
-                    max_kv_cache_usage: None,
-                    scale_up_stabilization_seconds: 30,
-                    scale_down_stabilization_seconds: 300,
-                    evaluation_window_seconds: 60,
-                    scale_to_zero: ScaleToZero::default(),
-                    provisioned_throughput: None,
-                    capacity_per_replica: None,
-                    max_gpus: Some(6),
-                });
+                s.autoscaling = Some(autoscaling(2, 8, Some(6)));
                 s
             }, reasons::INVALID_SPEC, "maxGpus 6, minReplicas 2, gpus 4"),
             ("bad adapter volume", {

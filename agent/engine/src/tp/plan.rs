@@ -192,26 +192,18 @@ impl TpPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Architecture;
 
+    /// SmolLM2-135M's shape (9 heads, 3 KV heads, intermediate 1536, vocabulary 49152).
     fn smollm2() -> ModelConfig {
+        let (hidden_size, intermediate_size, num_attention_heads) = (576, 1536, 9);
         ModelConfig {
-            architecture: Architecture::Llama,
-            hidden_size: 576,
-            intermediate_size: 1536,
-            num_hidden_layers: 30,
-            num_attention_heads: 9,
+            hidden_size,
+            intermediate_size,
+            num_attention_heads,
             num_key_value_heads: 3,
             head_dim: 64,
             vocab_size: 49152,
-            max_position_embeddings: 8192,
-            rms_norm_eps: 1e-5,
-            rope_theta: 1e5,
-            rope_scaling: None,
-            tie_word_embeddings: true,
-            attention_bias: false,
-            bos_token_id: None,
-            eos_token_ids: vec![],
+            ..crate::lora::test_support::tiny_config()
         }
     }
 

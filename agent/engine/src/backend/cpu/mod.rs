@@ -26,8 +26,8 @@ use crate::lora::{LoraAdapter, TargetModule};
 use crate::model::{Matrix, ModelWeights};
 use crate::{EngineError, Result};
 
-/// A pool of `threads` CPU threads (`0`: every available core) and its size.
-fn thread_pool(threads: usize) -> Result<(std::sync::Arc<rayon::ThreadPool>, usize)> {
+/// A pool of `threads` CPU threads (`0`: every available core) named `{name}-{i}`, and its size.
+fn thread_pool(threads: usize, name: &'static str) -> Result<(std::sync::Arc<rayon::ThreadPool>, usize)> {
     let threads = if threads == 0 {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -37,7 +37,7 @@ fn thread_pool(threads: usize) -> Result<(std::sync::Arc<rayon::ThreadPool>, usi
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
-        .thread_name(|i| format!("peregrine-cpu-{i}"))
+        .thread_name(move |i| format!("{name}-{i}"))
         .build()
         .map_err(|e| {
             EngineError::Backend(format!("cannot start {threads} CPU threads: {e}"))
@@ -90,7 +90,7 @@ fn fuse(parts: &[&Matrix], what: &str) -> Result<Matrix> {
 impl CpuBackend {
     /// `threads == 0` uses every available core.
     pub fn new(weights: ModelWeights, kv: KvCacheShape, threads: usize) -> Result<CpuBackend> {
-        let (pool, threads) = thread_pool(threads)?;
+        let (pool, threads) = thread_pool(threads, "peregrine-cpu")?;
         CpuBackend::with_pool(weights, kv, pool, threads)
     }
 

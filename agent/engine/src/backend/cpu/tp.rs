@@ -52,7 +52,7 @@ impl CpuTpBackend {
             .validate()
             .map_err(|m| EngineError::Backend(format!("weights do not match the config: {m}")))?;
         let plan = TpPlan::new(&weights.config, size).map_err(config_error)?;
-        let (pool, threads) = thread_pool(threads)?;
+        let (pool, threads) = thread_pool(threads, "peregrine-cpu")?;
         let mut ranks = Vec::with_capacity(size);
         for rank in 0..size {
             let shard = shard_weights(&weights, &plan, rank).map_err(config_error)?;

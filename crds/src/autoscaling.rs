@@ -61,6 +61,27 @@ pub struct AutoscalingSpec {
     pub capacity_per_replica: Option<Throughput>,
 }
 
+impl AutoscalingSpec {
+    /// `minReplicas..=maxReplicas` held to `slo`, every optional field unset and every other at
+    /// its documented default (what a spec naming only these fields deserializes to).
+    pub fn new(min_replicas: i32, max_replicas: i32, slo: LatencySlo) -> AutoscalingSpec {
+        AutoscalingSpec {
+            min_replicas,
+            max_replicas,
+            max_gpus: None,
+            slo,
+            max_queue_depth_per_replica: None,
+            max_kv_cache_usage: None,
+            scale_up_stabilization_seconds: default_scale_up_stabilization(),
+            scale_down_stabilization_seconds: default_scale_down_stabilization(),
+            evaluation_window_seconds: default_evaluation_window(),
+            scale_to_zero: ScaleToZero::default(),
+            provisioned_throughput: None,
+            capacity_per_replica: None,
+        }
+    }
+}
+
 fn default_min_replicas() -> i32 {
     1
 }

@@ -107,7 +107,7 @@ pub fn validate_name(name: &str) -> Result<(), SpecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use peregrine_crds::{AutoscalingSpec, LatencySlo, ModelSource, ModelTask, ScaleToZero};
+    use peregrine_crds::{AutoscalingSpec, LatencySlo, ModelSource, ModelTask};
 
     fn spec(uri: &str) -> ModelDeploymentSpec {
         ModelDeploymentSpec { model: ModelSource { uri: uri.into(), ..Default::default() }, replicas: 1, ..Default::default() }
@@ -115,20 +115,8 @@ mod tests {
 
     /// A generate deployment's autoscaling with these bounds and GPU budget, the rest defaulted.
     fn autoscaling(min_replicas: i32, max_replicas: i32, max_gpus: Option<i32>) -> AutoscalingSpec {
-        AutoscalingSpec {
-            min_replicas,
-            max_replicas,
-            slo: LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None },
-            max_queue_depth_per_replica: None,
-            max_kv_cache_usage: None,
-            scale_up_stabilization_seconds: 30,
-            scale_down_stabilization_seconds: 300,
-            evaluation_window_seconds: 60,
-            scale_to_zero: ScaleToZero::default(),
-            provisioned_throughput: None,
-            capacity_per_replica: None,
-            max_gpus,
-        }
+        let slo = LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None };
+        AutoscalingSpec { max_gpus, ..AutoscalingSpec::new(min_replicas, max_replicas, slo) }
     }
 
     #[test]

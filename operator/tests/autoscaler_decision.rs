@@ -5,20 +5,7 @@ use peregrine_crds::{AutoscalingSpec, LatencySlo, ScaleToZero, Throughput};
 use peregrine_operator::autoscaler::{decide, DecisionInput, DecisionState, FleetSnapshot, Reason};
 
 fn spec() -> AutoscalingSpec {
-    AutoscalingSpec {
-        min_replicas: 1,
-        max_replicas: 10,
-        slo: LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None },
-        max_queue_depth_per_replica: None,
-        max_kv_cache_usage: None,
-        scale_up_stabilization_seconds: 30,
-        scale_down_stabilization_seconds: 300,
-        evaluation_window_seconds: 60,
-        scale_to_zero: ScaleToZero::default(),
-        provisioned_throughput: None,
-        capacity_per_replica: None,
-        max_gpus: None,
-    }
+    AutoscalingSpec::new(1, 10, LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None })
 }
 
 fn cap(tps: f64) -> Option<Throughput> {

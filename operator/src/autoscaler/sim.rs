@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 
-use peregrine_crds::{AutoscalingSpec, LatencySlo, ScaleToZero, Throughput};
+use peregrine_crds::{AutoscalingSpec, LatencySlo, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -487,18 +487,6 @@ pub fn standard_trace(base_rps: f64) -> Vec<f64> {
 
 /// Autoscaling spec used by the standard scenario.
 pub fn standard_spec(slo: LatencySlo, capacity: Throughput) -> AutoscalingSpec {
-    AutoscalingSpec {
-        min_replicas: 1,
-        max_replicas: 16,
-        slo,
-        max_queue_depth_per_replica: None,
-        max_kv_cache_usage: None,
-        scale_up_stabilization_seconds: 30,
-        scale_down_stabilization_seconds: 300,
-        evaluation_window_seconds: 60,
-        scale_to_zero: ScaleToZero::default(),
-        provisioned_throughput: None,
-        capacity_per_replica: Some(capacity),
-        max_gpus: None,
-    }
+    AutoscalingSpec { capacity_per_replica: Some(capacity), ..AutoscalingSpec::new(1, 16, slo) }
 }
+

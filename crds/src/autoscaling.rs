@@ -21,6 +21,12 @@ pub struct AutoscalingSpec {
     /// Most replicas.
     #[schemars(range(min = 1, max = 1000))]
     pub max_replicas: i32,
+    /// Most GPUs the deployment may hold at once: each replica counts as `resources.gpus` GPUs
+    /// (its tensor-parallel ranks), so the autoscaler stays at or below `maxGpus / gpus` replicas
+    /// (and `maxReplicas`). No effect on a CPU deployment (0 GPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 8000))]
+    pub max_gpus: Option<i32>,
     /// Latency objectives, as 95th percentiles over `evaluationWindowSeconds`.
     pub slo: LatencySlo,
     /// Scale up when the mean waiting requests per replica exceeds this.
@@ -53,6 +59,27 @@ pub struct AutoscalingSpec {
     /// Seed for what one replica sustains at the SLO, used until the autoscaler has measured it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity_per_replica: Option<Throughput>,
+}
+
+impl AutoscalingSpec {
+    /// `minReplicas..=maxReplicas` held to `slo`, every optional field unset and every other at
+    /// its documented default (what a spec naming only these fields deserializes to).
+    pub fn new(min_replicas: i32, max_replicas: i32, slo: LatencySlo) -> AutoscalingSpec {
+        AutoscalingSpec {
+            min_replicas,
+            max_replicas,
+            max_gpus: None,
+            slo,
+            max_queue_depth_per_replica: None,
+            max_kv_cache_usage: None,
+            scale_up_stabilization_seconds: default_scale_up_stabilization(),
+            scale_down_stabilization_seconds: default_scale_down_stabilization(),
+            evaluation_window_seconds: default_evaluation_window(),
+            scale_to_zero: ScaleToZero::default(),
+            provisioned_throughput: None,
+            capacity_per_replica: None,
+        }
+    }
 }
 
 fn default_min_replicas() -> i32 {
@@ -129,6 +156,9 @@ pub struct AutoscalingStatus {
     /// Replica count the autoscaler wants now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_replicas: Option<i32>,
+    /// GPUs those replicas hold (`desiredReplicas × resources.gpus`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_gpus: Option<i32>,
     /// What one replica was measured to sustain while meeting the SLO.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub measured_capacity_per_replica: Option<Throughput>,

@@ -33,7 +33,7 @@ pub mod reasons {
     pub const SECRET_NOT_FOUND: &str = "SecretNotFound";
     pub const NO_GPUS_FOR_DTYPE: &str = "NoGpusForDtype";
     pub const APPLY_FAILED: &str = "ApplyFailed";
-    /// `resources.gpus` above 1: the agent has no tensor parallelism yet.
+    /// `resources.gpus` other than 0, 1, 2, 4 or 8 (a pod's GPUs are its tensor-parallel ranks).
     pub const TOO_MANY_GPUS: &str = "TooManyGpus";
     /// `metadata.name` is not a DNS-1035 label (it names the Service).
     pub const INVALID_NAME: &str = "InvalidName";

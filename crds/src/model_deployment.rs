@@ -44,6 +44,7 @@ use crate::source::ModelSource;
 )]
 #[x_kube(validation = kube::core::Rule::new(GPU_DTYPE_RULE).message(GPU_DTYPE_MESSAGE))]
 #[x_kube(validation = kube::core::Rule::new(SLO_TASK_RULE).message(SLO_TASK_MESSAGE))]
+#[x_kube(validation = kube::core::Rule::new(GPU_BUDGET_RULE).message(GPU_BUDGET_MESSAGE))]
 #[serde(rename_all = "camelCase")]
 pub struct ModelDeploymentSpec {
     /// The base model.
@@ -96,11 +97,23 @@ pub const DNS1035_NAME_RULE: &str = "self.metadata.name.matches('^[a-z]([-a-z0-9
 /// Message of [`DNS1035_NAME_RULE`].
 pub const DNS1035_NAME_MESSAGE: &str = "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter, no dots: e.g. llama-3-1-8b): it names the Service";
 
-/// The agent runs a model on one device: there is no tensor parallelism yet, so a second GPU would
-/// be reserved and never used.
-pub const GPUS_RULE: &str = "self.gpus <= 1";
+/// A pod's GPUs are one agent's tensor-parallel ranks (`--tensor-parallel-size`), and the model's
+/// heads split evenly over them: 0 (CPU backend), 1, 2, 4 or 8 (one node's GPUs at most).
+pub const GPUS_RULE: &str = "self.gpus in [0, 1, 2, 4, 8]";
 /// Message of [`GPUS_RULE`] (the operator's own check says the same).
-pub const GPUS_MESSAGE: &str = "resources.gpus must be 0 or 1: the agent has no tensor parallelism yet and would use only one GPU";
+pub const GPUS_MESSAGE: &str = "resources.gpus must be 0 (CPU), 1, 2, 4 or 8: a pod's GPUs are the agent's tensor-parallel ranks";
+
+/// `tensorParallelSize`, where written, says the same as `gpus` (one agent drives all of a pod's
+/// GPUs, one rank each).
+pub const TENSOR_PARALLEL_RULE: &str = "!has(self.tensorParallelSize) || self.tensorParallelSize == self.gpus";
+/// Message of [`TENSOR_PARALLEL_RULE`] (the operator's own check says the same).
+pub const TENSOR_PARALLEL_MESSAGE: &str = "resources.tensorParallelSize must equal resources.gpus (each of a pod's GPUs is one tensor-parallel rank; set both, or gpus alone)";
+
+/// A GPU budget must leave room for `minReplicas` pods of `resources.gpus` GPUs each.
+pub const GPU_BUDGET_RULE: &str =
+    "!has(self.autoscaling) || !has(self.autoscaling.maxGpus) || self.autoscaling.maxGpus >= self.autoscaling.minReplicas * self.resources.gpus";
+/// Message of [`GPU_BUDGET_RULE`].
+pub const GPU_BUDGET_MESSAGE: &str = "autoscaling.maxGpus must cover minReplicas × resources.gpus (each replica holds resources.gpus GPUs)";
 
 /// The CPU backend computes in float32 only; every other dtype needs a GPU.
 pub const GPU_DTYPE_RULE: &str =
@@ -169,7 +182,7 @@ impl PullPolicy {
 
 /// Flags the operator writes itself (from a typed field or always): repeating one in `extraArgs`
 /// would leave the agent with two values and the spec with a field that silently does nothing.
-pub const EXTRA_ARGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^--(model|served-model-name|host|port|device|enable-lora|load-format|dtype|max-model-len|max-num-seqs|max-num-batched-tokens|gpu-memory-utilization|max-loras|max-lora-rank|max-cpu-loras|enable-prefix-caching|disable-prefix-caching)(=.*)?$'))";
+pub const EXTRA_ARGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^--(model|served-model-name|host|port|device|enable-lora|load-format|dtype|max-model-len|max-num-seqs|max-num-batched-tokens|gpu-memory-utilization|max-loras|max-lora-rank|max-cpu-loras|tensor-parallel-size|enable-prefix-caching|disable-prefix-caching)(=.*)?$'))";
 /// Message of [`EXTRA_ARGS_RULE`].
 pub const EXTRA_ARGS_MESSAGE: &str = "engine.extraArgs must not repeat a flag the operator sets (--model, --port, --device, ...) or a typed engine field (--max-model-len, --max-lora-rank, ...): use the field";
 
@@ -225,12 +238,19 @@ pub struct EngineSettings {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new(GPUS_RULE).message(GPUS_MESSAGE))]
+#[x_kube(validation = kube::core::Rule::new(TENSOR_PARALLEL_RULE).message(TENSOR_PARALLEL_MESSAGE))]
 pub struct PodResources {
-    /// GPUs per pod: 0 runs the CPU backend, 1 the GPU backend (more are refused until the agent
-    /// has tensor parallelism).
+    /// GPUs per pod: 0 runs the CPU backend, 1 the GPU backend, 2, 4 or 8 one agent over that
+    /// many GPUs with tensor parallelism (`--tensor-parallel-size`; the agent's multi-GPU NCCL
+    /// path is not built yet, so such pods do not start today). The pod's GPU limit.
     #[serde(default = "default_gpus")]
     #[schemars(range(min = 0, max = 16))]
     pub gpus: i32,
+    /// Tensor-parallel ranks per pod, written out for readers of the spec; must equal `gpus`
+    /// (which alone sets it when this is unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 8))]
+    pub tensor_parallel_size: Option<i32>,
     /// Extended resource name of a GPU.
     #[serde(default = "default_gpu_resource")]
     pub gpu_resource_name: String,
@@ -256,6 +276,7 @@ impl Default for PodResources {
     fn default() -> Self {
         PodResources {
             gpus: default_gpus(),
+            tensor_parallel_size: None,
             gpu_resource_name: default_gpu_resource(),
             container: None,
             node_selector: BTreeMap::new(),
@@ -263,6 +284,13 @@ impl Default for PodResources {
             affinity: None,
             priority_class_name: None,
         }
+    }
+}
+
+impl PodResources {
+    /// The agent's `--tensor-parallel-size`: one rank per GPU, 1 on the CPU backend.
+    pub fn tensor_parallel_size(&self) -> i32 {
+        self.gpus.max(1)
     }
 }
 

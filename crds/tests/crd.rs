@@ -179,7 +179,10 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         ("long name", Box::new(|v| set(v, "/metadata/name", json!("x".repeat(60)))), "at most 52 characters"),
         ("dotted name", Box::new(|v| set(v, "/metadata/name", json!("llama-3.1-8b"))), "must be a DNS-1035 label"),
         ("name with a leading digit", Box::new(|v| set(v, "/metadata/name", json!("8b-llama"))), "must be a DNS-1035 label"),
-        ("two gpus", Box::new(|v| set(v, "/spec/resources/gpus", json!(2))), "no tensor parallelism yet"),
+        ("three gpus", Box::new(|v| set(v, "/spec/resources/gpus", json!(3))), "resources.gpus must be 0 (CPU), 1, 2, 4 or 8"),
+        ("sixteen gpus", Box::new(|v| set(v, "/spec/resources/gpus", json!(16))), "resources.gpus must be 0 (CPU), 1, 2, 4 or 8"),
+        ("tensor parallel size without its gpus", Box::new(|v| set(v, "/spec/resources/tensorParallelSize", json!(2))), "tensorParallelSize must equal resources.gpus"),
+        ("gpu budget below min replicas", Box::new(|v| set(v, "/spec/autoscaling/maxGpus", json!(1))), "maxGpus must cover minReplicas"),
         ("memory in GB", Box::new(|v| set(v, "/spec/resources/container/limits/memory", json!("32GB"))), "must be a Kubernetes quantity"),
         ("extraArgs repeats a typed field", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--log-json", "--max-lora-rank=8"]))), "must not repeat a flag"),
         ("extraArgs repeats the port", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--port", "9000"]))), "must not repeat a flag"),
@@ -191,6 +194,20 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         mutate(&mut object);
         let errors = cel(&object, None).expect_err(name);
         assert!(errors.iter().any(|m| m.contains(want)), "{name}: wanted {want:?}, got {errors:?}");
+    }
+}
+
+#[test]
+fn tensor_parallel_pods_pass_every_rule() {
+    for gpus in [2, 4, 8] {
+        let mut object = examples()[2].clone();
+        set(&mut object, "/spec/resources/gpus", json!(gpus));
+        assert_eq!(cel(&object, None), Ok(()), "gpus {gpus}");
+        set(&mut object, "/spec/resources/tensorParallelSize", json!(gpus));
+        set(&mut object, "/spec/autoscaling/maxGpus", json!(gpus * 8));
+        assert_eq!(cel(&object, None), Ok(()), "tensorParallelSize {gpus} beside gpus {gpus}");
+        let md: ModelDeployment = serde_json::from_value(object).unwrap();
+        assert_eq!(md.spec.resources.tensor_parallel_size(), gpus);
     }
 }
 

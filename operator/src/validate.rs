@@ -1,7 +1,7 @@
 //! Checks of a ModelDeployment that the schema and CEL rules cannot make (or that objects written with
 //! validation off could slip past). A failure becomes a `Degraded` condition, and nothing is created.
 
-use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri, GPUS_MESSAGE, SLO_TASK_MESSAGE};
+use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri, GPUS_MESSAGE, GPU_BUDGET_MESSAGE, SLO_TASK_MESSAGE, TENSOR_PARALLEL_MESSAGE};
 
 /// Why a spec cannot be acted on: a condition reason and a message for the user.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -29,8 +29,12 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
             ));
         }
     }
-    if spec.resources.gpus > 1 {
-        return Err(SpecError::new(reasons::TOO_MANY_GPUS, format!("{GPUS_MESSAGE} (asked for {})", spec.resources.gpus)));
+    let gpus = spec.resources.gpus;
+    if ![0, 1, 2, 4, 8].contains(&gpus) {
+        return Err(SpecError::new(reasons::TOO_MANY_GPUS, format!("{GPUS_MESSAGE} (asked for {gpus})")));
+    }
+    if let Some(tp) = spec.resources.tensor_parallel_size.filter(|&tp| tp != gpus) {
+        return Err(SpecError::new(reasons::INVALID_SPEC, format!("{TENSOR_PARALLEL_MESSAGE} (tensorParallelSize {tp}, gpus {gpus})")));
     }
     if spec.resources.gpus == 0 {
         if let Some(dtype) = spec.engine.dtype {
@@ -48,6 +52,9 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
                 reasons::INVALID_SPEC,
                 format!("autoscaling.maxReplicas ({}) is less than minReplicas ({})", a.max_replicas, a.min_replicas),
             ));
+        }
+        if let Some(budget) = a.max_gpus.filter(|&b| i64::from(b) < i64::from(a.min_replicas) * i64::from(gpus)) {
+            return Err(SpecError::new(reasons::INVALID_SPEC, format!("{GPU_BUDGET_MESSAGE} (maxGpus {budget}, minReplicas {}, gpus {gpus})", a.min_replicas)));
         }
         validate_slo_task(spec)?;
     }
@@ -100,10 +107,16 @@ pub fn validate_name(name: &str) -> Result<(), SpecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use peregrine_crds::{AutoscalingSpec, LatencySlo, ModelSource, ModelTask, ScaleToZero};
+    use peregrine_crds::{AutoscalingSpec, LatencySlo, ModelSource, ModelTask};
 
     fn spec(uri: &str) -> ModelDeploymentSpec {
         ModelDeploymentSpec { model: ModelSource { uri: uri.into(), ..Default::default() }, replicas: 1, ..Default::default() }
+    }
+
+    /// A generate deployment's autoscaling with these bounds and GPU budget, the rest defaulted.
+    fn autoscaling(min_replicas: i32, max_replicas: i32, max_gpus: Option<i32>) -> AutoscalingSpec {
+        let slo = LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None };
+        AutoscalingSpec { max_gpus, ..AutoscalingSpec::new(min_replicas, max_replicas, slo) }
     }
 
     #[test]
@@ -126,26 +139,31 @@ mod tests {
             }, reasons::NO_GPUS_FOR_DTYPE, "engine.dtype is bfloat16"),
             ("max < min", {
                 let mut s = spec("file:///m.gguf");
-                s.autoscaling = Some(AutoscalingSpec {
-                    min_replicas: 3,
-                    max_replicas: 2,
-                    slo: LatencySlo { ttft_p95_seconds: Some(1.0), tpot_p95_seconds: Some(0.1), e2e_p95_seconds: None },
-                    max_queue_depth_per_replica: None,
-                    max_kv_cache_usage: None,
-                    scale_up_stabilization_seconds: 30,
-                    scale_down_stabilization_seconds: 300,
-                    evaluation_window_seconds: 60,
-                    scale_to_zero: ScaleToZero::default(),
-                    provisioned_throughput: None,
-                    capacity_per_replica: None,
-                });
+                s.autoscaling = Some(autoscaling(3, 2, None));
                 s
             }, reasons::INVALID_SPEC, "maxReplicas (2) is less than minReplicas (3)"),
-            ("two gpus", {
+            ("three gpus", {
+                let mut s = spec("file:///m.gguf");
+                s.resources.gpus = 3;
+                s
+            }, reasons::TOO_MANY_GPUS, "0 (CPU), 1, 2, 4 or 8"),
+            ("sixteen gpus", {
+                let mut s = spec("file:///m.gguf");
+                s.resources.gpus = 16;
+                s
+            }, reasons::TOO_MANY_GPUS, "(asked for 16)"),
+            ("tensor parallel size beside other gpus", {
                 let mut s = spec("file:///m.gguf");
                 s.resources.gpus = 2;
+                s.resources.tensor_parallel_size = Some(4);
                 s
-            }, reasons::TOO_MANY_GPUS, "no tensor parallelism yet"),
+            }, reasons::INVALID_SPEC, "tensorParallelSize 4, gpus 2"),
+            ("gpu budget below min replicas", {
+                let mut s = spec("file:///m.gguf");
+                s.resources.gpus = 4;
+                s.autoscaling = Some(autoscaling(2, 8, Some(6)));
+                s
+            }, reasons::INVALID_SPEC, "maxGpus 6, minReplicas 2, gpus 4"),
             ("bad adapter volume", {
                 let mut s = spec("file:///m.gguf");
                 s.adapter_volumes = vec!["Bad_Name".into()];
@@ -156,6 +174,14 @@ mod tests {
             let err = validate_spec(&spec).expect_err(name);
             assert_eq!(err.reason, reason, "{name}");
             assert!(err.message.contains(message), "{name}: {}", err.message);
+        }
+
+        for gpus in [2, 4, 8] {
+            let mut tp = spec("file:///m.gguf");
+            tp.resources.gpus = gpus;
+            assert!(validate_spec(&tp).is_ok(), "{gpus} GPUs: tensor-parallel ranks");
+            tp.resources.tensor_parallel_size = Some(gpus);
+            assert!(validate_spec(&tp).is_ok(), "tensorParallelSize {gpus} beside gpus {gpus}");
         }
 
         let mut cpu = spec("file:///m.gguf");

@@ -5,19 +5,7 @@ use peregrine_crds::{AutoscalingSpec, LatencySlo, ScaleToZero, Throughput};
 use peregrine_operator::autoscaler::{decide, DecisionInput, DecisionState, FleetSnapshot, Reason};
 
 fn spec() -> AutoscalingSpec {
-    AutoscalingSpec {
-        min_replicas: 1,
-        max_replicas: 10,
-        slo: LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None },
-        max_queue_depth_per_replica: None,
-        max_kv_cache_usage: None,
-        scale_up_stabilization_seconds: 30,
-        scale_down_stabilization_seconds: 300,
-        evaluation_window_seconds: 60,
-        scale_to_zero: ScaleToZero::default(),
-        provisioned_throughput: None,
-        capacity_per_replica: None,
-    }
+    AutoscalingSpec::new(1, 10, LatencySlo { ttft_p95_seconds: Some(0.5), tpot_p95_seconds: Some(0.05), e2e_p95_seconds: None })
 }
 
 fn cap(tps: f64) -> Option<Throughput> {
@@ -59,7 +47,7 @@ fn drive(spec: &AutoscalingSpec, start: i32, capacity: Option<Throughput>, round
     rounds
         .iter()
         .map(|(now, s)| {
-            let d = decide(spec, &mut state, &DecisionInput { now: *now, current_replicas: cur, snapshot: s, capacity: capacity.clone(), wake_requested: false });
+            let d = decide(spec, &mut state, &DecisionInput { now: *now, current_replicas: cur, snapshot: s, capacity: capacity.clone(), wake_requested: false, gpus_per_replica: 1 });
             cur = d.to_replicas;
             (cur, d.reason)
         })
@@ -217,7 +205,7 @@ fn scale_to_zero_after_idle_timeout_and_wake_up() {
     for i in 0..20 {
         let now = f64::from(i) * 15.0;
         let s0 = if cur == 0 { FleetSnapshot::default() } else { idle(cur as u32) };
-        let d = decide(&s, &mut state, &DecisionInput { now, current_replicas: cur, snapshot: &s0, capacity: cap(100.0), wake_requested: false });
+        let d = decide(&s, &mut state, &DecisionInput { now, current_replicas: cur, snapshot: &s0, capacity: cap(100.0), wake_requested: false, gpus_per_replica: 1 });
         cur = d.to_replicas;
         if cur == 0 && reached_zero_at.is_none() {
             reached_zero_at = Some(now);
@@ -227,7 +215,7 @@ fn scale_to_zero_after_idle_timeout_and_wake_up() {
     // (120, 135, 150, 165) is 0, so the 60 s down window lets it go.
     assert_eq!(reached_zero_at, Some(165.0));
     // At zero, a waiting request wakes it at once (no stabilization).
-    let d = decide(&s, &mut state, &DecisionInput { now: 400.0, current_replicas: 0, snapshot: &FleetSnapshot::default(), capacity: cap(100.0), wake_requested: true });
+    let d = decide(&s, &mut state, &DecisionInput { now: 400.0, current_replicas: 0, snapshot: &FleetSnapshot::default(), capacity: cap(100.0), wake_requested: true, gpus_per_replica: 1 });
     assert_eq!((d.to_replicas, d.reason), (1, Reason::WakeUp));
     // Disabled: idle holds at one replica.
     let out = drive(&spec(), 1, cap(100.0), &(0..40).map(|i| (f64::from(i) * 15.0, idle(1))).collect::<Vec<_>>());
@@ -240,4 +228,30 @@ fn restarted_controller_does_not_scale_down_at_once() {
     // First decision after a restart sees an idle fleet of 6: the down window starts now.
     let out = drive(&s, 6, cap(100.0), &[(0.0, idle(6)), (15.0, idle(6)), (299.0, idle(6)), (301.0, idle(6))]);
     assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), [6, 6, 6, 3]);
+}
+
+/// One round from `cur` replicas of `gpus` GPUs each.
+fn decide_with_gpus(s: &AutoscalingSpec, cur: i32, gpus: i32, snapshot: &FleetSnapshot) -> (i32, Reason, String) {
+    let mut state = DecisionState::default();
+    let d = decide(s, &mut state, &DecisionInput { now: 0.0, current_replicas: cur, snapshot, capacity: None, wake_requested: false, gpus_per_replica: gpus });
+    (d.to_replicas, d.reason, d.message)
+}
+
+#[test]
+fn a_gpu_budget_counts_each_replica_as_its_gpus() {
+    // 12 pods over maxReplicas 10 come back down; with maxGpus 16, 4-GPU replicas stop at 4.
+    let mut s = spec();
+    let busy = snap(12, 0.2, 0.02, 400.0);
+    assert_eq!(decide_with_gpus(&s, 12, 4, &busy).0, 10, "no budget: maxReplicas alone");
+    s.max_gpus = Some(16);
+    let (to, reason, message) = decide_with_gpus(&s, 12, 4, &busy);
+    assert_eq!((to, reason), (4, Reason::MaxGpus));
+    assert!(message.contains("maxGpus 16 (4 GPUs per replica)"), "{message}");
+    // The same budget over 2-GPU replicas allows 8; over 1-GPU replicas maxReplicas binds first.
+    assert_eq!(decide_with_gpus(&s, 12, 2, &busy).0, 8);
+    let (to, reason, _) = decide_with_gpus(&s, 12, 1, &busy);
+    assert_eq!((to, reason), (10, Reason::MaxReplicas));
+    // A CPU deployment holds no GPUs: the budget does not apply.
+    assert_eq!(decide_with_gpus(&s, 12, 0, &busy).1, Reason::MaxReplicas);
+    assert_eq!(peregrine_operator::autoscaler::decision::gpu_budget_replicas(&s, 8), Some(2));
 }

@@ -132,17 +132,17 @@ async fn invalid_spec_is_reported_and_nothing_is_created() {
 }
 
 #[tokio::test]
-async fn more_than_one_gpu_is_refused_until_tensor_parallelism() {
+async fn a_gpu_count_that_is_not_a_tensor_parallel_size_is_refused() {
     let h = harness();
     let mut spec = base_spec();
-    spec["resources"] = json!({"gpus": 2});
+    spec["resources"] = json!({"gpus": 3});
     let action = reconcile_md(&h, md_json(spec)).await.unwrap();
     assert_eq!(action, Action::await_change());
-    assert_eq!(h.api.calls(), [format!("PATCH {}/status", md_path("smol"))], "no Deployment reserving two GPUs");
+    assert_eq!(h.api.calls(), [format!("PATCH {}/status", md_path("smol"))], "no Deployment reserving three GPUs");
     let status = &h.api.get(&md_path("smol")).unwrap()["status"];
     let degraded = condition(status, "Degraded");
     assert_eq!((degraded["status"].as_str(), degraded["reason"].as_str()), (Some("True"), Some("TooManyGpus")));
-    assert!(degraded["message"].as_str().unwrap().contains("no tensor parallelism"), "{degraded}");
+    assert!(degraded["message"].as_str().unwrap().contains("0 (CPU), 1, 2, 4 or 8"), "{degraded}");
     let events = h.api.events();
     assert_eq!((events[0]["type"].as_str(), events[0]["reason"].as_str()), (Some("Warning"), Some("TooManyGpus")));
 }

@@ -79,7 +79,7 @@ const AGENT_SERVE_FLAGS: &[&str] = &[
     "max-waiting-requests", "max-body-bytes", "api-key", "api-keys-file", "rate-limit-rpm", "rate-limit-tpm",
     "drain-delay", "shutdown-grace-period", "otlp-endpoint", "log-json",
     "device", "gpu-memory-utilization", "max-loras", "max-lora-rank", "max-cpu-loras", "lora-modules", "enable-lora",
-    "quantization", "task", "grpc-port",
+    "quantization", "task", "grpc-port", "tensor-parallel-size",
 ];
 
 fn assert_agent_accepts(args: &[String]) {
@@ -118,6 +118,27 @@ fn task_embed_becomes_task_embed_and_the_others_pass_nothing() {
         let args = agent_args(&md, "/m.gguf", 8000);
         assert!(!args.iter().any(|a| a == "--task"), "{task:?}: {args:?}");
     }
+}
+
+#[test]
+fn gpus_set_the_gpu_limit_and_the_tensor_parallel_size() {
+    for (gpus, written) in [(1, None), (2, None), (4, Some(4)), (8, Some(8))] {
+        let mut md = full();
+        md.spec.resources.gpus = gpus;
+        md.spec.resources.tensor_parallel_size = written;
+        let args = agent_args(&md, "/m", 8000);
+        let tp = args.iter().position(|a| a == "--tensor-parallel-size").map(|at| args[at + 1].clone());
+        if gpus == 1 {
+            assert_eq!(tp, None, "one GPU keeps the command line it had: {args:?}");
+        } else {
+            assert_eq!(tp, Some(gpus.to_string()), "{args:?}");
+        }
+        assert_agent_accepts(&args);
+        let limits = agent(&build(&md)).resources.unwrap().limits.unwrap();
+        assert_eq!(limits["nvidia.com/gpu"], Quantity(gpus.to_string()), "one GPU per rank");
+    }
+    let cpu = agent_args(&minimal("file:///m.gguf", "gguf"), "/m.gguf", 8000);
+    assert!(!cpu.iter().any(|a| a.contains("tensor-parallel")), "{cpu:?}");
 }
 
 #[test]

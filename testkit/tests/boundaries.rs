@@ -29,6 +29,8 @@ const PLANNER_PATHS: &[&str] = &[
     "agent/engine/src/kv",
     "agent/engine/src/plan",
     "agent/engine/src/lora/registry.rs",
+    // The tensor-parallel sharding plan serves every backend (the CPU's fake TP, a CUDA one).
+    "agent/engine/src/tp",
 ];
 
 struct Graph {

@@ -29,6 +29,7 @@ pub mod plan;
 pub mod progress;
 pub mod request;
 pub mod tokenizer;
+pub mod tp;
 
 pub use error::{EngineError, Result};
 pub mod kv;

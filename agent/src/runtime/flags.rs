@@ -158,6 +158,13 @@ pub struct EngineArgs {
     /// Where the model runs (default: cuda when a CUDA device is usable, else cpu).
     #[arg(long, value_enum, env = "PEREGRINE_DEVICE")]
     pub device: Option<DeviceArg>,
+    /// Tensor-parallel size: split the model's heads, MLP channels and vocabulary over N ranks
+    /// (1: today's single-device path, unchanged). `--device cpu` with N > 1 runs the fake TP (N
+    /// CPU ranks with host all-reduces): a correctness tool for the sharding, not a speed feature.
+    /// `--device cuda` with N > 1 is refused: the NCCL path is not built yet.
+    #[arg(long, env = "PEREGRINE_TENSOR_PARALLEL_SIZE", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=peregrine_engine::tp::MAX_TP_SIZE as i64))]
+    pub tensor_parallel_size: u32,
     /// Fraction of the GPU's memory to use for weights, activations and KV cache (cuda only).
     #[arg(long, env = "PEREGRINE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
     pub gpu_memory_utilization: f32,

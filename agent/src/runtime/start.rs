@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use clap::ValueEnum;
+use peregrine_engine::backend::cpu::tp::CpuTpBackend;
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape};
 use peregrine_engine::config::ModelConfig;
@@ -67,7 +68,16 @@ impl EngineArgs {
 
     /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
     pub fn start(&self) -> anyhow::Result<Runtime> {
+        let tp = self.tensor_parallel_size as usize;
+        // Refused before the device is probed: with N > 1 on cuda, nothing (not even whether N
+        // GPUs exist) is checked.
+        if self.device == Some(DeviceArg::Cuda) {
+            refuse_cuda_tp(tp)?;
+        }
         let device = self.device()?;
+        if device == DeviceArg::Cuda {
+            refuse_cuda_tp(tp)?;
+        }
         if device == DeviceArg::Cpu && self.kv_cache_dtype != KvCacheDtypeArg::Auto {
             let asked = self.kv_cache_dtype.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
             anyhow::bail!("--kv-cache-dtype {asked}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda");
@@ -94,7 +104,12 @@ impl EngineArgs {
                 }
                 let num_blocks = self.num_blocks(&loaded.config)?;
                 let kv_shape = KvCacheShape { num_blocks, block_size: self.block_size };
-                (loaded.config, Box::new(CpuBackend::new(loaded.weights, kv_shape, self.threads())?))
+                let backend: Box<dyn Backend> = if tp > 1 {
+                    Box::new(CpuTpBackend::new(loaded.weights, kv_shape, self.threads(), tp)?)
+                } else {
+                    Box::new(CpuBackend::new(loaded.weights, kv_shape, self.threads())?)
+                };
+                (loaded.config, backend)
             }
         };
         if let Some(t) = tokenizer.as_ref().filter(|t| t.vocab_size() > config.vocab_size) {
@@ -154,6 +169,17 @@ impl EngineArgs {
     fn cuda_backend(&self, _source: ModelSource<'_>) -> anyhow::Result<Box<dyn Backend>> {
         anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
     }
+}
+
+/// The CUDA backend drives one GPU: tensor parallelism over NCCL is not built yet.
+fn refuse_cuda_tp(tp: usize) -> anyhow::Result<()> {
+    if tp > 1 {
+        anyhow::bail!(
+            "--tensor-parallel-size {tp} with --device cuda: multi-GPU tensor parallelism (the NCCL path) is not built yet; \
+             the CUDA backend runs on one GPU, so use 1 (--device cpu runs a {tp}-rank fake TP that checks the sharding)"
+        );
+    }
+    Ok(())
 }
 
 /// Where the CUDA backend's weights come from.
@@ -255,6 +281,53 @@ mod tests {
         let a = parse(&["--device", "cpu", "--kv-cache-dtype", "fp8"]).unwrap();
         let e = a.start().err().expect("fp8 on the CPU is refused").to_string();
         assert!(e.contains("--kv-cache-dtype") && e.contains("cuda"), "{e}");
+    }
+
+    #[test]
+    fn tensor_parallel_size_flag() {
+        assert_eq!(parse(&[]).unwrap().tensor_parallel_size, 1, "one rank unless asked");
+        assert_eq!(parse(&["--tensor-parallel-size", "4"]).unwrap().tensor_parallel_size, 4);
+        assert!(parse(&["--tensor-parallel-size", "0"]).is_err());
+        assert!(parse(&["--tensor-parallel-size", "65"]).is_err(), "bounded");
+    }
+
+    #[test]
+    fn cuda_refuses_tensor_parallelism_without_looking_for_gpus() {
+        let a = parse(&["--device", "cuda", "--tensor-parallel-size", "2"]).unwrap();
+        let e = a.start().err().expect("TP on cuda is refused").to_string();
+        assert!(e.contains("--tensor-parallel-size 2") && e.contains("NCCL") && e.contains("not built"), "{e}");
+        assert!(!e.contains("no usable CUDA device"), "refused before probing the device: {e}");
+    }
+
+    /// A 4-head, 2-KV-head dummy model folder (no tokenizer: dummy weights need none).
+    fn dummy_folder() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"model_type":"llama","hidden_size":64,"intermediate_size":96,"num_hidden_layers":2,
+               "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"max_position_embeddings":64,
+               "rms_norm_eps":1e-5,"rope_theta":10000.0,"tie_word_embeddings":true,"bos_token_id":1,"eos_token_id":2}"#,
+        )
+        .unwrap();
+        dir
+    }
+
+    #[test]
+    fn cpu_runs_the_fake_tp_and_names_what_does_not_divide() {
+        let dir = dummy_folder();
+        let model = dir.path().to_str().unwrap();
+        let flags = |tp: &str| {
+            let args = ["test", "--model", model, "--load-format", "dummy", "--device", "cpu", "--threads", "1", "--num-kv-blocks", "8"];
+            Cli::try_parse_from(args.into_iter().chain(["--tensor-parallel-size", tp])).unwrap().engine
+        };
+        let runtime = flags("2").start().unwrap();
+        assert!(runtime.backend_name.contains("fake-tp2"), "{}", runtime.backend_name);
+        assert_eq!(runtime.model_config.num_attention_heads, 4, "the engine sees the whole model");
+        let one = flags("1").start().unwrap();
+        assert!(!one.backend_name.contains("tp"), "TP=1 is the plain CPU backend: {}", one.backend_name);
+        let e = format!("{:#}", flags("3").start().err().expect("3 divides neither heads nor vocabulary"));
+        assert!(e.contains("attention heads (4)") && e.contains("KV heads (2)") && e.contains("vocabulary (100)"), "{e}");
+        assert!(!e.contains("intermediate"), "only what does not divide is named: {e}");
     }
 
     #[test]

@@ -157,6 +157,7 @@ impl Autoscaler {
             snapshot: &snapshot,
             capacity: state.capacity.per_replica(),
             wake_requested: wake_requested(md),
+            gpus_per_replica: md.spec.resources.gpus,
         };
         let decision = decide(spec, &mut state.decisions, &input);
         if let Some(cap) = state.capacity.per_replica() {
@@ -179,6 +180,7 @@ impl Autoscaler {
         }
         let status = AutoscalingStatus {
             desired_replicas: Some(decision.to_replicas),
+            desired_gpus: Some(decision.to_replicas.saturating_mul(md.spec.resources.gpus)),
             measured_capacity_per_replica: state.capacity.per_replica(),
             last_decision: Some(record),
             history: state.history.clone(),

@@ -74,6 +74,8 @@ pub enum Reason {
     ProvisionedThroughput,
     MinReplicas,
     MaxReplicas,
+    /// Capped by `maxGpus`: each replica holds `resources.gpus` GPUs.
+    MaxGpus,
     WithinSlo,
     Underutilized,
     Idle,
@@ -84,7 +86,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 16] = [
         Reason::TtftAboveSlo,
         Reason::TpotAboveSlo,
         Reason::E2eAboveSlo,
@@ -93,6 +95,7 @@ impl Reason {
         Reason::ProvisionedThroughput,
         Reason::MinReplicas,
         Reason::MaxReplicas,
+        Reason::MaxGpus,
         Reason::WithinSlo,
         Reason::Underutilized,
         Reason::Idle,
@@ -112,6 +115,7 @@ impl Reason {
             Reason::ProvisionedThroughput => "ProvisionedThroughput",
             Reason::MinReplicas => "MinReplicas",
             Reason::MaxReplicas => "MaxReplicas",
+            Reason::MaxGpus => "MaxGpus",
             Reason::WithinSlo => "WithinSlo",
             Reason::Underutilized => "Underutilized",
             Reason::Idle => "Idle",
@@ -141,6 +145,9 @@ pub struct DecisionInput<'a> {
     pub capacity: Option<Throughput>,
     /// A request is waiting for a deployment at zero replicas.
     pub wake_requested: bool,
+    /// GPUs one replica holds (`resources.gpus`: its tensor-parallel ranks; 0 on the CPU), what
+    /// `maxGpus` counts a replica as.
+    pub gpus_per_replica: i32,
 }
 
 /// The outcome: the replica count to write and why.
@@ -167,6 +174,13 @@ pub struct DecisionState {
     reversed_at: Option<f64>,
 }
 
+/// The most replicas `spec.maxGpus` allows when each holds `gpus_per_replica` GPUs (None: no
+/// budget, or a CPU deployment, which holds none).
+pub fn gpu_budget_replicas(spec: &AutoscalingSpec, gpus_per_replica: i32) -> Option<i32> {
+    let budget = spec.max_gpus?;
+    (gpus_per_replica > 0).then(|| budget.max(0) / gpus_per_replica)
+}
+
 /// Decides the replica count for one deployment. `state` carries the history between calls.
 pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &DecisionInput<'_>) -> Decision {
     let snap = input.snapshot;
@@ -183,7 +197,11 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
     }
     // maxReplicas is the hard cost limit: a provisioned floor above it is cut to it (and the
     // message says so).
-    let max = spec.max_replicas.max(spec.min_replicas).max(0);
+    let max_by_replicas = spec.max_replicas.max(spec.min_replicas).max(0);
+    // The GPU budget is a cost limit too, counted in replicas of `gpus_per_replica` GPUs (never
+    // below minReplicas, which the CRD's rule keeps within it).
+    let gpu_cap = gpu_budget_replicas(spec, input.gpus_per_replica).filter(|&c| c < max_by_replicas);
+    let max = gpu_cap.map_or(max_by_replicas, |c| c.max(spec.min_replicas).max(0));
     let (floor, floor_reason) = floor(spec, input.capacity.as_ref());
     let floor = floor.min(max);
 
@@ -234,9 +252,18 @@ pub fn decide(spec: &AutoscalingSpec, state: &mut DecisionState, input: &Decisio
         to = floor;
         reason = floor_reason;
     } else if to > max {
-        message = format!("capped from {to} at maxReplicas {max}: {message}");
+        match (gpu_cap, spec.max_gpus) {
+            (Some(_), Some(budget)) => {
+                let g = input.gpus_per_replica;
+                message = format!("capped from {to} at {max} replicas by maxGpus {budget} ({g} GPUs per replica): {message}");
+                reason = Reason::MaxGpus;
+            }
+            _ => {
+                message = format!("capped from {to} at maxReplicas {max}: {message}");
+                reason = Reason::MaxReplicas;
+            }
+        }
         to = max;
-        reason = Reason::MaxReplicas;
     }
     let direction = (to - cur).signum();
     if direction != 0 && cur > 0 {

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 
-use peregrine_crds::{AutoscalingSpec, LatencySlo, ScaleToZero, Throughput};
+use peregrine_crds::{AutoscalingSpec, LatencySlo, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -371,6 +371,7 @@ pub fn run(config: &SimConfig, trace: &[f64], oracle: &dyn Fn(f64) -> i32) -> Si
                 snapshot: &snapshot,
                 capacity: capacity.per_replica(),
                 wake_requested: load > 0.0,
+                gpus_per_replica: 1,
             };
             let decision = decide(spec, &mut decisions, &input);
             if decision.to_replicas != replicas_spec {
@@ -486,17 +487,6 @@ pub fn standard_trace(base_rps: f64) -> Vec<f64> {
 
 /// Autoscaling spec used by the standard scenario.
 pub fn standard_spec(slo: LatencySlo, capacity: Throughput) -> AutoscalingSpec {
-    AutoscalingSpec {
-        min_replicas: 1,
-        max_replicas: 16,
-        slo,
-        max_queue_depth_per_replica: None,
-        max_kv_cache_usage: None,
-        scale_up_stabilization_seconds: 30,
-        scale_down_stabilization_seconds: 300,
-        evaluation_window_seconds: 60,
-        scale_to_zero: ScaleToZero::default(),
-        provisioned_throughput: None,
-        capacity_per_replica: Some(capacity),
-    }
+    AutoscalingSpec { capacity_per_replica: Some(capacity), ..AutoscalingSpec::new(1, 16, slo) }
 }
+

@@ -39,6 +39,9 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
             args.push(value);
         }
     };
+    // One rank per GPU; left out at 1 so single-GPU pods keep the command line they had.
+    let tp = spec.resources.tensor_parallel_size();
+    flag("tensor-parallel-size", (tp > 1).then(|| tp.to_string()));
     flag("quantization", (engine.dtype == Some(Dtype::Fp8)).then(|| "fp8".to_string()));
     flag("max-model-len", engine.max_model_len.map(|v| v.to_string()));
     flag("max-num-seqs", engine.max_num_seqs.map(|v| v.to_string()));

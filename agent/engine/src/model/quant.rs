@@ -272,6 +272,35 @@ impl QuantMatrix {
         out
     }
 
+    /// The sub-matrix of `rows` and of the whole blocks `blocks` of each row (columns
+    /// `blocks.start * 32 .. blocks.end * 32`): blocks are copied as they are, so every element
+    /// dequantizes to exactly its value in `self`. None if a range runs past the matrix.
+    pub fn slice(&self, rows: std::ops::Range<usize>, blocks: std::ops::Range<usize>) -> Option<QuantMatrix> {
+        let bpr = self.blocks_per_row();
+        if rows.start > rows.end || rows.end > self.rows || blocks.start > blocks.end || blocks.end > bpr {
+            return None;
+        }
+        let payload = self.kind.payload();
+        let (nr, nb) = (rows.len(), blocks.len());
+        let mut out = QuantMatrix {
+            kind: self.kind,
+            rows: nr,
+            cols: nb * QK,
+            d: Vec::with_capacity(nr * nb),
+            m: Vec::with_capacity(if self.m.is_empty() { 0 } else { nr * nb }),
+            qs: Vec::with_capacity(nr * nb * payload),
+        };
+        for r in rows {
+            let (b0, b1) = (r * bpr + blocks.start, r * bpr + blocks.end);
+            out.d.extend_from_slice(&self.d[b0..b1]);
+            if !self.m.is_empty() {
+                out.m.extend_from_slice(&self.m[b0..b1]);
+            }
+            out.qs.extend_from_slice(&self.qs[b0 * payload..b1 * payload]);
+        }
+        Some(out)
+    }
+
     /// Stacks matrices of the same kind and width (rows of `parts[0]` first); None if they differ.
     pub fn concat_rows(parts: &[&QuantMatrix]) -> Option<QuantMatrix> {
         let first = parts.first()?;

@@ -279,6 +279,26 @@ impl RowQuantMatrix {
         RowQuantMatrix { format: self.format, rows: perm.len(), cols: self.cols, activations: self.activations, scales, codes }
     }
 
+    /// The sub-matrix of `rows` × `cols`. Each row keeps its own scale, so every element
+    /// dequantizes to exactly its value in `self`. None if a range runs past the matrix.
+    pub fn slice(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) -> Option<RowQuantMatrix> {
+        if rows.start > rows.end || rows.end > self.rows || cols.start > cols.end || cols.end > self.cols {
+            return None;
+        }
+        let mut codes = Vec::with_capacity(rows.len() * cols.len());
+        for r in rows.clone() {
+            codes.extend_from_slice(&self.codes[r * self.cols + cols.start..r * self.cols + cols.end]);
+        }
+        Some(RowQuantMatrix {
+            format: self.format,
+            rows: rows.len(),
+            cols: cols.len(),
+            activations: self.activations,
+            scales: self.scales[rows].to_vec(),
+            codes,
+        })
+    }
+
     /// Stacks matrices of one format and width (rows of `parts[0]` first); None if they differ.
     pub fn concat_rows(parts: &[&RowQuantMatrix]) -> Option<RowQuantMatrix> {
         let first = parts.first()?;

@@ -36,7 +36,7 @@ pub struct CpuEncoder {
     token_type: Vec<f32>,
     embeddings_norm: LayerNorm,
     layers: Vec<Layer>,
-    pool: rayon::ThreadPool,
+    pool: std::sync::Arc<rayon::ThreadPool>,
     threads: usize,
     isa: Isa,
 }
@@ -62,16 +62,7 @@ fn fuse(parts: [&Linear; 3]) -> Linear {
 impl CpuEncoder {
     /// `threads == 0` uses every available core. The classifier head (if any) stays with the caller.
     pub fn new(config: EncoderConfig, weights: EncoderWeights, threads: usize) -> Result<CpuEncoder> {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        } else {
-            threads
-        };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("peregrine-enc-{i}"))
-            .build()
-            .map_err(|e| EngineError::Backend(format!("cannot start {threads} CPU threads: {e}")))?;
+        let (pool, threads) = super::thread_pool(threads, "peregrine-enc")?;
         let layers = weights
             .layers
             .into_iter()

@@ -12,6 +12,7 @@ mod matmul_avx2;
 mod matmul_w8a8;
 pub mod ops;
 pub mod simd;
+pub mod tp;
 
 use attention::TokenCtx;
 use kv_cache::{KvCache, KvFormat};
@@ -25,6 +26,25 @@ use self::lora::{CpuLora, Rows, RowsMut};
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::model::{Matrix, ModelWeights};
 use crate::{EngineError, Result};
+
+/// A pool of `threads` CPU threads (`0`: every available core) named `{name}-{i}`, and its size.
+fn thread_pool(threads: usize, name: &'static str) -> Result<(std::sync::Arc<rayon::ThreadPool>, usize)> {
+    let threads = if threads == 0 {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    } else {
+        threads
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("{name}-{i}"))
+        .build()
+        .map_err(|e| {
+            EngineError::Backend(format!("cannot start {threads} CPU threads: {e}"))
+        })?;
+    Ok((std::sync::Arc::new(pool), threads))
+}
 
 /// One decoder layer with q/k/v and gate/up fused into single matrices (one pass over the input
 /// each; every output element is still its own dot product, so results are unchanged).
@@ -71,24 +91,16 @@ fn fuse(parts: &[&Matrix], what: &str) -> Result<Matrix> {
 impl CpuBackend {
     /// `threads == 0` uses every available core.
     pub fn new(weights: ModelWeights, kv: KvCacheShape, threads: usize) -> Result<CpuBackend> {
+        let (pool, threads) = thread_pool(threads, "peregrine-cpu")?;
+        CpuBackend::with_pool(weights, kv, pool, threads)
+    }
+
+    /// A backend computing on `pool` (of `threads` threads), which it may share with others (the
+    /// ranks of the fake tensor parallelism take turns on one pool).
+    fn with_pool(weights: ModelWeights, kv: KvCacheShape, pool: std::sync::Arc<rayon::ThreadPool>, threads: usize) -> Result<CpuBackend> {
         weights
             .validate()
             .map_err(|m| EngineError::Backend(format!("weights do not match the config: {m}")))?;
-        let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            threads
-        };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("peregrine-cpu-{i}"))
-            .build()
-            .map_err(|e| {
-                EngineError::Backend(format!("cannot start {threads} CPU threads: {e}"))
-            })?;
-        let pool = std::sync::Arc::new(pool);
         let config = weights.config.clone();
         let mut layers = Vec::with_capacity(weights.layers.len());
         for l in weights.layers {
@@ -176,97 +188,17 @@ impl CpuBackend {
 
     /// Rejects a batch that would index outside the cache or the vocabulary.
     fn check_batch(&self, batch: &StepBatch) -> Result<()> {
-        let bad = |m: String| Err(EngineError::Backend(format!("invalid step batch: {m}")));
-        let n = batch.tokens.len();
-        if batch.positions.len() != n {
-            return bad(format!(
-                "{} tokens but {} positions",
-                n,
-                batch.positions.len()
-            ));
-        }
-        if let Some(&t) = batch
-            .tokens
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
-            return bad(format!(
-                "token id {t} is outside the vocabulary ({})",
-                self.config.vocab_size
-            ));
-        }
-        let bs = self.kv.shape.block_size;
-        let mut next = 0;
-        for (i, s) in batch.seqs.iter().enumerate() {
-            if s.start != next || s.len == 0 {
-                return bad(format!(
-                    "sequence {i} starts at {} with {} tokens; expected start {next}",
-                    s.start, s.len
-                ));
-            }
-            next = s.start + s.len;
-            if next > n {
-                return bad(format!("sequence {i} runs past the {n} tokens"));
-            }
-            for j in 0..s.len {
-                if batch.positions[s.start + j] as usize != s.context_len + j {
-                    return bad(format!(
-                        "sequence {i}: token {j} has position {}, expected {}",
-                        batch.positions[s.start + j],
-                        s.context_len + j
-                    ));
-                }
-            }
-            let needed = (s.context_len + s.len).div_ceil(bs);
-            if s.block_table.len() < needed {
-                return bad(format!(
-                    "sequence {i} needs {needed} blocks, block table has {}",
-                    s.block_table.len()
-                ));
-            }
-            if let Some(&b) = s.block_table[..needed]
-                .iter()
-                .find(|&&b| b as usize >= self.kv.shape.num_blocks)
-            {
-                return bad(format!(
-                    "sequence {i}: block {b} is outside the pool of {}",
-                    self.kv.shape.num_blocks
-                ));
-            }
-        }
-        if next != n {
-            return bad(format!("sequences cover {next} of {n} tokens"));
-        }
-        if self.lora.is_none() {
-            self::lora::reject_lora_slots(batch)?;
-        }
-        Ok(())
+        check_step(batch, self.config.vocab_size, self.kv.shape, self.lora.is_some())
     }
 
     fn forward_inner(&mut self, batch: &StepBatch) -> Logits {
         let h = self.trunk(batch);
-        let (c, isa) = (&self.config, self.isa);
-        let hidden = c.hidden_size;
-        let eps = c.rms_norm_eps;
-
-        // LM head only for the rows that want logits.
-        let rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .filter(|s| s.wants_logits)
-            .map(|s| s.start + s.len - 1)
-            .collect();
-        let mut last = vec![0f32; rows.len() * hidden];
-        for (dst, &r) in last.chunks_exact_mut(hidden).zip(&rows) {
-            dst.copy_from_slice(&h[r * hidden..(r + 1) * hidden]);
-        }
-        let mut normed = vec![0f32; last.len()];
-        ops::rms_norm(&last, &self.norm, eps, &mut normed);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut data = vec![0f32; rows.len() * c.vocab_size];
-        matmul(isa, &normed, rows.len(), head, &mut data);
+        let rows = logit_rows(batch);
+        let normed = self.final_norm(&h, &rows);
+        let mut data = vec![0f32; rows.len() * self.config.vocab_size];
+        self.lm_head_into(&normed, rows.len(), &mut data);
         Logits {
-            vocab: c.vocab_size,
+            vocab: self.config.vocab_size,
             data,
         }
     }
@@ -288,99 +220,240 @@ impl CpuBackend {
 
     /// Embedding and every decoder layer: the residual stream of each token before the final norm.
     fn trunk(&mut self, batch: &StepBatch) -> Vec<f32> {
-        let c = &self.config;
+        let (hidden, eps) = (self.config.hidden_size, self.config.rms_norm_eps);
         let n = batch.tokens.len();
-        let (hidden, q_dim, kv_dim, inter) =
-            (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let qkv_dim = q_dim + 2 * kv_dim;
-        let isa = self.isa;
-        let eps = c.rms_norm_eps;
-        let n_heads = c.num_attention_heads;
-
-        // Per-token context for attention.
-        let mut ctx: Vec<TokenCtx<'_>> = Vec::with_capacity(n);
-        for s in &batch.seqs {
-            for j in 0..s.len {
-                ctx.push(TokenCtx {
-                    pos: s.context_len + j,
-                    block_table: &s.block_table,
-                });
-            }
-        }
-
+        let ctx = token_ctx(batch);
         let mut h = vec![0f32; n * hidden];
         for (row, &t) in h.chunks_exact_mut(hidden).zip(&batch.tokens) {
             self.embed.row_into(t as usize, row);
         }
         let mut xn = vec![0f32; n * hidden];
-        let mut qkv = vec![0f32; n * qkv_dim];
-        let mut attn = vec![0f32; n * q_dim];
-        let mut proj = vec![0f32; n * hidden];
-        let mut gu = vec![0f32; n * 2 * inter];
-        let mut act = vec![0f32; n * inter];
-        let (mut cos, mut sin) = (vec![0f32; self.rope.half()], vec![0f32; self.rope.half()]);
-
-        for (li, layer) in self.layers.iter().enumerate() {
-            ops::rms_norm(&h, &layer.attn_norm, eps, &mut xn);
-            matmul(isa, &xn, n, &layer.qkv, &mut qkv);
-            if let Some(lora) = &self.lora {
-                // q, k and v sit side by side in each fused qkv row.
-                for (m, off) in [(TargetModule::Q, 0), (TargetModule::K, q_dim), (TargetModule::V, q_dim + kv_dim)] {
-                    let x = Rows { data: &xn, stride: hidden, offset: 0 };
-                    lora.apply(li, m, x, RowsMut { data: &mut qkv, stride: qkv_dim, offset: off });
-                }
-            }
-            for (row, tc) in qkv.chunks_exact_mut(qkv_dim).zip(&ctx) {
-                if let Some(b) = &layer.qkv_bias {
-                    for (x, &bb) in row.iter_mut().zip(b) {
-                        *x += bb;
-                    }
-                }
-                let (q, rest) = row.split_at_mut(q_dim);
-                let (k, v) = rest.split_at_mut(kv_dim);
-                self.rope.apply(q, tc.pos as u32, &mut cos, &mut sin);
-                self.rope.apply(k, tc.pos as u32, &mut cos, &mut sin);
-                if self.kv.format.hadamard {
-                    hadamard::rotate_heads(q, c.head_dim);
-                    hadamard::rotate_heads(k, c.head_dim);
-                }
-                if self.kv.format.hadamard_v {
-                    hadamard::rotate_heads(v, c.head_dim);
-                }
-                attention::write_kv(&mut self.kv, li, tc.block_table, tc.pos, k, v);
-            }
-            attention::attention(isa, &self.kv, li, n_heads, &qkv, qkv_dim, &ctx, &mut attn);
-            if self.kv.format.hadamard_v {
-                // The output is H times the unrotated one: rotate it back.
-                hadamard::rotate_heads(&mut attn, c.head_dim);
-            }
-            matmul(isa, &attn, n, &layer.o, &mut proj);
-            if let Some(lora) = &self.lora {
-                let x = Rows { data: &attn, stride: q_dim, offset: 0 };
-                lora.apply(li, TargetModule::O, x, RowsMut { data: &mut proj, stride: hidden, offset: 0 });
-            }
-            for (a, b) in h.iter_mut().zip(&proj) {
-                *a += b;
-            }
-            ops::rms_norm(&h, &layer.mlp_norm, eps, &mut xn);
-            matmul(isa, &xn, n, &layer.gate_up, &mut gu);
-            if let Some(lora) = &self.lora {
-                for (m, off) in [(TargetModule::Gate, 0), (TargetModule::Up, inter)] {
-                    let x = Rows { data: &xn, stride: hidden, offset: 0 };
-                    lora.apply(li, m, x, RowsMut { data: &mut gu, stride: 2 * inter, offset: off });
-                }
-            }
-            ops::swiglu(&gu, inter, &mut act);
-            matmul(isa, &act, n, &layer.down, &mut proj);
-            if let Some(lora) = &self.lora {
-                let x = Rows { data: &act, stride: inter, offset: 0 };
-                lora.apply(li, TargetModule::Down, x, RowsMut { data: &mut proj, stride: hidden, offset: 0 });
-            }
-            for (a, b) in h.iter_mut().zip(&proj) {
-                *a += b;
-            }
+        let mut s = Scratch::new(&self.config, n, self.rope.half());
+        for li in 0..self.layers.len() {
+            ops::rms_norm(&h, &self.layers[li].attn_norm, eps, &mut xn);
+            self.attention_block(li, &xn, &ctx, &mut s);
+            add_into(&mut h, &s.proj);
+            ops::rms_norm(&h, &self.layers[li].mlp_norm, eps, &mut xn);
+            self.mlp_block(li, &xn, &mut s);
+            add_into(&mut h, &s.proj);
         }
         h
+    }
+
+    /// The attention half of layer `li` on its normalized input `xn`: q/k/v (with LoRA, bias and
+    /// RoPE), K and V written to the cache, attention, o_proj (with LoRA) into `s.proj`. Under
+    /// tensor parallelism this backend holds one rank's heads and `s.proj` is its partial sum.
+    fn attention_block(&mut self, li: usize, xn: &[f32], ctx: &[TokenCtx<'_>], s: &mut Scratch) {
+        let c = &self.config;
+        let n = ctx.len();
+        let (hidden, q_dim, kv_dim) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        let qkv_dim = q_dim + 2 * kv_dim;
+        let isa = self.isa;
+        let layer = &self.layers[li];
+        matmul(isa, xn, n, &layer.qkv, &mut s.qkv);
+        if let Some(lora) = &self.lora {
+            // q, k and v sit side by side in each fused qkv row.
+            for (m, off) in [(TargetModule::Q, 0), (TargetModule::K, q_dim), (TargetModule::V, q_dim + kv_dim)] {
+                let x = Rows { data: xn, stride: hidden, offset: 0 };
+                lora.apply(li, m, x, RowsMut { data: &mut s.qkv, stride: qkv_dim, offset: off });
+            }
+        }
+        for (row, tc) in s.qkv.chunks_exact_mut(qkv_dim).zip(ctx) {
+            if let Some(b) = &layer.qkv_bias {
+                for (x, &bb) in row.iter_mut().zip(b) {
+                    *x += bb;
+                }
+            }
+            let (q, rest) = row.split_at_mut(q_dim);
+            let (k, v) = rest.split_at_mut(kv_dim);
+            self.rope.apply(q, tc.pos as u32, &mut s.cos, &mut s.sin);
+            self.rope.apply(k, tc.pos as u32, &mut s.cos, &mut s.sin);
+            if self.kv.format.hadamard {
+                hadamard::rotate_heads(q, c.head_dim);
+                hadamard::rotate_heads(k, c.head_dim);
+            }
+            if self.kv.format.hadamard_v {
+                hadamard::rotate_heads(v, c.head_dim);
+            }
+            attention::write_kv(&mut self.kv, li, tc.block_table, tc.pos, k, v);
+        }
+        attention::attention(isa, &self.kv, li, c.num_attention_heads, &s.qkv, qkv_dim, ctx, &mut s.attn);
+        if self.kv.format.hadamard_v {
+            // The output is H times the unrotated one: rotate it back.
+            hadamard::rotate_heads(&mut s.attn, c.head_dim);
+        }
+        matmul(isa, &s.attn, n, &layer.o, &mut s.proj);
+        if let Some(lora) = &self.lora {
+            let x = Rows { data: &s.attn, stride: q_dim, offset: 0 };
+            lora.apply(li, TargetModule::O, x, RowsMut { data: &mut s.proj, stride: hidden, offset: 0 });
+        }
+    }
+
+    /// The MLP half of layer `li` on its normalized input `xn`: gate/up (with LoRA), SwiGLU, down
+    /// (with LoRA) into `s.proj` (one rank's partial sum under tensor parallelism).
+    fn mlp_block(&self, li: usize, xn: &[f32], s: &mut Scratch) {
+        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
+        let n = xn.len() / hidden.max(1);
+        let isa = self.isa;
+        let layer = &self.layers[li];
+        matmul(isa, xn, n, &layer.gate_up, &mut s.gu);
+        if let Some(lora) = &self.lora {
+            for (m, off) in [(TargetModule::Gate, 0), (TargetModule::Up, inter)] {
+                let x = Rows { data: xn, stride: hidden, offset: 0 };
+                lora.apply(li, m, x, RowsMut { data: &mut s.gu, stride: 2 * inter, offset: off });
+            }
+        }
+        ops::swiglu(&s.gu, inter, &mut s.act);
+        matmul(isa, &s.act, n, &layer.down, &mut s.proj);
+        if let Some(lora) = &self.lora {
+            let x = Rows { data: &s.act, stride: inter, offset: 0 };
+            lora.apply(li, TargetModule::Down, x, RowsMut { data: &mut s.proj, stride: hidden, offset: 0 });
+        }
+    }
+
+    /// The final norm of the hidden rows `rows` (the rows that want logits), back to back.
+    fn final_norm(&self, h: &[f32], rows: &[usize]) -> Vec<f32> {
+        let hidden = self.config.hidden_size;
+        let mut last = vec![0f32; rows.len() * hidden];
+        for (dst, &r) in last.chunks_exact_mut(hidden).zip(rows) {
+            dst.copy_from_slice(&h[r * hidden..(r + 1) * hidden]);
+        }
+        let mut normed = vec![0f32; last.len()];
+        ops::rms_norm(&last, &self.norm, self.config.rms_norm_eps, &mut normed);
+        normed
+    }
+
+    /// Logits of `rows` normalized hidden rows over this backend's vocabulary (a rank's slice of it
+    /// under tensor parallelism).
+    fn lm_head_into(&self, normed: &[f32], rows: usize, out: &mut [f32]) {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        matmul(self.isa, normed, rows, head, out);
+    }
+}
+
+/// Per-step work buffers of one backend (one rank), sized by its model shape for `n` tokens.
+struct Scratch {
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(c: &ModelConfig, n: usize, rope_half: usize) -> Scratch {
+        let (q_dim, kv_dim, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        Scratch {
+            qkv: vec![0f32; n * (q_dim + 2 * kv_dim)],
+            attn: vec![0f32; n * q_dim],
+            proj: vec![0f32; n * c.hidden_size],
+            gu: vec![0f32; n * 2 * inter],
+            act: vec![0f32; n * inter],
+            cos: vec![0f32; rope_half],
+            sin: vec![0f32; rope_half],
+        }
+    }
+}
+
+/// Per-token context for attention, in batch order.
+fn token_ctx(batch: &StepBatch) -> Vec<TokenCtx<'_>> {
+    let mut ctx = Vec::with_capacity(batch.tokens.len());
+    for s in &batch.seqs {
+        for j in 0..s.len {
+            ctx.push(TokenCtx {
+                pos: s.context_len + j,
+                block_table: &s.block_table,
+            });
+        }
+    }
+    ctx
+}
+
+/// The batch rows whose logits the step returns: the last token of each sequence that wants them.
+fn logit_rows(batch: &StepBatch) -> Vec<usize> {
+    batch
+        .seqs
+        .iter()
+        .filter(|s| s.wants_logits)
+        .map(|s| s.start + s.len - 1)
+        .collect()
+}
+
+/// Rejects a batch that would index outside a KV cache of `kv` or a vocabulary of `vocab`, or that
+/// names a LoRA slot where LoRA is off.
+fn check_step(batch: &StepBatch, vocab: usize, kv: KvCacheShape, lora_enabled: bool) -> Result<()> {
+    let bad = |m: String| Err(EngineError::Backend(format!("invalid step batch: {m}")));
+    let n = batch.tokens.len();
+    if batch.positions.len() != n {
+        return bad(format!(
+            "{} tokens but {} positions",
+            n,
+            batch.positions.len()
+        ));
+    }
+    if let Some(&t) = batch
+        .tokens
+        .iter()
+        .find(|&&t| t as usize >= vocab)
+    {
+        return bad(format!(
+            "token id {t} is outside the vocabulary ({})",
+            vocab
+        ));
+    }
+    let bs = kv.block_size;
+    let mut next = 0;
+    for (i, s) in batch.seqs.iter().enumerate() {
+        if s.start != next || s.len == 0 {
+            return bad(format!(
+                "sequence {i} starts at {} with {} tokens; expected start {next}",
+                s.start, s.len
+            ));
+        }
+        next = s.start + s.len;
+        if next > n {
+            return bad(format!("sequence {i} runs past the {n} tokens"));
+        }
+        for j in 0..s.len {
+            if batch.positions[s.start + j] as usize != s.context_len + j {
+                return bad(format!(
+                    "sequence {i}: token {j} has position {}, expected {}",
+                    batch.positions[s.start + j],
+                    s.context_len + j
+                ));
+            }
+        }
+        let needed = (s.context_len + s.len).div_ceil(bs);
+        if s.block_table.len() < needed {
+            return bad(format!(
+                "sequence {i} needs {needed} blocks, block table has {}",
+                s.block_table.len()
+            ));
+        }
+        if let Some(&b) = s.block_table[..needed]
+            .iter()
+            .find(|&&b| b as usize >= kv.num_blocks)
+        {
+            return bad(format!(
+                "sequence {i}: block {b} is outside the pool of {}",
+                kv.num_blocks
+            ));
+        }
+    }
+    if next != n {
+        return bad(format!("sequences cover {next} of {n} tokens"));
+    }
+    if !lora_enabled {
+        self::lora::reject_lora_slots(batch)?;
+    }
+    Ok(())
+}
+
+fn add_into(h: &mut [f32], x: &[f32]) {
+    for (a, b) in h.iter_mut().zip(x) {
+        *a += b;
     }
 }
 

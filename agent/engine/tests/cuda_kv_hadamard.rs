@@ -104,7 +104,11 @@ fn fp8_cache_with_hadamard_matches_the_cpu_rotation_and_differs_from_plain_fp8()
     let want = cpu_rows(&w, KvFormat::both(KvElem::Fp8E4m3, true));
     let f = compare(&got, &want);
     report(&format!("cuda fp8 KV + hadamard vs cpu fp8 + hadamard: max |Δ| {:.3}, mean {:.4}, top-1 {}/{}", f.max_abs_diff, f.mean_abs_diff(), f.top1_agree, f.positions));
-    assert!(f.max_abs_diff <= 2.0 && f.mean_abs_diff() <= 0.5, "{f:?}");
+    // Bounds from the H100 (2026-11-25): max |Δ| 2.027, mean 0.291, top-1 40/42 — 1.5× those, as
+    // the W8A8 tests' bounds. Both sides round K and V to e4m3 but at different points (the GPU's
+    // bf16 intermediates), and on SmolLM2 one code step moves a logit by units; a wrong rotation
+    // (or none on one side) moves every logit far more (the bf16 test above holds to 0.75).
+    assert!(f.max_abs_diff <= 3.0 && f.mean_abs_diff() <= 0.45, "{f:?}");
     let Some(mut plain) = gpu(&w, KvCacheDtype::Fp8E4m3, false) else { return };
     let unrotated = rows(&mut plain);
     let moved = compare(&got, &unrotated);

@@ -1,7 +1,7 @@
 //! Checks of a ModelDeployment that the schema and CEL rules cannot make (or that objects written with
 //! validation off could slip past). A failure becomes a `Degraded` condition, and nothing is created.
 
-use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, RemoteScheme, SourceUri, GPUS_MESSAGE, GPU_BUDGET_MESSAGE, SLO_TASK_MESSAGE, TENSOR_PARALLEL_MESSAGE};
+use peregrine_crds::{reasons, Dtype, ModelDeploymentSpec, ModelFormat, ModelTask, RemoteScheme, SourceUri, GPUS_MESSAGE, GPU_BUDGET_MESSAGE, SLO_TASK_MESSAGE, TENSOR_PARALLEL_MESSAGE};
 
 /// Why a spec cannot be acted on: a condition reason and a message for the user.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,8 +66,29 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
             return Err(SpecError::new(reasons::INVALID_SPEC, format!("adapterVolumes: {claim:?} is not a valid claim name")));
         }
     }
+    // Encoders and decoder embeddings run on the CPU backend only (no CUDA encoder yet); on a GPU pod
+    // the agent would refuse `--device cuda` at start and the pod would only restart.
+    if spec.model.task != ModelTask::Generate && gpus > 0 {
+        return Err(SpecError::new(
+            reasons::INVALID_SPEC,
+            format!("model.task {} runs on the CPU backend only for now: set resources.gpus to 0 (asked for {gpus})", spec.model.task.as_str()),
+        ));
+    }
+    // Checked last, so that a spec with other mistakes hears of those first: the schema, the
+    // Deployment the operator would build and the agent's flag all take 2, 4 or 8 GPUs, but the
+    // agent's multi-GPU (NCCL) path is not built, so its pods would only stop at start. Refused here
+    // instead, with nothing created; lift this when the agent serves `--tensor-parallel-size` on CUDA.
+    if gpus > AGENT_MAX_GPUS {
+        return Err(SpecError::new(
+            reasons::TOO_MANY_GPUS,
+            format!("resources.gpus {gpus}: tensor parallelism needs the agent's multi-GPU (NCCL) path, which is not built yet; use 0 (CPU) or 1"),
+        ));
+    }
     Ok(uri)
 }
+
+/// The most GPUs one agent pod can use today.
+const AGENT_MAX_GPUS: i32 = 1;
 
 /// The SLO fits the task ([`SLO_TASK_RULE`](peregrine_crds::SLO_TASK_RULE) says the same at
 /// admission): TTFT and TPOT for generation; for an encoder, which has neither, the e2e p95 alone.
@@ -176,12 +197,14 @@ mod tests {
             assert!(err.message.contains(message), "{name}: {}", err.message);
         }
 
+        // 2, 4 and 8 GPUs pass every other check but are refused until the agent serves them.
         for gpus in [2, 4, 8] {
             let mut tp = spec("file:///m.gguf");
             tp.resources.gpus = gpus;
-            assert!(validate_spec(&tp).is_ok(), "{gpus} GPUs: tensor-parallel ranks");
             tp.resources.tensor_parallel_size = Some(gpus);
-            assert!(validate_spec(&tp).is_ok(), "tensorParallelSize {gpus} beside gpus {gpus}");
+            let err = validate_spec(&tp).expect_err("no multi-GPU agent yet");
+            assert_eq!(err.reason, reasons::TOO_MANY_GPUS, "{gpus} GPUs");
+            assert!(err.message.contains("not built yet"), "{}", err.message);
         }
 
         let mut cpu = spec("file:///m.gguf");
@@ -206,6 +229,8 @@ mod tests {
         let with_slo = |task: ModelTask, slo: LatencySlo| {
             let mut s = spec("file:///m");
             s.model.task = task;
+            // Encoders run on the CPU backend only (checked below).
+            s.resources.gpus = 0;
             // The CRD's defaults for everything else.
             let autoscaling = serde_json::json!({"maxReplicas": 2, "slo": slo});
             s.autoscaling = Some(serde_json::from_value(autoscaling).expect("an autoscaling spec"));
@@ -222,5 +247,19 @@ mod tests {
         }
         let err = with_slo(ModelTask::Generate, request).expect_err("no ttft for generation");
         assert!(err.message.contains("generate needs ttftP95Seconds"), "{}", err.message);
+    }
+
+    #[test]
+    fn encoder_tasks_need_the_cpu_backend() {
+        for task in [ModelTask::Embed, ModelTask::Rerank, ModelTask::Classify] {
+            let mut s = spec("file:///m");
+            s.model.task = task;
+            s.resources.gpus = 1;
+            let err = validate_spec(&s).expect_err("an encoder on a GPU pod");
+            assert_eq!(err.reason, reasons::INVALID_SPEC);
+            assert!(err.message.contains("CPU backend only") && err.message.contains(task.as_str()), "{}", err.message);
+            s.resources.gpus = 0;
+            assert!(validate_spec(&s).is_ok(), "{task:?} on the CPU");
+        }
     }
 }

@@ -61,7 +61,7 @@ fn spec() -> AutoscalingSpec {
 }
 
 fn decide_once(spec: &AutoscalingSpec, now: f64, replicas: i32, snapshot: &FleetSnapshot) -> peregrine_operator::autoscaler::Decision {
-    let input = DecisionInput { now, current_replicas: replicas, snapshot, capacity: None, wake_requested: false };
+    let input = DecisionInput { now, current_replicas: replicas, snapshot, capacity: None, wake_requested: false, gpus_per_replica: 1 };
     decide(spec, &mut DecisionState::default(), &input)
 }
 

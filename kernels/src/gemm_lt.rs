@@ -1,10 +1,10 @@
 //! Row-wise FP8 GEMMs through cuBLASLt: `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`: Hopper's FP8 tensor
 //! cores through NVIDIA's own pipelined kernels (TMA, warp-specialised), where our `gemm_w8a8`
-//! (mma.sync, no software pipeline) reaches about a third of the chip. The token scales `xs` and
-//! weight-row scales `ws` go to cuBLASLt's "outer vector" scaling mode where the library offers it
-//! for the GPU (one f32 per row of each operand, applied to the f32 accumulator); where it does not
-//! (cuBLAS 13.0 on the H100 refuses it), the GEMM runs unscaled and the caller applies both scales
-//! in place afterwards (`Kernels::scale_outer`: one more pass over the output, 2 × m × n × 2 bytes).
+//! (mma.sync, no software pipeline) reaches about a third of the chip. The GEMM runs unscaled and
+//! the caller applies the token scales `xs` and weight-row scales `ws` in place afterwards
+//! (`Kernels::scale_outer`: one more pass over the output, 2 × m × n × 2 bytes): cuBLASLt's "outer
+//! vector" scaling mode would apply them in the epilogue, but cuBLAS 13.0 offers no algorithm for it
+//! on the H100 (measured: the heuristic returns none for every shape).
 //!
 //! cuBLASLt picks its kernel per shape (`cublasLtMatmulAlgoGetHeuristic`, tens of microseconds on
 //! the host), so a plan (descriptors + chosen algorithm) is made once per (m, n, k, output type)
@@ -38,21 +38,8 @@ fn lt_err(what: &str, e: CublasError) -> KernelError {
     KernelError::Unsupported(format!("cuBLASLt {what}: {e:?}"))
 }
 
-/// What [`BlasLt::gemm_fp8_rowwise`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LtRun {
-    /// Nothing launched: cuBLASLt has no kernel for the shape.
-    Declined,
-    /// `y` holds the scaled result.
-    Scaled,
-    /// `y` holds `xq · wqᵀ` unscaled: the caller multiplies by `xs[i] · ws[j]`.
-    Unscaled,
-}
-
 /// Descriptors and the chosen algorithm of one shape.
 struct Plan {
-    /// The scales go to cuBLASLt's outer-vector mode (else the GEMM runs unscaled).
-    outer: bool,
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
@@ -122,26 +109,26 @@ impl BlasLt {
         Ok(Some(BlasLt { handle, workspace, acc, stream: stream.clone(), plans: Mutex::new(HashMap::new()) }))
     }
 
-    /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` over e4m3 codes (`xq` m × k tokens, `wq` n × k weight
-    /// rows, both row-major), y bf16 or f32, or the same unscaled ([`LtRun::Unscaled`]) where the
-    /// library cannot scale by rows; [`LtRun::Declined`] (nothing launched) where cuBLASLt has no
-    /// kernel for the shape (k or n not a multiple of 16, or the library refuses it).
+    /// `y[m, n] = xq · wqᵀ` over e4m3 codes (`xq` m × k tokens, `wq` n × k weight rows, both
+    /// row-major), unscaled, y bf16 or f32: the caller then multiplies by `xs[i] · ws[j]`
+    /// (`Kernels::scale_outer`). false: nothing launched, cuBLASLt has no kernel for the shape (k or n
+    /// not a multiple of 16, or the library refuses it).
     ///
     /// # Safety
-    /// xq: m*k bytes, wq: n*k bytes, 16-byte aligned; xs: m f32; ws: n f32; y: m*n of the output
-    /// type; all on this handle's stream.
+    /// xq: m*k bytes, wq: n*k bytes, 16-byte aligned; y: m*n of the output type; all on this
+    /// handle's stream.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemm_fp8_rowwise(&self, y: DPtr, f32_out: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<LtRun> {
+    pub unsafe fn gemm_e4m3_unscaled(&self, y: DPtr, f32_out: bool, xq: DPtr, wq: DPtr, m: usize, n: usize, k: usize) -> Result<bool> {
         if m == 0 || n == 0 {
-            return Ok(LtRun::Scaled);
+            return Ok(true);
         }
         // FP8 cuBLASLt needs 16-element leading dimensions and 16-byte aligned operands.
         if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !y.is_multiple_of(16) {
-            return Ok(LtRun::Declined);
+            return Ok(false);
         }
         let key = PlanKey { m, n, k, f32_out, int8: false };
         // SAFETY: as this function's contract.
-        unsafe { self.run(key, y, xq, xs, wq, ws) }
+        unsafe { self.run(key, y, xq, wq) }
     }
 
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]` over int8 codes, y bf16 or f32: cuBLASLt's int8 GEMM
@@ -151,7 +138,7 @@ impl BlasLt {
     /// the shape).
     ///
     /// # Safety
-    /// As [`BlasLt::gemm_fp8_rowwise`]; `scale(y, acc, xs, m)` must write `m` rows of `y` from `m`
+    /// As [`BlasLt::gemm_e4m3_unscaled`] (with xs: m f32); `scale(y, acc, xs, m)` must write `m` rows of `y` from `m`
     /// rows of int32 sums at `acc`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemm_i8_rowwise(
@@ -180,8 +167,8 @@ impl BlasLt {
             let chunk = rows.min(m - r0);
             let key = PlanKey { m: chunk, n, k, f32_out: false, int8: true };
             // SAFETY: the chunk's rows of xq and the scratch (chunk * n <= ACC_ELEMS) as the contract.
-            let ran = unsafe { self.run(key, acc, xq + (r0 * k) as u64, 0, wq, 0)? };
-            if ran == LtRun::Declined {
+            let ran = unsafe { self.run(key, acc, xq + (r0 * k) as u64, wq)? };
+            if !ran {
                 if r0 == 0 {
                     return Ok(false);
                 }
@@ -193,12 +180,12 @@ impl BlasLt {
         Ok(true)
     }
 
-    /// Runs `key`'s plan (made on first use) on `d = a · bᵀ` in our row-major terms (`a` = the weight
-    /// codes, `b` = the token codes), with the outer-vector scales where the plan has them.
+    /// Runs `key`'s plan (made on first use) on `d = xq · wqᵀ` in our row-major terms; false where
+    /// cuBLASLt has no kernel for it (nothing launched).
     ///
     /// # Safety
-    /// As [`BlasLt::gemm_fp8_rowwise`] for `key`'s shape and types.
-    unsafe fn run(&self, key: PlanKey, d_ptr: DPtr, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr) -> Result<LtRun> {
+    /// As [`BlasLt::gemm_e4m3_unscaled`] for `key`'s shape and types.
+    unsafe fn run(&self, key: PlanKey, d_ptr: DPtr, xq: DPtr, wq: DPtr) -> Result<bool> {
         let mut plans = self.plans.lock().map_err(|_| KernelError::Unsupported("cuBLASLt plan cache poisoned".into()))?;
         if !plans.contains_key(&key) {
             if plans.len() >= MAX_PLANS {
@@ -207,20 +194,10 @@ impl BlasLt {
             let plan = self.plan(key).ok();
             plans.insert(key, plan);
         }
-        let Some(plan) = plans.get(&key).and_then(Option::as_ref) else { return Ok(LtRun::Declined) };
+        let Some(plan) = plans.get(&key).and_then(Option::as_ref) else { return Ok(false) };
         // Column-major view, as in `Blas::matmul`: yᵀ[n, m] = wq[n, k] (a k × n matrix, transposed) ·
-        // xqᵀ[k, m]. cuBLASLt's A is the weight (its rows are our output columns: scales `ws`), B the
-        // tokens (its columns are our rows: scales `xs`).
-        let set_ptr = |attr: sys::cublasLtMatmulDescAttributes_t, p: DPtr| {
-            let p = p as *const c_void;
-            // SAFETY: the plan's descriptor is live; the value is copied by the call.
-            unsafe { lt::set_matmul_desc_attribute(plan.desc, attr, &p as *const *const c_void as *const c_void, size_of::<*const c_void>()) }
-        };
-        if plan.outer {
-            set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ws).map_err(|e| lt_err("A scales", e))?;
-            set_ptr(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, xs).map_err(|e| lt_err("B scales", e))?;
-        }
-        // The scale type is f32 for FP8 and int32 for int8 (`plan_with`).
+        // xqᵀ[k, m]: cuBLASLt's A is the weight, B the tokens.
+        // The scale type is f32 for FP8 and int32 for int8 (`plan`).
         let (alpha_f, beta_f, alpha_i, beta_i) = (1.0f32, 0.0f32, 1i32, 0i32);
         let (alpha, beta) = if key.int8 {
             (&alpha_i as *const i32 as *const c_void, &beta_i as *const i32 as *const c_void)
@@ -251,21 +228,11 @@ impl BlasLt {
             )
         }
         .map_err(|e| lt_err("matmul", e))?;
-        Ok(if plan.outer { LtRun::Scaled } else { LtRun::Unscaled })
+        Ok(true)
     }
 
-    /// The plan for one shape: with outer-vector scales if cuBLASLt has a kernel for them, else
-    /// unscaled.
+    /// Descriptors for one shape and cuBLASLt's first-choice algorithm for them.
     fn plan(&self, key: PlanKey) -> std::result::Result<Plan, CublasError> {
-        if key.int8 {
-            return self.plan_with(key, false);
-        }
-        self.plan_with(key, true).or_else(|_| self.plan_with(key, false))
-    }
-
-    /// Descriptors for one shape (`outer`: with outer-vector scale modes) and cuBLASLt's first-choice
-    /// algorithm for them.
-    fn plan_with(&self, key: PlanKey, outer: bool) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         let PlanKey { m, n, k, f32_out, int8 } = key;
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
@@ -277,7 +244,7 @@ impl BlasLt {
         };
         let desc = lt::create_matmul_desc(compute, scale_type)?;
         // Each layout is owned by the plan as soon as it exists, so an error below frees it.
-        let mut plan = Plan { outer, desc, layouts: [std::ptr::null_mut(); 3], algo: unsafe { MaybeUninit::zeroed().assume_init() } };
+        let mut plan = Plan { desc, layouts: [std::ptr::null_mut(); 3], algo: unsafe { MaybeUninit::zeroed().assume_init() } };
         plan.layouts[0] = lt::create_matrix_layout(code_type, k64, n64, k as i64)?;
         plan.layouts[1] = lt::create_matrix_layout(code_type, k64, m64, k as i64)?;
         plan.layouts[2] = lt::create_matrix_layout(d_type, n64, m64, n as i64)?;
@@ -286,11 +253,6 @@ impl BlasLt {
             let set_u32 = |attr: Attr, v: u32| lt::set_matmul_desc_attribute(desc, attr, &v as *const u32 as *const c_void, size_of::<u32>());
             set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSA, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as u32)?;
             set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSB, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N as u32)?;
-            if outer {
-                let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
-                set_u32(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode)?;
-                set_u32(Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode)?;
-            }
             let pref = lt::create_matmul_pref()?;
             let ws = WORKSPACE_BYTES as u64;
             let set = lt::set_matmul_pref_attribute(

@@ -98,11 +98,11 @@ impl Cuda {
         if let Some(lt) = &self.blas_lt {
             let s = &self.gpu.stream;
             match format {
-                W8Format::E4m3 => match lt.gemm_fp8_rowwise(y, f32_out, xq, xs, wq, ws, m, n, k)? {
-                    gemm_lt::LtRun::Scaled => return Ok(()),
-                    gemm_lt::LtRun::Unscaled => return self.kernels.scale_outer(s, y, f32_out, xs, ws, m, n),
-                    gemm_lt::LtRun::Declined => {}
-                },
+                W8Format::E4m3 => {
+                    if lt.gemm_e4m3_unscaled(y, f32_out, xq, wq, m, n, k)? {
+                        return self.kernels.scale_outer(s, y, f32_out, xs, ws, m, n);
+                    }
+                }
                 W8Format::I8 => {
                     let scale = |y_rows, acc, xs_rows, rows| self.kernels.scale_outer_i32(s, y_rows, f32_out, acc, xs_rows, ws, rows, n);
                     if lt.gemm_i8_rowwise(y, f32_out, xq, xs, wq, m, n, k, scale)? {

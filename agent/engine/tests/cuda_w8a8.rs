@@ -20,7 +20,7 @@ use peregrine_engine::backend::cpu::ops::{rms_norm, swiglu};
 use peregrine_engine::model::rowquant::{quantize_activations, RowFormat, RowQuantMatrix};
 use cuda_common::values;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::gemm_lt::{BlasLt, LtRun};
+use peregrine_kernels::gemm_lt::BlasLt;
 use peregrine_kernels::{Cuda, OutType, W8Format};
 
 const FORMATS: [(RowFormat, W8Format); 2] = [(RowFormat::Fp8E4m3, W8Format::E4m3), (RowFormat::Int8, W8Format::I8)];
@@ -96,7 +96,7 @@ fn tolerance(format: RowFormat, want: f64, budget: f64) -> f64 {
 }
 
 #[test]
-fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
+fn cublaslt_fp8_gemm_then_row_scales_matches_an_f64_reference() {
     let Some(c) = cuda_or_skip() else { return };
     let s = &c.gpu.stream;
     let Some(lt) = blas_lt(&c, W8Format::E4m3) else { return };
@@ -110,17 +110,14 @@ fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
         let reference = f64_reference(format, &xq, &wq, m, n, k);
         let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
         let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
-        // As `Cuda::linear_w8` runs it: cuBLASLt, then the scales where it could not apply them.
+        // As `Cuda::linear_w8` runs it: cuBLASLt unscaled, then the scales.
         let run = |y: u64, f32_out: bool| unsafe {
-            let how = lt.gemm_fp8_rowwise(y, f32_out, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap();
-            assert_ne!(how, LtRun::Declined, "cuBLASLt refused the FP8 GEMM m {m} n {n} k {k}");
-            if how == LtRun::Unscaled {
-                c.kernels.scale_outer(s, y, f32_out, dxs.ptr(), dws.ptr(), m, n).unwrap();
-            }
-            how
+            let ran = lt.gemm_e4m3_unscaled(y, f32_out, dx.ptr(), dw.ptr(), m, n, k).unwrap();
+            assert!(ran, "cuBLASLt refused the FP8 GEMM m {m} n {n} k {k}");
+            c.kernels.scale_outer(s, y, f32_out, dxs.ptr(), dws.ptr(), m, n).unwrap();
         };
         let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
-        let how = run(yf.ptr(), true);
+        run(yf.ptr(), true);
         let got = yf.download(s).unwrap();
         let mut worst = 0f64;
         for (e, (&g, &(want, budget))) in got.iter().zip(&reference).enumerate() {
@@ -129,7 +126,7 @@ fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
             worst = worst.max(err / tol);
             assert!(err <= tol, "cuBLASLt e4m3 m {m} n {n} k {k} [{}, {}]: {g} vs {want} (tolerance {tol})", e / n, e % n);
         }
-        // bf16 output: the f32 result rounded, once by cuBLASLt's epilogue and, unscaled, once more
+        // bf16 output: the f32 result rounded, once by cuBLASLt's epilogue (unscaled) and once more
         // after the scales: within two bf16 steps.
         let yb = c.gpu.upload(&vec![0xFFFFu16; m * n]).unwrap();
         run(yb.ptr(), false);
@@ -138,12 +135,12 @@ fn cublaslt_fp8_gemm_with_row_scales_matches_an_f64_reference() {
             let two_steps = (f.abs() * 2f32.powi(-7)).max(1e-30);
             assert!((b - f).abs() <= two_steps, "cuBLASLt e4m3 bf16 m {m} n {n} k {k} [{e}]: {b} vs f32 {f}");
         }
-        cuda_common::report(&format!("cuBLASLt e4m3 ({how:?}) m {m} n {n} k {k}: worst error {worst:.3} of the tolerance"));
+        cuda_common::report(&format!("cuBLASLt e4m3 m {m} n {n} k {k}: worst error {worst:.3} of the tolerance"));
     }
     // A shape it cannot take (n not a multiple of 16) is declined, not launched.
     let dummy = c.gpu.upload(&vec![0u8; 64 * 64]).unwrap();
-    let how = unsafe { lt.gemm_fp8_rowwise(dummy.ptr(), true, dummy.ptr(), dummy.ptr(), dummy.ptr(), dummy.ptr(), 17, 37, 64).unwrap() };
-    assert_eq!(how, LtRun::Declined, "n = 37 must fall back to gemm_w8a8");
+    let ran = unsafe { lt.gemm_e4m3_unscaled(dummy.ptr(), true, dummy.ptr(), dummy.ptr(), 17, 37, 64).unwrap() };
+    assert!(!ran, "n = 37 must fall back to gemm_w8a8");
 }
 
 #[test]

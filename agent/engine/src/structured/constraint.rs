@@ -1,15 +1,20 @@
 //! One sequence's grammar state during decoding.
 //!
-//! The mask for the next token is computed on rayon's pool as soon as the previous token is
-//! committed, so it runs while the engine thread emits events, schedules and runs the next forward
-//! pass; sampling then only waits for what is left of it. Each sequence has its own task: none
-//! waits for another's mask.
+//! The mask for the next token is computed on the mask pool ([`super::mask_pool`]) as soon as the
+//! previous token is committed, so it runs while the engine thread emits events, schedules and runs
+//! the next forward pass; sampling then only waits for what is left of it. Each sequence has its
+//! own task and its own matcher (lexer included: see [`CompiledGrammar::start`]): none waits for
+//! another's mask. The task also packs the mask into the 32-bit words the device applies, so the
+//! engine thread only copies it.
+
+use std::sync::Arc;
 
 use crossbeam_channel::{bounded, Receiver};
 use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
 
 use super::compiler::CompiledGrammar;
+use super::mask_pool;
 
 /// Where a constrained sequence stands after its latest token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,24 +28,38 @@ pub enum GrammarOutcome {
     Failed(String),
 }
 
-type MaskResult = (Box<Matcher>, Result<SimpleVob, String>);
+/// A mask task's answer: the matcher back, and the mask packed into words (or why none).
+struct Computed {
+    matcher: Box<Matcher>,
+    words: Result<Vec<u32>, String>,
+}
+
+/// Where a mask task gets its matcher.
+enum MatcherSource {
+    /// The sequence's own, after its latest token.
+    Owned(Box<Matcher>),
+    /// A new sequence: its matcher is made from the grammar on the mask thread (a deep copy of the
+    /// lexer, kept off the engine thread).
+    Fresh(CompiledGrammar),
+}
 
 enum State {
-    Ready(Box<Matcher>),
-    Computing(Receiver<MaskResult>),
+    /// The matcher, with the buffer the previous mask came in (reused for the next).
+    Ready(Box<Matcher>, Vec<u32>),
+    Computing(Receiver<Computed>),
     Done,
     Failed(String),
 }
 
 pub struct GrammarState {
     state: State,
-    eos_ids: std::sync::Arc<[u32]>,
+    eos_ids: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for GrammarState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
-            State::Ready(_) => "ready",
+            State::Ready(..) => "ready",
             State::Computing(_) => "computing",
             State::Done => "done",
             State::Failed(_) => "failed",
@@ -50,24 +69,19 @@ impl std::fmt::Debug for GrammarState {
 }
 
 impl GrammarState {
-    /// A fresh matcher for one sequence; its first mask starts computing at once (during prefill).
+    /// A fresh matcher for one sequence; it is made, and its first mask computed, on the mask pool
+    /// at once (during prefill).
     pub fn new(grammar: &CompiledGrammar) -> Self {
-        let mut s = GrammarState { state: State::Ready(Box::new(grammar.start())), eos_ids: grammar.eos_ids().clone() };
-        s.prefetch();
-        s
+        let eos_ids = grammar.eos_ids().clone();
+        let state = State::Computing(spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone(), Vec::new()));
+        GrammarState { state, eos_ids }
     }
 
-    /// Starts computing the next mask on rayon's pool.
+    /// Starts computing the next mask on the mask pool.
     fn prefetch(&mut self) {
-        if let State::Ready(_) = self.state {
-            let State::Ready(mut matcher) = std::mem::replace(&mut self.state, State::Done) else { return };
-            let (tx, rx) = bounded(1);
-            rayon::spawn(move || {
-                let mask = matcher.compute_mask().map_err(|e| e.to_string());
-                // The sequence may be gone (aborted) by now: nobody to tell.
-                let _ = tx.send((matcher, mask));
-            });
-            self.state = State::Computing(rx);
+        if let State::Ready(..) = self.state {
+            let State::Ready(matcher, buffer) = std::mem::replace(&mut self.state, State::Done) else { return };
+            self.state = State::Computing(spawn_mask(MatcherSource::Owned(matcher), self.eos_ids.clone(), buffer));
         }
     }
 
@@ -91,13 +105,14 @@ impl GrammarState {
     /// False where no mask applies (the grammar failed: the request ends after this token), `words`
     /// then untouched.
     pub fn write_mask(&mut self, words: &mut [u32]) -> bool {
-        let (matcher, mask) = match std::mem::replace(&mut self.state, State::Done) {
-            State::Ready(mut m) => {
-                let mask = m.compute_mask().map_err(|e| e.to_string());
-                (m, mask)
+        let computed = match std::mem::replace(&mut self.state, State::Done) {
+            // Asked twice for one state: computed here (llguidance answers it from its cache).
+            State::Ready(mut matcher, buffer) => {
+                let words = compute_packed(&mut matcher, &self.eos_ids, buffer);
+                Computed { matcher, words }
             }
             State::Computing(rx) => match rx.recv() {
-                Ok(r) => r,
+                Ok(c) => c,
                 Err(_) => {
                     self.state = State::Failed("the grammar mask task stopped".into());
                     return false;
@@ -115,20 +130,12 @@ impl GrammarState {
                 return false;
             }
         };
-        match mask {
-            Ok(mask) => {
-                let bits = mask.len().min(words.len() * 32);
-                let src = mask.as_slice();
-                for (i, w) in words.iter_mut().enumerate() {
-                    let keep = bits.saturating_sub(i * 32).min(32);
-                    let valid = if keep == 32 { u32::MAX } else { (1u32 << keep) - 1 };
-                    *w = src.get(i).copied().unwrap_or(0) & valid;
-                }
-                // The grammar sees one end id; the model may have several: all of them end it.
-                if self.eos_ids.first().is_some_and(|&e| mask.is_allowed(e)) {
-                    self.allow_eos(words);
-                }
-                self.state = State::Ready(matcher);
+        match computed.words {
+            Ok(packed) => {
+                let n = packed.len().min(words.len());
+                words[..n].copy_from_slice(&packed[..n]);
+                words[n..].fill(0);
+                self.state = State::Ready(computed.matcher, packed);
                 true
             }
             Err(e) => {
@@ -148,7 +155,7 @@ impl GrammarState {
 
     /// Advances the grammar by the sampled token and starts the next mask.
     pub fn commit(&mut self, token: u32) {
-        let State::Ready(matcher) = &mut self.state else { return };
+        let State::Ready(matcher, _) = &mut self.state else { return };
         // Any of the model's end ids ends the text the grammar sees.
         let token = if self.eos_ids.contains(&token) { self.eos_ids[0] } else { token };
         if let Err(e) = matcher.consume_token(token) {
@@ -164,9 +171,62 @@ impl GrammarState {
 
     pub fn outcome(&self) -> GrammarOutcome {
         match &self.state {
-            State::Ready(_) | State::Computing(_) => GrammarOutcome::Continue,
+            State::Ready(..) | State::Computing(_) => GrammarOutcome::Continue,
             State::Done => GrammarOutcome::Complete,
             State::Failed(e) => GrammarOutcome::Failed(e.clone()),
         }
     }
 }
+
+/// Computes the next mask on the mask pool; the answer comes on the returned channel.
+fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>, buffer: Vec<u32>) -> Receiver<Computed> {
+    let (tx, rx) = bounded(1);
+    mask_pool::spawn(move || {
+        let mut matcher = match source {
+            MatcherSource::Owned(m) => m,
+            MatcherSource::Fresh(grammar) => Box::new(grammar.start()),
+        };
+        let t0 = std::time::Instant::now();
+        let words = compute_packed(&mut matcher, &eos_ids, buffer);
+        DBG_NS.fetch_add(t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        DBG_N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The sequence may be gone (aborted) by now: nobody to tell.
+        let _ = tx.send(Computed { matcher, words });
+    });
+    rx
+}
+
+/// The matcher's next mask, packed into `buffer` (see [`pack_mask`]).
+fn compute_packed(matcher: &mut Matcher, eos_ids: &[u32], buffer: Vec<u32>) -> Result<Vec<u32>, String> {
+    matcher.compute_mask().map(|mask| pack_mask(&mask, eos_ids, buffer)).map_err(|e| e.to_string())
+}
+
+/// llguidance's mask as words of 32 token bits, into `buffer` (reused: no allocation after a
+/// sequence's first mask): bits past the grammar's vocabulary cleared, and every one of the model's
+/// end ids allowed where the grammar allows its one end id.
+fn pack_mask(mask: &SimpleVob, eos_ids: &[u32], mut buffer: Vec<u32>) -> Vec<u32> {
+    let bits = mask.len();
+    let grammar_words = bits.div_ceil(32);
+    let eos_words = eos_ids.iter().map(|&e| e as usize / 32 + 1).max().unwrap_or(0);
+    let src = mask.as_slice();
+    buffer.clear();
+    buffer.extend_from_slice(&src[..src.len().min(grammar_words)]);
+    buffer.resize(grammar_words.max(eos_words), 0);
+    if bits % 32 != 0 {
+        if let Some(last) = buffer.get_mut(bits / 32) {
+            *last &= (1u32 << (bits % 32)) - 1;
+        }
+    }
+    // The grammar sees one end id; the model may have several: all of them end it.
+    if eos_ids.first().is_some_and(|&e| (e as usize) < bits && mask.is_allowed(e)) {
+        for &e in eos_ids {
+            if let Some(w) = buffer.get_mut(e as usize / 32) {
+                *w |= 1 << (e % 32);
+            }
+        }
+    }
+    buffer
+}
+
+pub static DBG_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+pub static DBG_N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

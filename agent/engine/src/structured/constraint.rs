@@ -7,7 +7,9 @@
 //! another's mask. The task also packs the mask into the 32-bit words the device applies, so the
 //! engine thread only copies it.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver};
 use llguidance::toktrie::SimpleVob;
@@ -28,16 +30,25 @@ pub enum GrammarOutcome {
     Failed(String),
 }
 
-/// A mask task's answer: the matcher back, and the mask packed into words (or why none).
+/// What a mask task hands back: the matcher, and the next mask packed into words, or where the
+/// committed token left the grammar.
 struct Computed {
     matcher: Box<Matcher>,
-    words: Result<Vec<u32>, String>,
+    next: Next,
+}
+
+enum Next {
+    Mask(Result<Vec<u32>, String>),
+    /// The committed token completed the grammar.
+    Complete,
+    /// The committed token was refused.
+    Failed(String),
 }
 
 /// Where a mask task gets its matcher.
 enum MatcherSource {
-    /// The sequence's own, after its latest token.
-    Owned(Box<Matcher>),
+    /// The sequence's own; the token to commit first, if any.
+    Owned(Box<Matcher>, Option<u32>),
     /// A new sequence: its matcher is made from the grammar on the mask thread (a deep copy of the
     /// lexer, kept off the engine thread).
     Fresh(CompiledGrammar),
@@ -46,10 +57,27 @@ enum MatcherSource {
 enum State {
     /// The matcher, with the buffer the previous mask came in (reused for the next).
     Ready(Box<Matcher>, Vec<u32>),
-    Computing(Receiver<Computed>),
+    /// A task has the matcher: it commits the sampled token (its outcome comes first, on
+    /// `committed`, so the engine learns where the grammar stands without waiting for the mask),
+    /// then computes the next mask.
+    Computing { committed: Option<Committed>, rx: Receiver<Computed> },
     Done,
     Failed(String),
 }
+
+/// The outcome of a token committed on the mask pool: received once, then kept.
+struct Committed {
+    rx: Receiver<GrammarOutcome>,
+    seen: OnceLock<GrammarOutcome>,
+}
+
+impl Committed {
+    fn outcome(&self) -> &GrammarOutcome {
+        self.seen.get_or_init(|| self.rx.recv().unwrap_or_else(|_| GrammarOutcome::Failed(TASK_STOPPED.into())))
+    }
+}
+
+const TASK_STOPPED: &str = "the grammar mask task stopped";
 
 pub struct GrammarState {
     state: State,
@@ -60,7 +88,7 @@ impl std::fmt::Debug for GrammarState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
             State::Ready(..) => "ready",
-            State::Computing(_) => "computing",
+            State::Computing { .. } => "computing",
             State::Done => "done",
             State::Failed(_) => "failed",
         };
@@ -73,16 +101,8 @@ impl GrammarState {
     /// at once (during prefill).
     pub fn new(grammar: &CompiledGrammar) -> Self {
         let eos_ids = grammar.eos_ids().clone();
-        let state = State::Computing(spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone(), Vec::new()));
-        GrammarState { state, eos_ids }
-    }
-
-    /// Starts computing the next mask on the mask pool.
-    fn prefetch(&mut self) {
-        if let State::Ready(..) = self.state {
-            let State::Ready(matcher, buffer) = std::mem::replace(&mut self.state, State::Done) else { return };
-            self.state = State::Computing(spawn_mask(MatcherSource::Owned(matcher), self.eos_ids.clone(), buffer));
-        }
+        let (rx, _) = spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone(), Vec::new());
+        GrammarState { state: State::Computing { committed: None, rx }, eos_ids }
     }
 
     /// Sets every logit the grammar does not allow to -inf. Waits for this sequence's mask if it is
@@ -108,13 +128,13 @@ impl GrammarState {
         let computed = match std::mem::replace(&mut self.state, State::Done) {
             // Asked twice for one state: computed here (llguidance answers it from its cache).
             State::Ready(mut matcher, buffer) => {
-                let words = compute_packed(&mut matcher, &self.eos_ids, buffer);
-                Computed { matcher, words }
+                let next = Next::Mask(compute_packed(&mut matcher, &self.eos_ids, buffer));
+                Computed { matcher, next }
             }
-            State::Computing(rx) => match rx.recv() {
+            State::Computing { rx, .. } => match rx.recv() {
                 Ok(c) => c,
                 Err(_) => {
-                    self.state = State::Failed("the grammar mask task stopped".into());
+                    self.state = State::Failed(TASK_STOPPED.into());
                     return false;
                 }
             },
@@ -130,17 +150,21 @@ impl GrammarState {
                 return false;
             }
         };
-        match computed.words {
-            Ok(packed) => {
+        match computed.next {
+            Next::Mask(Ok(packed)) => {
                 let n = packed.len().min(words.len());
                 words[..n].copy_from_slice(&packed[..n]);
                 words[n..].fill(0);
                 self.state = State::Ready(computed.matcher, packed);
                 true
             }
-            Err(e) => {
+            Next::Mask(Err(e)) | Next::Failed(e) => {
                 self.state = State::Failed(format!("grammar: {e}"));
                 false
+            }
+            Next::Complete => {
+                self.state = State::Done;
+                self.write_mask(words)
             }
         }
     }
@@ -153,47 +177,88 @@ impl GrammarState {
         }
     }
 
-    /// Advances the grammar by the sampled token and starts the next mask.
+    /// Advances the grammar by the sampled token and computes the next mask, both on the mask pool:
+    /// the engine thread only hands the token over. [`GrammarState::outcome`] then waits for the
+    /// commit alone (microseconds), [`GrammarState::write_mask`] for the mask.
     pub fn commit(&mut self, token: u32) {
-        let State::Ready(matcher, _) = &mut self.state else { return };
+        if !matches!(self.state, State::Ready(..)) {
+            return;
+        }
+        let State::Ready(matcher, buffer) = std::mem::replace(&mut self.state, State::Done) else { return };
         // Any of the model's end ids ends the text the grammar sees.
         let token = if self.eos_ids.contains(&token) { self.eos_ids[0] } else { token };
-        if let Err(e) = matcher.consume_token(token) {
-            self.state = State::Failed(format!("grammar: {e}"));
-            return;
-        }
-        if matcher.is_stopped() {
-            self.state = State::Done;
-            return;
-        }
-        self.prefetch();
+        let (rx, outcome) = spawn_mask(MatcherSource::Owned(matcher, Some(token)), self.eos_ids.clone(), buffer);
+        let committed = outcome.map(|rx| Committed { rx, seen: OnceLock::new() });
+        self.state = State::Computing { committed, rx };
     }
 
+    /// Where the grammar stands after the latest committed token (waits for the commit if it is
+    /// still running on the mask pool).
     pub fn outcome(&self) -> GrammarOutcome {
         match &self.state {
-            State::Ready(..) | State::Computing(_) => GrammarOutcome::Continue,
+            State::Ready(..) | State::Computing { committed: None, .. } => GrammarOutcome::Continue,
+            State::Computing { committed: Some(c), .. } => c.outcome().clone(),
             State::Done => GrammarOutcome::Complete,
             State::Failed(e) => GrammarOutcome::Failed(e.clone()),
         }
     }
 }
 
-/// Computes the next mask on the mask pool; the answer comes on the returned channel.
-fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>, buffer: Vec<u32>) -> Receiver<Computed> {
+/// Commits the token (if any) and computes the next mask on the mask pool. The mask (or the end)
+/// comes on the first receiver; where a token is committed, its outcome comes first on the second.
+fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>, buffer: Vec<u32>) -> (Receiver<Computed>, Option<Receiver<GrammarOutcome>>) {
     let (tx, rx) = bounded(1);
+    let (token, outcome) = match &source {
+        MatcherSource::Owned(_, Some(t)) => {
+            let (otx, orx) = bounded(1);
+            (Some((*t, otx)), Some(orx))
+        }
+        _ => (None, None),
+    };
     mask_pool::spawn(move || {
+        let t0 = Instant::now();
         let mut matcher = match source {
-            MatcherSource::Owned(m) => m,
+            MatcherSource::Owned(m, _) => m,
             MatcherSource::Fresh(grammar) => Box::new(grammar.start()),
         };
-        let t0 = std::time::Instant::now();
-        let words = compute_packed(&mut matcher, &eos_ids, buffer);
-        DBG_NS.fetch_add(t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-        DBG_N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // The sequence may be gone (aborted) by now: nobody to tell.
-        let _ = tx.send(Computed { matcher, words });
+        // The sequence may be gone (aborted) by now: nobody to tell, so sends may fail.
+        if let Some((token, otx)) = token {
+            let next = match matcher.consume_token(token) {
+                Err(e) => Some(Next::Failed(e.to_string())),
+                Ok(()) if matcher.is_stopped() => Some(Next::Complete),
+                Ok(()) => None,
+            };
+            let outcome = match &next {
+                Some(Next::Failed(e)) => GrammarOutcome::Failed(format!("grammar: {e}")),
+                Some(_) => GrammarOutcome::Complete,
+                None => GrammarOutcome::Continue,
+            };
+            let _ = otx.send(outcome);
+            if let Some(next) = next {
+                let _ = tx.send(Computed { matcher, next });
+                return;
+            }
+        }
+        let next = Next::Mask(compute_packed(&mut matcher, &eos_ids, buffer));
+        record_task_time(t0.elapsed());
+        let _ = tx.send(Computed { matcher, next });
     });
-    rx
+    (rx, outcome)
+}
+
+/// Mask tasks run so far and their total time (commit and mask, on the mask threads): for
+/// `bench --json-schema`, whose per-mask cost on one core predicts the time on more cores.
+static TASKS: AtomicU64 = AtomicU64::new(0);
+static TASK_NANOS: AtomicU64 = AtomicU64::new(0);
+
+fn record_task_time(d: Duration) {
+    TASKS.fetch_add(1, Ordering::Relaxed);
+    TASK_NANOS.fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
+/// (mask tasks completed, their summed time) since the process started.
+pub fn mask_task_totals() -> (u64, Duration) {
+    (TASKS.load(Ordering::Relaxed), Duration::from_nanos(TASK_NANOS.load(Ordering::Relaxed)))
 }
 
 /// The matcher's next mask, packed into `buffer` (see [`pack_mask`]).
@@ -227,6 +292,3 @@ fn pack_mask(mask: &SimpleVob, eos_ids: &[u32], mut buffer: Vec<u32>) -> Vec<u32
     }
     buffer
 }
-
-pub static DBG_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-pub static DBG_N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -14,7 +14,7 @@ mod spec;
 mod token_env;
 
 pub use compiler::{CompiledGrammar, GrammarCompiler, GrammarError, GRAMMAR_CACHE_CAPACITY};
-pub use constraint::{GrammarOutcome, GrammarState, DBG_N, DBG_NS};
+pub use constraint::{mask_task_totals, GrammarOutcome, GrammarState};
 pub use mask_pool::{mask_threads, on_mask_thread, set_mask_threads, MAX_MASK_THREADS};
 pub use spec::GrammarSpec;
 pub use token_env::{token_bytes, token_env};

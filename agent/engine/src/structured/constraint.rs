@@ -292,3 +292,32 @@ fn pack_mask(mask: &SimpleVob, eos_ids: &[u32], mut buffer: Vec<u32>) -> Vec<u32
     }
     buffer
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vob(size: usize, allowed: &[u32]) -> SimpleVob {
+        let mut v = SimpleVob::alloc(size);
+        for &t in allowed {
+            v.allow_token(t);
+        }
+        v
+    }
+
+    #[test]
+    fn packed_masks_keep_the_vocabulary_and_allow_every_end_id_with_the_grammars() {
+        // 70 tokens: three words, the last one holding 6 tokens.
+        let packed = pack_mask(&vob(70, &[0, 33, 69]), &[5, 64], Vec::new());
+        assert_eq!(packed, vec![1, 2, 1 << 5]);
+        // The grammar's end id (5) allowed: every end id is.
+        let packed = pack_mask(&vob(70, &[5, 33]), &[5, 64], packed);
+        assert_eq!(packed, vec![1 << 5, 2, 1]);
+        // An end id past the grammar's vocabulary still gets its word.
+        let packed = pack_mask(&vob(40, &[5]), &[5, 100], packed);
+        assert_eq!(packed, vec![1 << 5, 0, 0, 1 << 4]);
+        // A reused buffer keeps nothing of the previous mask.
+        let packed = pack_mask(&vob(40, &[39]), &[5], packed);
+        assert_eq!(packed, vec![0, 1 << 7]);
+    }
+}

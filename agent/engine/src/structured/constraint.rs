@@ -55,8 +55,7 @@ enum MatcherSource {
 }
 
 enum State {
-    /// The matcher, with the buffer the previous mask came in (reused for the next).
-    Ready(Box<Matcher>, Vec<u32>),
+    Ready(Box<Matcher>),
     /// A task has the matcher: it commits the sampled token (its outcome comes first, on
     /// `committed`, so the engine learns where the grammar stands without waiting for the mask),
     /// then computes the next mask.
@@ -101,7 +100,7 @@ impl GrammarState {
     /// at once (during prefill).
     pub fn new(grammar: &CompiledGrammar) -> Self {
         let eos_ids = grammar.eos_ids().clone();
-        let (rx, _) = spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone(), Vec::new());
+        let (rx, _) = spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone());
         GrammarState { state: State::Computing { committed: None, rx }, eos_ids }
     }
 
@@ -127,8 +126,8 @@ impl GrammarState {
     pub fn write_mask(&mut self, words: &mut [u32]) -> bool {
         let computed = match std::mem::replace(&mut self.state, State::Done) {
             // Asked twice for one state: computed here (llguidance answers it from its cache).
-            State::Ready(mut matcher, buffer) => {
-                let next = Next::Mask(compute_packed(&mut matcher, &self.eos_ids, buffer));
+            State::Ready(mut matcher) => {
+                let next = Next::Mask(compute_packed(&mut matcher, &self.eos_ids));
                 Computed { matcher, next }
             }
             State::Computing { rx, .. } => match rx.recv() {
@@ -155,7 +154,7 @@ impl GrammarState {
                 let n = packed.len().min(words.len());
                 words[..n].copy_from_slice(&packed[..n]);
                 words[n..].fill(0);
-                self.state = State::Ready(computed.matcher, packed);
+                self.state = State::Ready(computed.matcher);
                 true
             }
             Next::Mask(Err(e)) | Next::Failed(e) => {
@@ -184,10 +183,10 @@ impl GrammarState {
         if !matches!(self.state, State::Ready(..)) {
             return;
         }
-        let State::Ready(matcher, buffer) = std::mem::replace(&mut self.state, State::Done) else { return };
+        let State::Ready(matcher) = std::mem::replace(&mut self.state, State::Done) else { return };
         // Any of the model's end ids ends the text the grammar sees.
         let token = if self.eos_ids.contains(&token) { self.eos_ids[0] } else { token };
-        let (rx, outcome) = spawn_mask(MatcherSource::Owned(matcher, Some(token)), self.eos_ids.clone(), buffer);
+        let (rx, outcome) = spawn_mask(MatcherSource::Owned(matcher, Some(token)), self.eos_ids.clone());
         let committed = outcome.map(|rx| Committed { rx, seen: OnceLock::new() });
         self.state = State::Computing { committed, rx };
     }
@@ -206,7 +205,7 @@ impl GrammarState {
 
 /// Commits the token (if any) and computes the next mask on the mask pool. The mask (or the end)
 /// comes on the first receiver; where a token is committed, its outcome comes first on the second.
-fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>, buffer: Vec<u32>) -> (Receiver<Computed>, Option<Receiver<GrammarOutcome>>) {
+fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>) -> (Receiver<Computed>, Option<Receiver<GrammarOutcome>>) {
     let (tx, rx) = bounded(1);
     let (token, outcome) = match &source {
         MatcherSource::Owned(_, Some(t)) => {
@@ -239,7 +238,7 @@ fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>, buffer: Vec<u32>) -> (
                 return;
             }
         }
-        let next = Next::Mask(compute_packed(&mut matcher, &eos_ids, buffer));
+        let next = Next::Mask(compute_packed(&mut matcher, &eos_ids));
         record_task_time(t0.elapsed());
         let _ = tx.send(Computed { matcher, next });
     });
@@ -261,36 +260,36 @@ pub fn mask_task_totals() -> (u64, Duration) {
     (TASKS.load(Ordering::Relaxed), Duration::from_nanos(TASK_NANOS.load(Ordering::Relaxed)))
 }
 
-/// The matcher's next mask, packed into `buffer` (see [`pack_mask`]).
-fn compute_packed(matcher: &mut Matcher, eos_ids: &[u32], buffer: Vec<u32>) -> Result<Vec<u32>, String> {
-    matcher.compute_mask().map(|mask| pack_mask(&mask, eos_ids, buffer)).map_err(|e| e.to_string())
+/// The matcher's next mask, packed (see [`pack_mask`]).
+fn compute_packed(matcher: &mut Matcher, eos_ids: &[u32]) -> Result<Vec<u32>, String> {
+    matcher.compute_mask().map(|mask| pack_mask(mask, eos_ids)).map_err(|e| e.to_string())
 }
 
-/// llguidance's mask as words of 32 token bits, into `buffer` (reused: no allocation after a
-/// sequence's first mask): bits past the grammar's vocabulary cleared, and every one of the model's
-/// end ids allowed where the grammar allows its one end id.
-fn pack_mask(mask: &SimpleVob, eos_ids: &[u32], mut buffer: Vec<u32>) -> Vec<u32> {
+/// llguidance's mask as words of 32 token bits (its own storage, taken over: no copy): bits past
+/// the grammar's vocabulary cleared, and every one of the model's end ids allowed where the grammar
+/// allows its one end id.
+fn pack_mask(mask: SimpleVob, eos_ids: &[u32]) -> Vec<u32> {
     let bits = mask.len();
+    // The grammar sees one end id; the model may have several: all of them end it.
+    let ends = eos_ids.first().is_some_and(|&e| (e as usize) < bits && mask.is_allowed(e));
     let grammar_words = bits.div_ceil(32);
     let eos_words = eos_ids.iter().map(|&e| e as usize / 32 + 1).max().unwrap_or(0);
-    let src = mask.as_slice();
-    buffer.clear();
-    buffer.extend_from_slice(&src[..src.len().min(grammar_words)]);
-    buffer.resize(grammar_words.max(eos_words), 0);
+    let mut words = Vec::<u32>::from(mask);
+    words.truncate(grammar_words);
+    words.resize(grammar_words.max(eos_words), 0);
     if bits % 32 != 0 {
-        if let Some(last) = buffer.get_mut(bits / 32) {
+        if let Some(last) = words.get_mut(bits / 32) {
             *last &= (1u32 << (bits % 32)) - 1;
         }
     }
-    // The grammar sees one end id; the model may have several: all of them end it.
-    if eos_ids.first().is_some_and(|&e| (e as usize) < bits && mask.is_allowed(e)) {
+    if ends {
         for &e in eos_ids {
-            if let Some(w) = buffer.get_mut(e as usize / 32) {
+            if let Some(w) = words.get_mut(e as usize / 32) {
                 *w |= 1 << (e % 32);
             }
         }
     }
-    buffer
+    words
 }
 
 #[cfg(test)]
@@ -308,16 +307,16 @@ mod tests {
     #[test]
     fn packed_masks_keep_the_vocabulary_and_allow_every_end_id_with_the_grammars() {
         // 70 tokens: three words, the last one holding 6 tokens.
-        let packed = pack_mask(&vob(70, &[0, 33, 69]), &[5, 64], Vec::new());
-        assert_eq!(packed, vec![1, 2, 1 << 5]);
+        assert_eq!(pack_mask(vob(70, &[0, 33, 69]), &[5, 64]), vec![1, 2, 1 << 5]);
         // The grammar's end id (5) allowed: every end id is.
-        let packed = pack_mask(&vob(70, &[5, 33]), &[5, 64], packed);
-        assert_eq!(packed, vec![1 << 5, 2, 1]);
+        assert_eq!(pack_mask(vob(70, &[5, 33]), &[5, 64]), vec![1 << 5, 2, 1]);
         // An end id past the grammar's vocabulary still gets its word.
-        let packed = pack_mask(&vob(40, &[5]), &[5, 100], packed);
-        assert_eq!(packed, vec![1 << 5, 0, 0, 1 << 4]);
-        // A reused buffer keeps nothing of the previous mask.
-        let packed = pack_mask(&vob(40, &[39]), &[5], packed);
-        assert_eq!(packed, vec![0, 1 << 7]);
+        assert_eq!(pack_mask(vob(40, &[5]), &[5, 100]), vec![1 << 5, 0, 0, 1 << 4]);
+        // Bits set past the vocabulary (llguidance's words are whole) are cleared.
+        let mut narrow = SimpleVob::alloc_with_capacity(41, 64);
+        for t in [39, 40, 63] {
+            narrow.allow_token(t);
+        }
+        assert_eq!(pack_mask(narrow, &[5]), vec![0, (1 << 7) | (1 << 8)]);
     }
 }

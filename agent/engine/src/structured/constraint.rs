@@ -277,7 +277,7 @@ fn pack_mask(mask: SimpleVob, eos_ids: &[u32]) -> Vec<u32> {
     let mut words = Vec::<u32>::from(mask);
     words.truncate(grammar_words);
     words.resize(grammar_words.max(eos_words), 0);
-    if bits % 32 != 0 {
+    if !bits.is_multiple_of(32) {
         if let Some(last) = words.get_mut(bits / 32) {
             *last &= (1u32 << (bits % 32)) - 1;
         }

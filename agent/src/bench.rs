@@ -139,7 +139,7 @@ struct MaskFigure {
     ms_per_step: f64,
     /// The first masks of fresh sequences.
     first_ms: f64,
-    /// Mean time of one sequence's commit and mask on a mask thread, microseconds: the step's
+    /// Mean time of one sequence's mask on a mask thread, microseconds: the step's
     /// masks on `n` free cores take about `sequences × task_us / n`.
     task_us: f64,
     /// Threads of the mask pool (`--mask-threads`; default cores - 1).

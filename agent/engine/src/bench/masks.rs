@@ -2,9 +2,9 @@
 //! must finish while the device runs a step for constrained decode to keep its speed
 //! (`peregrine-agent bench --json-schema` prints it).
 //!
-//! Each sequence has its own matcher; a committed token and the next mask are computed on the mask
-//! pool (`GrammarState::commit`), all sequences at once, as in the engine. A step here is: commit
-//! one allowed token per sequence, read each outcome, then wait for every mask
+//! Each sequence has its own matcher; a token is committed on the calling thread and the next mask
+//! is computed on the mask pool (`GrammarState::commit`), all sequences at once, as in the engine. A
+//! step here is: commit one allowed token per sequence, read each outcome, then wait for every mask
 //! (`GrammarState::write_mask`).
 
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ pub struct MaskTiming {
     pub step: Duration,
     /// The first masks (fresh matchers, as at the end of prefill).
     pub first: Duration,
-    /// Mean time of one sequence's task on a mask thread (commit and mask) over the measured
+    /// Mean time of one sequence's mask task on a mask thread over the measured
     /// steps: a step's masks on `n` free cores take about `sequences × task / n`.
     pub task: Duration,
     /// Threads of the mask pool.

@@ -42,6 +42,12 @@ impl CompiledGrammar {
     pub fn eos_ids(&self) -> &Arc<[u32]> {
         &self.eos_ids
     }
+
+    /// A grammar from a matcher made by hand (unit tests, on a toy vocabulary).
+    #[cfg(test)]
+    pub(super) fn from_matcher(matcher: Matcher, eos_ids: &[u32]) -> Self {
+        CompiledGrammar { key: 0, matcher: Arc::new(matcher), eos_ids: eos_ids.into() }
+    }
 }
 
 impl std::fmt::Debug for CompiledGrammar {

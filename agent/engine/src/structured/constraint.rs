@@ -5,10 +5,11 @@
 //! the next forward pass; sampling then only waits for what is left of it. Each sequence has its
 //! own task and its own matcher (lexer included: see [`CompiledGrammar::start`]): none waits for
 //! another's mask. The task also packs the mask into the 32-bit words the device applies, so the
-//! engine thread only copies it.
+//! engine thread only copies it. Tokens are committed on the engine thread (see
+//! [`GrammarState::commit`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver};
@@ -30,25 +31,16 @@ pub enum GrammarOutcome {
     Failed(String),
 }
 
-/// What a mask task hands back: the matcher, and the next mask packed into words, or where the
-/// committed token left the grammar.
+/// What a mask task hands back: the matcher, and its next mask packed into words (or why none).
 struct Computed {
     matcher: Box<Matcher>,
-    next: Next,
-}
-
-enum Next {
-    Mask(Result<Vec<u32>, String>),
-    /// The committed token completed the grammar.
-    Complete,
-    /// The committed token was refused.
-    Failed(String),
+    words: Result<Vec<u32>, String>,
 }
 
 /// Where a mask task gets its matcher.
 enum MatcherSource {
-    /// The sequence's own; the token to commit first, if any.
-    Owned(Box<Matcher>, Option<u32>),
+    /// The sequence's own, after its latest token.
+    Owned(Box<Matcher>),
     /// A new sequence: its matcher is made from the grammar on the mask thread (a deep copy of the
     /// lexer, kept off the engine thread).
     Fresh(CompiledGrammar),
@@ -56,24 +48,9 @@ enum MatcherSource {
 
 enum State {
     Ready(Box<Matcher>),
-    /// A task has the matcher: it commits the sampled token (its outcome comes first, on
-    /// `committed`, so the engine learns where the grammar stands without waiting for the mask),
-    /// then computes the next mask.
-    Computing { committed: Option<Committed>, rx: Receiver<Computed> },
+    Computing(Receiver<Computed>),
     Done,
     Failed(String),
-}
-
-/// The outcome of a token committed on the mask pool: received once, then kept.
-struct Committed {
-    rx: Receiver<GrammarOutcome>,
-    seen: OnceLock<GrammarOutcome>,
-}
-
-impl Committed {
-    fn outcome(&self) -> &GrammarOutcome {
-        self.seen.get_or_init(|| self.rx.recv().unwrap_or_else(|_| GrammarOutcome::Failed(TASK_STOPPED.into())))
-    }
 }
 
 const TASK_STOPPED: &str = "the grammar mask task stopped";
@@ -87,7 +64,7 @@ impl std::fmt::Debug for GrammarState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
             State::Ready(..) => "ready",
-            State::Computing { .. } => "computing",
+            State::Computing(_) => "computing",
             State::Done => "done",
             State::Failed(_) => "failed",
         };
@@ -100,8 +77,8 @@ impl GrammarState {
     /// at once (during prefill).
     pub fn new(grammar: &CompiledGrammar) -> Self {
         let eos_ids = grammar.eos_ids().clone();
-        let (rx, _) = spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone());
-        GrammarState { state: State::Computing { committed: None, rx }, eos_ids }
+        let state = State::Computing(spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone()));
+        GrammarState { state, eos_ids }
     }
 
     /// Sets every logit the grammar does not allow to -inf. Waits for this sequence's mask if it is
@@ -127,10 +104,10 @@ impl GrammarState {
         let computed = match std::mem::replace(&mut self.state, State::Done) {
             // Asked twice for one state: computed here (llguidance answers it from its cache).
             State::Ready(mut matcher) => {
-                let next = Next::Mask(compute_packed(&mut matcher, &self.eos_ids));
-                Computed { matcher, next }
+                let words = compute_packed(&mut matcher, &self.eos_ids);
+                Computed { matcher, words }
             }
-            State::Computing { rx, .. } => match rx.recv() {
+            State::Computing(rx) => match rx.recv() {
                 Ok(c) => c,
                 Err(_) => {
                     self.state = State::Failed(TASK_STOPPED.into());
@@ -149,21 +126,17 @@ impl GrammarState {
                 return false;
             }
         };
-        match computed.next {
-            Next::Mask(Ok(packed)) => {
+        match computed.words {
+            Ok(packed) => {
                 let n = packed.len().min(words.len());
                 words[..n].copy_from_slice(&packed[..n]);
                 words[n..].fill(0);
                 self.state = State::Ready(computed.matcher);
                 true
             }
-            Next::Mask(Err(e)) | Next::Failed(e) => {
+            Err(e) => {
                 self.state = State::Failed(format!("grammar: {e}"));
                 false
-            }
-            Next::Complete => {
-                self.state = State::Done;
-                self.write_mask(words)
             }
         }
     }
@@ -176,76 +149,54 @@ impl GrammarState {
         }
     }
 
-    /// Advances the grammar by the sampled token and computes the next mask, both on the mask pool:
-    /// the engine thread only hands the token over. [`GrammarState::outcome`] then waits for the
-    /// commit alone (microseconds), [`GrammarState::write_mask`] for the mask.
+    /// Advances the grammar by the sampled token, then starts its next mask on the mask pool.
+    /// The token is consumed here, on the caller's thread (microseconds): the engine must know at
+    /// once whether it completed or broke the grammar, and a commit queued on the pool would wait
+    /// behind other sequences' masks.
     pub fn commit(&mut self, token: u32) {
-        if !matches!(self.state, State::Ready(..)) {
+        let State::Ready(matcher) = &mut self.state else { return };
+        // Any of the model's end ids ends the text the grammar sees.
+        let token = if self.eos_ids.contains(&token) { self.eos_ids[0] } else { token };
+        if let Err(e) = matcher.consume_token(token) {
+            self.state = State::Failed(format!("grammar: {e}"));
+            return;
+        }
+        if matcher.is_stopped() {
+            self.state = State::Done;
             return;
         }
         let State::Ready(matcher) = std::mem::replace(&mut self.state, State::Done) else { return };
-        // Any of the model's end ids ends the text the grammar sees.
-        let token = if self.eos_ids.contains(&token) { self.eos_ids[0] } else { token };
-        let (rx, outcome) = spawn_mask(MatcherSource::Owned(matcher, Some(token)), self.eos_ids.clone());
-        let committed = outcome.map(|rx| Committed { rx, seen: OnceLock::new() });
-        self.state = State::Computing { committed, rx };
+        self.state = State::Computing(spawn_mask(MatcherSource::Owned(matcher), self.eos_ids.clone()));
     }
 
-    /// Where the grammar stands after the latest committed token (waits for the commit if it is
-    /// still running on the mask pool).
+    /// Where the grammar stands after the latest committed token.
     pub fn outcome(&self) -> GrammarOutcome {
         match &self.state {
-            State::Ready(..) | State::Computing { committed: None, .. } => GrammarOutcome::Continue,
-            State::Computing { committed: Some(c), .. } => c.outcome().clone(),
+            State::Ready(_) | State::Computing(_) => GrammarOutcome::Continue,
             State::Done => GrammarOutcome::Complete,
             State::Failed(e) => GrammarOutcome::Failed(e.clone()),
         }
     }
 }
 
-/// Commits the token (if any) and computes the next mask on the mask pool. The mask (or the end)
-/// comes on the first receiver; where a token is committed, its outcome comes first on the second.
-fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>) -> (Receiver<Computed>, Option<Receiver<GrammarOutcome>>) {
+/// Computes the next mask on the mask pool; it comes on the returned channel.
+fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>) -> Receiver<Computed> {
     let (tx, rx) = bounded(1);
-    let (token, outcome) = match &source {
-        MatcherSource::Owned(_, Some(t)) => {
-            let (otx, orx) = bounded(1);
-            (Some((*t, otx)), Some(orx))
-        }
-        _ => (None, None),
-    };
     mask_pool::spawn(move || {
         let t0 = Instant::now();
         let mut matcher = match source {
-            MatcherSource::Owned(m, _) => m,
+            MatcherSource::Owned(m) => m,
             MatcherSource::Fresh(grammar) => Box::new(grammar.start()),
         };
-        // The sequence may be gone (aborted) by now: nobody to tell, so sends may fail.
-        if let Some((token, otx)) = token {
-            let next = match matcher.consume_token(token) {
-                Err(e) => Some(Next::Failed(e.to_string())),
-                Ok(()) if matcher.is_stopped() => Some(Next::Complete),
-                Ok(()) => None,
-            };
-            let outcome = match &next {
-                Some(Next::Failed(e)) => GrammarOutcome::Failed(format!("grammar: {e}")),
-                Some(_) => GrammarOutcome::Complete,
-                None => GrammarOutcome::Continue,
-            };
-            let _ = otx.send(outcome);
-            if let Some(next) = next {
-                let _ = tx.send(Computed { matcher, next });
-                return;
-            }
-        }
-        let next = Next::Mask(compute_packed(&mut matcher, &eos_ids));
+        let words = compute_packed(&mut matcher, &eos_ids);
         record_task_time(t0.elapsed());
-        let _ = tx.send(Computed { matcher, next });
+        // The sequence may be gone (aborted) by now: nobody to tell.
+        let _ = tx.send(Computed { matcher, words });
     });
-    (rx, outcome)
+    rx
 }
 
-/// Mask tasks run so far and their total time (commit and mask, on the mask threads): for
+/// Mask tasks run so far and their total time (on the mask threads): for
 /// `bench --json-schema`, whose per-mask cost on one core predicts the time on more cores.
 static TASKS: AtomicU64 = AtomicU64::new(0);
 static TASK_NANOS: AtomicU64 = AtomicU64::new(0);
@@ -295,6 +246,80 @@ fn pack_mask(mask: SimpleVob, eos_ids: &[u32]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use llguidance::api::TopLevelGrammar;
+    use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
+    use llguidance::ParserFactory;
+
+    /// Ids: 0 "a", 1 "b", 2 "ab", 3 "1", 4 the end (a special token).
+    const END: u32 = 4;
+
+    fn toy_grammar(rx: &str) -> CompiledGrammar {
+        let words: Vec<Vec<u8>> = vec![b"a".to_vec(), b"b".to_vec(), b"ab".to_vec(), b"1".to_vec(), vec![TokTrie::SPECIAL_TOKEN_MARKER, b'e']];
+        let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, END), &words);
+        let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new_simple(&env).unwrap();
+        factory.quiet();
+        let matcher = Matcher::new(factory.create_parser(TopLevelGrammar::from_regex(rx)));
+        assert!(!matcher.is_error(), "{:?}", matcher.get_error());
+        CompiledGrammar::from_matcher(matcher, &[END])
+    }
+
+    /// A sequence whose first mask is ready without the mask pool.
+    fn ready(grammar: &CompiledGrammar) -> GrammarState {
+        GrammarState { state: State::Ready(Box::new(grammar.start())), eos_ids: grammar.eos_ids().clone() }
+    }
+
+    fn mask(state: &mut GrammarState) -> u32 {
+        let mut words = [0u32; 1];
+        assert!(state.write_mask(&mut words));
+        words[0]
+    }
+
+    /// Commits and their outcomes never wait for the mask pool (the engine reads every outcome
+    /// before the next step: one queued behind other sequences' masks would undo the overlap).
+    #[test]
+    fn commits_and_outcomes_do_not_wait_for_the_mask_pool() {
+        // Every mask thread taken until the checks are done.
+        let (release, blocked) = bounded::<()>(0);
+        let (started_tx, started) = crossbeam_channel::unbounded();
+        let threads = mask_pool::mask_threads();
+        for _ in 0..threads {
+            let (blocked, started_tx) = (blocked.clone(), started_tx.clone());
+            mask_pool::spawn(move || {
+                let _ = started_tx.send(());
+                let _ = blocked.recv();
+            });
+        }
+        for _ in 0..threads {
+            started.recv().unwrap();
+        }
+        let (done_tx, done) = bounded(1);
+        std::thread::spawn(move || {
+            let grammar = toy_grammar("(ab)+1");
+            let mut s = ready(&grammar);
+            assert_eq!(mask(&mut s), 0b101, "a or ab first");
+            s.commit(2);
+            assert_eq!(s.outcome(), GrammarOutcome::Continue);
+            let mut done_now = ready(&toy_grammar("ab"));
+            mask(&mut done_now);
+            done_now.commit(2);
+            assert_eq!(done_now.outcome(), GrammarOutcome::Complete);
+            assert_eq!(mask(&mut done_now), 1 << END, "only the end after completion");
+            let mut refused = ready(&grammar);
+            mask(&mut refused);
+            refused.commit(3);
+            assert!(matches!(refused.outcome(), GrammarOutcome::Failed(_)));
+            done_tx.send(s).unwrap();
+        });
+        let mut s = match done.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(s) => s,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => panic!("a commit or an outcome waited for the mask pool"),
+            Err(e) => panic!("the checking thread failed (its panic is above): {e}"),
+        };
+        drop(release);
+        // The queued mask arrives once the pool is free: after "ab", "a", "ab" or "1".
+        assert_eq!(mask(&mut s), 0b1101);
+    }
 
     fn vob(size: usize, allowed: &[u32]) -> SimpleVob {
         let mut v = SimpleVob::alloc(size);

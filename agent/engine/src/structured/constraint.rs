@@ -8,6 +8,7 @@
 //! engine thread only copies it. Tokens are committed on the engine thread (see
 //! [`GrammarState::commit`]).
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -188,7 +189,10 @@ fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>) -> Receiver<Computed> 
             MatcherSource::Owned(m) => m,
             MatcherSource::Fresh(grammar) => Box::new(grammar.start()),
         };
-        let words = compute_packed(&mut matcher, &eos_ids);
+        // A panic inside llguidance must fail this request only (a panicking pool task would
+        // abort the process); the matcher is not used again after an error.
+        let words = catch_unwind(AssertUnwindSafe(|| compute_packed(&mut matcher, &eos_ids)))
+            .unwrap_or_else(|_| Err("the mask computation failed".into()));
         record_task_time(t0.elapsed());
         // The sequence may be gone (aborted) by now: nobody to tell.
         let _ = tx.send(Computed { matcher, words });

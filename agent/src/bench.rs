@@ -139,6 +139,11 @@ struct MaskFigure {
     ms_per_step: f64,
     /// The first masks of fresh sequences.
     first_ms: f64,
+    /// Mean time of one sequence's mask on a mask thread, microseconds: the step's
+    /// masks on `n` free cores take about `sequences × task_us / n`.
+    task_us: f64,
+    /// Threads of the mask pool (`--mask-threads`; default cores - 1).
+    mask_threads: usize,
 }
 
 /// Sequences per step whose mask time `bench --json-schema` reports (the CPU and GPU batches).
@@ -224,7 +229,14 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
             .iter()
             .map(|&n| {
                 let m = peregrine_engine::bench::masks::time_masks(g, t.vocab_size(), n, MASK_TIMING_STEPS);
-                MaskFigure { sequences: n, vocab: m.vocab, ms_per_step: m.step.as_secs_f64() * 1e3, first_ms: m.first.as_secs_f64() * 1e3 }
+                MaskFigure {
+                    sequences: n,
+                    vocab: m.vocab,
+                    ms_per_step: m.step.as_secs_f64() * 1e3,
+                    first_ms: m.first.as_secs_f64() * 1e3,
+                    task_us: m.task.as_secs_f64() * 1e6,
+                    mask_threads: m.threads,
+                }
             })
             .collect(),
         _ => Vec::new(),
@@ -300,7 +312,10 @@ fn print_report(report: &BenchReport) {
             }
         }
         for m in &report.masks {
-            println!("masks      {:>9.2} ms/step   ({} sequences, {}-token vocabulary; first masks {:.2} ms)", m.ms_per_step, m.sequences, m.vocab, m.first_ms);
+            println!(
+                "masks      {:>9.2} ms/step   ({} sequences, {}-token vocabulary; first masks {:.2} ms; {:.1} µs per mask task, {} mask threads)",
+                m.ms_per_step, m.sequences, m.vocab, m.first_ms, m.task_us, m.mask_threads
+            );
         }
         match report.peak_rss_mib {
             Some(m) => println!("peak RSS   {m:>9.1} MiB"),

@@ -55,6 +55,21 @@ impl Reference {
     fn accepts(&self, s: StateID) -> bool {
         self.dfa.is_match_state(self.dfa.next_eoi_state(s))
     }
+
+    /// Every id the reference allows after `text`: the ordinary tokens (`words`, their bytes) that
+    /// keep a match reachable, and the end ids where `text` matches already. Sorted.
+    fn allowed_after(&self, text: &[u8], words: &[Vec<u8>], eos: &[u32]) -> Vec<u32> {
+        let at = self.walk(self.start(), text);
+        let ordinary = |id: u32| !words[id as usize].is_empty() && words[id as usize].first() != Some(&0xFF);
+        let mut want: Vec<u32> =
+            (0..words.len() as u32).filter(|&id| ordinary(id) && self.viable(self.walk(at, &words[id as usize]))).collect();
+        if self.accepts(at) {
+            want.extend(eos);
+        }
+        want.sort_unstable();
+        want.dedup();
+        want
+    }
 }
 
 /// Allowed ids under the sampler's mask: the logits it leaves finite.
@@ -69,7 +84,6 @@ fn regex_masks_equal_brute_force() {
     let rx = r"-?[0-9]{1,3}(\.[0-9]+)? (apples|pears|plums)";
     for (name, tok) in [("gguf", gguf_tokenizer())] {
         let words = token_bytes(&tok).unwrap();
-        let special = |id: u32| words[id as usize].first() == Some(&0xFF);
         let eos = tok.eos_token_ids().to_vec();
         let reference = Reference::new(rx);
         let grammar = GrammarCompiler::new(&tok).unwrap().compile(&GrammarSpec::Regex(rx.into())).unwrap();
@@ -81,21 +95,81 @@ fn regex_masks_equal_brute_force() {
                 assert!(mask.contains(&id), "{name}: prefix {prefix:?}: token {id} of the prefix itself is masked");
                 state.commit(id);
             }
-            let at = reference.walk(reference.start(), prefix.as_bytes());
-            let mut want: Vec<u32> = (0..words.len() as u32)
-                .filter(|&id| !words[id as usize].is_empty() && !special(id))
-                .filter(|&id| reference.viable(reference.walk(at, &words[id as usize])))
-                .collect();
-            if reference.accepts(at) {
-                want.extend(&eos);
-            }
-            want.sort_unstable();
-            want.dedup();
+            let want = reference.allowed_after(prefix.as_bytes(), &words, &eos);
             let got = allowed(&mut state, tok.vocab_size());
             assert!(!got.is_empty(), "{name}: prefix {prefix:?}: empty mask");
             assert_eq!(got, want, "{name}: prefix {prefix:?}");
         }
     }
+}
+
+/// The masks come from the grammar's own pool of threads: with every thread of rayon's global pool
+/// taken, many sequences of one grammar (each with its own matcher, its commits and masks all in
+/// flight at once) still get masks equal to the brute-force reference at every step.
+#[test]
+fn concurrent_sequences_on_the_mask_pool_equal_brute_force_while_the_global_pool_is_busy() {
+    let rx = r"-?[0-9]{1,3}(\.[0-9]+)? (apples|pears|plums)";
+    let texts = ["12.5 pears", "-7 plums", "999 apples", "3.14159 pears", "0 plums", "-42.0 apples"];
+
+    // Take every thread of the global pool until the test is done.
+    let (release, blocked) = crossbeam_channel::bounded::<()>(0);
+    let (started_tx, started) = crossbeam_channel::unbounded();
+    let global = rayon::current_num_threads();
+    for _ in 0..global {
+        let (blocked, started_tx) = (blocked.clone(), started_tx.clone());
+        rayon::spawn(move || {
+            started_tx.send(()).unwrap();
+            let _ = blocked.recv();
+        });
+    }
+    for _ in 0..global {
+        started.recv().unwrap();
+    }
+
+    let (done_tx, done) = crossbeam_channel::bounded(1);
+    std::thread::spawn(move || {
+        let tok = gguf_tokenizer();
+        let words = token_bytes(&tok).unwrap();
+        let eos = tok.eos_token_ids().to_vec();
+        let reference = Reference::new(rx);
+        let grammar = GrammarCompiler::new(&tok).unwrap().compile(&GrammarSpec::Regex(rx.into())).unwrap();
+        // Eight sequences per text, all started (and later committed) before any mask is read.
+        let paths: Vec<Vec<u32>> = texts.iter().flat_map(|t| std::iter::repeat_n(tok.encode(t).unwrap(), 8)).collect();
+        let mut states: Vec<GrammarState> = paths.iter().map(|_| GrammarState::new(&grammar)).collect();
+        let longest = paths.iter().map(Vec::len).max().unwrap();
+        let mut checked = 0;
+        for step in 0..=longest {
+            for (i, (state, path)) in states.iter_mut().zip(&paths).enumerate() {
+                if step > path.len() {
+                    continue;
+                }
+                let text: Vec<u8> = path[..step].iter().flat_map(|&id| words[id as usize].clone()).collect();
+                assert_eq!(allowed(state, tok.vocab_size()), reference.allowed_after(&text, &words, &eos), "sequence {i}, after {:?}", String::from_utf8_lossy(&text));
+                checked += 1;
+            }
+            for (state, path) in states.iter_mut().zip(&paths) {
+                if let Some(&id) = path.get(step) {
+                    state.commit(id);
+                }
+            }
+            for (state, path) in states.iter().zip(&paths) {
+                // Only the last token can complete the grammar.
+                if step + 1 < path.len() {
+                    assert_eq!(state.outcome(), GrammarOutcome::Continue);
+                }
+            }
+        }
+        done_tx.send(checked).unwrap();
+    });
+    // A bound only so that masks queued behind the blocked global pool fail the test instead of
+    // hanging it: a pass takes about a second.
+    let checked = match done.recv_timeout(std::time::Duration::from_secs(300)) {
+        Ok(n) => n,
+        Err(crossbeam_channel::RecvTimeoutError::Timeout) => panic!("the masks waited for rayon's global pool"),
+        Err(e) => panic!("the checking thread failed (its panic is above): {e}"),
+    };
+    drop(release);
+    assert!(checked >= 6 * 8 * 3, "{checked} masks checked");
 }
 
 #[test]

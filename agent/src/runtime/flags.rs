@@ -194,6 +194,10 @@ pub struct EngineArgs {
     /// Adapters kept in host memory; idle ones beyond this are re-read from disk when next used.
     #[arg(long, env = "PEREGRINE_MAX_CPU_LORAS", default_value_t = 16)]
     pub max_cpu_loras: usize,
+    /// Threads that compute structured-output token masks, a pool of their own (default: one fewer
+    /// than the cores; at most 256).
+    #[arg(long, env = "PEREGRINE_MASK_THREADS")]
+    pub mask_threads: Option<usize>,
 }
 
 impl EngineArgs {

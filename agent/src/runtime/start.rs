@@ -68,6 +68,10 @@ impl EngineArgs {
 
     /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
     pub fn start(&self) -> anyhow::Result<Runtime> {
+        if let Some(n) = self.mask_threads {
+            // Before any mask: the pool starts with the first one and keeps its size.
+            peregrine_engine::structured::set_mask_threads(n);
+        }
         let tp = self.tensor_parallel_size as usize;
         // Refused before the device is probed: with N > 1 on cuda, nothing (not even whether N
         // GPUs exist) is checked.

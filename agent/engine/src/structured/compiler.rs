@@ -29,13 +29,24 @@ pub struct CompiledGrammar {
 }
 
 impl CompiledGrammar {
+    /// A matcher for one sequence, with a lexer of its own. A plain `clone` would share the
+    /// compiled matcher's lexer behind one mutex, which llguidance holds for a whole mask: every
+    /// sequence of the grammar would then compute its masks one at a time, and wait for the others
+    /// to commit a token. The deep copy costs the lexer's tables (small next to a mask for the
+    /// schemas we serve) and its lazily built states are rebuilt per sequence.
     pub(super) fn start(&self) -> Matcher {
-        (*self.matcher).clone()
+        self.matcher.deep_clone()
     }
 
     /// The end-of-sequence ids the grammar treats as its end.
     pub fn eos_ids(&self) -> &Arc<[u32]> {
         &self.eos_ids
+    }
+
+    /// A grammar from a matcher made by hand (unit tests, on a toy vocabulary).
+    #[cfg(test)]
+    pub(super) fn from_matcher(matcher: Matcher, eos_ids: &[u32]) -> Self {
+        CompiledGrammar { key: 0, matcher: Arc::new(matcher), eos_ids: eos_ids.into() }
     }
 }
 

@@ -4,14 +4,17 @@
 //! - [`GrammarSpec`]: what a request asks for; [`GrammarCompiler`] turns it into a
 //!   [`CompiledGrammar`] against the model's tokenizer ([`token_env`]), cached by hash.
 //! - [`GrammarState`]: one sequence's matcher; the sampler applies its mask to the logits and
-//!   commits each sampled token, and the next mask is computed on rayon's pool meanwhile.
+//!   commits each sampled token, and the next mask is computed meanwhile on the mask pool
+//!   ([`set_mask_threads`]: threads of its own, `cores - 1` by default).
 
 mod compiler;
 mod constraint;
+mod mask_pool;
 mod spec;
 mod token_env;
 
 pub use compiler::{CompiledGrammar, GrammarCompiler, GrammarError, GRAMMAR_CACHE_CAPACITY};
-pub use constraint::{GrammarOutcome, GrammarState};
+pub use constraint::{mask_task_totals, GrammarOutcome, GrammarState};
+pub use mask_pool::{mask_threads, on_mask_thread, set_mask_threads, MAX_MASK_THREADS};
 pub use spec::GrammarSpec;
 pub use token_env::{token_bytes, token_env};

@@ -36,6 +36,21 @@ def embed(texts):
     return torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
 
 
+def timed(call, times):
+    """Runs `call` `times` times; returns (wall seconds, sorted per-call seconds)."""
+    per_call = []
+    start = time.perf_counter()
+    for _ in range(times):
+        began = time.perf_counter()
+        call()
+        per_call.append(time.perf_counter() - began)
+    return time.perf_counter() - start, sorted(per_call)
+
+
+def percentile_ms(sorted_seconds, q):
+    return sorted_seconds[min(len(sorted_seconds) - 1, round((len(sorted_seconds) - 1) * q))] * 1e3
+
+
 print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}, dtype {dtype}, TF32 off")
 print(f"{'len':>6} {'mode':>9} {'reqs':>6} {'seq/s':>10} {'tok/s':>10} {'p50 ms':>9} {'p99 ms':>9}")
 for length in (16, 128, 512):
@@ -44,21 +59,11 @@ for length in (16, 128, 512):
     for _ in range(3):
         embed([text])
         embed([text] * 64)
-    n1 = 16 * max(1024 // length, 4)
-    lat = []
-    t0 = time.perf_counter()
-    for _ in range(n1):
-        s = time.perf_counter()
-        embed([text])
-        lat.append(time.perf_counter() - s)
-    wall = time.perf_counter() - t0
-    lat.sort()
-    p = lambda q: lat[min(len(lat) - 1, round((len(lat) - 1) * q))] * 1e3
-    print(f"{length:>6} {'conc 1':>9} {n1:>6} {n1 / wall:>10.1f} {n1 * length / wall:>10.0f} {p(0.5):>9.2f} {p(0.99):>9.2f}")
+    singles = 16 * max(1024 // length, 4)
+    wall, lat = timed(lambda: embed([text]), singles)
+    print(f"{length:>6} {'conc 1':>9} {singles:>6} {singles / wall:>10.1f} {singles * length / wall:>10.0f} "
+          f"{percentile_ms(lat, 0.5):>9.2f} {percentile_ms(lat, 0.99):>9.2f}")
     batches = 16 * max(128 // length, 1)
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        embed([text] * 64)
-    wall = time.perf_counter() - t0
-    nb = 64 * batches
-    print(f"{length:>6} {'batch 64':>9} {nb:>6} {nb / wall:>10.1f} {nb * length / wall:>10.0f} {'':>9} {'':>9}")
+    wall, _ = timed(lambda: embed([text] * 64), batches)
+    seqs = 64 * batches
+    print(f"{length:>6} {'batch 64':>9} {seqs:>6} {seqs / wall:>10.1f} {seqs * length / wall:>10.0f} {'':>9} {'':>9}")

@@ -16,7 +16,7 @@ use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
 use crate::encoder::weights::{EncoderWeights, LayerNorm, Linear};
 use crate::plan::RaggedBatch;
-use crate::{EngineError, Result};
+use crate::Result;
 
 struct Layer {
     /// `[q; k; v]` rows fused: one pass over the input.
@@ -306,9 +306,7 @@ fn activate(act: Activation, row: &mut [f32]) {
 impl EncoderBackend for CpuEncoder {
     fn forward(&mut self, batch: &RaggedBatch) -> Result<Vec<f32>> {
         let c = &self.config;
-        batch
-            .validate(c.vocab_size, c.type_vocab_size, c.max_tokens_per_sequence())
-            .map_err(|m| EngineError::InvalidRequest(format!("encoder batch: {m}")))?;
+        c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
         let mut scratch = Scratch { qkv: Vec::new(), ctx: vec![0f32; n * c.hidden_size], proj: Vec::new(), inter: Vec::new() };

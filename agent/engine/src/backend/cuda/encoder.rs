@@ -257,9 +257,7 @@ impl CudaEncoder {
 impl EncoderBackend for CudaEncoder {
     fn forward(&mut self, batch: &RaggedBatch) -> Result<Vec<f32>> {
         let c = &self.config;
-        batch
-            .validate(c.vocab_size, c.type_vocab_size, c.max_tokens_per_sequence())
-            .map_err(|m| EngineError::InvalidRequest(format!("encoder batch: {m}")))?;
+        c.check_batch(batch)?;
         let (n, h) = (batch.num_tokens(), c.hidden_size);
         if n == 0 {
             return Ok(Vec::new());

@@ -61,43 +61,64 @@ fn parse_lora_dist(v: &str) -> Result<f64, String> {
     }
 }
 
+/// What `throughput` measured (printed, or as JSON with `--json`).
 #[derive(Debug, Serialize)]
-struct ThroughputReport {
-    model: String,
-    backend: String,
-    num_prompts: usize,
-    input_len: usize,
-    output_len: usize,
-    max_num_seqs: usize,
-    max_num_batched_tokens: usize,
-    seconds: f64,
-    requests_per_second: f64,
-    output_tokens_per_second: f64,
-    total_tokens_per_second: f64,
+pub struct ThroughputReport {
+    pub model: String,
+    pub backend: String,
+    pub num_prompts: usize,
+    pub input_len: usize,
+    pub output_len: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub seconds: f64,
+    pub requests_per_second: f64,
+    pub output_tokens_per_second: f64,
+    pub total_tokens_per_second: f64,
     ttft_p50_seconds: f64,
     ttft_p99_seconds: f64,
-    preemptions: u64,
+    pub preemptions: u64,
     /// Tokens run through prefill, recomputation after preemption included (the prompts alone
     /// are `num_prompts * input_len`).
-    prefill_tokens_computed: u64,
-    engine_steps: u64,
+    pub prefill_tokens_computed: u64,
+    pub engine_steps: u64,
     /// With `--lora`: the same workload on the adapters.
     #[serde(skip_serializing_if = "Option::is_none")]
-    lora: Option<LoraRun>,
+    pub lora: Option<LoraRun>,
 }
 
+/// The LoRA side of the workload.
 #[derive(Debug, Serialize)]
-struct LoraRun {
-    adapters: usize,
-    rank: usize,
-    zipf_s: f64,
-    seconds: f64,
-    output_tokens_per_second: f64,
+pub struct LoraRun {
+    pub adapters: usize,
+    pub rank: usize,
+    pub zipf_s: f64,
+    pub seconds: f64,
+    pub output_tokens_per_second: f64,
     /// LoRA output throughput / base output throughput.
-    relative_to_base: f64,
+    pub relative_to_base: f64,
     ttft_p50_seconds: f64,
-    preemptions: u64,
+    pub preemptions: u64,
+    /// A new adapter from disk to its first token, with the engine idle (median of
+    /// [`COLD_ADAPTER_SAMPLES`]): written as PEFT files, loaded, then one request on it.
+    pub cold_adapter: ColdAdapter,
 }
+
+/// How long a new adapter takes from its files on disk to the first token of a request on it.
+#[derive(Debug, Serialize)]
+pub struct ColdAdapter {
+    /// Reading, parsing and validating the PEFT files (`load_adapter`, the admin API's work).
+    pub load_seconds: f64,
+    /// Then one request of `input_len` tokens on it: its first token (the slot upload and the prefill).
+    pub first_token_seconds: f64,
+    /// `load_seconds + first_token_seconds`.
+    pub disk_to_first_token_seconds: f64,
+    /// The same request on the base model, for comparison (the prefill alone).
+    pub base_first_token_seconds: f64,
+}
+
+/// Fresh adapters timed from disk to first token (the median is reported).
+const COLD_ADAPTER_SAMPLES: usize = 3;
 
 /// What one timed pass of the workload measured.
 struct Pass {
@@ -116,6 +137,18 @@ impl Pass {
 }
 
 pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
+    let json = args.json;
+    let report = measure(args)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        report.print();
+    }
+    Ok(())
+}
+
+/// Runs the workload (and its LoRA side) and returns the figures.
+pub fn measure(args: ThroughputArgs) -> anyhow::Result<ThroughputReport> {
     if args.num_prompts == 0 || args.input_len == 0 || args.output_len == 0 {
         anyhow::bail!("--num-prompts, --input-len and --output-len must be at least 1");
     }
@@ -154,6 +187,7 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
         let picks = zipf_assignment(args.num_prompts, adapter_names.len(), args.lora_dist, 0.0, args.engine.seed);
         let assignment: Vec<Option<String>> = picks.iter().map(|p| p.map(|a| adapter_names[a].clone())).collect();
         let pass = run_pass(engine, &args, &params, &assignment, vocab)?;
+        let cold_adapter = time_cold_adapters(&runtime, &args, &params)?;
         let tps = pass.output_tokens as f64 / pass.seconds;
         Some(LoraRun {
             adapters: args.lora,
@@ -164,6 +198,7 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
             relative_to_base: tps / (base.output_tokens as f64 / base.seconds).max(1e-9),
             ttft_p50_seconds: pass.pct(0.5),
             preemptions: pass.preemptions,
+            cold_adapter,
         })
     };
     engine.shutdown();
@@ -187,9 +222,12 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
         engine_steps: base.engine_steps,
         lora,
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
+    Ok(report)
+}
+
+impl ThroughputReport {
+    fn print(&self) {
+        let report = self;
         println!("model       {} on {}", report.model, report.backend);
         println!(
             "workload    {} requests x ({} in / {} out), max_num_seqs {}, max_num_batched_tokens {}",
@@ -208,9 +246,65 @@ pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
                 "+ LoRA      {:.1} output tokens/s = {:.3} x base ({} adapters of rank {}, zipf s={}; {:.2} s, TTFT p50 {:.3} s, {} preemptions)",
                 l.output_tokens_per_second, l.relative_to_base, l.adapters, l.rank, l.zipf_s, l.seconds, l.ttft_p50_seconds, l.preemptions
             );
+            let c = &l.cold_adapter;
+            println!(
+                "cold LoRA   disk to first token {:.1} ms = load {:.1} ms + first token {:.1} ms (base model's first token {:.1} ms; a new rank-{} adapter, engine idle, median of {})",
+                c.disk_to_first_token_seconds * 1e3,
+                c.load_seconds * 1e3,
+                c.first_token_seconds * 1e3,
+                c.base_first_token_seconds * 1e3,
+                l.rank,
+                COLD_ADAPTER_SAMPLES
+            );
         }
     }
-    Ok(())
+}
+
+/// Times [`COLD_ADAPTER_SAMPLES`] adapters never seen before from their PEFT files to the first token
+/// of one request on each (the engine otherwise idle; the GPU slots still hold the workload's
+/// adapters, so each takes a slot from one of them), and the same request on the base model.
+fn time_cold_adapters(runtime: &crate::runtime::Runtime, args: &ThroughputArgs, params: &SamplingParams) -> anyhow::Result<ColdAdapter> {
+    let engine = &runtime.engine;
+    let vocab = runtime.model_config.vocab_size;
+    let scratch = crate::bench::ScratchDir::new()?;
+    let written = peregrine_engine::bench::lora::write_random_adapters(&runtime.model_config, COLD_ADAPTER_SAMPLES, args.lora_rank, args.engine.seed ^ 0xC01D, &scratch.0)?;
+    let one = SamplingParams { max_tokens: 1, ..params.clone() };
+    let first_token = |adapter: Option<String>, salt: u64| -> anyhow::Result<f64> {
+        let request = GenerationRequest { id: engine.new_request_id(), prompt_tokens: random_prompt(args.input_len, vocab, salt), params: one.clone(), adapter };
+        let start = Instant::now();
+        let mut stream = engine.submit(request)?;
+        let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        tokio.block_on(async {
+            let mut first = None;
+            loop {
+                match stream.next().await {
+                    Some(RequestEvent::Token(_)) => {
+                        first.get_or_insert_with(|| start.elapsed().as_secs_f64());
+                    }
+                    Some(RequestEvent::Finished { .. }) => return first.ok_or_else(|| anyhow::anyhow!("no token")),
+                    Some(RequestEvent::Error(m)) => anyhow::bail!("request failed: {m}"),
+                    Some(RequestEvent::Scheduled { .. }) => {}
+                    None => anyhow::bail!("the engine stopped"),
+                }
+            }
+        })
+    };
+    let (mut load, mut first, mut base) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (name, folder)) in written.iter().enumerate() {
+        let name = format!("cold-{name}");
+        let start = Instant::now();
+        engine.load_adapter(&name, folder)?;
+        load.push(start.elapsed().as_secs_f64());
+        first.push(first_token(Some(name.clone()), 1_000_000 + i as u64)?);
+        base.push(first_token(None, 2_000_000 + i as u64)?);
+        engine.unload_adapter(&name)?;
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let totals: Vec<f64> = load.iter().zip(&first).map(|(a, b)| a + b).collect();
+    Ok(ColdAdapter { load_seconds: median(load), first_token_seconds: median(first), disk_to_first_token_seconds: median(totals), base_first_token_seconds: median(base) })
 }
 
 /// Submits every request at once (request `i` on `adapters[i]`) and waits for all of them.

@@ -219,6 +219,18 @@ __device__ __forceinline__ void gemv8_impl(void* __restrict__ y, int y_f32, cons
                     const float* ws, int m, int n, int k, int wpr) {                                      \
         gemv8_impl<FMT, M, ROWS>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);                                  \
     }
+// One token with ROWS weight rows per warp tile (`PEREGRINE_GEMV8_M1_ROWS`): each activation chunk
+// is loaded and decoded once for ROWS rows instead of once per row.
+#define GEMV8_M1(NAME, FMT, ROWS)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV8_WARPS * 32)                                        \
+        NAME##_m1r##ROWS(void* y, int y_f32, const unsigned char* xq, const float* xs, const unsigned char* w, \
+                         const float* ws, int m, int n, int k, int wpr) {                                 \
+        gemv8_impl<FMT, 1, ROWS>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);                                  \
+    }
+GEMV8_M1(gemv_e4m3, Q8_E4M3, 2)
+GEMV8_M1(gemv_e4m3, Q8_E4M3, 4)
+GEMV8_M1(gemv_i8, Q8_I8, 2)
+GEMV8_M1(gemv_i8, Q8_I8, 4)
 // Weight rows per warp tile: keep in step with `gemv8_rows` in kernels/src/ops/gemv_fp8.rs.
 GEMV8(gemv_e4m3, Q8_E4M3, 1, 1)
 GEMV8(gemv_e4m3, Q8_E4M3, 2, 1)

@@ -50,9 +50,11 @@ fn run() -> peregrine_engine::Result<()> {
     bench::decode(&mut b, 1, 16, 4, 4096)?;
     let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
     println!(
-        "cuda graphs: {graphs}, skinny GEMM: {}, PDL: {}, KV cache: {:?}, linears: {}",
+        "cuda graphs: {graphs}, skinny GEMM: {}, PDL (sm_90+): {}, KV cache: {:?}, linears: {}",
         on("PEREGRINE_GEMV"),
-        std::env::var("PEREGRINE_PDL").is_ok_and(|v| v == "1"),
+        // On by default on sm_90+ as Kernels::load decides it (this line said "false" unless
+        // PEREGRINE_PDL=1 was set, long after PDL became the default).
+        on("PEREGRINE_PDL"),
         opts.kv_cache_dtype,
         opts.quantization.map_or("bf16", |f| f.name())
     );

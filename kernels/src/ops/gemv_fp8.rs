@@ -9,6 +9,10 @@ use crate::{KernelError, Result};
 /// Largest row count the 8-bit GEMVs take (larger steps take [`Kernels::gemm_w8a8`]).
 pub const GEMV_FP8_MAX_M: usize = 16;
 const GEMV8_WARPS: usize = 8;
+/// Weight rows per warp tile of the one-token GEMV unless `PEREGRINE_GEMV8_M1_ROWS` says otherwise:
+/// 2, from batch-1 decode on an H100 (Llama-3.1-8B shape; docs/benchmarks.md, session 9): fp8 223.8
+/// (1 row) / 227.9 (2) / 226.5 (4) tokens/s, int8 232.7 / 242.6 / 240.8.
+pub(super) const GEMV8_M1_ROWS_DEFAULT: usize = 2;
 
 impl Kernels {
     /// Whether the FP8 kernels can run here (e4m3 conversions need compute capability 8.9+).
@@ -87,7 +91,11 @@ impl Kernels {
             return Err(KernelError::Unsupported(format!("gemv_w8: m {m}, k {k} (m <= {GEMV_FP8_MAX_M}, k % 16 == 0, aligned)")));
         }
         let index = match m {
-            0..=1 => 0,
+            0..=1 => match self.gemv8_m1_rows {
+                2 => 5,
+                4 => 6,
+                _ => 0,
+            },
             2 => 1,
             3..=4 => 2,
             5..=8 => 3,
@@ -118,14 +126,14 @@ impl Kernels {
         Ok(())
     }
 
-    /// Weight rows per warp tile of the 8-bit GEMV variant `index` (m up to 1, 2, 4, 8, 16): 2 from
-    /// m = 8, where re-reading the activations per weight row dominated. Must match the ROWS of the
-    /// GEMV8 instances in gemv_fp8.cu.
+    /// Weight rows per warp tile of the 8-bit GEMV variant `index` (m up to 1, 2, 4, 8, 16, then
+    /// m = 1 with 2 and 4 rows): 2 from m = 8, where re-reading the activations per weight row
+    /// dominated. Must match the ROWS of the GEMV8 / GEMV8_M1 instances in gemv_fp8.cu.
     fn gemv8_rows(index: usize) -> usize {
-        if index >= 3 {
-            2
-        } else {
-            1
+        match index {
+            0..=2 => 1,
+            6 => 4,
+            _ => 2,
         }
     }
 

@@ -20,6 +20,7 @@ mod silu_mul;
 mod token_mask;
 
 use attention::mma_smem_opt_in;
+use gemv_fp8::GEMV8_M1_ROWS_DEFAULT;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use encoder::{attention_tiles as encoder_attention_tiles, EmbeddingTables, EncoderActivation, EncoderKernels, NormParams, ENC_ATTN_MAX_HEAD_DIM, ENC_ATTN_QUERY_TILE};
 pub use gemv::GEMV_MAX_M;
@@ -108,8 +109,9 @@ pub struct Kernels {
     gemv_silu: [CudaFunction; 4],
     /// Row-wise 8-bit W8A8 GEMVs (gemv_fp8.cu), m ≤ 1, 2, 4, 8, 16, and the per-token quantizers of
     /// bf16 rows.
-    gemv_e4m3: [CudaFunction; 5],
-    gemv_i8: [CudaFunction; 5],
+    /// m up to 1, 2, 4, 8, 16, then m = 1 with 2 and 4 weight rows per warp tile.
+    gemv_e4m3: [CudaFunction; 7],
+    gemv_i8: [CudaFunction; 7],
     quant_rows_e4m3: CudaFunction,
     quant_rows_i8: CudaFunction,
     /// `y *= xs[i] · ws[j]` after an unscaled 8-bit GEMM (quant8.cu).
@@ -134,6 +136,8 @@ pub struct Kernels {
     gemv_wpr: Option<(usize, usize)>,
     /// `PEREGRINE_GEMV8_WPR=a,b`: the same for the 8-bit GEMVs (instead of [`Kernels::gemv8_plan`]'s).
     gemv8_wpr: Option<(usize, usize)>,
+    /// Weight rows per warp tile of the one-token 8-bit GEMV (1, 2 or 4; `PEREGRINE_GEMV8_M1_ROWS`).
+    gemv8_m1_rows: usize,
     attn_max_splits: usize,
     /// `PEREGRINE_LORA_SHRINK=split|whole|staged|staged-whole`: the LoRA shrink's kernel and grid, instead of
     /// [`Kernels::lora_shrink`]'s choice by step size (None).
@@ -209,8 +213,8 @@ impl Kernels {
                 [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
             ],
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
-            gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?, f("gemv_e4m3_m16")?],
-            gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?],
+            gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?, f("gemv_e4m3_m16")?, f("gemv_e4m3_m1r2")?, f("gemv_e4m3_m1r4")?],
+            gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?, f("gemv_i8_m1r2")?, f("gemv_i8_m1r4")?],
             quant_rows_e4m3: f("quant_rows_e4m3")?,
             quant_rows_i8: f("quant_rows_i8")?,
             scale_outer: f("scale_outer")?,
@@ -224,6 +228,7 @@ impl Kernels {
             num_sms: num_sms.max(1),
             gemv_wpr: wpr_from_env("PEREGRINE_GEMV_WPR"),
             gemv8_wpr: wpr_from_env("PEREGRINE_GEMV8_WPR"),
+            gemv8_m1_rows: std::env::var("PEREGRINE_GEMV8_M1_ROWS").ok().and_then(|v| v.parse().ok()).filter(|r| matches!(r, 1 | 2 | 4)).unwrap_or(GEMV8_M1_ROWS_DEFAULT),
             attn_max_splits: std::env::var("PEREGRINE_ATTN_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| (1..=16).contains(&n)).unwrap_or(16),
             lora_shrink_shape: match std::env::var("PEREGRINE_LORA_SHRINK").as_deref() {
                 Ok("whole") => Some(LoraShrinkShape::Whole),

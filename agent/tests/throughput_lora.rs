@@ -1,0 +1,31 @@
+//! `peregrine-agent throughput --lora` on the CPU with SmolLM2: the LoRA side runs, and a new
+//! adapter's time from its files on disk to its first token is measured and reported (issue 16).
+
+use clap::Parser;
+use peregrine_agent::throughput::{measure, ThroughputArgs};
+
+#[derive(Debug, Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: ThroughputArgs,
+}
+
+#[test]
+fn lora_throughput_reports_a_new_adapters_disk_to_first_token() {
+    let model = peregrine_testkit::test_model();
+    let argv = ["throughput", "--model", model.to_str().unwrap(), "--device", "cpu", "--threads", "2", "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--lora", "2", "--lora-rank", "4", "--max-loras", "2"];
+    let args = Cli::try_parse_from(argv).unwrap().args;
+    let report = measure(args).unwrap();
+    assert_eq!(report.num_prompts, 4);
+    assert!(report.output_tokens_per_second > 0.0);
+    let lora = report.lora.expect("the LoRA side ran");
+    assert_eq!((lora.adapters, lora.rank), (2, 4));
+    assert!(lora.output_tokens_per_second > 0.0 && lora.relative_to_base > 0.0);
+    let cold = &lora.cold_adapter;
+    for (what, v) in [("load", cold.load_seconds), ("first token", cold.first_token_seconds), ("base first token", cold.base_first_token_seconds)] {
+        assert!(v.is_finite() && v > 0.0, "{what}: {v}");
+    }
+    // Each sample's total is at least each of its parts, so the medians keep that order.
+    assert!(cold.disk_to_first_token_seconds >= cold.load_seconds && cold.disk_to_first_token_seconds >= cold.first_token_seconds, "{cold:?}");
+    assert!(cold.disk_to_first_token_seconds < 60.0, "{cold:?}");
+}

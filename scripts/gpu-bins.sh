@@ -15,11 +15,13 @@ for line in sys.stdin:
         print(m["executable"])
 ' | while read -r exe; do cp "$exe" "$out/tests/"; done
 cargo build --example cuda_bench -p peregrine-engine
+cargo build --example encoder_bench -p peregrine-engine
 cargo build --example micro -p peregrine-kernels
 cargo build -p peregrine-agent
 cp target/debug/examples/micro "$out/"
 cp target/debug/peregrine-agent "$out/"
 cp target/debug/examples/cuda_bench "$out/"
+cp target/debug/examples/encoder_bench "$out/"
 cp scripts/test-gpu.sh "$out/"
-strip "$out"/tests/* "$out/cuda_bench" "$out/micro" "$out/peregrine-agent" 2>/dev/null || true
+strip "$out"/tests/* "$out/cuda_bench" "$out/encoder_bench" "$out/micro" "$out/peregrine-agent" 2>/dev/null || true
 ls -la "$out" "$out/tests"

@@ -14,6 +14,9 @@ use peregrine_agent::serve::grpc::status::ERROR_LABEL_KEY;
 use serde_json::Value;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 const NAME: &str = "minilm";
 const KEY: &str = "grpc-test-key";
@@ -295,4 +298,77 @@ async fn connections_beyond_the_limit_are_closed() {
         assert!(refused.is_err(), "a call on a connection beyond the limit: {refused:?}");
     }
     first.embed(request()).await.expect("the first connection is still served");
+}
+
+/// `grpc.health.v1.Health` for the whole server and for the Encoder, asked without an API key (as
+/// probes do), polled until it reads `want` (the status follows `/ready` within a poll interval).
+async fn health_reads(channel: &Channel, want: ServingStatus, within: Duration) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let mut health = HealthClient::new(channel.clone());
+        let mut got = Vec::new();
+        for service in ["", "peregrine.encoder.v1.Encoder"] {
+            let reply = health.check(HealthCheckRequest { service: service.into() }).await.expect("health answers");
+            got.push(reply.into_inner().status);
+        }
+        if got.iter().all(|s| *s == want as i32) {
+            return;
+        }
+        assert!(t0.elapsed() < within, "health is {got:?}, not {want:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_readiness_and_drain_and_reflection_lists_the_encoder() {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+
+    let model = peregrine_testkit::test_encoder();
+    // A key is set, and neither health nor reflection asks for it; the drain delay keeps gRPC
+    // answering after SIGTERM while /ready is 503.
+    let (server, _client, port) = start_on_port(&model, &["--api-key", KEY, "--drain-delay", "6"]).await;
+    let channel = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap().connect().await.unwrap();
+    health_reads(&channel, ServingStatus::Serving, Duration::from_secs(2)).await;
+    let unknown = HealthClient::new(channel.clone()).check(HealthCheckRequest { service: "no.such.Service".into() }).await;
+    assert_eq!(unknown.unwrap_err().code(), Code::NotFound);
+
+    // Reflection: the service list, then the Encoder's file by symbol.
+    let ask = |request: MessageRequest| {
+        let channel = channel.clone();
+        async move {
+            let request = ServerReflectionRequest { host: String::new(), message_request: Some(request) };
+            let mut replies = ServerReflectionClient::new(channel)
+                .server_reflection_info(tokio_stream::iter(vec![request]))
+                .await
+                .expect("reflection answers")
+                .into_inner();
+            replies.message().await.expect("a reflection reply").expect("one reply").message_response
+        }
+    };
+    let Some(MessageResponse::ListServicesResponse(list)) = ask(MessageRequest::ListServices(String::new())).await else {
+        panic!("no service list");
+    };
+    let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
+    for want in ["peregrine.encoder.v1.Encoder", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"] {
+        assert!(names.contains(&want), "{want} not in {names:?}");
+    }
+    let reply = ask(MessageRequest::FileContainingSymbol("peregrine.encoder.v1.Encoder".into())).await;
+    let Some(MessageResponse::FileDescriptorResponse(files)) = reply else { panic!("no descriptor: {reply:?}") };
+    let file = descriptor_text(&files.file_descriptor_proto[0]);
+    assert!(file.contains("peregrine/encoder/v1/encoder.proto") && file.contains("Embed"), "descriptor: {file}");
+
+    // SIGTERM: /ready turns 503 at once and health NOT_SERVING while gRPC still answers.
+    let pid = server.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    health_reads(&channel, ServingStatus::NotServing, Duration::from_secs(3)).await;
+    drop(server);
+}
+
+/// An encoded FileDescriptorProto as lossy text: its file name and symbol names are plain strings in
+/// it, enough to see which file reflection sent.
+fn descriptor_text(encoded: &[u8]) -> String {
+    String::from_utf8_lossy(encoded).into_owned()
 }

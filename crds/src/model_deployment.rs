@@ -182,7 +182,7 @@ impl PullPolicy {
 
 /// Flags the operator writes itself (from a typed field or always): repeating one in `extraArgs`
 /// would leave the agent with two values and the spec with a field that silently does nothing.
-pub const EXTRA_ARGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^--(model|served-model-name|host|port|device|enable-lora|load-format|dtype|max-model-len|max-num-seqs|max-num-batched-tokens|gpu-memory-utilization|max-loras|max-lora-rank|max-cpu-loras|tensor-parallel-size|enable-prefix-caching|disable-prefix-caching)(=.*)?$'))";
+pub const EXTRA_ARGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^--(model|served-model-name|host|port|device|enable-lora|load-format|dtype|max-model-len|max-num-seqs|max-num-batched-tokens|gpu-memory-utilization|max-loras|max-lora-rank|max-cpu-loras|tensor-parallel-size|enable-prefix-caching|disable-prefix-caching|grpc-port)(=.*)?$'))";
 /// Message of [`EXTRA_ARGS_RULE`].
 pub const EXTRA_ARGS_MESSAGE: &str = "engine.extraArgs must not repeat a flag the operator sets (--model, --port, --device, ...) or a typed engine field (--max-model-len, --max-lora-rank, ...): use the field";
 

@@ -186,6 +186,7 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         ("memory in GB", Box::new(|v| set(v, "/spec/resources/container/limits/memory", json!("32GB"))), "must be a Kubernetes quantity"),
         ("extraArgs repeats a typed field", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--log-json", "--max-lora-rank=8"]))), "must not repeat a flag"),
         ("extraArgs repeats the port", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--port", "9000"]))), "must not repeat a flag"),
+        ("extraArgs repeats the gRPC port", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--grpc-port=50052"]))), "must not repeat a flag"),
         ("duplicate case names", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/1/name", json!(examples()[2]["spec"]["rollout"]["regression"]["suite"]["cases"][0]["name"].clone()))), "case names must be unique"),
         ("cpu as words", Box::new(|v| set(v, "/spec/resources/container/requests/cpu", json!("four"))), "must be a Kubernetes quantity"),
     ];

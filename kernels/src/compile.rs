@@ -34,6 +34,8 @@ const SOURCES: &[(&str, &str)] = &[
     ("sample.cu", include_str!("../cuda/sample.cu")),
     ("token_mask.cu", include_str!("../cuda/token_mask.cu")),
     ("lora.cu", include_str!("../cuda/lora.cu")),
+    // The BERT-family encoder's kernels (f32 activations).
+    ("encoder.cu", include_str!("../cuda/encoder.cu")),
 ];
 
 /// The single translation unit NVRTC compiles (`#line` keeps error messages pointing at real files).

@@ -1,4 +1,4 @@
-//! bf16 GEMMs through cuBLAS (f32 accumulation), in the row-major terms the model uses:
+//! bf16 (and, for the encoder, f32) GEMMs through cuBLAS (f32 accumulation), in the row-major terms the model uses:
 //! `y[m, n] = x[m, k] · w[n, k]ᵀ (+ beta · y)`, with `w` a weight in PyTorch's `[out, in]` layout.
 
 use std::ffi::c_void;
@@ -46,16 +46,37 @@ impl Blas {
     /// The pointers must address buffers of the stated shapes on the handle's stream.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn matmul(&self, y: DPtr, out: OutType, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
+        let c_type = match out {
+            OutType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+            OutType::F32 => sys::cudaDataType::CUDA_R_32F,
+        };
+        self.row_major(Operands { y, c_type, x, w, ab_type: sys::cudaDataType::CUDA_R_16BF }, m, n, k, beta)
+    }
+
+    /// `y[m, n] = x[m, k] · w[n, k]ᵀ + beta · y`, everything f32 and computed in f32: cuBLAS's
+    /// `CUBLAS_COMPUTE_32F` never takes TF32 tensor cores (only `_FAST_TF32` or the TF32 math mode
+    /// does, and the handle keeps the default mode), so results stay within f32 rounding of a CPU
+    /// reference (the encoder's 1e-5 tests need that).
+    ///
+    /// # Safety
+    /// The pointers must address f32 buffers of the stated shapes on the handle's stream.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_f32(&self, y: DPtr, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
+        let f32_type = sys::cudaDataType::CUDA_R_32F;
+        self.row_major(Operands { y, c_type: f32_type, x, w, ab_type: f32_type }, m, n, k, beta)
+    }
+
+    /// The row-major GEMM both element types share, with f32 accumulation.
+    ///
+    /// # Safety
+    /// As [`Blas::matmul`].
+    unsafe fn row_major(&self, o: Operands, m: usize, n: usize, k: usize, beta: f32) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
         let dim = |v: usize| i32::try_from(v).map_err(|_| KernelError::Unsupported(format!("GEMM dimension {v}")));
         let (mi, ni, ki) = (dim(m)?, dim(n)?, dim(k)?);
         let alpha = 1.0f32;
-        let c_type = match out {
-            OutType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
-            OutType::F32 => sys::cudaDataType::CUDA_R_32F,
-        };
         // Column-major view: yᵀ[n, m] = w[n, k] (stored as a k×n column-major matrix, transposed) · xᵀ[k, m].
         blas::gemm_ex(
             *self.blas.handle(),
@@ -65,19 +86,28 @@ impl Blas {
             mi,
             ki,
             &alpha as *const f32 as *const c_void,
-            w as *const c_void,
-            sys::cudaDataType::CUDA_R_16BF,
+            o.w as *const c_void,
+            o.ab_type,
             ki,
-            x as *const c_void,
-            sys::cudaDataType::CUDA_R_16BF,
+            o.x as *const c_void,
+            o.ab_type,
             ki,
             &beta as *const f32 as *const c_void,
-            y as *mut c_void,
-            c_type,
+            o.y as *mut c_void,
+            o.c_type,
             ni,
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )?;
         Ok(())
     }
+}
+
+/// A GEMM's operands: output, input and weight addresses with their cuBLAS element types.
+struct Operands {
+    y: DPtr,
+    c_type: sys::cudaDataType,
+    x: DPtr,
+    w: DPtr,
+    ab_type: sys::cudaDataType,
 }

@@ -66,12 +66,14 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
             return Err(SpecError::new(reasons::INVALID_SPEC, format!("adapterVolumes: {claim:?} is not a valid claim name")));
         }
     }
-    // Encoders and decoder embeddings run on the CPU backend only (no CUDA encoder yet); on a GPU pod
-    // the agent would refuse `--device cuda` at start and the pod would only restart.
-    if spec.model.task != ModelTask::Generate && gpus > 0 {
+    // BERT-family encoders run on the CUDA backend too; decoder embeddings (`--task embed` on a
+    // decoder) only on the CPU, and on a GPU pod the agent would refuse them at start and the pod
+    // would only restart. A GGUF is always a decoder, so that case is refused here; an HF folder
+    // with task embed may be either, and only the agent can tell (it refuses a decoder's).
+    if spec.model.task == ModelTask::Embed && is_gguf(spec) && gpus > 0 {
         return Err(SpecError::new(
             reasons::INVALID_SPEC,
-            format!("model.task {} runs on the CPU backend only for now: set resources.gpus to 0 (asked for {gpus})", spec.model.task.as_str()),
+            format!("model.task embed on a GGUF (a decoder's last-token embeddings) runs on the CPU backend only for now: set resources.gpus to 0 (asked for {gpus}); BERT-family encoder folders run on GPUs"),
         ));
     }
     // Checked last, so that a spec with other mistakes hears of those first: the schema, the
@@ -85,6 +87,15 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
         ));
     }
     Ok(uri)
+}
+
+/// Whether the model is a GGUF file (by its format, or its URI where the format is auto).
+fn is_gguf(spec: &ModelDeploymentSpec) -> bool {
+    match spec.model.format {
+        ModelFormat::Gguf => true,
+        ModelFormat::Safetensors => false,
+        ModelFormat::Auto => spec.model.uri.to_ascii_lowercase().ends_with(".gguf"),
+    }
 }
 
 /// The most GPUs one agent pod can use today.
@@ -250,16 +261,23 @@ mod tests {
     }
 
     #[test]
-    fn encoder_tasks_need_the_cpu_backend() {
+    fn encoders_run_on_a_gpu_and_gguf_embeddings_need_the_cpu() {
         for task in [ModelTask::Embed, ModelTask::Rerank, ModelTask::Classify] {
-            let mut s = spec("file:///m");
+            let mut s = spec("pvc://models/minilm");
             s.model.task = task;
             s.resources.gpus = 1;
-            let err = validate_spec(&s).expect_err("an encoder on a GPU pod");
+            assert!(validate_spec(&s).is_ok(), "{task:?} on a GPU");
+        }
+        for (uri, format) in [("pvc://models/m.gguf", ModelFormat::Auto), ("pvc://models/m", ModelFormat::Gguf)] {
+            let mut s = spec(uri);
+            s.model.format = format;
+            s.model.task = ModelTask::Embed;
+            s.resources.gpus = 1;
+            let err = validate_spec(&s).expect_err("GGUF embeddings on a GPU pod");
             assert_eq!(err.reason, reasons::INVALID_SPEC);
-            assert!(err.message.contains("CPU backend only") && err.message.contains(task.as_str()), "{}", err.message);
+            assert!(err.message.contains("CPU backend only") && err.message.contains("embed"), "{}", err.message);
             s.resources.gpus = 0;
-            assert!(validate_spec(&s).is_ok(), "{task:?} on the CPU");
+            assert!(validate_spec(&s).is_ok(), "GGUF embeddings on the CPU");
         }
     }
 }

@@ -328,3 +328,33 @@ fn the_operator_admin_key_reaches_the_agent_through_a_secret() {
     let owner = &secret.metadata.owner_references.unwrap()[0];
     assert_eq!((owner.kind.as_str(), owner.uid.as_str(), owner.controller), ("ModelDeployment", "uid-2", Some(true)));
 }
+
+/// Encoder tasks start the agent with `--grpc-port` and expose that port, named `grpc`, on the
+/// container and the Service (`appProtocol: grpc`); generation has neither.
+#[test]
+fn encoder_tasks_open_the_grpc_port_on_the_pod_and_the_service() {
+    use peregrine_crds::ModelTask;
+    use peregrine_operator::desired::AGENT_GRPC_PORT;
+    let mut md = minimal("file:///enc", "safetensors");
+    for task in [ModelTask::Embed, ModelTask::Rerank, ModelTask::Classify] {
+        md.spec.model.task = task;
+        let args = agent_args(&md, "/enc", 8000);
+        let at = args.iter().position(|a| a == "--grpc-port").unwrap_or_else(|| panic!("{task:?}: {args:?}"));
+        assert_eq!(args[at + 1], AGENT_GRPC_PORT.to_string());
+        assert_agent_accepts(&args);
+        let c = agent(&build(&md));
+        let ports: Vec<(String, i32)> = c.ports.unwrap().into_iter().map(|p| (p.name.unwrap(), p.container_port)).collect();
+        assert_eq!(ports, vec![("http".to_string(), 8000), ("grpc".to_string(), AGENT_GRPC_PORT)], "{task:?}");
+        // Probes stay on HTTP (same readiness as gRPC health).
+        assert!(c.readiness_probe.unwrap().http_get.is_some());
+        let service_ports = desired_service(&md, 8000).spec.unwrap().ports.unwrap();
+        let grpc = service_ports.iter().find(|p| p.name.as_deref() == Some("grpc")).expect("a grpc Service port");
+        assert_eq!(grpc.port, AGENT_GRPC_PORT);
+        assert_eq!(grpc.target_port, Some(IntOrString::String("grpc".into())));
+        assert_eq!(grpc.app_protocol.as_deref(), Some("grpc"));
+    }
+    md.spec.model.task = ModelTask::Generate;
+    assert!(!agent_args(&md, "/enc", 8000).iter().any(|a| a == "--grpc-port"));
+    assert_eq!(agent(&build(&md)).ports.unwrap().len(), 1);
+    assert_eq!(desired_service(&md, 8000).spec.unwrap().ports.unwrap().len(), 1);
+}

@@ -1,5 +1,7 @@
-//! Encoder throughput and latency on the CPU through the batching thread, as a server drives it:
-//! `cargo run --release -p peregrine-engine --example encoder_bench -- <encoder folder> [threads]`.
+//! Encoder throughput and latency through the batching thread, as a server drives it:
+//! `cargo run --release -p peregrine-engine --example encoder_bench -- <encoder folder> [threads]
+//! [--device cpu|cuda] [--gemm f32|bf16]` (the GEMM choice is the CUDA encoder's; on cuda each row
+//! sends 16× the CPU's requests, so that it lasts long enough to time).
 //!
 //! For input lengths 16/128/512 tokens (texts of repeated words, tokenized on the client threads)
 //! and concurrency 1 and 64 (closed loop: each client sends its next one-sentence request when the
@@ -11,6 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use peregrine_engine::backend::cpu::encoder::CpuEncoder;
+use peregrine_engine::backend::cuda::encoder::{CudaEncoder, EncoderGemm};
+use peregrine_engine::backend::EncoderBackend;
+use peregrine_engine::encoder::weights::EncoderWeights;
 use peregrine_engine::encoder::{EncoderHandle, EncoderJobKind, EncoderModel, EncoderServiceConfig};
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
@@ -18,16 +23,45 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1e3
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+type BoxError = Box<dyn std::error::Error>;
+
+/// The encoder backend asked for, and how many times the CPU's request counts to send.
+fn backend(device: &str, gemm: &str, model: &EncoderModel, weights: EncoderWeights, threads: usize) -> Result<(Box<dyn EncoderBackend>, usize), BoxError> {
+    match device {
+        "cpu" => Ok((Box::new(CpuEncoder::new(model.config.clone(), weights, threads)?), 1)),
+        "cuda" => {
+            let gemm = match gemm {
+                "f32" => EncoderGemm::F32,
+                "bf16" => EncoderGemm::Bf16,
+                other => return Err(format!("--gemm {other}: f32 or bf16").into()),
+            };
+            Ok((Box::new(CudaEncoder::new(model.config.clone(), weights, 0, gemm)?), 16))
+        }
+        other => Err(format!("--device {other}: cpu or cuda").into()),
+    }
+}
+
+fn main() -> Result<(), BoxError> {
+    let mut path = None;
+    let mut threads = 2usize;
+    let mut device = "cpu".to_string();
+    let mut gemm = "f32".to_string();
     let mut args = std::env::args().skip(1);
-    let path = PathBuf::from(args.next().ok_or("usage: encoder_bench <encoder folder> [threads]")?);
-    let threads: usize = args.next().map(|t| t.parse()).transpose()?.unwrap_or(2);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--device" => device = args.next().ok_or("--device needs cpu or cuda")?,
+            "--gemm" => gemm = args.next().ok_or("--gemm needs f32 or bf16")?,
+            _ if path.is_none() => path = Some(PathBuf::from(a)),
+            _ => threads = a.parse()?,
+        }
+    }
+    let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16]")?;
     let (mut model, weights) = EncoderModel::load(&path)?;
     model.set_max_seq_length(512)?;
-    let backend = CpuEncoder::new(model.config.clone(), weights, threads)?;
+    let (backend, reps) = backend(&device, &gemm, &model, weights, threads)?;
     let model = Arc::new(model);
     let config = EncoderServiceConfig { max_num_batched_tokens: 8192 };
-    let handle = EncoderHandle::start(Box::new(backend), model.clone(), config)?;
+    let handle = EncoderHandle::start(backend, model.clone(), config)?;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "backend {} max_num_batched_tokens {} load average {}",
@@ -41,7 +75,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let text = "hello ".repeat(len - 2);
         assert_eq!(model.tokenizer.encode(&text, false)?.len(), len);
         // About 8k tokens per row at concurrency 64 (at least 64 requests), 1k at 1 (at least 4).
-        for (conc, per_client) in [(1usize, (1024 / len).max(4)), (64, (128 / len).max(1))] {
+        for (conc, per_client) in [(1usize, reps * (1024 / len).max(4)), (64, reps * (128 / len).max(1))] {
             let warm = model.tokenizer.encode(&text, false)?;
             handle.run_blocking(vec![warm], EncoderJobKind::Embed)?;
             let t0 = Instant::now();

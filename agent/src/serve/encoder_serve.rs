@@ -41,10 +41,14 @@ pub fn encoder_routes() -> Router<Arc<AppState<EncoderOnly>>> {
 
 fn load(args: &ServeArgs) -> anyhow::Result<EncoderOnly> {
     let t0 = std::time::Instant::now();
-    if args.engine.device()? != DeviceArg::Cpu {
-        anyhow::bail!("encoders and decoder embeddings run on the CPU backend only for now (--device cpu)");
+    let device = args.engine.device()?;
+    let encoder_folder = is_encoder_folder(&args.engine.model);
+    // Decoder embeddings have no CUDA path: refused when cuda is asked for, the CPU when it is only
+    // the default of a GPU machine.
+    if args.engine.device == Some(DeviceArg::Cuda) && !encoder_folder {
+        anyhow::bail!("decoder embeddings (--task embed) run on the CPU backend only for now (--device cpu); BERT-family encoders run on cuda too");
     }
-    let (model, backend) = if is_encoder_folder(&args.engine.model) { load_encoder(args)? } else { load_decoder(args)? };
+    let (model, backend) = if encoder_folder { load_encoder(args, device)? } else { load_decoder(args)? };
     let name = args.served_model_name.clone().unwrap_or_else(|| engine_backend::default_model_name(&args.engine.model));
     let config = EncoderServiceConfig { max_num_batched_tokens: args.engine.max_num_batched_tokens };
     let handle = EncoderHandle::start(backend, Arc::new(model), config)?;
@@ -53,14 +57,30 @@ fn load(args: &ServeArgs) -> anyhow::Result<EncoderOnly> {
 }
 
 /// A BERT-family folder.
-fn load_encoder(args: &ServeArgs) -> anyhow::Result<(EncoderModel, Box<dyn EncoderBackend>)> {
+fn load_encoder(args: &ServeArgs, device: DeviceArg) -> anyhow::Result<(EncoderModel, Box<dyn EncoderBackend>)> {
     let (mut model, weights) = EncoderModel::load(&args.engine.model)?;
     // --max-model-len overrides Sentence-Transformers' max_seq_length (up to the position table).
     if let Some(n) = args.engine.max_model_len {
         model.set_max_seq_length(n)?;
     }
-    let backend = CpuEncoder::new(model.config.clone(), weights, args.engine.threads())?;
-    Ok((model, Box::new(backend)))
+    let backend: Box<dyn EncoderBackend> = match device {
+        DeviceArg::Cpu => Box::new(CpuEncoder::new(model.config.clone(), weights, args.engine.threads())?),
+        DeviceArg::Cuda => cuda_encoder(&model, weights)?,
+    };
+    Ok((model, backend))
+}
+
+/// The encoder on GPU 0: f32 GEMMs (the reference path), or bf16 ones with
+/// `PEREGRINE_ENCODER_GEMM=bf16`. Pooling and the classifier head stay on the host.
+#[cfg(feature = "cuda")]
+fn cuda_encoder(model: &EncoderModel, weights: peregrine_engine::encoder::weights::EncoderWeights) -> anyhow::Result<Box<dyn EncoderBackend>> {
+    use peregrine_engine::backend::cuda::encoder::{CudaEncoder, EncoderGemm};
+    Ok(Box::new(CudaEncoder::new(model.config.clone(), weights, 0, EncoderGemm::from_env())?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_encoder(_: &EncoderModel, _: peregrine_engine::encoder::weights::EncoderWeights) -> anyhow::Result<Box<dyn EncoderBackend>> {
+    anyhow::bail!("this build has no CUDA backend (feature cuda): use --device cpu")
 }
 
 /// A decoder (`--task embed`): last-token embeddings from its final norm. Inputs are limited to

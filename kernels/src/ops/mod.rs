@@ -6,6 +6,7 @@
 mod argmax;
 mod attention;
 mod embedding;
+mod encoder;
 mod fill;
 mod gemv;
 mod gemm_w8a8;
@@ -21,6 +22,7 @@ mod token_mask;
 use attention::mma_smem_opt_in;
 use gemv_fp8::GEMV8_M1_ROWS_DEFAULT;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
+pub use encoder::{attention_tiles as encoder_attention_tiles, EmbeddingTables, EncoderActivation, EncoderKernels, NormParams, ENC_ATTN_MAX_HEAD_DIM, ENC_ATTN_QUERY_TILE};
 pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};

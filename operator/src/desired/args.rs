@@ -33,6 +33,10 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
     if spec.model.task == ModelTask::Embed {
         args.extend(["--task".to_string(), "embed".to_string()]);
     }
+    // Encoders answer gRPC too (packed floats for large embedding batches); see docs/grpc.md.
+    if super::serves_grpc(md) {
+        args.extend(["--grpc-port".to_string(), super::AGENT_GRPC_PORT.to_string()]);
+    }
     let mut flag = |name: &str, value: Option<String>| {
         if let Some(value) = value {
             args.push(format!("--{name}"));

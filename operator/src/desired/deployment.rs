@@ -20,6 +20,17 @@ use crate::config::OperatorConfig;
 /// load balancers stop routing to it first.
 const PRE_STOP_SLEEP_SECONDS: i64 = 5;
 
+/// `http` always; `grpc` too for encoder tasks. Probes stay on HTTP: `/ready` and gRPC health report
+/// the same readiness, and the HTTP port exists for every task.
+fn container_ports(md: &ModelDeployment, port: i32) -> Vec<ContainerPort> {
+    let named = |name: &str, container_port: i32| ContainerPort { name: Some(name.into()), container_port, protocol: Some("TCP".into()), ..Default::default() };
+    let mut ports = vec![named("http", port)];
+    if super::serves_grpc(md) {
+        ports.push(named("grpc", super::AGENT_GRPC_PORT));
+    }
+    ports
+}
+
 /// The Deployment for `md`, whose model URI parsed as `uri`. Owned by `md`, so deleting it cascades.
 pub fn desired_deployment(md: &ModelDeployment, uri: &SourceUri, config: &OperatorConfig) -> Deployment {
     let spec = &md.spec;
@@ -39,7 +50,7 @@ pub fn desired_deployment(md: &ModelDeployment, uri: &SourceUri, config: &Operat
         image: Some(spec.image.clone().unwrap_or_else(|| config.agent_image.clone())),
         image_pull_policy: spec.image_pull_policy.map(|p| p.as_str().to_string()),
         args: Some(agent_args(md, &plan.model_path, port)),
-        ports: Some(vec![ContainerPort { name: Some("http".into()), container_port: port, protocol: Some("TCP".into()), ..Default::default() }]),
+        ports: Some(container_ports(md, port)),
         resources: Some(resources(md)),
         // Loading a large model takes minutes: the startup probe allows `startup_seconds`, and
         // liveness only starts once it has passed, so a slow load is never killed as a hang.

@@ -12,6 +12,15 @@ use std::collections::BTreeMap;
 
 use peregrine_crds::{ModelDeployment, DEPLOYMENT_LABEL};
 
+/// The agent's gRPC port (`--grpc-port`) for encoder tasks (embed, rerank, classify): container and
+/// Service port `grpc` (gRPC's conventional port; generation has no gRPC service, so no port).
+pub const AGENT_GRPC_PORT: i32 = 50051;
+
+/// Whether `md`'s agent serves gRPC beside HTTP (an encoder task).
+pub fn serves_grpc(md: &ModelDeployment) -> bool {
+    md.spec.model.task.is_encoder()
+}
+
 /// Labels on every object made for `md`; [`selector_labels`] is the subset the pods are selected by.
 ///
 /// No `app.kubernetes.io/instance`: Argo CD tracks the objects of an Application by that label, so

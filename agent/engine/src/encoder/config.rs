@@ -46,6 +46,14 @@ impl EncoderConfig {
         self.max_position_embeddings.saturating_sub(self.position_offset)
     }
 
+    /// Checks a batch against this model (ids inside the vocabulary and token types, lengths inside
+    /// the position table) before any backend indexes its tables with it.
+    pub fn check_batch(&self, batch: &crate::plan::RaggedBatch) -> Result<()> {
+        batch
+            .validate(self.vocab_size, self.type_vocab_size, self.max_tokens_per_sequence())
+            .map_err(|m| EngineError::InvalidRequest(format!("encoder batch: {m}")))
+    }
+
     pub fn load(dir: &Path) -> Result<EncoderConfig> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path)

@@ -35,6 +35,23 @@ pub struct EncoderLayer {
     pub output_norm: LayerNorm,
 }
 
+impl EncoderLayer {
+    /// `[q; k; v]` as one linear (rows stacked, biases concatenated): both backends run the three
+    /// projections as one GEMM over the input.
+    pub fn fused_qkv(&self) -> Linear {
+        let parts = [&self.query, &self.key, &self.value];
+        let cols = self.query.weight.cols;
+        let rows = parts.iter().map(|p| p.weight.rows).sum();
+        let mut w = Vec::with_capacity(rows * cols);
+        let mut bias = Vec::with_capacity(rows);
+        for p in parts {
+            w.extend(p.weight.to_f32());
+            bias.extend_from_slice(&p.bias);
+        }
+        Linear { weight: Matrix::from_f32(rows, cols, w), bias }
+    }
+}
+
 /// `*ForSequenceClassification`'s head on the first token: `out(tanh(dense(h[0])))`. BERT calls the
 /// dense layer `pooler.dense` and the output `classifier`; RoBERTa/XLM-R `classifier.dense` and
 /// `classifier.out_proj`: the same arithmetic.

@@ -3,13 +3,17 @@
 //! Each call is turned into the HTTP endpoint's typed request and goes through the same
 //! validation, handler, admission, batching thread and metrics ([`service`]); errors map to gRPC
 //! status codes ([`status`]). Packed floats make large embedding batches cheaper than JSON.
+//! `grpc.health.v1` (following `/ready`) and server reflection sit beside it ([`health`]).
 
 pub mod proto {
     //! The code tonic-prost-build generates from the .proto (see `agent/build.rs`).
     #![allow(clippy::all, clippy::pedantic, missing_docs)]
     tonic::include_proto!("peregrine.encoder.v1");
+    /// The encoded descriptors of the .proto (and its imports), for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/encoder_descriptor.bin"));
 }
 pub mod connections;
+pub mod health;
 pub mod service;
 pub mod status;
 
@@ -45,14 +49,31 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let max_request = state.config.max_body_bytes;
     let incoming = connections::limited(listener, state.config.connections.max_connections);
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    // Aborted when the server returns: the status then no longer matters.
+    let follower = tokio::spawn(health::follow_readiness(reporter, state.clone()));
     let encoder = EncoderServer::new(EncoderService::new(state))
         .max_decoding_message_size(max_request)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
-    tonic::transport::Server::builder()
+    // The descriptors are built into the binary, so an error here is a build defect: gRPC is then
+    // served without reflection rather than not at all.
+    let (reflection_v1, reflection_v1alpha) = match health::reflection_services() {
+        Ok((v1, v1alpha)) => (Some(v1), Some(v1alpha)),
+        Err(e) => {
+            tracing::error!(error = %e, "gRPC reflection unavailable");
+            (None, None)
+        }
+    };
+    let served = tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(encoder)
+        .add_service(health_service)
+        .add_optional_service(reflection_v1)
+        .add_optional_service(reflection_v1alpha)
         .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .await;
+    follower.abort();
+    served
 }

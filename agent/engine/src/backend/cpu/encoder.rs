@@ -15,9 +15,8 @@ use super::simd::Isa;
 use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
 use crate::encoder::weights::{EncoderWeights, LayerNorm, Linear};
-use crate::model::Matrix;
 use crate::plan::RaggedBatch;
-use crate::{EngineError, Result};
+use crate::Result;
 
 struct Layer {
     /// `[q; k; v]` rows fused: one pass over the input.
@@ -47,18 +46,6 @@ impl std::fmt::Debug for CpuEncoder {
     }
 }
 
-fn fuse(parts: [&Linear; 3]) -> Linear {
-    let cols = parts[0].weight.cols;
-    let rows = parts.iter().map(|p| p.weight.rows).sum();
-    let mut w = Vec::with_capacity(rows * cols);
-    let mut bias = Vec::with_capacity(rows);
-    for p in parts {
-        w.extend(p.weight.to_f32());
-        bias.extend_from_slice(&p.bias);
-    }
-    Linear { weight: Matrix::from_f32(rows, cols, w), bias }
-}
-
 impl CpuEncoder {
     /// `threads == 0` uses every available core. The classifier head (if any) stays with the caller.
     pub fn new(config: EncoderConfig, weights: EncoderWeights, threads: usize) -> Result<CpuEncoder> {
@@ -67,7 +54,7 @@ impl CpuEncoder {
             .layers
             .into_iter()
             .map(|l| Layer {
-                qkv: fuse([&l.query, &l.key, &l.value]),
+                qkv: l.fused_qkv(),
                 attn_out: l.attn_out,
                 attn_norm: l.attn_norm,
                 intermediate: l.intermediate,
@@ -319,9 +306,7 @@ fn activate(act: Activation, row: &mut [f32]) {
 impl EncoderBackend for CpuEncoder {
     fn forward(&mut self, batch: &RaggedBatch) -> Result<Vec<f32>> {
         let c = &self.config;
-        batch
-            .validate(c.vocab_size, c.type_vocab_size, c.max_tokens_per_sequence())
-            .map_err(|m| EngineError::InvalidRequest(format!("encoder batch: {m}")))?;
+        c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
         let mut scratch = Scratch { qkv: Vec::new(), ctx: vec![0f32; n * c.hidden_size], proj: Vec::new(), inter: Vec::new() };

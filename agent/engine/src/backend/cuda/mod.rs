@@ -19,6 +19,7 @@
 //! tensor-core GEMM, both scales in their epilogue. LoRA reads the bf16 activations as before.
 
 pub mod bench;
+pub mod encoder;
 mod graphs;
 mod lora;
 mod plan;

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""An encoder on torch + transformers on the GPU, measured like `encoder_bench --device cuda`.
+
+Run (on the GPU machine, where torch and transformers are installed):
+    python3 scripts/bench_torch_encoder_gpu.py <encoder folder> [float32|bfloat16|float16]
+
+Sentence-Transformers' MiniLM recipe without needing the package: AutoModel, mean pooling over the
+attention mask, L2 normalisation (what all-MiniLM-L6-v2's modules.json asks for). float32 runs with
+TF32 off (the reference precision of Peregrine's f32 path). For input lengths 16/128/512 tokens
+(texts of repeated words) prints, at concurrency 1, one request after another (latency p50/p99,
+sequences/s), and as batch throughput, batches of 64 equal texts (all the same length, so padding
+wastes nothing): sequences/s and tokens/s. Each timed call ends with a synchronize (the embeddings
+are copied to the host, as a server must).
+"""
+import sys
+import time
+
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+folder = sys.argv[1]
+dtype = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+device = torch.device("cuda")
+tokenizer = AutoTokenizer.from_pretrained(folder)
+model = AutoModel.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def embed(texts):
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=512, return_tensors="pt").to(device)
+    hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
+
+
+def timed(call, times):
+    """Runs `call` `times` times; returns (wall seconds, sorted per-call seconds)."""
+    per_call = []
+    start = time.perf_counter()
+    for _ in range(times):
+        began = time.perf_counter()
+        call()
+        per_call.append(time.perf_counter() - began)
+    return time.perf_counter() - start, sorted(per_call)
+
+
+def percentile_ms(sorted_seconds, q):
+    return sorted_seconds[min(len(sorted_seconds) - 1, round((len(sorted_seconds) - 1) * q))] * 1e3
+
+
+print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}, dtype {dtype}, TF32 off")
+print(f"{'len':>6} {'mode':>9} {'reqs':>6} {'seq/s':>10} {'tok/s':>10} {'p50 ms':>9} {'p99 ms':>9}")
+for length in (16, 128, 512):
+    text = "hello " * (length - 2)
+    assert len(tokenizer(text)["input_ids"]) == length
+    for _ in range(3):
+        embed([text])
+        embed([text] * 64)
+    singles = 16 * max(1024 // length, 4)
+    wall, lat = timed(lambda: embed([text]), singles)
+    print(f"{length:>6} {'conc 1':>9} {singles:>6} {singles / wall:>10.1f} {singles * length / wall:>10.0f} "
+          f"{percentile_ms(lat, 0.5):>9.2f} {percentile_ms(lat, 0.99):>9.2f}")
+    batches = 16 * max(128 // length, 1)
+    wall, _ = timed(lambda: embed([text] * 64), batches)
+    seqs = 64 * batches
+    print(f"{length:>6} {'batch 64':>9} {seqs:>6} {seqs / wall:>10.1f} {seqs * length / wall:>10.0f} {'':>9} {'':>9}")

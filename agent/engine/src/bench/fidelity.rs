@@ -231,6 +231,9 @@ pub struct Comparison {
     pub text: TextRun,
     /// Text positions where our greedy pick equals the reference's.
     pub text_top1_agree: usize,
+    /// |Δlogit| and top-1 on the prompts against a second, fixed reference (transformers' float32
+    /// logits of the same prompts), when one was given to [`compare_with_fixture`].
+    pub fixture: Option<Fidelity>,
 }
 
 impl Comparison {
@@ -241,10 +244,19 @@ impl Comparison {
 
 /// Runs the prompts and the text through `backend` and compares every position with `reference`.
 pub fn compare(backend: &mut dyn Backend, reference: &Reference, text: &[u32], chunk: usize) -> Result<Comparison> {
-    let mut c = Comparison::default();
-    for (tokens, ref_rows) in &reference.prompts {
+    compare_with_fixture(backend, reference, text, chunk, None)
+}
+
+/// [`compare`], and with `fixture` (one entry per prompt of `reference`, the same tokens; the caller
+/// checks [`fixture_matches`]) the prompts' logits against it too ([`Comparison::fixture`]).
+pub fn compare_with_fixture(backend: &mut dyn Backend, reference: &Reference, text: &[u32], chunk: usize, fixture: Option<&[ReferencePrompt]>) -> Result<Comparison> {
+    let mut c = Comparison { fixture: fixture.map(|_| Fidelity::default()), ..Comparison::default() };
+    for (i, (tokens, ref_rows)) in reference.prompts.iter().enumerate() {
         let mut rows = Vec::with_capacity(tokens.len());
         for_each_position(backend, tokens, chunk, |_, row| rows.push(row.to_vec()))?;
+        if let (Some(f), Some(want)) = (c.fixture.as_mut(), fixture.and_then(|p| p.get(i))) {
+            add_prompt(f, &rows, want);
+        }
         for (ours, theirs) in rows.iter().zip(ref_rows) {
             let ids = top_k(theirs, 10);
             let ref_logits: Vec<f32> = ids.iter().map(|&i| theirs[i as usize]).collect();
@@ -259,6 +271,28 @@ pub fn compare(backend: &mut dyn Backend, reference: &Reference, text: &[u32], c
     c.text = run_text(backend, text, chunk)?;
     c.text_top1_agree = c.text.argmax.iter().zip(&reference.text.argmax).filter(|(a, b)| a == b).count();
     Ok(c)
+}
+
+/// Whether `fixture` holds exactly the prompts `reference` ran (same tokens, in order), so that
+/// [`compare_with_fixture`] compares like with like.
+pub fn fixture_matches(reference: &Reference, fixture: &[ReferencePrompt]) -> bool {
+    reference.prompts.len() == fixture.len() && reference.prompts.iter().zip(fixture).all(|((tokens, _), f)| *tokens == f.input_ids)
+}
+
+/// The reference run's own prompts against `fixture` ([`fixture_matches`] checked by the caller).
+pub fn reference_vs_fixture(reference: &Reference, fixture: &[ReferencePrompt]) -> Fidelity {
+    let mut f = Fidelity::default();
+    for ((_, rows), want) in reference.prompts.iter().zip(fixture) {
+        add_prompt(&mut f, rows, want);
+    }
+    f
+}
+
+/// Adds every position of one prompt: `rows` our logits rows, `want` the fixture's top-k.
+fn add_prompt(f: &mut Fidelity, rows: &[Vec<f32>], want: &ReferencePrompt) {
+    for (row, (ids, logits)) in rows.iter().zip(&want.positions) {
+        f.add(row, ids, logits);
+    }
 }
 
 /// Lowest index of the largest value (the greedy pick).

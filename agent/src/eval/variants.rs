@@ -121,9 +121,9 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
             out.push(native(WeightOption::Quantized { format, granularity, activations }));
         }
     }
-    if device == DeviceArg::Cpu {
-        out.push(unquantized(KvOption::BF16));
-    }
+    // The bf16 cache on both devices: on CUDA it is the reference itself (0 against it, and a check
+    // that runs repeat), and its column against `--reference-logits` is the bf16 cache's own cost.
+    out.push(unquantized(KvOption::BF16));
     // Every fp8 cache `--kv-cache-dtype` offers, on both devices.
     out.push(unquantized(KvOption::fp8(false)));
     out.push(unquantized(KvOption::fp8(true)));

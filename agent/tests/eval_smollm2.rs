@@ -7,7 +7,7 @@
 mod common;
 
 use peregrine_agent::eval::{EvalArgs, KvOption, Variant, WeightOption};
-use peregrine_agent::runtime::{DeviceArg, LoadFormatArg};
+use peregrine_agent::runtime::{DeviceArg, KvCacheDtypeArg, LoadFormatArg};
 use peregrine_engine::bench::fidelity::{self, SMOLLM2_WEIGHT_BOUNDS};
 use peregrine_engine::model::quantize::Granularity;
 
@@ -34,6 +34,7 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
         text: None,
         text_tokens: prefix,
         chunk: 64,
+        reference_logits: Some(peregrine_testkit::fixtures_dir().join("smollm2").join("reference.json")),
     };
     let bounded: Vec<Variant> = SMOLLM2_WEIGHT_BOUNDS
         .iter()
@@ -43,7 +44,9 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
         })
         .collect();
     let mut variants = bounded.clone();
-    variants.push(Variant { weights: WeightOption::Unquantized, kv: KvOption::fp8(true) });
+    // `--kv-cache-dtype fp8` (whatever FP8_KV_DEFAULT names: fp8-hadamard) and fp8-hadamard-qkv.
+    variants.push(Variant { weights: WeightOption::Unquantized, kv: KvOption::from_flag(KvCacheDtypeArg::Fp8) });
+    variants.push(Variant { weights: WeightOption::Unquantized, kv: KvOption::from_flag(KvCacheDtypeArg::Fp8HadamardQkv) });
     let report = args.evaluate_variants(&variants, |line| eprintln!("{line}")).unwrap();
 
     // The reference is transformers' model: same prompt tokens, logits within 1e-3 at every position.
@@ -83,6 +86,26 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
         assert!(c.kl_mean() > 0.0 && c.kl_max.is_finite(), "{label}: {c:?}");
         assert!(ppl.is_finite() && (ppl / got_ppl - 1.0).abs() < 0.25, "{label}: perplexity {ppl} vs {got_ppl}");
     }
-    let fp8_kv = &report.row(&variants[3]).unwrap().comparison;
-    assert!(fp8_kv.logits.mean_abs_diff() > 0.0 && fp8_kv.text.perplexity().is_finite(), "{fp8_kv:?}");
+    // Over the prompts (docs/benchmarks.md): q/k rotated 0.302, q/k/v rotated 0.192; 30 % above for
+    // other summation orders. The second bound fails if fp8-hadamard-qkv loses v's rotation (or its
+    // undoing, which would move every logit far more).
+    for (i, max_mean) in [(3, 0.40), (4, 0.25)] {
+        let fp8_kv = &report.row(&variants[i]).unwrap().comparison;
+        assert!(fp8_kv.logits.mean_abs_diff() > 0.0 && fp8_kv.text.perplexity().is_finite(), "{fp8_kv:?}");
+        assert!(fp8_kv.logits.mean_abs_diff() <= max_mean, "{:?}: mean |Δ| {} > {max_mean}", variants[i], fp8_kv.logits.mean_abs_diff());
+        // The text's KL covers every one of its positions here (256 < TEXT_KL_MAX_POSITIONS).
+        assert_eq!(fp8_kv.text_kl_positions, prefix);
+        assert!(fp8_kv.text_kl_mean() > 0.0 && fp8_kv.text_kl_mean() < 0.05, "{:?}: text KL {}", variants[i], fp8_kv.text_kl_mean());
+    }
+
+    // `--reference-logits`: the reference against transformers' float32 logits (the same figures as
+    // above), and every row against them too, close to its figure against the reference.
+    let r2 = report.reference_vs_fixture.expect("reference vs --reference-logits");
+    assert_eq!((r2.positions, r2.top1_agree), (36, 36));
+    assert!(r2.max_abs_diff < 1e-3, "{r2:?}");
+    for row in &report.rows {
+        let (own, fixed) = (&row.comparison.logits, row.comparison.fixture.expect("each row against --reference-logits"));
+        assert_eq!(fixed.positions, 36);
+        assert!((own.mean_abs_diff() - fixed.mean_abs_diff()).abs() < 1e-3, "{:?}: {own:?} vs {fixed:?}", row.variant);
+    }
 }

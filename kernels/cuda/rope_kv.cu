@@ -13,6 +13,9 @@
 // dimensions are spread over the whole head before they are rounded to the cache's type. The rotated
 // heads are staged in shared memory for the log2(D) butterfly passes (the CPU backend's
 // hadamard::rotate is the reference, same pass order).
+// The _had_v variants (`--kv-cache-dtype fp8-hadamard-qkv`) rotate every v head too before it is
+// rounded: the attention output is then H times the true one per head, and hadamard_heads rotates it
+// back (H is its own inverse) before o_proj and its LoRA adapter read it.
 // grid: (tokens, ceil((Hq + 2*Hkv) / ROPE_HEADS)).
 
 // f32 -> e4m3 byte, round to nearest even, saturating to +-448 (sm_89+; never launched below).
@@ -46,7 +49,35 @@ __device__ __forceinline__ void rope_store_qk(float y, int h, int c0, u64 t, bf1
     }
 }
 
-template <bool F8, bool HAD>
+// Stores value x of column i of v head h for the token at (blk, off): e4m3 V is transposed within
+// its block ([D, block_size]), bf16 V is not.
+template <bool F8>
+__device__ __forceinline__ void rope_store_v(float x, int h, int i, void* __restrict__ v_cache, int hkv, int d, int block_size,
+                                             u64 blk, u64 off) {
+    if constexpr (F8) static_cast<unsigned char*>(v_cache)[((blk * hkv + h) * d + i) * block_size + off] = f2e4m3(x);
+    else static_cast<bf16_t*>(v_cache)[((blk * hkv + h) * block_size + off) * d + i] = f2bf(x);
+}
+
+// The unnormalized Walsh-Hadamard transform H_D of `nheads` heads of `d` floats staged in shared
+// memory: pass `len` turns pairs (lo, lo + len) within each 2*len group into (a + b, a - b), the
+// CPU's hadamard::rotate order. Block-uniform: every thread of the block must call it.
+__device__ __forceinline__ void had_butterflies(float* had, int nheads, int d) {
+    const int half = d >> 1;
+    __syncthreads();
+    for (int len = 1; len < d; len <<= 1) {
+        for (int b = threadIdx.x; b < nheads * half; b += blockDim.x) {
+            const int hh = b / half, j = b % half;
+            const int lo = hh * d + (j / len) * 2 * len + j % len, hi = lo + len;
+            const float a = had[lo], e = had[hi];
+            had[lo] = a + e;
+            had[hi] = a - e;
+        }
+        __syncthreads();
+    }
+}
+
+// HAD: q and k heads rotated; HADV: v heads too (only with HAD: the variants the backend offers).
+template <bool F8, bool HAD, bool HADV>
 __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
                                                    const int* __restrict__ positions, const float* __restrict__ cos_t,
                                                    const float* __restrict__ sin_t, const int* __restrict__ slots,
@@ -65,7 +96,9 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     const int h0 = blockIdx.y * ROPE_HEADS, h1 = min(h0 + ROPE_HEADS, hq + 2 * hkv);
     // q and k heads: one thread per rotated pair.
     const int r1 = min(h1, hq + hkv);
-    // HAD: the block's RoPE'd q/k heads, staged for the Walsh-Hadamard butterflies.
+    static_assert(HAD || !HADV, "v is rotated only together with q and k");
+    // HAD: the block's RoPE'd q/k heads (and with HADV its v heads, after them), staged for the
+    // Walsh-Hadamard butterflies.
     __shared__ float had[HAD ? ROPE_HEADS * ROPE_HAD_MAX_D : 1];
     for (int p = h0 * half + threadIdx.x; p < r1 * half; p += blockDim.x) {
         const int h = p / half, i = p % half;
@@ -82,45 +115,62 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
             rope_store_qk<F8>(y1, h, i + half, t, q_out, k_cache, hq, hkv, d, block_size, blk, off);
         }
     }
-    if constexpr (HAD) {
-        // Block-uniform: every thread takes part in the barriers.
-        const int nrot = max(r1 - h0, 0);
-        __syncthreads();
-        // Pass `len`: pairs (lo, lo + len) within each 2*len group become (a + b, a - b).
-        for (int len = 1; len < d; len <<= 1) {
-            for (int b = threadIdx.x; b < nrot * half; b += blockDim.x) {
-                const int hh = b / half, j = b % half;
-                const int lo = hh * d + (j / len) * 2 * len + j % len, hi = lo + len;
-                const float a = had[lo], e = had[hi];
-                had[lo] = a + e;
-                had[hi] = a - e;
-            }
-            __syncthreads();
-        }
-        const float norm = 1.f / sqrtf((float)d);
-        for (int e = threadIdx.x; e < nrot * d; e += blockDim.x)
-            rope_store_qk<F8>(had[e] * norm, h0 + e / d, e % d, t, q_out, k_cache, hq, hkv, d, block_size, blk, off);
-    }
-    // v heads: copied as they are.
+    // v heads [v0, v1) of this block (relative to the first v head).
     const int vstart = (hq + hkv) * d;
     const int v0 = max(h0 - (hq + hkv), 0), v1 = h1 - (hq + hkv);
-    for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
-        const int h = e / d, i = e % d;
-        float x = bf2f(row[vstart + e]);
-        if (bias) x += bias[vstart + e];
-        if constexpr (F8) static_cast<unsigned char*>(v_cache)[((blk * hkv + h) * d + i) * block_size + off] = f2e4m3(x);
-        else static_cast<bf16_t*>(v_cache)[((blk * hkv + h) * block_size + off) * d + i] = f2bf(x);
+    if constexpr (HADV) {
+        // Staged like q/k (no RoPE), at their place among the block's heads.
+        for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
+            float x = bf2f(row[vstart + e]);
+            if (bias) x += bias[vstart + e];
+            had[(hq + hkv + e / d - h0) * d + e % d] = x;
+        }
+    }
+    if constexpr (HAD) {
+        // Every staged head: q/k heads [h0, r1), and with HADV the v heads up to h1.
+        const int nrot = max((HADV ? h1 : r1) - h0, 0);
+        had_butterflies(had, nrot, d);
+        const float norm = 1.f / sqrtf((float)d);
+        for (int e = threadIdx.x; e < nrot * d; e += blockDim.x) {
+            const int h = h0 + e / d;
+            if (h < hq + hkv) rope_store_qk<F8>(had[e] * norm, h, e % d, t, q_out, k_cache, hq, hkv, d, block_size, blk, off);
+            else rope_store_v<F8>(had[e] * norm, h - (hq + hkv), e % d, v_cache, hkv, d, block_size, blk, off);
+        }
+    }
+    if constexpr (!HADV) {
+        // v heads: copied as they are.
+        for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
+            float x = bf2f(row[vstart + e]);
+            if (bias) x += bias[vstart + e];
+            rope_store_v<F8>(x, e / d, e % d, v_cache, hkv, d, block_size, blk, off);
+        }
     }
 }
 
-#define ROPE_KV_WRITE(NAME, F8, HAD)                                                                            \
+#define ROPE_KV_WRITE(NAME, F8, HAD, HADV)                                                                      \
     extern "C" __global__ void NAME(const bf16_t* qkv, const float* bias, const int* positions, const float* cos_t, \
                                     const float* sin_t, const int* slots, bf16_t* q_out, void* k_cache,          \
                                     void* v_cache, int hq, int hkv, int d, int block_size) {                     \
-        rope_kv_write_impl<F8, HAD>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, hkv, \
-                                    d, block_size);                                                              \
+        rope_kv_write_impl<F8, HAD, HADV>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, \
+                                          hkv, d, block_size);                                                   \
     }
-ROPE_KV_WRITE(rope_kv_write, false, false)
-ROPE_KV_WRITE(rope_kv_write_fp8, true, false)
-ROPE_KV_WRITE(rope_kv_write_had, false, true)
-ROPE_KV_WRITE(rope_kv_write_fp8_had, true, true)
+ROPE_KV_WRITE(rope_kv_write, false, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8, true, false, false)
+ROPE_KV_WRITE(rope_kv_write_had, false, true, false)
+ROPE_KV_WRITE(rope_kv_write_fp8_had, true, true, false)
+ROPE_KV_WRITE(rope_kv_write_had_v, false, true, true)
+ROPE_KV_WRITE(rope_kv_write_fp8_had_v, true, true, true)
+
+// x <- H x for every head of x [n, heads * d] bf16, in place (H = H_D / sqrt(D), D a power of two up
+// to ROPE_HAD_MAX_D): rotates the attention output of a cache whose v heads were rotated (_had_v) back
+// to the true one. f32 inside, one bf16 rounding on the way out. Each block takes ROPE_HEADS heads of
+// one token. grid: (n, ceil(heads / ROPE_HEADS)).
+extern "C" __global__ void hadamard_heads(bf16_t* x, int heads, int d) {
+    __shared__ float had[ROPE_HEADS * ROPE_HAD_MAX_D];
+    const int h0 = blockIdx.y * ROPE_HEADS, nh = min(ROPE_HEADS, heads - h0);
+    bf16_t* base = x + (u64)blockIdx.x * (u64)(heads * d) + (u64)h0 * d;
+    for (int e = threadIdx.x; e < nh * d; e += blockDim.x) had[e] = bf2f(base[e]);
+    had_butterflies(had, nh, d);
+    const float norm = 1.f / sqrtf((float)d);
+    for (int e = threadIdx.x; e < nh * d; e += blockDim.x) base[e] = f2bf(had[e] * norm);
+}

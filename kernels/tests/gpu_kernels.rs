@@ -10,7 +10,7 @@
 
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow};
+use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation};
 use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -243,20 +243,55 @@ fn rand_caches(c: &Cuda, r: &mut ChaCha8Rng, kv: KvCacheDtype, len: usize, hkv: 
 
 #[test]
 fn rope_kv_write_matches_reference() {
-    rope_kv_write_case(KvCacheDtype::Bf16, false);
+    rope_kv_write_case(KvCacheDtype::Bf16, KvRotation::None);
 }
 
 #[test]
 fn rope_kv_write_fp8_matches_reference() {
-    rope_kv_write_case(KvCacheDtype::Fp8E4m3, false);
+    rope_kv_write_case(KvCacheDtype::Fp8E4m3, KvRotation::None);
 }
 
-/// The Hadamard-rotated variants (`--kv-cache-dtype fp8` default / `fp8-hadamard`): q and k heads
-/// after RoPE multiplied by Sylvester's normalized matrix, entry by entry.
+/// The Hadamard-rotated variants (`--kv-cache-dtype fp8-hadamard`, and `fp8-hadamard-qkv` which
+/// rotates v too): q and k heads after RoPE (and v heads as they are) multiplied by Sylvester's
+/// normalized matrix, entry by entry.
 #[test]
 fn rope_kv_write_hadamard_matches_reference() {
-    rope_kv_write_case(KvCacheDtype::Bf16, true);
-    rope_kv_write_case(KvCacheDtype::Fp8E4m3, true);
+    for rotation in [KvRotation::QK, KvRotation::QKV] {
+        rope_kv_write_case(KvCacheDtype::Bf16, rotation);
+        rope_kv_write_case(KvCacheDtype::Fp8E4m3, rotation);
+    }
+}
+
+/// `hadamard_heads` (the QKV cache's attention output rotated back): every head of every row times
+/// Sylvester's normalized matrix, and applied twice the identity (H is its own inverse), within
+/// bf16's rounding; odd head counts leave a partial block of heads.
+#[test]
+fn hadamard_heads_matches_reference_and_is_its_own_inverse() {
+    let Some(c) = cuda_for(KvCacheDtype::Bf16) else { return };
+    let mut r = rng();
+    for (n, heads, d) in [(1usize, 9usize, 64usize), (37, 32, 128), (5, 3, 128)] {
+        let (x, xv) = rand_bf16(&mut r, n * heads * d, 3.0);
+        let dx = c.gpu.upload(&x).unwrap();
+        unsafe { c.kernels.hadamard_heads(&c.gpu.stream, dx.ptr(), n, heads, d).unwrap() };
+        let once: Vec<u16> = dx.download(&c.gpu.stream).unwrap();
+        for (row, head) in (0..n * heads).map(|i| (i, i * d)) {
+            let want = sylvester_rotate(&xv[head..head + d]);
+            assert_bf16_close(&once[head..head + d], &want, &format!("rotated head {row}"));
+        }
+        unsafe { c.kernels.hadamard_heads(&c.gpu.stream, dx.ptr(), n, heads, d).unwrap() };
+        let twice: Vec<u16> = dx.download(&c.gpu.stream).unwrap();
+        let once = to_f64(&once);
+        for head in (0..n * heads).map(|i| i * d) {
+            assert_bf16_close(&twice[head..head + d], &sylvester_rotate(&once[head..head + d]), "H applied to H x");
+        }
+        // Back to x: two bf16 roundings, each at most 2⁻⁸ of every element, and H keeps the norm of
+        // the first one's error, so the whole is within 2 · 2⁻⁸ of x in relative L2.
+        let back = rel_l2(&to_f64(&twice), &xv);
+        assert!(back <= 2.0 / 256.0, "H·H x vs x: relative L2 {back}");
+    }
+    // Head dimensions the rotation does not support are refused, not launched.
+    let dx = c.gpu.upload(&vec![0u16; 96]).unwrap();
+    assert!(unsafe { c.kernels.hadamard_heads(&c.gpu.stream, dx.ptr(), 1, 1, 96) }.is_err());
 }
 
 /// `H x` with H[i][j] = (-1)^popcount(i & j) / sqrt(n).
@@ -277,10 +312,11 @@ fn assert_fp8_close(got: &[u8], want: &[f64], what: &str) {
     }
 }
 
-fn rope_kv_write_case(kv: KvCacheDtype, hadamard: bool) {
+fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
     let Some(c) = cuda_for(kv) else { return };
     let mut r = rng();
-    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
+    // (6, 3): a block of 4 heads holds the last k head and the v heads (rotated together).
+    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (6, 3, 64)] {
         let bs = 16;
         let lens = [5usize, 40, 1];
         let pg = paged(&mut r, &lens, bs);
@@ -329,7 +365,7 @@ fn rope_kv_write_case(kv: KvCacheDtype, hadamard: bool) {
         let vc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
         unsafe {
             c.kernels
-                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, hadamard)
+                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, rotation)
                 .unwrap()
         };
         let gq = qout.download(&c.gpu.stream).unwrap();
@@ -355,7 +391,7 @@ fn rope_kv_write_case(kv: KvCacheDtype, hadamard: bool) {
                     want[i] = x0 * cs[i] as f64 - x1 * sn[i] as f64;
                     want[i + half] = x1 * cs[i] as f64 + x0 * sn[i] as f64;
                 }
-                if hadamard {
+                if rotation != KvRotation::None {
                     want = sylvester_rotate(&want);
                 }
                 if h < hq {
@@ -365,7 +401,10 @@ fn rope_kv_write_case(kv: KvCacheDtype, hadamard: bool) {
                 }
             }
             for h in 0..hkv {
-                let want: Vec<f64> = (0..d).map(|i| x((hq + hkv + h) * d + i)).collect();
+                let mut want: Vec<f64> = (0..d).map(|i| x((hq + hkv + h) * d + i)).collect();
+                if rotation == KvRotation::QKV {
+                    want = sylvester_rotate(&want);
+                }
                 let at = |i: usize| match kv {
                     KvCacheDtype::Bf16 => cache_index(blk, h, off, i, hkv, bs, d),
                     KvCacheDtype::Fp8E4m3 => v_index_fp8(blk, h, off, i, hkv, bs, d),

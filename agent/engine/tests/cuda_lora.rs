@@ -7,7 +7,10 @@
 //! - a slot rewritten between steps serves the new adapter;
 //! - over an fp8 base (`--quantization fp8`, issue 17: LoRA stays bf16 on top of the W8A8 linears)
 //!   the GPU's logits and greedy tokens against the CPU backend over the same fp8 base, within the
-//!   W8A8 tolerance of `cuda_smollm2_w8a8.rs` (|Δ| <= 1.5 on the CPU's top-10).
+//!   W8A8 tolerance of `cuda_smollm2_w8a8.rs` (|Δ| <= 1.5 on the CPU's top-10);
+//! - with q, k and v Hadamard-rotated in a bf16 cache (`fp8-hadamard-qkv`'s rotation without fp8's
+//!   rounding), where o_proj's adapter must see the attention output rotated back: the same bf16
+//!   tolerance against PEFT and the CPU backend rotating the same way.
 //!
 //! Skipped with a visible "skipped: no CUDA device: <why>" where no GPU is usable (CI).
 
@@ -17,6 +20,7 @@ mod lora_common;
 
 use cuda_common::{argmax, gpu_or_skip, report, top2_margin};
 use lora_common::{cases, Case};
+use peregrine_engine::backend::cpu::kv_cache::KvFormat;
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, LoraCapacity, WeightInit};
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
@@ -38,9 +42,20 @@ fn backends() -> (CudaBackend, CpuBackend) {
     backends_with(None).expect("CUDA backend")
 }
 
+/// The cache's rotation on both backends: q/k (`kv_hadamard`) and v (`kv_hadamard_v`).
+#[derive(Clone, Copy, Default)]
+struct Rotation {
+    qk: bool,
+    v: bool,
+}
+
+fn backends_with(quantization: Option<RowFormat>) -> Option<(CudaBackend, CpuBackend)> {
+    backends_rotated(quantization, Rotation::default())
+}
+
 /// Both backends with the adapters in slots 0 and 1, the linears quantized to `quantization` (the
 /// same values on both); None (with a visible skip) where this GPU cannot run that format.
-fn backends_with(quantization: Option<RowFormat>) -> Option<(CudaBackend, CpuBackend)> {
+fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation) -> Option<(CudaBackend, CpuBackend)> {
     let mut loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
     let opts = CudaOptions {
         num_blocks: Some(32 * BLOCKS_PER_SEQ),
@@ -50,6 +65,8 @@ fn backends_with(quantization: Option<RowFormat>) -> Option<(CudaBackend, CpuBac
         max_num_seqs: 32,
         lora: Some(LoraCapacity { max_loras: 2, max_rank: 64 }),
         quantization,
+        kv_hadamard: rotation.qk,
+        kv_hadamard_v: rotation.v,
         ..CudaOptions::default()
     };
     let mut gpu = match CudaBackend::new(WeightInit::Host(&loaded.weights), &opts) {
@@ -64,6 +81,7 @@ fn backends_with(quantization: Option<RowFormat>) -> Option<(CudaBackend, CpuBac
         quantize::quantize_linear_weights(&mut loaded.weights, format).expect("quantize");
     }
     let mut cpu = CpuBackend::new(loaded.weights.clone(), KvCacheShape { num_blocks: 32 * BLOCKS_PER_SEQ, block_size: BLOCK }, 4).unwrap();
+    cpu.set_kv_format(KvFormat { hadamard: rotation.qk, hadamard_v: rotation.v, ..KvFormat::F32 }).unwrap();
     cpu.enable_lora(2, 64).unwrap();
     gpu.enable_lora(2, 64).unwrap();
     for (slot, a) in adapters(&loaded.config).iter().enumerate() {
@@ -159,6 +177,17 @@ fn adapters_alone_and_mixed_match_peft_and_the_cpu_backend() {
     // Neighbours on different slots: many segments per step.
     mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     check(&mixed, &run_together(&mut gpu, &mixed), &run_together(&mut cpu, &mixed), "mixed");
+}
+
+#[test]
+fn adapters_with_rotated_q_k_v_match_peft_and_the_cpu_backend() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let (mut gpu, mut cpu) = backends_rotated(None, Rotation { qk: true, v: true }).expect("CUDA backend");
+    let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
+    mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
+    check(&mixed, &run_together(&mut gpu, &mixed), &run_together(&mut cpu, &mixed), "q/k/v rotated");
 }
 
 #[test]

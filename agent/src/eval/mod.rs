@@ -2,10 +2,14 @@
 //! the unquantized model on the same weights (f32 on the CPU, bf16 on CUDA). Over the fixture
 //! prompts (`prompts.json`, every position): mean and max |Δlogit| over the reference's top-10 ids,
 //! top-1 agreement and KL(reference ‖ configuration); on a public-domain text
-//! (`pride-and-prejudice-ch1.txt`, Project Gutenberg eBook #1342, chapter 1): perplexity, and how
-//! often the greedy pick agrees with the reference's. Without `--quantization`/`--kv-cache-dtype` it
+//! (`pride-and-prejudice-ch1.txt`, Project Gutenberg eBook #1342, chapter 1): perplexity, how often
+//! the greedy pick agrees with the reference's, and the KL at its first 2048 positions (the
+//! better-powered measure: the prompts' 36 positions are few and all at short contexts). Without `--quantization`/`--kv-cache-dtype` it
 //! prints every option side by side, so the defaults' choice is visible; with them, that one
-//! configuration.
+//! configuration. With `--reference-logits` (transformers' float32 logits of the same prompts, as
+//! `tests/fixtures/smollm2/reference.json`), the reference and every row are also compared with
+//! those: on CUDA the reference is itself bf16 (weights and cache), and the KV target is
+//! stated against float32.
 
 mod variants;
 
@@ -14,7 +18,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use peregrine_engine::backend::Backend;
-use peregrine_engine::bench::fidelity::{self, Comparison, Reference};
+use peregrine_engine::bench::fidelity::{self, Comparison, Reference, ReferencePrompt};
 use peregrine_engine::model::{self, ModelWeights};
 use peregrine_engine::tokenizer::Tokenizer;
 
@@ -54,10 +58,17 @@ pub struct EvalArgs {
     /// Positions per forward step.
     #[arg(long, default_value_t = 64)]
     pub chunk: usize,
+    /// Second reference for the prompts: transformers' logits of the same prompt tokens in the
+    /// fixtures' JSON format (e.g. `tests/fixtures/smollm2/reference.json`, float32); the reference
+    /// and every row also get mean |Δ| and top-1 against it. At most 64 MiB.
+    #[arg(long)]
+    pub reference_logits: Option<PathBuf>,
 }
 
 /// Longest perplexity text read from a file (bounds the work and the memory).
 const MAX_TEXT_BYTES: u64 = 1 << 20;
+/// Largest `--reference-logits` file read.
+const MAX_REFERENCE_LOGITS_BYTES: u64 = 64 << 20;
 
 /// One evaluated configuration.
 #[derive(Debug, Clone)]
@@ -74,6 +85,8 @@ pub struct Report {
     pub reference: Reference,
     pub text_tokens: usize,
     pub rows: Vec<Row>,
+    /// The reference against `--reference-logits`, when given.
+    pub reference_vs_fixture: Option<fidelity::Fidelity>,
 }
 
 impl Report {
@@ -137,6 +150,19 @@ impl EvalArgs {
         Ok(vec![Variant { weights, kv }])
     }
 
+    /// `--reference-logits`, read and parsed (errors name the flag, never the path).
+    fn fixture(&self) -> anyhow::Result<Option<Vec<ReferencePrompt>>> {
+        let Some(path) = &self.reference_logits else { return Ok(None) };
+        let len = std::fs::metadata(path).map_err(|e| anyhow::anyhow!("--reference-logits: cannot read the file: {}", e.kind()))?.len();
+        if len > MAX_REFERENCE_LOGITS_BYTES {
+            anyhow::bail!("--reference-logits: {len} bytes, at most {MAX_REFERENCE_LOGITS_BYTES}");
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("--reference-logits: cannot read the file as UTF-8 text: {}", e.kind()))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--reference-logits: not JSON: {e}"))?;
+        let prompts = fidelity::prompts_from_reference(&json).map_err(|e| anyhow::anyhow!("--reference-logits: {e}"))?;
+        Ok(Some(prompts))
+    }
+
     fn device(&self) -> DeviceArg {
         self.device.unwrap_or_else(crate::runtime::default_device)
     }
@@ -152,6 +178,7 @@ impl EvalArgs {
         let device = self.device();
         let tokenizer = Tokenizer::for_model(&self.model).with_context(|| format!("loading the tokenizer of {}", self.model.display()))?;
         let inputs = self.inputs(&tokenizer)?;
+        let fixture = self.fixture()?;
         let loaded = model::load(&self.model, self.load_format.into()).with_context(|| format!("loading model {}", self.model.display()))?;
         let weights = loaded.weights;
         let longest = inputs.prompts.iter().map(Vec::len).chain([inputs.text.len()]).max().unwrap_or(0);
@@ -162,7 +189,21 @@ impl EvalArgs {
         let mut backend = backends.build(&weights, &ref_variant)?;
         let reference = fidelity::run_reference(backend.as_mut(), &inputs.prompts, &inputs.text, backends.chunk)?;
         drop(backend);
-        progress(&header(&reference_label, reference.text.perplexity(), inputs.text.len()));
+        let reference_vs_fixture = match &fixture {
+            None => None,
+            Some(f) if fidelity::fixture_matches(&reference, f) => Some(fidelity::reference_vs_fixture(&reference, f)),
+            Some(_) => anyhow::bail!("--reference-logits: its prompts are not the tokens of eval's built-in prompts (another model or tokenizer?)"),
+        };
+        if let Some(f) = &reference_vs_fixture {
+            progress(&format!(
+                "reference vs --reference-logits: mean |Δ| {:.4}, max |Δ| {:.3}, top-1 {}/{} (the columns \"ref2\" below: each row against it)",
+                f.mean_abs_diff(),
+                f.max_abs_diff,
+                f.top1_agree,
+                f.positions
+            ));
+        }
+        progress(&header(&reference_label, reference.text.perplexity(), inputs.text.len(), fixture.is_some()));
         let mut rows = Vec::new();
         for &variant in variants {
             let mut backend = match backends.build(&weights, &variant) {
@@ -172,13 +213,13 @@ impl EvalArgs {
                     continue;
                 }
             };
-            let comparison = fidelity::compare(backend.as_mut(), &reference, &inputs.text, backends.chunk)?;
+            let comparison = fidelity::compare_with_fixture(backend.as_mut(), &reference, &inputs.text, backends.chunk, fixture.as_deref())?;
             drop(backend);
             let row = Row { variant, comparison };
             progress(&format_row(device, &row, reference.text.perplexity()));
             rows.push(row);
         }
-        Ok(Report { device, reference_label, reference, text_tokens: inputs.text.len(), rows })
+        Ok(Report { device, reference_label, reference, text_tokens: inputs.text.len(), rows, reference_vs_fixture })
     }
 }
 
@@ -199,18 +240,22 @@ impl Backends {
     }
 }
 
-fn header(reference: &str, perplexity: f64, text_tokens: usize) -> String {
-    format!(
-        "reference: {reference}, perplexity {perplexity:.4} on {text_tokens} tokens\n{:<44} {:>9} {:>8} {:>6} {:>9} {:>8} {:>10} {:>7} {:>10}",
-        "configuration", "mean |Δ|", "max |Δ|", "top-1", "KL mean", "KL max", "perplexity", "Δppl", "text top-1"
-    )
+fn header(reference: &str, perplexity: f64, text_tokens: usize, with_fixture: bool) -> String {
+    let mut line = format!(
+        "reference: {reference}, perplexity {perplexity:.4} on {text_tokens} tokens\n{:<44} {:>9} {:>8} {:>6} {:>9} {:>8} {:>10} {:>7} {:>10} {:>9}",
+        "configuration", "mean |Δ|", "max |Δ|", "top-1", "KL mean", "KL max", "perplexity", "Δppl", "text top-1", "text KL"
+    );
+    if with_fixture {
+        line.push_str(&format!(" {:>9} {:>9} {:>10}", "ref2 mean", "ref2 max", "ref2 top-1"));
+    }
+    line
 }
 
 fn format_row(device: DeviceArg, row: &Row, reference_ppl: f64) -> String {
     let c = &row.comparison;
     let ppl = c.text.perplexity();
     format!(
-        "{:<44} {:>9.4} {:>8.3} {:>3}/{:<2} {:>9.5} {:>8.4} {:>10.4} {:>+6.2}% {:>5}/{}",
+        "{:<44} {:>9.4} {:>8.3} {:>3}/{:<2} {:>9.5} {:>8.4} {:>10.4} {:>+6.2}% {:>5}/{} {:>9.5}",
         row.variant.label(device),
         c.logits.mean_abs_diff(),
         c.logits.max_abs_diff,
@@ -221,8 +266,9 @@ fn format_row(device: DeviceArg, row: &Row, reference_ppl: f64) -> String {
         ppl,
         100.0 * (ppl / reference_ppl - 1.0),
         c.text_top1_agree,
-        c.text.argmax.len()
-    )
+        c.text.argmax.len(),
+        c.text_kl_mean()
+    ) + &c.fixture.map_or_else(String::new, |f| format!(" {:>9.4} {:>9.3} {:>7}/{}", f.mean_abs_diff(), f.max_abs_diff, f.top1_agree, f.positions))
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {

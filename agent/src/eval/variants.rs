@@ -7,7 +7,7 @@ use peregrine_engine::model::quantize::{quantize_linear_weights_with, Granularit
 use peregrine_engine::model::rowquant::{Activations, RowFormat};
 use peregrine_engine::model::ModelWeights;
 
-use crate::runtime::{DeviceArg, KvCacheDtypeArg, FP8_KV_HADAMARD_DEFAULT};
+use crate::runtime::{DeviceArg, KvCacheDtypeArg, FP8_KV_DEFAULT};
 
 /// How the decoder's linear weights are held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,13 +61,19 @@ impl KvOption {
         KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3, hadamard))
     }
 
+    /// fp8 with q, k and v rotated (`fp8-hadamard-qkv`).
+    pub fn fp8_qkv() -> KvOption {
+        KvOption::Typed(KvFormat { hadamard_v: true, ..KvFormat::both(KvElem::Fp8E4m3, true) })
+    }
+
     /// What a `--kv-cache-dtype` value stores.
     pub fn from_flag(flag: KvCacheDtypeArg) -> KvOption {
         match flag {
             KvCacheDtypeArg::Auto => KvOption::Native,
             KvCacheDtypeArg::Bf16 => KvOption::BF16,
-            KvCacheDtypeArg::Fp8 => KvOption::fp8(FP8_KV_HADAMARD_DEFAULT),
+            KvCacheDtypeArg::Fp8 => KvOption::from_flag(FP8_KV_DEFAULT),
             KvCacheDtypeArg::Fp8Hadamard => KvOption::fp8(true),
+            KvCacheDtypeArg::Fp8HadamardQkv => KvOption::fp8_qkv(),
             KvCacheDtypeArg::Fp8Plain => KvOption::fp8(false),
         }
     }
@@ -115,21 +121,21 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
             out.push(native(WeightOption::Quantized { format, granularity, activations }));
         }
     }
-    if device == DeviceArg::Cpu {
-        out.push(unquantized(KvOption::BF16));
-    }
+    // The bf16 cache on both devices: on CUDA it is the reference itself (0 against it, and a check
+    // that runs repeat), and its column against `--reference-logits` is the bf16 cache's own cost.
+    out.push(unquantized(KvOption::BF16));
+    // Every fp8 cache `--kv-cache-dtype` offers, on both devices.
     out.push(unquantized(KvOption::fp8(false)));
     out.push(unquantized(KvOption::fp8(true)));
+    out.push(unquantized(KvOption::fp8_qkv()));
     if device == DeviceArg::Cpu {
         // The cheaper alternatives: only one of K and V in fp8 (CPU only so far).
         for hadamard in [false, true] {
             out.push(unquantized(KvOption::Typed(KvFormat { v: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, hadamard) })));
         }
         out.push(unquantized(KvOption::Typed(KvFormat { k: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, false) })));
-        // V rotated too (output rotated back): what the rotation could buy for V's rounding.
-        out.push(unquantized(KvOption::Typed(KvFormat { hadamard_v: true, ..KvFormat::both(KvElem::Fp8E4m3, true) })));
     }
-    out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::fp8(FP8_KV_HADAMARD_DEFAULT) });
+    out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::from_flag(KvCacheDtypeArg::Fp8) });
     out
 }
 
@@ -164,11 +170,11 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
         WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken } => Some(format),
         WeightOption::Quantized { .. } => anyhow::bail!("the CUDA backend runs per-row W8A8 weights only"),
     };
-    let (kv_cache_dtype, kv_hadamard) = match variant.kv {
-        KvOption::Native => (KvCacheDtype::Bf16, false),
-        KvOption::Typed(KvFormat { hadamard_v: true, .. }) => anyhow::bail!("the CUDA backend does not rotate V"),
-        KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard, .. }) => (KvCacheDtype::Bf16, hadamard),
-        KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard, .. }) => (KvCacheDtype::Fp8E4m3, hadamard),
+    let (kv_cache_dtype, kv_hadamard, kv_hadamard_v) = match variant.kv {
+        KvOption::Native => (KvCacheDtype::Bf16, false, false),
+        KvOption::Typed(KvFormat { hadamard: false, hadamard_v: true, .. }) => anyhow::bail!("the CUDA backend rotates v only together with q and k"),
+        KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard, hadamard_v }) => (KvCacheDtype::Bf16, hadamard, hadamard_v),
+        KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard, hadamard_v }) => (KvCacheDtype::Fp8E4m3, hadamard, hadamard_v),
         KvOption::Typed(_) => anyhow::bail!("the CUDA cache keeps K and V in one type (bf16 or fp8)"),
     };
     let block_size = 16;
@@ -182,6 +188,7 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
         cuda_graph_max_batch: 0,
         kv_cache_dtype,
         kv_hadamard,
+        kv_hadamard_v,
         quantization,
         ..CudaOptions::default()
     };

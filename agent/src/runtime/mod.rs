@@ -4,6 +4,6 @@
 mod flags;
 mod start;
 
-pub use flags::{DeviceArg, EngineArgs, KvCacheDtypeArg, LoadFormatArg, LoraModule, QuantizationArg, FP8_KV_HADAMARD_DEFAULT};
+pub use flags::{DeviceArg, EngineArgs, KvCacheDtypeArg, LoadFormatArg, LoraModule, QuantizationArg, FP8_KV_DEFAULT};
 pub use start::default_device;
 pub use start::Runtime;

@@ -158,6 +158,7 @@ impl EngineArgs {
                 Some(_) => KvCacheDtype::Fp8E4m3,
             },
             kv_hadamard: self.kv_cache_dtype.fp8_hadamard().unwrap_or(false),
+            kv_hadamard_v: self.kv_cache_dtype.fp8_hadamard_v(),
             // The backend quantizes host weights itself (the CPU's values) or makes dummy ones 8-bit.
             quantization: self.quantization.map(Into::into),
             ..CudaOptions::default()
@@ -275,7 +276,14 @@ mod tests {
         assert_eq!(parse(&["--kv-cache-dtype", "bf16"]).unwrap().kv_cache_dtype, KvCacheDtypeArg::Bf16);
         assert_eq!(parse(&["--kv-cache-dtype", "fp8-hadamard"]).unwrap().kv_cache_dtype.fp8_hadamard(), Some(true));
         assert_eq!(parse(&["--kv-cache-dtype", "fp8-plain"]).unwrap().kv_cache_dtype.fp8_hadamard(), Some(false));
-        assert_eq!(KvCacheDtypeArg::Fp8.fp8_hadamard(), Some(super::super::FP8_KV_HADAMARD_DEFAULT));
+        let qkv = parse(&["--kv-cache-dtype", "fp8-hadamard-qkv"]).unwrap().kv_cache_dtype;
+        assert_eq!((qkv.fp8_hadamard(), qkv.fp8_hadamard_v()), (Some(true), true));
+        assert!(!KvCacheDtypeArg::Fp8Hadamard.fp8_hadamard_v() && !KvCacheDtypeArg::Fp8Plain.fp8_hadamard_v());
+        // fp8 means whatever FP8_KV_DEFAULT names, and that is one of the fp8 options.
+        let default = super::super::FP8_KV_DEFAULT;
+        assert_eq!(KvCacheDtypeArg::Fp8.fp8_hadamard(), default.fp8_hadamard());
+        assert_eq!(KvCacheDtypeArg::Fp8.fp8_hadamard_v(), default.fp8_hadamard_v());
+        assert!(default.fp8_hadamard().is_some() && default != KvCacheDtypeArg::Fp8);
         assert_eq!(KvCacheDtypeArg::Bf16.fp8_hadamard(), None);
         assert!(parse(&["--kv-cache-dtype", "int4"]).is_err());
     }

@@ -25,6 +25,7 @@ pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATT
 pub use encoder::{attention_tiles as encoder_attention_tiles, EmbeddingTables, EncoderActivation, EncoderKernels, NormParams, ENC_ATTN_MAX_HEAD_DIM, ENC_ATTN_QUERY_TILE};
 pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
+pub use rope_kv::KvRotation;
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 pub use token_mask::{mask_words, pack_token_constraints, packed_capacity, ConstrainedRow, TOKEN_MASK_HEADER};
@@ -71,6 +72,9 @@ pub struct Kernels {
     rope_kv_write_fp8: CudaFunction,
     rope_kv_write_had: CudaFunction,
     rope_kv_write_fp8_had: CudaFunction,
+    rope_kv_write_had_v: CudaFunction,
+    rope_kv_write_fp8_had_v: CudaFunction,
+    hadamard_heads: CudaFunction,
     paged_attention_d64: CudaFunction,
     paged_attention_d128: CudaFunction,
     paged_attention_tiled_d64: CudaFunction,
@@ -179,6 +183,9 @@ impl Kernels {
             rope_kv_write_fp8: f("rope_kv_write_fp8")?,
             rope_kv_write_had: f("rope_kv_write_had")?,
             rope_kv_write_fp8_had: f("rope_kv_write_fp8_had")?,
+            rope_kv_write_had_v: f("rope_kv_write_had_v")?,
+            rope_kv_write_fp8_had_v: f("rope_kv_write_fp8_had_v")?,
+            hadamard_heads: f("hadamard_heads")?,
             paged_attention_d64: f("paged_attention_d64")?,
             paged_attention_d128: f("paged_attention_d128")?,
             paged_attention_tiled_d64: f("paged_attention_tiled_d64")?,

@@ -10,34 +10,68 @@ const ROPE_HEADS: i32 = 4;
 /// rope_kv.cu's ROPE_HAD_MAX_D: largest head dimension the Hadamard variants stage.
 const ROPE_HAD_MAX_D: usize = 128;
 
+/// Which heads `rope_kv_write` rotates by the normalized Walsh–Hadamard matrix `H` before the cache
+/// rounds them (`d` a power of two up to 128).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvRotation {
+    /// None (`--kv-cache-dtype fp8-plain`, bf16).
+    None,
+    /// q and k (`fp8-hadamard`): scores unchanged, k's outliers spread before rounding.
+    QK,
+    /// q, k and v (`fp8-hadamard-qkv`): v's rounding error is spread too; the attention output is
+    /// then `H ·` the true one per head, and [`Kernels::hadamard_heads`] must rotate it back.
+    QKV,
+}
+
+impl KvRotation {
+    /// The rotation of q and k (`qk`) with or without v.
+    pub fn of(qk: bool, v: bool) -> Result<KvRotation> {
+        match (qk, v) {
+            (false, false) => Ok(KvRotation::None),
+            (true, false) => Ok(KvRotation::QK),
+            (true, true) => Ok(KvRotation::QKV),
+            (false, true) => Err(KernelError::Unsupported("rope: v is Hadamard-rotated only together with q and k".into())),
+        }
+    }
+}
+
+fn check_hadamard_dim(d: usize) -> Result<()> {
+    if d.is_power_of_two() && (2..=ROPE_HAD_MAX_D).contains(&d) {
+        Ok(())
+    } else {
+        Err(KernelError::Unsupported(format!("Hadamard rotation of head_dim {d} (a power of two up to {ROPE_HAD_MAX_D})")))
+    }
+}
+
 impl Kernels {
     /// RoPE on the q and k parts of `qkv` (+ optional f32 bias), q written to `q_out`, k and v into the
-    /// paged caches at `slots[t]`, as `kv` elements in that type's layout ([`KvCacheDtype`]). With
-    /// `hadamard`, every q and k head is then rotated by the normalized Walsh–Hadamard matrix (scores
-    /// unchanged; k's outliers spread before rounding; `d` a power of two up to 128).
+    /// paged caches at `slots[t]`, as `kv` elements in that type's layout ([`KvCacheDtype`]), the
+    /// heads `rotation` names rotated by the normalized Walsh–Hadamard matrix first.
     ///
     /// # Safety
     /// qkv: n*(hq+2hkv)*d bf16; positions, slots: n i32; cos/sin: (max position + 1)*d/2 f32;
     /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*d elements of `kv` covering every slot.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, kv: KvCacheDtype, hadamard: bool) -> Result<()> {
+    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, kv: KvCacheDtype, rotation: KvRotation) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         if d % 2 != 0 {
             return Err(KernelError::Unsupported(format!("rope: odd head_dim {d}")));
         }
-        if hadamard && !(d.is_power_of_two() && d <= ROPE_HAD_MAX_D) {
-            return Err(KernelError::Unsupported(format!("rope: Hadamard rotation of head_dim {d} (a power of two up to {ROPE_HAD_MAX_D})")));
+        if rotation != KvRotation::None {
+            check_hadamard_dim(d)?;
         }
         self.check_kv_dtype(kv, block_size)?;
         let bias = bias.unwrap_or(0);
         let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
-        let func = match (kv, hadamard) {
-            (KvCacheDtype::Bf16, false) => &self.rope_kv_write,
-            (KvCacheDtype::Fp8E4m3, false) => &self.rope_kv_write_fp8,
-            (KvCacheDtype::Bf16, true) => &self.rope_kv_write_had,
-            (KvCacheDtype::Fp8E4m3, true) => &self.rope_kv_write_fp8_had,
+        let func = match (kv, rotation) {
+            (KvCacheDtype::Bf16, KvRotation::None) => &self.rope_kv_write,
+            (KvCacheDtype::Fp8E4m3, KvRotation::None) => &self.rope_kv_write_fp8,
+            (KvCacheDtype::Bf16, KvRotation::QK) => &self.rope_kv_write_had,
+            (KvCacheDtype::Fp8E4m3, KvRotation::QK) => &self.rope_kv_write_fp8_had,
+            (KvCacheDtype::Bf16, KvRotation::QKV) => &self.rope_kv_write_had_v,
+            (KvCacheDtype::Fp8E4m3, KvRotation::QKV) => &self.rope_kv_write_fp8_had_v,
         };
         Launch::new(func)
             .arg(&qkv)
@@ -54,6 +88,26 @@ impl Kernels {
             .arg(&d)
             .arg(&bs)
             .launch(s, LaunchConfig { grid_dim: (as_u32(n, "tokens")?, ((hq + 2 * hkv + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }, false)?;
+        Ok(())
+    }
+
+    /// `x ← H x` for each of the `heads` heads of `d` values of the `n` bf16 rows of `x`, in place
+    /// (`H` the normalized Walsh–Hadamard matrix, its own inverse): turns the attention output of a
+    /// [`KvRotation::QKV`] cache back into the true one before o_proj reads it.
+    ///
+    /// # Safety
+    /// x: n*heads*d bf16.
+    pub unsafe fn hadamard_heads(&self, s: &CudaStream, x: DPtr, n: usize, heads: usize, d: usize) -> Result<()> {
+        if n == 0 || heads == 0 {
+            return Ok(());
+        }
+        check_hadamard_dim(d)?;
+        let (h, d) = (as_i32(heads, "heads")?, as_i32(d, "head_dim")?);
+        Launch::new(&self.hadamard_heads)
+            .arg(&x)
+            .arg(&h)
+            .arg(&d)
+            .launch(s, LaunchConfig { grid_dim: (as_u32(n, "tokens")?, ((h + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }, false)?;
         Ok(())
     }
 }

@@ -180,6 +180,8 @@ pub struct Reference {
     /// Per prompt: its tokens and one logits row per position.
     pub prompts: Vec<(Vec<u32>, Vec<Vec<f32>>)>,
     pub text: TextRun,
+    /// The text's logits rows at its first [`TEXT_KL_MAX_POSITIONS`] positions.
+    pub text_rows: Vec<Vec<f32>>,
 }
 
 /// What one model did on the perplexity text.
@@ -199,15 +201,26 @@ impl TextRun {
 
 /// Runs `text` through the backend: NLL and greedy pick per position.
 pub fn run_text(backend: &mut dyn Backend, text: &[u32], chunk: usize) -> Result<TextRun> {
+    run_text_visiting(backend, text, chunk, |_, _| {})
+}
+
+/// [`run_text`], handing `visit` every position's logits row too.
+fn run_text_visiting(backend: &mut dyn Backend, text: &[u32], chunk: usize, mut visit: impl FnMut(usize, &[f32])) -> Result<TextRun> {
     let mut run = TextRun::default();
     for_each_position(backend, text, chunk, |pos, row| {
         if let Some(&next) = text.get(pos + 1) {
             run.nll.push(nll(row, next));
             run.argmax.push(argmax(row) as u32);
         }
+        visit(pos, row);
     })?;
     Ok(run)
 }
+
+/// Text positions whose reference logits are kept for the text's KL (the first ones): bounds the
+/// reference's memory to this many vocabulary rows of f32 (SmolLM2: 2048 × 49152 × 4 B = 400 MB at
+/// most; the built-in text has 1198 tokens).
+pub const TEXT_KL_MAX_POSITIONS: usize = 2048;
 
 /// Runs the reference model: keeps every prompt position's logits, and the text's run.
 pub fn run_reference(backend: &mut dyn Backend, prompts: &[Vec<u32>], text: &[u32], chunk: usize) -> Result<Reference> {
@@ -217,7 +230,13 @@ pub fn run_reference(backend: &mut dyn Backend, prompts: &[Vec<u32>], text: &[u3
         for_each_position(backend, p, chunk, |_, row| rows.push(row.to_vec()))?;
         out.push((p.clone(), rows));
     }
-    Ok(Reference { prompts: out, text: run_text(backend, text, chunk)? })
+    let mut text_rows = Vec::with_capacity(text.len().min(TEXT_KL_MAX_POSITIONS));
+    let text_run = run_text_visiting(backend, text, chunk, |pos, row| {
+        if pos < TEXT_KL_MAX_POSITIONS {
+            text_rows.push(row.to_vec());
+        }
+    })?;
+    Ok(Reference { prompts: out, text: text_run, text_rows })
 }
 
 /// How one configuration compares with the reference.
@@ -231,20 +250,40 @@ pub struct Comparison {
     pub text: TextRun,
     /// Text positions where our greedy pick equals the reference's.
     pub text_top1_agree: usize,
+    /// KL(reference ‖ ours) summed over the text's first [`TEXT_KL_MAX_POSITIONS`] positions, and
+    /// how many: many more positions, at longer contexts, than the prompts'.
+    pub text_kl_sum: f64,
+    pub text_kl_positions: usize,
+    /// |Δlogit| and top-1 on the prompts against a second, fixed reference (transformers' float32
+    /// logits of the same prompts), when one was given to [`compare_with_fixture`].
+    pub fixture: Option<Fidelity>,
 }
 
 impl Comparison {
     pub fn kl_mean(&self) -> f64 {
         self.kl_sum / self.logits.positions.max(1) as f64
     }
+
+    pub fn text_kl_mean(&self) -> f64 {
+        self.text_kl_sum / self.text_kl_positions.max(1) as f64
+    }
 }
 
 /// Runs the prompts and the text through `backend` and compares every position with `reference`.
 pub fn compare(backend: &mut dyn Backend, reference: &Reference, text: &[u32], chunk: usize) -> Result<Comparison> {
-    let mut c = Comparison::default();
-    for (tokens, ref_rows) in &reference.prompts {
+    compare_with_fixture(backend, reference, text, chunk, None)
+}
+
+/// [`compare`], and with `fixture` (one entry per prompt of `reference`, the same tokens; the caller
+/// checks [`fixture_matches`]) the prompts' logits against it too ([`Comparison::fixture`]).
+pub fn compare_with_fixture(backend: &mut dyn Backend, reference: &Reference, text: &[u32], chunk: usize, fixture: Option<&[ReferencePrompt]>) -> Result<Comparison> {
+    let mut c = Comparison { fixture: fixture.map(|_| Fidelity::default()), ..Comparison::default() };
+    for (i, (tokens, ref_rows)) in reference.prompts.iter().enumerate() {
         let mut rows = Vec::with_capacity(tokens.len());
         for_each_position(backend, tokens, chunk, |_, row| rows.push(row.to_vec()))?;
+        if let (Some(f), Some(want)) = (c.fixture.as_mut(), fixture.and_then(|p| p.get(i))) {
+            add_prompt(f, &rows, want);
+        }
         for (ours, theirs) in rows.iter().zip(ref_rows) {
             let ids = top_k(theirs, 10);
             let ref_logits: Vec<f32> = ids.iter().map(|&i| theirs[i as usize]).collect();
@@ -256,9 +295,38 @@ pub fn compare(backend: &mut dyn Backend, reference: &Reference, text: &[u32], c
             }
         }
     }
-    c.text = run_text(backend, text, chunk)?;
+    let (mut kl_sum, mut kl_positions) = (0.0, 0);
+    c.text = run_text_visiting(backend, text, chunk, |pos, row| {
+        if let Some(theirs) = reference.text_rows.get(pos) {
+            kl_sum += kl_divergence(theirs, row);
+            kl_positions += 1;
+        }
+    })?;
+    (c.text_kl_sum, c.text_kl_positions) = (kl_sum, kl_positions);
     c.text_top1_agree = c.text.argmax.iter().zip(&reference.text.argmax).filter(|(a, b)| a == b).count();
     Ok(c)
+}
+
+/// Whether `fixture` holds exactly the prompts `reference` ran (same tokens, in order), so that
+/// [`compare_with_fixture`] compares like with like.
+pub fn fixture_matches(reference: &Reference, fixture: &[ReferencePrompt]) -> bool {
+    reference.prompts.len() == fixture.len() && reference.prompts.iter().zip(fixture).all(|((tokens, _), f)| *tokens == f.input_ids)
+}
+
+/// The reference run's own prompts against `fixture` ([`fixture_matches`] checked by the caller).
+pub fn reference_vs_fixture(reference: &Reference, fixture: &[ReferencePrompt]) -> Fidelity {
+    let mut f = Fidelity::default();
+    for ((_, rows), want) in reference.prompts.iter().zip(fixture) {
+        add_prompt(&mut f, rows, want);
+    }
+    f
+}
+
+/// Adds every position of one prompt: `rows` our logits rows, `want` the fixture's top-k.
+fn add_prompt(f: &mut Fidelity, rows: &[Vec<f32>], want: &ReferencePrompt) {
+    for (row, (ids, logits)) in rows.iter().zip(&want.positions) {
+        f.add(row, ids, logits);
+    }
 }
 
 /// Lowest index of the largest value (the greedy pick).

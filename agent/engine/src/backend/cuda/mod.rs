@@ -33,7 +33,7 @@ pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
 pub use weights::{GpuWeights, Linear};
 
-use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, SAMPLE_PARAMS};
+use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, KvRotation, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
@@ -89,6 +89,10 @@ pub struct CudaOptions {
     /// (`--kv-cache-dtype fp8`/`fp8-hadamard`): scores are unchanged, k's outliers are spread before
     /// they are rounded to the cache's type. Needs a power-of-two head dimension.
     pub kv_hadamard: bool,
+    /// Rotate v too (`--kv-cache-dtype fp8-hadamard-qkv`; only with `kv_hadamard`): v's rounding
+    /// error is spread over the head as k's is, and each head of the attention output is rotated
+    /// back (H is its own inverse) before o_proj and its LoRA adapter read it.
+    pub kv_hadamard_v: bool,
     /// `--quantization fp8|int8`: the decoder linears as 8-bit codes with one scale per output row
     /// (host weights are quantized by `RowQuantMatrix::quantize`, the CPU backend's values; dummy
     /// weights on the device), activations quantized per token (W8A8). None: bf16, unless the
@@ -110,6 +114,7 @@ impl Default for CudaOptions {
             lora: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
             kv_hadamard: false,
+            kv_hadamard_v: false,
             quantization: None,
         }
     }
@@ -156,8 +161,8 @@ pub struct CudaBackend {
     /// `kv_dtype` in its layout ([`KvCacheDtype`]), in one allocation.
     kv_cache: DevBuf<u16>,
     kv_dtype: KvCacheDtype,
-    /// q and k Hadamard-rotated per head in `rope_kv_write` ([`CudaOptions::kv_hadamard`]).
-    kv_hadamard: bool,
+    /// Which heads `rope_kv_write` Hadamard-rotates ([`CudaOptions::kv_hadamard`], `kv_hadamard_v`).
+    kv_rotation: KvRotation,
     rope_cos: DevBuf<f32>,
     rope_sin: DevBuf<f32>,
     scratch: Scratch,
@@ -196,6 +201,7 @@ impl CudaBackend {
         }
         // Before the weights go up: a cache type this GPU cannot serve is refused at once.
         cuda.kernels.check_kv_dtype(opts.kv_cache_dtype, opts.block_size).map_err(|e| EngineError::InvalidRequest(format!("--kv-cache-dtype: {e}")))?;
+        let kv_rotation = KvRotation::of(opts.kv_hadamard, opts.kv_hadamard_v).map_err(|e| EngineError::InvalidRequest(format!("--kv-cache-dtype: {e}")))?;
         let w8 = match &init {
             WeightInit::Host(w) => GpuWeights::w8_format_of(w, opts.quantization),
             WeightInit::Random { .. } => opts.quantization,
@@ -270,7 +276,7 @@ impl CudaBackend {
             lora_slots: lora.as_ref().map_or(0, |l| l.capacity.max_loras),
         };
         let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
-        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_hadamard: opts.kv_hadamard, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
+        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -391,9 +397,15 @@ impl CudaBackend {
                     d,
                     bs,
                     self.kv_dtype,
-                    self.kv_hadamard,
+                    self.kv_rotation,
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
+                if self.kv_rotation == KvRotation::QKV {
+                    // The cache holds H·v, so attention gave H times each head's output: rotate it
+                    // back in place, before the 8-bit quantizer, o_proj and its LoRA adapter read it
+                    // (part of the step's launches, so inside the decode graphs too).
+                    k.hadamard_heads(s, sc.attn.ptr(), n, hq, d)?;
+                }
                 if let Some(f) = w8 {
                     // The attention output is the one 8-bit input without a fused quantizer.
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;

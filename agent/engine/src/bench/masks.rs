@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::structured::{mask_task_totals, mask_threads, CompiledGrammar, GrammarOutcome, GrammarState};
+use crate::structured::{mask_task_totals, mask_threads, start_queued_masks, CompiledGrammar, GrammarOutcome, GrammarState};
 
 /// Mask timing for one batch size.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +36,7 @@ pub fn time_masks(grammar: &CompiledGrammar, vocab: usize, sequences: usize, ste
     let mut masks = vec![0u32; sequences * words];
     let t0 = Instant::now();
     let mut states: Vec<GrammarState> = (0..sequences).map(|_| GrammarState::new(grammar)).collect();
+    start_queued_masks();
     wait_all(&mut states, &mut masks, words);
     let first = t0.elapsed();
     let mut times = Vec::with_capacity(steps);
@@ -57,6 +58,7 @@ pub fn time_masks(grammar: &CompiledGrammar, vocab: usize, sequences: usize, ste
                 *s = GrammarState::new(grammar);
             }
         }
+        start_queued_masks();
         wait_all(&mut states, &mut masks, words);
         times.push(t.elapsed());
     }

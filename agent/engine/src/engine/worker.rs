@@ -248,6 +248,8 @@ impl Worker {
     }
 
     fn step(&mut self) {
+        // New requests' first masks (queued when they were added) start before anything else.
+        crate::structured::start_queued_masks();
         let t_schedule = Instant::now();
         let mut out = self.scheduler.schedule();
         self.totals.preemptions_total += out.preempted.len() as u64;
@@ -280,6 +282,9 @@ impl Worker {
         } else {
             self.forward_sampling_on_host(&out)
         };
+        // The step's tokens are committed: their next masks run while the step is emitted, the
+        // next one scheduled and its forward pass computed.
+        crate::structured::start_queued_masks();
         let t_emit = Instant::now();
         match sampled {
             Ok(tokens) => {

@@ -193,7 +193,7 @@ fn a_resumed_sequence_is_not_the_next_victim() {
     for id in 1..=3 {
         s.add(Sequence::new(id, vec![id as u32; 2]));
     }
-    let mut step = |s: &mut Scheduler| {
+    let step = |s: &mut Scheduler| {
         let out = s.schedule();
         s.step_done(&out);
         for c in out.chunks.iter().filter(|c| c.wants_logits) {

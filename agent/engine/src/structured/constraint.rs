@@ -1,7 +1,8 @@
 //! One sequence's grammar state during decoding.
 //!
 //! The mask for the next token is computed on the mask pool ([`super::mask_pool`]) as soon as the
-//! previous token is committed, so it runs while the engine thread emits events, schedules and runs
+//! previous token is committed (queued by the commit, started with the step's other masks by
+//! [`super::start_queued_masks`]), so it runs while the engine thread emits events, schedules and runs
 //! the next forward pass; sampling then only waits for what is left of it. Each sequence has its
 //! own task and its own matcher (lexer included: see [`CompiledGrammar::start`]): none waits for
 //! another's mask. The task also packs the mask into the 32-bit words the device applies, so the
@@ -75,7 +76,7 @@ impl std::fmt::Debug for GrammarState {
 
 impl GrammarState {
     /// A fresh matcher for one sequence; it is made, and its first mask computed, on the mask pool
-    /// at once (during prefill).
+    /// (queued: the engine starts it before its next step, during prefill).
     pub fn new(grammar: &CompiledGrammar) -> Self {
         let eos_ids = grammar.eos_ids().clone();
         let state = State::Computing(spawn_mask(MatcherSource::Fresh(grammar.clone()), eos_ids.clone()));
@@ -108,13 +109,17 @@ impl GrammarState {
                 let words = compute_packed(&mut matcher, &self.eos_ids);
                 Computed { matcher, words }
             }
-            State::Computing(rx) => match rx.recv() {
-                Ok(c) => c,
-                Err(_) => {
-                    self.state = State::Failed(TASK_STOPPED.into());
-                    return false;
+            State::Computing(rx) => {
+                // This sequence's task may still be queued (nothing started the queue since).
+                mask_pool::start_queued();
+                match rx.recv() {
+                    Ok(c) => c,
+                    Err(_) => {
+                        self.state = State::Failed(TASK_STOPPED.into());
+                        return false;
+                    }
                 }
-            },
+            }
             State::Done => {
                 // Complete: only the end may follow (the worker ends the sequence before sampling
                 // again; this keeps the mask right for any caller that samples once more).
@@ -180,10 +185,11 @@ impl GrammarState {
     }
 }
 
-/// Computes the next mask on the mask pool; it comes on the returned channel.
+/// Queues the next mask for the mask pool (see [`mask_pool::queue`]); it comes on the returned
+/// channel.
 fn spawn_mask(source: MatcherSource, eos_ids: Arc<[u32]>) -> Receiver<Computed> {
     let (tx, rx) = bounded(1);
-    mask_pool::spawn(move || {
+    mask_pool::queue(move || {
         let t0 = Instant::now();
         let mut matcher = match source {
             MatcherSource::Owned(m) => m,

@@ -7,7 +7,9 @@
 //! engine thread, which commits tokens and launches the next step while the masks are computed.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use rayon::iter::{IndexedParallelIterator, IntoParallelIterator, ParallelIterator};
 
 /// The most mask threads (a bound on a mistaken setting; more than the cores never helps).
 pub const MAX_MASK_THREADS: usize = 256;
@@ -55,7 +57,66 @@ pub(super) fn spawn(task: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// A mask task waiting for [`start_queued`].
+type Task = Box<dyn FnOnce() + Send>;
+
+/// Tasks queued since the last [`start_queued`]. One queue for the process: whichever thread
+/// starts it runs every engine's tasks, and a sequence waiting for its mask starts it first (see
+/// `GrammarState::write_mask`), so no task is left behind.
+static QUEUED: Mutex<Vec<Task>> = Mutex::new(Vec::new());
+
+/// Queues `task` for the next [`start_queued`]. Why not [`spawn`] at once: each spawn from outside
+/// the pool wakes a sleeping mask thread, a system call of a few microseconds on the caller's
+/// thread; for a step's 256 sequences that is most of the engine thread's commit loop, between the
+/// step's tokens coming back and the next forward pass. Queued, the loop only consumes the tokens
+/// and the pool's own threads wake each other.
+pub(super) fn queue(task: impl FnOnce() + Send + 'static) {
+    QUEUED.lock().unwrap_or_else(PoisonError::into_inner).push(Box::new(task));
+}
+
+/// Starts every queued task on the mask pool, as one job that the pool's threads share (each task
+/// its own piece of work: they are of uneven length). Cheap when nothing is queued.
+pub fn start_queued() {
+    let tasks = std::mem::take(&mut *QUEUED.lock().unwrap_or_else(PoisonError::into_inner));
+    match tasks.len() {
+        0 => {}
+        1 => tasks.into_iter().for_each(|t| spawn(t)),
+        _ => spawn(move || tasks.into_par_iter().with_max_len(1).for_each(|t| t())),
+    }
+}
+
 /// Whether the current thread is one of the mask pool's.
 pub fn on_mask_thread() -> bool {
     matches!(POOL.get(), Some(Some(pool)) if pool.current_thread_index().is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Queued tasks wait for a start, then all run, on the mask pool.
+    #[test]
+    fn queued_tasks_run_once_started_and_on_the_mask_threads() {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let (done_tx, done) = crossbeam_channel::unbounded();
+        for _ in 0..40 {
+            let (ran, done_tx) = (ran.clone(), done_tx.clone());
+            queue(move || {
+                ran.fetch_add(1, Ordering::SeqCst);
+                let _ = done_tx.send(on_mask_thread());
+            });
+        }
+        // Other tests share the queue and may start it; otherwise nothing runs until the start.
+        start_queued();
+        for _ in 0..40 {
+            let on_pool = done.recv_timeout(Duration::from_secs(60)).expect("a queued task never ran");
+            assert!(on_pool, "a queued task ran off the mask pool");
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 40);
+        start_queued(); // nothing queued: a no-op
+        assert!(done.recv_timeout(Duration::from_millis(50)).is_err(), "a task ran twice");
+    }
 }

@@ -39,7 +39,7 @@ use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
 use self::graphs::Graphs;
 use self::lora::{GpuLora, Projection};
-use self::scratch::Scratch;
+use self::scratch::{PinnedUpload, Scratch};
 use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
 use crate::lora::{LoraAdapter, TargetModule};
@@ -484,7 +484,7 @@ impl CudaBackend {
                 RowSampling::Host => [0.0, 0.0, 1.0, 0.0, 0.0],
             });
         }
-        let Scratch { sample_params, sample_params_host, logits, argmax, constraints, constraints_host, .. } = &mut self.scratch;
+        let Scratch { sample_params, sample_params_host, logits, argmax, constraints, constraints_host, constraints_pinned, .. } = &mut self.scratch;
         let stream = &self.cuda.gpu.stream;
         sample_params.write(stream, &sample_params_host[..rows * SAMPLE_PARAMS]).map_err(gpu_err)?;
         // The whole step is enqueued (the forward pass); the host's work overlaps it.
@@ -504,7 +504,11 @@ impl CudaBackend {
                 )));
             }
             if n > 0 {
-                constraints.write(stream, constraints_host).map_err(gpu_err)?;
+                let pinned = match constraints_pinned {
+                    Some(p) => p,
+                    None => constraints_pinned.insert(PinnedUpload::new(&self.cuda.gpu.ctx, constraints.len())?),
+                };
+                pinned.upload(stream, constraints_host, constraints)?;
                 // SAFETY: logits hold `rows` rows of vocab f32 and every packed row is below `rows`;
                 // the packed buffer was laid out for this vocabulary with `n` rows.
                 unsafe { self.cuda.kernels.apply_token_constraints(stream, logits.ptr(), vocab, constraints.ptr(), n) }.map_err(gpu_err)?;

@@ -1,12 +1,15 @@
 //! Per-step activation buffers on the device, and the packed plan metadata's staging.
 
+use std::sync::Arc;
+
+use peregrine_kernels::cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use peregrine_kernels::ops::{packed_capacity, SAMPLE_PARAMS};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::{gpu_err, PlanLayout};
 use crate::config::ModelConfig;
 use crate::sampling::MAX_LOGIT_BIAS;
-use crate::Result;
+use crate::{EngineError, Result};
 
 /// Per-step activations, sized for `max_num_batched_tokens` tokens and `max_num_seqs` logit rows.
 pub(super) struct Scratch {
@@ -28,6 +31,8 @@ pub(super) struct Scratch {
     /// sized at start for every row masked with the most biases ([`Scratch::constraint_words`]).
     pub(super) constraints: DevBuf<u32>,
     pub(super) constraints_host: Vec<u32>,
+    /// Made at the first constrained step (most deployments never have one).
+    pub(super) constraints_pinned: Option<PinnedUpload>,
     pub(super) meta: DevBuf<i32>,
     pub(super) meta_host: Vec<i32>,
     pub(super) attn_partials: DevBuf<f32>,
@@ -58,6 +63,7 @@ impl Scratch {
             sample_params_host: vec![0.0; r * SAMPLE_PARAMS],
             constraints: cuda.gpu.alloc_zeros::<u32>(Self::constraint_words(c, r)).map_err(gpu_err)?,
             constraints_host: Vec::new(),
+            constraints_pinned: None,
             meta: cuda.gpu.alloc_zeros::<i32>(layout.len()).map_err(gpu_err)?,
             meta_host: vec![0; layout.len()],
             attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
@@ -81,5 +87,44 @@ impl Scratch {
         let bf = t * (h * 3 + c.q_dim() * 2 + c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size) + layout.max_seqs * h;
         let w8_bytes = if w8 { Self::xq_len(c, t) + t * 4 } else { 0 };
         bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4 + w8_bytes + Self::constraint_words(c, layout.max_seqs) * 4
+    }
+}
+
+/// Pinned host memory for uploads that must not wait for the step in flight: the packed token
+/// constraints (at batch 256 and Llama 3's vocabulary about 4 MB a step). A pageable copy that
+/// large is staged in pieces, each waiting for the copy engine, which is queued behind the forward
+/// pass: the host would wait for the whole forward pass and then for the copy at pageable speed.
+/// From pinned memory the copy is queued behind the forward pass and the host goes on at once.
+pub(super) struct PinnedUpload {
+    host: PinnedHostSlice<u32>,
+    /// Recorded after each copy out of `host`: the next write into it waits for that copy.
+    copied: CudaEvent,
+}
+
+// SAFETY: used only from the engine thread that owns the backend (as the LoRA slot uploader).
+unsafe impl Send for PinnedUpload {}
+
+impl PinnedUpload {
+    pub(super) fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        let driver = |e: DriverError| gpu_err(e.into());
+        // SAFETY: u32 has no invalid bit patterns; only the words written are copied.
+        let host = unsafe { ctx.alloc_pinned::<u32>(len.max(1)) }.map_err(driver)?;
+        Ok(PinnedUpload { host, copied: ctx.new_event(None).map_err(driver)? })
+    }
+
+    /// Copies `words` to the start of `dev` on `stream`, through the pinned memory; returns once
+    /// the copy is queued.
+    pub(super) fn upload(&mut self, stream: &Arc<CudaStream>, words: &[u32], dev: &mut DevBuf<u32>) -> Result<()> {
+        let driver = |e: DriverError| gpu_err(e.into());
+        self.copied.synchronize().map_err(driver)?;
+        let all = self.host.as_mut_slice().map_err(driver)?;
+        let Some(staged) = all.get_mut(..words.len()) else {
+            return Err(EngineError::Backend(format!("{} words to upload, {} pinned", words.len(), all.len())));
+        };
+        staged.copy_from_slice(words);
+        // A plain slice to the driver: it finds the page-locked pages itself and copies
+        // asynchronously; `copied` stands in for the slice's own event, which this path does not record.
+        dev.write(stream, staged).map_err(gpu_err)?;
+        self.copied.record(stream).map_err(driver)
     }
 }

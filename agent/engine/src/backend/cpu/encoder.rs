@@ -12,6 +12,7 @@
 use rayon::prelude::*;
 
 use super::simd::Isa;
+use super::vmath;
 use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
 use crate::encoder::weights::{EncoderWeights, LayerNorm, Linear};
@@ -112,8 +113,8 @@ impl CpuEncoder {
         linear(self.isa, &s.ctx, n, &l.attn_out, &mut s.proj);
         residual_norm(x, &s.proj, &l.attn_norm, h, eps);
         linear(self.isa, x, n, &l.intermediate, &mut s.inter);
-        let act = c.activation;
-        s.inter.par_chunks_mut(c.intermediate_size).for_each(|row| activate(act, row));
+        let (act, isa) = (c.activation, self.isa);
+        s.inter.par_chunks_mut(c.intermediate_size).for_each(|row| activate(act, isa, row));
         linear(self.isa, &s.inter, n, &l.output, &mut s.proj);
         residual_norm(x, &s.proj, &l.output_norm, h, eps);
     }
@@ -136,6 +137,7 @@ impl CpuEncoder {
             })
             .collect();
         let out = SharedOut(ctx.as_mut_ptr());
+        let isa = self.isa;
         tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (start, len, head)| {
             scores.clear();
             scores.resize(len * len, 0.0);
@@ -159,7 +161,7 @@ impl CpuEncoder {
                     gemm::Parallelism::None,
                 );
             }
-            scores.chunks_mut(len).for_each(softmax_row);
+            scores.chunks_mut(len).for_each(|row| vmath::softmax(isa, row));
             // SAFETY: ctx has num_tokens × h floats (asserted above). This task writes only rows
             // start..start+len, columns head·d..(head+1)·d, and no two tasks share a (sequence, head),
             // so the writes are disjoint; ctx outlives the parallel loop, which joins before returning.
@@ -196,18 +198,6 @@ impl SharedOut {
         // SAFETY: the caller keeps `offset` inside the buffer.
         unsafe { self.0.add(offset) }
     }
-}
-
-/// Softmax of one row of attention scores in place.
-fn softmax_row(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for x in row.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|x| *x *= inv);
 }
 
 /// Activations of one forward, sized for its token count.
@@ -289,11 +279,9 @@ fn layer_norm(row: &mut [f32], norm: &LayerNorm, eps: f32) {
     }
 }
 
-fn activate(act: Activation, row: &mut [f32]) {
+fn activate(act: Activation, isa: Isa, row: &mut [f32]) {
     match act {
-        Activation::GeluErf => row
-            .iter_mut()
-            .for_each(|v| *v = 0.5 * *v * (1.0 + libm::erff(*v * std::f32::consts::FRAC_1_SQRT_2))),
+        Activation::GeluErf => vmath::gelu_erf(isa, row),
         Activation::GeluTanh => row.iter_mut().for_each(|v| {
             let x = *v;
             let inner = (2.0 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);

@@ -13,6 +13,7 @@ mod matmul_w8a8;
 pub mod ops;
 pub mod simd;
 pub mod tp;
+mod vmath;
 
 use attention::TokenCtx;
 use kv_cache::{KvCache, KvFormat};

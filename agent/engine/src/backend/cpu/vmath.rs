@@ -22,10 +22,14 @@ pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 · 2^23: adding and subtracting it rounds to the nearest integer (no `round` call).
+    // 1.5 · 2^23: adding it rounds x·log2(e) to an integer n, which then sits in the low bits of
+    // the sum's mantissa (no `round` call, no float-to-int conversion: both keep the loop scalar).
     const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(EXP_MIN, EXP_MAX);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    // Selects, not `clamp`/`max`, whose NaN rules cost the vector form.
+    let x = if x < EXP_MIN { EXP_MIN } else { x };
+    let x = if x > EXP_MAX { EXP_MAX } else { x };
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
@@ -34,8 +38,9 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let y = p * r * r + r + 1.0;
-    // n is in [-126, 127] after the clamp: a normal power of two.
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // n is in [-126, 127] after the clamp: 2^n is a normal float with exponent bits n + 127.
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    y * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// `erf(x)` to ~1.4e-7 absolute (2 float32 ulps near 0.84): a power series in `x²` up to |x| = 1,
@@ -52,17 +57,18 @@ pub fn erf(x: f32) -> f32 {
     ];
     let a = x.abs();
     let s = x * x;
+    let capped = if a > 4.0 { 4.0 } else { a };
     let mut p = P[6];
     for &c in P[..6].iter().rev() {
         p = p * s + c;
     }
     let small = p * a;
-    let u = (2.0 * a.min(4.0) - 5.0) * (1.0 / 3.0);
+    let u = (2.0 * capped - 5.0) * (1.0 / 3.0);
     let mut q = Q[8];
     for &c in Q[..8].iter().rev() {
         q = q * u + c;
     }
-    let large = 1.0 - exp(q - a.min(4.0) * a.min(4.0));
+    let large = 1.0 - exp(q - capped * capped);
     let y = if a <= 1.0 { small } else { large };
     y.copysign(x)
 }
@@ -80,22 +86,22 @@ fn softmax_body(row: &mut [f32]) {
             *m = if v > *m { v } else { *m };
         }
     }
-    let tail_max = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let max = lane_max.iter().copied().fold(tail_max, f32::max);
+    let mut max = f32::NEG_INFINITY;
+    for &v in lane_max.iter().chain(chunks.remainder()) {
+        max = if v > max { v } else { max };
+    }
+    for v in row.iter_mut() {
+        *v = exp(*v - max);
+    }
     let mut lane_sum = [0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
+    let mut chunks = row.chunks_exact(LANES);
     for c in &mut chunks {
-        for (s, v) in lane_sum.iter_mut().zip(c.iter_mut()) {
-            *v = exp(*v - max);
-            *s += *v;
+        for (s, &v) in lane_sum.iter_mut().zip(c) {
+            *s += v;
         }
     }
-    let mut sum: f32 = 0.0;
-    for v in chunks.into_remainder() {
-        *v = exp(*v - max);
-        sum += *v;
-    }
-    let inv = 1.0 / (sum + lane_sum.iter().sum::<f32>());
+    let sum: f32 = lane_sum.iter().chain(chunks.remainder()).sum();
+    let inv = 1.0 / sum;
     row.iter_mut().for_each(|v| *v *= inv);
 }
 

@@ -46,16 +46,24 @@ fn main() -> Result<(), BoxError> {
     let mut threads = 2usize;
     let mut device = "cpu".to_string();
     let mut gemm = "f32".to_string();
+    let mut lens = vec![16usize, 128, 512];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--device" => device = args.next().ok_or("--device needs cpu or cuda")?,
             "--gemm" => gemm = args.next().ok_or("--gemm needs f32 or bf16")?,
+            "--lens" => {
+                let list = args.next().ok_or("--lens needs a list such as 16,128")?;
+                lens = list.split(',').map(str::parse).collect::<Result<_, _>>()?;
+                if lens.iter().any(|&l| !(2..=512).contains(&l)) {
+                    return Err("--lens: each length in 2..=512".into());
+                }
+            }
             _ if path.is_none() => path = Some(PathBuf::from(a)),
             _ => threads = a.parse()?,
         }
     }
-    let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16]")?;
+    let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16] [--lens 16,128,512]")?;
     let (mut model, weights) = EncoderModel::load(&path)?;
     model.set_max_seq_length(512)?;
     let (backend, reps) = backend(&device, &gemm, &model, weights, threads)?;
@@ -70,7 +78,7 @@ fn main() -> Result<(), BoxError> {
         load.split_whitespace().next().unwrap_or("?")
     );
     println!("{:>6} {:>5} {:>6} {:>10} {:>10} {:>9} {:>9}", "len", "conc", "reqs", "seq/s", "tok/s", "p50 ms", "p99 ms");
-    for len in [16usize, 128, 512] {
+    for len in lens {
         // "hello" is one token: [CLS] + (len - 2) words + [SEP].
         let text = "hello ".repeat(len - 2);
         assert_eq!(model.tokenizer.encode(&text, false)?.len(), len);

@@ -102,12 +102,18 @@ fn softmax_body(row: &mut [f32]) {
     }
     let sum: f32 = lane_sum.iter().chain(chunks.remainder()).sum();
     let inv = 1.0 / sum;
-    row.iter_mut().for_each(|v| *v *= inv);
+    // Plain loops, not `for_each` with a closure: a generic function called here need not be
+    // inlined, and outside this function it would be compiled without the ISA's features.
+    for v in row.iter_mut() {
+        *v *= inv;
+    }
 }
 
 #[inline(always)]
 fn gelu_erf_body(row: &mut [f32]) {
-    row.iter_mut().for_each(|v| *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2)));
+    for v in row.iter_mut() {
+        *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2));
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

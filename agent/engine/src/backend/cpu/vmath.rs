@@ -36,7 +36,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // n is in [-126, 127] after the clamp: 2^n is a normal float with exponent bits n + 127.
     let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
@@ -50,9 +50,10 @@ pub fn exp(x: f32) -> f32 {
 /// interpolants, each checked in float32).
 #[inline(always)]
 pub fn erf(x: f32) -> f32 {
-    const P: [f32; 7] = [1.128_379_1, -0.376_126_26, 0.112_835_944, -0.026_854_211, 5.189_087_2e-3, -8.016_864e-4, 7.875_875e-5];
+    // P[0] is 2/√π to float32's precision, as the series' leading term must be.
+    const P: [f32; 7] = [std::f32::consts::FRAC_2_SQRT_PI, -0.376_126_26, 0.112_835_94, -0.026_854_211, 5.189_087_2e-3, -8.016_864e-4, 7.875_875e-5];
     const Q: [f32; 9] = [
-        -1.556_815_3, -0.529_021_03, 0.126_239_17, -3.664_757_7e-2, 1.096_184_9e-2, -3.190_305_3e-3, 8.803_971e-4, -2.274_995e-4,
+        -1.556_815_3, -0.529_021, 0.126_239_17, -3.664_757_7e-2, 1.096_184_9e-2, -3.190_305_3e-3, 8.803_971e-4, -2.274_995e-4,
         4.195_84e-5,
     ];
     let a = x.abs();

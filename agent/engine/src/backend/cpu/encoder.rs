@@ -215,24 +215,18 @@ fn linear(isa: Isa, x: &[f32], n: usize, l: &Linear, out: &mut Vec<f32>) {
     let (rows, k) = (l.weight.rows, l.weight.cols);
     out.resize(n * rows, 0.0);
     let w = match &l.weight.data {
-        crate::model::MatrixData::F32(w) => w.as_slice(),
-        // Encoder weights are read as f32 (`Matrix::from_f32`); kept total rather than panicking.
-        crate::model::MatrixData::Quant(_) | crate::model::MatrixData::RowQuant(_) => {
+        crate::model::MatrixData::F32(w) if n >= GEMM_FROM_TOKENS => w.as_slice(),
+        // Up to a few hundred tokens, the decoder's tile kernel (each weight row read once and
+        // dotted with every token): `gemm` packs the whole weight matrix on every call, which for a
+        // short batch costs more than the products (one 16-token request took 3.3x as long through
+        // it, one of 128 tokens 1.14x; docs/benchmarks.md). Weights not held as f32 go there too.
+        _ => {
             super::matmul::matmul(isa, x, n, &l.weight, out);
             add_bias(out, &l.bias, rows);
             return;
         }
     };
     assert!(x.len() == n * k && w.len() == rows * k, "linear: shapes");
-    if n < GEMM_FROM_TOKENS {
-        // Up to a few hundred tokens: the decoder's tile kernel (each weight row read once and
-        // dotted with every token). `gemm` packs the whole weight matrix on every call, which for
-        // a short batch costs more than the products: one 16-token request took 3.3x as long
-        // through it (its AVX-512 kernels), one of 128 tokens 1.14x (docs/benchmarks.md).
-        super::matmul::matmul(isa, x, n, &l.weight, out);
-        add_bias(out, &l.bias, rows);
-        return;
-    }
     // out[t, r] = Σ_j x[t, j] · W[r, j]: dst n × rows row-major, lhs x (n × k row-major), rhs Wᵀ
     // (k × rows, column r is W's row r).
     // SAFETY: the pointers cover n·rows, n·k and rows·k elements with the strides given (checked above).

@@ -212,6 +212,10 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
     }
     let runtime = engine_args.start()?;
     let engine = &runtime.engine;
+    let limits = BatchLimits {
+        max_num_batched_tokens: engine_args.max_num_batched_tokens,
+        max_model_len: engine.max_model_len(),
+    };
     let vocab = runtime.model_config.vocab_size;
     let repeat = args.repeat.max(1);
     let mut salt = 0u64;
@@ -252,7 +256,7 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
     }
     let mut decode = Vec::new();
     for (i, &batch) in args.batch_sizes.iter().enumerate() {
-        let tps = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt, None)?;
+        let tps = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt, None, limits)?;
         let lora = if adapter_names.is_empty() {
             None
         } else {
@@ -260,13 +264,13 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
             let assignment: Vec<Option<String>> = picks.iter().map(|p| p.map(|a| adapter_names[a].clone())).collect();
             let mut spread = vec![0usize; adapter_names.len()];
             picks.iter().flatten().for_each(|&a| spread[a] += 1);
-            let lora_tps = decode_tps(engine, &assignment, &args, vocab, &mut salt, None)?;
+            let lora_tps = decode_tps(engine, &assignment, &args, vocab, &mut salt, None, limits)?;
             Some(LoraFigure { tokens_per_second: lora_tps, relative_to_base: lora_tps / tps.max(1e-9), spread })
         };
         let json_schema = match &grammar {
             None => None,
             Some(g) => {
-                let constrained = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt, Some(g))?;
+                let constrained = decode_tps(engine, &base_only(batch), &args, vocab, &mut salt, Some(g), limits)?;
                 Some(ConstrainedFigure { tokens_per_second: constrained, relative_to_unconstrained: constrained / tps.max(1e-9) })
             }
         };
@@ -345,13 +349,43 @@ fn decode_tps(
     vocab: usize,
     salt: &mut u64,
     grammar: Option<&CompiledGrammar>,
+    limits: BatchLimits,
 ) -> anyhow::Result<f64> {
     let mut figures = Vec::new();
+    let max_tokens = decode_max_tokens(adapters.len(), args, limits);
     for _ in 0..args.repeat.max(1) {
-        let t = run_batch(engine, adapters, args.context_len, args.decode_tokens + 1, vocab, salt, grammar)?;
+        let t = run_batch(engine, adapters, args.context_len, max_tokens, vocab, salt, grammar)?;
+        if t.decode_tokens == 0 {
+            anyhow::bail!(
+                "batch {}: no step ran with every sequence decoding (the first finished before the last \
+                 started); raise --max-num-batched-tokens or --max-model-len",
+                adapters.len()
+            );
+        }
         figures.push(t.decode_tokens as f64 / t.decode.as_secs_f64().max(1e-9));
     }
     Ok(median(&mut figures))
+}
+
+/// The engine limits a decode measurement plans around.
+#[derive(Clone, Copy)]
+struct BatchLimits {
+    max_num_batched_tokens: usize,
+    max_model_len: usize,
+}
+
+/// Tokens each sequence of a decode measurement generates: `--decode-tokens` at the full batch,
+/// plus the steps the batch's chunked prefill takes. Sequences whose prompt went in early decode
+/// while later prompts still prefill; without the margin the first would finish before the last
+/// started and the measurement would time a shrinking tail instead of the batch (a 256 x 1024-token
+/// batch prefills over ~150 steps of 2048 tokens, longer than 128 decode tokens).
+fn decode_max_tokens(batch: usize, args: &BenchArgs, limits: BatchLimits) -> usize {
+    let budget = limits.max_num_batched_tokens;
+    // Running decodes take one token each from a step's budget, at most `batch`.
+    let prefill_per_step = budget.saturating_sub(batch).max(budget / 4).max(1);
+    let prefill_steps = (batch * args.context_len).div_ceil(prefill_per_step);
+    let wanted = args.decode_tokens + 1 + if batch > 1 { prefill_steps } else { 0 };
+    wanted.min(limits.max_model_len.saturating_sub(args.context_len)).max(2)
 }
 
 /// A private temporary folder for the random adapters, removed on drop.
@@ -393,9 +427,10 @@ impl Drop for ScratchDir {
 struct BatchTiming {
     /// Submit → the last sequence's first token (the whole batch's prefill).
     first_token: Duration,
-    /// The last first token → the last token.
+    /// The full-batch window: the last sequence's first token → the first sequence's last token,
+    /// while every sequence of the batch decodes.
     decode: Duration,
-    /// Tokens generated after the decode clock started.
+    /// Tokens generated inside that window.
     decode_tokens: usize,
 }
 
@@ -445,10 +480,18 @@ fn run_batch(
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("reader panicked")))).collect()
     });
     let arrivals = arrivals.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    let (first, decode, decode_tokens) = full_batch_window(&arrivals, start);
+    Ok(BatchTiming { first_token: first - start, decode, decode_tokens })
+}
+
+/// The window in which every sequence decodes: from the last first token to the first sequence's
+/// last token, with the tokens that arrived inside it (after its start, up to its end). Returns the
+/// window's start, its length and that count.
+fn full_batch_window(arrivals: &[Vec<Instant>], start: Instant) -> (Instant, Duration, usize) {
     let first = arrivals.iter().filter_map(|t| t.first().copied()).max().unwrap_or(start);
-    let last = arrivals.iter().filter_map(|t| t.last().copied()).max().unwrap_or(first);
-    let decode_tokens = arrivals.iter().map(|t| t.iter().filter(|&&x| x > first).count()).sum();
-    Ok(BatchTiming { first_token: first - start, decode: last - first, decode_tokens })
+    let end = arrivals.iter().filter_map(|t| t.last().copied()).min().unwrap_or(first).max(first);
+    let tokens = arrivals.iter().map(|t| t.iter().filter(|&&x| x > first && x <= end).count()).sum();
+    (first, end - first, tokens)
 }
 
 /// Token ids that avoid the special tokens at the start of most vocabularies.
@@ -502,6 +545,40 @@ mod tests {
         assert_eq!(parse(&["serve"]).map(|c| matches!(c, BenchCommand::Serve(a) if a.request_rate.is_infinite())).ok(), Some(true));
         assert!(parse(&[]).is_err(), "offline needs --model");
         assert!(parse(&["--model", "/m", "serve"]).is_err(), "offline flags and a subcommand conflict");
+    }
+
+    /// The decode window is the stretch where every sequence of the batch decodes: a sequence that
+    /// started early and finished early bounds it, and its tokens before the last first token do
+    /// not count.
+    #[test]
+    fn decode_window_covers_only_steps_with_the_whole_batch() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // A: tokens at 0..=10 ms; B: first token at 5 ms, then to 15 ms.
+        let a: Vec<Instant> = (0..=10).map(at).collect();
+        let b: Vec<Instant> = (5..=15).map(at).collect();
+        let (first, len, tokens) = full_batch_window(&[a, b], t0);
+        assert_eq!(first, at(5));
+        assert_eq!(len, Duration::from_millis(5));
+        // 6..=10 from each.
+        assert_eq!(tokens, 10);
+        // One sequence: its whole decode after the first token.
+        let (_, len, tokens) = full_batch_window(&[(0..=4).map(at).collect()], t0);
+        assert_eq!((len, tokens), (Duration::from_millis(4), 4));
+    }
+
+    /// The margin covers the batch's chunked prefill and stays within the context.
+    #[test]
+    fn decode_tokens_include_the_prefill_steps_of_the_batch() {
+        let BenchCommand::Offline(args) = parse(&["--model", "/m", "--context-len", "1024", "--decode-tokens", "128"]).unwrap() else {
+            panic!("offline")
+        };
+        let limits = BatchLimits { max_num_batched_tokens: 2048, max_model_len: 4096 };
+        assert_eq!(decode_max_tokens(1, &args, limits), 129);
+        // 256 x 1024 prompt tokens at 2048 - 256 per step: 147 steps.
+        assert_eq!(decode_max_tokens(256, &args, limits), 129 + 147);
+        let short = BatchLimits { max_model_len: 1200, ..limits };
+        assert_eq!(decode_max_tokens(256, &args, short), 176);
     }
 
     /// `bench --json-schema` on a dummy-weight shape with Llama 3's vocabulary size, the stand-in

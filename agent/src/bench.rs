@@ -144,6 +144,9 @@ struct MaskFigure {
     task_us: f64,
     /// Threads of the mask pool (`--mask-threads`; default cores - 1).
     mask_threads: usize,
+    /// The step's commits (tokens consumed by the grammars), milliseconds: on the engine thread
+    /// between one step's tokens and the next step's launch, so not hidden behind the device.
+    commit_ms: f64,
 }
 
 /// Sequences per step whose mask time `bench --json-schema` reports (the CPU and GPU batches).
@@ -240,6 +243,7 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
                     first_ms: m.first.as_secs_f64() * 1e3,
                     task_us: m.task.as_secs_f64() * 1e6,
                     mask_threads: m.threads,
+                    commit_ms: m.commit.as_secs_f64() * 1e3,
                 }
             })
             .collect(),
@@ -317,8 +321,8 @@ fn print_report(report: &BenchReport) {
         }
         for m in &report.masks {
             println!(
-                "masks      {:>9.2} ms/step   ({} sequences, {}-token vocabulary; first masks {:.2} ms; {:.1} µs per mask task, {} mask threads)",
-                m.ms_per_step, m.sequences, m.vocab, m.first_ms, m.task_us, m.mask_threads
+                "masks      {:>9.2} ms/step   ({} sequences, {}-token vocabulary; first masks {:.2} ms; {:.1} µs per mask task, {} mask threads; commits {:.3} ms/step)",
+                m.ms_per_step, m.sequences, m.vocab, m.first_ms, m.task_us, m.mask_threads, m.commit_ms
             );
         }
         match report.peak_rss_mib {

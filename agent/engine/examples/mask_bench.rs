@@ -25,12 +25,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..3 {
         let m = time_masks(&grammar, tokenizer.vocab_size(), sequences, steps);
         println!(
-            "{sequences} sequences, {} tokens: {:.2} ms/step (median of {steps}), first masks {:.2} ms; {:.1} us per mask task on {} mask threads",
+            "{sequences} sequences, {} tokens: {:.2} ms/step (median of {steps}), first masks {:.2} ms; {:.1} us per mask task on {} mask threads; commits {:.3} ms/step",
             m.vocab,
             m.step.as_secs_f64() * 1e3,
             m.first.as_secs_f64() * 1e3,
             m.task.as_secs_f64() * 1e6,
-            m.threads
+            m.threads,
+            m.commit.as_secs_f64() * 1e3
         );
     }
     Ok(())

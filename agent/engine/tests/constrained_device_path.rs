@@ -70,3 +70,40 @@ fn constrained_rows_sampled_as_on_a_device_equal_host_sampling() {
         assert!(regex_automata::meta::Regex::new(r"^(yes|no), [0-9]{1,3} (apples|pears)$").unwrap().is_match(&text), "request {i}: {text:?}");
     }
 }
+
+/// A batch with more constrained rows than the engine commits one by one (16): their tokens are
+/// handed to the grammars on the mask threads, all at once. Same reference: the plain CPU backend,
+/// where the host sampler applies the masks and commits each token itself.
+#[test]
+fn a_large_constrained_batch_commits_on_the_mask_threads_and_equals_host_sampling() {
+    let weights: ModelWeights = model::load(&common::model_path(), LoadFormat::Gguf).expect("load SmolLM2").weights;
+    let tok = Tokenizer::from_gguf(&GgufFile::open(common::model_path()).unwrap()).unwrap();
+    let compiler = GrammarCompiler::new(&tok).unwrap();
+    let regex = compiler.compile(&GrammarSpec::Regex(r"(yes|no), [0-9]{1,3} (apples|pears)".into())).unwrap();
+    let list = compiler.compile(&GrammarSpec::JsonSchema(serde_json::json!({"type": "array", "items": {"type": "integer"}}))).unwrap();
+    let subjects = ["fruit", "pears", "apples", "numbers", "lists", "cats", "rain", "tea", "maps", "boats", "jazz", "trains"];
+    let mut requests = Vec::new();
+    for (i, subject) in subjects.iter().enumerate() {
+        let grammar = if i % 2 == 0 { regex.clone() } else { list.clone() };
+        let params = SamplingParams { grammar: Some(grammar), ..SamplingParams::greedy(12) };
+        for prefix in ["Do you like", "Tell me about"] {
+            let prompt = tok.encode(&format!("{prefix} {subject}?")).unwrap();
+            requests.push(request(requests.len() as u64 + 1, prompt, params.clone()));
+        }
+    }
+    assert!(requests.len() >= 24);
+    let on_host = |shape: KvCacheShape| -> Box<dyn Backend> { Box::new(CpuBackend::new(weights.clone(), shape, 2).unwrap()) };
+    let on_device = |shape: KvCacheShape| -> Box<dyn Backend> { Box::new(HostDevice::with_masks(CpuBackend::new(weights.clone(), shape, 2).unwrap())) };
+    let host = start(&on_host, 1024, config(32, 1024, 512, false));
+    let want: Vec<Vec<u32>> = run_together(&host, &requests).into_iter().map(|r| r.tokens).collect();
+    host.shutdown();
+    let before = engine_support::device_sampling::CONSTRAINED_ROWS_APPLIED.load(std::sync::atomic::Ordering::Relaxed);
+    let device = start(&on_device, 1024, config(32, 1024, 512, false));
+    let got: Vec<Vec<u32>> = run_together(&device, &requests).into_iter().map(|r| r.tokens).collect();
+    device.shutdown();
+    let applied = engine_support::device_sampling::CONSTRAINED_ROWS_APPLIED.load(std::sync::atomic::Ordering::Relaxed) - before;
+    assert!(applied >= 24 * 5, "only {applied} constrained rows went through the device path");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i}: device-constrained path vs host sampling");
+    }
+}

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::structured::{mask_task_totals, mask_threads, start_queued_masks, CompiledGrammar, GrammarOutcome, GrammarState};
+use crate::structured::{mask_task_totals, mask_threads, on_mask_threads, start_queued_masks, CompiledGrammar, GrammarOutcome, GrammarState};
 
 /// Mask timing for one batch size.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,6 +26,9 @@ pub struct MaskTiming {
     pub task: Duration,
     /// Threads of the mask pool.
     pub threads: usize,
+    /// Median time of one step's commits (every sequence's token consumed by its grammar), which
+    /// the engine thread spends between a step's tokens and the next step's launch.
+    pub commit: Duration,
 }
 
 /// Times `steps` steps of masks for `sequences` sequences under `grammar` (vocabulary `vocab`).
@@ -40,6 +43,7 @@ pub fn time_masks(grammar: &CompiledGrammar, vocab: usize, sequences: usize, ste
     wait_all(&mut states, &mut masks, words);
     let first = t0.elapsed();
     let mut times = Vec::with_capacity(steps);
+    let mut commits = Vec::with_capacity(steps);
     let (tasks0, busy0) = mask_task_totals();
     for step in 0..steps {
         // The picks stand for sampling, which is not the masks' cost: outside the timing.
@@ -48,11 +52,8 @@ pub fn time_masks(grammar: &CompiledGrammar, vocab: usize, sequences: usize, ste
         let t = Instant::now();
         // As the engine: every sequence's token is handed over first (`accept_device_token`), then
         // the outcomes are read (`emit`), then the masks gathered while the next step runs.
-        for (s, pick) in states.iter_mut().zip(&picks) {
-            if let Some(token) = pick {
-                s.commit(*token);
-            }
-        }
+        commit_all(&mut states, &picks);
+        commits.push(t.elapsed());
         for (s, pick) in states.iter_mut().zip(&picks) {
             if pick.is_none() || s.outcome() != GrammarOutcome::Continue {
                 *s = GrammarState::new(grammar);
@@ -65,7 +66,32 @@ pub fn time_masks(grammar: &CompiledGrammar, vocab: usize, sequences: usize, ste
     let (tasks1, busy1) = mask_task_totals();
     let task = busy1.saturating_sub(busy0) / u32::try_from(tasks1.saturating_sub(tasks0).max(1)).unwrap_or(u32::MAX);
     times.sort();
-    MaskTiming { sequences, vocab, step: times.get(times.len() / 2).copied().unwrap_or(first), first, task, threads: mask_threads() }
+    commits.sort();
+    MaskTiming {
+        sequences,
+        vocab,
+        step: times.get(times.len() / 2).copied().unwrap_or(first),
+        first,
+        task,
+        threads: mask_threads(),
+        commit: commits.get(commits.len() / 2).copied().unwrap_or_default(),
+    }
+}
+
+/// Every sequence's token consumed by its grammar, as the engine does it: on the mask threads for
+/// a batch of 16 or more constrained rows, else one by one.
+fn commit_all(states: &mut [GrammarState], picks: &[Option<u32>]) {
+    let commit = |(s, pick): (&mut GrammarState, &Option<u32>)| {
+        if let Some(token) = pick {
+            s.commit(*token);
+        }
+    };
+    if states.len() >= 16 {
+        use rayon::prelude::*;
+        on_mask_threads(|| states.par_iter_mut().zip(picks).for_each(commit));
+    } else {
+        states.iter_mut().zip(picks).for_each(commit);
+    }
 }
 
 fn wait_all(states: &mut [GrammarState], masks: &mut [u32], words: usize) {

@@ -44,16 +44,29 @@ fn planned_threads() -> usize {
 /// Runs `task` on the mask pool (on rayon's global pool where the mask threads could not be
 /// started: masks are still computed, only without their own threads).
 pub(super) fn spawn(task: impl FnOnce() + Send + 'static) {
-    let pool = POOL.get_or_init(|| {
+    match pool() {
+        Some(pool) => pool.spawn(task),
+        None => rayon::spawn(task),
+    }
+}
+
+fn pool() -> &'static Option<rayon::ThreadPool> {
+    POOL.get_or_init(|| {
         rayon::ThreadPoolBuilder::new()
             .num_threads(planned_threads())
             .thread_name(|i| format!("grammar-mask-{i}"))
             .build()
             .ok()
-    });
-    match pool {
-        Some(pool) => pool.spawn(task),
-        None => rayon::spawn(task),
+    })
+}
+
+/// Runs `work` on the mask threads and waits for it: for the step's commits, which the engine
+/// thread would otherwise make one by one while the device waits for the next step. The pool is
+/// idle then (every mask of the step was gathered before sampling).
+pub fn install<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    match pool() {
+        Some(pool) => pool.install(work),
+        None => work(),
     }
 }
 

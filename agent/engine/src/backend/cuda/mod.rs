@@ -512,6 +512,7 @@ impl CudaBackend {
                 // SAFETY: logits hold `rows` rows of vocab f32 and every packed row is below `rows`;
                 // the packed buffer was laid out for this vocabulary with `n` rows.
                 unsafe { self.cuda.kernels.apply_token_constraints(stream, logits.ptr(), vocab, constraints.ptr(), n) }.map_err(gpu_err)?;
+                pinned.release(stream)?;
             }
         }
         // SAFETY: logits hold `rows` rows of vocab f32; params `rows` entries; argmax max_num_seqs >= rows.

@@ -396,3 +396,144 @@ fn bench_adapters_are_written_as_loadable_peft_folders() {
         zipf_assignment(10, 4, 1.0, 0.0, 3)
     );
 }
+
+/// Every tensor of the safetensors file in `dir`, decoded one element at a time with no shortcut
+/// (the loader's semantics before it mapped files and decoded in parallel), checked bit for bit
+/// against `adapter`; returns how many tensors were compared.
+fn assert_equals_elementwise_decode(adapter: &LoraAdapter, bytes: &[u8]) -> usize {
+    use safetensors::{Dtype, SafeTensors};
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let mut compared = 0;
+    for (name, view) in st.iter() {
+        let parts: Vec<&str> = name.split('.').collect();
+        let layer: usize = parts[4].parse().unwrap();
+        let module = TargetModule::from_peft_name(parts[6]).unwrap();
+        let pair = adapter.pair(layer, module).unwrap_or_else(|| panic!("{name} not loaded"));
+        let got = if parts[7] == "lora_A" { &pair.a } else { &pair.b };
+        let want: Vec<f32> = match view.dtype() {
+            Dtype::F32 => view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+            Dtype::F16 => view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
+            Dtype::BF16 => view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
+            other => panic!("{name}: {other:?}"),
+        };
+        assert_eq!(got.len(), want.len(), "{name}");
+        let mismatch = got.iter().zip(&want).position(|(g, w)| g.to_bits() != w.to_bits());
+        assert_eq!(mismatch, None, "{name} ({:?})", view.dtype());
+        compared += 1;
+    }
+    compared
+}
+
+/// `bytes` (a safetensors file) with every tensor stored as `dtype` (round to nearest).
+fn with_dtype(bytes: &[u8], dtype: safetensors::Dtype) -> Vec<u8> {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .iter()
+        .map(|(name, view)| {
+            let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+            let data: Vec<u8> = match dtype {
+                Dtype::F32 => values.flat_map(f32::to_le_bytes).collect(),
+                Dtype::BF16 => values.flat_map(|v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+                _ => values.flat_map(|v| half::f16::from_f32(v).to_le_bytes()).collect(),
+            };
+            (name.to_string(), view.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<_> = converted.iter().map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap())).collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+/// `bytes` with one more space in its JSON header: every tensor's data then starts at an odd
+/// offset, so no tensor can be read in place as f32 or u16 (the loader's unaligned path).
+fn with_odd_header(bytes: &[u8]) -> Vec<u8> {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut out = ((n + 1) as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&bytes[8..8 + n]);
+    out.push(b' ');
+    out.extend_from_slice(&bytes[8 + n..]);
+    out
+}
+
+#[test]
+fn fixture_adapters_decode_as_element_by_element() {
+    let cfg = smollm2_config();
+    for name in ["adapter-a", "adapter-b"] {
+        let dir = adapter_dir(name);
+        let bytes = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+        // Both fixtures are over 1 MiB: `load` maps them.
+        assert!(bytes.len() > 1 << 20, "{name}");
+        let loaded = LoraAdapter::load(&dir, &cfg, 64).unwrap();
+        let n = assert_equals_elementwise_decode(&loaded, &bytes);
+        assert_eq!(n, loaded.layers.iter().flatten().flatten().count() * 2, "{name}");
+        // The same adapter from bytes in memory (the path of small files and `from_parts`).
+        let config = peregrine_engine::lora::AdapterConfig::from_file(&dir.join("adapter_config.json")).unwrap();
+        let from_parts = LoraAdapter::from_parts(&config, &bytes, &cfg, 64).unwrap();
+        assert_eq!(without_digest(loaded), from_parts, "{name}");
+    }
+}
+
+/// A rank-8 adapter on all seven projections (about 10 MB in f32, so mapped) in each dtype, with
+/// aligned and unaligned tensor data, loads to exactly the element-by-element values.
+#[test]
+fn every_dtype_and_alignment_decodes_as_element_by_element() {
+    use safetensors::Dtype;
+    let cfg = smollm2_config();
+    let adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(8, 11));
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&adapter, dir.path()).unwrap();
+    let path = dir.path().join("adapter_model.safetensors");
+    let f32_bytes = std::fs::read(&path).unwrap();
+    for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+        for odd in [false, true] {
+            let mut bytes = with_dtype(&f32_bytes, dtype);
+            if odd {
+                bytes = with_odd_header(&bytes);
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
+            assert_eq!(loaded.digest, sha256sum_of_files(dir.path()), "{dtype:?} odd {odd}");
+            assert_equals_elementwise_decode(&loaded, &bytes);
+            if dtype == Dtype::F32 {
+                assert_eq!(without_digest(loaded), adapter, "odd {odd}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_first_bad_tensor_in_layer_order_is_reported() {
+    let cfg = smollm2_config();
+    let mut adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(4, 3));
+    // Several bad tensors: whichever thread finds one first, the message names the earliest.
+    for (layer, module, index) in [(20, TargetModule::Q, 9), (3, TargetModule::Down, 17), (11, TargetModule::O, 1)] {
+        adapter.layers[layer][module.index()].as_mut().unwrap().a[index] = f32::NAN;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&adapter, dir.path()).unwrap();
+    for _ in 0..3 {
+        let Err(EngineError::InvalidAdapter { message, .. }) = LoraAdapter::load(dir.path(), &cfg, 64) else {
+            panic!("expected InvalidAdapter")
+        };
+        assert_eq!(message, "layers.3.mlp.down_proj.lora_A holds a non-finite value (NaN) at index 17");
+    }
+}
+
+#[test]
+fn two_spellings_of_one_weight_are_refused() {
+    use safetensors::{tensor::TensorView, SafeTensors};
+    let cfg = smollm2_config();
+    let spec = RandomAdapterSpec { targets: vec![TargetModule::V], ..RandomAdapterSpec::new(2, 5) };
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&LoraAdapter::random(&cfg, &spec), dir.path()).unwrap();
+    let path = dir.path().join("adapter_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut views: Vec<(String, TensorView<'_>)> = st.iter().map(|(n, v)| (n.to_string(), v)).collect();
+    let name = "base_model.model.model.layers.4.self_attn.v_proj.lora_B.weight";
+    let copy = views.iter().find(|(n, _)| n == name).unwrap().1.clone();
+    views.push((name.replace("lora_B.weight", "lora_B.default.weight"), copy));
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("lora_B.default.weight") && msg.contains("same weight"), "{msg}");
+}

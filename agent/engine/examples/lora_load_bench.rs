@@ -2,9 +2,11 @@
 //! projections) shaped for a base model as a PEFT folder in a temporary folder, then times
 //! `LoraAdapter::load` (read + digest + parse + validate + convert to the f32 form the backends take)
 //! `repeats` times and prints each time, the median and the best, in ms and MB/s of the
-//! safetensors file. The files were just written, so the figures are warm-cache ones.
+//! safetensors file. The files were just written, so the figures are warm-cache ones; with `cold`
+//! the adapter's two files (only they) are dropped from the page cache before each load
+//! (`dd iflag=nocache count=0`, i.e. `posix_fadvise(DONTNEED)`), so each load reads the disk.
 //!
-//! `cargo run --release -p peregrine-engine --example lora_load_bench -- [shape.json] [rank] [f32|bf16] [repeats]`
+//! `cargo run --release -p peregrine-engine --example lora_load_bench -- [shape.json] [rank] [f32|bf16] [repeats] [warm|cold]`
 //!
 //! Default: `scripts/shapes/llama-3.1-8b.json`, rank 32, f32 (what `bench::lora::write_random_adapters`
 //! writes, and so what `peregrine-agent throughput --lora` loads), 5 repeats.
@@ -25,6 +27,11 @@ fn main() -> AnyResult<()> {
     let rank: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(32);
     let dtype = args.get(3).map(String::as_str).unwrap_or("f32").to_string();
     let repeats: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
+    let cold = match args.get(5).map(String::as_str) {
+        None | Some("warm") => false,
+        Some("cold") => true,
+        Some(other) => return Err(format!("{other:?}: warm or cold").into()),
+    };
     if dtype != "f32" && dtype != "bf16" {
         return Err(format!("dtype {dtype:?}: f32 or bf16").into());
     }
@@ -56,7 +63,13 @@ fn main() -> AnyResult<()> {
 
     let threads = rayon::current_num_threads();
     let mut times = Vec::with_capacity(repeats);
+    let cache = if cold { "cold cache" } else { "warm cache" };
     for i in 0..repeats {
+        if cold {
+            for file in ["adapter_config.json", "adapter_model.safetensors"] {
+                drop_from_page_cache(&folder.join(file))?;
+            }
+        }
         let t = Instant::now();
         let loaded = LoraAdapter::load(&folder, &config, rank)?;
         let s = t.elapsed().as_secs_f64();
@@ -68,7 +81,7 @@ fn main() -> AnyResult<()> {
     times.sort_by(f64::total_cmp);
     let (median, best) = (times[times.len() / 2], times[0]);
     println!(
-        "LoraAdapter::load, rank {rank} {dtype}, {:.1} M params ({:.1} MB file), {threads} threads, warm cache: median {:.1} ms ({:.0} MB/s), best {:.1} ms ({:.0} MB/s), {repeats} runs",
+        "LoraAdapter::load, rank {rank} {dtype}, {:.1} M params ({:.1} MB file), {threads} threads, {cache}: median {:.1} ms ({:.0} MB/s), best {:.1} ms ({:.0} MB/s), {repeats} runs",
         params as f64 / 1e6,
         file_bytes / 1e6,
         median * 1e3,
@@ -76,6 +89,18 @@ fn main() -> AnyResult<()> {
         best * 1e3,
         file_bytes / best / 1e6
     );
+    Ok(())
+}
+
+/// Asks the kernel to drop `path`'s pages from the page cache (this file only).
+fn drop_from_page_cache(path: &Path) -> AnyResult<()> {
+    let status = std::process::Command::new("dd")
+        .arg(format!("if={}", path.display()))
+        .args(["iflag=nocache", "count=0", "status=none"])
+        .status()?;
+    if !status.success() {
+        return Err(format!("dd iflag=nocache failed on {}", path.display()).into());
+    }
     Ok(())
 }
 

@@ -397,41 +397,45 @@ fn bench_adapters_are_written_as_loadable_peft_folders() {
     );
 }
 
-/// Every tensor of the safetensors file in `dir`, decoded one element at a time with no shortcut
-/// (the loader's semantics before it mapped files and decoded in parallel), checked bit for bit
-/// against `adapter`; returns how many tensors were compared.
-fn assert_equals_elementwise_decode(adapter: &LoraAdapter, bytes: &[u8]) -> usize {
+type TestResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Every tensor of the safetensors file `bytes`, decoded one element at a time with no shortcut
+/// (the loader's semantics before it mapped files and decoded in parallel), compared bit for bit
+/// with `adapter`: the names of the tensors that differ, and how many tensors were compared.
+fn differences_from_elementwise_decode(adapter: &LoraAdapter, bytes: &[u8]) -> TestResult<(Vec<String>, usize)> {
     use safetensors::{Dtype, SafeTensors};
-    let st = SafeTensors::deserialize(bytes).unwrap();
-    let mut compared = 0;
+    let st = SafeTensors::deserialize(bytes)?;
+    let (mut differ, mut compared) = (Vec::new(), 0);
     for (name, view) in st.iter() {
         let parts: Vec<&str> = name.split('.').collect();
-        let layer: usize = parts[4].parse().unwrap();
-        let module = TargetModule::from_peft_name(parts[6]).unwrap();
-        let pair = adapter.pair(layer, module).unwrap_or_else(|| panic!("{name} not loaded"));
-        let got = if parts[7] == "lora_A" { &pair.a } else { &pair.b };
-        let want: Vec<f32> = match view.dtype() {
-            Dtype::F32 => view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            Dtype::F16 => view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
-            Dtype::BF16 => view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
-            other => panic!("{name}: {other:?}"),
+        let (Some(layer), Some(module), Some(which)) = (parts.get(4), parts.get(6), parts.get(7)) else {
+            return Err(format!("{name}: not a PEFT LoRA name").into());
         };
-        assert_eq!(got.len(), want.len(), "{name}");
-        let mismatch = got.iter().zip(&want).position(|(g, w)| g.to_bits() != w.to_bits());
-        assert_eq!(mismatch, None, "{name} ({:?})", view.dtype());
+        let module = TargetModule::from_peft_name(module).ok_or(format!("{name}: module"))?;
+        let pair = adapter.pair(layer.parse()?, module).ok_or(format!("{name} not loaded"))?;
+        let got = if *which == "lora_A" { &pair.a } else { &pair.b };
+        let want: Vec<f32> = match view.dtype() {
+            Dtype::F32 => view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F16 => view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::BF16 => view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => return Err(format!("{name}: {other:?}").into()),
+        };
+        if got.len() != want.len() || got.iter().zip(&want).any(|(g, w)| g.to_bits() != w.to_bits()) {
+            differ.push(format!("{name} ({:?})", view.dtype()));
+        }
         compared += 1;
     }
-    compared
+    Ok((differ, compared))
 }
 
-/// `bytes` (a safetensors file) with every tensor stored as `dtype` (round to nearest).
-fn with_dtype(bytes: &[u8], dtype: safetensors::Dtype) -> Vec<u8> {
+/// `bytes` (an f32 safetensors file) with every tensor stored as `dtype` (round to nearest).
+fn with_dtype(bytes: &[u8], dtype: safetensors::Dtype) -> TestResult<Vec<u8>> {
     use safetensors::{tensor::TensorView, Dtype, SafeTensors};
-    let st = SafeTensors::deserialize(bytes).unwrap();
+    let st = SafeTensors::deserialize(bytes)?;
     let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
         .iter()
         .map(|(name, view)| {
-            let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+            let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
             let data: Vec<u8> = match dtype {
                 Dtype::F32 => values.flat_map(f32::to_le_bytes).collect(),
                 Dtype::BF16 => values.flat_map(|v| half::bf16::from_f32(v).to_le_bytes()).collect(),
@@ -440,19 +444,24 @@ fn with_dtype(bytes: &[u8], dtype: safetensors::Dtype) -> Vec<u8> {
             (name.to_string(), view.shape().to_vec(), data)
         })
         .collect();
-    let views: Vec<_> = converted.iter().map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap())).collect();
-    safetensors::serialize(views, None).unwrap()
+    let views = converted
+        .iter()
+        .map(|(n, s, d)| TensorView::new(dtype, s.clone(), d).map(|v| (n.clone(), v)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(safetensors::serialize(views, None)?)
 }
 
 /// `bytes` with one more space in its JSON header: every tensor's data then starts at an odd
 /// offset, so no tensor can be read in place as f32 or u16 (the loader's unaligned path).
-fn with_odd_header(bytes: &[u8]) -> Vec<u8> {
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+fn with_odd_header(bytes: &[u8]) -> TestResult<Vec<u8>> {
+    let len: [u8; 8] = bytes.get(..8).ok_or("short file")?.try_into()?;
+    let n = usize::try_from(u64::from_le_bytes(len))?;
+    let header = bytes.get(8..8 + n).ok_or("short header")?;
     let mut out = ((n + 1) as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&bytes[8..8 + n]);
+    out.extend_from_slice(header);
     out.push(b' ');
     out.extend_from_slice(&bytes[8 + n..]);
-    out
+    Ok(out)
 }
 
 #[test]
@@ -464,7 +473,8 @@ fn fixture_adapters_decode_as_element_by_element() {
         // Both fixtures are over 1 MiB: `load` maps them.
         assert!(bytes.len() > 1 << 20, "{name}");
         let loaded = LoraAdapter::load(&dir, &cfg, 64).unwrap();
-        let n = assert_equals_elementwise_decode(&loaded, &bytes);
+        let (differ, n) = differences_from_elementwise_decode(&loaded, &bytes).unwrap();
+        assert!(differ.is_empty(), "{name}: {differ:?}");
         assert_eq!(n, loaded.layers.iter().flatten().flatten().count() * 2, "{name}");
         // The same adapter from bytes in memory (the path of small files and `from_parts`).
         let config = peregrine_engine::lora::AdapterConfig::from_file(&dir.join("adapter_config.json")).unwrap();
@@ -486,14 +496,15 @@ fn every_dtype_and_alignment_decodes_as_element_by_element() {
     let f32_bytes = std::fs::read(&path).unwrap();
     for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
         for odd in [false, true] {
-            let mut bytes = with_dtype(&f32_bytes, dtype);
+            let mut bytes = with_dtype(&f32_bytes, dtype).unwrap();
             if odd {
-                bytes = with_odd_header(&bytes);
+                bytes = with_odd_header(&bytes).unwrap();
             }
             std::fs::write(&path, &bytes).unwrap();
             let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
             assert_eq!(loaded.digest, sha256sum_of_files(dir.path()), "{dtype:?} odd {odd}");
-            assert_equals_elementwise_decode(&loaded, &bytes);
+            let (differ, _) = differences_from_elementwise_decode(&loaded, &bytes).unwrap();
+            assert!(differ.is_empty(), "{dtype:?} odd {odd}: {differ:?}");
             if dtype == Dtype::F32 {
                 assert_eq!(without_digest(loaded), adapter, "odd {odd}");
             }

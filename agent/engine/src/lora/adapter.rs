@@ -456,6 +456,40 @@ mod tests {
     }
 
     #[test]
+    fn decode_reports_the_first_non_finite_value_across_pieces() {
+        let n = DECODE_PIECE * 2 + 100;
+        let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 7.0).collect();
+        let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bf16_bytes: Vec<u8> = values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+        let f16_bytes: Vec<u8> = values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+        for (dtype, bytes, width) in [(Dtype::F32, &f32_bytes, 4), (Dtype::BF16, &bf16_bytes, 2), (Dtype::F16, &f16_bytes, 2)] {
+            // Unaligned too: the same values one byte into a buffer.
+            let mut shifted = vec![0u8];
+            shifted.extend_from_slice(bytes);
+            for data in [&bytes[..], &shifted[1..]] {
+                let decoded = decode_finite(dtype, data).map_err(|(i, _)| i);
+                let want: Vec<f32> = match dtype {
+                    Dtype::F32 => values.clone(),
+                    Dtype::BF16 => values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
+                    _ => values.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+                };
+                assert_eq!(decoded, Ok(want), "{dtype:?}");
+                // Two bad values in the second piece: the first is reported, at its index in the tensor.
+                let mut bad = data.to_vec();
+                for (at, value) in [(DECODE_PIECE + 3, f32::INFINITY), (DECODE_PIECE + 9, f32::NAN)] {
+                    let encoded = match dtype {
+                        Dtype::F32 => value.to_le_bytes().to_vec(),
+                        Dtype::BF16 => half::bf16::from_f32(value).to_le_bytes().to_vec(),
+                        _ => half::f16::from_f32(value).to_le_bytes().to_vec(),
+                    };
+                    bad[at * width..(at + 1) * width].copy_from_slice(&encoded);
+                }
+                assert_eq!(decode_finite(dtype, &bad).map_err(|(i, v)| (i, v.is_infinite())), Err((DECODE_PIECE + 3, true)), "{dtype:?}");
+            }
+        }
+    }
+
+    #[test]
     fn parses_peft_tensor_names() {
         assert_eq!(
             parse_tensor_name("base_model.model.model.layers.12.self_attn.q_proj.lora_A.weight"),

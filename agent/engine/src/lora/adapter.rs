@@ -3,14 +3,13 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Read;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::slice::HalfFloatSliceExt;
-use memmap2::Mmap;
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensorError};
 use sha2::{Digest, Sha256};
 
 use super::config::AdapterConfig;
@@ -49,16 +48,24 @@ pub struct LoraAdapter {
 /// that `cat adapter_config.json adapter_model.safetensors | sha256sum` gives the same hex. It
 /// names the content a pod serves: the operator records it per pod and compares pods by it.
 pub fn content_digest(config_bytes: &[u8], weights_bytes: &[u8]) -> String {
-    digest_unless_stopped(config_bytes, weights_bytes, &AtomicBool::new(false))
+    let mut hasher = Sha256::new();
+    hasher.update(config_bytes);
+    hasher.update(weights_bytes);
+    let hex: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
 }
 
 impl LoraAdapter {
     /// Loads the PEFT adapter in the folder `dir` and validates it against `base` (shapes, rank ≤
     /// `max_rank`, dtypes, the exact set of tensors, finite values).
     ///
-    /// The safetensors file is mapped, not copied; its header is checked in full (names, shapes,
-    /// dtypes) before any tensor data is read; then each tensor is converted once, straight into
-    /// its f32 `Vec`, on the rayon pool, while another thread hashes the files for [`content_digest`].
+    /// `adapter_model.safetensors` is never copied whole: its header is read and checked in full
+    /// (names, shapes, dtypes, offsets) before any tensor data is read; then each tensor is read
+    /// with positioned reads straight into its f32 `Vec` (F32) or through a small buffer
+    /// (F16/BF16), on the rayon pool, while another thread reads the file in order for
+    /// [`content_digest`]. A file that changes (size or modification time) meanwhile is refused, so
+    /// the digest names what was decoded. No map: a file truncated under a load is an error, not a
+    /// SIGBUS.
     pub fn load(dir: &Path, base: &ModelConfig, max_rank: usize) -> Result<LoraAdapter> {
         if !dir.is_dir() {
             return Err(EngineError::invalid_adapter(
@@ -86,18 +93,30 @@ impl LoraAdapter {
                 format!("missing {WEIGHTS_FILE}"),
             ));
         }
-        // Read once: the digest and the parsed adapter come from the same bytes.
         let config_text = std::fs::read_to_string(&config_path).map_err(|source| EngineError::Io {
             path: config_path.clone(),
             source,
         })?;
         let config = AdapterConfig::from_json(&config_text)
             .map_err(|message| EngineError::invalid_adapter(&config_path, message))?;
-        let bytes = WeightsBytes::open(&weights_path)?;
+        let io = |source| EngineError::Io { path: weights_path.clone(), source };
+        let file = File::open(&weights_path).map_err(io)?;
+        let before = file.metadata().map_err(io)?;
         let invalid = |message| EngineError::invalid_adapter(&weights_path, message);
-        let plan = TensorPlan::new(&config, &bytes, base, max_rank).map_err(invalid)?;
-        let (decoded, digest) = decode_and_digest(&plan, config_text.as_bytes(), &bytes);
-        let mut adapter = plan.assemble(decoded.map_err(invalid)?);
+        if config.r > max_rank {
+            return Err(invalid(format!("rank {} exceeds max_lora_rank {max_rank}", config.r)));
+        }
+        let source = Source::File { file: &file, len: before.len() };
+        let header = Header::read(&source).map_err(invalid)?;
+        let plan = TensorPlan::new(&config, &header, base, max_rank).map_err(invalid)?;
+        let (decoded, digest) = decode_and_digest(&plan, &source, config_text.as_bytes());
+        let decoded = decoded.map_err(invalid)?;
+        let digest = digest.map_err(io)?;
+        let after = file.metadata().map_err(io)?;
+        if after.len() != before.len() || after.modified().ok() != before.modified().ok() {
+            return Err(invalid(format!("{WEIGHTS_FILE} changed while it was read; load it again")));
+        }
+        let mut adapter = plan.assemble(decoded);
         adapter.digest = digest;
         Ok(adapter)
     }
@@ -109,8 +128,13 @@ impl LoraAdapter {
         base: &ModelConfig,
         max_rank: usize,
     ) -> std::result::Result<LoraAdapter, String> {
-        let plan = TensorPlan::new(config, safetensors_bytes, base, max_rank)?;
-        let decoded = plan.decode()?;
+        if config.r > max_rank {
+            return Err(format!("rank {} exceeds max_lora_rank {max_rank}", config.r));
+        }
+        let source = Source::Bytes(safetensors_bytes);
+        let header = Header::read(&source)?;
+        let plan = TensorPlan::new(config, &header, base, max_rank)?;
+        let decoded = plan.decode(&source)?;
         Ok(plan.assemble(decoded))
     }
 
@@ -130,99 +154,137 @@ impl LoraAdapter {
     }
 }
 
-/// `adapter_model.safetensors`'s bytes: mapped (the page cache, read in place by the conversion and
-/// the digest), or read into memory when the file is small (or empty, which cannot be mapped).
-enum WeightsBytes {
-    Mapped(Mmap),
-    Read(Vec<u8>),
+/// Where a safetensors file's bytes are: in memory, or in an open file of `len` bytes (read with
+/// positioned reads, so that threads share it).
+enum Source<'a> {
+    Bytes(&'a [u8]),
+    File { file: &'a File, len: u64 },
 }
 
-/// Files below this size are read, not mapped: a map costs more than the copy.
-const MAP_FROM_BYTES: u64 = 1 << 20;
-
-impl WeightsBytes {
-    fn open(path: &Path) -> Result<WeightsBytes> {
-        let io = |source| EngineError::Io { path: path.to_path_buf(), source };
-        let mut file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        if len < MAP_FROM_BYTES {
-            let mut bytes = Vec::with_capacity(len as usize);
-            file.read_to_end(&mut bytes).map_err(io)?;
-            return Ok(WeightsBytes::Read(bytes));
-        }
-        // SAFETY: a read-only private map, held only while this load runs; the file must not be
-        // truncated meanwhile (as for the model loader's maps).
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        // A cold file: start reading all of it now, ahead of the threads that will touch it.
-        #[cfg(unix)]
-        let _ = map.advise(memmap2::Advice::WillNeed);
-        Ok(WeightsBytes::Mapped(map))
-    }
-}
-
-impl std::ops::Deref for WeightsBytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
+impl Source<'_> {
+    fn len(&self) -> u64 {
         match self {
-            WeightsBytes::Mapped(map) => map,
-            WeightsBytes::Read(bytes) => bytes,
+            Source::Bytes(bytes) => bytes.len() as u64,
+            Source::File { len, .. } => *len,
+        }
+    }
+
+    /// Fills `buf` from byte `offset`.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        match self {
+            Source::Bytes(bytes) => {
+                let range = usize::try_from(offset)
+                    .ok()
+                    .and_then(|start| Some(start..start.checked_add(buf.len())?))
+                    .and_then(|range| bytes.get(range))
+                    .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+                buf.copy_from_slice(range);
+                Ok(())
+            }
+            Source::File { file, .. } => file.read_exact_at(buf, offset),
         }
     }
 }
 
-/// One tensor to decode: where it goes and its bytes (shape and dtype already checked).
-struct PlannedTensor<'a> {
+/// A safetensors header, checked as the safetensors crate checks a whole file (offsets contiguous,
+/// sizes matching shape × dtype, data exactly filling the file), without reading the data.
+struct Header {
+    /// Where the data starts: 8 + the header's length.
+    data_start: u64,
+    metadata: Metadata,
+}
+
+impl Header {
+    fn read(source: &Source<'_>) -> std::result::Result<Header, String> {
+        let bad = |e: SafeTensorError| format!("not a valid safetensors file: {e}");
+        let mut n = [0u8; 8];
+        if source.len() < 8 {
+            return Err(bad(SafeTensorError::HeaderTooSmall));
+        }
+        source
+            .read_at(0, &mut n)
+            .map_err(|e| format!("cannot read the safetensors header: {e}"))?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER_BYTES {
+            return Err(bad(SafeTensorError::HeaderTooLarge));
+        }
+        let data_start = 8 + n;
+        if data_start > source.len() {
+            return Err(bad(SafeTensorError::InvalidHeaderLength));
+        }
+        // n ≤ MAX_HEADER_BYTES: fits in memory and in usize.
+        let mut text = vec![0u8; n as usize];
+        source
+            .read_at(8, &mut text)
+            .map_err(|e| format!("cannot read the safetensors header: {e}"))?;
+        let text = std::str::from_utf8(&text).map_err(|e| bad(SafeTensorError::InvalidHeader(e)))?;
+        let metadata: Metadata = serde_json::from_str(text)
+            .map_err(|e| bad(SafeTensorError::InvalidHeaderDeserialization(e)))?;
+        if data_start.checked_add(metadata.data_len() as u64) != Some(source.len()) {
+            return Err(bad(SafeTensorError::MetadataIncompleteBuffer));
+        }
+        Ok(Header { data_start, metadata })
+    }
+}
+
+/// The safetensors crate's limit on a header's length.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor to decode: where it goes and where its bytes are (shape and dtype already checked).
+struct PlannedTensor {
     layer: usize,
     module: TargetModule,
     is_a: bool,
     dtype: Dtype,
-    data: &'a [u8],
+    /// Byte offset in the file and byte length.
+    offset: u64,
+    bytes: usize,
 }
 
-impl PlannedTensor<'_> {
+impl PlannedTensor {
     fn label(&self) -> String {
         let which = if self.is_a { "lora_A" } else { "lora_B" };
         format!("layers.{}.{}.{}.{which}", self.layer, self.module.parent(), self.module)
     }
 
     /// The tensor's values in f32, or the message naming its first non-finite value.
-    fn decode(&self) -> std::result::Result<Vec<f32>, String> {
-        decode_finite(self.dtype, self.data).map_err(|(i, v)| {
-            format!("{} holds a non-finite value ({v}) at index {i}", self.label())
+    fn decode(&self, source: &Source<'_>) -> std::result::Result<Vec<f32>, String> {
+        decode_finite(self.dtype, source, self.offset, self.bytes).map_err(|e| match e {
+            DecodeError::NonFinite(i, v) => {
+                format!("{} holds a non-finite value ({v}) at index {i}", self.label())
+            }
+            DecodeError::Read(e) => format!("{}: cannot read its data: {e}", self.label()),
         })
     }
 }
 
 /// Everything the safetensors header says, checked against the adapter config and the base model,
 /// before any tensor's data is read: every targeted (layer, module) in order, A then B.
-struct TensorPlan<'a> {
+struct TensorPlan {
     rank: usize,
     scaling: f32,
     targets: Vec<TargetModule>,
     layers: usize,
-    tensors: Vec<PlannedTensor<'a>>,
+    tensors: Vec<PlannedTensor>,
 }
 
-impl<'a> TensorPlan<'a> {
+impl TensorPlan {
     fn new(
         config: &AdapterConfig,
-        safetensors_bytes: &'a [u8],
+        header: &Header,
         base: &ModelConfig,
         max_rank: usize,
-    ) -> std::result::Result<TensorPlan<'a>, String> {
+    ) -> std::result::Result<TensorPlan, String> {
         let r = config.r;
         if r > max_rank {
             return Err(format!("rank {r} exceeds max_lora_rank {max_rank}"));
         }
-        let st = SafeTensors::deserialize(safetensors_bytes)
-            .map_err(|e| format!("not a valid safetensors file: {e}"))?;
-
         // Sort every tensor into its (layer, module, A|B) place first, so that missing and extra
-        // tensors are both reported by name.
-        let mut found: BTreeMap<(usize, TargetModule, bool), (String, TensorView<'a>)> =
-            BTreeMap::new();
-        for (name, view) in st.iter() {
-            let (layer, module, is_a) = parse_tensor_name(name).ok_or_else(|| {
+        // tensors are both reported by name (in file order).
+        let mut found: BTreeMap<(usize, TargetModule, bool), (String, &TensorInfo)> = BTreeMap::new();
+        for name in header.metadata.offset_keys() {
+            let Some(info) = header.metadata.info(&name) else { continue };
+            let (layer, module, is_a) = parse_tensor_name(&name).ok_or_else(|| {
                 format!("unexpected tensor {name:?} (only LoRA A/B of decoder projections)")
             })?;
             if layer >= base.num_hidden_layers {
@@ -236,11 +298,13 @@ impl<'a> TensorPlan<'a> {
                     "tensor {name:?} targets {module}, which target_modules does not list"
                 ));
             }
-            if let Some((other, _)) = found.insert((layer, module, is_a), (name.to_string(), view)) {
+            let key = (layer, module, is_a);
+            if let Some((other, _)) = found.get(&key) {
                 return Err(format!(
                     "tensors {other:?} and {name:?} are the same weight; keep one"
                 ));
             }
+            found.insert(key, (name, info));
         }
 
         let mut tensors = Vec::with_capacity(base.num_hidden_layers * config.target_modules.len() * 2);
@@ -248,7 +312,7 @@ impl<'a> TensorPlan<'a> {
             for &module in &config.target_modules {
                 let (fan_in, fan_out) = module.dims(base);
                 for (is_a, shape) in [(true, [r, fan_in]), (false, [fan_out, r])] {
-                    tensors.push(check_tensor(&found, layer, module, is_a, shape)?);
+                    tensors.push(check_tensor(&found, header.data_start, layer, module, is_a, shape)?);
                 }
             }
         }
@@ -263,11 +327,11 @@ impl<'a> TensorPlan<'a> {
 
     /// Decodes every tensor on the rayon pool; the error is the first bad tensor's in plan order,
     /// whichever thread found it first.
-    fn decode(&self) -> std::result::Result<Vec<Vec<f32>>, String> {
+    fn decode(&self, source: &Source<'_>) -> std::result::Result<Vec<Vec<f32>>, String> {
         use rayon::prelude::*;
         self.tensors
             .par_iter()
-            .map(PlannedTensor::decode)
+            .map(|t| t.decode(source))
             .collect::<Vec<_>>()
             .into_iter()
             .collect()
@@ -292,20 +356,20 @@ impl<'a> TensorPlan<'a> {
     }
 }
 
-/// [`TensorPlan::decode`] beside [`content_digest`] of `config_bytes` + `weights` on a thread of its
+/// [`TensorPlan::decode`] beside [`content_digest`] of `config_bytes` + the file on a thread of its
 /// own (the digest is one sequential SHA-256 over the whole file, the longest single task of a
 /// load). A failed decode stops the digest early.
 fn decode_and_digest(
-    plan: &TensorPlan<'_>,
+    plan: &TensorPlan,
+    source: &Source<'_>,
     config_bytes: &[u8],
-    weights: &[u8],
-) -> (std::result::Result<Vec<Vec<f32>>, String>, String) {
+) -> (std::result::Result<Vec<Vec<f32>>, String>, std::io::Result<String>) {
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let hashing = std::thread::Builder::new()
             .name("adapter-digest".into())
-            .spawn_scoped(scope, || digest_unless_stopped(config_bytes, weights, &stop));
-        let decoded = plan.decode();
+            .spawn_scoped(scope, || digest_source(config_bytes, source, &stop));
+        let decoded = plan.decode(source);
         if decoded.is_err() {
             stop.store(true, Ordering::Relaxed);
         }
@@ -315,24 +379,46 @@ fn decode_and_digest(
                 Err(panic) => std::panic::resume_unwind(panic),
             },
             // No thread to be had: hash here, after the decode.
-            Err(_) => digest_unless_stopped(config_bytes, weights, &stop),
+            Err(_) => digest_source(config_bytes, source, &stop),
         };
         (decoded, digest)
     })
 }
 
-/// [`content_digest`], fed in 4 MiB pieces so that `stop` can end it (the result is then unused).
-fn digest_unless_stopped(config_bytes: &[u8], weights: &[u8], stop: &AtomicBool) -> String {
+/// Bytes hashed per read (a buffer that stays in the core's cache).
+const DIGEST_PIECE: usize = 1 << 20;
+
+/// [`content_digest`] of `config_bytes` + `source`, read in order a piece at a time; `stop` ends it
+/// early (the result is then unused).
+fn digest_source(config_bytes: &[u8], source: &Source<'_>, stop: &AtomicBool) -> std::io::Result<String> {
     let mut hasher = Sha256::new();
     hasher.update(config_bytes);
-    for piece in weights.chunks(4 << 20) {
-        if stop.load(Ordering::Relaxed) {
-            return String::new();
+    match source {
+        Source::Bytes(bytes) => {
+            for piece in bytes.chunks(DIGEST_PIECE) {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(String::new());
+                }
+                hasher.update(piece);
+            }
         }
-        hasher.update(piece);
+        Source::File { len, .. } => {
+            let mut buf = vec![0u8; DIGEST_PIECE];
+            let mut offset = 0u64;
+            while offset < *len {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(String::new());
+                }
+                let take = (*len - offset).min(DIGEST_PIECE as u64) as usize;
+                let piece = &mut buf[..take];
+                source.read_at(offset, piece)?;
+                hasher.update(&*piece);
+                offset += take as u64;
+            }
+        }
     }
     let hex: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    format!("sha256:{hex}")
+    Ok(format!("sha256:{hex}"))
 }
 
 /// `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight` → (i, module, is_a).
@@ -357,88 +443,112 @@ fn parse_tensor_name(name: &str) -> Option<(usize, TargetModule, bool)> {
 }
 
 /// The header's entry for one expected tensor, checked: present, of `shape`, of a dtype we decode.
-fn check_tensor<'a>(
-    found: &BTreeMap<(usize, TargetModule, bool), (String, TensorView<'a>)>,
+fn check_tensor(
+    found: &BTreeMap<(usize, TargetModule, bool), (String, &TensorInfo)>,
+    data_start: u64,
     layer: usize,
     module: TargetModule,
     is_a: bool,
     shape: [usize; 2],
-) -> std::result::Result<PlannedTensor<'a>, String> {
-    let planned = |dtype, data| PlannedTensor { layer, module, is_a, dtype, data };
-    let label = planned(Dtype::F32, &[][..]).label();
-    let (_, view) = found
+) -> std::result::Result<PlannedTensor, String> {
+    let planned = |dtype, offset, bytes| PlannedTensor { layer, module, is_a, dtype, offset, bytes };
+    let label = planned(Dtype::F32, 0, 0).label();
+    let (_, info) = found
         .get(&(layer, module, is_a))
         .ok_or_else(|| format!("missing tensor {label}"))?;
-    if view.shape() != shape {
+    if info.shape != shape {
         return Err(format!(
             "{label} has shape {:?}, expected {:?} for this base model (A is [r, in], B is [out, r])",
-            view.shape(),
-            shape
+            info.shape, shape
         ));
     }
-    if !matches!(view.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+    if !matches!(info.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
         return Err(format!(
             "{label} has dtype {:?}; only F32, F16 and BF16 are supported",
-            view.dtype()
+            info.dtype
         ));
     }
-    Ok(planned(view.dtype(), view.data()))
+    let (start, end) = info.data_offsets;
+    Ok(planned(info.dtype, data_start + start as u64, end - start))
 }
 
 /// Values converted (and checked) per piece, small enough that the check reads what the
 /// conversion just wrote from the core's cache.
 const DECODE_PIECE: usize = 16 * 1024;
 
-/// Little-endian F32/F16/BF16 bytes (a dtype [`check_tensor`] let through) → f32, written once into
-/// the returned `Vec`; `Err((index, value))` at the first non-finite value. The safetensors crate
-/// has already checked that the byte length matches shape × dtype size.
-fn decode_finite(dtype: Dtype, bytes: &[u8]) -> std::result::Result<Vec<f32>, (usize, f32)> {
+enum DecodeError {
+    NonFinite(usize, f32),
+    Read(std::io::Error),
+}
+
+/// The `bytes` bytes of a little-endian F32/F16/BF16 tensor (a dtype [`check_tensor`] let through)
+/// at `offset` of `source` → f32, written once into the returned `Vec` (F32 read straight into it;
+/// F16/BF16 through a piece-sized buffer); `NonFinite(index, value)` at the first non-finite value.
+/// The header check has already matched the byte length to shape × dtype size.
+fn decode_finite(
+    dtype: Dtype,
+    source: &Source<'_>,
+    offset: u64,
+    bytes: usize,
+) -> std::result::Result<Vec<f32>, DecodeError> {
     let width = if dtype == Dtype::F32 { 4 } else { 2 };
-    let mut out: Vec<f32> = Vec::with_capacity(bytes.len() / width);
-    for piece in bytes.chunks(DECODE_PIECE * width) {
-        let start = out.len();
+    let n = bytes / width;
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    let mut halves = if width == 2 { vec![0u8; DECODE_PIECE * 2] } else { Vec::new() };
+    let mut start = 0;
+    while start < n {
+        let count = (n - start).min(DECODE_PIECE);
+        let at = offset + (start * width) as u64;
         match dtype {
-            Dtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(piece) {
-                Ok(values) if cfg!(target_endian = "little") => out.extend_from_slice(values),
-                _ => out.extend(
-                    piece
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                ),
-            },
-            Dtype::BF16 => match bytemuck::try_cast_slice::<u8, u16>(piece) {
-                // bf16 is the top half of an f32.
-                Ok(bits) if cfg!(target_endian = "little") => {
-                    out.extend(bits.iter().map(|&b| f32::from_bits(u32::from(b) << 16)))
+            Dtype::F32 => {
+                out.resize(start + count, 0.0);
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out[start..]);
+                source.read_at(at, dst).map_err(DecodeError::Read)?;
+                if cfg!(target_endian = "big") {
+                    for v in &mut out[start..] {
+                        *v = f32::from_bits(u32::from_le(v.to_bits()));
+                    }
                 }
-                _ => out.extend(
-                    piece
-                        .chunks_exact(2)
-                        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
-                ),
-            },
-            _ => match bytemuck::try_cast_slice::<u8, half::f16>(piece) {
-                // F16C where the CPU has it.
-                Ok(halves) if cfg!(target_endian = "little") => {
-                    out.resize(start + halves.len(), 0.0);
-                    halves.convert_to_f32_slice(&mut out[start..]);
-                }
-                _ => out.extend(
-                    piece
-                        .chunks_exact(2)
-                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-                ),
-            },
+            }
+            _ => {
+                let piece = &mut halves[..count * 2];
+                source.read_at(at, piece).map_err(DecodeError::Read)?;
+                extend_from_halves(dtype, piece, &mut out);
+            }
         }
         let written = &out[start..];
         // A branch-free pass first (it vectorises); the position only when something is wrong.
         if written.iter().fold(false, |bad, v| bad | !v.is_finite()) {
             if let Some(i) = written.iter().position(|v| !v.is_finite()) {
-                return Err((start + i, written[i]));
+                return Err(DecodeError::NonFinite(start + i, written[i]));
             }
         }
+        start += count;
     }
     Ok(out)
+}
+
+/// Appends little-endian BF16 or F16 `bytes` to `out` as f32 (exact: both widen without rounding).
+fn extend_from_halves(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) {
+    let start = out.len();
+    if dtype == Dtype::BF16 {
+        match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+            // bf16 is the top half of an f32.
+            Ok(bits) if cfg!(target_endian = "little") => {
+                out.extend(bits.iter().map(|&b| f32::from_bits(u32::from(b) << 16)))
+            }
+            _ => out.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+        }
+    } else {
+        match bytemuck::try_cast_slice::<u8, half::f16>(bytes) {
+            // F16C where the CPU has it.
+            Ok(values) if cfg!(target_endian = "little") => {
+                out.resize(start + values.len(), 0.0);
+                values.convert_to_f32_slice(&mut out[start..]);
+            }
+            _ => out.extend(bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -467,13 +577,22 @@ mod tests {
             let mut shifted = vec![0u8];
             shifted.extend_from_slice(bytes);
             for data in [&bytes[..], &shifted[1..]] {
-                let decoded = decode_finite(dtype, data).map_err(|(i, _)| i);
+                let decode = |data: &[u8]| {
+                    decode_finite(dtype, &Source::Bytes(data), 0, data.len()).map_err(|e| match e {
+                        DecodeError::NonFinite(i, v) => Ok((i, v.is_infinite())),
+                        DecodeError::Read(e) => Err(e.kind()),
+                    })
+                };
+                let decoded = decode(data).map_err(|e| e.map(|(i, _)| i));
                 let want: Vec<f32> = match dtype {
                     Dtype::F32 => values.clone(),
                     Dtype::BF16 => values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
                     _ => values.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
                 };
                 assert_eq!(decoded, Ok(want), "{dtype:?}");
+                // Bytes short of what the header promised: a read error.
+                let short = decode_finite(dtype, &Source::Bytes(&data[..data.len() - 1]), 0, data.len());
+                assert!(matches!(short, Err(DecodeError::Read(_))), "{dtype:?}");
                 // Two bad values in the second piece: the first is reported, at its index in the tensor.
                 let mut bad = data.to_vec();
                 for (at, value) in [(DECODE_PIECE + 3, f32::INFINITY), (DECODE_PIECE + 9, f32::NAN)] {
@@ -484,7 +603,7 @@ mod tests {
                     };
                     bad[at * width..(at + 1) * width].copy_from_slice(&encoded);
                 }
-                assert_eq!(decode_finite(dtype, &bad).map_err(|(i, v)| (i, v.is_infinite())), Err((DECODE_PIECE + 3, true)), "{dtype:?}");
+                assert_eq!(decode(&bad), Err(Ok((DECODE_PIECE + 3, true))), "{dtype:?}");
             }
         }
     }

@@ -493,7 +493,9 @@ fn decode_finite(
 ) -> std::result::Result<Vec<f32>, DecodeError> {
     let width = if dtype == Dtype::F32 { 4 } else { 2 };
     let n = bytes / width;
-    let mut out: Vec<f32> = Vec::with_capacity(n);
+    // F32: zeroed up front, which for a large tensor is fresh zero pages from the kernel (no
+    // pass over it here), then read into; F16/BF16: appended to.
+    let mut out: Vec<f32> = if width == 4 { vec![0.0; n] } else { Vec::with_capacity(n) };
     let mut halves = if width == 2 { vec![0u8; DECODE_PIECE * 2] } else { Vec::new() };
     let mut start = 0;
     while start < n {
@@ -501,11 +503,10 @@ fn decode_finite(
         let at = offset + (start * width) as u64;
         match dtype {
             Dtype::F32 => {
-                out.resize(start + count, 0.0);
-                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out[start..]);
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out[start..start + count]);
                 source.read_at(at, dst).map_err(DecodeError::Read)?;
                 if cfg!(target_endian = "big") {
-                    for v in &mut out[start..] {
+                    for v in &mut out[start..start + count] {
                         *v = f32::from_bits(u32::from_le(v.to_bits()));
                     }
                 }
@@ -516,7 +517,7 @@ fn decode_finite(
                 extend_from_halves(dtype, piece, &mut out);
             }
         }
-        let written = &out[start..];
+        let written = &out[start..start + count];
         // A branch-free pass first (it vectorises); the position only when something is wrong.
         if written.iter().fold(false, |bad, v| bad | !v.is_finite()) {
             if let Some(i) = written.iter().position(|v| !v.is_finite()) {

@@ -108,7 +108,7 @@ impl LoraAdapter {
         }
         let source = Source::File { file: &file, len: before.len() };
         let header = Header::read(&source).map_err(invalid)?;
-        let plan = TensorPlan::new(&config, &header, base, max_rank).map_err(invalid)?;
+        let plan = TensorPlan::new(&config, &header, base).map_err(invalid)?;
         let (decoded, digest) = decode_and_digest(&plan, &source, config_text.as_bytes());
         let decoded = decoded.map_err(invalid)?;
         let digest = digest.map_err(io)?;
@@ -133,7 +133,7 @@ impl LoraAdapter {
         }
         let source = Source::Bytes(safetensors_bytes);
         let header = Header::read(&source)?;
-        let plan = TensorPlan::new(config, &header, base, max_rank)?;
+        let plan = TensorPlan::new(config, &header, base)?;
         let decoded = plan.decode(&source)?;
         Ok(plan.assemble(decoded))
     }
@@ -258,8 +258,8 @@ impl PlannedTensor {
     }
 }
 
-/// Everything the safetensors header says, checked against the adapter config and the base model,
-/// before any tensor's data is read: every targeted (layer, module) in order, A then B.
+/// Everything the safetensors header says, checked against the adapter config (its rank already
+/// checked against `max_lora_rank`) and the base model, before any tensor's data is read: every targeted (layer, module) in order, A then B.
 struct TensorPlan {
     rank: usize,
     scaling: f32,
@@ -273,12 +273,8 @@ impl TensorPlan {
         config: &AdapterConfig,
         header: &Header,
         base: &ModelConfig,
-        max_rank: usize,
     ) -> std::result::Result<TensorPlan, String> {
         let r = config.r;
-        if r > max_rank {
-            return Err(format!("rank {r} exceeds max_lora_rank {max_rank}"));
-        }
         // Sort every tensor into its (layer, module, A|B) place first, so that missing and extra
         // tensors are both reported by name (in file order).
         let mut found: BTreeMap<(usize, TargetModule, bool), (String, &TensorInfo)> = BTreeMap::new();

@@ -396,3 +396,153 @@ fn bench_adapters_are_written_as_loadable_peft_folders() {
         zipf_assignment(10, 4, 1.0, 0.0, 3)
     );
 }
+
+type TestResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Every tensor of the safetensors file `bytes`, decoded one element at a time with no shortcut
+/// (the loader's semantics before it read tensors in parallel), compared bit for bit
+/// with `adapter`: the names of the tensors that differ, and how many tensors were compared.
+fn differences_from_elementwise_decode(adapter: &LoraAdapter, bytes: &[u8]) -> TestResult<(Vec<String>, usize)> {
+    use safetensors::{Dtype, SafeTensors};
+    let st = SafeTensors::deserialize(bytes)?;
+    let (mut differ, mut compared) = (Vec::new(), 0);
+    for (name, view) in st.iter() {
+        let parts: Vec<&str> = name.split('.').collect();
+        let (Some(layer), Some(module), Some(which)) = (parts.get(4), parts.get(6), parts.get(7)) else {
+            return Err(format!("{name}: not a PEFT LoRA name").into());
+        };
+        let module = TargetModule::from_peft_name(module).ok_or(format!("{name}: module"))?;
+        let pair = adapter.pair(layer.parse()?, module).ok_or(format!("{name} not loaded"))?;
+        let got = if *which == "lora_A" { &pair.a } else { &pair.b };
+        let want: Vec<f32> = match view.dtype() {
+            Dtype::F32 => view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F16 => view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::BF16 => view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => return Err(format!("{name}: {other:?}").into()),
+        };
+        if got.len() != want.len() || got.iter().zip(&want).any(|(g, w)| g.to_bits() != w.to_bits()) {
+            differ.push(format!("{name} ({:?})", view.dtype()));
+        }
+        compared += 1;
+    }
+    Ok((differ, compared))
+}
+
+/// `bytes` (an f32 safetensors file) with every tensor stored as `dtype` (round to nearest).
+fn with_dtype(bytes: &[u8], dtype: safetensors::Dtype) -> TestResult<Vec<u8>> {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let st = SafeTensors::deserialize(bytes)?;
+    let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .iter()
+        .map(|(name, view)| {
+            let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            let data: Vec<u8> = match dtype {
+                Dtype::F32 => values.flat_map(f32::to_le_bytes).collect(),
+                Dtype::BF16 => values.flat_map(|v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+                _ => values.flat_map(|v| half::f16::from_f32(v).to_le_bytes()).collect(),
+            };
+            (name.to_string(), view.shape().to_vec(), data)
+        })
+        .collect();
+    let views = converted
+        .iter()
+        .map(|(n, s, d)| TensorView::new(dtype, s.clone(), d).map(|v| (n.clone(), v)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(safetensors::serialize(views, None)?)
+}
+
+/// `bytes` with one more space in its JSON header: every tensor's data then starts at an odd
+/// offset, so no tensor can be read in place as f32 or u16 (the loader's unaligned path).
+fn with_odd_header(bytes: &[u8]) -> TestResult<Vec<u8>> {
+    let len: [u8; 8] = bytes.get(..8).ok_or("short file")?.try_into()?;
+    let n = usize::try_from(u64::from_le_bytes(len))?;
+    let header = bytes.get(8..8 + n).ok_or("short header")?;
+    let mut out = ((n + 1) as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header);
+    out.push(b' ');
+    out.extend_from_slice(&bytes[8 + n..]);
+    Ok(out)
+}
+
+#[test]
+fn fixture_adapters_decode_as_element_by_element() {
+    let cfg = smollm2_config();
+    for name in ["adapter-a", "adapter-b"] {
+        let dir = adapter_dir(name);
+        let bytes = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+        let loaded = LoraAdapter::load(&dir, &cfg, 64).unwrap();
+        let (differ, n) = differences_from_elementwise_decode(&loaded, &bytes).unwrap();
+        assert!(differ.is_empty(), "{name}: {differ:?}");
+        assert_eq!(n, loaded.layers.iter().flatten().flatten().count() * 2, "{name}");
+        // The same adapter from bytes in memory (the path of small files and `from_parts`).
+        let config = peregrine_engine::lora::AdapterConfig::from_file(&dir.join("adapter_config.json")).unwrap();
+        let from_parts = LoraAdapter::from_parts(&config, &bytes, &cfg, 64).unwrap();
+        assert_eq!(without_digest(loaded), from_parts, "{name}");
+    }
+}
+
+/// A rank-8 adapter on all seven projections (about 10 MB in f32, many pieces) in each dtype, with
+/// aligned and unaligned tensor data, loads to exactly the element-by-element values.
+#[test]
+fn every_dtype_and_alignment_decodes_as_element_by_element() {
+    use safetensors::Dtype;
+    let cfg = smollm2_config();
+    let adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(8, 11));
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&adapter, dir.path()).unwrap();
+    let path = dir.path().join("adapter_model.safetensors");
+    let f32_bytes = std::fs::read(&path).unwrap();
+    for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+        for odd in [false, true] {
+            let mut bytes = with_dtype(&f32_bytes, dtype).unwrap();
+            if odd {
+                bytes = with_odd_header(&bytes).unwrap();
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            let loaded = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
+            assert_eq!(loaded.digest, sha256sum_of_files(dir.path()), "{dtype:?} odd {odd}");
+            let (differ, _) = differences_from_elementwise_decode(&loaded, &bytes).unwrap();
+            assert!(differ.is_empty(), "{dtype:?} odd {odd}: {differ:?}");
+            if dtype == Dtype::F32 {
+                assert_eq!(without_digest(loaded), adapter, "odd {odd}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_first_bad_tensor_in_layer_order_is_reported() {
+    let cfg = smollm2_config();
+    let mut adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(4, 3));
+    // Several bad tensors: whichever thread finds one first, the message names the earliest.
+    for (layer, module, index) in [(20, TargetModule::Q, 9), (3, TargetModule::Down, 17), (11, TargetModule::O, 1)] {
+        adapter.layers[layer][module.index()].as_mut().unwrap().a[index] = f32::NAN;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&adapter, dir.path()).unwrap();
+    for _ in 0..3 {
+        let Err(EngineError::InvalidAdapter { message, .. }) = LoraAdapter::load(dir.path(), &cfg, 64) else {
+            panic!("expected InvalidAdapter")
+        };
+        assert_eq!(message, "layers.3.mlp.down_proj.lora_A holds a non-finite value (NaN) at index 17");
+    }
+}
+
+#[test]
+fn two_spellings_of_one_weight_are_refused() {
+    use safetensors::{tensor::TensorView, SafeTensors};
+    let cfg = smollm2_config();
+    let spec = RandomAdapterSpec { targets: vec![TargetModule::V], ..RandomAdapterSpec::new(2, 5) };
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&LoraAdapter::random(&cfg, &spec), dir.path()).unwrap();
+    let path = dir.path().join("adapter_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut views: Vec<(String, TensorView<'_>)> = st.iter().map(|(n, v)| (n.to_string(), v)).collect();
+    let name = "base_model.model.model.layers.4.self_attn.v_proj.lora_B.weight";
+    let copy = views.iter().find(|(n, _)| n == name).unwrap().1.clone();
+    views.push((name.replace("lora_B.weight", "lora_B.default.weight"), copy));
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
+    assert!(msg.contains("lora_B.default.weight") && msg.contains("same weight"), "{msg}");
+}

@@ -52,9 +52,18 @@ fn w8_atol(format: RowFormat) -> f32 {
     }
 }
 const W8_MEAN_ATOL: f64 = 1.2;
-/// CPU top-2 logits closer than this may swap between the two backends (measured: int8 diverged
-/// only at CPU margins ≤ 0.41).
-const W8_NOISE_MARGIN: f32 = 1.0;
+/// CPU top-2 logits closer than this may swap between the two backends: about 1.5 × the largest
+/// margin at which a greedy divergence was measured on the H100 (2026-11-27, deterministic over two
+/// runs): int8 ≤ 0.41 (6 prompts), fp8 ≤ 1.04 (margins 0.47 / 1.04 / 0.84 / 0.06 / 0.23 / 0.15).
+/// fp8's three mantissa bits round a row's largest activations more coarsely than int8's 127 steps
+/// (12.5 % against 0.8 % of the value at the top of the range), so its flips reach wider ties.
+/// A wiring bug shows at once in the position-0 emulation check (bound 0.5), not here.
+fn w8_noise_margin(format: RowFormat) -> f32 {
+    match format {
+        RowFormat::Fp8E4m3 => 1.5,
+        RowFormat::Int8 => 0.6,
+    }
+}
 
 /// The model as loaded (f32), and the CPU backend over its `format` quantization.
 fn backends(format: RowFormat) -> Option<(CudaBackend, CpuBackend)> {
@@ -160,6 +169,8 @@ fn greedy_matches_the_cpu(format: RowFormat) {
     let reference = common::reference();
     let prompts = reference["prompts"].as_array().unwrap();
     let mut identical = 0;
+    // Every prompt is run and reported before the assertion, so one run shows every divergence.
+    let mut far_from_ties = Vec::new();
     for (pi, prompt) in prompts.iter().enumerate() {
         let ids = u32s(&prompt["input_ids"]);
         let steps = prompt["greedy"]["max_new_tokens"].as_u64().unwrap() as usize;
@@ -175,10 +186,13 @@ fn greedy_matches_the_cpu(format: RowFormat) {
             }
             Some(s) => {
                 report(&format!("{format:?} prompt {pi}: first divergence at step {s} (CPU top-2 margin {:.4}; cpu {} vs cuda {})", cpu_margins[s], cpu_ids[s], gpu_ids[s]));
-                assert!(cpu_margins[s] < W8_NOISE_MARGIN, "{format:?} prompt {pi}: diverged at step {s} where the CPU's top-2 margin is {}", cpu_margins[s]);
+                if cpu_margins[s] >= w8_noise_margin(format) {
+                    far_from_ties.push(format!("{format:?} prompt {pi}: diverged at step {s} where the CPU's top-2 margin is {}", cpu_margins[s]));
+                }
             }
         }
     }
+    assert!(far_from_ties.is_empty(), "{}", far_from_ties.join("; "));
     // No minimum count of identical prompts: with logit noise of mean ~0.7–0.9 between two valid
     // W8A8 implementations (see w8_atol), 32 greedy steps without a near-tie flip are luck (the H100
     // run at 07:33: int8 0 of 6 identical, every divergence at a CPU margin ≤ 0.41). What is asserted

@@ -1,7 +1,10 @@
 //! A BERT-family encoder on the CPU over a ragged batch (`plan::RaggedBatch`): embeddings (word +
 //! absolute position + token type, LayerNorm), then per layer fused q/k/v, bidirectional attention
 //! restricted to each sequence, output projection + residual + LayerNorm, GELU feed-forward +
-//! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool.
+//! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool; or, with
+//! `--quantization int8` ([`CpuEncoder::with_quantization`]), the four linears of each layer (q/k/v,
+//! attention output, feed-forward up and down) in int8 (`super::int8`: row-wise weights, activations
+//! quantized per token by the step that produces them), everything else still f32.
 //!
 //! The projections are large GEMMs (all tokens of the batch at once: the point of token-level
 //! batching), so they run on the `gemm` crate's cache-blocked kernels rather than the decoder's
@@ -11,13 +14,15 @@
 
 use rayon::prelude::*;
 
+use super::int8::{self, Int8Linear, Kernel, QuantRows};
 use super::simd::Isa;
 use super::vmath;
 use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
 use crate::encoder::weights::{EncoderWeights, LayerNorm, Linear};
+use crate::model::rowquant::RowFormat;
 use crate::plan::RaggedBatch;
-use crate::Result;
+use crate::{EngineError, Result};
 
 struct Layer {
     /// `[q; k; v]` rows fused: one pass over the input.
@@ -29,13 +34,28 @@ struct Layer {
     output_norm: LayerNorm,
 }
 
+/// A layer whose four linears are int8 (`--quantization int8`).
+struct Int8Layer {
+    qkv: Int8Linear,
+    attn_out: Int8Linear,
+    attn_norm: LayerNorm,
+    intermediate: Int8Linear,
+    output: Int8Linear,
+    output_norm: LayerNorm,
+}
+
+enum Layers {
+    F32(Vec<Layer>),
+    Int8(Vec<Int8Layer>, Kernel),
+}
+
 pub struct CpuEncoder {
     config: EncoderConfig,
     word: Vec<f32>,
     position: Vec<f32>,
     token_type: Vec<f32>,
     embeddings_norm: LayerNorm,
-    layers: Vec<Layer>,
+    layers: Layers,
     pool: std::sync::Arc<rayon::ThreadPool>,
     threads: usize,
     isa: Isa,
@@ -50,19 +70,56 @@ impl std::fmt::Debug for CpuEncoder {
 impl CpuEncoder {
     /// `threads == 0` uses every available core. The classifier head (if any) stays with the caller.
     pub fn new(config: EncoderConfig, weights: EncoderWeights, threads: usize) -> Result<CpuEncoder> {
+        Self::with_quantization(config, weights, threads, None)
+    }
+
+    /// As [`CpuEncoder::new`]; `Some(RowFormat::Int8)` quantizes each layer's linears to int8 (W8A8,
+    /// one scale per weight row and per token). FP8 has no CPU encoder kernel and is refused.
+    pub fn with_quantization(
+        config: EncoderConfig,
+        weights: EncoderWeights,
+        threads: usize,
+        quantization: Option<RowFormat>,
+    ) -> Result<CpuEncoder> {
         let (pool, threads) = super::thread_pool(threads, "peregrine-enc")?;
-        let layers = weights
-            .layers
-            .into_iter()
-            .map(|l| Layer {
-                qkv: l.fused_qkv(),
-                attn_out: l.attn_out,
-                attn_norm: l.attn_norm,
-                intermediate: l.intermediate,
-                output: l.output,
-                output_norm: l.output_norm,
-            })
-            .collect();
+        let isa = Isa::detect();
+        let layers = match quantization {
+            None => Layers::F32(
+                weights
+                    .layers
+                    .into_iter()
+                    .map(|l| Layer {
+                        qkv: l.fused_qkv(),
+                        attn_out: l.attn_out,
+                        attn_norm: l.attn_norm,
+                        intermediate: l.intermediate,
+                        output: l.output,
+                        output_norm: l.output_norm,
+                    })
+                    .collect(),
+            ),
+            Some(RowFormat::Int8) => {
+                let mut out = Vec::with_capacity(weights.layers.len());
+                for (i, l) in weights.layers.into_iter().enumerate() {
+                    let q = |lin: &Linear, name: &str| Int8Linear::quantize(lin, &format!("encoder.layer.{i}.{name}"));
+                    out.push(Int8Layer {
+                        qkv: q(&l.fused_qkv(), "attention.self.{query,key,value}")?,
+                        attn_out: q(&l.attn_out, "attention.output.dense")?,
+                        attn_norm: l.attn_norm,
+                        intermediate: q(&l.intermediate, "intermediate.dense")?,
+                        output: q(&l.output, "output.dense")?,
+                        output_norm: l.output_norm,
+                    });
+                }
+                Layers::Int8(out, Kernel::detect(isa))
+            }
+            Some(f) => {
+                return Err(EngineError::Unsupported(format!(
+                    "--quantization {} on an encoder: the CPU encoder has int8 kernels only",
+                    f.name()
+                )))
+            }
+        };
         Ok(CpuEncoder {
             config,
             word: weights.word_embeddings,
@@ -72,7 +129,7 @@ impl CpuEncoder {
             layers,
             pool,
             threads,
-            isa: Isa::detect(),
+            isa,
         })
     }
 
@@ -102,6 +159,31 @@ impl CpuEncoder {
                     layer_norm(row, &self.embeddings_norm, eps);
                 });
         }
+    }
+
+    /// [`CpuEncoder::layer`] with int8 linears. On entry `xq` holds `x` quantized per token; on
+    /// exit too (unless `last`: nothing reads it). Each activation is quantized where it is made:
+    /// the LayerNorms' and the GELU's rows while they are in cache; the attention context in a pass
+    /// of its own, because its heads are written by separate tasks and a token's scale needs the
+    /// whole row.
+    fn layer_int8(&self, l: &Int8Layer, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch, last: bool) {
+        let c = &self.config;
+        let (h, n) = (c.hidden_size, batch.num_tokens());
+        let eps = c.layer_norm_eps;
+        int8::gemm(kernel, &s.xq, n, &l.qkv, &mut s.qkv);
+        self.attention(batch, &s.qkv, &mut s.ctx);
+        s.ctxq.quantize_all(kernel, &s.ctx, h);
+        int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
+        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, kernel, Some(&mut s.xq));
+        int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
+        let (act, isa, width) = (c.activation, self.isa, c.intermediate_size);
+        s.interq.reset(n, width);
+        s.inter.par_chunks_mut(width).zip(s.interq.rows_mut()).for_each(|(row, (codes, scale))| {
+            activate(act, isa, row);
+            *scale = int8::quantize_row(kernel, row, codes);
+        });
+        int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
+        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, kernel, (!last).then_some(&mut s.xq));
     }
 
     fn layer(&self, l: &Layer, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
@@ -206,6 +288,10 @@ struct Scratch {
     ctx: Vec<f32>,
     proj: Vec<f32>,
     inter: Vec<f32>,
+    /// Int8 only: the hidden state, the attention context and the GELU output, quantized per token.
+    xq: QuantRows,
+    ctxq: QuantRows,
+    interq: QuantRows,
 }
 
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).
@@ -274,6 +360,21 @@ fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32)
     });
 }
 
+/// [`residual_norm`], each row then quantized into `xq` (when given) while it is in cache.
+fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, kernel: Kernel, xq: Option<&mut QuantRows>) {
+    let Some(xq) = xq else {
+        return residual_norm(x, y, norm, h, eps);
+    };
+    xq.reset(x.len() / h, h);
+    x.par_chunks_mut(h).zip(y.par_chunks(h)).zip(xq.rows_mut()).for_each(|((xr, yr), (codes, scale))| {
+        for (a, &b) in xr.iter_mut().zip(yr) {
+            *a += b;
+        }
+        layer_norm(xr, norm, eps);
+        *scale = int8::quantize_row(kernel, xr, codes);
+    });
+}
+
 /// LayerNorm of one row in place; mean and variance (biased, as torch) summed in f64.
 fn layer_norm(row: &mut [f32], norm: &LayerNorm, eps: f32) {
     let n = row.len() as f64;
@@ -303,17 +404,39 @@ impl EncoderBackend for CpuEncoder {
         c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
-        let mut scratch = Scratch { qkv: Vec::new(), ctx: vec![0f32; n * c.hidden_size], proj: Vec::new(), inter: Vec::new() };
+        let mut scratch = Scratch {
+            qkv: Vec::new(),
+            ctx: vec![0f32; n * c.hidden_size],
+            proj: Vec::new(),
+            inter: Vec::new(),
+            xq: QuantRows::default(),
+            ctxq: QuantRows::default(),
+            interq: QuantRows::default(),
+        };
         self.pool.install(|| {
             self.embed(batch, &mut x);
-            for l in &self.layers {
-                self.layer(l, batch, &mut x, &mut scratch);
+            match &self.layers {
+                Layers::F32(layers) => {
+                    for l in layers {
+                        self.layer(l, batch, &mut x, &mut scratch);
+                    }
+                }
+                Layers::Int8(layers, kernel) => {
+                    // The embeddings' output, quantized for the first layer's q/k/v (once per forward).
+                    scratch.xq.quantize_all(*kernel, &x, c.hidden_size);
+                    for (i, l) in layers.iter().enumerate() {
+                        self.layer_int8(l, *kernel, batch, &mut x, &mut scratch, i + 1 == layers.len());
+                    }
+                }
             }
         });
         Ok(x)
     }
 
     fn name(&self) -> String {
-        format!("cpu-encoder ({} threads, {})", self.threads, self.isa.name())
+        match &self.layers {
+            Layers::F32(_) => format!("cpu-encoder ({} threads, {})", self.threads, self.isa.name()),
+            Layers::Int8(_, kernel) => format!("cpu-encoder ({} threads, {}, {} linears)", self.threads, self.isa.name(), kernel.name()),
+        }
     }
 }

@@ -81,46 +81,29 @@ impl CpuEncoder {
         threads: usize,
         quantization: Option<RowFormat>,
     ) -> Result<CpuEncoder> {
+        if let Some(f) = quantization.filter(|&f| f != RowFormat::Int8) {
+            return Err(EngineError::Unsupported(format!(
+                "--quantization {} on an encoder: the CPU encoder has int8 kernels only",
+                f.name()
+            )));
+        }
         let (pool, threads) = super::thread_pool(threads, "peregrine-enc")?;
         let isa = Isa::detect();
-        let layers = match quantization {
-            None => Layers::F32(
-                weights
-                    .layers
-                    .into_iter()
-                    .map(|l| Layer {
-                        qkv: l.fused_qkv(),
-                        attn_out: l.attn_out,
-                        attn_norm: l.attn_norm,
-                        intermediate: l.intermediate,
-                        output: l.output,
-                        output_norm: l.output_norm,
-                    })
-                    .collect(),
-            ),
-            Some(RowFormat::Int8) => {
-                let mut out = Vec::with_capacity(weights.layers.len());
-                for (i, l) in weights.layers.into_iter().enumerate() {
-                    let q = |lin: &Linear, name: &str| Int8Linear::quantize(lin, &format!("encoder.layer.{i}.{name}"));
-                    out.push(Int8Layer {
-                        qkv: q(&l.fused_qkv(), "attention.self.{query,key,value}")?,
-                        attn_out: q(&l.attn_out, "attention.output.dense")?,
-                        attn_norm: l.attn_norm,
-                        intermediate: q(&l.intermediate, "intermediate.dense")?,
-                        output: q(&l.output, "output.dense")?,
-                        output_norm: l.output_norm,
-                    });
-                }
-                Layers::Int8(out, Kernel::detect(isa))
-            }
-            Some(f) => {
-                return Err(EngineError::Unsupported(format!(
-                    "--quantization {} on an encoder: the CPU encoder has int8 kernels only",
-                    f.name()
-                )))
-            }
-        };
-        Ok(CpuEncoder {
+        let layers = Layers::F32(
+            weights
+                .layers
+                .into_iter()
+                .map(|l| Layer {
+                    qkv: l.fused_qkv(),
+                    attn_out: l.attn_out,
+                    attn_norm: l.attn_norm,
+                    intermediate: l.intermediate,
+                    output: l.output,
+                    output_norm: l.output_norm,
+                })
+                .collect(),
+        );
+        let mut encoder = CpuEncoder {
             config,
             word: weights.word_embeddings,
             position: weights.position_embeddings,
@@ -130,7 +113,62 @@ impl CpuEncoder {
             pool,
             threads,
             isa,
-        })
+        };
+        if quantization.is_some() {
+            encoder.quantize_int8()?;
+        }
+        Ok(encoder)
+    }
+
+    /// Replaces the f32 layers by int8 ones, smoothed ([`Int8Linear::quantize_smoothed`]) by the
+    /// activation ranges of one f32 forward over fixed calibration inputs: 4 sequences of 128
+    /// pseudo-random ids from the upper part of the vocabulary (away from special and unused ids;
+    /// the outlier columns smoothing is for are the model's, whatever the text).
+    fn quantize_int8(&mut self) -> Result<()> {
+        let Layers::F32(layers) = &self.layers else {
+            return Ok(());
+        };
+        let c = &self.config;
+        let len = 128.min(c.max_tokens_per_sequence());
+        let (lo, span) = (c.vocab_size / 4, (c.vocab_size - c.vocab_size / 4).max(1) as u64);
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut batch = RaggedBatch::new();
+        for _ in 0..4 {
+            let ids: Vec<u32> = (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    (lo as u64 + (state >> 33) % span) as u32
+                })
+                .collect();
+            batch.push(&ids, &vec![0; len]);
+        }
+        c.check_batch(&batch)?;
+        let n = batch.num_tokens();
+        let mut seen: Vec<[Vec<f32>; 4]> = Vec::with_capacity(layers.len());
+        let mut x = vec![0f32; n * c.hidden_size];
+        let mut scratch = Scratch::new(n * c.hidden_size);
+        self.pool.install(|| {
+            self.embed(&batch, &mut x);
+            for l in layers {
+                let mut m = Default::default();
+                self.layer(l, &batch, &mut x, &mut scratch, Some(&mut m));
+                seen.push(m);
+            }
+        });
+        let mut out = Vec::with_capacity(layers.len());
+        for (i, (l, m)) in layers.iter().zip(&seen).enumerate() {
+            let q = |lin: &Linear, m: &[f32], name: &str| Int8Linear::quantize_smoothed(lin, m, &format!("encoder.layer.{i}.{name}"));
+            out.push(Int8Layer {
+                qkv: q(&l.qkv, &m[0], "attention.self.{query,key,value}")?,
+                attn_out: q(&l.attn_out, &m[1], "attention.output.dense")?,
+                attn_norm: l.attn_norm.clone(),
+                intermediate: q(&l.intermediate, &m[2], "intermediate.dense")?,
+                output: q(&l.output, &m[3], "output.dense")?,
+                output_norm: l.output_norm.clone(),
+            });
+        }
+        self.layers = Layers::Int8(out, Kernel::detect(self.isa));
+        Ok(())
     }
 
     pub fn threads(&self) -> usize {
@@ -161,42 +199,54 @@ impl CpuEncoder {
         }
     }
 
-    /// [`CpuEncoder::layer`] with int8 linears. On entry `xq` holds `x` quantized per token; on
-    /// exit too (unless `last`: nothing reads it). Each activation is quantized where it is made:
-    /// the LayerNorms' and the GELU's rows while they are in cache; the attention context in a pass
-    /// of its own, because its heads are written by separate tasks and a token's scale needs the
-    /// whole row.
-    fn layer_int8(&self, l: &Int8Layer, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch, last: bool) {
+    /// [`CpuEncoder::layer`] with int8 linears. On entry `xq` holds `x` quantized for this layer's
+    /// q/k/v; on exit, for `next`'s (if any). Each activation is quantized (and smoothed for the
+    /// linear that reads it) where it is made: the LayerNorms' and the GELU's rows while they are in
+    /// cache; the attention context in a pass of its own, because its heads are written by separate
+    /// tasks and a token's scale needs the whole row.
+    fn layer_int8(&self, l: &Int8Layer, next: Option<&Int8Layer>, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
         let c = &self.config;
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let eps = c.layer_norm_eps;
         int8::gemm(kernel, &s.xq, n, &l.qkv, &mut s.qkv);
         self.attention(batch, &s.qkv, &mut s.ctx);
-        s.ctxq.quantize_all(kernel, &s.ctx, h);
+        s.ctxq.quantize_all(kernel, &s.ctx, h, &l.attn_out.smooth);
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
-        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, kernel, Some(&mut s.xq));
+        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
         int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
         let (act, isa, width) = (c.activation, self.isa, c.intermediate_size);
         s.interq.reset(n, width);
-        s.inter.par_chunks_mut(width).zip(s.interq.rows_mut()).for_each(|(row, (codes, scale))| {
+        let smooth = &l.output.smooth;
+        s.inter.par_chunks_mut(width).zip(s.interq.rows_mut()).for_each_init(Vec::new, |tmp, (row, (codes, scale))| {
             activate(act, isa, row);
-            *scale = int8::quantize_row(kernel, row, codes);
+            *scale = int8::quantize_input(kernel, row, smooth, tmp, codes);
         });
         int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
-        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, kernel, (!last).then_some(&mut s.xq));
+        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
     }
 
-    fn layer(&self, l: &Layer, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
+    /// One f32 layer. `seen` (calibration for int8): each of the four linears' input columns' max
+    /// |x| (q/k/v, attention output, up, down), recorded on the way.
+    fn layer(&self, l: &Layer, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch, mut seen: Option<&mut [Vec<f32>; 4]>) {
         let c = &self.config;
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let eps = c.layer_norm_eps;
+        let mut record = |i: usize, v: &[f32], width: usize| {
+            if let Some(m) = seen.as_deref_mut() {
+                m[i] = column_max(v, width);
+            }
+        };
+        record(0, x, h);
         linear(self.isa, x, n, &l.qkv, &mut s.qkv);
         self.attention(batch, &s.qkv, &mut s.ctx);
+        record(1, &s.ctx, h);
         linear(self.isa, &s.ctx, n, &l.attn_out, &mut s.proj);
         residual_norm(x, &s.proj, &l.attn_norm, h, eps);
+        record(2, x, h);
         linear(self.isa, x, n, &l.intermediate, &mut s.inter);
         let (act, isa) = (c.activation, self.isa);
         s.inter.par_chunks_mut(c.intermediate_size).for_each(|row| activate(act, isa, row));
+        record(3, &s.inter, c.intermediate_size);
         linear(self.isa, &s.inter, n, &l.output, &mut s.proj);
         residual_norm(x, &s.proj, &l.output_norm, h, eps);
     }
@@ -282,6 +332,20 @@ impl SharedOut {
     }
 }
 
+impl Scratch {
+    fn new(ctx_len: usize) -> Scratch {
+        Scratch {
+            qkv: Vec::new(),
+            ctx: vec![0f32; ctx_len],
+            proj: Vec::new(),
+            inter: Vec::new(),
+            xq: QuantRows::default(),
+            ctxq: QuantRows::default(),
+            interq: QuantRows::default(),
+        }
+    }
+}
+
 /// Activations of one forward, sized for its token count.
 struct Scratch {
     qkv: Vec<f32>,
@@ -360,19 +424,31 @@ fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32)
     });
 }
 
-/// [`residual_norm`], each row then quantized into `xq` (when given) while it is in cache.
-fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, kernel: Kernel, xq: Option<&mut QuantRows>) {
-    let Some(xq) = xq else {
+/// [`residual_norm`], each row then quantized into `xq` (when given; smoothed by its slice) while
+/// it is in cache.
+fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, kernel: Kernel, xq: Option<(&mut QuantRows, &[f32])>) {
+    let Some((xq, smooth)) = xq else {
         return residual_norm(x, y, norm, h, eps);
     };
     xq.reset(x.len() / h, h);
-    x.par_chunks_mut(h).zip(y.par_chunks(h)).zip(xq.rows_mut()).for_each(|((xr, yr), (codes, scale))| {
+    x.par_chunks_mut(h).zip(y.par_chunks(h)).zip(xq.rows_mut()).for_each_init(Vec::new, |tmp, ((xr, yr), (codes, scale))| {
         for (a, &b) in xr.iter_mut().zip(yr) {
             *a += b;
         }
         layer_norm(xr, norm, eps);
-        *scale = int8::quantize_row(kernel, xr, codes);
+        *scale = int8::quantize_input(kernel, xr, smooth, tmp, codes);
     });
+}
+
+/// Max |v| of each column of the rows of `x` (`width` wide).
+fn column_max(x: &[f32], width: usize) -> Vec<f32> {
+    let mut m = vec![0f32; width];
+    for row in x.chunks_exact(width) {
+        for (m, &v) in m.iter_mut().zip(row) {
+            *m = m.max(v.abs());
+        }
+    }
+    m
 }
 
 /// LayerNorm of one row in place; mean and variance (biased, as torch) summed in f64.
@@ -404,28 +480,22 @@ impl EncoderBackend for CpuEncoder {
         c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
-        let mut scratch = Scratch {
-            qkv: Vec::new(),
-            ctx: vec![0f32; n * c.hidden_size],
-            proj: Vec::new(),
-            inter: Vec::new(),
-            xq: QuantRows::default(),
-            ctxq: QuantRows::default(),
-            interq: QuantRows::default(),
-        };
+        let mut scratch = Scratch::new(n * c.hidden_size);
         self.pool.install(|| {
             self.embed(batch, &mut x);
             match &self.layers {
                 Layers::F32(layers) => {
                     for l in layers {
-                        self.layer(l, batch, &mut x, &mut scratch);
+                        self.layer(l, batch, &mut x, &mut scratch, None);
                     }
                 }
                 Layers::Int8(layers, kernel) => {
                     // The embeddings' output, quantized for the first layer's q/k/v (once per forward).
-                    scratch.xq.quantize_all(*kernel, &x, c.hidden_size);
+                    if let Some(first) = layers.first() {
+                        scratch.xq.quantize_all(*kernel, &x, c.hidden_size, &first.qkv.smooth);
+                    }
                     for (i, l) in layers.iter().enumerate() {
-                        self.layer_int8(l, *kernel, batch, &mut x, &mut scratch, i + 1 == layers.len());
+                        self.layer_int8(l, layers.get(i + 1), *kernel, batch, &mut x, &mut scratch);
                     }
                 }
             }

@@ -514,8 +514,8 @@ mod tests {
             let s = p.scales[r];
             let row = &wv[r * cols..(r + 1) * cols];
             assert!((0..cols).any(|j| p.code(r, j).unsigned_abs() == 127));
-            for j in 0..cols {
-                assert!((p.code(r, j) as f32 * s - row[j]).abs() <= 0.5 * s * (1.0 + 1e-6), "w[{r}, {j}]");
+            for (j, &v) in row.iter().enumerate() {
+                assert!((p.code(r, j) as f32 * s - v).abs() <= 0.5 * s * (1.0 + 1e-6), "w[{r}, {j}]");
             }
             assert_eq!(p.offsets[r], 128 * (0..cols).map(|j| p.code(r, j) as i32).sum::<i32>());
         }

@@ -358,6 +358,10 @@ struct Scratch {
     interq: QuantRows,
 }
 
+/// The int8 path runs a batch's sequences in chunks of at most this many tokens (or one longer
+/// sequence), each chunk through every layer before the next.
+const INT8_CHUNK_TOKENS: usize = 1024;
+
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).
 const GEMM_FROM_TOKENS: usize = 256;
 
@@ -490,12 +494,29 @@ impl EncoderBackend for CpuEncoder {
                     }
                 }
                 Layers::Int8(layers, kernel) => {
-                    // The embeddings' output, quantized for the first layer's q/k/v (once per forward).
-                    if let Some(first) = layers.first() {
-                        scratch.xq.quantize_all(*kernel, &x, c.hidden_size, &first.qkv.smooth);
-                    }
-                    for (i, l) in layers.iter().enumerate() {
-                        self.layer_int8(l, layers.get(i + 1), *kernel, batch, &mut x, &mut scratch);
+                    // Whole sequences in chunks of about INT8_CHUNK_TOKENS, each through every layer
+                    // before the next: the activations of a chunk stay in cache between the steps
+                    // that make and read them. Results do not change (a sequence's int8 result
+                    // does not depend on its batch).
+                    let h = c.hidden_size;
+                    let mut s = 0;
+                    while s < batch.num_seqs() {
+                        let start = batch.range(s).start;
+                        let mut chunk = RaggedBatch::new();
+                        while s < batch.num_seqs() && (chunk.num_seqs() == 0 || batch.range(s).end - start <= INT8_CHUNK_TOKENS) {
+                            let r = batch.range(s);
+                            chunk.push(&batch.ids[r.clone()], &batch.type_ids[r]);
+                            s += 1;
+                        }
+                        let xs = &mut x[start * h..(start + chunk.num_tokens()) * h];
+                        // The embeddings' output, quantized for the first layer's q/k/v.
+                        if let Some(first) = layers.first() {
+                            scratch.xq.quantize_all(*kernel, xs, h, &first.qkv.smooth);
+                        }
+                        scratch.ctx.resize(chunk.num_tokens() * h, 0.0);
+                        for (i, l) in layers.iter().enumerate() {
+                            self.layer_int8(l, layers.get(i + 1), *kernel, &chunk, xs, &mut scratch);
+                        }
                     }
                 }
             }

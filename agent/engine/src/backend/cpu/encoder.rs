@@ -359,7 +359,8 @@ struct Scratch {
 }
 
 /// The int8 path runs a batch's sequences in chunks of at most this many tokens (or one longer
-/// sequence), each chunk through every layer before the next.
+/// sequence), each chunk through every layer before the next. 1024 did better than 512 and 2048
+/// (docs/benchmarks.md, session 11).
 const INT8_CHUNK_TOKENS: usize = 1024;
 
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).

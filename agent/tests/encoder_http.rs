@@ -389,3 +389,31 @@ async fn tei_embed_and_rerank_aliases() {
     let (status, bytes) = post(&http, server.addr, "/embed", json!({"inputs": long, "truncate": true}).to_string()).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
 }
+
+/// `--quantization int8` on an encoder folder: the CPU encoder's int8 linears serve embeddings close
+/// to the references (the bound `encoder_minilm`'s int8 test measures), and `/version` says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quantization_int8_serves_embeddings() {
+    let server = Server::start_model(&peregrine_testkit::test_encoder(), NAME, &["--threads", "2", "--quantization", "int8"]);
+    let r = minilm_reference();
+    let http = client();
+    let (status, bytes) = common::get(server.addr, "/version").await.expect("GET /version");
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    assert!(v["backend"].as_str().is_some_and(|b| b.contains("int8")), "{v}");
+    let body = json!({"model": NAME, "input": r["sentences"], "encoding_format": "float"});
+    let (status, bytes) = post(&http, server.addr, "/v1/embeddings", body.to_string()).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    for i in 0..3 {
+        let got = floats(&v["data"][i]["embedding"]);
+        let want = floats(&r["embeddings"][i]);
+        assert_eq!(got.len(), 384);
+        let cos = got.iter().zip(&want).map(|(a, b)| a * b).sum::<f64>();
+        let norm = got.iter().map(|a| a * a).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "normalized: {norm}");
+        assert!(cos >= 0.996, "sentence {i}: cosine {cos} to the reference");
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(worst > 0.0, "sentence {i}: identical to f32: was the flag ignored?");
+    }
+}

@@ -1,6 +1,7 @@
 //! Encoder throughput and latency through the batching thread, as a server drives it:
 //! `cargo run --release -p peregrine-engine --example encoder_bench -- <encoder folder> [threads]
-//! [--device cpu|cuda] [--gemm f32|bf16]` (the GEMM choice is the CUDA encoder's; on cuda each row
+//! [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512]` (the GEMM choice
+//! is the CUDA encoder's, `--quantization int8` the CPU encoder's int8 linears; on cuda each row
 //! sends 16× the CPU's requests, so that it lasts long enough to time).
 //!
 //! For input lengths 16/128/512 tokens (texts of repeated words, tokenized on the client threads)
@@ -17,6 +18,7 @@ use peregrine_engine::backend::cuda::encoder::{CudaEncoder, EncoderGemm};
 use peregrine_engine::backend::EncoderBackend;
 use peregrine_engine::encoder::weights::EncoderWeights;
 use peregrine_engine::encoder::{EncoderHandle, EncoderJobKind, EncoderModel, EncoderServiceConfig};
+use peregrine_engine::model::rowquant::RowFormat;
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -26,9 +28,13 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 type BoxError = Box<dyn std::error::Error>;
 
 /// The encoder backend asked for, and how many times the CPU's request counts to send.
-fn backend(device: &str, gemm: &str, model: &EncoderModel, weights: EncoderWeights, threads: usize) -> Result<(Box<dyn EncoderBackend>, usize), BoxError> {
+fn backend(device: &str, gemm: &str, int8: bool, model: &EncoderModel, weights: EncoderWeights, threads: usize) -> Result<(Box<dyn EncoderBackend>, usize), BoxError> {
     match device {
-        "cpu" => Ok((Box::new(CpuEncoder::new(model.config.clone(), weights, threads)?), 1)),
+        "cpu" => {
+            let q = int8.then_some(RowFormat::Int8);
+            Ok((Box::new(CpuEncoder::with_quantization(model.config.clone(), weights, threads, q)?), 1))
+        }
+        "cuda" if int8 => Err("--quantization int8: the CPU encoder's only".into()),
         "cuda" => {
             let gemm = match gemm {
                 "f32" => EncoderGemm::F32,
@@ -47,11 +53,16 @@ fn main() -> Result<(), BoxError> {
     let mut device = "cpu".to_string();
     let mut gemm = "f32".to_string();
     let mut lens = vec![16usize, 128, 512];
+    let mut int8 = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--device" => device = args.next().ok_or("--device needs cpu or cuda")?,
             "--gemm" => gemm = args.next().ok_or("--gemm needs f32 or bf16")?,
+            "--quantization" => match args.next().as_deref() {
+                Some("int8") => int8 = true,
+                _ => return Err("--quantization: int8 (the CPU encoder's)".into()),
+            },
             "--lens" => {
                 let list = args.next().ok_or("--lens needs a list such as 16,128")?;
                 lens = list.split(',').map(str::parse).collect::<Result<_, _>>()?;
@@ -63,10 +74,10 @@ fn main() -> Result<(), BoxError> {
             _ => threads = a.parse()?,
         }
     }
-    let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16] [--lens 16,128,512]")?;
+    let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512]")?;
     let (mut model, weights) = EncoderModel::load(&path)?;
     model.set_max_seq_length(512)?;
-    let (backend, reps) = backend(&device, &gemm, &model, weights, threads)?;
+    let (backend, reps) = backend(&device, &gemm, int8, &model, weights, threads)?;
     let model = Arc::new(model);
     let config = EncoderServiceConfig { max_num_batched_tokens: 8192 };
     let handle = EncoderHandle::start(backend, model.clone(), config)?;

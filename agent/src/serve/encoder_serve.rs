@@ -63,8 +63,14 @@ fn load_encoder(args: &ServeArgs, device: DeviceArg) -> anyhow::Result<(EncoderM
     if let Some(n) = args.engine.max_model_len {
         model.set_max_seq_length(n)?;
     }
+    // --quantization int8: the CPU encoder's linears in int8 (W8A8); fp8 and the CUDA encoder have
+    // no such path and refuse it rather than serve f32 under a quantized flag.
+    let quantization = args.engine.quantization.map(Into::into);
     let backend: Box<dyn EncoderBackend> = match device {
-        DeviceArg::Cpu => Box::new(CpuEncoder::new(model.config.clone(), weights, args.engine.threads())?),
+        DeviceArg::Cpu => Box::new(CpuEncoder::with_quantization(model.config.clone(), weights, args.engine.threads(), quantization)?),
+        DeviceArg::Cuda if quantization.is_some() => {
+            anyhow::bail!("--quantization on an encoder runs on the CPU encoder only (int8): use --device cpu")
+        }
         DeviceArg::Cuda => cuda_encoder(&model, weights)?,
     };
     Ok((model, backend))

@@ -1,7 +1,10 @@
 //! A BERT-family encoder on the CPU over a ragged batch (`plan::RaggedBatch`): embeddings (word +
 //! absolute position + token type, LayerNorm), then per layer fused q/k/v, bidirectional attention
 //! restricted to each sequence, output projection + residual + LayerNorm, GELU feed-forward +
-//! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool.
+//! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool; or, with
+//! `--quantization int8` ([`CpuEncoder::with_quantization`]), the four linears of each layer (q/k/v,
+//! attention output, feed-forward up and down) in int8 (`super::int8`: row-wise weights, activations
+//! quantized per token by the step that produces them), everything else still f32.
 //!
 //! The projections are large GEMMs (all tokens of the batch at once: the point of token-level
 //! batching), so they run on the `gemm` crate's cache-blocked kernels rather than the decoder's
@@ -11,13 +14,15 @@
 
 use rayon::prelude::*;
 
+use super::int8::{self, Int8Linear, Kernel, QuantRows};
 use super::simd::Isa;
 use super::vmath;
 use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
 use crate::encoder::weights::{EncoderWeights, LayerNorm, Linear};
+use crate::model::rowquant::RowFormat;
 use crate::plan::RaggedBatch;
-use crate::Result;
+use crate::{EngineError, Result};
 
 struct Layer {
     /// `[q; k; v]` rows fused: one pass over the input.
@@ -29,13 +34,28 @@ struct Layer {
     output_norm: LayerNorm,
 }
 
+/// A layer whose four linears are int8 (`--quantization int8`).
+struct Int8Layer {
+    qkv: Int8Linear,
+    attn_out: Int8Linear,
+    attn_norm: LayerNorm,
+    intermediate: Int8Linear,
+    output: Int8Linear,
+    output_norm: LayerNorm,
+}
+
+enum Layers {
+    F32(Vec<Layer>),
+    Int8(Vec<Int8Layer>, Kernel),
+}
+
 pub struct CpuEncoder {
     config: EncoderConfig,
     word: Vec<f32>,
     position: Vec<f32>,
     token_type: Vec<f32>,
     embeddings_norm: LayerNorm,
-    layers: Vec<Layer>,
+    layers: Layers,
     pool: std::sync::Arc<rayon::ThreadPool>,
     threads: usize,
     isa: Isa,
@@ -50,20 +70,40 @@ impl std::fmt::Debug for CpuEncoder {
 impl CpuEncoder {
     /// `threads == 0` uses every available core. The classifier head (if any) stays with the caller.
     pub fn new(config: EncoderConfig, weights: EncoderWeights, threads: usize) -> Result<CpuEncoder> {
+        Self::with_quantization(config, weights, threads, None)
+    }
+
+    /// As [`CpuEncoder::new`]; `Some(RowFormat::Int8)` quantizes each layer's linears to int8 (W8A8,
+    /// one scale per weight row and per token). FP8 has no CPU encoder kernel and is refused.
+    pub fn with_quantization(
+        config: EncoderConfig,
+        weights: EncoderWeights,
+        threads: usize,
+        quantization: Option<RowFormat>,
+    ) -> Result<CpuEncoder> {
+        if let Some(f) = quantization.filter(|&f| f != RowFormat::Int8) {
+            return Err(EngineError::Unsupported(format!(
+                "--quantization {} on an encoder: the CPU encoder has int8 kernels only",
+                f.name()
+            )));
+        }
         let (pool, threads) = super::thread_pool(threads, "peregrine-enc")?;
-        let layers = weights
-            .layers
-            .into_iter()
-            .map(|l| Layer {
-                qkv: l.fused_qkv(),
-                attn_out: l.attn_out,
-                attn_norm: l.attn_norm,
-                intermediate: l.intermediate,
-                output: l.output,
-                output_norm: l.output_norm,
-            })
-            .collect();
-        Ok(CpuEncoder {
+        let isa = Isa::detect();
+        let layers = Layers::F32(
+            weights
+                .layers
+                .into_iter()
+                .map(|l| Layer {
+                    qkv: l.fused_qkv(),
+                    attn_out: l.attn_out,
+                    attn_norm: l.attn_norm,
+                    intermediate: l.intermediate,
+                    output: l.output,
+                    output_norm: l.output_norm,
+                })
+                .collect(),
+        );
+        let mut encoder = CpuEncoder {
             config,
             word: weights.word_embeddings,
             position: weights.position_embeddings,
@@ -72,8 +112,63 @@ impl CpuEncoder {
             layers,
             pool,
             threads,
-            isa: Isa::detect(),
-        })
+            isa,
+        };
+        if quantization.is_some() {
+            encoder.quantize_int8()?;
+        }
+        Ok(encoder)
+    }
+
+    /// Replaces the f32 layers by int8 ones, smoothed ([`Int8Linear::quantize_smoothed`]) by the
+    /// activation ranges of one f32 forward over fixed calibration inputs: 4 sequences of 128
+    /// pseudo-random ids from the upper part of the vocabulary (away from special and unused ids;
+    /// the outlier columns smoothing is for are the model's, whatever the text).
+    fn quantize_int8(&mut self) -> Result<()> {
+        let Layers::F32(layers) = &self.layers else {
+            return Ok(());
+        };
+        let c = &self.config;
+        let len = 128.min(c.max_tokens_per_sequence());
+        let (lo, span) = (c.vocab_size / 4, (c.vocab_size - c.vocab_size / 4).max(1) as u64);
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut batch = RaggedBatch::new();
+        for _ in 0..4 {
+            let ids: Vec<u32> = (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    (lo as u64 + (state >> 33) % span) as u32
+                })
+                .collect();
+            batch.push(&ids, &vec![0; len]);
+        }
+        c.check_batch(&batch)?;
+        let n = batch.num_tokens();
+        let mut seen: Vec<[Vec<f32>; 4]> = Vec::with_capacity(layers.len());
+        let mut x = vec![0f32; n * c.hidden_size];
+        let mut scratch = Scratch::new(n * c.hidden_size);
+        self.pool.install(|| {
+            self.embed(&batch, &mut x);
+            for l in layers {
+                let mut m = Default::default();
+                self.layer(l, &batch, &mut x, &mut scratch, Some(&mut m));
+                seen.push(m);
+            }
+        });
+        let mut out = Vec::with_capacity(layers.len());
+        for (i, (l, m)) in layers.iter().zip(&seen).enumerate() {
+            let q = |lin: &Linear, m: &[f32], name: &str| Int8Linear::quantize_smoothed(lin, m, &format!("encoder.layer.{i}.{name}"));
+            out.push(Int8Layer {
+                qkv: q(&l.qkv, &m[0], "attention.self.{query,key,value}")?,
+                attn_out: q(&l.attn_out, &m[1], "attention.output.dense")?,
+                attn_norm: l.attn_norm.clone(),
+                intermediate: q(&l.intermediate, &m[2], "intermediate.dense")?,
+                output: q(&l.output, &m[3], "output.dense")?,
+                output_norm: l.output_norm.clone(),
+            });
+        }
+        self.layers = Layers::Int8(out, Kernel::detect(self.isa));
+        Ok(())
     }
 
     pub fn threads(&self) -> usize {
@@ -104,17 +199,54 @@ impl CpuEncoder {
         }
     }
 
-    fn layer(&self, l: &Layer, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
+    /// [`CpuEncoder::layer`] with int8 linears. On entry `xq` holds `x` quantized for this layer's
+    /// q/k/v; on exit, for `next`'s (if any). Each activation is quantized (and smoothed for the
+    /// linear that reads it) where it is made: the LayerNorms' and the GELU's rows while they are in
+    /// cache; the attention context in a pass of its own, because its heads are written by separate
+    /// tasks and a token's scale needs the whole row.
+    fn layer_int8(&self, l: &Int8Layer, next: Option<&Int8Layer>, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
         let c = &self.config;
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let eps = c.layer_norm_eps;
+        int8::gemm(kernel, &s.xq, n, &l.qkv, &mut s.qkv);
+        self.attention(batch, &s.qkv, &mut s.ctx);
+        s.ctxq.quantize_all(kernel, &s.ctx, h, &l.attn_out.smooth);
+        int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
+        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
+        int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
+        let (act, isa, width) = (c.activation, self.isa, c.intermediate_size);
+        s.interq.reset(n, width);
+        let smooth = &l.output.smooth;
+        s.inter.par_chunks_mut(width).zip(s.interq.rows_mut()).for_each_init(Vec::new, |tmp, (row, (codes, scale))| {
+            activate(act, isa, row);
+            *scale = int8::quantize_input(kernel, row, smooth, tmp, codes);
+        });
+        int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
+        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
+    }
+
+    /// One f32 layer. `seen` (calibration for int8): each of the four linears' input columns' max
+    /// |x| (q/k/v, attention output, up, down), recorded on the way.
+    fn layer(&self, l: &Layer, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch, mut seen: Option<&mut [Vec<f32>; 4]>) {
+        let c = &self.config;
+        let (h, n) = (c.hidden_size, batch.num_tokens());
+        let eps = c.layer_norm_eps;
+        let mut record = |i: usize, v: &[f32], width: usize| {
+            if let Some(m) = seen.as_deref_mut() {
+                m[i] = column_max(v, width);
+            }
+        };
+        record(0, x, h);
         linear(self.isa, x, n, &l.qkv, &mut s.qkv);
         self.attention(batch, &s.qkv, &mut s.ctx);
+        record(1, &s.ctx, h);
         linear(self.isa, &s.ctx, n, &l.attn_out, &mut s.proj);
         residual_norm(x, &s.proj, &l.attn_norm, h, eps);
+        record(2, x, h);
         linear(self.isa, x, n, &l.intermediate, &mut s.inter);
         let (act, isa) = (c.activation, self.isa);
         s.inter.par_chunks_mut(c.intermediate_size).for_each(|row| activate(act, isa, row));
+        record(3, &s.inter, c.intermediate_size);
         linear(self.isa, &s.inter, n, &l.output, &mut s.proj);
         residual_norm(x, &s.proj, &l.output_norm, h, eps);
     }
@@ -200,13 +332,36 @@ impl SharedOut {
     }
 }
 
+impl Scratch {
+    fn new(ctx_len: usize) -> Scratch {
+        Scratch {
+            qkv: Vec::new(),
+            ctx: vec![0f32; ctx_len],
+            proj: Vec::new(),
+            inter: Vec::new(),
+            xq: QuantRows::default(),
+            ctxq: QuantRows::default(),
+            interq: QuantRows::default(),
+        }
+    }
+}
+
 /// Activations of one forward, sized for its token count.
 struct Scratch {
     qkv: Vec<f32>,
     ctx: Vec<f32>,
     proj: Vec<f32>,
     inter: Vec<f32>,
+    /// Int8 only: the hidden state, the attention context and the GELU output, quantized per token.
+    xq: QuantRows,
+    ctxq: QuantRows,
+    interq: QuantRows,
 }
+
+/// The int8 path runs a batch's sequences in chunks of at most this many tokens (or one longer
+/// sequence), each chunk through every layer before the next. 1024 did better than 512 and 2048
+/// (docs/benchmarks.md, session 11).
+const INT8_CHUNK_TOKENS: usize = 1024;
 
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).
 const GEMM_FROM_TOKENS: usize = 256;
@@ -274,6 +429,33 @@ fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32)
     });
 }
 
+/// [`residual_norm`], each row then quantized into `xq` (when given; smoothed by its slice) while
+/// it is in cache.
+fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, kernel: Kernel, xq: Option<(&mut QuantRows, &[f32])>) {
+    let Some((xq, smooth)) = xq else {
+        return residual_norm(x, y, norm, h, eps);
+    };
+    xq.reset(x.len() / h, h);
+    x.par_chunks_mut(h).zip(y.par_chunks(h)).zip(xq.rows_mut()).for_each_init(Vec::new, |tmp, ((xr, yr), (codes, scale))| {
+        for (a, &b) in xr.iter_mut().zip(yr) {
+            *a += b;
+        }
+        layer_norm(xr, norm, eps);
+        *scale = int8::quantize_input(kernel, xr, smooth, tmp, codes);
+    });
+}
+
+/// Max |v| of each column of the rows of `x` (`width` wide).
+fn column_max(x: &[f32], width: usize) -> Vec<f32> {
+    let mut m = vec![0f32; width];
+    for row in x.chunks_exact(width) {
+        for (m, &v) in m.iter_mut().zip(row) {
+            *m = m.max(v.abs());
+        }
+    }
+    m
+}
+
 /// LayerNorm of one row in place; mean and variance (biased, as torch) summed in f64.
 fn layer_norm(row: &mut [f32], norm: &LayerNorm, eps: f32) {
     let n = row.len() as f64;
@@ -303,17 +485,50 @@ impl EncoderBackend for CpuEncoder {
         c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
-        let mut scratch = Scratch { qkv: Vec::new(), ctx: vec![0f32; n * c.hidden_size], proj: Vec::new(), inter: Vec::new() };
+        let mut scratch = Scratch::new(n * c.hidden_size);
         self.pool.install(|| {
             self.embed(batch, &mut x);
-            for l in &self.layers {
-                self.layer(l, batch, &mut x, &mut scratch);
+            match &self.layers {
+                Layers::F32(layers) => {
+                    for l in layers {
+                        self.layer(l, batch, &mut x, &mut scratch, None);
+                    }
+                }
+                Layers::Int8(layers, kernel) => {
+                    // Whole sequences in chunks of about INT8_CHUNK_TOKENS, each through every layer
+                    // before the next: the activations of a chunk stay in cache between the steps
+                    // that make and read them. Results do not change (a sequence's int8 result
+                    // does not depend on its batch).
+                    let h = c.hidden_size;
+                    let mut s = 0;
+                    while s < batch.num_seqs() {
+                        let start = batch.range(s).start;
+                        let mut chunk = RaggedBatch::new();
+                        while s < batch.num_seqs() && (chunk.num_seqs() == 0 || batch.range(s).end - start <= INT8_CHUNK_TOKENS) {
+                            let r = batch.range(s);
+                            chunk.push(&batch.ids[r.clone()], &batch.type_ids[r]);
+                            s += 1;
+                        }
+                        let xs = &mut x[start * h..(start + chunk.num_tokens()) * h];
+                        // The embeddings' output, quantized for the first layer's q/k/v.
+                        if let Some(first) = layers.first() {
+                            scratch.xq.quantize_all(*kernel, xs, h, &first.qkv.smooth);
+                        }
+                        scratch.ctx.resize(chunk.num_tokens() * h, 0.0);
+                        for (i, l) in layers.iter().enumerate() {
+                            self.layer_int8(l, layers.get(i + 1), *kernel, &chunk, xs, &mut scratch);
+                        }
+                    }
+                }
             }
         });
         Ok(x)
     }
 
     fn name(&self) -> String {
-        format!("cpu-encoder ({} threads, {})", self.threads, self.isa.name())
+        match &self.layers {
+            Layers::F32(_) => format!("cpu-encoder ({} threads, {})", self.threads, self.isa.name()),
+            Layers::Int8(_, kernel) => format!("cpu-encoder ({} threads, {}, {} linears)", self.threads, self.isa.name(), kernel.name()),
+        }
     }
 }

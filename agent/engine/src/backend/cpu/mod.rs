@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod encoder;
 pub mod hadamard;
+pub mod int8;
 pub mod kv_cache;
 pub mod lora;
 pub mod matmul;

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::structured::{mask_task_totals, mask_threads, on_mask_threads, start_queued_masks, CompiledGrammar, GrammarOutcome, GrammarState};
+use crate::structured::{mask_task_totals, mask_threads, on_mask_threads, start_queued_masks, PARALLEL_COMMIT_MIN_ROWS, CompiledGrammar, GrammarOutcome, GrammarState};
 
 /// Mask timing for one batch size.
 #[derive(Debug, Clone, PartialEq)]
@@ -79,14 +79,14 @@ pub fn time_masks(grammar: &CompiledGrammar, vocab: usize, sequences: usize, ste
 }
 
 /// Every sequence's token consumed by its grammar, as the engine does it: on the mask threads for
-/// a batch of 16 or more constrained rows, else one by one.
+/// a batch of [`PARALLEL_COMMIT_MIN_ROWS`] or more constrained rows, else one by one.
 fn commit_all(states: &mut [GrammarState], picks: &[Option<u32>]) {
     let commit = |(s, pick): (&mut GrammarState, &Option<u32>)| {
         if let Some(token) = pick {
             s.commit(*token);
         }
     };
-    if states.len() >= 16 {
+    if states.len() >= PARALLEL_COMMIT_MIN_ROWS {
         use rayon::prelude::*;
         on_mask_threads(|| states.par_iter_mut().zip(picks).for_each(commit));
     } else {

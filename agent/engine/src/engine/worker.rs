@@ -19,12 +19,8 @@ use crate::plan::{RowConstraints, RowSampling};
 use crate::lora::AdapterId;
 use crate::request::{FinishReason, GenerationRequest, RequestEvent, RequestId, SampledToken, Usage};
 use crate::sampling::{request_seed, RequestSampler};
-use crate::structured::GrammarOutcome;
+use crate::structured::{GrammarOutcome, PARALLEL_COMMIT_MIN_ROWS};
 use crate::scheduler::{Scheduler, SchedulerOutput, Sequence};
-
-/// Constrained rows from which a step's commits run on the mask threads rather than one by one on
-/// the engine thread (below, handing the work over costs more than it saves).
-const PARALLEL_COMMIT_MIN_ROWS: usize = 16;
 
 /// Per-request state the scheduler does not need: where events go and how to sample.
 struct Active {
@@ -392,6 +388,9 @@ impl Worker {
     /// engine thread a batch of 256 took ~0.6 ms while the device waited for the next step. Fills
     /// `out` for those rows; the others are left to the caller.
     fn accept_constrained_tokens(&mut self, wanting: &[RequestId], device: &[Option<u32>], out: &mut [Option<SampledToken>]) {
+        if wanting.len() < PARALLEL_COMMIT_MIN_ROWS {
+            return;
+        }
         let mut row_of: HashMap<RequestId, (usize, u32)> = HashMap::with_capacity(wanting.len());
         for (row, (id, token)) in wanting.iter().zip(device).enumerate() {
             if let Some(t) = token {

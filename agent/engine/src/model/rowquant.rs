@@ -130,7 +130,7 @@ pub fn quantize_activations(format: RowFormat, x: &[f32], n: usize, k: usize) ->
 /// Quantizes one row: calls `put(i, code)` for each element, returns the scale (0 for a row of
 /// zeros or one with a non-finite maximum; callers that must refuse those check first).
 #[inline]
-fn quantize_row_into(format: RowFormat, row: &[f32], mut put: impl FnMut(usize, u8)) -> f32 {
+pub(crate) fn quantize_row_into(format: RowFormat, row: &[f32], mut put: impl FnMut(usize, u8)) -> f32 {
     let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 || !amax.is_finite() {
         for i in 0..row.len() {

@@ -60,6 +60,10 @@ fn pool() -> &'static Option<rayon::ThreadPool> {
     })
 }
 
+/// Constrained rows from which a step's commits run on the mask threads ([`install`]) rather than
+/// one by one on the engine thread (below, handing the work over costs more than it saves).
+pub const PARALLEL_COMMIT_MIN_ROWS: usize = 16;
+
 /// Runs `work` on the mask threads and waits for it: for the step's commits, which the engine
 /// thread would otherwise make one by one while the device waits for the next step. The pool is
 /// idle then (every mask of the step was gathered before sampling).

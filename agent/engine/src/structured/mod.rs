@@ -16,6 +16,6 @@ mod token_env;
 
 pub use compiler::{CompiledGrammar, GrammarCompiler, GrammarError, GRAMMAR_CACHE_CAPACITY};
 pub use constraint::{mask_task_totals, GrammarOutcome, GrammarState};
-pub use mask_pool::{install as on_mask_threads, mask_threads, on_mask_thread, set_mask_threads, start_queued as start_queued_masks, MAX_MASK_THREADS};
+pub use mask_pool::{install as on_mask_threads, mask_threads, PARALLEL_COMMIT_MIN_ROWS, on_mask_thread, set_mask_threads, start_queued as start_queued_masks, MAX_MASK_THREADS};
 pub use spec::GrammarSpec;
 pub use token_env::{token_bytes, token_env};

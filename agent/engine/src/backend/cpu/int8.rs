@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 use super::simd::Isa;
 use crate::encoder::weights::Linear;
-use crate::model::rowquant::{RowFormat, RowQuantMatrix};
+use crate::model::rowquant::{quantize_row_into, RowFormat, RowQuantMatrix};
 use crate::{EngineError, Result};
 
 /// Output rows per packed group: four 16-lane i32 registers.
@@ -249,23 +249,21 @@ pub fn quantize_row(kernel: Kernel, row: &[f32], codes: &mut [u8]) -> f32 {
     }
 }
 
+/// `rowquant`'s own per-row quantizer (the definition every int8 path shares), codes offset by 128.
 fn quantize_row_scalar(row: &[f32], codes: &mut [u8]) -> f32 {
-    let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if amax == 0.0 || !amax.is_finite() {
-        codes[..row.len()].fill(128);
-        return 0.0;
-    }
-    let scale = amax / 127.0;
-    for (c, &v) in codes.iter_mut().zip(row) {
-        *c = encode(v, scale);
-    }
-    scale
+    quantize_row_into(RowFormat::Int8, row, |i, c| codes[i] = offset(c))
 }
 
-/// `v / scale` to the nearest int8 code (ties to even, clamped to ±127), offset by 128.
+/// `v / scale` as [`RowFormat::Int8`] encodes it, offset by 128.
 #[inline(always)]
 fn encode(v: f32, scale: f32) -> u8 {
-    ((v / scale).round_ties_even().clamp(-127.0, 127.0) as i32 + 128) as u8
+    offset(RowFormat::Int8.encode(v / scale))
+}
+
+/// A signed int8 code (as `rowquant` stores it) + 128: the unsigned byte `vpdpbusd` multiplies.
+#[inline(always)]
+fn offset(code: u8) -> u8 {
+    code.wrapping_add(128)
 }
 
 /// `out[t, r] = (Σ_j x[t, j]·W[r, j]) · sx[t] · sw[r] + b[r]` for the `n` rows of `x` (`out`:

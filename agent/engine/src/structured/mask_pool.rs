@@ -97,7 +97,7 @@ pub fn start_queued() {
     let tasks = std::mem::take(&mut *QUEUED.lock().unwrap_or_else(PoisonError::into_inner));
     match tasks.len() {
         0 => {}
-        1 => tasks.into_iter().for_each(|t| spawn(t)),
+        1 => tasks.into_iter().for_each(spawn),
         _ => spawn(move || tasks.into_par_iter().with_max_len(1).for_each(|t| t())),
     }
 }

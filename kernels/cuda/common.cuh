@@ -61,3 +61,10 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// Row `row` of a LoRA update that the expand wrote beside the base output (lora.cu, `overwrite`), for
+// the kernel that consumes that output to add; null where no buffer was given or the row's token has
+// no adapter (slot -1: the expand wrote nothing there).
+__device__ __forceinline__ const bf16_t* lora_delta_row(const bf16_t* d, const int* slots, u64 row, u64 stride) {
+    return d && slots[row] >= 0 ? d + row * stride : nullptr;
+}

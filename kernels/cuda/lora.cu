@@ -413,11 +413,14 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
 // segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
 // module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128),
 // ceil(max tiles / tiles_per_block)); block: 128.
+// With `overwrite`, y is a separate delta buffer instead: y[i, ..] = bf16(update) for every token with
+// a slot (zeros for an empty slot's rank 0), nothing read; the kernel that consumes the base output
+// adds it (LoraDelta in ops/lora.rs), so this launch can run beside the base projection.
 extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
     const bf16_t* __restrict__ b0, const bf16_t* __restrict__ b1, const bf16_t* __restrict__ b2, int out0, int out1,
     int out2, int col0, int col1, int col2, const int* __restrict__ order, const int* __restrict__ seg,
-    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block) {
+    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block, int overwrite) {
     // A tile's sums, staged for the 16-byte read-modify-write of y (when rows and columns allow it).
     __shared__ float staged[LORA_TILE][LORA_EXPAND_COLS + 4];
     pdl_wait();
@@ -450,8 +453,8 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     for (int wt = blockIdx.y * tiles_per_block; wt < (int)(blockIdx.y + 1) * tiles_per_block && wt < tiles[0]; ++wt) {
         const int slot = tiles[1 + 2 * wt], first = tiles[2 + 2 * wt];
         const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
-        const int rank = min(ranks[slot], r_pad);
-        if (len == 0 || rank <= 0) continue;
+        const int rank = max(min(ranks[slot], r_pad), 0);
+        if (len == 0 || (rank == 0 && !overwrite)) continue;
         if (slot != loaded && active) {
             const bf16_t* b = (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad;
             ksteps = (rank + 15) >> 4;
@@ -479,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
                 const int row = v / (LORA_EXPAND_COLS / 8), c8 = (v % (LORA_EXPAND_COLS / 8)) * 8;
                 const int o = tile * LORA_EXPAND_COLS + c8;
                 y_at[j] = vec8 && m0 + row < len && o < out ? reinterpret_cast<uint4*>(y + (u64)order[start + m0 + row] * y_stride + col + o) : nullptr;
-                if (y_at[j]) y_pre[j] = *y_at[j];
+                if (y_at[j] && !overwrite) y_pre[j] = *y_at[j];
             }
             const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
             const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
@@ -523,10 +526,11 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
                     if (!y_at[j]) continue;
                     const int v = threadIdx.x + j * 128;
                     const int row = v / (LORA_EXPAND_COLS / 8), c8 = (v % (LORA_EXPAND_COLS / 8)) * 8;
-                    uint4 w = y_pre[j];
+                    uint4 w = overwrite ? make_uint4(0u, 0u, 0u, 0u) : y_pre[j];
                     u32* h = reinterpret_cast<u32*>(&w);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
+                        // Overwrite: 0 + sum is the sum exactly, rounded once.
                         const float lo = bf2f((bf16_t)(h[e] & 0xffffu)) + staged[row][c8 + 2 * e];
                         const float hi = bf2f((bf16_t)(h[e] >> 16)) + staged[row][c8 + 2 * e + 1];
                         h[e] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
@@ -550,13 +554,13 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
                     bf16_t* yp = y + (u64)i * y_stride + col + o;
                     if (pairs) {
                         u32* p = reinterpret_cast<u32*>(yp);
-                        const u32 old = *p;
+                        const u32 old = overwrite ? 0u : *p;
                         const float lo = bf2f((bf16_t)(old & 0xffffu)) + acc[nt][2 * h];
                         const float hi = bf2f((bf16_t)(old >> 16)) + acc[nt][2 * h + 1];
                         *p = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
                     } else {
-                        yp[0] = f2bf(bf2f(yp[0]) + acc[nt][2 * h]);
-                        if (o + 1 < out) yp[1] = f2bf(bf2f(yp[1]) + acc[nt][2 * h + 1]);
+                        yp[0] = f2bf((overwrite ? 0.f : bf2f(yp[0])) + acc[nt][2 * h]);
+                        if (o + 1 < out) yp[1] = f2bf((overwrite ? 0.f : bf2f(yp[1])) + acc[nt][2 * h + 1]);
                     }
                 }
             }
@@ -571,7 +575,7 @@ extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, cons
                                             const int*, const float*, int, int, int, int) {}
 extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                             const bf16_t*, int, int, int, int, int, int, const int*, const int*,
-                                            const int*, const int*, int, int, int) {}
+                                            const int*, const int*, int, int, int, int) {}
 extern "C" __global__ void lora_shrink_staged(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
                                               const bf16_t*, const bf16_t*, const int*, const int*, const int*,
                                               const int*, const float*, int, int, int, int, int) {}

@@ -57,16 +57,20 @@ template <int FMT>
 __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ residual, const bf16_t* __restrict__ delta,
                                                        const float* __restrict__ weight, bf16_t* __restrict__ out,
                                                        unsigned char* __restrict__ q, float* __restrict__ scales,
-                                                       int hidden, float eps) {
+                                                       int hidden, float eps, const bf16_t* __restrict__ lora_d,
+                                                       const int* __restrict__ lora_slots) {
     __shared__ float scratch[33];
     pdl_trigger();  // the GEMV after this may start streaming its weights now
     const u64 row = blockIdx.x;
     float* x = residual + row * hidden;
     float ss = 0.f;
-    if (delta) {
-        const bf16_t* d = delta + row * hidden;
+    const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, hidden);
+    if (delta || ld) {
+        const bf16_t* d = delta ? delta + row * hidden : nullptr;
         for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-            const float v = x[j] + bf2f(d[j]);
+            float v = x[j];
+            if (d) v += bf2f(d[j]);
+            if (ld) v += bf2f(ld[j]);
             x[j] = v;
             ss += v * v;
         }
@@ -96,17 +100,20 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
 template <int FMT>
 __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, unsigned char* __restrict__ q,
                                                     float* __restrict__ scales, const bf16_t* __restrict__ gate_up,
-                                                    int inter) {
+                                                    int inter, const bf16_t* __restrict__ lora_d,
+                                                    const int* __restrict__ lora_slots) {
     __shared__ float scratch[33];
     pdl_trigger();
     const u64 row = blockIdx.x;
     const bf16_t* g = gate_up + row * 2 * inter;
     const bf16_t* u = g + inter;
+    // The LoRA update of gate|up (silu_mul.cu), added to both passes' inputs alike.
+    const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, 2 * (u64)inter);
     bf16_t* o = out + row * inter;
     float amax = 0.f;
     for (int j = threadIdx.x; j < inter; j += blockDim.x) {
-        const float gv = bf2f(g[j]);
-        const float v = gv / (1.f + expf(-gv)) * bf2f(u[j]);
+        const float gv = bf2f(g[j]) + (ld ? bf2f(ld[j]) : 0.f);
+        const float v = gv / (1.f + expf(-gv)) * (bf2f(u[j]) + (ld ? bf2f(ld[inter + j]) : 0.f));
         o[j] = f2bf(v);
         amax = fmaxf(amax, fabsf(v));
     }
@@ -114,8 +121,8 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
     if (threadIdx.x == 0) scales[row] = scale;
     unsigned char* qr = q + row * inter;
     for (int j = threadIdx.x; j < inter; j += blockDim.x) {
-        const float gv = bf2f(g[j]);
-        const float v = gv / (1.f + expf(-gv)) * bf2f(u[j]);
+        const float gv = bf2f(g[j]) + (ld ? bf2f(ld[j]) : 0.f);
+        const float v = gv / (1.f + expf(-gv)) * (bf2f(u[j]) + (ld ? bf2f(ld[inter + j]) : 0.f));
         qr[j] = scale > 0.f ? q8_encode<FMT>(v / scale) : (unsigned char)0;
     }
 }
@@ -123,12 +130,13 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
 #define Q8_FAMILY(SUFFIX, FMT)                                                                                  \
     extern "C" __global__ void add_rmsnorm_quant_##SUFFIX(float* residual, const bf16_t* delta, const float* weight, \
                                                           bf16_t* out, unsigned char* q, float* scales, int hidden,  \
-                                                          float eps) {                                               \
-        add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps);                           \
+                                                          float eps, const bf16_t* lora_d, const int* lora_slots) {  \
+        add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps, lora_d, lora_slots);       \
     }                                                                                                                \
     extern "C" __global__ void silu_mul_quant_##SUFFIX(bf16_t* out, unsigned char* q, float* scales,                 \
-                                                       const bf16_t* gate_up, int inter) {                           \
-        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter);                                                    \
+                                                       const bf16_t* gate_up, int inter, const bf16_t* lora_d,       \
+                                                       const int* lora_slots) {                                      \
+        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots);                                \
     }
 Q8_FAMILY(e4m3, Q8_E4M3)
 Q8_FAMILY(i8, Q8_I8)

@@ -82,11 +82,14 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
                                                    const int* __restrict__ positions, const float* __restrict__ cos_t,
                                                    const float* __restrict__ sin_t, const int* __restrict__ slots,
                                                    bf16_t* __restrict__ q_out, void* __restrict__ k_cache,
-                                                   void* __restrict__ v_cache, int hq, int hkv, int d, int block_size) {
+                                                   void* __restrict__ v_cache, int hq, int hkv, int d, int block_size,
+                                                   const bf16_t* __restrict__ lora_d, const int* __restrict__ lora_slots) {
     const u64 t = blockIdx.x;
     const int half = d >> 1;
     const int width = (hq + 2 * hkv) * d;
     const bf16_t* row = qkv + t * width;
+    // The q|k|v LoRA update of this token (lora.cu's expand wrote it beside qkv), added as bias is.
+    const bf16_t* ld = lora_delta_row(lora_d, lora_slots, t, width);
     const int pos = positions[t];
     const float* c = cos_t + (u64)pos * half;
     const float* s = sin_t + (u64)pos * half;
@@ -105,6 +108,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
         const int c0 = h * d + i, c1 = c0 + half;
         float x0 = bf2f(row[c0]), x1 = bf2f(row[c1]);
         if (bias) { x0 += bias[c0]; x1 += bias[c1]; }
+        if (ld) { x0 += bf2f(ld[c0]); x1 += bf2f(ld[c1]); }
         const float y0 = x0 * c[i] - x1 * s[i];
         const float y1 = x1 * c[i] + x0 * s[i];
         if constexpr (HAD) {
@@ -123,6 +127,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
         for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
             float x = bf2f(row[vstart + e]);
             if (bias) x += bias[vstart + e];
+            if (ld) x += bf2f(ld[vstart + e]);
             had[(hq + hkv + e / d - h0) * d + e % d] = x;
         }
     }
@@ -142,6 +147,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
         for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
             float x = bf2f(row[vstart + e]);
             if (bias) x += bias[vstart + e];
+            if (ld) x += bf2f(ld[vstart + e]);
             rope_store_v<F8>(x, e / d, e % d, v_cache, hkv, d, block_size, blk, off);
         }
     }
@@ -150,9 +156,10 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
 #define ROPE_KV_WRITE(NAME, F8, HAD, HADV)                                                                      \
     extern "C" __global__ void NAME(const bf16_t* qkv, const float* bias, const int* positions, const float* cos_t, \
                                     const float* sin_t, const int* slots, bf16_t* q_out, void* k_cache,          \
-                                    void* v_cache, int hq, int hkv, int d, int block_size) {                     \
+                                    void* v_cache, int hq, int hkv, int d, int block_size, const bf16_t* lora_d, \
+                                    const int* lora_slots) {                                                     \
         rope_kv_write_impl<F8, HAD, HADV>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, \
-                                          hkv, d, block_size);                                                   \
+                                          hkv, d, block_size, lora_d, lora_slots);                               \
     }
 ROPE_KV_WRITE(rope_kv_write, false, false, false)
 ROPE_KV_WRITE(rope_kv_write_fp8, true, false, false)

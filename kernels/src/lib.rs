@@ -29,14 +29,22 @@ pub use ops::{DPtr, Kernels, KvCacheDtype, W8Format};
 /// 5.6 / 7.3 / 9.9 / 15.8); one token stays on the GEMV (4.5 ms, at the weight-bandwidth bound's 59 %).
 pub const GEMV8_DEFAULT_MAX_M: usize = 1;
 
+/// The most tokens a bf16 linear sends to the skinny GEMV by default (cuBLAS above). Measured on an
+/// H100 (Llama-3.1-8B shape, bf16 decode steps, docs/benchmarks.md "Session 12"): the GEMV kernels
+/// for 3-8 rows recompute each weight's products on CUDA cores and fell far behind cuBLAS there.
+pub const GEMV_DEFAULT_MAX_M: usize = 2;
+
 /// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.
 pub struct Cuda {
     pub gpu: Gpu,
     pub kernels: Kernels,
     pub blas: Blas,
-    /// Route GEMMs of at most [`ops::GEMV_MAX_M`] rows to the skinny kernel (on unless
+    /// Route GEMMs of at most `gemv_max_m` rows to the skinny kernel (on unless
     /// `PEREGRINE_GEMV=0`, which keeps everything on cuBLAS for comparisons).
     pub use_gemv: bool,
+    /// The most tokens a bf16 linear sends to the GEMV: [`GEMV_DEFAULT_MAX_M`], or
+    /// `PEREGRINE_GEMV_MAX_M` up to the kernels' [`ops::GEMV_MAX_M`] (for comparisons).
+    pub gemv_max_m: usize,
     /// cuBLASLt for the FP8 GEMMs above the GEMV's rows (None where the library is missing or
     /// `PEREGRINE_GEMM8=ours` keeps them on our own tensor-core kernel).
     pub blas_lt: Option<gemm_lt::BlasLt>,
@@ -63,7 +71,11 @@ impl Cuda {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .map_or(GEMV8_DEFAULT_MAX_M, |m| m.min(ops::GEMV_FP8_MAX_M));
-        Ok(Cuda { gpu, kernels, blas, use_gemv, blas_lt, gemv8_max_m })
+        let gemv_max_m = std::env::var("PEREGRINE_GEMV_MAX_M")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(GEMV_DEFAULT_MAX_M, |m| m.min(ops::GEMV_MAX_M));
+        Ok(Cuda { gpu, kernels, blas, use_gemv, blas_lt, gemv8_max_m, gemv_max_m })
     }
 
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer on `m` tokens): the skinny bandwidth-bound
@@ -74,7 +86,7 @@ impl Cuda {
     /// As [`Blas::matmul`] with beta = 0.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn linear(&self, y: DPtr, out: OutType, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        if self.use_gemv && m <= ops::GEMV_MAX_M && k % 8 == 0 && x % 16 == 0 && w % 16 == 0 {
+        if self.use_gemv && m <= self.gemv_max_m && k % 8 == 0 && x % 16 == 0 && w % 16 == 0 {
             self.kernels.gemv(&self.gpu.stream, y, out == OutType::F32, x, w, m, n, k)
         } else {
             self.blas.matmul(y, out, x, w, m, n, k, 0.0)
@@ -122,7 +134,7 @@ impl Cuda {
     /// # Safety
     /// act: m*inter bf16; x: m*k bf16; w_gate_up: 2*inter*k bf16.
     pub unsafe fn gate_up_silu(&self, act: DPtr, x: DPtr, w_gate_up: DPtr, m: usize, inter: usize, k: usize) -> Result<bool> {
-        if self.use_gemv && m <= ops::GEMV_MAX_M && k % 8 == 0 && x % 16 == 0 && w_gate_up % 16 == 0 {
+        if self.use_gemv && m <= self.gemv_max_m && k % 8 == 0 && x % 16 == 0 && w_gate_up % 16 == 0 {
             self.kernels.gemv_silu(&self.gpu.stream, act, x, w_gate_up, m, inter, k)?;
             Ok(true)
         } else {

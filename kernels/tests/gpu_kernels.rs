@@ -10,7 +10,7 @@
 
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation};
+use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation, LoraDelta};
 use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -141,7 +141,7 @@ fn add_rmsnorm_matches_reference() {
         let out = poison(&c, n * hidden);
         unsafe {
             c.kernels
-                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps)
+                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps, None)
                 .unwrap()
         };
         let got_res = dres.download(&c.gpu.stream).unwrap();
@@ -160,7 +160,7 @@ fn add_rmsnorm_matches_reference() {
         let out2 = poison(&c, rows.len() * hidden);
         unsafe {
             c.kernels
-                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out2.ptr(), Some(drows.ptr()), rows.len(), hidden, eps)
+                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out2.ptr(), Some(drows.ptr()), rows.len(), hidden, eps, None)
                 .unwrap()
         };
         let got2 = out2.download(&c.gpu.stream).unwrap();
@@ -365,7 +365,7 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
         let vc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
         unsafe {
             c.kernels
-                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, rotation)
+                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, rotation, None)
                 .unwrap()
         };
         let gq = qout.download(&c.gpu.stream).unwrap();
@@ -538,7 +538,7 @@ fn silu_mul_matches_reference() {
     let (gu, guv) = rand_bf16(&mut r, n * 2 * inter, 6.0);
     let dgu = c.gpu.upload(&gu).unwrap();
     let out = poison(&c, n * inter);
-    unsafe { c.kernels.silu_mul(&c.gpu.stream, out.ptr(), dgu.ptr(), n, inter).unwrap() };
+    unsafe { c.kernels.silu_mul(&c.gpu.stream, out.ptr(), dgu.ptr(), n, inter, None).unwrap() };
     let got = out.download(&c.gpu.stream).unwrap();
     let mut want = vec![0f64; n * inter];
     for t in 0..n {
@@ -550,6 +550,58 @@ fn silu_mul_matches_reference() {
     }
     // __expf has ~2 ulp of f32 error: far below the bf16 rounding the check allows.
     assert_bf16_close(&got, &want, "silu*up");
+}
+
+/// The LoRA update written beside a base output (`LoraDelta`) is added by the kernels that consume
+/// that output, for the tokens with a slot and only for them.
+#[test]
+fn consumers_add_the_lora_update_of_tokens_with_a_slot() {
+    let Some(c) = cuda_or_skip() else { return };
+    let mut r = rng();
+    let s = &c.gpu.stream;
+    let n = 7;
+    let slots: Vec<i32> = vec![0, -1, 2, 2, -1, 1, 0];
+    let dslots = c.gpu.upload(&slots).unwrap();
+    // add_rmsnorm: residual += delta + update, in that order, one f32 addition each.
+    let (hidden, eps) = (576usize, 1e-5f32);
+    let res: Vec<f32> = (0..n * hidden).map(|_| r.random_range(-3.0..3.0)).collect();
+    let (delta, dv) = rand_bf16(&mut r, n * hidden, 2.0);
+    let (upd, uv) = rand_bf16(&mut r, n * hidden, 0.5);
+    let w: Vec<f32> = (0..hidden).map(|_| r.random_range(0.5..1.5)).collect();
+    let (dres, dd, du, dw) = (c.gpu.upload(&res).unwrap(), c.gpu.upload(&delta).unwrap(), c.gpu.upload(&upd).unwrap(), c.gpu.upload(&w).unwrap());
+    let out = poison(&c, n * hidden);
+    let lora = Some(LoraDelta { d: du.ptr(), slots: dslots.ptr() });
+    unsafe { c.kernels.add_rmsnorm(s, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps, lora).unwrap() };
+    let (got_res, got) = (dres.download(s).unwrap(), out.download(s).unwrap());
+    let wv: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+    for t in 0..n {
+        let row: Vec<f32> = (0..hidden)
+            .map(|j| {
+                let v = res[t * hidden + j] + dv[t * hidden + j] as f32;
+                if slots[t] >= 0 { v + uv[t * hidden + j] as f32 } else { v }
+            })
+            .collect();
+        assert_eq!(&got_res[t * hidden..(t + 1) * hidden], &row[..], "token {t} (slot {}): residual", slots[t]);
+        let row64: Vec<f64> = row.iter().map(|&v| v as f64).collect();
+        assert_bf16_close(&got[t * hidden..(t + 1) * hidden], &rmsnorm_ref(&row64, &wv, eps as f64), "norm with the update");
+    }
+    // silu_mul: the update added to gate and up before SwiGLU.
+    let inter = 1536;
+    let (gu, guv) = rand_bf16(&mut r, n * 2 * inter, 6.0);
+    let (gupd, gupv) = rand_bf16(&mut r, n * 2 * inter, 1.0);
+    let (dgu, dgupd) = (c.gpu.upload(&gu).unwrap(), c.gpu.upload(&gupd).unwrap());
+    let act = poison(&c, n * inter);
+    unsafe { c.kernels.silu_mul(s, act.ptr(), dgu.ptr(), n, inter, Some(LoraDelta { d: dgupd.ptr(), slots: dslots.ptr() })).unwrap() };
+    let got = act.download(s).unwrap();
+    let mut want = vec![0f64; n * inter];
+    for t in 0..n {
+        let with = |i: usize| guv[i] + if slots[t] >= 0 { gupv[i] } else { 0.0 };
+        for j in 0..inter {
+            let (g, u) = (with(t * 2 * inter + j), with(t * 2 * inter + inter + j));
+            want[t * inter + j] = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+    assert_bf16_close(&got, &want, "silu*up with the update");
 }
 
 #[test]

@@ -2,7 +2,9 @@
 //! and empty segments, every supported rank in one launch, base-model tokens mixed in, fused outputs
 //! of several modules, fan-ins that end inside a split; and a token's result alone equals its result
 //! in a batch, bit for bit, whatever launch shape the step's size picks (split or whole fan-in per
-//! shrink block, one or several work tiles per expand block). GPU tests: skipped with a visible reason where there is no GPU.
+//! shrink block, one or several work tiles per expand block). The expand into a separate update
+//! buffer (`lora_expand_to`, for the consumer of the base output to add) is checked the same way.
+//! GPU tests: skipped with a visible reason where there is no GPU.
 //!
 //! Tolerance: the output is rounded to bf16 once from an f32 sum (2^-9 relative), so |err| <=
 //! 2^-8 |ref| plus 2^-12 of the magnitude of the terms summed (f32 accumulation on the tensor cores
@@ -103,8 +105,17 @@ fn reference(c: &Case, h: &Host) -> (Vec<f64>, Vec<f64>) {
     (y, mag)
 }
 
+/// A bf16 NaN: what the delta buffer holds where the expand must not write.
+const UNWRITTEN: u16 = 0x7fc1;
+
 /// Runs group + apply on the GPU for the tokens `rows` of the case (all: `None`) and returns y.
 fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
+    run_both(cuda, c, h, rows).0
+}
+
+/// [`run`], and the update the expand writes into a separate buffer (`lora_expand_to`, from the same
+/// shrink output), which starts as [`UNWRITTEN`].
+fn run_both(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> (Vec<u16>, Vec<u16>) {
     let g = &cuda.gpu;
     let s = &g.stream;
     let pick: Vec<usize> = rows.map_or_else(|| (0..c.slots.len()).collect(), |r| r.to_vec());
@@ -135,7 +146,11 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
         cuda.kernels.lora_group(s, &segs, n).unwrap();
         cuda.kernels.lora_apply(s, y.ptr(), c.y_width, x.ptr(), c.k, c.k, &modules, h.r_pad, &segs, &work, n).unwrap();
     }
+    let d = g.upload(&vec![UNWRITTEN; n * c.y_width]).unwrap();
+    // SAFETY: as above; the shrink output in `work` is still the group's.
+    unsafe { cuda.kernels.lora_expand_to(s, d.ptr(), c.y_width, &modules, h.r_pad, &segs, &work, n).unwrap() };
     let got = y.download(s).unwrap();
+    let delta = d.download(s).unwrap();
     // The segment table: ascending tokens per slot, starts as prefix counts.
     let (order_got, seg_got) = (order.download(s).unwrap(), seg.download(s).unwrap());
     let mut at = 0;
@@ -156,18 +171,28 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
     }
     assert_eq!(tiles_got[0] as usize, want.len() / 2, "work tiles");
     assert_eq!(&tiles_got[1..1 + want.len()], &want[..], "work tiles");
-    got
+    (got, delta)
 }
 
 fn check(cuda: &Cuda, c: &Case) {
     let mut r = rng();
     let h = host_inputs(&mut r, c);
     let (want, mag) = reference(c, &h);
-    let got = run(cuda, c, &h, None);
+    let (got, delta) = run_both(cuda, c, &h, None);
     for (i, &slot) in c.slots.iter().enumerate() {
         for j in 0..c.y_width {
             let at = i * c.y_width + j;
             let in_module = c.outs.iter().any(|&(out, col)| (col..col + out).contains(&j));
+            // The separate update: written (0 for an empty slot) in every module column of a token
+            // with a slot, rounded once from the same f32 sum; untouched elsewhere.
+            if slot < 0 || !in_module {
+                assert_eq!(delta[at], UNWRITTEN, "token {i} (slot {slot}) column {j}: the update must not be written");
+            } else {
+                let (d, d_want) = (val(delta[at]), want[at] - val(h.y0[at]));
+                let d_mag = mag[at] - val(h.y0[at]).abs();
+                let tol = d_want.abs() / 256.0 + d_mag / 4096.0 + 1e-6;
+                assert!((d - d_want).abs() <= tol, "token {i} (slot {slot}) column {j}: update {d}, want {d_want} (tol {tol})");
+            }
             if slot < 0 || !in_module || c.ranks[slot as usize] == 0 {
                 assert_eq!(got[at], h.y0[at], "token {i} (slot {slot}) column {j} must be left alone");
                 continue;
@@ -177,10 +202,12 @@ fn check(cuda: &Cuda, c: &Case) {
             assert!((g - want[at]).abs() <= tol, "token {i} (slot {slot}, rank {}) column {j}: got {g}, want {} (tol {tol})", c.ranks[slot as usize], want[at]);
         }
     }
-    // A token's row is the same bits alone as in the batch (batch invariance).
+    // A token's row is the same bits alone as in the batch (batch invariance), in both modes.
     for i in [0, c.slots.len() / 2, c.slots.len() - 1] {
-        let alone = run(cuda, c, &h, Some(&[i]));
-        assert_eq!(&alone[..], &got[i * c.y_width..(i + 1) * c.y_width], "token {i} alone differs from the batch");
+        let (alone, alone_delta) = run_both(cuda, c, &h, Some(&[i]));
+        let row = i * c.y_width..(i + 1) * c.y_width;
+        assert_eq!(&alone[..], &got[row.clone()], "token {i} alone differs from the batch");
+        assert_eq!(&alone_delta[..], &delta[row], "token {i}'s update alone differs from the batch");
     }
 }
 

@@ -326,7 +326,7 @@ fn fused_rmsnorm_quant_matches_the_cpu_rms_norm_then_quantize() {
                 let dout = c.gpu.upload(&vec![0xFFFFu16; rows * hidden]).unwrap();
                 let dq = c.gpu.upload(&vec![0xAAu8; rows * hidden]).unwrap();
                 let ds = c.gpu.upload(&vec![f32::NAN; rows]).unwrap();
-                unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), Some(ddelta.ptr()), dw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, hidden, eps).unwrap() };
+                unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), Some(ddelta.ptr()), dw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, hidden, eps, None).unwrap() };
                 let res_after = dres.download(s).unwrap();
                 assert!(res_after.iter().zip(&summed).all(|(a, b)| a.to_bits() == b.to_bits()), "residual += delta");
                 for (i, (&bits, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
@@ -359,7 +359,7 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
             let dout = c.gpu.upload(&vec![0xFFFFu16; rows * inter]).unwrap();
             let dq = c.gpu.upload(&vec![0xAAu8; rows * inter]).unwrap();
             let ds = c.gpu.upload(&vec![f32::NAN; rows]).unwrap();
-            unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter).unwrap() };
+            unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None).unwrap() };
             for (i, (&b, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
                 let g = bf16::from_bits(b).to_f32();
                 assert!((g - w).abs() <= w.abs() / 128.0 + 1e-6, "{format:?} SwiGLU bf16 [{i}]: {g} vs {w}");

@@ -92,6 +92,25 @@ pub struct LoraScratch {
     pub counters: DPtr,
 }
 
+/// A LoRA update that [`Kernels::lora_expand_to`] wrote beside a base projection's output, for the
+/// kernel that consumes that output to add (rmsnorm.cu, silu_mul.cu, quant8.cu, rope_kv.cu): bf16
+/// rows laid out as the output (same row stride and column offsets), written for the tokens whose
+/// `slots` entry is >= 0 and not read for the others. The expand then needs nothing the base
+/// projection writes, so both run side by side.
+#[derive(Debug, Clone, Copy)]
+pub struct LoraDelta {
+    pub d: DPtr,
+    /// i32 per token, as [`LoraSegments::slots`].
+    pub slots: DPtr,
+}
+
+impl LoraDelta {
+    /// The two kernel arguments (null pointers for None).
+    pub(crate) fn args(delta: Option<LoraDelta>) -> (DPtr, DPtr) {
+        delta.map_or((0, 0), |d| (d.d, d.slots))
+    }
+}
+
 impl Kernels {
     /// Fixes the LoRA kernels' launch shapes instead of choosing them by step size (None: choose):
     /// the shrink's kernel and grid, and the work tiles
@@ -197,6 +216,22 @@ impl Kernels {
     /// As [`Kernels::lora_apply`]; `work` holds this group's shrink output.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn lora_expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
+        self.expand(s, y, y_stride, modules, r_pad, segs, work, n, false)
+    }
+
+    /// [`Kernels::lora_expand`] into a separate buffer: `d[.., col_m ..] = t · B_mᵀ` (rounded to bf16
+    /// once) for every token with a slot, nothing read from `d`; the consumer of the base output adds
+    /// it ([`LoraDelta`]). It does not touch the base output, so it may run beside the base projection.
+    ///
+    /// # Safety
+    /// As [`Kernels::lora_expand`] with `d` in place of `y` (`n` rows `d_stride` apart).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_expand_to(&self, s: &CudaStream, d: DPtr, d_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
+        self.expand(s, d, d_stride, modules, r_pad, segs, work, n, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize, overwrite: bool) -> Result<()> {
         if n == 0 || segs.num_slots == 0 {
             return Ok(());
         }
@@ -219,6 +254,7 @@ impl Kernels {
         // tokens the gate|up expand went 457 -> 408 µs per group that way (docs/benchmarks.md).
         let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_STAGED_MIN_TOKENS { 4 } else { 1 });
         let per_block_i = as_i32(per_block, "tiles per block")?;
+        let overwrite_i = overwrite as i32;
         let expand = LaunchConfig {
             grid_dim: (as_u32(tiles, "column tiles")?, as_u32(max_tiles.div_ceil(per_block), "work tiles")?, 1),
             block_dim: (128, 1, 1),
@@ -245,6 +281,7 @@ impl Kernels {
             .arg(&big_r_i)
             .arg(&r_i)
             .arg(&per_block_i)
+            .arg(&overwrite_i)
             .launch(s, expand, self.pdl)?;
         Ok(())
     }

@@ -26,7 +26,7 @@ pub use encoder::{attention_tiles as encoder_attention_tiles, EmbeddingTables, E
 pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
 pub use rope_kv::KvRotation;
-pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
+pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraDelta, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 pub use token_mask::{mask_words, pack_token_constraints, packed_capacity, ConstrainedRow, TOKEN_MASK_HEADER};
 

@@ -3,22 +3,23 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, W8Format};
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, LoraDelta, W8Format};
 use crate::Result;
 
 impl Kernels {
-    /// [`Kernels::add_rmsnorm`] on all `n` rows (no row selection), which also writes each normalized
+    /// [`Kernels::add_rmsnorm`] (with `lora` as there) on all `n` rows (no row selection), which also writes each normalized
     /// row's codes to `q` (`n × hidden` bytes) and its scale to `scales` (computed from the f32
     /// values, before their bf16 rounding).
     ///
     /// # Safety
-    /// residual: n*hidden f32; delta: like residual in bf16; weight: hidden f32; out: n*hidden bf16;
-    /// q: n*hidden bytes; scales: n f32.
+    /// residual: n*hidden f32; delta and lora's buffer: like residual in bf16; weight: hidden f32;
+    /// out: n*hidden bf16; q: n*hidden bytes; scales: n f32.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn add_rmsnorm_quant(&self, s: &CudaStream, format: W8Format, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, q: DPtr, scales: DPtr, n: usize, hidden: usize, eps: f32) -> Result<()> {
+    pub unsafe fn add_rmsnorm_quant(&self, s: &CudaStream, format: W8Format, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, q: DPtr, scales: DPtr, n: usize, hidden: usize, eps: f32, lora: Option<LoraDelta>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
+        let (lora_d, lora_slots) = LoraDelta::args(lora);
         self.check_w8(format, "add_rmsnorm_quant")?;
         let delta = delta.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
@@ -32,20 +33,23 @@ impl Kernels {
             .arg(&scales)
             .arg(&hidden_i)
             .arg(&eps)
+            .arg(&lora_d)
+            .arg(&lora_slots)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }
 
-    /// [`Kernels::silu_mul`] that also writes each output row's codes to `q` (`n × inter` bytes) and
+    /// [`Kernels::silu_mul`] (with `lora` as there) that also writes each output row's codes to `q` (`n × inter` bytes) and
     /// its scale to `scales` (from the f32 values). One block per row.
     ///
     /// # Safety
     /// out: n*inter bf16; q: n*inter bytes; scales: n f32; gate_up: n*2*inter bf16.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize) -> Result<()> {
+    pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
+        let (lora_d, lora_slots) = LoraDelta::args(lora);
         self.check_w8(format, "silu_mul_quant")?;
         let inter_i = as_i32(inter, "intermediate")?;
         let threads = if inter >= 4096 { 1024 } else { 256 };
@@ -55,6 +59,8 @@ impl Kernels {
             .arg(&scales)
             .arg(&gate_up)
             .arg(&inter_i)
+            .arg(&lora_d)
+            .arg(&lora_slots)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }

@@ -2,22 +2,25 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch};
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, LoraDelta};
 use crate::Result;
 
 impl Kernels {
     /// `residual += delta` (when `delta` is Some), then `out = rmsnorm(residual) * weight` in bf16.
     /// With `rows` = Some(ptr to `n` i32), output row i adds and normalizes residual row `rows[i]` only
-    /// (the final norm, on the rows whose logits are wanted).
+    /// (the final norm, on the rows whose logits are wanted). `lora`: the LoRA update of the
+    /// projection that wrote `delta`, added with it.
     ///
     /// # Safety
-    /// residual: f32 rows of `hidden`; delta: bf16 like residual; weight: hidden f32; out: n*hidden bf16.
+    /// residual: f32 rows of `hidden`; delta and lora's buffer: bf16 like residual; weight: hidden
+    /// f32; out: n*hidden bf16.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn add_rmsnorm(&self, s: &CudaStream, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, rows: Option<DPtr>, n: usize, hidden: usize, eps: f32) -> Result<()> {
+    pub unsafe fn add_rmsnorm(&self, s: &CudaStream, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, rows: Option<DPtr>, n: usize, hidden: usize, eps: f32, lora: Option<LoraDelta>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let delta = delta.unwrap_or(0);
+        let (lora_d, lora_slots) = LoraDelta::args(lora);
         let rows = rows.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
         let threads = if hidden >= 4096 { 1024 } else { 256 };
@@ -29,6 +32,8 @@ impl Kernels {
             .arg(&rows)
             .arg(&hidden_i)
             .arg(&eps)
+            .arg(&lora_d)
+            .arg(&lora_slots)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }

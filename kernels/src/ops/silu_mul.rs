@@ -2,18 +2,20 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{as_i32, cfg, DPtr, Kernels, Launch};
+use super::{as_i32, cfg, DPtr, Kernels, Launch, LoraDelta};
 use crate::Result;
 
 impl Kernels {
-    /// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`.
+    /// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`, `lora`'s update added to gate_up
+    /// first.
     ///
     /// # Safety
-    /// out: n*inter bf16; gate_up: n*2*inter bf16.
-    pub unsafe fn silu_mul(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize) -> Result<()> {
+    /// out: n*inter bf16; gate_up and lora's buffer: n*2*inter bf16.
+    pub unsafe fn silu_mul(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
+        let (lora_d, lora_slots) = LoraDelta::args(lora);
         let n64 = n as u64;
         let inter_i = as_i32(inter, "intermediate")?;
         Launch::new(&self.silu_mul)
@@ -21,6 +23,8 @@ impl Kernels {
             .arg(&gate_up)
             .arg(&n64)
             .arg(&inter_i)
+            .arg(&lora_d)
+            .arg(&lora_slots)
             .launch(s, cfg(self.elementwise_grid(n * inter, 256), 256), false)?;
         Ok(())
     }

@@ -29,7 +29,9 @@ impl CudaBackend {
             .map_err(|e| gpu_err(e.into()))?;
         let enqueued = self.step(n, n, rows, with_lora);
         // End the capture whatever happened, or the stream stays unusable.
-        let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        // Per-node priorities: the LoRA side stream's launches keep their higher priority in the
+        // graph (cuda/lora.rs) instead of taking the priority of the stream the graph is launched on.
+        let graph = stream.end_capture(peregrine_kernels::cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY);
         enqueued.map_err(gpu_err)?;
         match graph.map_err(|e| gpu_err(e.into()))? {
             Some(g) => {

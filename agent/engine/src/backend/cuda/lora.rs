@@ -6,16 +6,20 @@
 //! adds every module's update straight into the fused output.
 //!
 //! The shrink reads only the projection's input, as the base GEMM does, so it runs on a second
-//! stream beside that GEMM (forked and joined with events, which CUDA graphs capture as edges); at
-//! small batches both are latency-bound and the shrink's time hides under the GEMM's. The expand
-//! adds into the GEMM's output and follows it on the main stream. `PEREGRINE_LORA_OVERLAP=0` runs
-//! everything on the main stream (for comparisons).
+//! stream beside that GEMM (forked and joined with events, which CUDA graphs capture as edges). For
+//! decode-sized steps (up to [`DELTA_MAX_TOKENS`] tokens) the expand runs there too, writing the
+//! update into a buffer of its own ([`LoraDelta`]) that the kernel consuming the base output adds
+//! (RoPE + KV write, the residual add + RMSNorm, SwiGLU): the whole LoRA path then hides beside the
+//! base GEMM/GEMV instead of following it (at batch 1 the expand after each GEMV was ~10 µs of a
+//! 13 µs-per-group overhead). Larger steps add in place after the GEMM, on the main stream: their
+//! update buffer would be as large as the output. `PEREGRINE_LORA_OVERLAP=0` runs everything on the
+//! main stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
 
 use std::sync::Arc;
 
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, DPtr, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::gpu_err;
@@ -63,35 +67,69 @@ pub struct GpuLora {
     counters: DevBuf<i32>,
     /// Where the shrink runs beside the base projection (None: on the main stream after it).
     overlap: Option<SideStream>,
+    /// The update buffer of the side stream's expand (decode-sized steps; [`LoraDelta`]):
+    /// [`DELTA_MAX_TOKENS`] rows of the widest group output. None: the expand adds in place.
+    delta: Option<DevBuf<u16>>,
+    /// Steps of at most this many tokens use `delta`.
+    delta_tokens: usize,
     /// Copies adapters into slots (made at the first load: its pinned image is one slot's size).
     uploader: Option<SlotUploader>,
 }
 
-/// A second stream and the two events that fork it from the main stream (the projection's input is
-/// ready) and join it back (the shrink's output is ready). Reused by every group: a wait takes the
-/// event's state at the time it is enqueued.
+/// Side streams and the two events that fork one from the main stream (the projection's input is
+/// ready) and join it back (the shrink's output, or with the update buffer the update, is ready).
+/// Reused by every group: a wait takes the event's state at the time it is enqueued.
 struct SideStream {
+    /// Default priority: steps of more than `urgent_max_tokens` tokens.
     stream: Arc<CudaStream>,
+    /// The device's highest priority, for steps of up to `urgent_max_tokens` tokens: the block
+    /// scheduler then starts the side path's blocks as soon as an SM has room, before the blocks of
+    /// the base GEMV still queued, so the path runs beside it rather than after it. On an H100 at
+    /// batch 1 (Llama-3.1-8B shape, 4 rank-32 adapters) that took LoRA/base from 0.773 to 0.844;
+    /// at batch 16 / 64 / 256 it cost (0.881 → 0.842, 0.900 → 0.855, 0.801 → 0.737): there the
+    /// base kernel's blocks are what the step waits for (docs/benchmarks.md). CUDA graphs keep the
+    /// priority per node (captured from the stream; the decode graphs are instantiated to use it).
+    urgent: Arc<CudaStream>,
+    urgent_max_tokens: usize,
     input_ready: CudaEvent,
-    shrink_done: CudaEvent,
+    side_done: CudaEvent,
 }
+
+/// Steps of at most this many tokens run the side path on the high-priority stream
+/// (`PEREGRINE_LORA_URGENT_MAX_TOKENS` overrides it; 0 never does).
+const URGENT_MAX_TOKENS: usize = 4;
 
 // SAFETY: as timing::SendEvent: the events are used only through the backend, which the engine
 // thread owns (`&self` methods run on that one thread).
 unsafe impl Send for SideStream {}
 
+/// `PEREGRINE_LORA_OVERLAP=0`: every LoRA launch on the main stream.
+fn overlap_disabled() -> bool {
+    std::env::var("PEREGRINE_LORA_OVERLAP").is_ok_and(|v| v == "0")
+}
+
 impl SideStream {
     fn new(cuda: &Cuda) -> Result<Option<Self>> {
-        if std::env::var("PEREGRINE_LORA_OVERLAP").is_ok_and(|v| v == "0") {
+        if overlap_disabled() {
             return Ok(None);
         }
         let ctx = &cuda.gpu.ctx;
         let driver = |e: DriverError| gpu_err(e.into());
+        let (_, highest) = peregrine_kernels::cudarc::driver::result::stream::get_priority_range().map_err(driver)?;
+        let urgent_max_tokens = std::env::var("PEREGRINE_LORA_URGENT_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(URGENT_MAX_TOKENS);
         Ok(Some(SideStream {
             stream: ctx.new_stream().map_err(driver)?,
+            urgent: ctx.new_stream_with_priority(highest).map_err(driver)?,
+            urgent_max_tokens,
             input_ready: ctx.new_event(None).map_err(driver)?,
-            shrink_done: ctx.new_event(None).map_err(driver)?,
+            side_done: ctx.new_event(None).map_err(driver)?,
         }))
+    }
+
+    /// The stream a step of `n` tokens runs its side path on. Switching between the two is safe:
+    /// each group's fork waits for the main stream, which waited for the previous group's join.
+    fn for_tokens(&self, n: usize) -> &Arc<CudaStream> {
+        if n <= self.urgent_max_tokens { &self.urgent } else { &self.stream }
     }
 }
 
@@ -196,6 +234,22 @@ const GROUPS: [&[TargetModule]; 4] = [
     &[TargetModule::Down],
 ];
 
+/// Steps of at most this many tokens (every decode batch the graphs capture) expand into the update
+/// buffer beside the base projection; a buffer of 512 rows of Llama-3.1-8B's gate|up is 29 MB.
+pub const DELTA_MAX_TOKENS: usize = 512;
+
+/// Widest (fused) output of a projection group: the update buffer's row stride bound.
+fn widest_output(config: &ModelConfig) -> usize {
+    GROUPS.iter().map(|g| g.iter().map(|m| m.dims(config).1).sum::<usize>()).max().unwrap_or(0)
+}
+
+/// Rows of the update buffer for steps of up to `max_tokens` tokens, or 0 where the expand adds in
+/// place (`PEREGRINE_LORA_DELTA=0`, or no side stream to run it on).
+fn delta_rows(max_tokens: usize, side_stream: bool) -> usize {
+    let enabled = side_stream && !std::env::var("PEREGRINE_LORA_DELTA").is_ok_and(|v| v == "0");
+    if enabled { max_tokens.min(DELTA_MAX_TOKENS) } else { 0 }
+}
+
 /// f32 elements of the shrink's partial sums for the largest group: splits of its fan-in × its ranks.
 fn t_part_len(config: &ModelConfig, r_pad: usize, max_tokens: usize) -> usize {
     GROUPS.iter().map(|g| lora_splits(g[0].dims(config).0) * g.len() * r_pad).max().unwrap_or(0) * max_tokens
@@ -230,6 +284,7 @@ impl GpuLora {
             + max_tokens * 4
             + t_part_len(config, r_pad, max_tokens) * 4
             + 2 * max_tokens * 3 * r_pad * 2
+            + delta_rows(max_tokens, !overlap_disabled()) * widest_output(config) * 2
     }
 
     pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize) -> Result<Self> {
@@ -251,6 +306,9 @@ impl GpuLora {
         let layers = config.num_hidden_layers;
         let r_pad = lora_rank_pad(cap.max_rank);
         let zeros = |n: usize| cuda.gpu.alloc_zeros::<u16>(n).map_err(gpu_err);
+        let overlap = SideStream::new(cuda)?;
+        let delta_tokens = delta_rows(max_tokens, overlap.is_some());
+        let delta = (delta_tokens > 0).then(|| zeros(delta_tokens * widest_output(config))).transpose()?;
         let ints = |n: usize| cuda.gpu.alloc_zeros::<i32>(n).map_err(gpu_err);
         let mut modules = Vec::with_capacity(TargetModule::ALL.len());
         for m in TargetModule::ALL {
@@ -274,7 +332,9 @@ impl GpuLora {
             t_hi: zeros(max_tokens.max(1) * 3 * r_pad)?,
             t_lo: zeros(max_tokens.max(1) * 3 * r_pad)?,
             counters: ints(3 * lora_max_tiles(max_tokens, cap.max_loras))?,
-            overlap: SideStream::new(cuda)?,
+            overlap,
+            delta,
+            delta_tokens,
             uploader: None,
         })
     }
@@ -367,14 +427,18 @@ impl GpuLora {
         cuda.kernels.lora_group(&cuda.gpu.stream, &self.segments(slots), n)
     }
 
-    /// Enqueues the base projection (`base`, on the main stream) and `y += scale · (x · Aᵀ) · Bᵀ` for
-    /// every module of its group and the `n` tokens of a step, after [`GpuLora::begin_step`] with the
-    /// same `slots`: the shrink beside `base` on the side stream, the expand after both.
+    /// Enqueues the base projection (`base`, on the main stream) and the update `scale · (x · Aᵀ) ·
+    /// Bᵀ` of every module of its group for the `n` tokens of a step, after [`GpuLora::begin_step`]
+    /// with the same `slots`. Decode-sized steps: shrink and expand beside `base` on the side stream,
+    /// into the update buffer, which the caller must have the consumer of `p.y` add (the returned
+    /// [`LoraDelta`]; it holds until the next call). Otherwise (None returned): the shrink beside
+    /// `base`, then the expand adds into `p.y`.
     ///
     /// # Safety
     /// `p.x`/`p.y` hold `n` rows at their strides with the modules' fan-in / fan-out columns (each
     /// module's at its offset in `p.outs`); the modules share a fan-in; `slots` as in
-    /// [`GpuLora::begin_step`]; `base` writes `p.y` and does not write `p.x`.
+    /// [`GpuLora::begin_step`]; `base` writes `p.y` and does not write `p.x`; the update returned by
+    /// the previous call was consumed by work enqueued on the main stream before this call.
     pub unsafe fn apply_around(
         &self,
         cuda: &Cuda,
@@ -383,7 +447,7 @@ impl GpuLora {
         slots: DPtr,
         n: usize,
         base: impl FnOnce() -> peregrine_kernels::Result<()>,
-    ) -> peregrine_kernels::Result<()> {
+    ) -> peregrine_kernels::Result<Option<LoraDelta>> {
         let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
         let mut fan_in = 0;
@@ -398,20 +462,32 @@ impl GpuLora {
         let segs = self.segments(slots);
         let main = &cuda.gpu.stream;
         let k = &cuda.kernels;
+        // The update buffer holds `delta_tokens` rows of the widest output at any stride up to it.
+        let delta = self.delta.as_ref().filter(|_| n <= self.delta_tokens);
         match &self.overlap {
             Some(side) => {
+                // The fork: the side stream starts once the main stream has made x (and consumed
+                // the previous group's update, which this group's expand overwrites).
+                let stream = side.for_tokens(n);
                 side.input_ready.record(main)?;
-                side.stream.wait(&side.input_ready)?;
-                k.lora_shrink(&side.stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
-                side.shrink_done.record(&side.stream)?;
+                stream.wait(&side.input_ready)?;
+                k.lora_shrink(stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
+                if let Some(d) = delta {
+                    k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
+                }
+                side.side_done.record(stream)?;
                 base()?;
-                main.wait(&side.shrink_done)?;
+                main.wait(&side.side_done)?;
+                if let Some(d) = delta {
+                    return Ok(Some(LoraDelta { d: d.ptr(), slots }));
+                }
             }
             None => {
                 base()?;
                 k.lora_shrink(main, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
             }
         }
-        k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)
+        k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;
+        Ok(None)
     }
 }

@@ -33,7 +33,7 @@ pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
 pub use weights::{GpuWeights, Linear};
 
-use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, KvRotation, SAMPLE_PARAMS};
+use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, KvRotation, LoraDelta, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
@@ -343,9 +343,10 @@ impl CudaBackend {
         let w8 = w.w8;
         let (xq, xs) = (sc.xq.ptr(), sc.xs.ptr());
         // A base projection `y = x · Wᵀ` (`base`) with its group's LoRA updates around it; `outs`
-        // are (module, column offset) in `y`.
-        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<()> {
-            let Some(lora) = lora else { return base() };
+        // are (module, column offset) in `y`. Some(update): the kernel that consumes `y` must add it
+        // (decode-sized steps compute it beside the base projection; see cuda/lora.rs).
+        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
+            let Some(lora) = lora else { return base().map(|()| None) };
             // SAFETY: as the step's block below; each module's columns stay inside each row of `y`,
             // and `base` writes `y` only.
             unsafe { lora.apply_around(cuda, l, &Projection { x, x_stride, y, y_stride, outs }, lora_slots, n, base) }
@@ -364,21 +365,24 @@ impl CudaBackend {
                 }
             };
             // add + RMSNorm into `normed`, and with 8-bit linears its codes into xq/xs.
-            let norm = |delta: Option<DPtr>, weight: DPtr| -> peregrine_kernels::Result<()> {
+            // `lora`: the update of the projection that wrote `delta`.
+            let norm = |delta: Option<DPtr>, weight: DPtr, lora: Option<LoraDelta>| -> peregrine_kernels::Result<()> {
                 match w8 {
-                    Some(f) => k.add_rmsnorm_quant(s, f, sc.residual.ptr(), delta, weight, sc.normed.ptr(), xq, xs, n, h, eps),
-                    None => k.add_rmsnorm(s, sc.residual.ptr(), delta, weight, sc.normed.ptr(), None, n, h, eps),
+                    Some(f) => k.add_rmsnorm_quant(s, f, sc.residual.ptr(), delta, weight, sc.normed.ptr(), xq, xs, n, h, eps, lora),
+                    None => k.add_rmsnorm(s, sc.residual.ptr(), delta, weight, sc.normed.ptr(), None, n, h, eps, lora),
                 }
             };
             k.embedding_gather(s, sc.residual.ptr(), w.embed.ptr(), m(lay.ids()), n, h)?;
             if let Some(lora) = lora {
                 lora.begin_step(cuda, lora_slots, n)?;
             }
+            // The previous down projection's LoRA update (the next norm adds it with its output).
+            let mut down_lora = None;
             for (l, lw) in w.layers.iter().enumerate() {
                 let delta = (l > 0).then(|| sc.delta.ptr());
-                norm(delta, lw.input_norm.ptr())?;
+                norm(delta, lw.input_norm.ptr(), down_lora)?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
-                project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h))?;
+                let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 k.rope_kv_write(
                     s,
@@ -398,6 +402,7 @@ impl CudaBackend {
                     bs,
                     self.kv_dtype,
                     self.kv_rotation,
+                    qkv_lora,
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
                 if self.kv_rotation == KvRotation::QKV {
@@ -410,8 +415,8 @@ impl CudaBackend {
                     // The attention output is the one 8-bit input without a fused quantizer.
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
-                project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim()))?;
-                norm(Some(sc.delta.ptr()), lw.post_norm.ptr())?;
+                let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim()))?;
+                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora)?;
                 // Decode-sized bf16 steps without LoRA: one kernel for gate/up and SwiGLU; otherwise
                 // the projection (+ LoRA updates on gate and up), then SwiGLU (quantizing its output
                 // for an 8-bit down projection).
@@ -421,17 +426,17 @@ impl CudaBackend {
                 };
                 if !fused {
                     let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
-                    project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h))?;
+                    let gate_up_lora = project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h))?;
                     match w8 {
-                        Some(f) => k.silu_mul_quant(s, f, sc.act.ptr(), xq, xs, sc.gate_up.ptr(), n, inter)?,
-                        None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter)?,
+                        Some(f) => k.silu_mul_quant(s, f, sc.act.ptr(), xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora)?,
+                        None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter, gate_up_lora)?,
                     }
                 }
-                project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter))?;
+                down_lora = project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter))?;
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());
-                k.add_rmsnorm(s, sc.residual.ptr(), delta, w.final_norm.ptr(), sc.final_normed.ptr(), Some(m(lay.logit_rows())), rows, h, eps)?;
+                k.add_rmsnorm(s, sc.residual.ptr(), delta, w.final_norm.ptr(), sc.final_normed.ptr(), Some(m(lay.logit_rows())), rows, h, eps, down_lora)?;
                 cuda.linear(sc.logits.ptr(), OutType::F32, sc.final_normed.ptr(), w.lm_head_ptr(), rows, c.vocab_size, h)?;
             }
         }

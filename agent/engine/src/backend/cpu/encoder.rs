@@ -14,7 +14,7 @@
 
 use rayon::prelude::*;
 
-use super::attention_bf16;
+use super::attention_int8;
 use super::int8::{self, Int8Linear, Kernel, QuantRows};
 use super::simd::Isa;
 use super::vmath;
@@ -60,9 +60,9 @@ pub struct CpuEncoder {
     pool: std::sync::Arc<rayon::ThreadPool>,
     threads: usize,
     isa: Isa,
-    /// The int8 path's attention in bf16 (`super::attention_bf16`): set with int8 where the CPU
-    /// has AVX-512 BF16 and the ISA is not capped below AVX-512.
-    bf16_attention: bool,
+    /// The int8 path's attention in int8 too (`super::attention_int8`): set with int8 where the
+    /// CPU has AVX-512 VNNI, the ISA is not capped below AVX-512 and the head size is 32 or 64.
+    int8_attention: bool,
 }
 
 impl std::fmt::Debug for CpuEncoder {
@@ -117,7 +117,7 @@ impl CpuEncoder {
             pool,
             threads,
             isa,
-            bf16_attention: false,
+            int8_attention: false,
         };
         if quantization.is_some() {
             encoder.quantize_int8()?;
@@ -173,7 +173,7 @@ impl CpuEncoder {
             });
         }
         self.layers = Layers::Int8(out, Kernel::detect(self.isa));
-        self.bf16_attention = self.isa == Isa::Avx512 && attention_bf16::available(c.head_dim());
+        self.int8_attention = self.isa == Isa::Avx512 && attention_int8::available(c.head_dim());
         Ok(())
     }
 
@@ -215,7 +215,7 @@ impl CpuEncoder {
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let eps = c.layer_norm_eps;
         int8::gemm(kernel, &s.xq, n, &l.qkv, &mut s.qkv);
-        self.attention(batch, &s.qkv, &mut s.ctx, self.bf16_attention);
+        self.attention(batch, &s.qkv, &mut s.ctx, self.int8_attention);
         s.ctxq.quantize_all(kernel, &s.ctx, h, &l.attn_out.smooth);
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
         residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
@@ -264,9 +264,9 @@ impl CpuEncoder {
     /// latter and was the encoder's bottleneck from 128 tokens up). A task reads only its own
     /// sequence, so a sequence's context does not depend on what else is in the batch.
     ///
-    /// `bf16` (the int8 path, where the CPU has AVX-512 BF16): each task in bf16 instead
-    /// (`super::attention_bf16`), its softmax fused between the two products.
-    fn attention(&self, batch: &RaggedBatch, qkv: &[f32], ctx: &mut [f32], bf16: bool) {
+    /// `quantized` (the int8 path, where the CPU has AVX-512 VNNI): each task in int8 instead
+    /// (`super::attention_int8`), its softmax fused between the two products.
+    fn attention(&self, batch: &RaggedBatch, qkv: &[f32], ctx: &mut [f32], quantized: bool) {
         let c = &self.config;
         let (h, heads, d) = (c.hidden_size, c.num_attention_heads, c.head_dim());
         let scale = 1.0 / (d as f32).sqrt();
@@ -278,14 +278,14 @@ impl CpuEncoder {
             })
             .collect();
         let out = SharedOut(ctx.as_mut_ptr());
-        if bf16 {
+        if quantized {
             tasks.into_par_iter().for_each_init(
-                || (attention_bf16::Scratch::default(), Vec::new()),
-                |(scratch, local): &mut (attention_bf16::Scratch, Vec<f32>), (start, len, head)| {
-                    let view = attention_bf16::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
+                || (attention_int8::Scratch::default(), Vec::new()),
+                |(scratch, local): &mut (attention_int8::Scratch, Vec<f32>), (start, len, head)| {
+                    let view = attention_int8::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
                     local.clear();
                     local.resize(len * d, 0.0);
-                    attention_bf16::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
+                    attention_int8::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
                     for (i, row) in local.chunks_exact(d).enumerate() {
                         // SAFETY: as below: this task's (rows, columns) block of ctx only.
                         unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at((start + i) * h + head * d), d) };

@@ -218,7 +218,7 @@ impl CpuEncoder {
         self.attention(batch, &s.qkv, &mut s.ctx, self.int8_attention);
         s.ctxq.quantize_all(kernel, &s.ctx, h, &l.attn_out.smooth);
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
-        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
+        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, self.isa, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
         int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
         let (act, isa, width) = (c.activation, self.isa, c.intermediate_size);
         s.interq.reset(n, width);
@@ -228,7 +228,7 @@ impl CpuEncoder {
             *scale = int8::quantize_input(kernel, row, smooth, tmp, codes);
         });
         int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
-        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
+        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, self.isa, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
     }
 
     /// One f32 layer. `seen` (calibration for int8): each of the four linears' input columns' max
@@ -454,18 +454,17 @@ fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32)
     });
 }
 
-/// [`residual_norm`], each row then quantized into `xq` (when given; smoothed by its slice) while
-/// it is in cache.
-fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, kernel: Kernel, xq: Option<(&mut QuantRows, &[f32])>) {
+/// [`residual_norm`] in f32 ([`vmath::residual_layer_norm`]), each row then quantized into `xq`
+/// (when given; smoothed by its slice) while it is in cache.
+#[allow(clippy::too_many_arguments)]
+fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, isa: Isa, kernel: Kernel, xq: Option<(&mut QuantRows, &[f32])>) {
     let Some((xq, smooth)) = xq else {
-        return residual_norm(x, y, norm, h, eps);
+        x.par_chunks_mut(h).zip(y.par_chunks(h)).for_each(|(xr, yr)| vmath::residual_layer_norm(isa, xr, yr, &norm.weight, &norm.bias, eps));
+        return;
     };
     xq.reset(x.len() / h, h);
     x.par_chunks_mut(h).zip(y.par_chunks(h)).zip(xq.rows_mut()).for_each_init(Vec::new, |tmp, ((xr, yr), (codes, scale))| {
-        for (a, &b) in xr.iter_mut().zip(yr) {
-            *a += b;
-        }
-        layer_norm(xr, norm, eps);
+        vmath::residual_layer_norm(isa, xr, yr, &norm.weight, &norm.bias, eps);
         *scale = int8::quantize_input(kernel, xr, smooth, tmp, codes);
     });
 }

@@ -223,11 +223,18 @@ impl QuantRows {
     }
 }
 
-/// One row of a linear's input quantized: multiplied by `smooth` column by column (through `tmp`)
-/// unless it is empty, then [`quantize_row`].
+/// One row of a linear's input quantized: multiplied by `smooth` column by column unless it is
+/// empty, then [`quantize_row`]. The VNNI kernel multiplies on the fly in both of its passes (no
+/// copy through `tmp`; the same products, so the same bytes as the scalar path).
 pub fn quantize_input(kernel: Kernel, row: &[f32], smooth: &[f32], tmp: &mut Vec<f32>, codes: &mut [u8]) -> f32 {
     if smooth.is_empty() {
         return quantize_row(kernel, row, codes);
+    }
+    assert!(smooth.len() == row.len() && codes.len() >= row.len(), "quantize_input: shapes");
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Vnni {
+        // SAFETY: `Kernel::Vnni` is only chosen where the CPU has AVX-512F/BW/VNNI.
+        return unsafe { x86::quantize_row(row, Some(smooth), codes) };
     }
     tmp.clear();
     tmp.extend(row.iter().zip(smooth).map(|(x, s)| x * s));
@@ -244,7 +251,7 @@ pub fn quantize_row(kernel: Kernel, row: &[f32], codes: &mut [u8]) -> f32 {
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernel::Vnni` is only chosen where the CPU has AVX-512F/BW/VNNI.
-        Kernel::Vnni => unsafe { x86::quantize_row(row, codes) },
+        Kernel::Vnni => unsafe { x86::quantize_row(row, None, codes) },
         _ => quantize_row_scalar(row, codes),
     }
 }
@@ -339,17 +346,29 @@ mod x86 {
     use super::{Int8Linear, QuantRows, GROUP, MR};
 
     /// [`super::quantize_row`] with AVX-512: max |x| over 16 lanes (exact in any order), then the
-    /// same division, round-half-even, clamp and offset as the scalar path, 16 at a time.
+    /// same division, round-half-even, clamp and offset as the scalar path, 16 at a time. With
+    /// `smooth`, each element is first multiplied by its factor (in both passes: the same product
+    /// each time, so the bytes are those of quantizing the multiplied row).
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) fn quantize_row(row: &[f32], codes: &mut [u8]) -> f32 {
+    pub(super) fn quantize_row(row: &[f32], smooth: Option<&[f32]>, codes: &mut [u8]) -> f32 {
+        assert!(smooth.is_none_or(|s| s.len() >= row.len()), "quantize_row: smoothing shorter than the row");
         let (chunks, tail) = row.as_chunks::<16>();
+        let factor = |i: usize| -> __m512 {
+            match smooth {
+                // SAFETY: 16 factors at i·16 + 16 ≤ row.len() ≤ smooth.len() (asserted above).
+                Some(s) => unsafe { _mm512_loadu_ps(s.as_ptr().add(16 * i)) },
+                None => _mm512_set1_ps(1.0),
+            }
+        };
+        let tail_value = |j: usize, v: f32| smooth.map_or(v, |s| v * s[j]);
         let mut m = _mm512_setzero_ps();
-        for c in chunks {
+        for (i, c) in chunks.iter().enumerate() {
             // SAFETY: 16 contiguous f32.
-            let v = unsafe { _mm512_loadu_ps(c.as_ptr()) };
+            let v = _mm512_mul_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }, factor(i));
             m = _mm512_max_ps(_mm512_abs_ps(v), m);
         }
-        let amax = tail.iter().fold(_mm512_reduce_max_ps(m), |a, v| a.max(v.abs()));
+        let done = chunks.len() * 16;
+        let amax = tail.iter().enumerate().fold(_mm512_reduce_max_ps(m), |a, (j, &v)| a.max(tail_value(done + j, v).abs()));
         if amax == 0.0 || !amax.is_finite() {
             codes[..row.len()].fill(128);
             return 0.0;
@@ -361,16 +380,15 @@ mod x86 {
         for (i, c) in chunks.iter().enumerate() {
             // SAFETY: 16 f32 in; 16 bytes out at i·16 < row.len() ≤ codes.len().
             unsafe {
-                let v = _mm512_div_ps(_mm512_loadu_ps(c.as_ptr()), vs);
+                let v = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), factor(i)), vs);
                 let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
                 let r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
                 let q = _mm512_add_epi32(_mm512_cvtps_epi32(r), off);
                 _mm_storeu_si128(codes.as_mut_ptr().add(i * 16) as *mut __m128i, _mm512_cvtepi32_epi8(q));
             }
         }
-        let done = chunks.len() * 16;
-        for (c, &v) in codes[done..].iter_mut().zip(tail) {
-            *c = super::encode(v, scale);
+        for (j, (c, &v)) in codes[done..].iter_mut().zip(tail).enumerate() {
+            *c = super::encode(tail_value(done + j, v), scale);
         }
         scale
     }
@@ -486,6 +504,24 @@ mod tests {
                 if k >= 4 {
                     assert_eq!(&q.codes[3 * q.stride..3 * q.stride + 4], &[255, 130, 124, 128], "ties to even: 2.5 → 2, -3.5 → -4, 0.5 → 0");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn smoothed_codes_match_the_scalar_path_on_every_kernel() {
+        // Widths with and without a 16-lane tail; an outlier column divided down.
+        for k in [384usize, 1536, 37, 5] {
+            let n = 3;
+            let x = values(n * k, k, 3.0);
+            let mut smooth = values(k, 2, 1.0).iter().map(|v| 0.5 + v.abs()).collect::<Vec<f32>>();
+            smooth[k / 2] = 0.03;
+            let mut want = QuantRows::default();
+            want.quantize_all(Kernel::Scalar, &x, k, &smooth);
+            for kernel in Kernel::available() {
+                let mut q = QuantRows::default();
+                q.quantize_all(kernel, &x, k, &smooth);
+                assert_eq!((&q.codes, &q.scales), (&want.codes, &want.scales), "{kernel:?} k {k}");
             }
         }
     }

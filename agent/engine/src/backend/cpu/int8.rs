@@ -512,8 +512,15 @@ mod tests {
     fn smoothed_codes_match_the_scalar_path_on_every_kernel() {
         // Widths with and without a 16-lane tail; an outlier column divided down.
         for k in [384usize, 1536, 37, 5] {
-            let n = 3;
-            let x = values(n * k, k, 3.0);
+            // Many rows of pseudo-random values, so that rounding near half-steps is exercised.
+            let n = 200;
+            let mut state = 0x2545_F491_4F6C_DD1Du64;
+            let x: Vec<f32> = (0..n * k)
+                .map(|_| {
+                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0
+                })
+                .collect();
             let mut smooth = values(k, 2, 1.0).iter().map(|v| 0.5 + v.abs()).collect::<Vec<f32>>();
             smooth[k / 2] = 0.03;
             let mut want = QuantRows::default();

@@ -63,6 +63,8 @@ pub struct CpuEncoder {
     /// The int8 path's attention in int8 too (`super::attention_int8`): set with int8 where the
     /// CPU has AVX-512 VNNI, the ISA is not capped below AVX-512 and the head size is 32 or 64.
     int8_attention: bool,
+    /// The int8 path's activations, reused by every forward.
+    scratch: Scratch,
 }
 
 impl std::fmt::Debug for CpuEncoder {
@@ -118,6 +120,7 @@ impl CpuEncoder {
             threads,
             isa,
             int8_attention: false,
+            scratch: Scratch::default(),
         };
         if quantization.is_some() {
             encoder.quantize_int8()?;
@@ -279,19 +282,22 @@ impl CpuEncoder {
             .collect();
         let out = SharedOut(ctx.as_mut_ptr());
         if quantized {
-            tasks.into_par_iter().for_each_init(
-                || (attention_int8::Scratch::default(), Vec::new()),
-                |(scratch, local): &mut (attention_int8::Scratch, Vec<f32>), (start, len, head)| {
+            thread_local! {
+                /// Each pool thread's attention buffers, kept across tasks and forwards (no
+                /// allocation or page faults per task: 768 tasks a layer for 64 short sequences).
+                static BUFFERS: std::cell::RefCell<(attention_int8::Scratch, Vec<f32>)> = Default::default();
+            }
+            tasks.into_par_iter().for_each(|(start, len, head)| {
+                BUFFERS.with_borrow_mut(|(scratch, local)| {
                     let view = attention_int8::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
-                    local.clear();
                     local.resize(len * d, 0.0);
                     attention_int8::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
-                    for (i, row) in local.chunks_exact(d).enumerate() {
+                    for (i, row) in local[..len * d].chunks_exact(d).enumerate() {
                         // SAFETY: as below: this task's (rows, columns) block of ctx only.
                         unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at((start + i) * h + head * d), d) };
                     }
-                },
-            );
+                })
+            });
             return;
         }
         let isa = self.isa;
@@ -371,7 +377,9 @@ impl Scratch {
     }
 }
 
-/// Activations of one forward, sized for its token count.
+/// Activations of one forward, sized for its token count. The int8 path keeps one between
+/// forwards ([`CpuEncoder`]'s `scratch`): fresh buffers cost page faults and zeroing on every batch.
+#[derive(Default)]
 struct Scratch {
     qkv: Vec<f32>,
     ctx: Vec<f32>,
@@ -509,7 +517,10 @@ impl EncoderBackend for CpuEncoder {
         c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
-        let mut scratch = Scratch::new(n * c.hidden_size);
+        let mut scratch = match self.layers {
+            Layers::F32(_) => Scratch::new(n * c.hidden_size),
+            Layers::Int8(..) => std::mem::take(&mut self.scratch),
+        };
         self.pool.install(|| {
             self.embed(batch, &mut x);
             match &self.layers {
@@ -546,6 +557,9 @@ impl EncoderBackend for CpuEncoder {
                 }
             }
         });
+        if let Layers::Int8(..) = self.layers {
+            self.scratch = scratch;
+        }
         Ok(x)
     }
 

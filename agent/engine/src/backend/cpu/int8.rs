@@ -197,13 +197,16 @@ pub struct QuantRows {
 }
 
 impl QuantRows {
-    /// Room for `n` rows of `width` (contents unspecified until each row is quantized).
+    /// Room for `n` rows of `width` (contents unspecified until each row is quantized, but for the
+    /// padding after `width`, which is 128). Reused at the same width, only new rows are filled:
+    /// quantizing writes each row's first `width` bytes and never the padding.
     pub fn reset(&mut self, n: usize, width: usize) {
+        if width != self.width {
+            self.codes.clear();
+        }
         self.width = width;
         self.stride = width.div_ceil(4) * 4;
-        self.codes.clear();
         self.codes.resize(n * self.stride, 128);
-        self.scales.clear();
         self.scales.resize(n, 0.0);
     }
 

@@ -196,14 +196,14 @@ mod x86 {
         sc.vq.resize(vquads * d, 0);
         let bytes = _mm512_set1_epi32(0xFF);
         for jq in 0..vquads {
-            for c in 0..DV {
+            for (c, &vinv) in vinv.iter().enumerate() {
                 let mut word = _mm512_setzero_si512();
                 for b in 0..4 {
                     let j = 4 * jq + b;
                     if j < len {
                         // SAFETY: row j < len, columns v..v + d.
                         let x = unsafe { _mm512_loadu_ps(base.add(j * view.stride + view.v + 16 * c)) };
-                        let q = _mm512_and_si512(codes(x, vinv[c]), bytes);
+                        let q = _mm512_and_si512(codes(x, vinv), bytes);
                         word = _mm512_or_si512(word, _mm512_sllv_epi32(q, _mm512_set1_epi32(8 * b as i32)));
                     }
                 }
@@ -229,7 +229,7 @@ mod x86 {
             let m = (len - i0).min(MR);
             // Q rows of the block as unsigned bytes (+128); rows past `len` code 0 (their results
             // are never written).
-            for r in 0..MR {
+            for (r, rc) in row_c.iter_mut().enumerate() {
                 if r < m {
                     // SAFETY: row i0 + r < len, columns q..q + d.
                     let (q, s) = unsafe { quantize_row::<DV>(base.add((i0 + r) * view.stride + view.q), &no_sub) };
@@ -238,10 +238,10 @@ mod x86 {
                         unsafe { _mm_storeu_si128((tmp.as_mut_ptr() as *mut u8).add(16 * c) as *mut __m128i, _mm512_cvtepi32_epi8(_mm512_add_epi32(*q, off128))) };
                     }
                     sc.qq[r * quads..(r + 1) * quads].copy_from_slice(&tmp[..quads]);
-                    row_c[r] = s * log2e_scale;
+                    *rc = s * log2e_scale;
                 } else {
                     sc.qq[r * quads..(r + 1) * quads].fill(0x8080_8080);
-                    row_c[r] = 0.0;
+                    *rc = 0.0;
                 }
             }
             // S = Q·Kᵀ, 32 keys at a time, in base-2 units.

@@ -176,6 +176,7 @@ fn erf_table() -> &'static [[f32; ERF_PIECES]; ERF_COEFFS] {
             for col in 0..ERF_COEFFS {
                 let pivot = (col..ERF_COEFFS).fold(col, |best, r| if m[r][col].abs() > m[best][col].abs() { r } else { best });
                 m.swap(col, pivot);
+                #[allow(clippy::needless_range_loop)] // rows r and col of the same matrix
                 for r in 0..ERF_COEFFS {
                     if r != col {
                         let f = m[r][col] / m[col][col];

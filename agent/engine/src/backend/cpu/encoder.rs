@@ -222,14 +222,8 @@ impl CpuEncoder {
         s.ctxq.quantize_all(kernel, &s.ctx, h, &l.attn_out.smooth);
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
         residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, self.isa, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
-        int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
-        let (act, isa, width) = (c.activation, self.isa, c.intermediate_size);
-        s.interq.reset(n, width);
-        let smooth = &l.output.smooth;
-        s.inter.par_chunks_mut(width).zip(s.interq.rows_mut()).for_each_init(Vec::new, |tmp, (row, (codes, scale))| {
-            activate(act, isa, row);
-            *scale = int8::quantize_input(kernel, row, smooth, tmp, codes);
-        });
+        let (act, isa) = (c.activation, self.isa);
+        int8::gemm_then_quantize(kernel, &s.xq, n, &l.intermediate, &mut s.inter, |row| activate(act, isa, row), &l.output.smooth, &mut s.interq);
         int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
         residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, self.isa, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
     }

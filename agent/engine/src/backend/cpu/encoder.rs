@@ -4,7 +4,10 @@
 //! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool; or, with
 //! `--quantization int8` ([`CpuEncoder::with_quantization`]), the four linears of each layer (q/k/v,
 //! attention output, feed-forward up and down) in int8 (`super::int8`: row-wise weights, activations
-//! quantized per token by the step that produces them), everything else still f32.
+//! quantized per token by the step that produces them) and, where the CPU has AVX-512 VNNI, the
+//! attention's two products too (`super::attention_int8`); embeddings, LayerNorm, softmax, GELU and
+//! the residual stream stay f32. The int8 path fuses each projection with the row steps after it
+//! (GELU, residual LayerNorm, the next quantization), so a block of rows is finished while in cache.
 //!
 //! The projections are large GEMMs (all tokens of the batch at once: the point of token-level
 //! batching), so they run on the `gemm` crate's cache-blocked kernels rather than the decoder's
@@ -454,6 +457,9 @@ fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32)
     });
 }
 
+/// A block's quantization target in [`gemm_residual_norm`]: codes, scales, smoothing, scratch.
+type RowQuant<'a> = (&'a mut [u8], &'a mut [f32], &'a [f32], &'a mut Vec<f32>);
+
 /// Tokens per task of [`gemm_residual_norm`] (a multiple of the int8 kernel's 6-token tile).
 const FUSED_TASK_TOKENS: usize = 48;
 
@@ -470,7 +476,7 @@ fn gemm_residual_norm(kernel: Kernel, isa: Isa, xin: &QuantRows, w: &Int8Linear,
     }
     let h = w.rows;
     let n = x.len() / h;
-    let finish = |c: usize, xs: &mut [f32], mut quant: Option<(&mut [u8], &mut [f32], &[f32], &mut Vec<f32>)>| {
+    let finish = |c: usize, xs: &mut [f32], mut quant: Option<RowQuant>| {
         let t0 = c * FUSED_TASK_TOKENS;
         let t1 = t0 + xs.len() / h;
         BLOCK.with_borrow_mut(|block| {

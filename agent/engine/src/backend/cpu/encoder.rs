@@ -6,8 +6,8 @@
 //! attention output, feed-forward up and down) in int8 (`super::int8`: row-wise weights, activations
 //! quantized per token by the step that produces them) and, where the CPU has AVX-512 VNNI, the
 //! attention's two products too (`super::attention_int8`); embeddings, LayerNorm, softmax, GELU and
-//! the residual stream stay f32. The int8 path fuses each projection with the row steps after it
-//! (GELU, residual LayerNorm, the next quantization), so a block of rows is finished while in cache.
+//! the residual stream stay f32. The int8 path fuses the feed-forward up projection with the GELU
+//! and the next quantization (`int8::gemm_then_quantize`), so a block of rows is finished in cache.
 //!
 //! The projections are large GEMMs (all tokens of the batch at once: the point of token-level
 //! batching), so they run on the `gemm` crate's cache-blocked kernels rather than the decoder's
@@ -223,10 +223,12 @@ impl CpuEncoder {
         int8::gemm(kernel, &s.xq, n, &l.qkv, &mut s.qkv);
         self.attention(batch, &s.qkv, &mut s.ctx, self.int8_attention);
         s.ctxq.quantize_all(kernel, &s.ctx, h, &l.attn_out.smooth);
-        gemm_residual_norm(kernel, self.isa, &s.ctxq, &l.attn_out, x, &l.attn_norm, eps, Some((&mut s.xq, &l.intermediate.smooth)));
+        int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
+        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, self.isa, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
         let (act, isa) = (c.activation, self.isa);
         int8::gemm_then_quantize(kernel, &s.xq, n, &l.intermediate, &mut s.inter, |row| activate(act, isa, row), &l.output.smooth, &mut s.interq);
-        gemm_residual_norm(kernel, self.isa, &s.interq, &l.output, x, &l.output_norm, eps, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
+        int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
+        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, self.isa, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
     }
 
     /// One f32 layer. `seen` (calibration for int8): each of the four linears' input columns' max
@@ -457,52 +459,19 @@ fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32)
     });
 }
 
-/// A block's quantization target in [`gemm_residual_norm`]: codes, scales, smoothing, scratch.
-type RowQuant<'a> = (&'a mut [u8], &'a mut [f32], &'a [f32], &'a mut Vec<f32>);
-
-/// Tokens per task of [`gemm_residual_norm`] (a multiple of the int8 kernel's 6-token tile).
-const FUSED_TASK_TOKENS: usize = 48;
-
-/// `x = LayerNorm(x + xin·Wᵀ + b)` in f32 ([`vmath::residual_layer_norm`]), each row then quantized
-/// into `xq` (when given; smoothed by its slice). One parallel region: each task takes a block of
-/// tokens through the int8 GEMM (all row groups, into a per-thread block) and finishes its rows
-/// while they are in cache, where the GEMM, the residual LayerNorm and the quantization had been
-/// three regions with the projection going through a batch-sized buffer. The results are the same.
+/// [`residual_norm`] in f32 ([`vmath::residual_layer_norm`]), each row then quantized into `xq`
+/// (when given; smoothed by its slice) while it is in cache.
 #[allow(clippy::too_many_arguments)]
-fn gemm_residual_norm(kernel: Kernel, isa: Isa, xin: &QuantRows, w: &Int8Linear, x: &mut [f32], norm: &LayerNorm, eps: f32, xq: Option<(&mut QuantRows, &[f32])>) {
-    thread_local! {
-        /// Each pool thread's block of projection rows.
-        static BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    let h = w.rows;
-    let n = x.len() / h;
-    let finish = |c: usize, xs: &mut [f32], mut quant: Option<RowQuant>| {
-        let t0 = c * FUSED_TASK_TOKENS;
-        let t1 = t0 + xs.len() / h;
-        BLOCK.with_borrow_mut(|block| {
-            block.resize((t1 - t0) * h, 0.0);
-            int8::gemm_rows(kernel, xin, t0, t1, w, block);
-            for (i, (xr, yr)) in xs.chunks_exact_mut(h).zip(block.chunks_exact(h)).enumerate() {
-                vmath::residual_layer_norm(isa, xr, yr, &norm.weight, &norm.bias, eps);
-                if let Some((codes, scales, smooth, tmp)) = quant.as_mut() {
-                    let stride = codes.len() / scales.len();
-                    scales[i] = int8::quantize_input(kernel, xr, smooth, tmp, &mut codes[i * stride..(i + 1) * stride]);
-                }
-            }
-        });
+fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, isa: Isa, kernel: Kernel, xq: Option<(&mut QuantRows, &[f32])>) {
+    let Some((xq, smooth)) = xq else {
+        x.par_chunks_mut(h).zip(y.par_chunks(h)).for_each(|(xr, yr)| vmath::residual_layer_norm(isa, xr, yr, &norm.weight, &norm.bias, eps));
+        return;
     };
-    match xq {
-        Some((xq, smooth)) => {
-            xq.reset(n, h);
-            let stride = xq.stride;
-            x.par_chunks_mut(FUSED_TASK_TOKENS * h)
-                .zip(xq.codes.par_chunks_mut(FUSED_TASK_TOKENS * stride))
-                .zip(xq.scales.par_chunks_mut(FUSED_TASK_TOKENS))
-                .enumerate()
-                .for_each_init(Vec::new, |tmp, (c, ((xs, codes), scales))| finish(c, xs, Some((codes, scales, smooth, tmp))));
-        }
-        None => x.par_chunks_mut(FUSED_TASK_TOKENS * h).enumerate().for_each(|(c, xs)| finish(c, xs, None)),
-    }
+    xq.reset(x.len() / h, h);
+    x.par_chunks_mut(h).zip(y.par_chunks(h)).zip(xq.rows_mut()).for_each_init(Vec::new, |tmp, ((xr, yr), (codes, scale))| {
+        vmath::residual_layer_norm(isa, xr, yr, &norm.weight, &norm.bias, eps);
+        *scale = int8::quantize_input(kernel, xr, smooth, tmp, codes);
+    });
 }
 
 /// Max |v| of each column of the rows of `x` (`width` wide).

@@ -290,7 +290,7 @@ pub fn gemm(kernel: Kernel, x: &QuantRows, n: usize, w: &Int8Linear, out: &mut V
         let t1 = (t0 + TASK_TOKENS).min(n);
         // SAFETY: this task writes rows t0..t1, columns of group g only; tasks are disjoint and
         // `out` (n × rows) outlives the parallel loop.
-        unsafe { group_tile(kernel, x, t0, t1, w, g, dst, 0) };
+        unsafe { group_tile(kernel, x, t0, t1, w, g, dst) };
     });
 }
 
@@ -324,7 +324,7 @@ pub fn gemm_then_quantize<A: Fn(&mut [f32]) + Sync>(kernel: Kernel, x: &QuantRow
             for g in 0..groups {
                 // SAFETY: this task writes rows t0..t1 of `out` only (tasks are disjoint), and
                 // `out` (n × rows) outlives the parallel loop.
-                unsafe { group_tile(kernel, x, t0, t1, w, g, dst, 0) };
+                unsafe { group_tile(kernel, x, t0, t1, w, g, dst) };
             }
             for (i, t) in (t0..t1).enumerate() {
                 // SAFETY: row t of `out` is this task's alone (written above); nothing else holds a
@@ -334,21 +334,6 @@ pub fn gemm_then_quantize<A: Fn(&mut [f32]) + Sync>(kernel: Kernel, x: &QuantRow
                 scales[i] = quantize_input(kernel, row, smooth, tmp, &mut codes[i * stride..(i + 1) * stride]);
             }
         });
-}
-
-/// Tokens `t0..t1` of `x` times `w`, every row group, on the calling thread: `out` holds the
-/// `(t1 − t0) × w.rows` results, row-major. For callers that finish each block of rows while it is
-/// in cache ([`gemm`] splits the same work over the pool instead; the results are the same).
-pub fn gemm_rows(kernel: Kernel, x: &QuantRows, t0: usize, t1: usize, w: &Int8Linear, out: &mut [f32]) {
-    assert!(
-        x.width == w.cols && t0 <= t1 && x.codes.len() >= t1 * x.stride && x.scales.len() >= t1 && out.len() >= (t1 - t0) * w.rows,
-        "int8 gemm_rows: shapes"
-    );
-    let dst = OutPtr(out.as_mut_ptr());
-    for g in 0..w.rows.div_ceil(GROUP) {
-        // SAFETY: `out` holds (t1 − t0) × rows floats and is borrowed mutably here.
-        unsafe { group_tile(kernel, x, t0, t1, w, g, dst, t0) };
-    }
 }
 
 #[derive(Clone, Copy)]
@@ -364,17 +349,15 @@ impl OutPtr {
     }
 }
 
-/// Tokens `t0..t1` × the rows of group `g`, token t's row written at `dst + (t − base)·w.rows`.
+/// Tokens `t0..t1` × the rows of group `g`.
 ///
 /// # Safety
-/// `dst` points at `(t1 − base) × w.rows` floats (base ≤ t0) and no other thread touches this
-/// block.
-#[allow(clippy::too_many_arguments)]
-unsafe fn group_tile(kernel: Kernel, x: &QuantRows, t0: usize, t1: usize, w: &Int8Linear, g: usize, dst: OutPtr, base: usize) {
+/// `dst` points at `n × w.rows` floats (n ≥ t1) and no other thread touches this block.
+unsafe fn group_tile(kernel: Kernel, x: &QuantRows, t0: usize, t1: usize, w: &Int8Linear, g: usize, dst: OutPtr) {
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Vnni only where the CPU has it; the caller's block contract passes on.
-        Kernel::Vnni => unsafe { x86::group_tile(x, t0, t1, w, g, dst.get(), base) },
+        Kernel::Vnni => unsafe { x86::group_tile(x, t0, t1, w, g, dst.get()) },
         _ => {
             let r0 = g * GROUP;
             let r1 = (r0 + GROUP).min(w.rows);
@@ -387,7 +370,7 @@ unsafe fn group_tile(kernel: Kernel, x: &QuantRows, t0: usize, t1: usize, w: &In
                     }
                     let v = epilogue(acc - w.offsets[r], x.scales[t], w.scales[r], w.bias[r]);
                     // SAFETY: (t, r) lies in this task's block (caller's contract).
-                    unsafe { *dst.get().add((t - base) * w.rows + r) = v };
+                    unsafe { *dst.get().add(t * w.rows + r) = v };
                 }
             }
         }
@@ -481,19 +464,19 @@ mod x86 {
     /// # Safety
     /// The CPU has AVX-512F/BW/VNNI; `dst` as in [`super::group_tile`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn group_tile(x: &QuantRows, t0: usize, t1: usize, w: &Int8Linear, g: usize, dst: *mut f32, base: usize) {
+    pub(super) unsafe fn group_tile(x: &QuantRows, t0: usize, t1: usize, w: &Int8Linear, g: usize, dst: *mut f32) {
         let mut t = t0;
         while t < t1 {
             let m = (t1 - t).min(MR);
             // SAFETY: passed on from the caller.
             unsafe {
                 match m {
-                    6 => tile::<6>(x, t, w, g, dst, base),
-                    5 => tile::<5>(x, t, w, g, dst, base),
-                    4 => tile::<4>(x, t, w, g, dst, base),
-                    3 => tile::<3>(x, t, w, g, dst, base),
-                    2 => tile::<2>(x, t, w, g, dst, base),
-                    _ => tile::<1>(x, t, w, g, dst, base),
+                    6 => tile::<6>(x, t, w, g, dst),
+                    5 => tile::<5>(x, t, w, g, dst),
+                    4 => tile::<4>(x, t, w, g, dst),
+                    3 => tile::<3>(x, t, w, g, dst),
+                    2 => tile::<2>(x, t, w, g, dst),
+                    _ => tile::<1>(x, t, w, g, dst),
                 }
             }
             t += m;
@@ -503,7 +486,7 @@ mod x86 {
     /// Tokens `t..t+M` × the 64 rows of group `g`: 4·M i32 accumulators over the quads, then the
     /// epilogue, stored (masked past the last real row).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn tile<const M: usize>(x: &QuantRows, t: usize, w: &Int8Linear, g: usize, dst: *mut f32, base: usize) {
+    unsafe fn tile<const M: usize>(x: &QuantRows, t: usize, w: &Int8Linear, g: usize, dst: *mut f32) {
         let quads = w.cols.div_ceil(4);
         let mut acc = [[_mm512_setzero_si512(); 4]; M];
         // SAFETY: token rows t..t+M lie in x (checked by `gemm`: t + M ≤ n), each `stride` ≥ 4·quads
@@ -544,7 +527,7 @@ mod x86 {
                     let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[v], off));
                     let sx = _mm512_set1_ps(x.scales[t + i]);
                     let o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(sum, sx), sw), bias);
-                    _mm512_mask_storeu_ps(dst.add((t + i - base) * w.rows + r), mask, o);
+                    _mm512_mask_storeu_ps(dst.add((t + i) * w.rows + r), mask, o);
                 }
             }
         }
@@ -712,13 +695,6 @@ mod tests {
                 let (mut out, mut next) = (Vec::new(), QuantRows::default());
                 gemm_then_quantize(kernel, &q, n, &w, &mut out, act, &smooth, &mut next);
                 assert_eq!(out, want, "{kernel:?} {rows}×{k}, {n} tokens");
-                // gemm_rows over an inner block gives that block of gemm's rows.
-                let mut plain = Vec::new();
-                gemm(kernel, &q, n, &w, &mut plain);
-                let (t0, t1) = (n / 3, n - n / 4);
-                let mut block = vec![f32::NAN; (t1 - t0) * rows];
-                gemm_rows(kernel, &q, t0, t1, &w, &mut block);
-                assert_eq!(block, plain[t0 * rows..t1 * rows], "{kernel:?} gemm_rows {t0}..{t1}");
                 assert_eq!((&next.codes, &next.scales), (&want_q.codes, &want_q.scales), "{kernel:?} {rows}×{k}, {n} tokens");
             }
         }

@@ -226,7 +226,18 @@ impl CpuEncoder {
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
         residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, self.isa, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
         let (act, isa) = (c.activation, self.isa);
-        int8::gemm_then_quantize(kernel, &s.xq, n, &l.intermediate, &mut s.inter, |row| activate(act, isa, row), &l.output.smooth, &mut s.interq);
+        if n >= FUSE_FROM_TOKENS {
+            int8::gemm_then_quantize(kernel, &s.xq, n, &l.intermediate, &mut s.inter, |row| activate(act, isa, row), &l.output.smooth, &mut s.interq);
+        } else {
+            // Too few token blocks to keep every thread busy: split the GEMM over row groups too.
+            int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
+            s.interq.reset(n, c.intermediate_size);
+            let smooth = &l.output.smooth;
+            s.inter.par_chunks_mut(c.intermediate_size).zip(s.interq.rows_mut()).for_each_init(Vec::new, |tmp, (row, (codes, scale))| {
+                activate(act, isa, row);
+                *scale = int8::quantize_input(kernel, row, smooth, tmp, codes);
+            });
+        }
         int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
         residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, self.isa, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
     }
@@ -392,6 +403,11 @@ struct Scratch {
 /// sequence), each chunk through every layer before the next. 1024 did better than 512 and 2048
 /// (docs/benchmarks.md, session 11).
 const INT8_CHUNK_TOKENS: usize = 1024;
+
+/// From this many tokens the int8 path fuses the feed-forward up projection with the GELU and the
+/// quantization (`int8::gemm_then_quantize`, whose tasks are 48-token blocks: one 16-token request
+/// would be a single task, on one thread, where the unfused GEMM splits over row groups as well).
+const FUSE_FROM_TOKENS: usize = 384;
 
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).
 const GEMM_FROM_TOKENS: usize = 256;

@@ -1,8 +1,9 @@
 //! Encoder throughput and latency through the batching thread, as a server drives it:
 //! `cargo run --release -p peregrine-engine --example encoder_bench -- <encoder folder> [threads]
-//! [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512]` (the GEMM choice
-//! is the CUDA encoder's, `--quantization int8` the CPU encoder's int8 linears; on cuda each row
-//! sends 16× the CPU's requests, so that it lasts long enough to time).
+//! [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512] [--reps N]` (the
+//! GEMM choice is the CUDA encoder's, `--quantization int8` the CPU encoder's int8 linears; on cuda
+//! each row sends 16× the CPU's requests, so that it lasts long enough to time; `--reps N` sends N×
+//! as many again, for steadier figures on a noisy machine).
 //!
 //! For input lengths 16/128/512 tokens (texts of repeated words, tokenized on the client threads)
 //! and concurrency 1 and 64 (closed loop: each client sends its next one-sentence request when the
@@ -54,6 +55,7 @@ fn main() -> Result<(), BoxError> {
     let mut gemm = "f32".to_string();
     let mut lens = vec![16usize, 128, 512];
     let mut int8 = false;
+    let mut extra_reps = 1usize;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -70,14 +72,16 @@ fn main() -> Result<(), BoxError> {
                     return Err("--lens: each length in 2..=512".into());
                 }
             }
+            "--reps" => extra_reps = args.next().ok_or("--reps needs a count")?.parse::<usize>()?.max(1),
             _ if path.is_none() => path = Some(PathBuf::from(a)),
             _ => threads = a.parse()?,
         }
     }
-    let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512]")?;
+    let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512] [--reps N]")?;
     let (mut model, weights) = EncoderModel::load(&path)?;
     model.set_max_seq_length(512)?;
     let (backend, reps) = backend(&device, &gemm, int8, &model, weights, threads)?;
+    let reps = reps * extra_reps;
     let model = Arc::new(model);
     let config = EncoderServiceConfig { max_num_batched_tokens: 8192 };
     let handle = EncoderHandle::start(backend, model.clone(), config)?;

@@ -4,7 +4,10 @@
 //! residual + LayerNorm (post-LN, as BERT). f32 throughout, on a private rayon pool; or, with
 //! `--quantization int8` ([`CpuEncoder::with_quantization`]), the four linears of each layer (q/k/v,
 //! attention output, feed-forward up and down) in int8 (`super::int8`: row-wise weights, activations
-//! quantized per token by the step that produces them), everything else still f32.
+//! quantized per token by the step that produces them) and, where the CPU has AVX-512 VNNI, the
+//! attention's two products too (`super::attention_int8`); embeddings, LayerNorm, softmax, GELU and
+//! the residual stream stay f32. The int8 path fuses the feed-forward up projection with the GELU
+//! and the next quantization (`int8::gemm_then_quantize`), so a block of rows is finished in cache.
 //!
 //! The projections are large GEMMs (all tokens of the batch at once: the point of token-level
 //! batching), so they run on the `gemm` crate's cache-blocked kernels rather than the decoder's
@@ -14,6 +17,7 @@
 
 use rayon::prelude::*;
 
+use super::attention_int8;
 use super::int8::{self, Int8Linear, Kernel, QuantRows};
 use super::simd::Isa;
 use super::vmath;
@@ -59,6 +63,11 @@ pub struct CpuEncoder {
     pool: std::sync::Arc<rayon::ThreadPool>,
     threads: usize,
     isa: Isa,
+    /// The int8 path's attention in int8 too (`super::attention_int8`): set with int8 where the
+    /// CPU has AVX-512 VNNI, the ISA is not capped below AVX-512 and the head size is 32 or 64.
+    int8_attention: bool,
+    /// The int8 path's activations, reused by every forward.
+    scratch: Scratch,
 }
 
 impl std::fmt::Debug for CpuEncoder {
@@ -113,6 +122,8 @@ impl CpuEncoder {
             pool,
             threads,
             isa,
+            int8_attention: false,
+            scratch: Scratch::default(),
         };
         if quantization.is_some() {
             encoder.quantize_int8()?;
@@ -168,6 +179,7 @@ impl CpuEncoder {
             });
         }
         self.layers = Layers::Int8(out, Kernel::detect(self.isa));
+        self.int8_attention = self.isa == Isa::Avx512 && attention_int8::available(c.head_dim());
         Ok(())
     }
 
@@ -209,20 +221,25 @@ impl CpuEncoder {
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let eps = c.layer_norm_eps;
         int8::gemm(kernel, &s.xq, n, &l.qkv, &mut s.qkv);
-        self.attention(batch, &s.qkv, &mut s.ctx);
+        self.attention(batch, &s.qkv, &mut s.ctx, self.int8_attention);
         s.ctxq.quantize_all(kernel, &s.ctx, h, &l.attn_out.smooth);
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
-        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
-        int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
-        let (act, isa, width) = (c.activation, self.isa, c.intermediate_size);
-        s.interq.reset(n, width);
-        let smooth = &l.output.smooth;
-        s.inter.par_chunks_mut(width).zip(s.interq.rows_mut()).for_each_init(Vec::new, |tmp, (row, (codes, scale))| {
-            activate(act, isa, row);
-            *scale = int8::quantize_input(kernel, row, smooth, tmp, codes);
-        });
+        residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, self.isa, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
+        let (act, isa) = (c.activation, self.isa);
+        if n >= FUSE_FROM_TOKENS {
+            int8::gemm_then_quantize(kernel, &s.xq, n, &l.intermediate, &mut s.inter, |row| activate(act, isa, row), &l.output.smooth, &mut s.interq);
+        } else {
+            // Too few token blocks to keep every thread busy: split the GEMM over row groups too.
+            int8::gemm(kernel, &s.xq, n, &l.intermediate, &mut s.inter);
+            s.interq.reset(n, c.intermediate_size);
+            let smooth = &l.output.smooth;
+            s.inter.par_chunks_mut(c.intermediate_size).zip(s.interq.rows_mut()).for_each_init(Vec::new, |tmp, (row, (codes, scale))| {
+                activate(act, isa, row);
+                *scale = int8::quantize_input(kernel, row, smooth, tmp, codes);
+            });
+        }
         int8::gemm(kernel, &s.interq, n, &l.output, &mut s.proj);
-        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
+        residual_norm_int8(x, &s.proj, &l.output_norm, h, eps, self.isa, kernel, next.map(|nl| (&mut s.xq, nl.qkv.smooth.as_slice())));
     }
 
     /// One f32 layer. `seen` (calibration for int8): each of the four linears' input columns' max
@@ -238,7 +255,7 @@ impl CpuEncoder {
         };
         record(0, x, h);
         linear(self.isa, x, n, &l.qkv, &mut s.qkv);
-        self.attention(batch, &s.qkv, &mut s.ctx);
+        self.attention(batch, &s.qkv, &mut s.ctx, false);
         record(1, &s.ctx, h);
         linear(self.isa, &s.ctx, n, &l.attn_out, &mut s.proj);
         residual_norm(x, &s.proj, &l.attn_norm, h, eps);
@@ -257,7 +274,10 @@ impl CpuEncoder {
     /// once per block of queries rather than once per query (the scalar loop this replaced did the
     /// latter and was the encoder's bottleneck from 128 tokens up). A task reads only its own
     /// sequence, so a sequence's context does not depend on what else is in the batch.
-    fn attention(&self, batch: &RaggedBatch, qkv: &[f32], ctx: &mut [f32]) {
+    ///
+    /// `quantized` (the int8 path, where the CPU has AVX-512 VNNI): each task in int8 instead
+    /// (`super::attention_int8`), its softmax fused between the two products.
+    fn attention(&self, batch: &RaggedBatch, qkv: &[f32], ctx: &mut [f32], quantized: bool) {
         let c = &self.config;
         let (h, heads, d) = (c.hidden_size, c.num_attention_heads, c.head_dim());
         let scale = 1.0 / (d as f32).sqrt();
@@ -269,6 +289,25 @@ impl CpuEncoder {
             })
             .collect();
         let out = SharedOut(ctx.as_mut_ptr());
+        if quantized {
+            thread_local! {
+                /// Each pool thread's attention buffers, kept across tasks and forwards (no
+                /// allocation or page faults per task: 768 tasks a layer for 64 short sequences).
+                static BUFFERS: std::cell::RefCell<(attention_int8::Scratch, Vec<f32>)> = Default::default();
+            }
+            tasks.into_par_iter().for_each(|(start, len, head)| {
+                BUFFERS.with_borrow_mut(|(scratch, local)| {
+                    let view = attention_int8::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
+                    local.resize(len * d, 0.0);
+                    attention_int8::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
+                    for (i, row) in local[..len * d].chunks_exact(d).enumerate() {
+                        // SAFETY: as below: this task's (rows, columns) block of ctx only.
+                        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at((start + i) * h + head * d), d) };
+                    }
+                })
+            });
+            return;
+        }
         let isa = self.isa;
         tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (start, len, head)| {
             scores.clear();
@@ -346,7 +385,9 @@ impl Scratch {
     }
 }
 
-/// Activations of one forward, sized for its token count.
+/// Activations of one forward, sized for its token count. The int8 path keeps one between
+/// forwards ([`CpuEncoder`]'s `scratch`): fresh buffers cost page faults and zeroing on every batch.
+#[derive(Default)]
 struct Scratch {
     qkv: Vec<f32>,
     ctx: Vec<f32>,
@@ -362,6 +403,11 @@ struct Scratch {
 /// sequence), each chunk through every layer before the next. 1024 did better than 512 and 2048
 /// (docs/benchmarks.md, session 11).
 const INT8_CHUNK_TOKENS: usize = 1024;
+
+/// From this many tokens the int8 path fuses the feed-forward up projection with the GELU and the
+/// quantization (`int8::gemm_then_quantize`, whose tasks are 48-token blocks: one 16-token request
+/// would be a single task, on one thread, where the unfused GEMM splits over row groups as well).
+const FUSE_FROM_TOKENS: usize = 384;
 
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).
 const GEMM_FROM_TOKENS: usize = 256;
@@ -429,18 +475,17 @@ fn residual_norm(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32)
     });
 }
 
-/// [`residual_norm`], each row then quantized into `xq` (when given; smoothed by its slice) while
-/// it is in cache.
-fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, kernel: Kernel, xq: Option<(&mut QuantRows, &[f32])>) {
+/// [`residual_norm`] in f32 ([`vmath::residual_layer_norm`]), each row then quantized into `xq`
+/// (when given; smoothed by its slice) while it is in cache.
+#[allow(clippy::too_many_arguments)]
+fn residual_norm_int8(x: &mut [f32], y: &[f32], norm: &LayerNorm, h: usize, eps: f32, isa: Isa, kernel: Kernel, xq: Option<(&mut QuantRows, &[f32])>) {
     let Some((xq, smooth)) = xq else {
-        return residual_norm(x, y, norm, h, eps);
+        x.par_chunks_mut(h).zip(y.par_chunks(h)).for_each(|(xr, yr)| vmath::residual_layer_norm(isa, xr, yr, &norm.weight, &norm.bias, eps));
+        return;
     };
     xq.reset(x.len() / h, h);
     x.par_chunks_mut(h).zip(y.par_chunks(h)).zip(xq.rows_mut()).for_each_init(Vec::new, |tmp, ((xr, yr), (codes, scale))| {
-        for (a, &b) in xr.iter_mut().zip(yr) {
-            *a += b;
-        }
-        layer_norm(xr, norm, eps);
+        vmath::residual_layer_norm(isa, xr, yr, &norm.weight, &norm.bias, eps);
         *scale = int8::quantize_input(kernel, xr, smooth, tmp, codes);
     });
 }
@@ -485,7 +530,10 @@ impl EncoderBackend for CpuEncoder {
         c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
-        let mut scratch = Scratch::new(n * c.hidden_size);
+        let mut scratch = match self.layers {
+            Layers::F32(_) => Scratch::new(n * c.hidden_size),
+            Layers::Int8(..) => std::mem::take(&mut self.scratch),
+        };
         self.pool.install(|| {
             self.embed(batch, &mut x);
             match &self.layers {
@@ -522,6 +570,9 @@ impl EncoderBackend for CpuEncoder {
                 }
             }
         });
+        if let Layers::Int8(..) = self.layers {
+            self.scratch = scratch;
+        }
         Ok(x)
     }
 

@@ -2,6 +2,7 @@
 //! same f32 values inside the matmul), paged KV cache in host memory, rayon for threads.
 
 pub mod attention;
+mod attention_int8;
 pub mod encoder;
 pub mod hadamard;
 pub mod int8;

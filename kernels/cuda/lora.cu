@@ -17,7 +17,8 @@
 //   stored as bf16 hi + lo (t ≈ hi + lo to about 16 bits of mantissa, so the tensor-core expand loses
 //   nothing against an f32 t), and sets the counter back to 0 for the next launch.
 // - lora_expand_sgmv: y[i, cols] += t_hi · Bᵀ + t_lo · Bᵀ on tensor cores, one block per (128-column
-//   tile of one module's output, work tile), written straight into the (fused) output, rounded to bf16.
+//   tile of one module's output, work tile), written straight into the (fused) output, rounded to bf16;
+//   or (`overwrite`) into a separate update buffer that the output's consumer adds.
 //
 // Batch invariance: a token's result depends only on its own row: mma rows are independent, the k
 // splits depend on k alone, and every sum runs in a fixed order, whatever else is in the batch.

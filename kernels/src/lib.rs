@@ -30,8 +30,8 @@ pub use ops::{DPtr, Kernels, KvCacheDtype, W8Format};
 pub const GEMV8_DEFAULT_MAX_M: usize = 1;
 
 /// The most tokens a bf16 linear sends to the skinny GEMV by default (cuBLAS above). Measured on an
-/// H100 (Llama-3.1-8B shape, bf16 decode steps, docs/benchmarks.md "Session 12"): the GEMV kernels
-/// for 3-8 rows recompute each weight's products on CUDA cores and fell far behind cuBLAS there.
+/// H100 (Llama-3.1-8B shape, bf16 decode steps, docs/benchmarks.md "Session 12"): from 3 tokens
+/// cuBLAS is faster, far faster at 8 (6.5 ms a step against the GEMV's 14.7); at 2 they tie.
 pub const GEMV_DEFAULT_MAX_M: usize = 2;
 
 /// A GPU with its kernels compiled and loaded and a cuBLAS handle on its stream.

@@ -3,7 +3,8 @@
 //! adapter does not target adds exactly 0; the kernels compute only each slot's own rank). Each step
 //! first groups its tokens by slot on the device (segment tables, inside the CUDA graph), then after
 //! each base projection group (q|k|v, o, gate|up, down) one grouped shrink and one grouped expand (`lora.cu`)
-//! adds every module's update straight into the fused output.
+//! compute every module's update: into the fused output, or for decode-sized steps into an update
+//! buffer that the output's consumer adds (below).
 //!
 //! The shrink reads only the projection's input, as the base GEMM does, so it runs on a second
 //! stream beside that GEMM (forked and joined with events, which CUDA graphs capture as edges). For

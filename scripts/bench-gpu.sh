@@ -2,8 +2,9 @@
 # The CUDA benchmarks of docs/benchmarks.md, from the prebuilt binaries in .device-bin/ (`make gpu-bins`
 # where Rust is), on a GPU machine. Prints figures; asserts nothing.
 #   bash scripts/bench-gpu.sh [micro] [decode] [tput128] [tput1000]   (default: all four)
-#   bash scripts/bench-gpu.sh encoder   (MiniLM on the CUDA encoder, f32 then bf16 GEMMs, and on torch
-#   fp32/fp16 where python3 has torch + transformers; ENC or PEREGRINE_TEST_ENCODER names the folder)
+#   bash scripts/bench-gpu.sh encoder   (MiniLM on the CUDA encoder, the forward alone and through the
+#   server, bf16 and f32, and on torch fp32/fp16 where python3 has torch + transformers; ENC or
+#   PEREGRINE_TEST_ENCODER names the folder)
 # MAX_NUM_SEQS (default 256) and MAX_NUM_BATCHED_TOKENS (default 8192) set the scheduler's limits of
 # the `throughput` runs; THROUGHPUT_ARGS adds other flags.
 set -uo pipefail
@@ -27,8 +28,11 @@ for w in "${what[@]}"; do
     tput1000) tput 1000 1000 ;;
     encoder)
       enc="${ENC:-${PEREGRINE_TEST_ENCODER:?set ENC to the all-MiniLM-L6-v2 folder}}"
+      "$bin/encoder_bench" "$enc" --device cuda --gemm bf16 --forward-only
+      "$bin/encoder_bench" "$enc" --device cuda --gemm f32 --forward-only
+      python3 scripts/bench_torch_encoder_gpu.py "$enc" float16 --model-only
+      "$bin/encoder_bench" "$enc" --device cuda --gemm bf16 --reps 4
       "$bin/encoder_bench" "$enc" --device cuda --gemm f32
-      "$bin/encoder_bench" "$enc" --device cuda --gemm bf16
       python3 scripts/bench_torch_encoder_gpu.py "$enc" float32
       python3 scripts/bench_torch_encoder_gpu.py "$enc" float16 ;;
     *) echo "unknown benchmark $w" >&2; exit 2 ;;

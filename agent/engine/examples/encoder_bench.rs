@@ -1,6 +1,7 @@
 //! Encoder throughput and latency through the batching thread, as a server drives it:
 //! `cargo run --release -p peregrine-engine --example encoder_bench -- <encoder folder> [threads]
-//! [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512] [--reps N]` (the
+//! [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512] [--reps N]
+//! [--forward-only]` (the
 //! GEMM choice is the CUDA encoder's, `--quantization int8` the CPU encoder's int8 linears; on cuda
 //! each row sends 16× the CPU's requests, so that it lasts long enough to time; `--reps N` sends N×
 //! as many again, for steadier figures on a noisy machine).
@@ -9,6 +10,12 @@
 //! and concurrency 1 and 64 (closed loop: each client sends its next one-sentence request when the
 //! last returns), prints sequences/s, tokens/s and p50/p99 request latency.
 //! `scripts/bench_sentence_transformers.py` measures Sentence-Transformers the same way.
+//!
+//! `--forward-only` times the backend alone instead: one forward over 8192 tokens (512 sequences of
+//! 16, 64 of 128, 16 of 512, pre-tokenized) and the model's pooling (on the device for the CUDA
+//! encoder), pooled vectors copied to the host, no batching thread or tokenization: what the device
+//! does, for comparing kernels (torch's counterpart is
+//! `scripts/bench_torch_encoder_gpu.py --model-only`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,6 +27,7 @@ use peregrine_engine::backend::EncoderBackend;
 use peregrine_engine::encoder::weights::EncoderWeights;
 use peregrine_engine::encoder::{EncoderHandle, EncoderJobKind, EncoderModel, EncoderServiceConfig};
 use peregrine_engine::model::rowquant::RowFormat;
+use peregrine_engine::plan::RaggedBatch;
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -48,6 +56,39 @@ fn backend(device: &str, gemm: &str, int8: bool, model: &EncoderModel, weights: 
     }
 }
 
+/// `--forward-only`: forwards of 8192 tokens straight on the backend, timed end to end (the
+/// hidden states reach the host before the clock stops).
+fn time_forwards(backend: &mut dyn EncoderBackend, model: &EncoderModel, lens: &[usize], reps: usize) -> Result<(), BoxError> {
+    println!("backend {} (forward only, 8192 tokens a forward)", backend.name());
+    println!("{:>6} {:>5} {:>9} {:>10} {:>11} {:>9}", "len", "seqs", "forwards", "seq/s", "tok/s", "ms/fwd");
+    for &len in lens {
+        let input = model.tokenizer.encode(&"hello ".repeat(len - 2), false)?;
+        let seqs = (8192 / len).max(1);
+        let mut batch = RaggedBatch::new();
+        for _ in 0..seqs {
+            batch.push(&input.ids, &input.type_ids);
+        }
+        let (h, modes) = (model.config.hidden_size, &model.pipeline.pooling);
+        for _ in 0..3 {
+            backend.forward_pooled(&batch, h, modes)?;
+        }
+        let forwards = 8 * reps;
+        let t0 = Instant::now();
+        for _ in 0..forwards {
+            backend.forward_pooled(&batch, h, modes)?;
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        let done = (forwards * seqs) as f64;
+        println!(
+            "{len:>6} {seqs:>5} {forwards:>9} {:>10.1} {:>11.0} {:>9.3}",
+            done / wall,
+            done * len as f64 / wall,
+            wall * 1e3 / forwards as f64
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), BoxError> {
     let mut path = None;
     let mut threads = 2usize;
@@ -56,6 +97,7 @@ fn main() -> Result<(), BoxError> {
     let mut lens = vec![16usize, 128, 512];
     let mut int8 = false;
     let mut extra_reps = 1usize;
+    let mut forward_only = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -72,6 +114,7 @@ fn main() -> Result<(), BoxError> {
                     return Err("--lens: each length in 2..=512".into());
                 }
             }
+            "--forward-only" => forward_only = true,
             "--reps" => extra_reps = args.next().ok_or("--reps needs a count")?.parse::<usize>()?.max(1),
             _ if path.is_none() => path = Some(PathBuf::from(a)),
             _ => threads = a.parse()?,
@@ -80,8 +123,11 @@ fn main() -> Result<(), BoxError> {
     let path = path.ok_or("usage: encoder_bench <encoder folder> [threads] [--device cpu|cuda] [--gemm f32|bf16] [--quantization int8] [--lens 16,128,512] [--reps N]")?;
     let (mut model, weights) = EncoderModel::load(&path)?;
     model.set_max_seq_length(512)?;
-    let (backend, reps) = backend(&device, &gemm, int8, &model, weights, threads)?;
+    let (mut backend, reps) = backend(&device, &gemm, int8, &model, weights, threads)?;
     let reps = reps * extra_reps;
+    if forward_only {
+        return time_forwards(backend.as_mut(), &model, &lens, reps);
+    }
     let model = Arc::new(model);
     let config = EncoderServiceConfig { max_num_batched_tokens: 8192 };
     let handle = EncoderHandle::start(backend, model.clone(), config)?;

@@ -2,7 +2,8 @@
 //! encoder: all-MiniLM-L6-v2 embeddings vs Sentence-Transformers within 1e-5 per component and on
 //! cosines (f32 GEMMs, TF32 off), alone and in ragged batches of very different lengths; the
 //! classifier heads vs transformers within 1e-4; the CPU encoder's hidden states on a 512-token
-//! batch; bf16 GEMMs close in cosine. Skips visibly without a GPU (`PEREGRINE_REQUIRE_GPU` makes
+//! batch; pooling on the device equal to the host's; bf16 GEMMs and tensor-core attention close in
+//! cosine, a sequence batched close to itself alone. Skips visibly without a GPU (`PEREGRINE_REQUIRE_GPU` makes
 //! that a failure).
 
 mod cuda_common;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use peregrine_engine::backend::cpu::encoder::CpuEncoder;
 use peregrine_engine::backend::cuda::encoder::{CudaEncoder, EncoderGemm};
 use peregrine_engine::backend::EncoderBackend;
+use peregrine_engine::encoder::sentence::{pool, PoolingMode};
 use peregrine_engine::encoder::{EncoderHandle, EncoderInput, EncoderJobKind, EncoderModel, EncoderServiceConfig};
 use peregrine_engine::plan::RaggedBatch;
 use serde_json::Value;
@@ -112,6 +114,38 @@ fn cuda_minilm_matches_sentence_transformers_alone_and_in_mixed_batches() {
     assert!(worst(&embed_batch(&model, &mut backend, &inputs[..1]).remove(0), &r.embeddings[0]) <= EMBED_TOL);
 }
 
+/// The device's pooling gives the host's bits (both sum means in f64, in row order) for every mode,
+/// over ragged sequences; an empty sequence is refused, and the encoder keeps working.
+#[test]
+fn cuda_pooling_on_the_device_equals_host_pooling() {
+    if !cuda_common::gpu_or_skip() {
+        return;
+    }
+    let (model, mut backend) = minilm(EncoderGemm::F32);
+    let h = model.config.hidden_size;
+    let modes = [PoolingMode::Cls, PoolingMode::Max, PoolingMode::Mean, PoolingMode::MeanSqrtLen, PoolingMode::LastToken];
+    let mut batch = RaggedBatch::new();
+    for text in ["hi", "a somewhat longer sentence about pooling on the device", &"word ".repeat(300)] {
+        let input = model.tokenizer.encode(text, true).unwrap();
+        batch.push(&input.ids, &input.type_ids);
+    }
+    let states = backend.forward(&batch).unwrap();
+    let pooled = backend.forward_pooled(&batch, h, &modes).unwrap();
+    assert_eq!(pooled.len(), batch.num_seqs() * modes.len() * h);
+    for s in 0..batch.num_seqs() {
+        let r = batch.range(s);
+        let want = pool(&states[r.start * h..r.end * h], h, &modes);
+        let got = &pooled[s * modes.len() * h..(s + 1) * modes.len() * h];
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "sequence {s}: device pooling differs from the host's");
+    }
+    let mut empty = RaggedBatch::new();
+    empty.push(&[101, 102], &[0, 0]);
+    empty.push(&[], &[]);
+    assert!(backend.forward_pooled(&empty, h, &modes).is_err());
+    assert!(backend.forward_pooled(&batch, h + 1, &modes).is_err());
+    assert_eq!(backend.forward_pooled(&batch, h, &modes).unwrap(), pooled);
+}
+
 #[test]
 fn cuda_minilm_bf16_gemms_stay_close_in_cosine() {
     if !cuda_common::gpu_or_skip() {
@@ -125,6 +159,29 @@ fn cuda_minilm_bf16_gemms_stay_close_in_cosine() {
         let cos: f32 = g.iter().zip(want).map(|(a, b)| a * b).sum();
         cuda_common::report(&format!("bf16 GEMMs, sentence {i}: cosine to the reference {cos}"));
         assert!(cos >= 0.999, "sentence {i}: cosine {cos}");
+    }
+    // On sm_80+ the attention runs on the tensor cores too (PEREGRINE_ENCODER_ATTENTION=f32 aside).
+    let name = backend.name();
+    cuda_common::report(&format!("backend {name}"));
+    if std::env::var("PEREGRINE_ENCODER_ATTENTION").as_deref() != Ok("f32") {
+        assert!(name.contains("bf16 GEMMs and attention"), "{name}");
+    }
+    // A long sequence (8 query tiles, 8 key tiles of the tensor-core kernel) among short ones: close
+    // to the f32 encoder in cosine, and each sequence batched close to itself alone (cuBLAS may pick
+    // another algorithm for another batch size, so not bit for bit).
+    let long = model.tokenizer.encode(&"the quick brown fox jumps over the lazy dog ".repeat(80), true).unwrap();
+    let short = model.tokenizer.encode("hi", false).unwrap();
+    let mixed = vec![inputs[0].clone(), long.clone(), short.clone(), inputs[1].clone()];
+    let batched = embed_batch(&model, &mut backend, &mixed);
+    let (_, mut f32_backend) = minilm(EncoderGemm::F32);
+    let exact = embed_batch(&model, &mut f32_backend, &mixed);
+    for (k, input) in mixed.iter().enumerate() {
+        let alone = embed_batch(&model, &mut backend, std::slice::from_ref(input)).remove(0);
+        let w = worst(&batched[k], &alone);
+        let cos: f32 = batched[k].iter().zip(&exact[k]).map(|(a, b)| a * b).sum();
+        cuda_common::report(&format!("bf16, mixed sequence {k} ({} tokens): vs alone {w:e}, cosine to f32 {cos}", input.ids.len()));
+        assert!(w <= 1e-3, "sequence {k}: batched vs alone {w}");
+        assert!(cos >= 0.999, "sequence {k}: cosine to the f32 encoder {cos}");
     }
 }
 

@@ -76,8 +76,8 @@ fn load_encoder(args: &ServeArgs, device: DeviceArg) -> anyhow::Result<(EncoderM
     Ok((model, backend))
 }
 
-/// The encoder on GPU 0: f32 GEMMs (the reference path), or bf16 ones with
-/// `PEREGRINE_ENCODER_GEMM=bf16`. Pooling and the classifier head stay on the host.
+/// The encoder on GPU 0: bf16 GEMMs with attention on the tensor cores, or the f32 reference path
+/// with `PEREGRINE_ENCODER_GEMM=f32`. Pooling runs on the device, the classifier head on the host.
 #[cfg(feature = "cuda")]
 fn cuda_encoder(model: &EncoderModel, weights: peregrine_engine::encoder::weights::EncoderWeights) -> anyhow::Result<Box<dyn EncoderBackend>> {
     use peregrine_engine::backend::cuda::encoder::{CudaEncoder, EncoderGemm};

@@ -103,8 +103,13 @@ impl EncoderModel {
 
     /// The classifier's logits for one sequence's hidden states (its first token), if it has a head.
     pub fn classify(&self, rows: &[f32]) -> Option<Vec<f32>> {
+        self.classify_first(&rows[..self.config.hidden_size])
+    }
+
+    /// The classifier's logits from a sequence's first-token hidden state (`hidden` values), if it
+    /// has a head.
+    pub fn classify_first(&self, first: &[f32]) -> Option<Vec<f32>> {
         let head = self.classifier.as_ref()?;
-        let first = &rows[..self.config.hidden_size];
         let mut pooled = sentence::linear_apply(&head.dense, first);
         pooled.iter_mut().for_each(|v| *v = v.tanh());
         Some(sentence::linear_apply(&head.out, &pooled))

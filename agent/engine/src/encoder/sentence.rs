@@ -145,34 +145,14 @@ impl SentencePipeline {
 
     /// [`Self::embed`], leaving out a final Normalize step when `final_normalize` is false.
     pub fn embed_with(&self, rows: &[f32], hidden: usize, final_normalize: bool) -> Vec<f32> {
-        let n = rows.len() / hidden;
-        let mut out = Vec::with_capacity(hidden * self.pooling.len());
-        for mode in &self.pooling {
-            match mode {
-                PoolingMode::Cls => out.extend_from_slice(&rows[..hidden]),
-                PoolingMode::LastToken => out.extend_from_slice(&rows[(n - 1) * hidden..]),
-                PoolingMode::Max => {
-                    let mut m = rows[..hidden].to_vec();
-                    for row in rows.chunks_exact(hidden).skip(1) {
-                        for (a, &b) in m.iter_mut().zip(row) {
-                            *a = a.max(b);
-                        }
-                    }
-                    out.extend(m);
-                }
-                PoolingMode::Mean | PoolingMode::MeanSqrtLen => {
-                    // f64 sums: the mean does not drift with the sequence's length.
-                    let mut sum = vec![0f64; hidden];
-                    for row in rows.chunks_exact(hidden) {
-                        for (a, &b) in sum.iter_mut().zip(row) {
-                            *a += b as f64;
-                        }
-                    }
-                    let div = if *mode == PoolingMode::Mean { n as f64 } else { (n as f64).sqrt() };
-                    out.extend(sum.iter().map(|s| (s / div) as f32));
-                }
-            }
-        }
+        self.finish(pool(rows, hidden, &self.pooling), final_normalize)
+    }
+
+    /// The steps after pooling, over a sequence's pooled vector (`pooling.len() × hidden`, as
+    /// [`pool`] makes it with [`Self::pooling`]), leaving out a final Normalize step when
+    /// `final_normalize` is false.
+    pub fn finish(&self, pooled: Vec<f32>, final_normalize: bool) -> Vec<f32> {
+        let mut out = pooled;
         let steps = match self.steps.split_last() {
             Some((PostStep::Normalize, before)) if !final_normalize => before,
             _ => &self.steps[..],
@@ -191,6 +171,40 @@ impl SentencePipeline {
         }
         out
     }
+}
+
+/// One sequence's hidden states (`rows × hidden`, every row a real token, at least one) pooled as
+/// each of `modes` says, concatenated in that order. Means are summed in f64, so they do not drift
+/// with the sequence's length (the CUDA encoder's pooling kernel does the same).
+pub fn pool(rows: &[f32], hidden: usize, modes: &[PoolingMode]) -> Vec<f32> {
+    let n = rows.len() / hidden;
+    let mut out = Vec::with_capacity(hidden * modes.len());
+    for mode in modes {
+        match mode {
+            PoolingMode::Cls => out.extend_from_slice(&rows[..hidden]),
+            PoolingMode::LastToken => out.extend_from_slice(&rows[(n - 1) * hidden..]),
+            PoolingMode::Max => {
+                let mut m = rows[..hidden].to_vec();
+                for row in rows.chunks_exact(hidden).skip(1) {
+                    for (a, &b) in m.iter_mut().zip(row) {
+                        *a = a.max(b);
+                    }
+                }
+                out.extend(m);
+            }
+            PoolingMode::Mean | PoolingMode::MeanSqrtLen => {
+                let mut sum = vec![0f64; hidden];
+                for row in rows.chunks_exact(hidden) {
+                    for (a, &b) in sum.iter_mut().zip(row) {
+                        *a += b as f64;
+                    }
+                }
+                let div = if *mode == PoolingMode::Mean { n as f64 } else { (n as f64).sqrt() };
+                out.extend(sum.iter().map(|s| (s / div) as f32));
+            }
+        }
+    }
+    out
 }
 
 /// `y = W·x + b` for one vector, f64 sums.

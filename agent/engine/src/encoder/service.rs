@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::sentence::PoolingMode;
 use super::tokenize::EncoderInput;
 use super::EncoderModel;
 use crate::backend::EncoderBackend;
@@ -224,12 +225,29 @@ impl Worker {
         let n_tokens = batch.num_tokens() as u64;
         self.metrics.queued_sequences.fetch_sub(owners.len() as u64, Ordering::Relaxed);
         self.metrics.queued_tokens.fetch_sub(n_tokens, Ordering::Relaxed);
+        // What the sequences' jobs read: the pipeline's pooling, and the first token's state for a
+        // classifier (pooled on the device by a device backend).
+        let h = self.model.config.hidden_size;
+        let mut modes = self.model.pipeline.pooling.clone();
+        let embed_width = modes.len() * h;
+        let classify = owners.iter().any(|(id, _)| self.active.get(id).is_some_and(|a| matches!(a.kind, EncoderJobKind::Classify)));
+        if classify {
+            modes.push(PoolingMode::Cls);
+        }
+        let width = modes.len() * h;
         let started = Instant::now();
-        let result = self.backend.forward(&batch);
+        let result = self.backend.forward_pooled(&batch, h, &modes);
         self.metrics.forward_us.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.metrics.forwards.fetch_add(1, Ordering::Relaxed);
-        let hidden = match result {
-            Ok(h) => h,
+        let pooled = match result {
+            Ok(p) if p.len() == owners.len() * width => p,
+            Ok(p) => {
+                let msg = format!("the encoder backend pooled {} values for {} sequences of {width}", p.len(), owners.len());
+                for (id, _) in &owners {
+                    self.fail(*id, EngineError::Backend(msg.clone()));
+                }
+                return;
+            }
             Err(e) => {
                 let msg = e.to_string();
                 for (id, _) in &owners {
@@ -240,14 +258,13 @@ impl Worker {
         };
         self.metrics.sequences.fetch_add(owners.len() as u64, Ordering::Relaxed);
         self.metrics.tokens.fetch_add(n_tokens, Ordering::Relaxed);
-        let h = self.model.config.hidden_size;
         for (s, (id, i)) in owners.into_iter().enumerate() {
             let Some(active) = self.active.get_mut(&id) else { continue };
-            let rows = &hidden[batch.range(s).start * h..batch.range(s).end * h];
+            let row = &pooled[s * width..(s + 1) * width];
             active.results[i] = match active.kind {
-                EncoderJobKind::Embed => self.model.pipeline.embed(rows, h),
-                EncoderJobKind::EmbedUnnormalized => self.model.pipeline.embed_with(rows, h, false),
-                EncoderJobKind::Classify => self.model.classify(rows).unwrap_or_default(),
+                EncoderJobKind::Embed => self.model.pipeline.finish(row[..embed_width].to_vec(), true),
+                EncoderJobKind::EmbedUnnormalized => self.model.pipeline.finish(row[..embed_width].to_vec(), false),
+                EncoderJobKind::Classify => self.model.classify_first(&row[embed_width..]).unwrap_or_default(),
             };
             active.remaining -= 1;
             if active.remaining == 0 {

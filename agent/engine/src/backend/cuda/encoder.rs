@@ -5,35 +5,43 @@
 //! GELU feed-forward with residual and LayerNorm (post-LN). Activations are f32; the GEMMs run on
 //! cuBLAS, in f32 with TF32 off by default (within f32 rounding of the CPU, which the 1e-5 reference
 //! tests need) or with bf16 weights and inputs and f32 accumulation ([`EncoderGemm::Bf16`], faster,
-//! not held to the references). Pooling, normalisation, dense layers and the classifier head stay on
-//! the host (`encoder::sentence`), over the hidden states this returns.
+//! not held to the references; its attention runs on the tensor cores in bf16 too, where the GPU and
+//! the head size allow). Pooling runs on the device (`forward_pooled`: only pooled vectors go to the
+//! host); dense layers, normalisation and the classifier head stay on the host (`encoder::sentence`),
+//! over the pooled vectors.
 
-use peregrine_kernels::ops::{encoder_attention_tiles, EmbeddingTables, EncoderActivation, EncoderKernels, NormParams, ENC_ATTN_MAX_HEAD_DIM};
+use peregrine_kernels::ops::{
+    encoder_attention_tiles_of, EmbeddingTables, EncoderActivation, EncoderKernels, EncoderPooling, NormParams, ENC_ATTN_MAX_HEAD_DIM, ENC_ATTN_MMA_HEAD_DIMS,
+    ENC_ATTN_MMA_QUERIES_PER_WARP, ENC_ATTN_QUERY_TILE,
+};
 use peregrine_kernels::{compile, Blas, DevBuf, Gpu, OutType};
 
 use super::gpu_err;
 use crate::backend::EncoderBackend;
 use crate::encoder::config::{Activation, EncoderConfig};
+use crate::encoder::sentence::PoolingMode;
 use crate::encoder::weights::{EncoderWeights, LayerNorm, Linear};
 use crate::plan::RaggedBatch;
 use crate::{EngineError, Result};
 
 /// How the encoder's GEMMs run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EncoderGemm {
-    /// f32 weights and inputs, f32 compute (no TF32): the reference path.
-    #[default]
+    /// f32 weights and inputs, f32 compute (no TF32), f32 attention: the reference path, within
+    /// 1e-5 of Sentence-Transformers.
     F32,
-    /// bf16 weights, inputs rounded to bf16 before each GEMM, f32 accumulation and output.
+    /// bf16 weights, GEMM inputs in bf16, f32 accumulation and output; attention on the tensor
+    /// cores: 2.2–2.6× torch fp16's model call (docs/benchmarks.md), cosine ≥ 0.99997 to the f32 path.
     Bf16,
 }
 
 impl EncoderGemm {
-    /// `PEREGRINE_ENCODER_GEMM=bf16` picks [`EncoderGemm::Bf16`]; anything else (or unset) f32.
+    /// The serving choice: bf16 (what TEI and vLLM serve in on a GPU, half precision), unless
+    /// `PEREGRINE_ENCODER_GEMM=f32` asks for the reference path.
     pub fn from_env() -> EncoderGemm {
         match std::env::var("PEREGRINE_ENCODER_GEMM").as_deref() {
-            Ok("bf16") => EncoderGemm::Bf16,
-            _ => EncoderGemm::F32,
+            Ok("f32") => EncoderGemm::F32,
+            _ => EncoderGemm::Bf16,
         }
     }
 }
@@ -49,6 +57,56 @@ struct DevLinear {
 enum DevWeight {
     F32(DevBuf<f32>),
     Bf16(DevBuf<u16>),
+}
+
+/// Which attention kernel a forward runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AttentionKernel {
+    /// `enc_attention`: CUDA cores, f32 throughout (the reference path's).
+    F32,
+    /// `enc_attention_mma_d*`: tensor cores, bf16 operands, f32 softmax and accumulation.
+    TensorCores,
+}
+
+impl AttentionKernel {
+    /// The tensor cores for bf16 GEMMs on sm_80+ with a head size they are built for, unless
+    /// `PEREGRINE_ENCODER_ATTENTION=f32` asks for the CUDA-core kernel (for comparisons); f32 GEMMs
+    /// always keep the f32 kernel (the 1e-5 references).
+    fn choose(gemm: EncoderGemm, arch: (i32, i32), head_dim: usize) -> AttentionKernel {
+        let forced_f32 = std::env::var("PEREGRINE_ENCODER_ATTENTION").is_ok_and(|v| v == "f32");
+        if gemm == EncoderGemm::Bf16 && arch.0 >= 8 && ENC_ATTN_MMA_HEAD_DIMS.contains(&head_dim) && !forced_f32 {
+            AttentionKernel::TensorCores
+        } else {
+            AttentionKernel::F32
+        }
+    }
+
+    /// Warps a block for a batch of these sequence lengths (tensor cores only; the f32 kernel's
+    /// are fixed): 4 (64 queries sharing each K/V tile) unless 64-query tiles would be more than
+    /// half empty rows, as for sequences of 16 tokens; then 1.
+    fn warps(self, lengths: &[usize]) -> usize {
+        let tokens: usize = lengths.iter().sum();
+        let padded: usize = lengths.iter().map(|l| l.div_ceil(64) * 64).sum();
+        match self {
+            AttentionKernel::TensorCores if padded > 2 * tokens => 1,
+            _ => 4,
+        }
+    }
+
+    /// Queries per tile of this kernel with `warps` warps a block.
+    fn query_tile(self, warps: usize) -> usize {
+        match self {
+            AttentionKernel::F32 => ENC_ATTN_QUERY_TILE,
+            AttentionKernel::TensorCores => ENC_ATTN_MMA_QUERIES_PER_WARP * warps,
+        }
+    }
+}
+
+/// The attention launch of one forward: its tiles and warps a block.
+#[derive(Debug, Clone, Copy)]
+struct AttentionLaunch {
+    tiles: usize,
+    warps: usize,
 }
 
 struct DevNorm {
@@ -85,6 +143,7 @@ pub struct CudaEncoder {
     kernels: EncoderKernels,
     blas: Blas,
     gemm: EncoderGemm,
+    attention: AttentionKernel,
     word: DevBuf<f32>,
     position: DevBuf<f32>,
     token_type: DevBuf<f32>,
@@ -146,7 +205,9 @@ impl CudaEncoder {
                 output_norm: norm(&l.output_norm)?,
             });
         }
+        let attention = AttentionKernel::choose(gemm, gpu.arch, d);
         let encoder = CudaEncoder {
+            attention,
             word: upload(&weights.word_embeddings)?,
             position: upload(&weights.position_embeddings)?,
             token_type: upload(&weights.token_type_embeddings)?,
@@ -184,17 +245,21 @@ impl CudaEncoder {
         Ok(())
     }
 
-    /// `y[n, rows] = x[n, cols] · Wᵀ` (bias added by the caller's next kernel).
+    /// `y[n, rows] = x[n, cols] · Wᵀ` (bias added by the caller's next kernel). For bf16 weights
+    /// the input is `input_bf16`: `ready` when the kernel that produced x wrote its bf16 copy there
+    /// already, else x is converted into it first.
     ///
     /// # Safety
     /// x: n·cols f32 and y: n·rows f32 on the device; `input_bf16` holds n·cols for bf16 GEMMs.
-    unsafe fn gemm(&self, y: u64, x: u64, l: &DevLinear, n: usize, input_bf16: u64) -> Result<()> {
+    unsafe fn gemm(&self, y: u64, x: u64, l: &DevLinear, n: usize, input_bf16: u64, ready: bool) -> Result<()> {
         // SAFETY: the caller's buffers have the shapes stated above; the weight is rows × cols.
         let r = unsafe {
             match &l.weight {
                 DevWeight::F32(w) => self.blas.matmul_f32(y, x, w.ptr(), n, l.rows, l.cols, 0.0),
                 DevWeight::Bf16(w) => {
-                    self.kernels.f32_to_bf16(&self.gpu.stream, input_bf16, x, n * l.cols).map_err(gpu_err)?;
+                    if !ready {
+                        self.kernels.f32_to_bf16(&self.gpu.stream, input_bf16, x, n * l.cols).map_err(gpu_err)?;
+                    }
                     self.blas.matmul(y, OutType::F32, input_bf16, w.ptr(), n, l.rows, l.cols, 0.0)
                 }
             }
@@ -203,7 +268,7 @@ impl CudaEncoder {
     }
 
     /// Uploads the batch's per-token (id, type, position) triples and attention tiles.
-    fn upload_plan(&self, batch: &RaggedBatch) -> Result<(DevBuf<i32>, DevBuf<i32>, usize)> {
+    fn upload_plan(&self, batch: &RaggedBatch) -> Result<(DevBuf<i32>, DevBuf<i32>, AttentionLaunch)> {
         let offset = self.config.position_offset;
         let mut meta = Vec::with_capacity(3 * batch.num_tokens());
         for s in 0..batch.num_seqs() {
@@ -212,14 +277,17 @@ impl CudaEncoder {
                 meta.extend_from_slice(&[as_i32(batch.ids[t] as usize)?, as_i32(batch.type_ids[t] as usize)?, as_i32(offset + i)?]);
             }
         }
-        let tiles = encoder_attention_tiles((0..batch.num_seqs()).map(|s| batch.range(s).len())).map_err(gpu_err)?;
-        let num_tiles = tiles.len() / 3;
+        let lengths: Vec<usize> = (0..batch.num_seqs()).map(|s| batch.range(s).len()).collect();
+        let warps = self.attention.warps(&lengths);
+        let tiles = encoder_attention_tiles_of(lengths, self.attention.query_tile(warps)).map_err(gpu_err)?;
+        let launch = AttentionLaunch { tiles: tiles.len() / 3, warps };
         let meta = self.gpu.upload(&meta).map_err(gpu_err)?;
         let tiles = self.gpu.upload(&tiles).map_err(gpu_err)?;
-        Ok((meta, tiles, num_tiles))
+        Ok((meta, tiles, launch))
     }
 
-    fn run_layers(&self, batch: &RaggedBatch, meta: &DevBuf<i32>, tiles: &DevBuf<i32>, num_tiles: usize) -> Result<()> {
+    fn run_layers(&self, batch: &RaggedBatch, meta: &DevBuf<i32>, tiles: &DevBuf<i32>, launch: AttentionLaunch) -> Result<()> {
+        let num_tiles = launch.tiles;
         let c = &self.config;
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let s = self.scratch.as_ref().ok_or_else(|| EngineError::Backend("encoder scratch missing".into()))?;
@@ -233,53 +301,118 @@ impl CudaEncoder {
         let tables = EmbeddingTables { word: self.word.ptr(), position: self.position.ptr(), token_type: self.token_type.ptr() };
         let (x, qkv, ctx, proj, inter, xb) = (s.x.ptr(), s.qkv.ptr(), s.ctx.ptr(), s.proj.ptr(), s.inter.ptr(), s.input_bf16.ptr());
         let k = &self.kernels;
-        // SAFETY: the scratch holds at least n tokens of every activation (ensure_scratch); meta
-        // holds 3n indices inside their tables (the batch was validated against the config);
-        // tiles describe sequences inside the n tokens (attention_tiles over the batch's ranges).
+        // With bf16 GEMMs every GEMM input's bf16 copy is written by the kernel that produces it
+        // (the LayerNorms, the tensor-core attention, the GELU) into the one `xb` buffer, each
+        // consumed by the next GEMM before the next producer overwrites it (stream order).
+        let bf16 = self.gemm == EncoderGemm::Bf16;
+        let xbo = if bf16 { xb } else { 0 };
+        // SAFETY: the scratch holds at least n tokens of every activation (ensure_scratch; xb
+        // n·max(h, intermediate) bf16 with bf16 GEMMs); meta holds 3n indices inside their tables
+        // (the batch was validated against the config); tiles describe sequences inside the n
+        // tokens (attention_tiles over the batch's ranges).
         unsafe {
-            k.embed_layernorm(stream, x, meta.ptr(), tables, norm(&self.embeddings_norm), n, h).map_err(gpu_err)?;
+            k.embed_layernorm(stream, x, meta.ptr(), tables, norm(&self.embeddings_norm), n, h, xbo).map_err(gpu_err)?;
             for l in &self.layers {
-                self.gemm(qkv, x, &l.qkv, n, xb)?;
-                k.bias_act(stream, qkv, l.qkv.bias.ptr(), n, 3 * h, EncoderActivation::None).map_err(gpu_err)?;
-                k.attention(stream, ctx, qkv, tiles.ptr(), num_tiles, c.num_attention_heads, c.head_dim()).map_err(gpu_err)?;
-                self.gemm(proj, ctx, &l.attn_out, n, xb)?;
-                k.add_bias_layernorm(stream, x, proj, l.attn_out.bias.ptr(), norm(&l.attn_norm), n, h).map_err(gpu_err)?;
-                self.gemm(inter, x, &l.intermediate, n, xb)?;
-                k.bias_act(stream, inter, l.intermediate.bias.ptr(), n, c.intermediate_size, act).map_err(gpu_err)?;
-                self.gemm(proj, inter, &l.output, n, xb)?;
-                k.add_bias_layernorm(stream, x, proj, l.output.bias.ptr(), norm(&l.output_norm), n, h).map_err(gpu_err)?;
+                self.gemm(qkv, x, &l.qkv, n, xb, bf16)?;
+                k.bias_act(stream, qkv, l.qkv.bias.ptr(), n, 3 * h, EncoderActivation::None, 0).map_err(gpu_err)?;
+                let ctx_ready = match self.attention {
+                    AttentionKernel::F32 => k.attention(stream, ctx, qkv, tiles.ptr(), num_tiles, c.num_attention_heads, c.head_dim()).map(|()| false),
+                    AttentionKernel::TensorCores => k.attention_mma(stream, ctx, qkv, tiles.ptr(), num_tiles, c.num_attention_heads, c.head_dim(), launch.warps, xbo).map(|()| bf16),
+                }
+                .map_err(gpu_err)?;
+                self.gemm(proj, ctx, &l.attn_out, n, xb, ctx_ready)?;
+                k.add_bias_layernorm(stream, x, proj, l.attn_out.bias.ptr(), norm(&l.attn_norm), n, h, xbo).map_err(gpu_err)?;
+                self.gemm(inter, x, &l.intermediate, n, xb, bf16)?;
+                k.bias_act(stream, inter, l.intermediate.bias.ptr(), n, c.intermediate_size, act, xbo).map_err(gpu_err)?;
+                self.gemm(proj, inter, &l.output, n, xb, bf16)?;
+                k.add_bias_layernorm(stream, x, proj, l.output.bias.ptr(), norm(&l.output_norm), n, h, xbo).map_err(gpu_err)?;
             }
         }
         Ok(())
     }
 }
 
-impl EncoderBackend for CudaEncoder {
-    fn forward(&mut self, batch: &RaggedBatch) -> Result<Vec<f32>> {
-        let c = &self.config;
-        c.check_batch(batch)?;
-        let (n, h) = (batch.num_tokens(), c.hidden_size);
-        if n == 0 {
-            return Ok(Vec::new());
-        }
+impl CudaEncoder {
+    /// Runs the layers over `batch`: the last hidden states are in the scratch's `x` after it
+    /// (and the plan's buffers it returns must live until the stream has used them).
+    fn run(&mut self, batch: &RaggedBatch) -> Result<(DevBuf<i32>, DevBuf<i32>)> {
+        self.config.check_batch(batch)?;
         // The batching thread that calls this is not the one that made the context.
         self.gpu.ctx.bind_to_thread().map_err(|e| EngineError::Backend(e.to_string()))?;
-        self.ensure_scratch(n)?;
-        let (meta, tiles, num_tiles) = self.upload_plan(batch)?;
-        self.run_layers(batch, &meta, &tiles, num_tiles)?;
-        let s = self.scratch.as_ref().ok_or_else(|| EngineError::Backend("encoder scratch missing".into()))?;
-        let mut out = vec![0f32; n * h];
+        self.ensure_scratch(batch.num_tokens())?;
+        let (meta, tiles, launch) = self.upload_plan(batch)?;
+        self.run_layers(batch, &meta, &tiles, launch)?;
+        Ok((meta, tiles))
+    }
+
+    /// Copies `len` f32 from the device to a new host vector and waits for the stream (the copy
+    /// into pageable memory is staged; the plan's buffers are dropped by the caller next).
+    fn download(&self, src: &DevBuf<f32>, len: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; len];
         let stream = &self.gpu.stream;
-        stream.memcpy_dtoh(&s.x.slice().slice(0..n * h), &mut out).map_err(|e| EngineError::Backend(e.to_string()))?;
-        // The copy into pageable memory is staged; wait for it (and for `meta`/`tiles`, dropped next).
+        stream.memcpy_dtoh(&src.slice().slice(0..len), &mut out).map_err(|e| EngineError::Backend(e.to_string()))?;
         self.gpu.synchronize().map_err(gpu_err)?;
         Ok(out)
     }
+}
+
+/// The pooling kernel's code of a Sentence-Transformers pooling mode.
+fn device_pooling(mode: PoolingMode) -> EncoderPooling {
+    match mode {
+        PoolingMode::Cls => EncoderPooling::Cls,
+        PoolingMode::Max => EncoderPooling::Max,
+        PoolingMode::Mean => EncoderPooling::Mean,
+        PoolingMode::MeanSqrtLen => EncoderPooling::MeanSqrtLen,
+        PoolingMode::LastToken => EncoderPooling::LastToken,
+    }
+}
+
+impl EncoderBackend for CudaEncoder {
+    fn forward(&mut self, batch: &RaggedBatch) -> Result<Vec<f32>> {
+        let n = batch.num_tokens();
+        if n == 0 {
+            self.config.check_batch(batch)?;
+            return Ok(Vec::new());
+        }
+        let _plan = self.run(batch)?;
+        let s = self.scratch.as_ref().ok_or_else(|| EngineError::Backend("encoder scratch missing".into()))?;
+        self.download(&s.x, n * self.config.hidden_size)
+    }
+
+    /// Pools on the device: only `num_seqs × modes × hidden` values cross PCIe, not every token's.
+    fn forward_pooled(&mut self, batch: &RaggedBatch, hidden: usize, modes: &[PoolingMode]) -> Result<Vec<f32>> {
+        if hidden != self.config.hidden_size {
+            return Err(EngineError::Backend(format!("pooling asked for width {hidden}, the encoder's is {}", self.config.hidden_size)));
+        }
+        let seqs = batch.num_seqs();
+        if batch.num_tokens() == 0 || modes.is_empty() {
+            self.config.check_batch(batch)?;
+            return Ok(Vec::new());
+        }
+        if (0..seqs).any(|s| batch.range(s).is_empty()) {
+            return Err(EngineError::InvalidRequest("encoder batch: an empty sequence cannot be pooled".into()));
+        }
+        let plan = self.run(batch)?;
+        let offsets = batch.offsets.iter().map(|&o| i32::try_from(o).map_err(|_| EngineError::InvalidRequest(format!("encoder batch: offset {o} too large")))).collect::<Result<Vec<i32>>>()?;
+        let codes: Vec<i32> = modes.iter().map(|&m| device_pooling(m) as i32).collect();
+        let offsets = self.gpu.upload(&offsets).map_err(gpu_err)?;
+        let codes = self.gpu.upload(&codes).map_err(gpu_err)?;
+        let len = seqs * modes.len() * hidden;
+        let out = self.gpu.alloc_zeros::<f32>(len).map_err(gpu_err)?;
+        let s = self.scratch.as_ref().ok_or_else(|| EngineError::Backend("encoder scratch missing".into()))?;
+        // SAFETY: x holds the batch's n·hidden states (run); offsets: seqs + 1 increasing values
+        // ending at n, every sequence non-empty (checked above); out: seqs·modes·hidden.
+        unsafe { self.kernels.pool(&self.gpu.stream, out.ptr(), s.x.ptr(), offsets.ptr(), seqs, codes.ptr(), modes.len(), hidden).map_err(gpu_err)? };
+        let pooled = self.download(&out, len)?;
+        drop(plan);
+        Ok(pooled)
+    }
 
     fn name(&self) -> String {
-        let gemm = match self.gemm {
-            EncoderGemm::F32 => "f32",
-            EncoderGemm::Bf16 => "bf16 GEMMs",
+        let gemm = match (self.gemm, self.attention) {
+            (EncoderGemm::F32, _) => "f32",
+            (EncoderGemm::Bf16, AttentionKernel::TensorCores) => "bf16 GEMMs and attention",
+            (EncoderGemm::Bf16, AttentionKernel::F32) => "bf16 GEMMs, f32 attention",
         };
         format!("cuda-encoder (cuda:{} {}, {gemm})", self.gpu.ordinal, self.gpu.name)
     }

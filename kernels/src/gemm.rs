@@ -40,6 +40,17 @@ impl Blas {
         Ok(Blas { blas, _workspace: workspace })
     }
 
+    /// Limits the multiprocessors cuBLAS plans its next GEMMs for to `sms` (0: all of them), so
+    /// that kernels on another stream (the LoRA path beside a base projection) find SMs free
+    /// instead of queueing behind every block of the GEMM. A GEMM captured into a graph keeps the
+    /// target it was captured with.
+    pub fn set_sm_count_target(&self, sms: usize) -> Result<()> {
+        let sms = i32::try_from(sms).map_err(|_| KernelError::Unsupported(format!("SM count target {sms}")))?;
+        // SAFETY: the handle is live (owned by self); the call only sets a handle attribute.
+        unsafe { sys::cublasSetSmCountTarget(*self.blas.handle(), sms).result()? };
+        Ok(())
+    }
+
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ + beta · y` (x, w bf16; y bf16 or f32; f32 accumulation).
     ///
     /// # Safety

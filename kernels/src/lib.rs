@@ -51,6 +51,8 @@ pub struct Cuda {
     /// The most tokens an 8-bit linear sends to the GEMV: [`GEMV8_DEFAULT_MAX_M`], or
     /// `PEREGRINE_GEMV8_MAX_M` up to the kernels' [`ops::GEMV_FP8_MAX_M`] (for comparisons).
     pub gemv8_max_m: usize,
+    /// The device's multiprocessors.
+    pub num_sms: usize,
 }
 
 impl Cuda {
@@ -75,7 +77,7 @@ impl Cuda {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .map_or(GEMV_DEFAULT_MAX_M, |m| m.min(ops::GEMV_MAX_M));
-        Ok(Cuda { gpu, kernels, blas, use_gemv, blas_lt, gemv8_max_m, gemv_max_m })
+        Ok(Cuda { gpu, kernels, blas, use_gemv, blas_lt, gemv8_max_m, gemv_max_m, num_sms: sms.max(1) as usize })
     }
 
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer on `m` tokens): the skinny bandwidth-bound

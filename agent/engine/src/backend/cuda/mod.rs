@@ -171,7 +171,21 @@ pub struct CudaBackend {
     graphs: Graphs,
     timing: Option<StepTiming>,
     lora: Option<GpuLora>,
+    /// Multiprocessors kept from cuBLAS's GEMMs in LoRA steps of [`LORA_SM_RESERVE_TOKENS`], for
+    /// the LoRA path on its side stream ([`LORA_SM_RESERVE`], `PEREGRINE_LORA_SM_RESERVE`
+    /// overrides it; 0 keeps every SM for the GEMMs).
+    lora_sm_reserve: usize,
 }
+
+/// SMs cuBLAS leaves to the side stream's LoRA kernels in decode-sized LoRA steps. Measured on the
+/// H100 (docs/benchmarks.md, session 13): batch 256 with 4 rank-32 adapters +1.9 % (three runs
+/// each of 0 / 8 / 16), batch 64 within noise; without it the grouped kernels wait for SMs until the
+/// GEMM's last blocks retire.
+const LORA_SM_RESERVE: usize = 16;
+/// The LoRA steps that keep SMs free: from 64 tokens (below, the projections are GEMVs or small
+/// GEMMs and measured no gain) to the update-buffer path's largest ([`lora::DELTA_MAX_TOKENS`];
+/// longer steps are compute-bound prefill, whose expand adds in place on the main stream).
+const LORA_SM_RESERVE_TOKENS: std::ops::RangeInclusive<usize> = 64..=lora::DELTA_MAX_TOKENS;
 
 /// Memory kept free beyond the computed needs: cuBLAS's internal buffers, CUDA graphs, the context.
 const HEADROOM_BYTES: usize = 512 << 20;
@@ -276,7 +290,8 @@ impl CudaBackend {
             lora_slots: lora.as_ref().map_or(0, |l| l.capacity.max_loras),
         };
         let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
-        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora })
+        let lora_sm_reserve = std::env::var("PEREGRINE_LORA_SM_RESERVE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(LORA_SM_RESERVE).min(cuda.num_sms / 2);
+        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora, lora_sm_reserve })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -340,6 +355,12 @@ impl CudaBackend {
         let w = &self.weights;
         let lora = self.lora.as_ref().filter(|_| with_lora);
         let lora_slots = m(lay.lora_slots());
+        // Set for every step (graphs capture the target in force): LoRA steps long enough for
+        // cuBLAS leave `lora_sm_reserve` SMs to the side stream, all others use every SM.
+        if self.lora_sm_reserve > 0 {
+            let reserve = if lora.is_some() && LORA_SM_RESERVE_TOKENS.contains(&n) { self.lora_sm_reserve } else { 0 };
+            cuda.blas.set_sm_count_target(if reserve > 0 { cuda.num_sms - reserve } else { 0 })?;
+        }
         let w8 = w.w8;
         let (xq, xs) = (sc.xq.ptr(), sc.xs.ptr());
         // A base projection `y = x · Wᵀ` (`base`) with its group's LoRA updates around it; `outs`

@@ -66,8 +66,8 @@ pub struct CpuEncoder {
     /// The int8 path's attention in int8 too (`super::attention_int8`): set with int8 where the
     /// CPU has AVX-512 VNNI, the ISA is not capped below AVX-512 and the head size is 32 or 64.
     int8_attention: bool,
-    /// The int8 path's activations, reused by every forward.
-    scratch: Scratch,
+    /// The int8 path's activations, one set per chunk in flight, reused by every forward.
+    scratch: Vec<Scratch>,
 }
 
 impl std::fmt::Debug for CpuEncoder {
@@ -123,7 +123,7 @@ impl CpuEncoder {
             threads,
             isa,
             int8_attention: false,
-            scratch: Scratch::default(),
+            scratch: Vec::new(),
         };
         if quantization.is_some() {
             encoder.quantize_int8()?;
@@ -187,27 +187,77 @@ impl CpuEncoder {
         self.threads
     }
 
+    /// One parallel pass over every token of the batch (a region per sequence cost 64 wake-ups
+    /// and joins for 64 short requests); each token's position is its index in its sequence.
     fn embed(&self, batch: &RaggedBatch, x: &mut [f32]) {
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
+        let mut positions = Vec::with_capacity(batch.num_tokens());
         for s in 0..batch.num_seqs() {
-            let range = batch.range(s);
-            let start = range.start;
-            x[range.start * h..range.end * h]
-                .par_chunks_mut(h)
-                .enumerate()
-                .for_each(|(i, row)| {
-                    let t = start + i;
-                    let (id, ty) = (batch.ids[t] as usize, batch.type_ids[t] as usize);
-                    let pos = self.config.position_offset + i;
-                    let w = &self.word[id * h..(id + 1) * h];
-                    let p = &self.position[pos * h..(pos + 1) * h];
-                    let tt = &self.token_type[ty * h..(ty + 1) * h];
-                    for j in 0..h {
-                        row[j] = w[j] + p[j] + tt[j];
-                    }
-                    layer_norm(row, &self.embeddings_norm, eps);
-                });
+            positions.extend(0..batch.range(s).len());
+        }
+        x.par_chunks_mut(h).zip(positions.par_iter()).enumerate().for_each(|(t, (row, &i))| {
+            let (id, ty) = (batch.ids[t] as usize, batch.type_ids[t] as usize);
+            let pos = self.config.position_offset + i;
+            let w = &self.word[id * h..(id + 1) * h];
+            let p = &self.position[pos * h..(pos + 1) * h];
+            let tt = &self.token_type[ty * h..(ty + 1) * h];
+            for j in 0..h {
+                row[j] = w[j] + p[j] + tt[j];
+            }
+            layer_norm(row, &self.embeddings_norm, eps);
+        });
+    }
+
+    /// The int8 layers over the batch in chunks of whole sequences, each chunk through every
+    /// layer before the next step of another chunk touches its rows: its activations stay in
+    /// cache between the steps that make and read them. Chunks run in parallel (one task each,
+    /// with its own [`Scratch`] from `spare`), and a chunk's steps split further over the pool
+    /// only when a thread is idle to steal them: with one parallel region per step, a forward of 64
+    /// short requests synchronized both threads ~50 times, and a thread waiting to be woken is
+    /// a thread not computing. A chunk holds at most [`INT8_CHUNK_TOKENS`] tokens (or one longer
+    /// sequence) and about 1/threads of the batch, so that short batches still give every
+    /// thread a chunk. Results do not change: a sequence's int8 result does not depend on its batch.
+    fn int8_chunks(&self, layers: &[Int8Layer], kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], spare: &std::sync::Mutex<Vec<Scratch>>) {
+        let h = self.config.hidden_size;
+        let target = batch.num_tokens().div_ceil(self.threads.max(1)).clamp(1, INT8_CHUNK_TOKENS);
+        let mut chunks = Vec::new();
+        let mut rest = x;
+        let mut s = 0;
+        while s < batch.num_seqs() {
+            let start = batch.range(s).start;
+            let mut chunk = RaggedBatch::new();
+            while s < batch.num_seqs() && (chunk.num_seqs() == 0 || batch.range(s).end - start <= target) {
+                let r = batch.range(s);
+                chunk.push(&batch.ids[r.clone()], &batch.type_ids[r]);
+                s += 1;
+            }
+            let (xs, tail) = rest.split_at_mut(chunk.num_tokens() * h);
+            rest = tail;
+            chunks.push((chunk, xs));
+        }
+        let take = || spare.lock().ok().and_then(|mut v| v.pop()).unwrap_or_default();
+        let give = |scratch: Scratch| {
+            if let Ok(mut v) = spare.lock() {
+                v.push(scratch);
+            }
+        };
+        let run = |(chunk, xs): (RaggedBatch, &mut [f32])| {
+            let mut scratch = take();
+            // The embeddings' output, quantized for the first layer's q/k/v.
+            if let Some(first) = layers.first() {
+                scratch.xq.quantize_all(kernel, xs, h, &first.qkv.smooth);
+            }
+            scratch.ctx.resize(chunk.num_tokens() * h, 0.0);
+            for (i, l) in layers.iter().enumerate() {
+                self.layer_int8(l, layers.get(i + 1), kernel, &chunk, xs, &mut scratch);
+            }
+            give(scratch);
+        };
+        if chunks.len() == 1 {
+            chunks.into_iter().for_each(run);
+        } else {
+            chunks.into_par_iter().with_max_len(1).for_each(run);
         }
     }
 
@@ -400,8 +450,9 @@ struct Scratch {
 }
 
 /// The int8 path runs a batch's sequences in chunks of at most this many tokens (or one longer
-/// sequence), each chunk through every layer before the next. 1024 did better than 512 and 2048
-/// (docs/benchmarks.md, session 11).
+/// sequence), each chunk through every layer ([`CpuEncoder::int8_chunks`]; smaller where the
+/// batch has fewer than threads × this). 1024 did better than 512 and 2048 when chunks ran one
+/// after the other (docs/benchmarks.md, session 11).
 const INT8_CHUNK_TOKENS: usize = 1024;
 
 /// From this many tokens the int8 path fuses the feed-forward up projection with the GELU and the
@@ -530,49 +581,24 @@ impl EncoderBackend for CpuEncoder {
         c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
-        let mut scratch = match self.layers {
-            Layers::F32(_) => Scratch::new(n * c.hidden_size),
-            Layers::Int8(..) => std::mem::take(&mut self.scratch),
-        };
+        if let Layers::Int8(layers, kernel) = &self.layers {
+            let mut spare = std::sync::Mutex::new(std::mem::take(&mut self.scratch));
+            self.pool.install(|| {
+                self.embed(batch, &mut x);
+                self.int8_chunks(layers, *kernel, batch, &mut x, &spare);
+            });
+            self.scratch = std::mem::take(spare.get_mut().unwrap_or_else(|e| e.into_inner()));
+            return Ok(x);
+        }
+        let mut scratch = Scratch::new(n * c.hidden_size);
         self.pool.install(|| {
             self.embed(batch, &mut x);
-            match &self.layers {
-                Layers::F32(layers) => {
-                    for l in layers {
-                        self.layer(l, batch, &mut x, &mut scratch, None);
-                    }
-                }
-                Layers::Int8(layers, kernel) => {
-                    // Whole sequences in chunks of about INT8_CHUNK_TOKENS, each through every layer
-                    // before the next: the activations of a chunk stay in cache between the steps
-                    // that make and read them. Results do not change (a sequence's int8 result
-                    // does not depend on its batch).
-                    let h = c.hidden_size;
-                    let mut s = 0;
-                    while s < batch.num_seqs() {
-                        let start = batch.range(s).start;
-                        let mut chunk = RaggedBatch::new();
-                        while s < batch.num_seqs() && (chunk.num_seqs() == 0 || batch.range(s).end - start <= INT8_CHUNK_TOKENS) {
-                            let r = batch.range(s);
-                            chunk.push(&batch.ids[r.clone()], &batch.type_ids[r]);
-                            s += 1;
-                        }
-                        let xs = &mut x[start * h..(start + chunk.num_tokens()) * h];
-                        // The embeddings' output, quantized for the first layer's q/k/v.
-                        if let Some(first) = layers.first() {
-                            scratch.xq.quantize_all(*kernel, xs, h, &first.qkv.smooth);
-                        }
-                        scratch.ctx.resize(chunk.num_tokens() * h, 0.0);
-                        for (i, l) in layers.iter().enumerate() {
-                            self.layer_int8(l, layers.get(i + 1), *kernel, &chunk, xs, &mut scratch);
-                        }
-                    }
+            if let Layers::F32(layers) = &self.layers {
+                for l in layers {
+                    self.layer(l, batch, &mut x, &mut scratch, None);
                 }
             }
         });
-        if let Layers::Int8(..) = self.layers {
-            self.scratch = scratch;
-        }
         Ok(x)
     }
 

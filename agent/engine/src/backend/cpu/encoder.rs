@@ -242,6 +242,7 @@ impl CpuEncoder {
                 v.push(scratch);
             }
         };
+        let parallel = chunks.len() > 1;
         let run = |(chunk, xs): (RaggedBatch, &mut [f32])| {
             let mut scratch = take();
             // The embeddings' output, quantized for the first layer's q/k/v.
@@ -250,7 +251,7 @@ impl CpuEncoder {
             }
             scratch.ctx.resize(chunk.num_tokens() * h, 0.0);
             for (i, l) in layers.iter().enumerate() {
-                self.layer_int8(l, layers.get(i + 1), kernel, &chunk, xs, &mut scratch);
+                self.layer_int8(l, layers.get(i + 1), kernel, &chunk, xs, &mut scratch, parallel);
             }
             give(scratch);
         };
@@ -266,7 +267,10 @@ impl CpuEncoder {
     /// linear that reads it) where it is made: the LayerNorms' and the GELU's rows while they are in
     /// cache; the attention context in a pass of its own, because its heads are written by separate
     /// tasks and a token's scale needs the whole row.
-    fn layer_int8(&self, l: &Int8Layer, next: Option<&Int8Layer>, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
+    /// `parallel`: other chunks run beside this one (so its steps need not split to keep every
+    /// thread busy).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_int8(&self, l: &Int8Layer, next: Option<&Int8Layer>, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch, parallel: bool) {
         let c = &self.config;
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let eps = c.layer_norm_eps;
@@ -276,7 +280,7 @@ impl CpuEncoder {
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
         residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, self.isa, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
         let (act, isa) = (c.activation, self.isa);
-        if n >= FUSE_FROM_TOKENS {
+        if n >= FUSE_FROM_TOKENS || parallel {
             int8::gemm_then_quantize(kernel, &s.xq, n, &l.intermediate, &mut s.inter, |row| activate(act, isa, row), &l.output.smooth, &mut s.interq);
         } else {
             // Too few token blocks to keep every thread busy: split the GEMM over row groups too.
@@ -332,10 +336,13 @@ impl CpuEncoder {
         let (h, heads, d) = (c.hidden_size, c.num_attention_heads, c.head_dim());
         let scale = 1.0 / (d as f32).sqrt();
         assert!(qkv.len() == batch.num_tokens() * 3 * h && ctx.len() == batch.num_tokens() * h, "attention: shapes");
-        let tasks: Vec<(usize, usize, usize)> = (0..batch.num_seqs())
+        // Short sequences in the int8 path: one task for all heads of a sequence (a (sequence,
+        // head) task at 16 tokens is ~1 µs of work, 768 of them a layer for 64 requests).
+        let tasks: Vec<(usize, usize, usize, usize)> = (0..batch.num_seqs())
             .flat_map(|s| {
                 let range = batch.range(s);
-                (0..heads).map(move |head| (range.start, range.len(), head))
+                let group = if quantized && range.len() < SEQ_TASK_BELOW { heads } else { 1 };
+                (0..heads).step_by(group).map(move |head| (range.start, range.len(), head, (head + group).min(heads)))
             })
             .collect();
         let out = SharedOut(ctx.as_mut_ptr());
@@ -345,21 +352,23 @@ impl CpuEncoder {
                 /// allocation or page faults per task: 768 tasks a layer for 64 short sequences).
                 static BUFFERS: std::cell::RefCell<(attention_int8::Scratch, Vec<f32>)> = Default::default();
             }
-            tasks.into_par_iter().for_each(|(start, len, head)| {
+            tasks.into_par_iter().for_each(|(start, len, first, end)| {
                 BUFFERS.with_borrow_mut(|(scratch, local)| {
-                    let view = attention_int8::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
                     local.resize(len * d, 0.0);
-                    attention_int8::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
-                    for (i, row) in local[..len * d].chunks_exact(d).enumerate() {
-                        // SAFETY: as below: this task's (rows, columns) block of ctx only.
-                        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at((start + i) * h + head * d), d) };
+                    for head in first..end {
+                        let view = attention_int8::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
+                        attention_int8::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
+                        for (i, row) in local[..len * d].chunks_exact(d).enumerate() {
+                            // SAFETY: as below: this task's (rows, columns) block of ctx only.
+                            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at((start + i) * h + head * d), d) };
+                        }
                     }
                 })
             });
             return;
         }
         let isa = self.isa;
-        tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (start, len, head)| {
+        tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (start, len, head, _)| {
             scores.clear();
             scores.resize(len * len, 0.0);
             let q = qkv[start * 3 * h + head * d..].as_ptr();
@@ -457,8 +466,13 @@ const INT8_CHUNK_TOKENS: usize = 1024;
 
 /// From this many tokens the int8 path fuses the feed-forward up projection with the GELU and the
 /// quantization (`int8::gemm_then_quantize`, whose tasks are 48-token blocks: one 16-token request
-/// would be a single task, on one thread, where the unfused GEMM splits over row groups as well).
+/// would be a single task, on one thread, where the unfused GEMM splits over row groups as well),
+/// and at any size when chunks run in parallel (each thread has a chunk of its own).
 const FUSE_FROM_TOKENS: usize = 384;
+
+/// Int8 attention on sequences shorter than this runs one task per sequence (all heads), longer
+/// ones one task per (sequence, head).
+const SEQ_TASK_BELOW: usize = 64;
 
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).
 const GEMM_FROM_TOKENS: usize = 256;

@@ -8,7 +8,8 @@
 //!
 //! For input lengths 16/128/512 tokens (texts of repeated words, tokenized on the client threads)
 //! and concurrency 1 and 64 (closed loop: each client sends its next one-sentence request when the
-//! last returns), prints sequences/s, tokens/s and p50/p99 request latency.
+//! last returns), prints sequences/s, tokens/s, p50/p99 request latency and the mean sequences per
+//! forward (how the batching thread packed them).
 //! `scripts/bench_sentence_transformers.py` measures Sentence-Transformers the same way.
 //!
 //! `--forward-only` times the backend alone instead: one forward over 8192 tokens (512 sequences of
@@ -18,6 +19,7 @@
 //! `scripts/bench_torch_encoder_gpu.py --model-only`).
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -138,7 +140,7 @@ fn main() -> Result<(), BoxError> {
         config.max_num_batched_tokens,
         load.split_whitespace().next().unwrap_or("?")
     );
-    println!("{:>6} {:>5} {:>6} {:>10} {:>10} {:>9} {:>9}", "len", "conc", "reqs", "seq/s", "tok/s", "p50 ms", "p99 ms");
+    println!("{:>6} {:>5} {:>6} {:>10} {:>10} {:>9} {:>9} {:>9}", "len", "conc", "reqs", "seq/s", "tok/s", "p50 ms", "p99 ms", "seq/fwd");
     for len in lens {
         // "hello" is one token: [CLS] + (len - 2) words + [SEP].
         let text = "hello ".repeat(len - 2);
@@ -147,6 +149,7 @@ fn main() -> Result<(), BoxError> {
         for (conc, per_client) in [(1usize, reps * (1024 / len).max(4)), (64, reps * (128 / len).max(1))] {
             let warm = model.tokenizer.encode(&text, false)?;
             handle.run_blocking(vec![warm], EncoderJobKind::Embed)?;
+            let forwards0 = handle.metrics().forwards.load(Ordering::Relaxed);
             let t0 = Instant::now();
             let clients: Vec<_> = (0..conc)
                 .map(|_| {
@@ -170,12 +173,14 @@ fn main() -> Result<(), BoxError> {
             let wall = t0.elapsed().as_secs_f64();
             lat.sort();
             let n = lat.len();
+            let forwards = handle.metrics().forwards.load(Ordering::Relaxed) - forwards0;
             println!(
-                "{len:>6} {conc:>5} {n:>6} {:>10.1} {:>10.0} {:>9.1} {:>9.1}",
+                "{len:>6} {conc:>5} {n:>6} {:>10.1} {:>10.0} {:>9.1} {:>9.1} {:>9.1}",
                 n as f64 / wall,
                 (n * len) as f64 / wall,
                 percentile(&lat, 0.5),
-                percentile(&lat, 0.99)
+                percentile(&lat, 0.99),
+                n as f64 / forwards.max(1) as f64
             );
         }
     }

@@ -66,8 +66,8 @@ pub struct CpuEncoder {
     /// The int8 path's attention in int8 too (`super::attention_int8`): set with int8 where the
     /// CPU has AVX-512 VNNI, the ISA is not capped below AVX-512 and the head size is 32 or 64.
     int8_attention: bool,
-    /// The int8 path's activations, reused by every forward.
-    scratch: Scratch,
+    /// The int8 path's activations, one set per chunk in flight, reused by every forward.
+    scratch: Vec<Scratch>,
 }
 
 impl std::fmt::Debug for CpuEncoder {
@@ -123,7 +123,7 @@ impl CpuEncoder {
             threads,
             isa,
             int8_attention: false,
-            scratch: Scratch::default(),
+            scratch: Vec::new(),
         };
         if quantization.is_some() {
             encoder.quantize_int8()?;
@@ -187,27 +187,78 @@ impl CpuEncoder {
         self.threads
     }
 
+    /// One parallel pass over every token of the batch (a region per sequence cost 64 wake-ups
+    /// and joins for 64 short requests); each token's position is its index in its sequence.
     fn embed(&self, batch: &RaggedBatch, x: &mut [f32]) {
         let h = self.config.hidden_size;
         let eps = self.config.layer_norm_eps;
+        let mut positions = Vec::with_capacity(batch.num_tokens());
         for s in 0..batch.num_seqs() {
-            let range = batch.range(s);
-            let start = range.start;
-            x[range.start * h..range.end * h]
-                .par_chunks_mut(h)
-                .enumerate()
-                .for_each(|(i, row)| {
-                    let t = start + i;
-                    let (id, ty) = (batch.ids[t] as usize, batch.type_ids[t] as usize);
-                    let pos = self.config.position_offset + i;
-                    let w = &self.word[id * h..(id + 1) * h];
-                    let p = &self.position[pos * h..(pos + 1) * h];
-                    let tt = &self.token_type[ty * h..(ty + 1) * h];
-                    for j in 0..h {
-                        row[j] = w[j] + p[j] + tt[j];
-                    }
-                    layer_norm(row, &self.embeddings_norm, eps);
-                });
+            positions.extend(0..batch.range(s).len());
+        }
+        x.par_chunks_mut(h).zip(positions.par_iter()).enumerate().for_each(|(t, (row, &i))| {
+            let (id, ty) = (batch.ids[t] as usize, batch.type_ids[t] as usize);
+            let pos = self.config.position_offset + i;
+            let w = &self.word[id * h..(id + 1) * h];
+            let p = &self.position[pos * h..(pos + 1) * h];
+            let tt = &self.token_type[ty * h..(ty + 1) * h];
+            for j in 0..h {
+                row[j] = w[j] + p[j] + tt[j];
+            }
+            layer_norm(row, &self.embeddings_norm, eps);
+        });
+    }
+
+    /// The int8 layers over the batch in chunks of whole sequences, each chunk through every
+    /// layer before the next step of another chunk touches its rows: its activations stay in
+    /// cache between the steps that make and read them. Chunks run in parallel (one task each,
+    /// with its own [`Scratch`] from `spare`), and a chunk's steps split further over the pool
+    /// only when a thread is idle to steal them: with one parallel region per step, a forward of 64
+    /// short requests synchronized both threads ~50 times, and a thread waiting to be woken is
+    /// a thread not computing. A chunk holds at most [`INT8_CHUNK_TOKENS`] tokens (or one longer
+    /// sequence) and about 1/threads of the batch, so that short batches still give every
+    /// thread a chunk. Results do not change: a sequence's int8 result does not depend on its batch.
+    fn int8_chunks(&self, layers: &[Int8Layer], kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], spare: &std::sync::Mutex<Vec<Scratch>>) {
+        let h = self.config.hidden_size;
+        let target = batch.num_tokens().div_ceil(self.threads.max(1)).clamp(1, INT8_CHUNK_TOKENS);
+        let mut chunks = Vec::new();
+        let mut rest = x;
+        let mut s = 0;
+        while s < batch.num_seqs() {
+            let start = batch.range(s).start;
+            let mut chunk = RaggedBatch::new();
+            while s < batch.num_seqs() && (chunk.num_seqs() == 0 || batch.range(s).end - start <= target) {
+                let r = batch.range(s);
+                chunk.push(&batch.ids[r.clone()], &batch.type_ids[r]);
+                s += 1;
+            }
+            let (xs, tail) = rest.split_at_mut(chunk.num_tokens() * h);
+            rest = tail;
+            chunks.push((chunk, xs));
+        }
+        let take = || spare.lock().ok().and_then(|mut v| v.pop()).unwrap_or_default();
+        let give = |scratch: Scratch| {
+            if let Ok(mut v) = spare.lock() {
+                v.push(scratch);
+            }
+        };
+        let parallel = chunks.len() > 1;
+        let run = |(chunk, xs): (RaggedBatch, &mut [f32])| {
+            let mut scratch = take();
+            // The embeddings' output, quantized for the first layer's q/k/v.
+            if let Some(first) = layers.first() {
+                scratch.xq.quantize_all(kernel, xs, h, &first.qkv.smooth);
+            }
+            scratch.ctx.resize(chunk.num_tokens() * h, 0.0);
+            for (i, l) in layers.iter().enumerate() {
+                self.layer_int8(l, layers.get(i + 1), kernel, &chunk, xs, &mut scratch, parallel);
+            }
+            give(scratch);
+        };
+        if chunks.len() == 1 {
+            chunks.into_iter().for_each(run);
+        } else {
+            chunks.into_par_iter().with_max_len(1).for_each(run);
         }
     }
 
@@ -216,7 +267,10 @@ impl CpuEncoder {
     /// linear that reads it) where it is made: the LayerNorms' and the GELU's rows while they are in
     /// cache; the attention context in a pass of its own, because its heads are written by separate
     /// tasks and a token's scale needs the whole row.
-    fn layer_int8(&self, l: &Int8Layer, next: Option<&Int8Layer>, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch) {
+    /// `parallel`: other chunks run beside this one (so its steps need not split to keep every
+    /// thread busy).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_int8(&self, l: &Int8Layer, next: Option<&Int8Layer>, kernel: Kernel, batch: &RaggedBatch, x: &mut [f32], s: &mut Scratch, parallel: bool) {
         let c = &self.config;
         let (h, n) = (c.hidden_size, batch.num_tokens());
         let eps = c.layer_norm_eps;
@@ -226,7 +280,7 @@ impl CpuEncoder {
         int8::gemm(kernel, &s.ctxq, n, &l.attn_out, &mut s.proj);
         residual_norm_int8(x, &s.proj, &l.attn_norm, h, eps, self.isa, kernel, Some((&mut s.xq, &l.intermediate.smooth)));
         let (act, isa) = (c.activation, self.isa);
-        if n >= FUSE_FROM_TOKENS {
+        if n >= FUSE_FROM_TOKENS || parallel {
             int8::gemm_then_quantize(kernel, &s.xq, n, &l.intermediate, &mut s.inter, |row| activate(act, isa, row), &l.output.smooth, &mut s.interq);
         } else {
             // Too few token blocks to keep every thread busy: split the GEMM over row groups too.
@@ -282,10 +336,13 @@ impl CpuEncoder {
         let (h, heads, d) = (c.hidden_size, c.num_attention_heads, c.head_dim());
         let scale = 1.0 / (d as f32).sqrt();
         assert!(qkv.len() == batch.num_tokens() * 3 * h && ctx.len() == batch.num_tokens() * h, "attention: shapes");
-        let tasks: Vec<(usize, usize, usize)> = (0..batch.num_seqs())
+        // Short sequences in the int8 path: one task for all heads of a sequence (a (sequence,
+        // head) task at 16 tokens is ~1 µs of work, 768 of them a layer for 64 requests).
+        let tasks: Vec<(usize, usize, usize, usize)> = (0..batch.num_seqs())
             .flat_map(|s| {
                 let range = batch.range(s);
-                (0..heads).map(move |head| (range.start, range.len(), head))
+                let group = if quantized && range.len() < SEQ_TASK_BELOW { heads } else { 1 };
+                (0..heads).step_by(group).map(move |head| (range.start, range.len(), head, (head + group).min(heads)))
             })
             .collect();
         let out = SharedOut(ctx.as_mut_ptr());
@@ -295,21 +352,23 @@ impl CpuEncoder {
                 /// allocation or page faults per task: 768 tasks a layer for 64 short sequences).
                 static BUFFERS: std::cell::RefCell<(attention_int8::Scratch, Vec<f32>)> = Default::default();
             }
-            tasks.into_par_iter().for_each(|(start, len, head)| {
+            tasks.into_par_iter().for_each(|(start, len, first, end)| {
                 BUFFERS.with_borrow_mut(|(scratch, local)| {
-                    let view = attention_int8::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
                     local.resize(len * d, 0.0);
-                    attention_int8::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
-                    for (i, row) in local[..len * d].chunks_exact(d).enumerate() {
-                        // SAFETY: as below: this task's (rows, columns) block of ctx only.
-                        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at((start + i) * h + head * d), d) };
+                    for head in first..end {
+                        let view = attention_int8::HeadView { stride: 3 * h, q: head * d, k: h + head * d, v: 2 * h + head * d, d };
+                        attention_int8::head(&qkv[start * 3 * h..(start + len) * 3 * h], len, view, scale, scratch, local);
+                        for (i, row) in local[..len * d].chunks_exact(d).enumerate() {
+                            // SAFETY: as below: this task's (rows, columns) block of ctx only.
+                            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at((start + i) * h + head * d), d) };
+                        }
                     }
                 })
             });
             return;
         }
         let isa = self.isa;
-        tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (start, len, head)| {
+        tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (start, len, head, _)| {
             scores.clear();
             scores.resize(len * len, 0.0);
             let q = qkv[start * 3 * h + head * d..].as_ptr();
@@ -400,14 +459,20 @@ struct Scratch {
 }
 
 /// The int8 path runs a batch's sequences in chunks of at most this many tokens (or one longer
-/// sequence), each chunk through every layer before the next. 1024 did better than 512 and 2048
-/// (docs/benchmarks.md, session 11).
+/// sequence), each chunk through every layer ([`CpuEncoder::int8_chunks`]; smaller where the
+/// batch has fewer than threads × this). 1024 did better than 512 and 2048 when chunks ran one
+/// after the other (docs/benchmarks.md, session 11).
 const INT8_CHUNK_TOKENS: usize = 1024;
 
 /// From this many tokens the int8 path fuses the feed-forward up projection with the GELU and the
 /// quantization (`int8::gemm_then_quantize`, whose tasks are 48-token blocks: one 16-token request
-/// would be a single task, on one thread, where the unfused GEMM splits over row groups as well).
+/// would be a single task, on one thread, where the unfused GEMM splits over row groups as well),
+/// and at any size when chunks run in parallel (each thread has a chunk of its own).
 const FUSE_FROM_TOKENS: usize = 384;
+
+/// Int8 attention on sequences shorter than this runs one task per sequence (all heads), longer
+/// ones one task per (sequence, head).
+const SEQ_TASK_BELOW: usize = 64;
 
 /// From this many tokens in a batch the projections run on `gemm` (see `linear`).
 const GEMM_FROM_TOKENS: usize = 256;
@@ -530,49 +595,24 @@ impl EncoderBackend for CpuEncoder {
         c.check_batch(batch)?;
         let n = batch.num_tokens();
         let mut x = vec![0f32; n * c.hidden_size];
-        let mut scratch = match self.layers {
-            Layers::F32(_) => Scratch::new(n * c.hidden_size),
-            Layers::Int8(..) => std::mem::take(&mut self.scratch),
-        };
+        if let Layers::Int8(layers, kernel) = &self.layers {
+            let mut spare = std::sync::Mutex::new(std::mem::take(&mut self.scratch));
+            self.pool.install(|| {
+                self.embed(batch, &mut x);
+                self.int8_chunks(layers, *kernel, batch, &mut x, &spare);
+            });
+            self.scratch = std::mem::take(spare.get_mut().unwrap_or_else(|e| e.into_inner()));
+            return Ok(x);
+        }
+        let mut scratch = Scratch::new(n * c.hidden_size);
         self.pool.install(|| {
             self.embed(batch, &mut x);
-            match &self.layers {
-                Layers::F32(layers) => {
-                    for l in layers {
-                        self.layer(l, batch, &mut x, &mut scratch, None);
-                    }
-                }
-                Layers::Int8(layers, kernel) => {
-                    // Whole sequences in chunks of about INT8_CHUNK_TOKENS, each through every layer
-                    // before the next: the activations of a chunk stay in cache between the steps
-                    // that make and read them. Results do not change (a sequence's int8 result
-                    // does not depend on its batch).
-                    let h = c.hidden_size;
-                    let mut s = 0;
-                    while s < batch.num_seqs() {
-                        let start = batch.range(s).start;
-                        let mut chunk = RaggedBatch::new();
-                        while s < batch.num_seqs() && (chunk.num_seqs() == 0 || batch.range(s).end - start <= INT8_CHUNK_TOKENS) {
-                            let r = batch.range(s);
-                            chunk.push(&batch.ids[r.clone()], &batch.type_ids[r]);
-                            s += 1;
-                        }
-                        let xs = &mut x[start * h..(start + chunk.num_tokens()) * h];
-                        // The embeddings' output, quantized for the first layer's q/k/v.
-                        if let Some(first) = layers.first() {
-                            scratch.xq.quantize_all(*kernel, xs, h, &first.qkv.smooth);
-                        }
-                        scratch.ctx.resize(chunk.num_tokens() * h, 0.0);
-                        for (i, l) in layers.iter().enumerate() {
-                            self.layer_int8(l, layers.get(i + 1), *kernel, &chunk, xs, &mut scratch);
-                        }
-                    }
+            if let Layers::F32(layers) = &self.layers {
+                for l in layers {
+                    self.layer(l, batch, &mut x, &mut scratch, None);
                 }
             }
         });
-        if let Layers::Int8(..) = self.layers {
-            self.scratch = scratch;
-        }
         Ok(x)
     }
 

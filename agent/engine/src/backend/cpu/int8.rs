@@ -97,8 +97,10 @@ pub struct Int8Linear {
     pub rows: usize,
     /// Input columns (unpadded).
     pub cols: usize,
-    /// `groups × quads × 64 × 4` signed codes (see the module doc).
-    packed: Vec<i8>,
+    /// `groups × quads × 64 × 4` signed codes (see the module doc), in 64-byte-aligned lines: the
+    /// kernel's 64-byte loads then never straddle two cache lines (a `Vec<i8>` from the allocator
+    /// starts 16 bytes past a line, which made every weight load a split load).
+    packed: Vec<Line>,
     /// Per row (padded to a whole group with zeros): the weight scale, the bias, `128 · Σ_j code`.
     scales: Vec<f32>,
     bias: Vec<f32>,
@@ -157,7 +159,8 @@ impl Int8Linear {
         let groups = rows.div_ceil(GROUP);
         let quads = cols.div_ceil(4);
         let padded = groups * GROUP;
-        let mut packed = vec![0i8; groups * quads * GROUP * 4];
+        let mut lines = vec![Line([0; 64]); groups * quads * GROUP * 4 / 64];
+        let packed = Line::bytes_mut(&mut lines);
         let mut offsets = vec![0i32; padded];
         for r in 0..rows {
             let (g, lane) = (r / GROUP, r % GROUP);
@@ -171,18 +174,32 @@ impl Int8Linear {
         s.resize(padded, 0.0);
         let mut b = bias.to_vec();
         b.resize(padded, 0.0);
-        Int8Linear { rows, cols, packed, scales: s, bias: b, offsets, smooth: Vec::new() }
+        Int8Linear { rows, cols, packed: lines, scales: s, bias: b, offsets, smooth: Vec::new() }
     }
 
     /// The signed code of row `r`, column `j` (0 in the padding).
     fn code(&self, r: usize, j: usize) -> i8 {
         let quads = self.cols.div_ceil(4);
-        self.packed[(((r / GROUP) * quads + j / 4) * GROUP + r % GROUP) * 4 + j % 4]
+        let at = (((r / GROUP) * quads + j / 4) * GROUP + r % GROUP) * 4 + j % 4;
+        self.packed[at / 64].0[at % 64]
     }
 
     /// Bytes held (codes and per-row vectors).
     pub fn size_bytes(&self) -> usize {
-        self.packed.len() + 12 * self.scales.len()
+        64 * self.packed.len() + 12 * self.scales.len()
+    }
+}
+
+/// 64 packed weight codes on a cache line of their own.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([i8; 64]);
+
+impl Line {
+    fn bytes_mut(lines: &mut [Line]) -> &mut [i8] {
+        // SAFETY: `Line` is `repr(C)` around `[i8; 64]` (size 64, no padding), so `lines` is
+        // 64 · len initialized bytes, borrowed mutably for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut i8, 64 * lines.len()) }
     }
 }
 
@@ -483,6 +500,36 @@ mod x86 {
         }
     }
 
+    /// The shared epilogue of `R` 16-row registers from row `r0`, for tokens `t..t+M`, stored
+    /// (masked past the last real row).
+    ///
+    /// # Safety
+    /// As [`group_tile`]; rows `r0..` belong to the caller's block.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn store<const M: usize, const R: usize>(acc: &[[__m512i; R]; M], x: &QuantRows, t: usize, w: &Int8Linear, r0: usize, dst: *mut f32) {
+        for v in 0..R {
+            let r = r0 + 16 * v;
+            if r >= w.rows {
+                break;
+            }
+            let live = (w.rows - r).min(16);
+            let mask: __mmask16 = if live == 16 { 0xFFFF } else { (1u16 << live) - 1 };
+            // SAFETY: per-row vectors are padded to whole groups; (t + i, r..r + live) lies in the
+            // caller's block of dst.
+            unsafe {
+                let off = _mm512_loadu_si512(w.offsets.as_ptr().add(r) as *const __m512i);
+                let sw = _mm512_loadu_ps(w.scales.as_ptr().add(r));
+                let bias = _mm512_loadu_ps(w.bias.as_ptr().add(r));
+                for (i, acc) in acc.iter().enumerate() {
+                    let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[v], off));
+                    let sx = _mm512_set1_ps(x.scales[t + i]);
+                    let o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(sum, sx), sw), bias);
+                    _mm512_mask_storeu_ps(dst.add((t + i) * w.rows + r), mask, o);
+                }
+            }
+        }
+    }
+
     /// Tokens `t..t+M` × the 64 rows of group `g`: 4·M i32 accumulators over the quads, then the
     /// epilogue, stored (masked past the last real row).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
@@ -493,7 +540,7 @@ mod x86 {
         // bytes; group g's packed block is quads × 256 bytes inside `packed`.
         unsafe {
             let a = x.codes.as_ptr().add(t * x.stride);
-            let wp = w.packed.as_ptr().add(g * quads * GROUP * 4);
+            let wp = (w.packed.as_ptr() as *const i8).add(g * quads * GROUP * 4);
             for q in 0..quads {
                 let b = wp.add(q * GROUP * 4);
                 let w0 = _mm512_loadu_si512(b as *const __m512i);
@@ -509,28 +556,8 @@ mod x86 {
                 }
             }
         }
-        let r0 = g * GROUP;
-        for v in 0..4 {
-            let r = r0 + 16 * v;
-            if r >= w.rows {
-                break;
-            }
-            let live = (w.rows - r).min(16);
-            let mask: __mmask16 = if live == 16 { 0xFFFF } else { (1u16 << live) - 1 };
-            // SAFETY: per-row vectors are padded to whole groups; (t + i, r..r + live) lies in this
-            // task's block of dst.
-            unsafe {
-                let off = _mm512_loadu_si512(w.offsets.as_ptr().add(r) as *const __m512i);
-                let sw = _mm512_loadu_ps(w.scales.as_ptr().add(r));
-                let bias = _mm512_loadu_ps(w.bias.as_ptr().add(r));
-                for (i, acc) in acc.iter().enumerate() {
-                    let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[v], off));
-                    let sx = _mm512_set1_ps(x.scales[t + i]);
-                    let o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(sum, sx), sw), bias);
-                    _mm512_mask_storeu_ps(dst.add((t + i) * w.rows + r), mask, o);
-                }
-            }
-        }
+        // SAFETY: passed on from the caller.
+        unsafe { store::<M, 4>(&acc, x, t, w, g * GROUP, dst) };
     }
 }
 
@@ -646,8 +673,9 @@ mod tests {
     #[test]
     fn vnni_and_scalar_kernels_give_identical_results() {
         // Partial groups (rows 100 = 64 + 36, and 20), a column tail (k 390 = 97 quads + 2), token
-        // counts with partial register tiles and more than one task (200 = 2 × 96 + 8).
-        for (rows, k, n) in [(100usize, 390usize, 200usize), (20, 8, 7), (128, 1536, 13)] {
+        // counts with partial register tiles and more than one task (200 = 2 × 96 + 8); the
+        // feed-forward down projection's width (1536) with partial groups and tiles.
+        for (rows, k, n) in [(100usize, 390usize, 200usize), (20, 8, 7), (128, 1536, 13), (100, 1536, 30), (20, 1100, 25)] {
             let mut wv = values(rows * k, rows, 0.1);
             wv[5] = 3.0; // an outlier: row 0's other codes small
             let bias = values(rows, 3, 0.5);

@@ -175,6 +175,9 @@ pub struct CudaBackend {
     /// the LoRA path on its side stream ([`LORA_SM_RESERVE`], `PEREGRINE_LORA_SM_RESERVE`
     /// overrides it; 0 keeps every SM for the GEMMs).
     lora_sm_reserve: usize,
+    /// The LoRA steps that keep them: [`LORA_SM_RESERVE_TOKENS`], or up to
+    /// `PEREGRINE_LORA_SM_RESERVE_MAX_TOKENS` (for comparisons).
+    lora_sm_reserve_tokens: std::ops::RangeInclusive<usize>,
 }
 
 /// SMs cuBLAS leaves to the side stream's LoRA kernels in decode-sized LoRA steps. Measured on the
@@ -291,7 +294,11 @@ impl CudaBackend {
         };
         let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
         let lora_sm_reserve = std::env::var("PEREGRINE_LORA_SM_RESERVE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(LORA_SM_RESERVE).min(cuda.num_sms / 2);
-        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora, lora_sm_reserve })
+        let lora_sm_reserve_tokens = match std::env::var("PEREGRINE_LORA_SM_RESERVE_MAX_TOKENS").ok().and_then(|v| v.parse::<usize>().ok()) {
+            Some(max) => *LORA_SM_RESERVE_TOKENS.start()..=max,
+            None => LORA_SM_RESERVE_TOKENS,
+        };
+        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora, lora_sm_reserve, lora_sm_reserve_tokens })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -358,7 +365,7 @@ impl CudaBackend {
         // Set for every step (graphs capture the target in force): LoRA steps long enough for
         // cuBLAS leave `lora_sm_reserve` SMs to the side stream, all others use every SM.
         if self.lora_sm_reserve > 0 {
-            let reserve = if lora.is_some() && LORA_SM_RESERVE_TOKENS.contains(&n) { self.lora_sm_reserve } else { 0 };
+            let reserve = if lora.is_some() && self.lora_sm_reserve_tokens.contains(&n) { self.lora_sm_reserve } else { 0 };
             cuda.blas.set_sm_count_target(if reserve > 0 { cuda.num_sms - reserve } else { 0 })?;
         }
         let w8 = w.w8;

@@ -31,7 +31,7 @@ pub enum EncoderGemm {
     /// 1e-5 of Sentence-Transformers.
     F32,
     /// bf16 weights, GEMM inputs in bf16, f32 accumulation and output; attention on the tensor
-    /// cores: 2.2–2.6× torch fp16's model call (docs/benchmarks.md), cosine ≥ 0.99997 to the f32 path.
+    /// cores: 2.0–2.6× torch fp16's model call (docs/benchmarks.md), cosine ≥ 0.99997 to the f32 path.
     Bf16,
 }
 
@@ -389,9 +389,7 @@ impl EncoderBackend for CudaEncoder {
             self.config.check_batch(batch)?;
             return Ok(Vec::new());
         }
-        if (0..seqs).any(|s| batch.range(s).is_empty()) {
-            return Err(EngineError::InvalidRequest("encoder batch: an empty sequence cannot be pooled".into()));
-        }
+        // `run` refuses malformed batches first, empty sequences among them.
         let plan = self.run(batch)?;
         let offsets = batch.offsets.iter().map(|&o| i32::try_from(o).map_err(|_| EngineError::InvalidRequest(format!("encoder batch: offset {o} too large")))).collect::<Result<Vec<i32>>>()?;
         let codes: Vec<i32> = modes.iter().map(|&m| device_pooling(m) as i32).collect();
@@ -401,7 +399,7 @@ impl EncoderBackend for CudaEncoder {
         let out = self.gpu.alloc_zeros::<f32>(len).map_err(gpu_err)?;
         let s = self.scratch.as_ref().ok_or_else(|| EngineError::Backend("encoder scratch missing".into()))?;
         // SAFETY: x holds the batch's n·hidden states (run); offsets: seqs + 1 increasing values
-        // ending at n, every sequence non-empty (checked above); out: seqs·modes·hidden.
+        // ending at n, every sequence non-empty (check_batch in run); out: seqs·modes·hidden.
         unsafe { self.kernels.pool(&self.gpu.stream, out.ptr(), s.x.ptr(), offsets.ptr(), seqs, codes.ptr(), modes.len(), hidden).map_err(gpu_err)? };
         let pooled = self.download(&out, len)?;
         drop(plan);

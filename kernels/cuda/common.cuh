@@ -68,3 +68,40 @@ __device__ __forceinline__ void pdl_trigger() {
 __device__ __forceinline__ const bf16_t* lora_delta_row(const bf16_t* d, const int* slots, u64 row, u64 stride) {
     return d && slots[row] >= 0 ? d + row * stride : nullptr;
 }
+
+// Rows in registers (the one-block-per-row kernels: RMSNorm, SiLU·mul, the per-token quantizers).
+// A row of L = 8·chunks values is split into 16-byte chunks of 8; thread t owns chunks t, t + T, ...
+// (T = blockDim.x, at most ROW_MAXC of them, so L ≤ 8 · ROW_MAXC · T): every load of the row is
+// issued at once, and a value read once stays in registers for the later passes (reduction, scale,
+// codes). The scalar loops these replaced made each row a chain of dependent round trips to memory.
+#define ROW_MAXC 4
+__device__ __forceinline__ void ld8_bf16(const bf16_t* p, float (&v)[8]) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p);
+    const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        v[2 * t] = __uint_as_float(w[t] << 16);
+        v[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void st8_bf16(bf16_t* p, const float (&v)[8]) {
+    u32 w[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) w[t] = (u32)f2bf(v[2 * t]) | ((u32)f2bf(v[2 * t + 1]) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void ld8_f32(const float* p, float (&v)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void st8_f32(float* p, const float (&v)[8]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+// v[t] += bf16 p[t], one f32 addition each.
+__device__ __forceinline__ void add8_bf16(const bf16_t* p, float (&v)[8]) {
+    float d[8];
+    ld8_bf16(p, d);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] += d[t];
+}

@@ -1,10 +1,8 @@
 // Row-wise 8-bit W8A8 for decode-sized steps, the GPU side of `--quantization fp8|int8` (issue 17).
 // e4m3 needs sm_89+ (conversions); the kernels compile everywhere and are never launched below that.
 //
-// quant_rows_e4m3: one block per token row: amax over the row (bf16 in), scale = amax / 448 (0 for a
-//   zero row), codes = e4m3(x / scale) rounded to nearest even and saturating: exactly the CPU's
-//   `rowquant::quantize_activations` on the same values (IEEE division on both sides), so codes and
-//   scales are bit-identical to the CPU path's. (int8: quant_rows_i8 in quant8.cu.)
+// (The per-token quantizers, quant_rows_{e4m3,i8}, are in quant8.cu: codes and scales bit-identical
+//   to the CPU's `rowquant::quantize_activations`, IEEE division on both sides.)
 // gemv_e4m3_m{M}, gemv_i8_m{M}: y[m, n] = (Σ_k xq[i, k] · wq[j, k]) · xs[i] · ws[j], the token scale,
 //   then the row scale, as the CPU's matmul_w8a8 epilogue. e4m3: each code pair converted e4m3x2 ->
 //   f16x2 (exact) -> f32, products of two e4m3 values are exact in f32, sums in f32 in this kernel's
@@ -20,29 +18,6 @@ __device__ __forceinline__ float2 f16x2_to_float2(u32 v) {
         : "=f"(lo), "=f"(hi)
         : "r"(v));
     return make_float2(lo, hi);
-}
-
-extern "C" __global__ void __launch_bounds__(256) quant_rows_e4m3(unsigned char* __restrict__ q, float* __restrict__ scales,
-                                                                 const bf16_t* __restrict__ x, int k) {
-    __shared__ float red[32];
-    const int row = blockIdx.x;
-    const bf16_t* xr = x + (u64)row * k;
-    float m = 0.f;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) m = fmaxf(m, fabsf(bf2f(xr[i])));
-    m = warp_max(m);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
-        v = warp_max(v);
-        if (threadIdx.x == 0) red[0] = v;
-    }
-    __syncthreads();
-    const float amax = red[0];
-    const float scale = amax > 0.f ? amax / 448.f : 0.f;
-    if (threadIdx.x == 0) scales[row] = scale;
-    unsigned char* qr = q + (u64)row * k;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = scale > 0.f ? f2e4m3(bf2f(xr[i]) / scale) : (unsigned char)0;
 }
 
 // Σ of 16 products of int8 codes, exact (4 dp4a).

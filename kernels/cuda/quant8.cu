@@ -4,8 +4,7 @@
 // - add_rmsnorm_quant_{e4m3,i8}: add_rmsnorm (rmsnorm.cu) that also writes the normalized row's
 //   8-bit codes and its scale (input of q|k|v and gate|up);
 // - silu_mul_quant_{e4m3,i8}: silu_mul (silu_mul.cu) with one block per row, likewise (input of down);
-// - quant_rows_i8: bf16 rows -> int8 codes (the attention output, and dummy weights), the int8 twin
-//   of gemv_fp8.cu's quant_rows_e4m3.
+// - quant_rows_{e4m3,i8}: bf16 rows -> 8-bit codes (the attention output, and weights at load).
 //
 // Every row gets scale = max |v| / Q (Q = 448 for e4m3, 127 for int8; 0 for a zero row) and codes
 // encode(v / scale), as the CPU's `rowquant::quantize_activations`: e4m3 rounds to nearest even and
@@ -13,8 +12,8 @@
 // quantize the f32 value before any bf16 rounding (the CPU backend quantizes its f32 activations);
 // their bf16 output is still written for the LoRA updates, which read bf16.
 // silu uses expf, not __expf, for the same reason.
-// The codes are computed in a second pass that recomputes the f32 value (bit-identical: same
-// operations in the same order), so no row has to fit in shared memory.
+// Each row is one block's, held in registers (common.cuh's row chunks), so the values, their scale
+// and their codes come from one read of the inputs.
 
 #define Q8_E4M3 0
 #define Q8_I8 1
@@ -53,6 +52,33 @@ __device__ __forceinline__ float q8_scale(float amax) {
     return amax > 0.f ? amax / q8_max<FMT>() : 0.f;
 }
 
+// Codes of the 8 values v / scale (zeros for a zero row), stored as 8 bytes.
+template <int FMT>
+__device__ __forceinline__ void st8_codes(unsigned char* p, const float (&v)[8], float scale) {
+    u32 w[2] = {0u, 0u};
+    if (scale > 0.f) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) w[t >> 2] |= (u32)q8_encode<FMT>(v[t] / scale) << (8 * (t & 3));
+    }
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+}
+
+// The row's scale from the block's values (every thread's |v| max), written by thread 0, then the
+// codes of the thread's chunks.
+template <int FMT>
+__device__ __forceinline__ void quantize_row_regs(const float (&v)[ROW_MAXC][8], int chunks, float amax, unsigned char* qr,
+                                                  float* scale_out, float* scratch) {
+    const float scale = q8_scale<FMT>(block_max(amax, scratch));
+    if (threadIdx.x == 0) *scale_out = scale;
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) st8_codes<FMT>(qr + 8 * c, v[i], scale);
+    }
+}
+
+// One block per row, the row in registers (common.cuh): hidden % 8 == 0, hidden ≤ 8 · ROW_MAXC ·
+// blockDim.x. `out` may be null (no bf16 copy wanted).
 template <int FMT>
 __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ residual, const bf16_t* __restrict__ delta,
                                                        const float* __restrict__ weight, bf16_t* __restrict__ out,
@@ -62,41 +88,45 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
     __shared__ float scratch[33];
     pdl_trigger();  // the GEMV after this may start streaming its weights now
     const u64 row = blockIdx.x;
+    const int chunks = hidden >> 3;
     float* x = residual + row * hidden;
-    float ss = 0.f;
+    const bf16_t* d = delta ? delta + row * hidden : nullptr;
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, hidden);
-    if (delta || ld) {
-        const bf16_t* d = delta ? delta + row * hidden : nullptr;
-        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-            float v = x[j];
-            if (d) v += bf2f(d[j]);
-            if (ld) v += bf2f(ld[j]);
-            x[j] = v;
-            ss += v * v;
-        }
-    } else {
-        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-            const float v = x[j];
-            ss += v * v;
+    float v[ROW_MAXC][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+            ld8_f32(x + 8 * c, v[i]);
+            if (d) add8_bf16(d + 8 * c, v[i]);
+            if (ld) add8_bf16(ld + 8 * c, v[i]);
+            if (d || ld) st8_f32(x + 8 * c, v[i]);
+#pragma unroll
+            for (int t = 0; t < 8; ++t) ss += v[i][t] * v[i][t];
         }
     }
     // 1 / sqrt and w * (x * inv), as the CPU's rms_norm (rsqrtf would differ in the last bits).
     const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)hidden + eps);
-    bf16_t* o = out + row * hidden;
     float amax = 0.f;
-    // Each thread re-reads only the elements it wrote itself, so no barrier is needed.
-    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-        const float v = weight[j] * (x[j] * inv);
-        o[j] = f2bf(v);
-        amax = fmaxf(amax, fabsf(v));
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+            float w[8];
+            ld8_f32(weight + 8 * c, w);
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                v[i][t] = w[t] * (v[i][t] * inv);
+                amax = fmaxf(amax, fabsf(v[i][t]));
+            }
+            if (out) st8_bf16(out + row * hidden + 8 * c, v[i]);
+        }
     }
-    const float scale = q8_scale<FMT>(block_max(amax, scratch));
-    if (threadIdx.x == 0) scales[row] = scale;
-    unsigned char* qr = q + row * hidden;
-    for (int j = threadIdx.x; j < hidden; j += blockDim.x)
-        qr[j] = scale > 0.f ? q8_encode<FMT>(weight[j] * (x[j] * inv) / scale) : (unsigned char)0;
+    quantize_row_regs<FMT>(v, chunks, amax, q + row * hidden, scales + row, scratch);
 }
 
+// One block per row as above (inter % 8 == 0); `out` may be null.
 template <int FMT>
 __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, unsigned char* __restrict__ q,
                                                     float* __restrict__ scales, const bf16_t* __restrict__ gate_up,
@@ -105,35 +135,42 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
     __shared__ float scratch[33];
     pdl_trigger();
     const u64 row = blockIdx.x;
+    const int chunks = inter >> 3;
     const bf16_t* g = gate_up + row * 2 * inter;
     const bf16_t* u = g + inter;
-    // The LoRA update of gate|up (silu_mul.cu), added to both passes' inputs alike.
+    // The LoRA update of gate|up (silu_mul.cu), added to gate and up before SwiGLU.
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, 2 * (u64)inter);
-    bf16_t* o = out + row * inter;
+    float v[ROW_MAXC][8];
     float amax = 0.f;
-    for (int j = threadIdx.x; j < inter; j += blockDim.x) {
-        const float gv = bf2f(g[j]) + (ld ? bf2f(ld[j]) : 0.f);
-        const float v = gv / (1.f + expf(-gv)) * (bf2f(u[j]) + (ld ? bf2f(ld[inter + j]) : 0.f));
-        o[j] = f2bf(v);
-        amax = fmaxf(amax, fabsf(v));
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+            float gv[8], uv[8];
+            ld8_bf16(g + 8 * c, gv);
+            ld8_bf16(u + 8 * c, uv);
+            if (ld) {
+                add8_bf16(ld + 8 * c, gv);
+                add8_bf16(ld + inter + 8 * c, uv);
+            }
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                v[i][t] = gv[t] / (1.f + expf(-gv[t])) * uv[t];
+                amax = fmaxf(amax, fabsf(v[i][t]));
+            }
+            if (out) st8_bf16(out + row * inter + 8 * c, v[i]);
+        }
     }
-    const float scale = q8_scale<FMT>(block_max(amax, scratch));
-    if (threadIdx.x == 0) scales[row] = scale;
-    unsigned char* qr = q + row * inter;
-    for (int j = threadIdx.x; j < inter; j += blockDim.x) {
-        const float gv = bf2f(g[j]) + (ld ? bf2f(ld[j]) : 0.f);
-        const float v = gv / (1.f + expf(-gv)) * (bf2f(u[j]) + (ld ? bf2f(ld[inter + j]) : 0.f));
-        qr[j] = scale > 0.f ? q8_encode<FMT>(v / scale) : (unsigned char)0;
-    }
+    quantize_row_regs<FMT>(v, chunks, amax, q + row * inter, scales + row, scratch);
 }
 
 #define Q8_FAMILY(SUFFIX, FMT)                                                                                  \
-    extern "C" __global__ void add_rmsnorm_quant_##SUFFIX(float* residual, const bf16_t* delta, const float* weight, \
+    extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm_quant_##SUFFIX(float* residual, const bf16_t* delta, const float* weight, \
                                                           bf16_t* out, unsigned char* q, float* scales, int hidden,  \
                                                           float eps, const bf16_t* lora_d, const int* lora_slots) {  \
         add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps, lora_d, lora_slots);       \
     }                                                                                                                \
-    extern "C" __global__ void silu_mul_quant_##SUFFIX(bf16_t* out, unsigned char* q, float* scales,                 \
+    extern "C" __global__ void __launch_bounds__(1024) silu_mul_quant_##SUFFIX(bf16_t* out, unsigned char* q, float* scales,                 \
                                                        const bf16_t* gate_up, int inter, const bf16_t* lora_d,       \
                                                        const int* lora_slots) {                                      \
         silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots);                                \
@@ -141,19 +178,33 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
 Q8_FAMILY(e4m3, Q8_E4M3)
 Q8_FAMILY(i8, Q8_I8)
 
-// bf16 rows -> int8 codes and one scale per row (one block per row).
-extern "C" __global__ void __launch_bounds__(256) quant_rows_i8(unsigned char* __restrict__ q, float* __restrict__ scales,
-                                                               const bf16_t* __restrict__ x, int k) {
+// bf16 rows -> 8-bit codes and one scale per row (the attention output, weights at load): one block
+// per row as above (k % 8 == 0).
+template <int FMT>
+__device__ __forceinline__ void quant_rows_impl(unsigned char* __restrict__ q, float* __restrict__ scales,
+                                                const bf16_t* __restrict__ x, int k) {
     __shared__ float scratch[33];
     pdl_trigger();
     const u64 row = blockIdx.x;
-    const bf16_t* xr = x + row * k;
+    const int chunks = k >> 3;
+    float v[ROW_MAXC][8];
     float amax = 0.f;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(xr[i])));
-    const float scale = q8_scale<Q8_I8>(block_max(amax, scratch));
-    if (threadIdx.x == 0) scales[row] = scale;
-    unsigned char* qr = q + row * k;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = scale > 0.f ? q8_encode<Q8_I8>(bf2f(xr[i]) / scale) : (unsigned char)0;
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+            ld8_bf16(x + row * k + 8 * c, v[i]);
+#pragma unroll
+            for (int t = 0; t < 8; ++t) amax = fmaxf(amax, fabsf(v[i][t]));
+        }
+    }
+    quantize_row_regs<FMT>(v, chunks, amax, q + row * k, scales + row, scratch);
+}
+extern "C" __global__ void __launch_bounds__(1024) quant_rows_e4m3(unsigned char* q, float* scales, const bf16_t* x, int k) {
+    quant_rows_impl<Q8_E4M3>(q, scales, x, k);
+}
+extern "C" __global__ void __launch_bounds__(1024) quant_rows_i8(unsigned char* q, float* scales, const bf16_t* x, int k) {
+    quant_rows_impl<Q8_I8>(q, scales, x, k);
 }
 
 // The outer-scale epilogues below: each thread owns 8 consecutive outputs of a row (16 or 32 bytes),

@@ -5,7 +5,7 @@
 //! Prints a table; asserts nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
-use peregrine_kernels::ops::AttentionKernel;
+use peregrine_kernels::ops::{AttentionKernel, Gemv8Kernel};
 use peregrine_kernels::{Cuda, KvCacheDtype, OutType, W8Format};
 
 fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
@@ -303,27 +303,31 @@ fn lora(c: &Cuda) {
     }
 }
 
-/// The FP8 W8A8 GEMV (e4m3 weights with per-row scales, activations quantized per token first)
-/// against the bf16 GEMV at m = 1, 8 on the Llama-3.1-8B projection shapes: microseconds per call and
-/// GB/s of weight bytes read (bf16: 2 bytes per weight, fp8: 1; the bound is the HBM bandwidth).
+/// The 8-bit W8A8 GEMVs (weights with per-row scales, activations quantized per token first) against
+/// the bf16 GEMV at m = 1..16 on the Llama-3.1-8B projection shapes: microseconds per call and GB/s
+/// of weight bytes read (bf16: 2 bytes per weight, 8-bit: 1; the bound is the HBM bandwidth). e4m3 on
+/// the CUDA cores (gemv_fp8.cu) and on the tensor cores (gemv_mma8.cu), int8 on the tensor cores.
 fn fp8(c: &Cuda) {
     let s = &c.gpu.stream;
     if !c.kernels.fp8_gemm_ready() {
         println!("fp8: this GPU has no e4m3 conversions (compute capability below 8.9)");
         return;
     }
-    println!("{:<18} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10}", "[n x k]", "m", "bf16 us", "bf16 GB/s", "fp8 us", "quant us", "fp8 GB/s");
+    println!(
+        "{:<18} {:>3} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "[n x k]", "m", "bf16 us", "bf16 GB/s", "quant us", "e4m3c us", "e4m3c GB/s", "e4m3t us", "e4m3t GB/s", "i8t us"
+    );
     for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
         let copies = (400_000_000 / (n * k * 2)).clamp(2, 8);
         let wb: Vec<_> = (0..copies).map(|_| c.gpu.alloc_zeros::<u16>(n * k).unwrap()).collect();
         for (i, w) in wb.iter().enumerate() {
             unsafe { c.kernels.fill_uniform_bf16(s, w.ptr(), n * k, i as u64, 0.02).unwrap() };
         }
-        // fp8 weights: arbitrary codes below NaN (0x7F/0xFF are NaN), row scales of 1/448.
+        // 8-bit weights: arbitrary codes below e4m3's NaN (0x7F/0xFF), row scales of 1/448.
         let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 0x7E) as u8).collect();
         let w8: Vec<_> = (0..copies).map(|_| c.gpu.upload(&codes).unwrap()).collect();
         let ws = c.gpu.upload(&vec![1.0f32 / 448.0; n]).unwrap();
-        for m in [1usize, 8] {
+        for m in [1usize, 2, 4, 8, 16] {
             let x = c.gpu.alloc_zeros::<u16>(m * k).unwrap();
             unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), m * k, 99, 1.0).unwrap() };
             let xq = c.gpu.alloc_zeros::<u8>(m * k).unwrap();
@@ -332,21 +336,30 @@ fn fp8(c: &Cuda) {
             let mut i = 0;
             let tb = time(c, 30, || {
                 i += 1;
-                unsafe { c.kernels.gemv(s, y.ptr(), false, x.ptr(), wb[i % copies].ptr(), m, n, k).unwrap() };
+                unsafe { c.linear(y.ptr(), OutType::Bf16, x.ptr(), wb[i % copies].ptr(), m, n, k).unwrap() };
             });
             let tq = time(c, 30, || unsafe { c.kernels.quant_rows_e4m3(s, xq.ptr(), xs.ptr(), x.ptr(), m, k).unwrap() });
-            let t8 = time(c, 30, || {
-                i += 1;
-                unsafe { c.kernels.gemv_e4m3(s, y.ptr(), false, xq.ptr(), xs.ptr(), w8[i % copies].ptr(), ws.ptr(), m, n, k).unwrap() };
-            });
+            let mut gemv8 = |kernel: Gemv8Kernel, format: W8Format| {
+                time(c, 30, || {
+                    i += 1;
+                    unsafe { c.kernels.gemv_w8_with(kernel, s, format, y.ptr(), false, xq.ptr(), xs.ptr(), w8[i % copies].ptr(), ws.ptr(), m, n, k).unwrap() };
+                })
+            };
+            let tc = gemv8(Gemv8Kernel::CudaCores, W8Format::E4m3);
+            let tt = gemv8(Gemv8Kernel::TensorCores, W8Format::E4m3);
+            let ti = gemv8(Gemv8Kernel::TensorCores, W8Format::I8);
+            let gbs = |t: f64| (n * k) as f64 / t / 1e9;
             println!(
-                "{:<18} {m:>3} {:>10.1} {:>10.0} {:>10.1} {:>10.1} {:>10.0}",
+                "{:<18} {m:>3} {:>9.1} {:>9.0} {:>9.1} {:>9.1} {:>9.0} {:>9.1} {:>9.0} {:>9.1}",
                 format!("[{n} x {k}]"),
                 tb * 1e6,
                 (n * k * 2) as f64 / tb / 1e9,
-                t8 * 1e6,
                 tq * 1e6,
-                (n * k) as f64 / t8 / 1e9
+                tc * 1e6,
+                gbs(tc),
+                tt * 1e6,
+                gbs(tt),
+                ti * 1e6
             );
         }
     }

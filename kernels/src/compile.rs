@@ -30,6 +30,8 @@ const SOURCES: &[(&str, &str)] = &[
     ("gemv_fp8.cu", include_str!("../cuda/gemv_fp8.cu")),
     // After attention_mma.cu (cp.async helpers).
     ("gemm_w8a8.cu", include_str!("../cuda/gemm_w8a8.cu")),
+    // After gemm_w8a8.cu (its mma8 wrappers).
+    ("gemv_mma8.cu", include_str!("../cuda/gemv_mma8.cu")),
     ("fill.cu", include_str!("../cuda/fill.cu")),
     ("sample.cu", include_str!("../cuda/sample.cu")),
     ("token_mask.cu", include_str!("../cuda/token_mask.cu")),

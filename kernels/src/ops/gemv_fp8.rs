@@ -1,5 +1,5 @@
-//! gemv_fp8.cu: row-wise 8-bit W8A8 for decode-sized steps: per-token activation quantization and the
-//! e4m3 (sm_89+) and int8 GEMVs with both scales in their epilogue.
+//! gemv_fp8.cu and gemv_mma8.cu: row-wise 8-bit W8A8 for decode-sized steps: per-token activation
+//! quantization and the e4m3 (sm_89+) and int8 GEMVs with both scales in their epilogue.
 
 use cudarc::driver::{CudaStream, PushKernelArg};
 
@@ -13,6 +13,34 @@ const GEMV8_WARPS: usize = 8;
 /// 2, from batch-1 decode on an H100 (Llama-3.1-8B shape; docs/benchmarks.md, session 9): fp8 223.8
 /// (1 row) / 227.9 (2) / 226.5 (4) tokens/s, int8 232.7 / 242.6 / 240.8.
 pub(super) const GEMV8_M1_ROWS_DEFAULT: usize = 2;
+/// Warps the tensor-core GEMV aims to have in flight per SM (the plan gives a 16-row tile more warps,
+/// each a share of k, until the grid reaches this): enough 16-byte loads in flight to cover HBM's
+/// latency on an H100.
+pub(super) const GEMV8_MMA_WARPS_PER_SM: usize = 16;
+/// Pairs of 64 codes per load round of the tensor-core GEMV (2 or 4; two rounds are in flight).
+pub(super) const GEMV8_MMA_UNROLL_DEFAULT: usize = 4;
+
+/// Which kernel computes an 8-bit GEMV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gemv8Kernel {
+    /// gemv_mma8.cu: codes straight into mma.sync (fp8 accumulation as cuBLASLt's for e4m3; exact
+    /// for int8); 1..8 tokens cost what one does.
+    TensorCores,
+    /// gemv_fp8.cu: codes decoded to f32 on the CUDA cores, f32 sums (the CPU's results to f32
+    /// rounding).
+    CudaCores,
+}
+
+impl Gemv8Kernel {
+    /// `PEREGRINE_GEMV8=tensor` picks the tensor-core kernel; the CUDA-core one otherwise (faster at
+    /// one token on an H100: docs/benchmarks.md, session 14).
+    pub(super) fn from_env() -> Self {
+        match std::env::var("PEREGRINE_GEMV8").as_deref() {
+            Ok("tensor") => Gemv8Kernel::TensorCores,
+            _ => Gemv8Kernel::CudaCores,
+        }
+    }
+}
 
 impl Kernels {
     /// Whether the FP8 kernels can run here (e4m3 conversions need compute capability 8.9+).
@@ -62,7 +90,8 @@ impl Kernels {
             W8Format::I8 => &self.quant_rows_i8,
         };
         let ki = as_i32(k, "k")?;
-        s.launch_builder(func).arg(&q).arg(&scales).arg(&x).arg(&ki).launch(cfg(as_u32(m, "rows")?, 256))?;
+        let threads = Self::row_threads(k, "quant_rows")?;
+        s.launch_builder(func).arg(&q).arg(&scales).arg(&x).arg(&ki).launch(cfg(as_u32(m, "rows")?, threads))?;
         Ok(())
     }
 
@@ -83,12 +112,24 @@ impl Kernels {
     /// As [`Kernels::gemv_e4m3`].
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemv_w8(&self, s: &CudaStream, format: W8Format, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        self.gemv_w8_with(self.gemv8_kernel, s, format, y, y_f32, xq, xs, wq, ws, m, n, k)
+    }
+
+    /// [`Kernels::gemv_w8`] on the kernel named (tests and benchmarks compare the two).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv_e4m3`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_w8_with(&self, kernel: Gemv8Kernel, s: &CudaStream, format: W8Format, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
         self.check_w8(format, "gemv_w8")?;
         if m > GEMV_FP8_MAX_M || !k.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) {
             return Err(KernelError::Unsupported(format!("gemv_w8: m {m}, k {k} (m <= {GEMV_FP8_MAX_M}, k % 16 == 0, aligned)")));
+        }
+        if kernel == Gemv8Kernel::TensorCores {
+            return self.gemv8_mma(s, format, y, y_f32, xq, xs, wq, ws, m, n, k);
         }
         let index = match m {
             0..=1 => match self.gemv8_m1_rows {
@@ -126,6 +167,49 @@ impl Kernels {
         Ok(())
     }
 
+    /// gemv_mma8.cu's kernel for m ≤ 16 (checked by the caller): one or two 8-token column tiles.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemv8_mma(&self, s: &CudaStream, format: W8Format, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
+        let unroll = self.gemv8_mma_unroll;
+        let func = &self.gemv8_mma[usize::from(unroll == 4)][format.index()][usize::from(m > 8)];
+        let tiles = n.div_ceil(16);
+        let mut wpr = Self::gemv8_mma_plan(tiles, k, self.num_sms as usize * self.gemv8_mma_warps, unroll);
+        if let Some((small, large)) = self.gemv8_wpr {
+            wpr = if k >= 8192 { large } else { small };
+        }
+        if !matches!(wpr, 1 | 2 | 4 | 8) {
+            return Err(KernelError::Unsupported(format!("gemv_w8: {wpr} warps per tile (1, 2, 4 or 8)")));
+        }
+        let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
+        let grid = as_u32(tiles.div_ceil(GEMV8_WARPS / wpr), "gemv_w8 blocks")?;
+        Launch::new(func)
+            .arg(&y)
+            .arg(&yf)
+            .arg(&xq)
+            .arg(&xs)
+            .arg(&wq)
+            .arg(&ws)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&wpr_i)
+            .launch(s, cfg(grid, (GEMV8_WARPS * 32) as u32), self.pdl)?;
+        Ok(())
+    }
+
+    /// Warps per 16-row tile of the tensor-core GEMV: doubled (up to 8) until the grid has
+    /// `target_warps` warps (by default [`GEMV8_MMA_WARPS_PER_SM`] per SM), while each warp keeps at
+    /// least one full round of `unroll` pairs of 64 codes. Llama-3.1-8B on 132 SMs, 16 warps per SM
+    /// and rounds of 4: q|k|v, o and down 8, gate|up 2.
+    pub fn gemv8_mma_plan(tiles: usize, k: usize, target_warps: usize, unroll: usize) -> usize {
+        let pairs = k.div_ceil(64);
+        let mut wpr = 1;
+        while wpr < 8 && tiles * wpr < target_warps && pairs >= 2 * wpr * unroll {
+            wpr *= 2;
+        }
+        wpr
+    }
+
     /// Weight rows per warp tile of the 8-bit GEMV variant `index` (m up to 1, 2, 4, 8, 16, then
     /// m = 1 with 2 and 4 rows): 2 from m = 8, where re-reading the activations per weight row
     /// dominated. Must match the ROWS of the GEMV8 / GEMV8_M1 instances in gemv_fp8.cu.
@@ -146,5 +230,36 @@ impl Kernels {
         } else {
             2
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tensor_core_gemv_plan_splits_small_grids_and_keeps_a_round_per_warp() {
+        // Llama-3.1-8B on an H100 (132 SMs, 16 warps each, rounds of 4 pairs).
+        let target = 132 * GEMV8_MMA_WARPS_PER_SM;
+        assert_eq!(Kernels::gemv8_mma_plan(6144 / 16, 4096, target, 4), 8, "q|k|v");
+        assert_eq!(Kernels::gemv8_mma_plan(28672 / 16, 4096, target, 4), 2, "gate|up");
+        assert_eq!(Kernels::gemv8_mma_plan(4096 / 16, 14336, target, 4), 8, "down");
+        // k of 64 codes: one pair, so one warp per tile whatever the grid.
+        assert_eq!(Kernels::gemv8_mma_plan(3, 64, target, 4), 1);
+        // SmolLM2's k 576 = 9 pairs: split while every warp keeps a full round (2-3 pairs of 9 at
+        // rounds of 2, 4-5 at rounds of 4).
+        assert_eq!(Kernels::gemv8_mma_plan(36, 576, target, 2), 4);
+        assert_eq!(Kernels::gemv8_mma_plan(36, 576, target, 4), 2);
+    }
+
+    #[test]
+    fn row_kernels_get_about_two_chunks_per_thread_and_refuse_what_they_cannot_hold() {
+        assert_eq!(Kernels::row_threads(4096, "t").unwrap(), 256);
+        assert_eq!(Kernels::row_threads(14336, "t").unwrap(), 1024);
+        assert_eq!(Kernels::row_threads(576, "t").unwrap(), 64);
+        assert_eq!(Kernels::row_threads(64, "t").unwrap(), 64);
+        assert_eq!(Kernels::row_threads(32768, "t").unwrap(), 1024);
+        assert!(Kernels::row_threads(32776, "t").is_err(), "more than 4 chunks per thread");
+        assert!(Kernels::row_threads(100, "t").is_err(), "not a multiple of 8");
     }
 }

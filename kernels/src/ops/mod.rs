@@ -20,7 +20,8 @@ mod silu_mul;
 mod token_mask;
 
 use attention::mma_smem_opt_in;
-use gemv_fp8::GEMV8_M1_ROWS_DEFAULT;
+use gemv_fp8::{GEMV8_M1_ROWS_DEFAULT, GEMV8_MMA_UNROLL_DEFAULT, GEMV8_MMA_WARPS_PER_SM};
+pub use gemv_fp8::Gemv8Kernel;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use encoder::{
     attention_tiles as encoder_attention_tiles, attention_tiles_of as encoder_attention_tiles_of, EmbeddingTables, EncoderActivation, EncoderKernels, EncoderPooling, NormParams, ENC_ATTN_MAX_HEAD_DIM,
@@ -119,6 +120,15 @@ pub struct Kernels {
     /// m up to 1, 2, 4, 8, 16, then m = 1 with 2 and 4 weight rows per warp tile.
     gemv_e4m3: [CudaFunction; 7],
     gemv_i8: [CudaFunction; 7],
+    /// The 8-bit GEMVs on tensor cores (gemv_mma8.cu), [rounds of 2, 4 pairs] × [`W8Format::index`] ×
+    /// [m ≤ 8, m ≤ 16].
+    gemv8_mma: [[[CudaFunction; 2]; 2]; 2],
+    /// Its round (pairs of 64 codes per load round; `PEREGRINE_GEMV8_MMA_UNROLL`) and the warps per
+    /// SM its plan aims for (`PEREGRINE_GEMV8_MMA_WARPS`).
+    gemv8_mma_unroll: usize,
+    gemv8_mma_warps: usize,
+    /// Which 8-bit GEMV [`Kernels::gemv_w8`] runs (`PEREGRINE_GEMV8=tensor` for the tensor-core one).
+    gemv8_kernel: Gemv8Kernel,
     quant_rows_e4m3: CudaFunction,
     quant_rows_i8: CudaFunction,
     /// `y *= xs[i] · ws[j]` after an unscaled 8-bit GEMM (quant8.cu).
@@ -225,6 +235,13 @@ impl Kernels {
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
             gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?, f("gemv_e4m3_m16")?, f("gemv_e4m3_m1r2")?, f("gemv_e4m3_m1r4")?],
             gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?, f("gemv_i8_m1r2")?, f("gemv_i8_m1r4")?],
+            gemv8_mma: [
+                [[f("gemv8_mma_e4m3_t1_u2")?, f("gemv8_mma_e4m3_t2_u2")?], [f("gemv8_mma_i8_t1_u2")?, f("gemv8_mma_i8_t2_u2")?]],
+                [[f("gemv8_mma_e4m3_t1_u4")?, f("gemv8_mma_e4m3_t2_u4")?], [f("gemv8_mma_i8_t1_u4")?, f("gemv8_mma_i8_t2_u4")?]],
+            ],
+            gemv8_mma_unroll: std::env::var("PEREGRINE_GEMV8_MMA_UNROLL").ok().and_then(|v| v.parse().ok()).filter(|u| matches!(u, 2 | 4)).unwrap_or(GEMV8_MMA_UNROLL_DEFAULT),
+            gemv8_mma_warps: std::env::var("PEREGRINE_GEMV8_MMA_WARPS").ok().and_then(|v| v.parse().ok()).filter(|&w: &usize| (1..=64).contains(&w)).unwrap_or(GEMV8_MMA_WARPS_PER_SM),
+            gemv8_kernel: Gemv8Kernel::from_env(),
             quant_rows_e4m3: f("quant_rows_e4m3")?,
             quant_rows_i8: f("quant_rows_i8")?,
             scale_outer: f("scale_outer")?,
@@ -256,6 +273,18 @@ impl Kernels {
     }
 
     /// Grid for grid-stride elementwise kernels: enough blocks to fill the GPU, no more.
+    /// Threads per block of a one-block-per-row kernel that holds its row in registers (common.cuh's
+    /// row chunks: 8 values each, at most `ROW_MAXC` = 4 per thread): about two chunks per thread,
+    /// 64 to 1024 threads. Rows must be a multiple of 8 values, at most 32,768.
+    pub(crate) fn row_threads(len: usize, what: &str) -> Result<u32> {
+        const ROW_MAXC: usize = 4;
+        let chunks = len / 8;
+        if !len.is_multiple_of(8) || chunks > ROW_MAXC * 1024 {
+            return Err(KernelError::Unsupported(format!("{what}: rows of {len} values (a multiple of 8, at most {})", 8 * ROW_MAXC * 1024)));
+        }
+        Ok(chunks.div_ceil(2).next_power_of_two().clamp(64, 1024) as u32)
+    }
+
     fn elementwise_grid(&self, n: usize, block: u32) -> u32 {
         let want = n.div_ceil(block as usize).max(1);
         want.min(self.num_sms as usize * 8) as u32

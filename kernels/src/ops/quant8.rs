@@ -23,7 +23,7 @@ impl Kernels {
         self.check_w8(format, "add_rmsnorm_quant")?;
         let delta = delta.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
-        let threads = if hidden >= 4096 { 1024 } else { 256 };
+        let threads = Self::row_threads(hidden, "add_rmsnorm_quant")?;
         Launch::new(&self.add_rmsnorm_quant[format.index()])
             .arg(&residual)
             .arg(&delta)
@@ -52,7 +52,7 @@ impl Kernels {
         let (lora_d, lora_slots) = LoraDelta::args(lora);
         self.check_w8(format, "silu_mul_quant")?;
         let inter_i = as_i32(inter, "intermediate")?;
-        let threads = if inter >= 4096 { 1024 } else { 256 };
+        let threads = Self::row_threads(inter, "silu_mul_quant")?;
         Launch::new(&self.silu_mul_quant[format.index()])
             .arg(&out)
             .arg(&q)

@@ -23,7 +23,7 @@ impl Kernels {
         let (lora_d, lora_slots) = LoraDelta::args(lora);
         let rows = rows.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
-        let threads = if hidden >= 4096 { 1024 } else { 256 };
+        let threads = Self::row_threads(hidden, "add_rmsnorm")?;
         Launch::new(&self.add_rmsnorm)
             .arg(&residual)
             .arg(&delta)

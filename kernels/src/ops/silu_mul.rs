@@ -3,7 +3,7 @@
 use cudarc::driver::CudaStream;
 
 use super::{as_i32, cfg, DPtr, Kernels, Launch, LoraDelta};
-use crate::Result;
+use crate::{KernelError, Result};
 
 impl Kernels {
     /// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`, `lora`'s update added to gate_up
@@ -18,6 +18,10 @@ impl Kernels {
         let (lora_d, lora_slots) = LoraDelta::args(lora);
         let n64 = n as u64;
         let inter_i = as_i32(inter, "intermediate")?;
+        let chunks = n * inter / 8;
+        if !inter.is_multiple_of(8) || u32::try_from(chunks).is_err() {
+            return Err(KernelError::Unsupported(format!("silu_mul: {n} rows of {inter} (a multiple of 8, fewer than 2^35 values)")));
+        }
         Launch::new(&self.silu_mul)
             .arg(&out)
             .arg(&gate_up)
@@ -25,7 +29,7 @@ impl Kernels {
             .arg(&inter_i)
             .arg(&lora_d)
             .arg(&lora_slots)
-            .launch(s, cfg(self.elementwise_grid(n * inter, 256), 256), false)?;
+            .launch(s, cfg(self.elementwise_grid(chunks, 256), 256), false)?;
         Ok(())
     }
 }

@@ -105,3 +105,25 @@ __device__ __forceinline__ void add8_bf16(const bf16_t* p, float (&v)[8]) {
 #pragma unroll
     for (int t = 0; t < 8; ++t) v[t] += d[t];
 }
+
+// v[t] += bf16 p[t] · (sx · sw[t]): a delta whose 8-bit GEMM left its token (sx) and row (sw) scales
+// to the consumer (quant8.cu's scale_outer, fused), or v[t] += bf16 p[t] when sw is null.
+__device__ __forceinline__ void add8_bf16_scaled(const bf16_t* p, float (&v)[8], float sx, const float* sw) {
+    if (!sw) {
+        add8_bf16(p, v);
+        return;
+    }
+    float d[8], w[8];
+    ld8_bf16(p, d);
+    ld8_f32(sw, w);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] += d[t] * (sx * w[t]);
+}
+// v[t] *= sx · sw[t] (nothing when sw is null).
+__device__ __forceinline__ void scale8(float (&v)[8], float sx, const float* sw) {
+    if (!sw) return;
+    float w[8];
+    ld8_f32(sw, w);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] *= sx * w[t];
+}

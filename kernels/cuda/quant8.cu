@@ -78,13 +78,16 @@ __device__ __forceinline__ void quantize_row_regs(const float (&v)[ROW_MAXC][8],
 }
 
 // One block per row, the row in registers (common.cuh): hidden % 8 == 0, hidden ≤ 8 · ROW_MAXC ·
-// blockDim.x. `out` may be null (no bf16 copy wanted).
+// blockDim.x. `out` may be null (no bf16 copy wanted). dws not null: delta is an 8-bit GEMM's
+// unscaled output, scaled here by dxs[row] · dws[j] (scale_outer below, fused). The token scale is
+// read before this block overwrites scales[row] (dxs and scales may be the same buffer).
 template <int FMT>
 __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ residual, const bf16_t* __restrict__ delta,
                                                        const float* __restrict__ weight, bf16_t* __restrict__ out,
-                                                       unsigned char* __restrict__ q, float* __restrict__ scales,
+                                                       unsigned char* __restrict__ q, float* scales,
                                                        int hidden, float eps, const bf16_t* __restrict__ lora_d,
-                                                       const int* __restrict__ lora_slots) {
+                                                       const int* __restrict__ lora_slots, const float* dxs,
+                                                       const float* __restrict__ dws) {
     __shared__ float scratch[33];
     pdl_trigger();  // the GEMV after this may start streaming its weights now
     const u64 row = blockIdx.x;
@@ -92,6 +95,7 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
     float* x = residual + row * hidden;
     const bf16_t* d = delta ? delta + row * hidden : nullptr;
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, hidden);
+    const float sx = dws ? dxs[row] : 1.f;
     float v[ROW_MAXC][8];
     float ss = 0.f;
 #pragma unroll
@@ -99,7 +103,7 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
         const int c = threadIdx.x + i * blockDim.x;
         if (c < chunks) {
             ld8_f32(x + 8 * c, v[i]);
-            if (d) add8_bf16(d + 8 * c, v[i]);
+            if (d) add8_bf16_scaled(d + 8 * c, v[i], sx, dws ? dws + 8 * c : nullptr);
             if (ld) add8_bf16(ld + 8 * c, v[i]);
             if (d || ld) st8_f32(x + 8 * c, v[i]);
 #pragma unroll
@@ -126,15 +130,18 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
     quantize_row_regs<FMT>(v, chunks, amax, q + row * hidden, scales + row, scratch);
 }
 
-// One block per row as above (inter % 8 == 0); `out` may be null.
+// One block per row as above (inter % 8 == 0); `out` may be null; gate_up unscaled when dws is not
+// null (dws: the 2·inter row scales of [gate; up]).
 template <int FMT>
 __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, unsigned char* __restrict__ q,
-                                                    float* __restrict__ scales, const bf16_t* __restrict__ gate_up,
+                                                    float* scales, const bf16_t* __restrict__ gate_up,
                                                     int inter, const bf16_t* __restrict__ lora_d,
-                                                    const int* __restrict__ lora_slots) {
+                                                    const int* __restrict__ lora_slots, const float* dxs,
+                                                    const float* __restrict__ dws) {
     __shared__ float scratch[33];
     pdl_trigger();
     const u64 row = blockIdx.x;
+    const float sx = dws ? dxs[row] : 1.f;
     const int chunks = inter >> 3;
     const bf16_t* g = gate_up + row * 2 * inter;
     const bf16_t* u = g + inter;
@@ -149,6 +156,8 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
             float gv[8], uv[8];
             ld8_bf16(g + 8 * c, gv);
             ld8_bf16(u + 8 * c, uv);
+            scale8(gv, sx, dws ? dws + 8 * c : nullptr);
+            scale8(uv, sx, dws ? dws + inter + 8 * c : nullptr);
             if (ld) {
                 add8_bf16(ld + 8 * c, gv);
                 add8_bf16(ld + inter + 8 * c, uv);
@@ -167,13 +176,14 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
 #define Q8_FAMILY(SUFFIX, FMT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm_quant_##SUFFIX(float* residual, const bf16_t* delta, const float* weight, \
                                                           bf16_t* out, unsigned char* q, float* scales, int hidden,  \
-                                                          float eps, const bf16_t* lora_d, const int* lora_slots) {  \
-        add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps, lora_d, lora_slots);       \
+                                                          float eps, const bf16_t* lora_d, const int* lora_slots,    \
+                                                          const float* dxs, const float* dws) {                      \
+        add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps, lora_d, lora_slots, dxs, dws); \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(1024) silu_mul_quant_##SUFFIX(bf16_t* out, unsigned char* q, float* scales,                 \
                                                        const bf16_t* gate_up, int inter, const bf16_t* lora_d,       \
-                                                       const int* lora_slots) {                                      \
-        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots);                                \
+                                                       const int* lora_slots, const float* dxs, const float* dws) {  \
+        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots, dxs, dws);                      \
     }
 Q8_FAMILY(e4m3, Q8_E4M3)
 Q8_FAMILY(i8, Q8_I8)

@@ -4,12 +4,14 @@
 //                                       whose lora_slots entry is >= 0)
 //   out[i] = bf16(residual[src] * rsqrt(mean(residual[src]^2) + eps) * weight)
 // src = rows ? rows[i] : i, which lets the final norm run only on the rows whose logits are wanted
-// (the other rows' residuals are left as they were). grid: one block per output row, the row in
-// registers (common.cuh's row chunks): hidden % 8 == 0.
+// (the other rows' residuals are left as they were). dws not null: delta is an 8-bit GEMM's unscaled
+// output, each value times dxs[src] · dws[j] (quant8.cu's scale_outer, fused). grid: one block per
+// output row, the row in registers (common.cuh's row chunks): hidden % 8 == 0.
 extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* __restrict__ residual, const bf16_t* __restrict__ delta,
                                                               const float* __restrict__ weight, bf16_t* __restrict__ out,
                                                               const int* __restrict__ rows, int hidden, float eps,
-                                                              const bf16_t* __restrict__ lora_d, const int* __restrict__ lora_slots) {
+                                                              const bf16_t* __restrict__ lora_d, const int* __restrict__ lora_slots,
+                                                              const float* __restrict__ dxs, const float* __restrict__ dws) {
     __shared__ float scratch[33];
     pdl_trigger();  // the GEMV after this may start streaming its weights now
     const u64 i = blockIdx.x;
@@ -18,6 +20,7 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* __restrict
     float* x = residual + src * hidden;
     const bf16_t* d = delta ? delta + src * hidden : nullptr;
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, src, hidden);
+    const float sx = dws ? dxs[src] : 1.f;
     float v[ROW_MAXC][8];
     float ss = 0.f;
 #pragma unroll
@@ -25,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* __restrict
         const int c = threadIdx.x + r * blockDim.x;
         if (c < chunks) {
             ld8_f32(x + 8 * c, v[r]);
-            if (d) add8_bf16(d + 8 * c, v[r]);
+            if (d) add8_bf16_scaled(d + 8 * c, v[r], sx, dws ? dws + 8 * c : nullptr);
             if (ld) add8_bf16(ld + 8 * c, v[r]);
             if (d || ld) st8_f32(x + 8 * c, v[r]);
 #pragma unroll

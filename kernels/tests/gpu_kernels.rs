@@ -141,7 +141,7 @@ fn add_rmsnorm_matches_reference() {
         let out = poison(&c, n * hidden);
         unsafe {
             c.kernels
-                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps, None)
+                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps, None, None)
                 .unwrap()
         };
         let got_res = dres.download(&c.gpu.stream).unwrap();
@@ -160,7 +160,7 @@ fn add_rmsnorm_matches_reference() {
         let out2 = poison(&c, rows.len() * hidden);
         unsafe {
             c.kernels
-                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out2.ptr(), Some(drows.ptr()), rows.len(), hidden, eps, None)
+                .add_rmsnorm(&c.gpu.stream, dres.ptr(), Some(dd.ptr()), dw.ptr(), out2.ptr(), Some(drows.ptr()), rows.len(), hidden, eps, None, None)
                 .unwrap()
         };
         let got2 = out2.download(&c.gpu.stream).unwrap();
@@ -571,7 +571,7 @@ fn consumers_add_the_lora_update_of_tokens_with_a_slot() {
     let (dres, dd, du, dw) = (c.gpu.upload(&res).unwrap(), c.gpu.upload(&delta).unwrap(), c.gpu.upload(&upd).unwrap(), c.gpu.upload(&w).unwrap());
     let out = poison(&c, n * hidden);
     let lora = Some(LoraDelta { d: du.ptr(), slots: dslots.ptr() });
-    unsafe { c.kernels.add_rmsnorm(s, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps, lora).unwrap() };
+    unsafe { c.kernels.add_rmsnorm(s, dres.ptr(), Some(dd.ptr()), dw.ptr(), out.ptr(), None, n, hidden, eps, lora, None).unwrap() };
     let (got_res, got) = (dres.download(s).unwrap(), out.download(s).unwrap());
     let wv: Vec<f64> = w.iter().map(|&v| v as f64).collect();
     for t in 0..n {

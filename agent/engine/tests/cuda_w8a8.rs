@@ -9,7 +9,8 @@
 //!   bit-identical to `gemm_w8a8` (exact integer sums, the same epilogue);
 //! - the fused per-token quantizers (RMSNorm, SiLU·mul) against the CPU's `rms_norm`/`swiglu` then
 //!   `quantize_activations`: codes bit-identical where the f32 maths is exact (a sum of squares
-//!   without rounding), else within one code step; scales to f32 rounding.
+//!   without rounding), else within one code step; scales to f32 rounding; also with the GEMM's
+//!   token and row scales left to them (`OuterScale`).
 //! Needs compute capability 8.9+ for e4m3 (8.0+ for int8); skips visibly elsewhere unless
 //! PEREGRINE_REQUIRE_GPU (and PEREGRINE_REQUIRE_FP8 for e4m3).
 
@@ -21,7 +22,7 @@ use peregrine_engine::model::rowquant::{quantize_activations, RowFormat, RowQuan
 use cuda_common::values;
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::gemm_lt::BlasLt;
-use peregrine_kernels::ops::Gemv8Kernel;
+use peregrine_kernels::ops::{Gemv8Kernel, OuterScale};
 use peregrine_kernels::{Cuda, OutType, W8Format};
 
 const FORMATS: [(RowFormat, W8Format); 2] = [(RowFormat::Fp8E4m3, W8Format::E4m3), (RowFormat::Int8, W8Format::I8)];
@@ -287,6 +288,15 @@ fn zero_rows_give_zero_scales_codes_and_outputs() {
     }
 }
 
+/// Token and row scales a GEMM may leave to the kernel after it: powers of two (products exact in
+/// f32, so the kernel's scaled inputs are the host's bit for bit), or all ones when not `deferred`.
+fn deferred_scales(rows: usize, cols: usize, deferred: bool) -> (Vec<f32>, Vec<f32>) {
+    if !deferred {
+        return (vec![1.0; rows], vec![1.0; cols]);
+    }
+    ((0..rows).map(|r| [0.5, 2.0, 0.25][r % 3]).collect(), (0..cols).map(|j| [1.0, 0.5, 2.0, 4.0][j % 4]).collect())
+}
+
 /// Asserts GPU codes/scales against the CPU's quantization of the same f32 rows: scales within f32
 /// rounding, codes equal (`exact`) or within one code step.
 fn check_codes(format: RowFormat, what: &str, rows: usize, k: usize, want_f32: &[f32], got_q: &[u8], got_s: &[f32], exact: bool) {
@@ -325,12 +335,16 @@ fn fused_rmsnorm_quant_matches_the_cpu_rms_norm_then_quantize() {
             let weight: Vec<f32> = values(hidden, 11, 1.0).iter().map(|v| 1.0 + v * 0.25).collect();
             // exact: multiples of 1/8 in ±4 (squares and their sum exact in f32 in any order), so the
             // GPU's f32 maths is the CPU's bit for bit; else arbitrary values.
-            for exact in [true, false] {
+            // deferred: delta is an unscaled GEMM output whose token and row scales the kernel applies
+            // (powers of two, so the scaled sums stay exact), the token scales read from the very
+            // buffer the kernel writes its own to, as in the decode step.
+            for (exact, deferred) in [(true, false), (false, false), (true, true)] {
                 let quantize = |v: f32| if exact { (v * 8.0).round() / 8.0 } else { v };
                 let residual: Vec<f32> = values(rows * hidden, 3, 2.0).into_iter().map(|v| quantize(v.clamp(-4.0, 4.0))).collect();
                 // delta in bf16 (what the o / down projections write), also exact multiples of 1/8.
                 let delta: Vec<f32> = values(rows * hidden, 4, 1.0).into_iter().map(|v| bf16::from_f32(quantize(v.clamp(-2.0, 2.0))).to_f32()).collect();
-                let summed: Vec<f32> = residual.iter().zip(&delta).map(|(a, b)| a + b).collect();
+                let (xs, ws) = deferred_scales(rows, hidden, deferred);
+                let summed: Vec<f32> = residual.iter().zip(&delta).enumerate().map(|(i, (a, b))| a + b * (xs[i / hidden] * ws[i % hidden])).collect();
                 let mut want = vec![0f32; rows * hidden];
                 rms_norm(&summed, &weight, eps, &mut want);
 
@@ -339,15 +353,19 @@ fn fused_rmsnorm_quant_matches_the_cpu_rms_norm_then_quantize() {
                 let dw = c.gpu.upload(&weight).unwrap();
                 let dout = c.gpu.upload(&vec![0xFFFFu16; rows * hidden]).unwrap();
                 let dq = c.gpu.upload(&vec![0xAAu8; rows * hidden]).unwrap();
-                let ds = c.gpu.upload(&vec![f32::NAN; rows]).unwrap();
-                unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), Some(ddelta.ptr()), dw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, hidden, eps, None).unwrap() };
+                let ds = c.gpu.upload(&if deferred { xs.clone() } else { vec![f32::NAN; rows] }).unwrap();
+                let dws = c.gpu.upload(&ws).unwrap();
+                let scale = deferred.then(|| OuterScale { xs: ds.ptr(), ws: dws.ptr() });
+                unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), Some(ddelta.ptr()), dw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, hidden, eps, None, scale).unwrap() };
                 let res_after = dres.download(s).unwrap();
                 assert!(res_after.iter().zip(&summed).all(|(a, b)| a.to_bits() == b.to_bits()), "residual += delta");
                 for (i, (&bits, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
                     let g = bf16::from_bits(bits).to_f32();
                     assert!((g - w).abs() <= w.abs() / 128.0 + 1e-6, "{format:?} normed bf16 [{i}]: {g} vs {w}");
                 }
-                check_codes(format, &format!("rmsnorm {rows}x{hidden}"), rows, hidden, &want, &dq.download(s).unwrap(), &ds.download(s).unwrap(), exact);
+                let what = format!("rmsnorm {rows}x{hidden}{}", if deferred { " (scales deferred)" } else { "" });
+                // Deferred: exact sums, but the scaled values' squares no longer sum exactly.
+                check_codes(format, &what, rows, hidden, &want, &dq.download(s).unwrap(), &ds.download(s).unwrap(), exact && !deferred);
             }
         }
     }
@@ -361,26 +379,30 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
         if !ready(&c, w8) {
             continue;
         }
-        for (rows, inter) in [(2usize, 1536usize), (17, 14336)] {
+        for (rows, inter, deferred) in [(2usize, 1536usize, false), (17, 14336, false), (17, 14336, true)] {
             let mut gate_up = values(rows * 2 * inter, 21, 4.0);
             // A token whose SwiGLU is all zeros: scale 0, codes 0.
             gate_up[2 * inter..4 * inter].fill(0.0);
             let bits: Vec<u16> = gate_up.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-            let gu: Vec<f32> = bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+            // deferred: gate|up unscaled, scaled by the kernel (powers of two: exact).
+            let (xs, ws) = deferred_scales(rows, 2 * inter, deferred);
+            let gu: Vec<f32> = bits.iter().enumerate().map(|(i, &b)| bf16::from_bits(b).to_f32() * (xs[i / (2 * inter)] * ws[i % (2 * inter)])).collect();
             let mut want = vec![0f32; rows * inter];
             swiglu(&gu, inter, &mut want);
             let dgu = c.gpu.upload(&bits).unwrap();
             let dout = c.gpu.upload(&vec![0xFFFFu16; rows * inter]).unwrap();
             let dq = c.gpu.upload(&vec![0xAAu8; rows * inter]).unwrap();
-            let ds = c.gpu.upload(&vec![f32::NAN; rows]).unwrap();
-            unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None).unwrap() };
+            let ds = c.gpu.upload(&if deferred { xs.clone() } else { vec![f32::NAN; rows] }).unwrap();
+            let dws = c.gpu.upload(&ws).unwrap();
+            let scale = deferred.then(|| OuterScale { xs: ds.ptr(), ws: dws.ptr() });
+            unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None, scale).unwrap() };
             for (i, (&b, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
                 let g = bf16::from_bits(b).to_f32();
                 assert!((g - w).abs() <= w.abs() / 128.0 + 1e-6, "{format:?} SwiGLU bf16 [{i}]: {g} vs {w}");
             }
             let (q, sc) = (dq.download(s).unwrap(), ds.download(s).unwrap());
             assert_eq!(sc[1], 0.0, "zero token's scale");
-            check_codes(format, &format!("silu_mul {rows}x{inter}"), rows, inter, &want, &q, &sc, false);
+            check_codes(format, &format!("silu_mul {rows}x{inter}{}", if deferred { " (scales deferred)" } else { "" }), rows, inter, &want, &q, &sc, false);
         }
     }
 }

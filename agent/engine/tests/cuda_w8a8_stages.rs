@@ -118,7 +118,7 @@ fn layer0_stages(f: RowFormat) {
         let dout = c.gpu.alloc_zeros::<u16>(rows * h).unwrap();
         let dq = c.gpu.alloc_zeros::<u8>(rows * h.max(inter)).unwrap();
         let ds = c.gpu.alloc_zeros::<f32>(rows).unwrap();
-        unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), None, dnw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, h, eps, None).unwrap() };
+        unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), None, dnw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, h, eps, None, None).unwrap() };
         let got_s = ds.download(s).unwrap();
         let got_q = dq.download(s).unwrap();
         let scale_gap = got_s.iter().zip(&want_scales).fold(0f32, |m, (a, b)| m.max((a - b).abs() / b.abs().max(1e-30)));
@@ -138,7 +138,7 @@ fn layer0_stages(f: RowFormat) {
         swiglu(&gate_up_bf, inter, &mut act);
         let dgu = c.gpu.upload(&bf16_bits(&gate_up_bf)).unwrap();
         let dact = c.gpu.alloc_zeros::<u16>(rows * inter).unwrap();
-        unsafe { c.kernels.silu_mul_quant(s, w8, dact.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None).unwrap() };
+        unsafe { c.kernels.silu_mul_quant(s, w8, dact.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None, None).unwrap() };
         let (act_vals, act_scales) = quantize_activations(f, &act, rows, inter);
         let got_s = ds.download(s).unwrap();
         let got_q = dq.download(s).unwrap();

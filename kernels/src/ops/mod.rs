@@ -29,6 +29,7 @@ pub use encoder::{
 };
 pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
+pub use quant8::OuterScale;
 pub use rope_kv::KvRotation;
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraDelta, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;

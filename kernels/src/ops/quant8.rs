@@ -6,6 +6,23 @@ use cudarc::driver::CudaStream;
 use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, LoraDelta, W8Format};
 use crate::Result;
 
+/// The token and row scales an unscaled 8-bit GEMM left to the kernel that consumes its output
+/// (`Cuda::linear_w8_deferred`): that kernel multiplies each value by `xs[token] · ws[column]`, which
+/// saves `scale_outer`'s pass over the output. `xs` may be the buffer the consumer writes its own
+/// token scales to (each row's is read before it is overwritten).
+#[derive(Debug, Clone, Copy)]
+pub struct OuterScale {
+    pub xs: DPtr,
+    pub ws: DPtr,
+}
+
+impl OuterScale {
+    /// The two kernel arguments (null pointers for None).
+    pub(crate) fn args(scale: Option<OuterScale>) -> (DPtr, DPtr) {
+        scale.map_or((0, 0), |s| (s.xs, s.ws))
+    }
+}
+
 impl Kernels {
     /// [`Kernels::add_rmsnorm`] (with `lora` as there) on all `n` rows (no row selection), which also writes each normalized
     /// row's codes to `q` (`n × hidden` bytes) and its scale to `scales` (computed from the f32
@@ -15,11 +32,12 @@ impl Kernels {
     /// residual: n*hidden f32; delta and lora's buffer: like residual in bf16; weight: hidden f32;
     /// out: n*hidden bf16; q: n*hidden bytes; scales: n f32.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn add_rmsnorm_quant(&self, s: &CudaStream, format: W8Format, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, q: DPtr, scales: DPtr, n: usize, hidden: usize, eps: f32, lora: Option<LoraDelta>) -> Result<()> {
+    pub unsafe fn add_rmsnorm_quant(&self, s: &CudaStream, format: W8Format, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, q: DPtr, scales: DPtr, n: usize, hidden: usize, eps: f32, lora: Option<LoraDelta>, delta_scale: Option<OuterScale>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let (lora_d, lora_slots) = LoraDelta::args(lora);
+        let (dxs, dws) = OuterScale::args(delta_scale);
         self.check_w8(format, "add_rmsnorm_quant")?;
         let delta = delta.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
@@ -35,6 +53,8 @@ impl Kernels {
             .arg(&eps)
             .arg(&lora_d)
             .arg(&lora_slots)
+            .arg(&dxs)
+            .arg(&dws)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }
@@ -45,11 +65,12 @@ impl Kernels {
     /// # Safety
     /// out: n*inter bf16; q: n*inter bytes; scales: n f32; gate_up: n*2*inter bf16.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>) -> Result<()> {
+    pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>, gate_up_scale: Option<OuterScale>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let (lora_d, lora_slots) = LoraDelta::args(lora);
+        let (dxs, dws) = OuterScale::args(gate_up_scale);
         self.check_w8(format, "silu_mul_quant")?;
         let inter_i = as_i32(inter, "intermediate")?;
         let threads = Self::row_threads(inter, "silu_mul_quant")?;
@@ -61,6 +82,8 @@ impl Kernels {
             .arg(&inter_i)
             .arg(&lora_d)
             .arg(&lora_slots)
+            .arg(&dxs)
+            .arg(&dws)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }

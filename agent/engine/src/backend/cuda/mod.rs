@@ -33,7 +33,7 @@ pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
 pub use weights::{GpuWeights, Linear};
 
-use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, KvRotation, LoraDelta, SAMPLE_PARAMS};
+use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, KvRotation, LoraDelta, OuterScale, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
@@ -392,23 +392,34 @@ impl CudaBackend {
                     (Linear::W8 { .. }, None) => Err(KernelError::Unsupported("8-bit weights without a format".into())),
                 }
             };
+            // The projections whose output goes to a kernel that can scale it (o, gate|up, down),
+            // without LoRA (an in-place LoRA expand adds into the output, which must then be final):
+            // an unscaled 8-bit GEMM leaves its token and row scales to that kernel.
+            let linear_scaled_later = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize| -> peregrine_kernels::Result<Option<OuterScale>> {
+                match (wt, w8) {
+                    (Linear::W8 { codes, scales }, Some(f)) if lora.is_none() => cuda.linear_w8_deferred(f, y, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in),
+                    _ => linear(y, x, wt, n_out, k_in).map(|()| None),
+                }
+            };
             // add + RMSNorm into `normed`, and with 8-bit linears its codes into xq/xs.
-            // `lora`: the update of the projection that wrote `delta`.
-            let norm = |delta: Option<DPtr>, weight: DPtr, lora: Option<LoraDelta>| -> peregrine_kernels::Result<()> {
+            // `lora`: the update of the projection that wrote `delta`; `delta_scale`: its scales, when
+            // it left them to this kernel.
+            let norm = |delta: Option<DPtr>, weight: DPtr, lora: Option<LoraDelta>, delta_scale: Option<OuterScale>| -> peregrine_kernels::Result<()> {
                 match w8 {
-                    Some(f) => k.add_rmsnorm_quant(s, f, sc.residual.ptr(), delta, weight, sc.normed.ptr(), xq, xs, n, h, eps, lora),
-                    None => k.add_rmsnorm(s, sc.residual.ptr(), delta, weight, sc.normed.ptr(), None, n, h, eps, lora),
+                    Some(f) => k.add_rmsnorm_quant(s, f, sc.residual.ptr(), delta, weight, sc.normed.ptr(), xq, xs, n, h, eps, lora, delta_scale),
+                    None => k.add_rmsnorm(s, sc.residual.ptr(), delta, weight, sc.normed.ptr(), None, n, h, eps, lora, delta_scale),
                 }
             };
             k.embedding_gather(s, sc.residual.ptr(), w.embed.ptr(), m(lay.ids()), n, h)?;
             if let Some(lora) = lora {
                 lora.begin_step(cuda, lora_slots, n)?;
             }
-            // The previous down projection's LoRA update (the next norm adds it with its output).
-            let mut down_lora = None;
+            // The previous down projection's LoRA update and deferred scales (the next norm adds
+            // and applies them with its output).
+            let (mut down_lora, mut down_scale) = (None, None);
             for (l, lw) in w.layers.iter().enumerate() {
                 let delta = (l > 0).then(|| sc.delta.ptr());
-                norm(delta, lw.input_norm.ptr(), down_lora)?;
+                norm(delta, lw.input_norm.ptr(), down_lora, down_scale)?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
                 let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
@@ -443,8 +454,11 @@ impl CudaBackend {
                     // The attention output is the one 8-bit input without a fused quantizer.
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
-                let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim()))?;
-                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora)?;
+                let (o_lora, o_scale) = match lora {
+                    Some(_) => (project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim()))?, None),
+                    None => (None, linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim())?),
+                };
+                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale)?;
                 // Decode-sized bf16 steps without LoRA: one kernel for gate/up and SwiGLU; otherwise
                 // the projection (+ LoRA updates on gate and up), then SwiGLU (quantizing its output
                 // for an 8-bit down projection).
@@ -454,17 +468,24 @@ impl CudaBackend {
                 };
                 if !fused {
                     let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
-                    let gate_up_lora = project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h))?;
+                    let (gate_up_lora, gate_up_scale) = match lora {
+                        Some(_) => (project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h))?, None),
+                        None => (None, linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h)?),
+                    };
                     match w8 {
-                        Some(f) => k.silu_mul_quant(s, f, sc.act.ptr(), xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora)?,
+                        Some(f) => k.silu_mul_quant(s, f, sc.act.ptr(), xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora, gate_up_scale)?,
+                        // bf16 linears never leave scales.
                         None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter, gate_up_lora)?,
                     }
                 }
-                down_lora = project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter))?;
+                (down_lora, down_scale) = match lora {
+                    Some(_) => (project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter))?, None),
+                    None => (None, linear_scaled_later(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter)?),
+                };
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());
-                k.add_rmsnorm(s, sc.residual.ptr(), delta, w.final_norm.ptr(), sc.final_normed.ptr(), Some(m(lay.logit_rows())), rows, h, eps, down_lora)?;
+                k.add_rmsnorm(s, sc.residual.ptr(), delta, w.final_norm.ptr(), sc.final_normed.ptr(), Some(m(lay.logit_rows())), rows, h, eps, down_lora, down_scale)?;
                 cuda.linear(sc.logits.ptr(), OutType::F32, sc.final_normed.ptr(), w.lm_head_ptr(), rows, c.vocab_size, h)?;
             }
         }

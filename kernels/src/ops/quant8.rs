@@ -30,7 +30,7 @@ impl Kernels {
     ///
     /// # Safety
     /// residual: n*hidden f32; delta and lora's buffer: like residual in bf16; weight: hidden f32;
-    /// out: n*hidden bf16; q: n*hidden bytes; scales: n f32.
+    /// out: n*hidden bf16 or 0 (no bf16 copy); q: n*hidden bytes; scales: n f32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn add_rmsnorm_quant(&self, s: &CudaStream, format: W8Format, residual: DPtr, delta: Option<DPtr>, weight: DPtr, out: DPtr, q: DPtr, scales: DPtr, n: usize, hidden: usize, eps: f32, lora: Option<LoraDelta>, delta_scale: Option<OuterScale>) -> Result<()> {
         if n == 0 {
@@ -63,7 +63,7 @@ impl Kernels {
     /// its scale to `scales` (from the f32 values). One block per row.
     ///
     /// # Safety
-    /// out: n*inter bf16; q: n*inter bytes; scales: n f32; gate_up: n*2*inter bf16.
+    /// out: n*inter bf16 or 0 (no bf16 copy); q: n*inter bytes; scales: n f32; gate_up: n*2*inter bf16.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>, gate_up_scale: Option<OuterScale>) -> Result<()> {
         if n == 0 {

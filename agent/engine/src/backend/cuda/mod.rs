@@ -401,12 +401,18 @@ impl CudaBackend {
                     _ => linear(y, x, wt, n_out, k_in).map(|()| None),
                 }
             };
+            // Whether a quantizing kernel must also write its bf16 output: only LoRA (which reads
+            // bf16) or a bf16 linear among its consumers reads it.
+            let bf16_read = |consumers: &[&Linear]| lora.is_some() || consumers.iter().any(|l| l.reads_bf16());
             // add + RMSNorm into `normed`, and with 8-bit linears its codes into xq/xs.
             // `lora`: the update of the projection that wrote `delta`; `delta_scale`: its scales, when
-            // it left them to this kernel.
-            let norm = |delta: Option<DPtr>, weight: DPtr, lora: Option<LoraDelta>, delta_scale: Option<OuterScale>| -> peregrine_kernels::Result<()> {
+            // it left them to this kernel; `consumers`: the linears that read `normed`.
+            let norm = |delta: Option<DPtr>, weight: DPtr, lora: Option<LoraDelta>, delta_scale: Option<OuterScale>, consumers: &[&Linear]| -> peregrine_kernels::Result<()> {
                 match w8 {
-                    Some(f) => k.add_rmsnorm_quant(s, f, sc.residual.ptr(), delta, weight, sc.normed.ptr(), xq, xs, n, h, eps, lora, delta_scale),
+                    Some(f) => {
+                        let out = if bf16_read(consumers) { sc.normed.ptr() } else { 0 };
+                        k.add_rmsnorm_quant(s, f, sc.residual.ptr(), delta, weight, out, xq, xs, n, h, eps, lora, delta_scale)
+                    }
                     None => k.add_rmsnorm(s, sc.residual.ptr(), delta, weight, sc.normed.ptr(), None, n, h, eps, lora, delta_scale),
                 }
             };
@@ -419,7 +425,7 @@ impl CudaBackend {
             let (mut down_lora, mut down_scale) = (None, None);
             for (l, lw) in w.layers.iter().enumerate() {
                 let delta = (l > 0).then(|| sc.delta.ptr());
-                norm(delta, lw.input_norm.ptr(), down_lora, down_scale)?;
+                norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
                 let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
@@ -458,7 +464,7 @@ impl CudaBackend {
                     Some(_) => (project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim()))?, None),
                     None => (None, linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim())?),
                 };
-                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale)?;
+                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale, &[&lw.gate_up])?;
                 // Decode-sized bf16 steps without LoRA: one kernel for gate/up and SwiGLU; otherwise
                 // the projection (+ LoRA updates on gate and up), then SwiGLU (quantizing its output
                 // for an 8-bit down projection).
@@ -473,7 +479,10 @@ impl CudaBackend {
                         None => (None, linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h)?),
                     };
                     match w8 {
-                        Some(f) => k.silu_mul_quant(s, f, sc.act.ptr(), xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora, gate_up_scale)?,
+                        Some(f) => {
+                            let out = if bf16_read(&[&lw.down]) { sc.act.ptr() } else { 0 };
+                            k.silu_mul_quant(s, f, out, xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora, gate_up_scale)?
+                        }
                         // bf16 linears never leave scales.
                         None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter, gate_up_lora)?,
                     }

@@ -23,6 +23,12 @@ pub enum Linear {
 }
 
 impl Linear {
+    /// Whether this linear reads its input as bf16 (an 8-bit one reads the codes the kernel before
+    /// it wrote beside the bf16 values).
+    pub fn reads_bf16(&self) -> bool {
+        matches!(self, Linear::Bf16(_))
+    }
+
     pub fn bytes(&self) -> usize {
         match self {
             Linear::Bf16(w) => w.len() * 2,

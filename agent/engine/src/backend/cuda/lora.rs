@@ -428,6 +428,13 @@ impl GpuLora {
         cuda.kernels.lora_group(&cuda.gpu.stream, &self.segments(slots), n)
     }
 
+    /// Whether [`GpuLora::apply_around`] returns the updates of an `n`-token step in their own buffer
+    /// (for the consumer to add) rather than adding them into the projection's output: only then
+    /// may that output stay unscaled for its consumer (`Cuda::linear_w8_deferred`).
+    pub fn update_buffered(&self, n: usize) -> bool {
+        self.overlap.is_some() && self.delta.is_some() && n <= self.delta_tokens
+    }
+
     /// Enqueues the base projection (`base`, on the main stream) and the update `scale · (x · Aᵀ) ·
     /// Bᵀ` of every module of its group for the `n` tokens of a step, after [`GpuLora::begin_step`]
     /// with the same `slots`. Decode-sized steps: shrink and expand beside `base` on the side stream,

@@ -33,6 +33,8 @@ pub use plan::{Limits, PlanLayout};
 pub use rope::{inv_freq, tables as rope_tables};
 pub use weights::{GpuWeights, Linear};
 
+use std::cell::Cell;
+
 use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, KvRotation, LoraDelta, OuterScale, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
@@ -392,14 +394,16 @@ impl CudaBackend {
                     (Linear::W8 { .. }, None) => Err(KernelError::Unsupported("8-bit weights without a format".into())),
                 }
             };
-            // The projections whose output goes to a kernel that can scale it (o, gate|up, down),
-            // without LoRA (an in-place LoRA expand adds into the output, which must then be final):
-            // an unscaled 8-bit GEMM leaves its token and row scales to that kernel.
-            let linear_scaled_later = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize| -> peregrine_kernels::Result<Option<OuterScale>> {
-                match (wt, w8) {
-                    (Linear::W8 { codes, scales }, Some(f)) if lora.is_none() => cuda.linear_w8_deferred(f, y, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in),
-                    _ => linear(y, x, wt, n_out, k_in).map(|()| None),
-                }
+            // The projections whose output goes to a kernel that can scale it (o, gate|up, down): an
+            // unscaled 8-bit GEMM leaves its token and row scales to that kernel (in `scale`), unless
+            // LoRA adds its updates into the output (an in-place expand needs it final).
+            let defer_scales = lora.is_none_or(|l| l.update_buffered(n));
+            let linear_scaled_later = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize, scale: &Cell<Option<OuterScale>>| -> peregrine_kernels::Result<()> {
+                scale.set(match (wt, w8) {
+                    (Linear::W8 { codes, scales }, Some(f)) if defer_scales => cuda.linear_w8_deferred(f, y, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in)?,
+                    _ => linear(y, x, wt, n_out, k_in).map(|()| None)?,
+                });
+                Ok(())
             };
             // Whether a quantizing kernel must also write its bf16 output: only LoRA (which reads
             // bf16) or a bf16 linear among its consumers reads it.
@@ -460,11 +464,9 @@ impl CudaBackend {
                     // The attention output is the one 8-bit input without a fused quantizer.
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
-                let (o_lora, o_scale) = match lora {
-                    Some(_) => (project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim()))?, None),
-                    None => (None, linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim())?),
-                };
-                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale, &[&lw.gate_up])?;
+                let o_scale = Cell::new(None);
+                let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim(), &o_scale))?;
+                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale.get(), &[&lw.gate_up])?;
                 // Decode-sized bf16 steps without LoRA: one kernel for gate/up and SwiGLU; otherwise
                 // the projection (+ LoRA updates on gate and up), then SwiGLU (quantizing its output
                 // for an 8-bit down projection).
@@ -474,10 +476,9 @@ impl CudaBackend {
                 };
                 if !fused {
                     let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
-                    let (gate_up_lora, gate_up_scale) = match lora {
-                        Some(_) => (project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h))?, None),
-                        None => (None, linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h)?),
-                    };
+                    let gate_up_scale = Cell::new(None);
+                    let gate_up_lora = project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h, &gate_up_scale))?;
+                    let gate_up_scale = gate_up_scale.get();
                     match w8 {
                         Some(f) => {
                             let out = if bf16_read(&[&lw.down]) { sc.act.ptr() } else { 0 };
@@ -487,10 +488,9 @@ impl CudaBackend {
                         None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter, gate_up_lora)?,
                     }
                 }
-                (down_lora, down_scale) = match lora {
-                    Some(_) => (project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter))?, None),
-                    None => (None, linear_scaled_later(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter)?),
-                };
+                let scale = Cell::new(None);
+                down_lora = project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear_scaled_later(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter, &scale))?;
+                down_scale = scale.get();
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());

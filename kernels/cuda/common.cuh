@@ -127,3 +127,24 @@ __device__ __forceinline__ void scale8(float (&v)[8], float sx, const float* sw)
 #pragma unroll
     for (int t = 0; t < 8; ++t) v[t] *= sx * w[t];
 }
+
+// The residual add of a norm kernel: row x (f32) += d (bf16, times sx · dws[j] when dws is not null)
+// + ld (the LoRA update, bf16), each null for none, written back when anything was added; the row
+// in v (this thread's chunks), this thread's sum of squares returned.
+__device__ __forceinline__ float residual_add_row(float* x, const bf16_t* d, const bf16_t* ld, float sx, const float* dws,
+                                                  int chunks, float (&v)[ROW_MAXC][8]) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+            ld8_f32(x + 8 * c, v[i]);
+            if (d) add8_bf16_scaled(d + 8 * c, v[i], sx, dws ? dws + 8 * c : nullptr);
+            if (ld) add8_bf16(ld + 8 * c, v[i]);
+            if (d || ld) st8_f32(x + 8 * c, v[i]);
+#pragma unroll
+            for (int t = 0; t < 8; ++t) ss += v[i][t] * v[i][t];
+        }
+    }
+    return ss;
+}

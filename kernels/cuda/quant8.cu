@@ -97,19 +97,7 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, hidden);
     const float sx = dws ? dxs[row] : 1.f;
     float v[ROW_MAXC][8];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < ROW_MAXC; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < chunks) {
-            ld8_f32(x + 8 * c, v[i]);
-            if (d) add8_bf16_scaled(d + 8 * c, v[i], sx, dws ? dws + 8 * c : nullptr);
-            if (ld) add8_bf16(ld + 8 * c, v[i]);
-            if (d || ld) st8_f32(x + 8 * c, v[i]);
-#pragma unroll
-            for (int t = 0; t < 8; ++t) ss += v[i][t] * v[i][t];
-        }
-    }
+    const float ss = residual_add_row(x, d, ld, sx, dws, chunks, v);
     // 1 / sqrt and w * (x * inv), as the CPU's rms_norm (rsqrtf would differ in the last bits).
     const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)hidden + eps);
     float amax = 0.f;

@@ -22,19 +22,7 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* __restrict
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, src, hidden);
     const float sx = dws ? dxs[src] : 1.f;
     float v[ROW_MAXC][8];
-    float ss = 0.f;
-#pragma unroll
-    for (int r = 0; r < ROW_MAXC; ++r) {
-        const int c = threadIdx.x + r * blockDim.x;
-        if (c < chunks) {
-            ld8_f32(x + 8 * c, v[r]);
-            if (d) add8_bf16_scaled(d + 8 * c, v[r], sx, dws ? dws + 8 * c : nullptr);
-            if (ld) add8_bf16(ld + 8 * c, v[r]);
-            if (d || ld) st8_f32(x + 8 * c, v[r]);
-#pragma unroll
-            for (int t = 0; t < 8; ++t) ss += v[r][t] * v[r][t];
-        }
-    }
+    const float ss = residual_add_row(x, d, ld, sx, dws, chunks, v);
     const float inv = rsqrtf(block_sum(ss, scratch) / (float)hidden + eps);
     bf16_t* o = out + i * hidden;
 #pragma unroll

@@ -1,7 +1,7 @@
 //! gemv_fp8.cu and gemv_mma8.cu: row-wise 8-bit W8A8 for decode-sized steps: per-token activation
 //! quantization and the e4m3 (sm_89+) and int8 GEMVs with both scales in their epilogue.
 
-use cudarc::driver::{CudaStream, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, PushKernelArg};
 
 use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, W8Format};
 use crate::{KernelError, Result};
@@ -150,8 +150,14 @@ impl Kernels {
         if let Some((small, large)) = self.gemv8_wpr {
             wpr = if k >= 8192 { large } else { small };
         }
+        let blocks = n.div_ceil(GEMV8_WARPS / wpr * Self::gemv8_rows(index));
+        self.launch_gemv8(s, func, blocks, wpr, y, y_f32, xq, xs, wq, ws, m, n, k)
+    }
+
+    /// Launches an 8-bit GEMV kernel (both files share the argument list) with PDL where enabled.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_gemv8(&self, s: &CudaStream, func: &CudaFunction, blocks: usize, wpr: usize, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
         let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
-        let grid = as_u32(n.div_ceil(GEMV8_WARPS / wpr * Self::gemv8_rows(index)), "gemv_w8 blocks")?;
         Launch::new(func)
             .arg(&y)
             .arg(&yf)
@@ -163,7 +169,7 @@ impl Kernels {
             .arg(&ni)
             .arg(&ki)
             .arg(&wpr_i)
-            .launch(s, cfg(grid, (GEMV8_WARPS * 32) as u32), self.pdl)?;
+            .launch(s, cfg(as_u32(blocks, "gemv_w8 blocks")?, (GEMV8_WARPS * 32) as u32), self.pdl)?;
         Ok(())
     }
 
@@ -180,21 +186,7 @@ impl Kernels {
         if !matches!(wpr, 1 | 2 | 4 | 8) {
             return Err(KernelError::Unsupported(format!("gemv_w8: {wpr} warps per tile (1, 2, 4 or 8)")));
         }
-        let (yf, mi, ni, ki, wpr_i) = (y_f32 as i32, m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
-        let grid = as_u32(tiles.div_ceil(GEMV8_WARPS / wpr), "gemv_w8 blocks")?;
-        Launch::new(func)
-            .arg(&y)
-            .arg(&yf)
-            .arg(&xq)
-            .arg(&xs)
-            .arg(&wq)
-            .arg(&ws)
-            .arg(&mi)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&wpr_i)
-            .launch(s, cfg(grid, (GEMV8_WARPS * 32) as u32), self.pdl)?;
-        Ok(())
+        self.launch_gemv8(s, func, tiles.div_ceil(GEMV8_WARPS / wpr), wpr, y, y_f32, xq, xs, wq, ws, m, n, k)
     }
 
     /// Warps per 16-row tile of the tensor-core GEMV: doubled (up to 8) until the grid has

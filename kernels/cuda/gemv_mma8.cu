@@ -3,8 +3,8 @@
 // the same contract as gemv_fp8.cu's kernels (token scale, then row scale, in the epilogue).
 //
 // Why: gemv_fp8.cu's e4m3 kernel decodes every weight and activation code to f32 on the CUDA cores
-// (about 48 conversions per 16 weight bytes); conversions, not HBM, bounded it, and its multi-token
-// variants lost to cuBLASLt from 2 tokens on. Here a warp feeds 16 weight rows straight into
+// (about 48 conversions per 16 weight bytes, the activations again for every token), so from 2
+// tokens on conversions, not HBM, bound it and it lost to cuBLASLt. Here a warp feeds 16 weight rows straight into
 // mma.sync m16n8k32 (e4m3 × e4m3 → f32, sm_89+; s8 × s8 → s32, sm_80+) as the A operand and up to 8
 // tokens as B (one column each): no conversions, and 2..8 tokens cost what 1 costs (16 take two
 // column tiles). Most of the tensor core's work is wasted at 1 token; it has plenty to spare.
@@ -21,7 +21,10 @@
 // rounds in flight), the first before pdl_wait() (weights do not depend on the kernel before).
 // Every round the mma results go into the lane's f32
 // accumulator by an ordinary add: Hopper's fp8 mma keeps ~14 bits when it adds into its accumulator,
-// so the chain it sees is at most 8 steps long. int8 sums are exact s32 (bit-identical to the dp4a
+// so the chain it sees is at most 2U steps long.
+// Measured (H100, docs/benchmarks.md session 14): 2..16 tokens cost what one does, but at one token
+// it is no faster than gemv_fp8.cu's kernel and slower on gate|up (each row is read in 64-byte
+// pieces, 16 rows per load), so it is opt-in (`PEREGRINE_GEMV8=tensor`). int8 sums are exact s32 (bit-identical to the dp4a
 // kernel's). The warps of a tile add their partial sums in a fixed order, and an output column
 // depends on its own token alone, so a token's result is the same for any m ≤ 16: batch invariant.
 // k % 16 == 0 and 16-byte aligned rows.

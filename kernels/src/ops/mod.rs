@@ -273,7 +273,6 @@ impl Kernels {
         })
     }
 
-    /// Grid for grid-stride elementwise kernels: enough blocks to fill the GPU, no more.
     /// Threads per block of a one-block-per-row kernel that holds its row in registers (common.cuh's
     /// row chunks: 8 values each, at most `ROW_MAXC` = 4 per thread): about two chunks per thread,
     /// 64 to 1024 threads. Rows must be a multiple of 8 values, at most 32,768.
@@ -286,6 +285,7 @@ impl Kernels {
         Ok(chunks.div_ceil(2).next_power_of_two().clamp(64, 1024) as u32)
     }
 
+    /// Grid for grid-stride elementwise kernels: enough blocks to fill the GPU, no more.
     fn elementwise_grid(&self, n: usize, block: u32) -> u32 {
         let want = n.div_ceil(block as usize).max(1);
         want.min(self.num_sms as usize * 8) as u32

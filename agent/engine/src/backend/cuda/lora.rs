@@ -470,8 +470,9 @@ impl GpuLora {
         let segs = self.segments(slots);
         let main = &cuda.gpu.stream;
         let k = &cuda.kernels;
-        // The update buffer holds `delta_tokens` rows of the widest output at any stride up to it.
-        let delta = self.delta.as_ref().filter(|_| n <= self.delta_tokens);
+        // The update buffer holds `delta_tokens` rows of the widest output at any stride up to it
+        // (used only with the side stream: the decision `update_buffered` reports).
+        let delta = self.delta.as_ref().filter(|_| self.update_buffered(n));
         match &self.overlap {
             Some(side) => {
                 // The fork: the side stream starts once the main stream has made x (and consumed

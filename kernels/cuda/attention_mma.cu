@@ -136,6 +136,25 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
 #endif
 }
 
+// Four e4m3 values (low byte first) -> two f16x2 (values 0, 1 and 2, 3), exactly. Naming the 32-bit
+// register's halves lets ptxas convert the high half in place instead of shifting it down first.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(u32 v, u32& lo, u32& hi) {
+#if __CUDA_ARCH__ >= 890
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(v));
+#else
+    lo = hi = 0u * v;
+#endif
+}
+
+// 2^x for x <= 0 (softmax weights): the approximate unit, subnormal results flushed to zero, without
+// exp2f's rescaling around the subnormal range.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // This thread's rows lo and hi of Q as A fragments (raw bf16 pairs: the softmax scale is applied to
 // the f32 scores); zeros for rows that are not active.
 template <int D>
@@ -229,6 +248,18 @@ __device__ __forceinline__ void mma_softmax_step(float (&s)[SN][4], float (&o)[N
     }
 }
 
+// Cache block and slot of key p. Block sizes are powers of two in practice (16 by default), where a
+// shift and a mask replace the division (tens of instructions per copy in the fp8 tile loader).
+__device__ __forceinline__ void kv_locate(int p, int block_size, int& blk, int& slot) {
+    if ((block_size & (block_size - 1)) == 0) {
+        blk = p >> (__ffs(block_size) - 1);
+        slot = p & (block_size - 1);
+    } else {
+        blk = p / block_size;
+        slot = p - blk * block_size;
+    }
+}
+
 // Issues the copies of the K and V rows of keys [kt0, kt0 + KT) (zeros past `end`) of KV head
 // `kvh` into pipeline stage `stage` of `tiles` (bytes: [stage][K tile | V tile], MmaGeom G).
 // bf16: both tiles [KT][D + MMA_PAD]. fp8: K [KT][D + MMA_F8_PAD] in mma_f8_key_row order, V^T
@@ -250,31 +281,32 @@ __device__ __forceinline__ void mma_load_tile(unsigned char* tiles, int stage, i
             const int r = threadIdx.x / CH + j * ROWS_PER_PASS;
             const int p = kt0 + r;
             const bool valid = p < end;
-            const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 8 : 0;
+            int blk = 0, slot = 0;
+            kv_locate(p, block_size, blk, slot);
+            const u64 off = valid ? (((u64)bt[blk] * hkv + kvh) * block_size + slot) * D + c * 8 : 0;
             cp_async16(smem_addr(ks + r * G::K_ROW + c * 16), k_cache + off, valid ? 16 : 0);
             cp_async16(smem_addr(vs + r * G::V_ROW + c * 16), v_cache + off, valid ? 16 : 0);
         }
     } else {
+        // Pass j copies, for one 16-key chunk of the tile, 16 bytes of a K row and 16 keys of a V^T
+        // row; the K and V halves of a pass share the chunk, so its block-table entry is read once.
         constexpr int CH = D / 16;  // 16-byte chunks of a K row
-        constexpr int KPASSES = G::KT * CH / (MMA_WARPS * 32);
+        constexpr int PASSES = G::KT * D / 16 / (MMA_WARPS * 32);
 #pragma unroll
-        for (int j = 0; j < KPASSES; ++j) {
+        for (int j = 0; j < PASSES; ++j) {
             const int i = threadIdx.x + j * MMA_WARPS * 32;
-            const int r = i / CH, c = i % CH;
-            const int p = kt0 + r;
-            const bool valid = p < end;
-            const u64 off = valid ? (((u64)bt[p / block_size] * hkv + kvh) * block_size + p % block_size) * D + c * 16 : 0;
-            cp_async16(smem_addr(ks + mma_f8_key_row(r) * G::K_ROW + c * 16), k_cache + off, valid ? 16 : 0);
-        }
-        constexpr int VPASSES = (G::KT / 16) * D / (MMA_WARPS * 32);
-#pragma unroll
-        for (int j = 0; j < VPASSES; ++j) {
-            const int i = threadIdx.x + j * MMA_WARPS * 32;
-            const int kc = i / D, dim = i % D;  // consecutive threads: consecutive dims (contiguous in the cache)
-            const int p = kt0 + kc * 16;
-            const int bytes = min(max(end - p, 0), 16);
-            const u64 off = bytes > 0 ? (((u64)bt[p / block_size] * hkv + kvh) * D + dim) * block_size + p % block_size : 0;
-            cp_async16(smem_addr(vs + dim * G::V_ROW + kc * 16), v_cache + off, bytes);
+            const int chunk = i / D, w = i % D;  // w: a V^T row (dim), or key w / CH's K bytes w % CH
+            const int p0 = kt0 + chunk * 16;     // a multiple of 16: the chunk lies in one cache block
+            const int bytes = min(max(end - p0, 0), 16);
+            int blk = 0, slot = 0;
+            kv_locate(p0, block_size, blk, slot);
+            const u64 head = bytes > 0 ? (u64)bt[blk] * hkv + kvh : 0;  // (block, KV head) of the chunk
+            const int kr = w / CH, c = w % CH;
+            const bool kvalid = kr < bytes;
+            const u64 koff = kvalid ? (head * block_size + slot + kr) * D + c * 16 : 0;
+            cp_async16(smem_addr(ks + (chunk * 16 + mma_f8_key_row(kr)) * G::K_ROW + c * 16), k_cache + koff, kvalid ? 16 : 0);
+            const u64 voff = bytes > 0 ? (head * D + w) * block_size + slot : 0;
+            cp_async16(smem_addr(vs + w * G::V_ROW + chunk * 16), v_cache + voff, bytes);
         }
     }
 }
@@ -302,10 +334,15 @@ __device__ __forceinline__ void mma_qk16(float (&s0)[4], float (&s1)[4], const u
         for (int kk = 0; kk < D / 32; ++kk) {
             u32 r0, r1, r2, r3;
             ldmatrix_x4(smem_addr(base + kk * 32), r0, r1, r2, r3);
-            mma_f16(s0, qa[2 * kk], e4m3x2_to_f16x2(r0), e4m3x2_to_f16x2(r0 >> 16));
-            mma_f16(s0, qa[2 * kk + 1], e4m3x2_to_f16x2(r1), e4m3x2_to_f16x2(r1 >> 16));
-            mma_f16(s1, qa[2 * kk], e4m3x2_to_f16x2(r2), e4m3x2_to_f16x2(r2 >> 16));
-            mma_f16(s1, qa[2 * kk + 1], e4m3x2_to_f16x2(r3), e4m3x2_to_f16x2(r3 >> 16));
+            u32 b[4][2];
+            e4m3x4_to_f16x2x2(r0, b[0][0], b[0][1]);
+            e4m3x4_to_f16x2x2(r1, b[1][0], b[1][1]);
+            e4m3x4_to_f16x2x2(r2, b[2][0], b[2][1]);
+            e4m3x4_to_f16x2x2(r3, b[3][0], b[3][1]);
+            mma_f16(s0, qa[2 * kk], b[0][0], b[0][1]);
+            mma_f16(s0, qa[2 * kk + 1], b[1][0], b[1][1]);
+            mma_f16(s1, qa[2 * kk], b[2][0], b[2][1]);
+            mma_f16(s1, qa[2 * kk + 1], b[3][0], b[3][1]);
         }
     }
 }
@@ -338,7 +375,11 @@ __device__ __forceinline__ void mma_pv16(float (&o)[D / 8][4], const float (&p0)
             u32 r[4];
             ldmatrix_x4(smem_addr(base + dd * 32 * G::V_ROW), r[0], r[1], r[2], r[3]);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) mma_f16(o[4 * dd + i], pa, e4m3x2_to_f16x2(r[i]), e4m3x2_to_f16x2(r[i] >> 16));
+            for (int i = 0; i < 4; ++i) {
+                u32 b0, b1;
+                e4m3x4_to_f16x2x2(r[i], b0, b1);
+                mma_f16(o[4 * dd + i], pa, b0, b1);
+            }
         }
     }
 }
@@ -580,16 +621,16 @@ ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t)
 
 // The fp8 kernels need sm_89's e4m3 conversions.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 64, true, fp8_t, MMA_F8_DECODE_BLOCKS)
-ATTENTION_MMA_KERNEL(paged_attention_mma_f8, 128, true, fp8_t, MMA_F8_DECODE_BLOCKS)
+ATTENTION_MMA_KERNEL(paged_attention_mma_f8q, 64, true, fp8_t, MMA_F8_DECODE_BLOCKS)
+ATTENTION_MMA_KERNEL(paged_attention_mma_f8q, 128, true, fp8_t, MMA_F8_DECODE_BLOCKS)
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t)
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t)
 #else
 // Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
 #define ATTENTION_MMA_F8_STUB(NAME, ...) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
     const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, __VA_ARGS__) {}
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d64, float*, float*)
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8_d128, float*, float*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8q_d64, float*, float*)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_f8q_d128, float*, float*)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64, int, int, int)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128, int, int, int)
 #endif

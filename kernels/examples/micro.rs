@@ -25,7 +25,7 @@ fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
 }
 
 fn main() {
-    let c = match Cuda::new(0) {
+    let mut c = match Cuda::new(0) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("micro: {e}");
@@ -35,7 +35,7 @@ fn main() {
     let s = &c.gpu.stream;
     // MICRO=attention times the attention kernels only; MICRO=lora the grouped LoRA kernels.
     if std::env::var("MICRO").is_ok_and(|v| v == "attention") {
-        attention(&c);
+        attention(&mut c);
         return;
     }
     if std::env::var("MICRO").is_ok_and(|v| v == "lora") {
@@ -99,38 +99,44 @@ fn main() {
         }
         println!("{line}");
     }
-    attention(&c);
+    attention(&mut c);
 }
 
 /// Decode (one token; batched), and prefill attention, every kernel and cache type.
-fn attention(c: &Cuda) {
-    let s = &c.gpu.stream;
+fn attention(c: &mut Cuda) {
     // Decode attention: 1 token, 32 q heads over 8 KV heads, d 128, block 16.
     let (hq, hkv, d, bs) = (32usize, 8usize, 128usize, 16usize);
-    for ctx in [256usize, 2048, 8192] {
+    // MICRO_ATTN=batched: only the batched decode shapes (what a profiler is pointed at).
+    let batched_only = std::env::var("MICRO_ATTN").is_ok_and(|v| v == "batched");
+    let single_ctxs: &[usize] = if batched_only { &[] } else { &[256, 2048, 8192] };
+    for &ctx in single_ctxs {
         let blocks = ctx.div_ceil(bs);
         let kc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
         let vc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
         unsafe {
-            c.kernels.fill_uniform_bf16(s, kc.ptr(), kc.len(), 1, 1.0).unwrap();
-            c.kernels.fill_uniform_bf16(s, vc.ptr(), vc.len(), 2, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(&c.gpu.stream, kc.ptr(), kc.len(), 1, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(&c.gpu.stream, vc.ptr(), vc.len(), 2, 1.0).unwrap();
         }
         let table: Vec<i32> = (0..blocks as i32).collect();
         let bt = c.gpu.upload(&table).unwrap();
         let pos = c.gpu.upload(&[ctx as i32 - 1]).unwrap();
         let seq = c.gpu.upload(&[0i32]).unwrap();
         let q = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
-        unsafe { c.kernels.fill_uniform_bf16(s, q.ptr(), hq * d, 3, 1.0).unwrap() };
+        unsafe { c.kernels.fill_uniform_bf16(&c.gpu.stream, q.ptr(), hq * d, 3, 1.0).unwrap() };
         let out = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let mut line = format!("decode attention ctx {ctx:>5} (KV {:.1} MB, split x{}):", (2 * kc.len() * 2) as f64 / 1e6, c.kernels.attention_splits(1, hkv));
-        for (kernel, kv) in attention_variants(c) {
+        for (kernel, kv, f8) in attention_variants(c) {
+            if let Some(v) = f8 {
+                c.kernels.set_f8_decode_variant(v).unwrap();
+            }
+            let s = &c.gpu.stream;
             let run = |p: Option<u64>| unsafe {
                 c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p, kv).unwrap()
             };
             let t1 = time(c, 30, || run(None));
             let t2 = time(c, 30, || run(Some(parts.ptr())));
-            line += &format!("  {} {:.1} us unsplit, {:.1} us split", label(kernel, kv), t1 * 1e6, t2 * 1e6);
+            line += &format!("  {} {:.1} us unsplit, {:.1} us split", label(kernel, kv, f8), t1 * 1e6, t2 * 1e6);
         }
         println!("{line}");
     }
@@ -142,20 +148,24 @@ fn attention(c: &Cuda) {
         let kc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
         let vc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
         unsafe {
-            c.kernels.fill_uniform_bf16(s, kc.ptr(), kc.len(), 4, 1.0).unwrap();
-            c.kernels.fill_uniform_bf16(s, vc.ptr(), vc.len(), 5, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(&c.gpu.stream, kc.ptr(), kc.len(), 4, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(&c.gpu.stream, vc.ptr(), vc.len(), 5, 1.0).unwrap();
         }
         let table: Vec<i32> = (0..blocks as i32).collect();
         let bt = c.gpu.upload(&table).unwrap();
         let pos = c.gpu.upload(&vec![ctx as i32 - 1; seqs]).unwrap();
         let seq = c.gpu.upload(&(0..seqs as i32).collect::<Vec<_>>()).unwrap();
         let q = c.gpu.alloc_zeros::<u16>(seqs * hq * d).unwrap();
-        unsafe { c.kernels.fill_uniform_bf16(s, q.ptr(), seqs * hq * d, 6, 1.0).unwrap() };
+        unsafe { c.kernels.fill_uniform_bf16(&c.gpu.stream, q.ptr(), seqs * hq * d, 6, 1.0).unwrap() };
         let out = c.gpu.alloc_zeros::<u16>(seqs * hq * d).unwrap();
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let kv_bytes = (2 * seqs * ctx * hkv * d * 2) as f64;
         let mut line = format!("batched decode attention {seqs} x ctx {ctx} (KV {:.0} MB in bf16):", kv_bytes / 1e6);
-        for (kernel, kv) in attention_variants(c) {
+        for (kernel, kv, f8) in attention_variants(c) {
+            if let Some(v) = f8 {
+                c.kernels.set_f8_decode_variant(v).unwrap();
+            }
+            let s = &c.gpu.stream;
             let t = time(c, 20, || unsafe {
                 c.kernels
                     .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, seqs, hq, hkv, d, bs, Some(parts.ptr()), kv)
@@ -163,9 +173,12 @@ fn attention(c: &Cuda) {
             });
             // GB/s of the bytes this cache type really reads.
             let read = kv_bytes / 2.0 * kv.bytes() as f64;
-            line += &format!("  {} {:.1} us = {:.0} GB/s", label(kernel, kv), t * 1e6, read / t / 1e9);
+            line += &format!("  {} {:.1} us = {:.0} GB/s", label(kernel, kv, f8), t * 1e6, read / t / 1e9);
         }
         println!("{line}");
+    }
+    if batched_only {
+        return;
     }
     // Prefill attention: `seqs` fresh prompts of `len` tokens in one launch (causal), every kernel;
     // TFLOP/s counts the causal half of q·k and p·V (4 flops per query head, key and head dim).
@@ -176,45 +189,51 @@ fn attention(c: &Cuda) {
         let kc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
         let vc = c.gpu.alloc_zeros::<u16>(blocks * hkv * bs * d).unwrap();
         unsafe {
-            c.kernels.fill_uniform_bf16(s, kc.ptr(), kc.len(), 7, 1.0).unwrap();
-            c.kernels.fill_uniform_bf16(s, vc.ptr(), vc.len(), 8, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(&c.gpu.stream, kc.ptr(), kc.len(), 7, 1.0).unwrap();
+            c.kernels.fill_uniform_bf16(&c.gpu.stream, vc.ptr(), vc.len(), 8, 1.0).unwrap();
         }
         let table: Vec<i32> = (0..blocks as i32).collect();
         let bt = c.gpu.upload(&table).unwrap();
         let pos = c.gpu.upload(&(0..n).map(|i| (i % len) as i32).collect::<Vec<_>>()).unwrap();
         let seq = c.gpu.upload(&(0..n).map(|i| (i / len) as i32).collect::<Vec<_>>()).unwrap();
         let q = c.gpu.alloc_zeros::<u16>(n * hq * d).unwrap();
-        unsafe { c.kernels.fill_uniform_bf16(s, q.ptr(), n * hq * d, 9, 1.0).unwrap() };
+        unsafe { c.kernels.fill_uniform_bf16(&c.gpu.stream, q.ptr(), n * hq * d, 9, 1.0).unwrap() };
         let out = c.gpu.alloc_zeros::<u16>(n * hq * d).unwrap();
         let flops = (seqs * len * (len + 1) / 2 * hq * d * 4) as f64;
         let mut line = format!("prefill attention {seqs} x {len} tokens:");
-        for (kernel, kv) in attention_variants(c) {
+        for (kernel, kv, f8) in attention_variants(c) {
+            if let Some(v) = f8 {
+                c.kernels.set_f8_decode_variant(v).unwrap();
+            }
+            let s = &c.gpu.stream;
             let t = time(c, 10, || unsafe {
                 c.kernels
                     .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None, kv)
                     .unwrap()
             });
-            line += &format!("  {} {:.1} us = {:.1} TFLOP/s", label(kernel, kv), t * 1e6, flops / t / 1e12);
+            line += &format!("  {} {:.1} us = {:.1} TFLOP/s", label(kernel, kv, f8), t * 1e6, flops / t / 1e12);
         }
         println!("{line}");
     }
 }
 
 /// Every attention kernel on a bf16 cache, and the tensor-core kernel on an fp8 cache where the GPU
-/// serves one (the fp8 runs read the same buffers as bytes: the values are not meaningful, the
-/// timing is).
-fn attention_variants(c: &Cuda) -> Vec<(AttentionKernel, KvCacheDtype)> {
-    let mut v = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16), (AttentionKernel::Tiled, KvCacheDtype::Bf16), (AttentionKernel::Mma, KvCacheDtype::Bf16)];
+/// serves one, in each of its decode variants (`MICRO_F8=all`; else the default only). The fp8 runs
+/// read the same buffers as bytes: the values are not meaningful, the timing is.
+fn attention_variants(c: &Cuda) -> Vec<(AttentionKernel, KvCacheDtype, Option<usize>)> {
+    let mut v = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16, None), (AttentionKernel::Tiled, KvCacheDtype::Bf16, None), (AttentionKernel::Mma, KvCacheDtype::Bf16, None)];
     if c.kernels.fp8_kv_ready() {
-        v.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
+        let all = std::env::var("MICRO_F8").is_ok_and(|v| v == "all");
+        let n = if all { peregrine_kernels::ops::F8_DECODE_VARIANTS.len() } else { 1 };
+        v.extend((0..n).map(|i| (AttentionKernel::Mma, KvCacheDtype::Fp8E4m3, Some(i))));
     }
     v
 }
 
-fn label(kernel: AttentionKernel, kv: KvCacheDtype) -> String {
+fn label(kernel: AttentionKernel, kv: KvCacheDtype, f8: Option<usize>) -> String {
     match kv {
         KvCacheDtype::Bf16 => format!("{kernel:?}"),
-        KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8"),
+        KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8-{}", peregrine_kernels::ops::F8_DECODE_VARIANTS[f8.unwrap_or(0)].0),
     }
 }
 

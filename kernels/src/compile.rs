@@ -21,6 +21,8 @@ const SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("../cuda/attention.cu")),
     ("attention_tiled.cu", include_str!("../cuda/attention_tiled.cu")),
     ("attention_mma.cu", include_str!("../cuda/attention_mma.cu")),
+    // After attention_mma.cu: its tile loader, geometry and mma helpers.
+    ("attention_mma_f8.cu", include_str!("../cuda/attention_mma_f8.cu")),
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),

@@ -10,7 +10,7 @@
 
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation, LoraDelta};
+use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation, LoraDelta, F8_DECODE_VARIANTS};
 use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -419,7 +419,7 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
 fn paged_attention_matches_reference() {
     let Some(c) = cuda_or_skip() else { return };
     for kernel in [AttentionKernel::WarpPerKey, AttentionKernel::Tiled, AttentionKernel::Mma] {
-        paged_attention_case(&c, kernel, KvCacheDtype::Bf16);
+        paged_attention_case(&c, kernel, KvCacheDtype::Bf16, 16);
     }
 }
 
@@ -427,17 +427,28 @@ fn paged_attention_matches_reference() {
 /// e4m3 values in the cache: what is checked is the kernel, not the quantization.
 #[test]
 fn paged_attention_fp8_matches_reference() {
-    let Some(c) = cuda_for(KvCacheDtype::Fp8E4m3) else { return };
-    paged_attention_case(&c, AttentionKernel::Mma, KvCacheDtype::Fp8E4m3);
+    let Some(mut c) = cuda_for(KvCacheDtype::Fp8E4m3) else { return };
+    // Every decode variant (keys or queries as the mma's rows, tile sizes, stages), with the
+    // default block size and a larger one (a 64-key tile spans two cache blocks, not four).
+    for (variant, (name, ..)) in F8_DECODE_VARIANTS.iter().enumerate() {
+        c.kernels.set_f8_decode_variant(variant).unwrap();
+        for bs in [16, 32] {
+            eprintln!("fp8 decode variant {name}, block size {bs}");
+            paged_attention_case(&c, AttentionKernel::Mma, KvCacheDtype::Fp8E4m3, bs);
+        }
+    }
+    // Block sizes the fp8 kernels cannot address are refused up front.
+    for bs in [8, 48] {
+        assert!(c.kernels.check_kv_dtype(KvCacheDtype::Fp8E4m3, bs).is_err(), "an fp8 cache with blocks of {bs} must be refused");
+    }
     // The CUDA-core kernels refuse an fp8 cache rather than misread it.
     let err = unsafe { c.kernels.paged_attention_with(AttentionKernel::Tiled, &c.gpu.stream, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 8, 8, 128, 16, None, KvCacheDtype::Fp8E4m3) };
     assert!(err.is_err(), "the tiled kernel must refuse an fp8 cache");
 }
 
-fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype) {
+fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype, bs: usize) {
     let mut r = rng();
-    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 128)] {
-        let bs = 16;
+    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 128), (16, 2, 128)] {
         // Three sequences: a decode token at a long context, a prefill chunk over a cached prefix, a fresh prompt.
         let lens = [700usize, 70, 9];
         let chunks = [(0usize, 699..700usize), (1, 50..70), (2, 0..9)];

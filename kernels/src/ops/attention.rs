@@ -45,7 +45,7 @@ pub enum KvCacheDtype {
     /// e4m3 bytes, scale 1 (no calibration, as vLLM's `fp8` without scales): half the bytes of bf16,
     /// so twice the tokens in the same memory and half the K/V traffic of decode attention. K as
     /// bf16's layout; V transposed within each block ([blocks, kv heads, head dim, block size]).
-    /// Tensor-core attention only (sm_89+), block size a multiple of 16.
+    /// Tensor-core attention only (sm_89+), block size a power of two, at least 16.
     Fp8E4m3,
 }
 
@@ -107,33 +107,67 @@ impl AttentionArgs {
     }
 }
 
+/// The fp8-cache decode kernel's variants (`PEREGRINE_ATTN_F8_DECODE=<name>`, for measuring them on a
+/// GPU without a rebuild; attention_mma_f8.cu): name, kernel name stem, keys per tile and pipeline
+/// stages. The first is the default: keys as the mma's rows, 16 keys per warp per tile, two stages
+/// (four blocks per SM; "b5": five). "q" is the kernel with the query heads as rows (attention_mma.cu).
+pub const F8_DECODE_VARIANTS: [(&str, &str, usize, usize); 5] = [
+    ("keys", "paged_attention_mma_f8", MMA_KT, MMA_STAGES),
+    ("q", "paged_attention_mma_f8q", MMA_KT, MMA_STAGES),
+    ("kw32", "paged_attention_mma_f8kw32", 2 * MMA_KT, MMA_STAGES),
+    ("s3", "paged_attention_mma_f8s3", MMA_KT, 3),
+    ("b5", "paged_attention_mma_f8b5", MMA_KT, MMA_STAGES),
+];
+
+/// The fp8 decode variant `PEREGRINE_ATTN_F8_DECODE` names (index into [`F8_DECODE_VARIANTS`]; 0
+/// when unset or unknown).
+pub(super) fn f8_decode_variant_from_env() -> usize {
+    std::env::var("PEREGRINE_ATTN_F8_DECODE").ok().and_then(|v| F8_DECODE_VARIANTS.iter().position(|(name, ..)| *name == v)).unwrap_or(0)
+}
+
+/// Shared memory of an fp8 tile pipeline: `stages` K tiles [kt][d + 16] bytes and V^T tiles
+/// [d][kt + 16] bytes.
+fn f8_tiles_bytes(d: usize, kt: usize, stages: usize) -> usize {
+    stages * (kt * (d + MMA_F8_PAD) + d * (kt + MMA_F8_PAD))
+}
+
 /// Dynamic shared memory of a tensor-core attention kernel (`decode`: the one-token kernel, else the
 /// prefill rows kernel) for head dim `d`: the K and V tiles of every pipeline stage, rows padded (the
-/// warps' merge reuses the same bytes). attention_mma.cu's MmaDecodeGeom / MmaRowsGeom.
+/// warps' merge reuses the same bytes). attention_mma.cu's MmaDecodeGeom / MmaRowsGeom; the fp8
+/// decode kernel's is its default variant's ([`F8_DECODE_VARIANTS`]).
 pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usize {
     match kv {
         KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,
-        KvCacheDtype::Fp8E4m3 => {
-            // K tile [MMA_KT][d + 16] bytes, V^T tile [d][MMA_KT + 16] bytes; decode: two stages.
-            let stages = if decode { MMA_STAGES } else { MMA_F8_STAGES };
-            stages * (MMA_KT * (d + MMA_F8_PAD) + d * (MMA_KT + MMA_F8_PAD))
-        }
+        KvCacheDtype::Fp8E4m3 if decode => f8_decode_smem_bytes(d, 0),
+        KvCacheDtype::Fp8E4m3 => f8_tiles_bytes(d, MMA_KT, MMA_F8_STAGES),
     }
 }
 
+/// Dynamic shared memory of fp8 decode variant `variant` (index into [`F8_DECODE_VARIANTS`]).
+pub fn f8_decode_smem_bytes(d: usize, variant: usize) -> usize {
+    let (_, _, kt, stages) = F8_DECODE_VARIANTS[variant];
+    f8_tiles_bytes(d, kt, stages)
+}
+
 /// Lets the tensor-core attention kernels launch with their dynamic shared memory; false if the
-/// device refuses (it has less than they need).
+/// device refuses (it has less than they need). fp8: the prefill kernel and every decode variant.
 pub(super) fn mma_smem_opt_in(module: &Arc<CudaModule>, kv: KvCacheDtype) -> bool {
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
-    let names: [&str; 2] = match kv {
-        KvCacheDtype::Bf16 => ["paged_attention_mma", "paged_attention_mma_rows"],
-        KvCacheDtype::Fp8E4m3 => ["paged_attention_mma_f8", "paged_attention_mma_rows_f8"],
+    let mut kernels: Vec<(&str, Box<dyn Fn(usize) -> usize>)> = match kv {
+        KvCacheDtype::Bf16 => vec![
+            ("paged_attention_mma", Box::new(|d| attention_mma_smem_bytes(d, kv, true))),
+            ("paged_attention_mma_rows", Box::new(|d| attention_mma_smem_bytes(d, kv, false))),
+        ],
+        KvCacheDtype::Fp8E4m3 => vec![("paged_attention_mma_rows_f8", Box::new(|d| attention_mma_smem_bytes(d, kv, false)))],
     };
-    names.iter().enumerate().all(|(i, name)| {
+    if kv == KvCacheDtype::Fp8E4m3 {
+        for (i, (_, stem, ..)) in F8_DECODE_VARIANTS.iter().enumerate() {
+            kernels.push((stem, Box::new(move |d| f8_decode_smem_bytes(d, i))));
+        }
+    }
+    kernels.iter().all(|(name, smem)| {
         [64usize, 128].iter().all(|&d| {
-            module
-                .load_function(&format!("{name}_d{d}"))
-                .is_ok_and(|f| f.set_attribute(MAX_DYN, attention_mma_smem_bytes(d, kv, i == 0) as i32).is_ok())
+            module.load_function(&format!("{name}_d{d}")).is_ok_and(|f| f.set_attribute(MAX_DYN, smem(d) as i32).is_ok())
         })
     })
 }
@@ -151,9 +185,11 @@ impl Kernels {
             KvCacheDtype::Fp8E4m3 if !self.fp8_ready => Err(KernelError::Unsupported(
                 "an fp8 KV cache needs a GPU of compute capability 8.9 or newer (e4m3 conversions) and the tensor-core attention kernels' shared memory".into(),
             )),
-            KvCacheDtype::Fp8E4m3 if block_size % 16 != 0 => {
-                Err(KernelError::Unsupported(format!("an fp8 KV cache needs a block size that is a multiple of 16 (got {block_size})")))
-            }
+            // The fp8 tiles are copied 16 keys of a cache block at a time, and the decode kernel finds
+            // a key's block with a shift.
+            KvCacheDtype::Fp8E4m3 if block_size % 16 != 0 || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
+                "an fp8 KV cache needs a block size that is a power of two, at least 16 (got {block_size})"
+            ))),
             KvCacheDtype::Fp8E4m3 => Ok(()),
         }
     }
@@ -259,7 +295,8 @@ impl Kernels {
                         (true, false) => &self.paged_attention_mma_f8_d64,
                         (true, true) => &self.paged_attention_mma_f8_d128,
                     };
-                    self.attention_per_token(s, func, attention_mma_smem_bytes(d, kv, true), &args, decode_tokens, hq, hkv, d, partials)?;
+                    let smem = if fp8 { f8_decode_smem_bytes(d, self.f8_decode_variant) } else { attention_mma_smem_bytes(d, kv, true) };
+                    self.attention_per_token(s, func, smem, &args, decode_tokens, hq, hkv, d, partials)?;
                 }
                 if decode_tokens < n {
                     let func = match (fp8, wide) {

@@ -1,0 +1,307 @@
+// Decode attention over an fp8 KV cache with the keys as the mma's rows: S^T = K Q^T, O^T = V^T P^T.
+//
+// attention_mma.cu's decode kernel puts a token's query heads in the rows of a 16-row mma tile; a
+// Llama group of 4 fills 4 of them, and its accumulator (16 rows x head dim) holds 64 floats a thread
+// for D = 128. Under the fp8 kernel's four blocks per SM that spilled (ncu, 200 x 1500 keys: 128
+// registers, 1.57 M spill requests, issue-bound at 2.4 instructions a cycle, 46 % of DRAM peak).
+// Here the keys are the 16 rows (M) and the group the 8 columns (N, half used for a group of 4): a
+// key costs half the mma steps, the accumulator O^T (dims x heads) is 32 floats, and K and V^T tiles
+// are A operands read with plain ldmatrix from the shared-memory layout attention_mma.cu's loader
+// writes (K rows in mma_f8_key_row order, V^T rows of keys). Scores go from their accumulator
+// layout to the B layout of P^T with one movmatrix (a register transpose) per 8 keys.
+//
+// k-order: a 32-bit ldmatrix element holds 4 fp8 values (dims, or keys) 4q..4q+3 of lane q of a quad;
+// converted pairwise they are k = 2q, 2q+1 and 2q+8, 2q+9 of the mma, so Q^T (B of S^T) is loaded in
+// that order, and row i of S^T is the key the loader stored at row i: key 4(i/2) + i%2 for i < 8 and
+// that plus 2 for rows 8..15 (mma_f8_key_row). After the transpose, lane q holds the probabilities of
+// keys 4q, 4q+1 (k = 2q, 2q+1) and 4q+2, 4q+3 (k = 2q+8, 2q+9): the keys its V^T fragment holds.
+//
+// Each of the 4 warps takes KW keys of every KW * 4-key tile with its own online softmax per head
+// (rescaling its accumulator only when a running max grew) and the warps are merged by attention.cu's
+// attention_merge_write, which also writes the partials of splits for attention_combine.
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+
+// Transposes the 8x8 b16 matrix a warp holds in ldmatrix fragment layout (lane 4g + q: row g,
+// columns 2q, 2q + 1).
+__device__ __forceinline__ u32 movmatrix_trans(u32 v) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
+    return r;
+}
+
+// Two floats in [0, 1] (probabilities) as f16x2, low half first.
+__device__ __forceinline__ u32 prob_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The A fragment of 16 rows x 16 k from two ldmatrix registers of fp8 values: `lo` holds row g's
+// values 4q..4q+3, `hi` row g + 8's (see the header for the k order).
+__device__ __forceinline__ void f8_a_fragment(u32 (&a)[4], u32 lo, u32 hi) {
+    e4m3x4_to_f16x2x2(lo, a[0], a[2]);
+    e4m3x4_to_f16x2x2(hi, a[1], a[3]);
+}
+
+// The decode kernel's tile copies, in attention_mma.cu's shared-memory layout (K rows in
+// mma_f8_key_row order, V^T rows of keys), with this thread's share of every tile fixed once: pass j
+// copies 16 bytes of a K row and 16 keys of a V^T row of one 16-key chunk, the two sharing the
+// chunk's block-table entry, which is read a tile ahead (its load latency hidden behind a tile's
+// compute). The generic loader spent ~70 instructions a pass on this (ptxas for sm_90), as many as
+// the tile's mma work.
+template <int D, class G>
+struct F8TileCopies {
+    static constexpr int PASSES = G::KT * D / 16 / (MMA_WARPS * 32);
+    static constexpr int CH = D / 16;  // 16-byte pieces of a K row
+    int chunk16[PASSES], kr[PASSES];   // first key of the pass's chunk in the tile; its K row in the chunk
+    u32 k_src[PASSES], v_src[PASSES];  // bytes from the chunk's (block, head) base: K row kr piece c; V^T row w
+    u32 k_dst[PASSES], v_dst[PASSES];  // bytes from the stage's start
+    int entry[PASSES];                 // block-table entries of the next tile to copy
+    int shift;                         // log2(block size): an fp8 cache's blocks are powers of two
+
+    __device__ __forceinline__ F8TileCopies(int block_size) {
+        shift = __ffs(block_size) - 1;
+#pragma unroll
+        for (int j = 0; j < PASSES; ++j) {
+            const int i = threadIdx.x + j * MMA_WARPS * 32;
+            const int chunk = i / D, w = i % D;
+            chunk16[j] = chunk * 16;
+            kr[j] = w / CH;
+            k_src[j] = (u32)(kr[j] * D + (w % CH) * 16);
+            v_src[j] = (u32)(w * block_size);
+            k_dst[j] = (u32)((chunk * 16 + mma_f8_key_row(kr[j])) * G::K_ROW + (w % CH) * 16);
+            v_dst[j] = (u32)(G::K_TILE + w * G::V_ROW + chunk * 16);
+        }
+    }
+
+
+    // Reads the block-table entries of the tile at key kt0 (0 past `end`: nothing is copied there).
+    __device__ __forceinline__ void fetch(const int* __restrict__ bt, int kt0, int end) {
+#pragma unroll
+        for (int j = 0; j < PASSES; ++j) {
+            const int p0 = kt0 + chunk16[j];
+            entry[j] = p0 < end ? bt[p0 >> shift] : 0;
+        }
+    }
+
+    // Issues the copies of the tile at key kt0 (the one `fetch` read) into `stage`; zeros past `end`.
+    __device__ __forceinline__ void issue(unsigned char* stage, const fp8_t* __restrict__ k_cache, const fp8_t* __restrict__ v_cache,
+                                          int kt0, int end, int block_size, int hkv, int kvh, u64 block_bytes) const {
+        const u32 base = smem_addr(stage);
+#pragma unroll
+        for (int j = 0; j < PASSES; ++j) {
+            const int p0 = kt0 + chunk16[j];
+            const int rem = end - p0;
+            const int slot = p0 & (block_size - 1);
+            const u64 head = (u64)(entry[j] * hkv + kvh) * block_bytes;  // the chunk's (block, KV head)
+            cp_async16(base + k_dst[j], k_cache + head + (u32)slot * D + k_src[j], kr[j] < rem ? 16 : 0);
+            cp_async16(base + v_dst[j], v_cache + head + slot + v_src[j], min(max(rem, 0), 16));
+        }
+    }
+};
+
+template <int D, int KW, int STAGES>
+__device__ __forceinline__ void paged_attention_f8k_impl(
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const fp8_t* __restrict__ k_cache,
+    const fp8_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
+    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    typedef MmaGeom<D, true, KW * MMA_WARPS, STAGES> G;
+    constexpr int KS = D / 16;   // k-steps of S^T (16 dims each) = m-tiles of O^T (16 dims each)
+    constexpr int SG = KW / 16;  // this warp's 16-key groups of a tile
+    extern __shared__ __align__(16) unsigned char mma_smem[];
+    unsigned char* tiles = mma_smem;  // [stage][K tile | V^T tile]
+    // After the key loop the same bytes hold the warps' accumulators.
+    float (*sm_acc)[ATTN_MAX_GROUP][D] = reinterpret_cast<float (*)[ATTN_MAX_GROUP][D]>(mma_smem);
+    __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP], sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
+
+    if (gridDim.z == 1) pdl_trigger();
+    // The V^T tiles are copied 16 keys at a time: splits start at multiples of 16.
+    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv, 16);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, quad = lane & 3;
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+
+    // Q^T as B fragments: column g is query head g of the group (zeros past it).
+    u32 qb[KS][2];
+    {
+        const bool active = g < ab.group;
+        const bf16_t* q_row = q + ((u64)ab.t * hq + ab.kvh * ab.group + g) * D;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            const uint2 v = active ? *reinterpret_cast<const uint2*>(q_row + kk * 16 + quad * 4) : make_uint2(0u, 0u);
+            qb[kk][0] = bf16x2_to_f16x2(v.x);
+            qb[kk][1] = bf16x2_to_f16x2(v.y);
+        }
+    }
+
+    // O^T fragments: o[mt][0..1] = dim 16 mt + g, heads 2q and 2q + 1; o[mt][2..3] = dim + 8.
+    float o[KS][4];
+#pragma unroll
+    for (int x = 0; x < KS; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
+    // Running max and this lane's share of the sum, for heads 2q and 2q + 1.
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    // Rows g and g + 8 of a 16-key group hold keys pg and pg + 2 (mma_f8_key_row's order).
+    const int pg = 4 * (g >> 1) + (g & 1);
+    // ldmatrix row addresses: K matrices (rows 0-7 | 8-15) x (16 dims | the next 16); V^T matrices
+    // are 8 dims each, four consecutive.
+    const int k_lane_off = (KW * warp + (lane & 7) + ((lane >> 3) & 1) * 8) * G::K_ROW + (lane >> 4) * 16;
+    const int v_lane_off = lane * G::V_ROW + KW * warp;
+
+    const int ntiles = (ab.end > ab.begin) ? (ab.end - ab.begin + G::KT - 1) / G::KT : 0;
+    F8TileCopies<D, G> copies(block_size);
+    const u64 block_bytes = (u64)block_size * D;  // one KV head of one cache block, K or V
+    copies.fetch(ab.bt, ab.begin, ab.end);
+    // STAGES - 1 tiles in flight before the first is used; one copy group per tile (empty past the end).
+#pragma unroll
+    for (int st = 0; st < G::STAGES - 1; ++st) {
+        if (st < ntiles) {
+            copies.issue(tiles + st * G::STAGE, k_cache, v_cache, ab.begin + st * G::KT, ab.end, block_size, hkv, ab.kvh, block_bytes);
+            copies.fetch(ab.bt, ab.begin + (st + 1) * G::KT, ab.end);
+        }
+        cp_async_commit();
+    }
+    for (int it = 0; it < ntiles; ++it) {
+        const int next = it + G::STAGES - 1;
+        if (next < ntiles) {
+            copies.issue(tiles + (next % G::STAGES) * G::STAGE, k_cache, v_cache, ab.begin + next * G::KT, ab.end, block_size, hkv,
+                         ab.kvh, block_bytes);
+            copies.fetch(ab.bt, ab.begin + (next + 1) * G::KT, ab.end);
+        }
+        cp_async_commit();
+        cp_async_wait<G::STAGES - 1>();  // tile `it` has landed
+        __syncthreads();
+
+        const unsigned char* ks = tiles + (it % G::STAGES) * G::STAGE;
+        const unsigned char* vs = ks + G::K_TILE;
+        const int key_warp = ab.begin + it * G::KT + KW * warp;
+
+        // S^T for this warp's keys: s[sg][0..1] = key pg of group sg, heads 2q, 2q + 1; [2..3] key pg + 2.
+        float s[SG][4];
+#pragma unroll
+        for (int sg = 0; sg < SG; ++sg) {
+            s[sg][0] = s[sg][1] = s[sg][2] = s[sg][3] = 0.f;
+            const unsigned char* kp = ks + k_lane_off + sg * 16 * G::K_ROW;
+#pragma unroll
+            for (int kk = 0; kk < D / 32; ++kk) {
+                u32 r0, r1, r2, r3, a[4];
+                ldmatrix_x4(smem_addr(kp + kk * 32), r0, r1, r2, r3);
+                f8_a_fragment(a, r0, r1);
+                mma_f16(s[sg], a, qb[2 * kk][0], qb[2 * kk][1]);
+                f8_a_fragment(a, r2, r3);
+                mma_f16(s[sg], a, qb[2 * kk + 1][0], qb[2 * kk + 1][1]);
+            }
+        }
+
+        // Online softmax per head (column): keys past the end are masked; the max over the warp's
+        // keys is reduced across the 8 lanes of a column (g).
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int sg = 0; sg < SG; ++sg) {
+            const int key = key_warp + sg * 16 + pg;
+            const bool v_lo = key < ab.end, v_hi = key + 2 < ab.end;
+            s[sg][0] = v_lo ? s[sg][0] * qscale : NEG_INF;
+            s[sg][1] = v_lo ? s[sg][1] * qscale : NEG_INF;
+            s[sg][2] = v_hi ? s[sg][2] * qscale : NEG_INF;
+            s[sg][3] = v_hi ? s[sg][3] * qscale : NEG_INF;
+            mx0 = fmaxf(mx0, fmaxf(s[sg][0], s[sg][2]));
+            mx1 = fmaxf(mx1, fmaxf(s[sg][1], s[sg][3]));
+        }
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        // Rescale only when some head's max grew (after the first tiles, rarely).
+        if (__any_sync(0xffffffffu, mx0 != m0 || mx1 != m1)) {
+            // A head with no key yet keeps m = -inf: nothing to rescale.
+            const float c0 = (mx0 == NEG_INF) ? 1.f : exp2_ftz(m0 - mx0);
+            const float c1 = (mx1 == NEG_INF) ? 1.f : exp2_ftz(m1 - mx1);
+            l0 *= c0;
+            l1 *= c1;
+#pragma unroll
+            for (int x = 0; x < KS; ++x) {
+                o[x][0] *= c0; o[x][1] *= c1;
+                o[x][2] *= c0; o[x][3] *= c1;
+            }
+            m0 = mx0;
+            m1 = mx1;
+        }
+#pragma unroll
+        for (int sg = 0; sg < SG; ++sg) {
+            s[sg][0] = (m0 == NEG_INF) ? 0.f : exp2_ftz(s[sg][0] - m0);
+            s[sg][1] = (m1 == NEG_INF) ? 0.f : exp2_ftz(s[sg][1] - m1);
+            s[sg][2] = (m0 == NEG_INF) ? 0.f : exp2_ftz(s[sg][2] - m0);
+            s[sg][3] = (m1 == NEG_INF) ? 0.f : exp2_ftz(s[sg][3] - m1);
+            l0 += s[sg][0] + s[sg][2];
+            l1 += s[sg][1] + s[sg][3];
+        }
+
+        // O^T += V^T P^T: P^T's B fragment is the score fragment transposed.
+#pragma unroll
+        for (int sg = 0; sg < SG; ++sg) {
+            const u32 b0 = movmatrix_trans(prob_f16x2(s[sg][0], s[sg][1]));  // keys 4q, 4q + 1
+            const u32 b1 = movmatrix_trans(prob_f16x2(s[sg][2], s[sg][3]));  // keys 4q + 2, 4q + 3
+            const unsigned char* vp = vs + v_lane_off + sg * 16;
+#pragma unroll
+            for (int mp = 0; mp < D / 32; ++mp) {
+                u32 r0, r1, r2, r3, a[4];
+                ldmatrix_x4(smem_addr(vp + mp * 32 * G::V_ROW), r0, r1, r2, r3);
+                f8_a_fragment(a, r0, r1);
+                mma_f16(o[2 * mp], a, b0, b1);
+                f8_a_fragment(a, r2, r3);
+                mma_f16(o[2 * mp + 1], a, b0, b1);
+            }
+        }
+        __syncthreads();  // the stage is overwritten by the copy issued next iteration
+    }
+    cp_async_wait<0>();
+
+    // Sums over the column's lanes; then each warp's (m, l, O) into shared memory for the merge.
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    __syncthreads();  // every warp is done with the tiles before sm_acc takes their bytes
+    const int h0 = 2 * quad, h1 = h0 + 1;
+    if (g == 0) {
+        if (h0 < ab.group) { sm_m[warp][h0] = m0; sm_l[warp][h0] = l0; }
+        if (h1 < ab.group) { sm_m[warp][h1] = m1; sm_l[warp][h1] = l1; }
+    }
+#pragma unroll
+    for (int x = 0; x < KS; ++x) {
+        const int d = 16 * x + g;
+        if (h0 < ab.group) { sm_acc[warp][h0][d] = o[x][0]; sm_acc[warp][h0][d + 8] = o[x][2]; }
+        if (h1 < ab.group) { sm_acc[warp][h1][d] = o[x][1]; sm_acc[warp][h1][d + 8] = o[x][3]; }
+    }
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc);
+}
+
+// attention.cu's one-token signature and launch shape (plus dynamic shared memory: STAGES tiles of
+// 4 * KW keys, attention_mma_smem_bytes); MINB blocks per SM bound its registers.
+#define ATTENTION_F8K_KERNEL(NAME, D, KW, STAGES, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, MINB) NAME##_d##D(                         \
+        bf16_t* out, const bf16_t* q, const fp8_t* k_cache, const fp8_t* v_cache, const int* block_tables,     \
+        int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
+        float scale, float* part_ml, float* part_acc) {                                                       \
+        paged_attention_f8k_impl<D, KW, STAGES>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, \
+                                                positions, hq, hkv, block_size, scale, part_ml, part_acc);    \
+    }
+#define ATTENTION_F8K_BOTH(NAME, KW, STAGES, MINB) \
+    ATTENTION_F8K_KERNEL(NAME, 64, KW, STAGES, MINB) ATTENTION_F8K_KERNEL(NAME, 128, KW, STAGES, MINB)
+#else
+#define ATTENTION_F8K_BOTH(NAME, KW, STAGES, MINB)                                                          \
+    extern "C" __global__ void NAME##_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int, \
+                                          const int*, const int*, int, int, int, float, float*, float*) {}    \
+    extern "C" __global__ void NAME##_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int, \
+                                           const int*, const int*, int, int, int, float, float*, float*) {}
+#endif
+
+// The variants `PEREGRINE_ATTN_F8_DECODE` chooses among (ops/attention.rs, F8_DECODE_VARIANTS):
+// keys per warp per tile, pipeline stages, blocks per SM.
+ATTENTION_F8K_BOTH(paged_attention_mma_f8, 16, 2, 4)
+ATTENTION_F8K_BOTH(paged_attention_mma_f8kw32, 32, 2, 3)
+ATTENTION_F8K_BOTH(paged_attention_mma_f8s3, 16, 3, 3)
+ATTENTION_F8K_BOTH(paged_attention_mma_f8b5, 16, 2, 5)

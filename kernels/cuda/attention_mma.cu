@@ -18,7 +18,8 @@
 //   sequence are contiguous in the flat batch; a block whose tokens span sequences runs the key loop
 //   once per sequence with the other rows masked.
 //
-// Both kernels also come in an fp8 flavour (F8 = true: `--kv-cache-dtype fp8`), for a KV cache of
+// The prefill kernel also comes in an fp8 flavour (F8 = true: `--kv-cache-dtype fp8`; fp8 decode has
+// its own kernel, attention_mma_f8.cu, with the keys as the mma's rows), for a KV cache of
 // e4m3 bytes (scale 1, as vLLM's uncalibrated fp8 cache): K as [blocks, Hkv, block_size, D] and V
 // transposed within each block, [blocks, Hkv, D, block_size], so that 16 keys of one dimension are 16
 // contiguous bytes. Tiles land in shared memory as bytes (half the traffic of bf16) and become the
@@ -34,7 +35,6 @@
 // MMA_WARPS must equal attention.cu's ATTN_WARPS: the decode kernel uses its merge.
 #define MMA_STAGES 2     // pipeline depth (fp8 prefill: MMA_F8_STAGES)
 #define MMA_F8_STAGES 3  // fp8 prefill: an fp8 tile is half the bytes, one more in flight
-#define MMA_F8_DECODE_BLOCKS 4  // fp8 decode: blocks per SM the registers are bounded for
 #define MMA_PAD 8      // bf16 elements after each shared-memory row: ldmatrix rows land in distinct banks
 #define MMA_F8_PAD 16  // bytes after each fp8 shared-memory row (K rows: D + 16, V^T rows: 64 + 16)
 
@@ -55,10 +55,6 @@ template <int D, bool F8, int KT_, int STAGES_> struct MmaGeom {
     static constexpr int V_TILE = F8 ? D * V_ROW : KT * V_ROW;
     static constexpr int STAGE = K_TILE + V_TILE;
 };
-// The fp8 decode kernel keeps two stages (39 KB) so that four blocks share an SM (MMA_F8_DECODE_BLOCKS):
-// with a quarter of its mma rows in use and little arithmetic per byte, it is bound by latency, and
-// occupancy is what moved it on the H100 (256 x 1024 keys: 294 -> 270 us; three stages at three
-// blocks per SM, and 128-key tiles, were slower).
 template <int D, bool F8> using MmaDecodeGeom = MmaGeom<D, F8, MMA_KT, MMA_STAGES>;
 template <int D, bool F8> using MmaRowsGeom = MmaGeom<D, F8, MMA_KT, F8 ? MMA_F8_STAGES : MMA_STAGES>;
 
@@ -396,13 +392,14 @@ __device__ __forceinline__ int mma_segment_end(const int* __restrict__ token_seq
 // blockIdx.y, the keys of split blockIdx.z). Its `group` query heads are rows 0..group-1 of the
 // 16-row mma tile (rows 8..15 stay empty: group <= 8). The warps split every tile, 16 keys each, and
 // are merged by attention_merge_write like the CUDA-core kernels' warps.
-template <int D, bool F8>
+// (An fp8 cache has its own decode kernel, attention_mma_f8.cu.)
+template <int D>
 __device__ __forceinline__ void paged_attention_mma_impl(
-    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
-    const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    typedef MmaDecodeGeom<D, F8> G;
+    typedef MmaDecodeGeom<D, false> G;
     constexpr int KW = G::KT / MMA_WARPS;  // keys of a tile per warp (16): one or more mma steps of 16
     constexpr int NT = D / 8;  // mma n-tiles of p·V
     extern __shared__ __align__(16) unsigned char mma_smem[];
@@ -412,8 +409,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP], sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
 
     if (gridDim.z == 1) pdl_trigger();
-    // fp8 V tiles are copied 16 keys at a time: splits start at multiples of 16.
-    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv, F8 ? 16 : 1);
+    const AttnBlock ab = attention_block(block_tables, max_blocks, token_seq, positions, hq, hkv);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane & 3;
     const int r = lane >> 2;  // this thread's row (its second fragment row, r + 8, is always empty)
     const bool active = r < ab.group;
@@ -421,7 +417,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
 
     u32 qa[D / 16][4];
     const bf16_t* q_row = q + ((u64)ab.t * hq + ab.kvh * ab.group + r) * D;
-    mma_load_q_any<D, F8>(qa, q_row, q_row, active, false, quad);
+    mma_load_q<D>(qa, q_row, q_row, active, false, quad);
 
     float o[NT][4];
 #pragma unroll
@@ -434,13 +430,13 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     // STAGES - 1 tiles in flight before the first is used; one copy group per tile (empty past the end).
 #pragma unroll
     for (int st = 0; st < G::STAGES - 1; ++st) {
-        if (st < ntiles) mma_load_tile<D, F8, G>(tiles, st, ab.begin + st * G::KT, ab.end, ab.bt, block_size, hkv, ab.kvh, k_cache, v_cache);
+        if (st < ntiles) mma_load_tile<D, false, G>(tiles, st, ab.begin + st * G::KT, ab.end, ab.bt, block_size, hkv, ab.kvh, k_cache, v_cache);
         cp_async_commit();
     }
     for (int it = 0; it < ntiles; ++it) {
         const int next = it + G::STAGES - 1;
         if (next < ntiles)
-            mma_load_tile<D, F8, G>(tiles, next % G::STAGES, ab.begin + next * G::KT, ab.end, ab.bt, block_size, hkv, ab.kvh,
+            mma_load_tile<D, false, G>(tiles, next % G::STAGES, ab.begin + next * G::KT, ab.end, ab.bt, block_size, hkv, ab.kvh,
                                     k_cache, v_cache);
         cp_async_commit();
         cp_async_wait<G::STAGES - 1>();  // every group but the STAGES - 1 newest: tile `it` has landed
@@ -453,11 +449,11 @@ __device__ __forceinline__ void paged_attention_mma_impl(
 #pragma unroll
         for (int j = 0; j < KW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-        for (int g = 0; g < KW / 16; ++g) mma_qk16<D, F8, G>(s[2 * g], s[2 * g + 1], qa, ks, kw + 16 * g, lane);
-        mma_softmax_step<KW / 8, NT, F8>(s, o, m_lo, m_hi, l_lo, l_hi, ab.begin + it * G::KT + kw + quad * (F8 ? 4 : 2), lim,
+        for (int g = 0; g < KW / 16; ++g) mma_qk16<D, false, G>(s[2 * g], s[2 * g + 1], qa, ks, kw + 16 * g, lane);
+        mma_softmax_step<KW / 8, NT>(s, o, m_lo, m_hi, l_lo, l_hi, ab.begin + it * G::KT + kw + quad * 2, lim,
                                          ab.begin, qscale);
 #pragma unroll
-        for (int g = 0; g < KW / 16; ++g) mma_pv16<D, F8, G>(o, s[2 * g], s[2 * g + 1], vs, kw + 16 * g, lane);
+        for (int g = 0; g < KW / 16; ++g) mma_pv16<D, false, G>(o, s[2 * g], s[2 * g + 1], vs, kw + 16 * g, lane);
         __syncthreads();  // the stage is overwritten by the copy issued next iteration
     }
     cp_async_wait<0>();
@@ -585,10 +581,9 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 
 #else
 // Empty bodies for targets without mma.sync on bf16: the host never launches these.
-template <int D, bool F8>
-__device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
-                                         const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int, int,
-                                         int, float, float*, float*) {}
+template <int D>
+__device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int, const int*,
+                                         const int*, int, int, int, float, float*, float*) {}
 template <int D, bool F8>
 __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                               const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int,
@@ -596,16 +591,16 @@ __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const type
 #endif
 
 // Decode: attention.cu's signature and launch shape (plus dynamic shared memory).
-#define ATTENTION_MMA_KERNEL(NAME, D, F8, KV, MINB)                                                           \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, MINB) NAME##_d##D(                         \
-        bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
+#define ATTENTION_MMA_KERNEL(NAME, D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
+        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,   \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
         float scale, float* part_ml, float* part_acc) {                                                       \
-        paged_attention_mma_impl<D, F8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,         \
-                                        positions, hq, hkv, block_size, scale, part_ml, part_acc);            \
+        paged_attention_mma_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions,  \
+                                    hq, hkv, block_size, scale, part_ml, part_acc);                           \
     }
-ATTENTION_MMA_KERNEL(paged_attention_mma, 64, false, bf16_t, 1)
-ATTENTION_MMA_KERNEL(paged_attention_mma, 128, false, bf16_t, 1)
+ATTENTION_MMA_KERNEL(paged_attention_mma, 64)
+ATTENTION_MMA_KERNEL(paged_attention_mma, 128)
 
 // Prefill: the block's first token is t_begin + blockIdx.x * tq, tokens past n are not computed.
 #define ATTENTION_MMA_ROWS_KERNEL(NAME, D, F8, KV)                                                            \
@@ -621,17 +616,13 @@ ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t)
 
 // The fp8 kernels need sm_89's e4m3 conversions.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-ATTENTION_MMA_KERNEL(paged_attention_mma_f8q, 64, true, fp8_t, MMA_F8_DECODE_BLOCKS)
-ATTENTION_MMA_KERNEL(paged_attention_mma_f8q, 128, true, fp8_t, MMA_F8_DECODE_BLOCKS)
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t)
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t)
 #else
 // Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
-#define ATTENTION_MMA_F8_STUB(NAME, ...) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
-    const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, __VA_ARGS__) {}
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8q_d64, float*, float*)
-ATTENTION_MMA_F8_STUB(paged_attention_mma_f8q_d128, float*, float*)
-ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64, int, int, int)
-ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128, int, int, int)
+#define ATTENTION_MMA_F8_STUB(NAME) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
+    const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, int, int, int) {}
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128)
 #endif
 

@@ -279,29 +279,28 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
     attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc);
 }
 
-// attention.cu's one-token signature and launch shape (plus dynamic shared memory: STAGES tiles of
-// 4 * KW keys, attention_mma_smem_bytes); MINB blocks per SM bound its registers.
-#define ATTENTION_F8K_KERNEL(NAME, D, KW, STAGES, MINB)                                                      \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, MINB) NAME##_d##D(                         \
+// attention.cu's one-token signature and launch shape, plus dynamic shared memory (attention.rs's
+// attention_mma_smem_bytes). Measured on an H100 (docs/benchmarks.md, session 15) against 32 keys per
+// warp, three stages, and five blocks per SM: 16 keys per warp, two stages, four blocks per SM (no
+// spills at 128 registers) was best or within 2 % on every batched shape.
+#define F8K_KW 16      // keys per warp per tile
+#define F8K_STAGES 2
+#define F8K_BLOCKS 4   // blocks per SM the registers are bounded for
+#define ATTENTION_F8K_KERNEL(NAME, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, F8K_BLOCKS) NAME##_d##D(                  \
         bf16_t* out, const bf16_t* q, const fp8_t* k_cache, const fp8_t* v_cache, const int* block_tables,     \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
         float scale, float* part_ml, float* part_acc) {                                                       \
-        paged_attention_f8k_impl<D, KW, STAGES>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, \
-                                                positions, hq, hkv, block_size, scale, part_ml, part_acc);    \
+        paged_attention_f8k_impl<D, F8K_KW, F8K_STAGES>(out, q, k_cache, v_cache, block_tables, max_blocks,   \
+                                                        token_seq, positions, hq, hkv, block_size, scale,     \
+                                                        part_ml, part_acc);                                   \
     }
-#define ATTENTION_F8K_BOTH(NAME, KW, STAGES, MINB) \
-    ATTENTION_F8K_KERNEL(NAME, 64, KW, STAGES, MINB) ATTENTION_F8K_KERNEL(NAME, 128, KW, STAGES, MINB)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 64)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 128)
 #else
-#define ATTENTION_F8K_BOTH(NAME, KW, STAGES, MINB)                                                          \
-    extern "C" __global__ void NAME##_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int, \
-                                          const int*, const int*, int, int, int, float, float*, float*) {}    \
-    extern "C" __global__ void NAME##_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int, \
-                                           const int*, const int*, int, int, int, float, float*, float*) {}
+// Below sm_89 the entry points exist (the host loads every name) with empty bodies.
+extern "C" __global__ void paged_attention_mma_f8_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
+                                                      const int*, const int*, int, int, int, float, float*, float*) {}
+extern "C" __global__ void paged_attention_mma_f8_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
+                                                       const int*, const int*, int, int, int, float, float*, float*) {}
 #endif
-
-// The variants `PEREGRINE_ATTN_F8_DECODE` chooses among (ops/attention.rs, F8_DECODE_VARIANTS):
-// keys per warp per tile, pipeline stages, blocks per SM.
-ATTENTION_F8K_BOTH(paged_attention_mma_f8, 16, 2, 4)
-ATTENTION_F8K_BOTH(paged_attention_mma_f8kw32, 32, 2, 3)
-ATTENTION_F8K_BOTH(paged_attention_mma_f8s3, 16, 3, 3)
-ATTENTION_F8K_BOTH(paged_attention_mma_f8b5, 16, 2, 5)

@@ -25,7 +25,7 @@ fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
 }
 
 fn main() {
-    let mut c = match Cuda::new(0) {
+    let c = match Cuda::new(0) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("micro: {e}");
@@ -35,7 +35,7 @@ fn main() {
     let s = &c.gpu.stream;
     // MICRO=attention times the attention kernels only; MICRO=lora the grouped LoRA kernels.
     if std::env::var("MICRO").is_ok_and(|v| v == "attention") {
-        attention(&mut c);
+        attention(&c);
         return;
     }
     if std::env::var("MICRO").is_ok_and(|v| v == "lora") {
@@ -99,11 +99,11 @@ fn main() {
         }
         println!("{line}");
     }
-    attention(&mut c);
+    attention(&c);
 }
 
 /// Decode (one token; batched), and prefill attention, every kernel and cache type.
-fn attention(c: &mut Cuda) {
+fn attention(c: &Cuda) {
     // Decode attention: 1 token, 32 q heads over 8 KV heads, d 128, block 16.
     let (hq, hkv, d, bs) = (32usize, 8usize, 128usize, 16usize);
     // MICRO_ATTN=batched: only the batched decode shapes (what a profiler is pointed at).
@@ -126,17 +126,14 @@ fn attention(c: &mut Cuda) {
         let out = c.gpu.alloc_zeros::<u16>(hq * d).unwrap();
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let mut line = format!("decode attention ctx {ctx:>5} (KV {:.1} MB, split x{}):", (2 * kc.len() * 2) as f64 / 1e6, c.kernels.attention_splits(1, hkv));
-        for (kernel, kv, f8) in attention_variants(c) {
-            if let Some(v) = f8 {
-                c.kernels.set_f8_decode_variant(v).unwrap();
-            }
+        for (kernel, kv) in attention_variants(c) {
             let s = &c.gpu.stream;
             let run = |p: Option<u64>| unsafe {
                 c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p, kv).unwrap()
             };
             let t1 = time(c, 30, || run(None));
             let t2 = time(c, 30, || run(Some(parts.ptr())));
-            line += &format!("  {} {:.1} us unsplit, {:.1} us split", label(kernel, kv, f8), t1 * 1e6, t2 * 1e6);
+            line += &format!("  {} {:.1} us unsplit, {:.1} us split", label(kernel, kv), t1 * 1e6, t2 * 1e6);
         }
         println!("{line}");
     }
@@ -161,10 +158,7 @@ fn attention(c: &mut Cuda) {
         let parts = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
         let kv_bytes = (2 * seqs * ctx * hkv * d * 2) as f64;
         let mut line = format!("batched decode attention {seqs} x ctx {ctx} (KV {:.0} MB in bf16):", kv_bytes / 1e6);
-        for (kernel, kv, f8) in attention_variants(c) {
-            if let Some(v) = f8 {
-                c.kernels.set_f8_decode_variant(v).unwrap();
-            }
+        for (kernel, kv) in attention_variants(c) {
             let s = &c.gpu.stream;
             let t = time(c, 20, || unsafe {
                 c.kernels
@@ -173,7 +167,7 @@ fn attention(c: &mut Cuda) {
             });
             // GB/s of the bytes this cache type really reads.
             let read = kv_bytes / 2.0 * kv.bytes() as f64;
-            line += &format!("  {} {:.1} us = {:.0} GB/s", label(kernel, kv, f8), t * 1e6, read / t / 1e9);
+            line += &format!("  {} {:.1} us = {:.0} GB/s", label(kernel, kv), t * 1e6, read / t / 1e9);
         }
         println!("{line}");
     }
@@ -201,39 +195,34 @@ fn attention(c: &mut Cuda) {
         let out = c.gpu.alloc_zeros::<u16>(n * hq * d).unwrap();
         let flops = (seqs * len * (len + 1) / 2 * hq * d * 4) as f64;
         let mut line = format!("prefill attention {seqs} x {len} tokens:");
-        for (kernel, kv, f8) in attention_variants(c) {
-            if let Some(v) = f8 {
-                c.kernels.set_f8_decode_variant(v).unwrap();
-            }
+        for (kernel, kv) in attention_variants(c) {
             let s = &c.gpu.stream;
             let t = time(c, 10, || unsafe {
                 c.kernels
                     .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None, kv)
                     .unwrap()
             });
-            line += &format!("  {} {:.1} us = {:.1} TFLOP/s", label(kernel, kv, f8), t * 1e6, flops / t / 1e12);
+            line += &format!("  {} {:.1} us = {:.1} TFLOP/s", label(kernel, kv), t * 1e6, flops / t / 1e12);
         }
         println!("{line}");
     }
 }
 
 /// Every attention kernel on a bf16 cache, and the tensor-core kernel on an fp8 cache where the GPU
-/// serves one, in each of its decode variants (`MICRO_F8=all`; else the default only). The fp8 runs
-/// read the same buffers as bytes: the values are not meaningful, the timing is.
-fn attention_variants(c: &Cuda) -> Vec<(AttentionKernel, KvCacheDtype, Option<usize>)> {
-    let mut v = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16, None), (AttentionKernel::Tiled, KvCacheDtype::Bf16, None), (AttentionKernel::Mma, KvCacheDtype::Bf16, None)];
+/// serves one (the fp8 runs read the same buffers as bytes: the values are not meaningful, the
+/// timing is).
+fn attention_variants(c: &Cuda) -> Vec<(AttentionKernel, KvCacheDtype)> {
+    let mut v = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16), (AttentionKernel::Tiled, KvCacheDtype::Bf16), (AttentionKernel::Mma, KvCacheDtype::Bf16)];
     if c.kernels.fp8_kv_ready() {
-        let all = std::env::var("MICRO_F8").is_ok_and(|v| v == "all");
-        let n = if all { peregrine_kernels::ops::F8_DECODE_VARIANTS.len() } else { 1 };
-        v.extend((0..n).map(|i| (AttentionKernel::Mma, KvCacheDtype::Fp8E4m3, Some(i))));
+        v.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
     }
     v
 }
 
-fn label(kernel: AttentionKernel, kv: KvCacheDtype, f8: Option<usize>) -> String {
+fn label(kernel: AttentionKernel, kv: KvCacheDtype) -> String {
     match kv {
         KvCacheDtype::Bf16 => format!("{kernel:?}"),
-        KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8-{}", peregrine_kernels::ops::F8_DECODE_VARIANTS[f8.unwrap_or(0)].0),
+        KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8"),
     }
 }
 

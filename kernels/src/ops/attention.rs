@@ -107,24 +107,6 @@ impl AttentionArgs {
     }
 }
 
-/// The fp8-cache decode kernel's variants (`PEREGRINE_ATTN_F8_DECODE=<name>`, for measuring them on a
-/// GPU without a rebuild; attention_mma_f8.cu): name, kernel name stem, keys per tile and pipeline
-/// stages. The first is the default: keys as the mma's rows, 16 keys per warp per tile, two stages
-/// (four blocks per SM; "b5": five). "q" is the kernel with the query heads as rows (attention_mma.cu).
-pub const F8_DECODE_VARIANTS: [(&str, &str, usize, usize); 5] = [
-    ("keys", "paged_attention_mma_f8", MMA_KT, MMA_STAGES),
-    ("q", "paged_attention_mma_f8q", MMA_KT, MMA_STAGES),
-    ("kw32", "paged_attention_mma_f8kw32", 2 * MMA_KT, MMA_STAGES),
-    ("s3", "paged_attention_mma_f8s3", MMA_KT, 3),
-    ("b5", "paged_attention_mma_f8b5", MMA_KT, MMA_STAGES),
-];
-
-/// The fp8 decode variant `PEREGRINE_ATTN_F8_DECODE` names (index into [`F8_DECODE_VARIANTS`]; 0
-/// when unset or unknown).
-pub(super) fn f8_decode_variant_from_env() -> usize {
-    std::env::var("PEREGRINE_ATTN_F8_DECODE").ok().and_then(|v| F8_DECODE_VARIANTS.iter().position(|(name, ..)| *name == v)).unwrap_or(0)
-}
-
 /// Shared memory of an fp8 tile pipeline: `stages` K tiles [kt][d + 16] bytes and V^T tiles
 /// [d][kt + 16] bytes.
 fn f8_tiles_bytes(d: usize, kt: usize, stages: usize) -> usize {
@@ -138,36 +120,25 @@ fn f8_tiles_bytes(d: usize, kt: usize, stages: usize) -> usize {
 pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usize {
     match kv {
         KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,
-        KvCacheDtype::Fp8E4m3 if decode => f8_decode_smem_bytes(d, 0),
+        // attention_mma_f8.cu's decode kernel: two stages of 64-key tiles (F8K_KW x 4 warps).
+        KvCacheDtype::Fp8E4m3 if decode => f8_tiles_bytes(d, MMA_KT, MMA_STAGES),
         KvCacheDtype::Fp8E4m3 => f8_tiles_bytes(d, MMA_KT, MMA_F8_STAGES),
     }
 }
 
-/// Dynamic shared memory of fp8 decode variant `variant` (index into [`F8_DECODE_VARIANTS`]).
-pub fn f8_decode_smem_bytes(d: usize, variant: usize) -> usize {
-    let (_, _, kt, stages) = F8_DECODE_VARIANTS[variant];
-    f8_tiles_bytes(d, kt, stages)
-}
-
 /// Lets the tensor-core attention kernels launch with their dynamic shared memory; false if the
-/// device refuses (it has less than they need). fp8: the prefill kernel and every decode variant.
+/// device refuses (it has less than they need).
 pub(super) fn mma_smem_opt_in(module: &Arc<CudaModule>, kv: KvCacheDtype) -> bool {
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
-    let mut kernels: Vec<(&str, Box<dyn Fn(usize) -> usize>)> = match kv {
-        KvCacheDtype::Bf16 => vec![
-            ("paged_attention_mma", Box::new(|d| attention_mma_smem_bytes(d, kv, true))),
-            ("paged_attention_mma_rows", Box::new(|d| attention_mma_smem_bytes(d, kv, false))),
-        ],
-        KvCacheDtype::Fp8E4m3 => vec![("paged_attention_mma_rows_f8", Box::new(|d| attention_mma_smem_bytes(d, kv, false)))],
+    let names: [&str; 2] = match kv {
+        KvCacheDtype::Bf16 => ["paged_attention_mma", "paged_attention_mma_rows"],
+        KvCacheDtype::Fp8E4m3 => ["paged_attention_mma_f8", "paged_attention_mma_rows_f8"],
     };
-    if kv == KvCacheDtype::Fp8E4m3 {
-        for (i, (_, stem, ..)) in F8_DECODE_VARIANTS.iter().enumerate() {
-            kernels.push((stem, Box::new(move |d| f8_decode_smem_bytes(d, i))));
-        }
-    }
-    kernels.iter().all(|(name, smem)| {
+    names.iter().enumerate().all(|(i, name)| {
         [64usize, 128].iter().all(|&d| {
-            module.load_function(&format!("{name}_d{d}")).is_ok_and(|f| f.set_attribute(MAX_DYN, smem(d) as i32).is_ok())
+            module
+                .load_function(&format!("{name}_d{d}"))
+                .is_ok_and(|f| f.set_attribute(MAX_DYN, attention_mma_smem_bytes(d, kv, i == 0) as i32).is_ok())
         })
     })
 }
@@ -295,8 +266,7 @@ impl Kernels {
                         (true, false) => &self.paged_attention_mma_f8_d64,
                         (true, true) => &self.paged_attention_mma_f8_d128,
                     };
-                    let smem = if fp8 { f8_decode_smem_bytes(d, self.f8_decode_variant) } else { attention_mma_smem_bytes(d, kv, true) };
-                    self.attention_per_token(s, func, smem, &args, decode_tokens, hq, hkv, d, partials)?;
+                    self.attention_per_token(s, func, attention_mma_smem_bytes(d, kv, true), &args, decode_tokens, hq, hkv, d, partials)?;
                 }
                 if decode_tokens < n {
                     let func = match (fp8, wide) {

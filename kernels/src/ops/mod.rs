@@ -22,7 +22,7 @@ mod token_mask;
 use attention::mma_smem_opt_in;
 use gemv_fp8::{GEMV8_M1_ROWS_DEFAULT, GEMV8_MMA_UNROLL_DEFAULT, GEMV8_MMA_WARPS_PER_SM};
 pub use gemv_fp8::Gemv8Kernel;
-pub use attention::{attention_mma_smem_bytes, f8_decode_smem_bytes, AttentionKernel, F8_DECODE_VARIANTS, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
+pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use encoder::{
     attention_tiles as encoder_attention_tiles, attention_tiles_of as encoder_attention_tiles_of, EmbeddingTables, EncoderActivation, EncoderKernels, EncoderPooling, NormParams, ENC_ATTN_MAX_HEAD_DIM,
     ENC_ATTN_MMA_HEAD_DIMS, ENC_ATTN_MMA_QUERIES_PER_WARP, ENC_ATTN_MMA_WARPS, ENC_ATTN_QUERY_TILE,
@@ -88,12 +88,8 @@ pub struct Kernels {
     paged_attention_mma_d128: CudaFunction,
     paged_attention_mma_rows_d64: CudaFunction,
     paged_attention_mma_rows_d128: CudaFunction,
-    /// The fp8-cache decode kernel: the variant of [`F8_DECODE_VARIANTS`] at `f8_decode_variant`.
     paged_attention_mma_f8_d64: CudaFunction,
     paged_attention_mma_f8_d128: CudaFunction,
-    f8_decode_variant: usize,
-    /// The module every function above came from (for [`Kernels::set_f8_decode_variant`]).
-    module: Arc<CudaModule>,
     paged_attention_mma_rows_f8_d64: CudaFunction,
     paged_attention_mma_rows_f8_d128: CudaFunction,
     /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled|mma`); None: chosen per launch.
@@ -194,7 +190,6 @@ fn as_i32(v: usize, what: &str) -> Result<i32> {
 impl Kernels {
     pub fn load(module: &Arc<CudaModule>, num_sms: u32, arch: (i32, i32)) -> Result<Self> {
         let f = |name: &str| module.load_function(name);
-        let f8_decode_variant = attention::f8_decode_variant_from_env();
         Ok(Kernels {
             embedding_gather: f("embedding_gather")?,
             add_rmsnorm: f("add_rmsnorm")?,
@@ -213,10 +208,8 @@ impl Kernels {
             paged_attention_mma_d128: f("paged_attention_mma_d128")?,
             paged_attention_mma_rows_d64: f("paged_attention_mma_rows_d64")?,
             paged_attention_mma_rows_d128: f("paged_attention_mma_rows_d128")?,
-            paged_attention_mma_f8_d64: f(&format!("{}_d64", F8_DECODE_VARIANTS[f8_decode_variant].1))?,
-            paged_attention_mma_f8_d128: f(&format!("{}_d128", F8_DECODE_VARIANTS[f8_decode_variant].1))?,
-            f8_decode_variant,
-            module: module.clone(),
+            paged_attention_mma_f8_d64: f("paged_attention_mma_f8_d64")?,
+            paged_attention_mma_f8_d128: f("paged_attention_mma_f8_d128")?,
             paged_attention_mma_rows_f8_d64: f("paged_attention_mma_rows_f8_d64")?,
             paged_attention_mma_rows_f8_d128: f("paged_attention_mma_rows_f8_d128")?,
             attention: AttentionKernel::from_env(),
@@ -278,19 +271,6 @@ impl Kernels {
             // went 166.2 -> 167.8 tokens/s (docs/benchmarks.md).
             pdl: arch.0 >= 9 && std::env::var("PEREGRINE_PDL").map_or(true, |v| v != "0"),
         })
-    }
-
-    /// Switches the fp8-cache decode kernel to `F8_DECODE_VARIANTS[variant]` (what
-    /// `PEREGRINE_ATTN_F8_DECODE` chooses at load), so that tests and `micro` compare the variants in
-    /// one process.
-    pub fn set_f8_decode_variant(&mut self, variant: usize) -> Result<()> {
-        let (_, stem, ..) = F8_DECODE_VARIANTS
-            .get(variant)
-            .ok_or_else(|| KernelError::Unsupported(format!("fp8 decode variant {variant} (there are {})", F8_DECODE_VARIANTS.len())))?;
-        self.paged_attention_mma_f8_d64 = self.module.load_function(&format!("{stem}_d64"))?;
-        self.paged_attention_mma_f8_d128 = self.module.load_function(&format!("{stem}_d128"))?;
-        self.f8_decode_variant = variant;
-        Ok(())
     }
 
     /// Threads per block of a one-block-per-row kernel that holds its row in registers (common.cuh's

@@ -119,29 +119,40 @@ __device__ __forceinline__ void add8_bf16_scaled(const bf16_t* p, float (&v)[8],
 #pragma unroll
     for (int t = 0; t < 8; ++t) v[t] += d[t] * (sx * w[t]);
 }
-// v[t] *= sx · sw[t] (nothing when sw is null).
-__device__ __forceinline__ void scale8(float (&v)[8], float sx, const float* sw) {
-    if (!sw) return;
+// v[t] += float(p[t]) · (sx · sw[t]): the int32 sums of an int8 GEMM that left its scales (and the
+// conversion to bf16) to the consumer.
+__device__ __forceinline__ void add8_i32_scaled(const int* p, float (&v)[8], float sx, const float* sw) {
+    const int4 a = reinterpret_cast<const int4*>(p)[0], b = reinterpret_cast<const int4*>(p)[1];
+    const int d[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     float w[8];
     ld8_f32(sw, w);
 #pragma unroll
-    for (int t = 0; t < 8; ++t) v[t] *= sx * w[t];
+    for (int t = 0; t < 8; ++t) v[t] += (float)d[t] * (sx * w[t]);
 }
-
-// The residual add of a norm kernel: row x (f32) += d (bf16, times sx · dws[j] when dws is not null)
-// + ld (the LoRA update, bf16), each null for none, written back when anything was added; the row
-// in v (this thread's chunks), this thread's sum of squares returned.
-__device__ __forceinline__ float residual_add_row(float* x, const bf16_t* d, const bf16_t* ld, float sx, const float* dws,
-                                                  int chunks, float (&v)[ROW_MAXC][8]) {
+// 8 values of a deferred-scale delta: bf16 `p`, or int32 sums `pi` when it is not null; scaled by
+// sx · sw[t] when sw is not null (pi needs sw).
+__device__ __forceinline__ void ld8_delta_scaled(const bf16_t* p, const int* pi, float (&v)[8], float sx, const float* sw) {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = 0.f;
+    if (pi) add8_i32_scaled(pi, v, sx, sw);
+    else add8_bf16_scaled(p, v, sx, sw);
+}
+// The residual add of a norm kernel: row x (f32) += d (bf16, times sx · dws[j] when dws is not null;
+// or di, an int8 GEMM's int32 sums, times sx · dws[j]) + ld (the LoRA update, bf16), each null for
+// none, written back when anything was added; the row in v (this thread's chunks), this thread's sum
+// of squares returned.
+__device__ __forceinline__ float residual_add_row(float* x, const bf16_t* d, const int* di, const bf16_t* ld, float sx,
+                                                  const float* dws, int chunks, float (&v)[ROW_MAXC][8]) {
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < ROW_MAXC; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
         if (c < chunks) {
             ld8_f32(x + 8 * c, v[i]);
-            if (d) add8_bf16_scaled(d + 8 * c, v[i], sx, dws ? dws + 8 * c : nullptr);
+            if (di) add8_i32_scaled(di + 8 * c, v[i], sx, dws + 8 * c);
+            else if (d) add8_bf16_scaled(d + 8 * c, v[i], sx, dws ? dws + 8 * c : nullptr);
             if (ld) add8_bf16(ld + 8 * c, v[i]);
-            if (d || ld) st8_f32(x + 8 * c, v[i]);
+            if (d || di || ld) st8_f32(x + 8 * c, v[i]);
 #pragma unroll
             for (int t = 0; t < 8; ++t) ss += v[i][t] * v[i][t];
         }

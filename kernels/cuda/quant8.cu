@@ -79,25 +79,27 @@ __device__ __forceinline__ void quantize_row_regs(const float (&v)[ROW_MAXC][8],
 
 // One block per row, the row in registers (common.cuh): hidden % 8 == 0, hidden ≤ 8 · ROW_MAXC ·
 // blockDim.x. `out` may be null (no bf16 copy wanted). dws not null: delta is an 8-bit GEMM's
-// unscaled output, scaled here by dxs[row] · dws[j] (scale_outer below, fused). The token scale is
-// read before this block overwrites scales[row] (dxs and scales may be the same buffer).
+// unscaled output, scaled here by dxs[row] · dws[j] (scale_outer below, fused), or, with delta_i32,
+// an int8 GEMM's int32 sums at delta_i32 instead (scale_outer_i32, fused). The token scale is read
+// before this block overwrites scales[row] (dxs and scales may be the same buffer).
 template <int FMT>
 __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ residual, const bf16_t* __restrict__ delta,
                                                        const float* __restrict__ weight, bf16_t* __restrict__ out,
                                                        unsigned char* __restrict__ q, float* scales,
                                                        int hidden, float eps, const bf16_t* __restrict__ lora_d,
                                                        const int* __restrict__ lora_slots, const float* dxs,
-                                                       const float* __restrict__ dws) {
+                                                       const float* __restrict__ dws, const int* __restrict__ delta_i32) {
     __shared__ float scratch[33];
     pdl_trigger();  // the GEMV after this may start streaming its weights now
     const u64 row = blockIdx.x;
     const int chunks = hidden >> 3;
     float* x = residual + row * hidden;
     const bf16_t* d = delta ? delta + row * hidden : nullptr;
+    const int* di = delta_i32 ? delta_i32 + row * hidden : nullptr;
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, hidden);
     const float sx = dws ? dxs[row] : 1.f;
     float v[ROW_MAXC][8];
-    const float ss = residual_add_row(x, d, ld, sx, dws, chunks, v);
+    const float ss = residual_add_row(x, d, di, ld, sx, dws, chunks, v);
     // 1 / sqrt and w * (x * inv), as the CPU's rms_norm (rsqrtf would differ in the last bits).
     const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)hidden + eps);
     float amax = 0.f;
@@ -119,13 +121,14 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
 }
 
 // One block per row as above (inter % 8 == 0); `out` may be null; gate_up unscaled when dws is not
-// null (dws: the 2·inter row scales of [gate; up]).
+// null (dws: the 2·inter row scales of [gate; up]), read as int32 sums from gate_up_i32 when that is
+// not null.
 template <int FMT>
 __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, unsigned char* __restrict__ q,
                                                     float* scales, const bf16_t* __restrict__ gate_up,
                                                     int inter, const bf16_t* __restrict__ lora_d,
                                                     const int* __restrict__ lora_slots, const float* dxs,
-                                                    const float* __restrict__ dws) {
+                                                    const float* __restrict__ dws, const int* __restrict__ gate_up_i32) {
     __shared__ float scratch[33];
     pdl_trigger();
     const u64 row = blockIdx.x;
@@ -133,6 +136,8 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
     const int chunks = inter >> 3;
     const bf16_t* g = gate_up + row * 2 * inter;
     const bf16_t* u = g + inter;
+    const int* gi = gate_up_i32 ? gate_up_i32 + row * 2 * inter : nullptr;
+    const int* ui = gi ? gi + inter : nullptr;
     // The LoRA update of gate|up (silu_mul.cu), added to gate and up before SwiGLU.
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, 2 * (u64)inter);
     float v[ROW_MAXC][8];
@@ -142,10 +147,8 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
         const int c = threadIdx.x + i * blockDim.x;
         if (c < chunks) {
             float gv[8], uv[8];
-            ld8_bf16(g + 8 * c, gv);
-            ld8_bf16(u + 8 * c, uv);
-            scale8(gv, sx, dws ? dws + 8 * c : nullptr);
-            scale8(uv, sx, dws ? dws + inter + 8 * c : nullptr);
+            ld8_delta_scaled(g + 8 * c, gi ? gi + 8 * c : nullptr, gv, sx, dws ? dws + 8 * c : nullptr);
+            ld8_delta_scaled(u + 8 * c, ui ? ui + 8 * c : nullptr, uv, sx, dws ? dws + inter + 8 * c : nullptr);
             if (ld) {
                 add8_bf16(ld + 8 * c, gv);
                 add8_bf16(ld + inter + 8 * c, uv);
@@ -165,13 +168,15 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
     extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm_quant_##SUFFIX(float* residual, const bf16_t* delta, const float* weight, \
                                                           bf16_t* out, unsigned char* q, float* scales, int hidden,  \
                                                           float eps, const bf16_t* lora_d, const int* lora_slots,    \
-                                                          const float* dxs, const float* dws) {                      \
-        add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps, lora_d, lora_slots, dxs, dws); \
+                                                          const float* dxs, const float* dws, const int* delta_i32) { \
+        add_rmsnorm_quant_impl<FMT>(residual, delta, weight, out, q, scales, hidden, eps, lora_d, lora_slots, dxs, dws,  \
+                                    delta_i32);                                                                      \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(1024) silu_mul_quant_##SUFFIX(bf16_t* out, unsigned char* q, float* scales,                 \
                                                        const bf16_t* gate_up, int inter, const bf16_t* lora_d,       \
-                                                       const int* lora_slots, const float* dxs, const float* dws) {  \
-        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots, dxs, dws);                      \
+                                                       const int* lora_slots, const float* dxs, const float* dws,    \
+                                                       const int* gate_up_i32) {                                     \
+        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots, dxs, dws, gate_up_i32);         \
     }
 Q8_FAMILY(e4m3, Q8_E4M3)
 Q8_FAMILY(i8, Q8_I8)

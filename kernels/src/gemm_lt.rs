@@ -27,9 +27,12 @@ use crate::{KernelError, Result};
 
 /// cuBLASLt's recommended workspace on Hopper; fixed, so that calls can be captured into graphs.
 const WORKSPACE_BYTES: usize = 32 << 20;
-/// The int8 GEMM's int32 sums go through this scratch (16 Mi elements, 64 MiB) before the scales make
-/// them bf16/f32; longer steps run in row chunks that fit.
-const ACC_ELEMS: usize = 16 << 20;
+/// The int8 GEMM's int32 sums go through this scratch (32 Mi elements, 128 MiB) before the scales make
+/// them bf16/f32; longer steps run in row chunks that fit. Sized so that a decode step of up to 1,170
+/// tokens runs Llama-3.1-8B's gate|up (28,672 columns) in one piece, whose sums its consumer can then
+/// read in place (`BlasLt::gemm_i8_into_scratch`): at 16 Mi, a 1,024-token step ran it in two
+/// chunks, each with its own scale pass.
+const ACC_ELEMS: usize = 32 << 20;
 /// Plans kept before the cache is emptied (prefill steps of many different lengths each make
 /// one per projection shape; a plan is a few hundred bytes of descriptors).
 const MAX_PLANS: usize = 2048;
@@ -178,6 +181,27 @@ impl BlasLt {
             r0 += chunk;
         }
         Ok(true)
+    }
+
+    /// `acc = xq · wqᵀ` over int8 codes, as exact int32 sums in this handle's scratch (row-major m × n),
+    /// for a consumer that applies the token and row scales itself (`ops::OuterScale::sums_i32`):
+    /// Some(scratch) when it ran, None (nothing launched) where the sums do not fit the scratch in one
+    /// piece or cuBLASLt has no kernel for the shape. The sums stay valid until the next int8 GEMM on
+    /// this handle.
+    ///
+    /// # Safety
+    /// xq: m*k bytes, wq: n*k bytes, 16-byte aligned; on this handle's stream.
+    pub unsafe fn gemm_i8_into_scratch(&self, xq: DPtr, wq: DPtr, m: usize, n: usize, k: usize) -> Result<Option<DPtr>> {
+        if m == 0 || n == 0 || m.saturating_mul(n) > ACC_ELEMS {
+            return Ok(None);
+        }
+        if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) {
+            return Ok(None);
+        }
+        let (acc, _sync) = self.acc.device_ptr(self.stream.as_ref());
+        let key = PlanKey { m, n, k, f32_out: false, int8: true };
+        // SAFETY: m * n <= ACC_ELEMS, the rest as this function's contract.
+        Ok(unsafe { self.run(key, acc, xq, wq)? }.then_some(acc))
     }
 
     /// Runs `key`'s plan (made on first use) on `d = xq · wqᵀ` in our row-major terms; false where

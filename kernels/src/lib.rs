@@ -109,9 +109,11 @@ impl Cuda {
     }
 
     /// [`Cuda::linear_w8`] that may leave the token and row scales to the kernel that consumes `y`:
-    /// Some(scale) when it did (cuBLASLt's unscaled e4m3 GEMM; `y` holds the raw dot products, and
-    /// that kernel must multiply by them), None when `y` is final. Saves `scale_outer`'s pass over
-    /// the output, a tenth of a batch-256 fp8 decode step on an H100.
+    /// Some(scale) when it did, None when `y` is final. e4m3 (cuBLASLt's unscaled GEMM): `y` holds
+    /// the raw dot products, and that kernel must multiply by them; saves `scale_outer`'s pass over
+    /// the output, a tenth of a batch-256 fp8 decode step on an H100. int8: the exact int32 sums stay
+    /// in cuBLASLt's scratch (`scale.sums_i32`; `y` is not written), saving `scale_outer_i32`'s
+    /// pass; the consumer must run before the next 8-bit linear.
     ///
     /// # Safety
     /// As [`Kernels::gemm_w8a8`].
@@ -132,12 +134,17 @@ impl Cuda {
                 W8Format::E4m3 => {
                     if lt.gemm_e4m3_unscaled(y, f32_out, xq, wq, m, n, k)? {
                         if defer {
-                            return Ok(Some(ops::OuterScale { xs, ws }));
+                            return Ok(Some(ops::OuterScale::bf16(xs, ws)));
                         }
                         return self.kernels.scale_outer(s, y, f32_out, xs, ws, m, n).map(|()| None);
                     }
                 }
                 W8Format::I8 => {
+                    if defer {
+                        if let Some(sums) = lt.gemm_i8_into_scratch(xq, wq, m, n, k)? {
+                            return Ok(Some(ops::OuterScale { xs, ws, sums_i32: sums }));
+                        }
+                    }
                     let scale = |y_rows, acc, xs_rows, rows| self.kernels.scale_outer_i32(s, y_rows, f32_out, acc, xs_rows, ws, rows, n);
                     if lt.gemm_i8_rowwise(y, f32_out, xq, xs, wq, m, n, k, scale)? {
                         return Ok(None);

@@ -338,7 +338,9 @@ fn fused_rmsnorm_quant_matches_the_cpu_rms_norm_then_quantize() {
             // deferred: delta is an unscaled GEMM output whose token and row scales the kernel applies
             // (powers of two, so the scaled sums stay exact), the token scales read from the very
             // buffer the kernel writes its own to, as in the decode step.
-            for (exact, deferred) in [(true, false), (false, false), (true, true)] {
+            // sums: the deferred delta as an int8 GEMM leaves it, int32 sums (8 × the bf16 delta,
+            // exact) in their own buffer with row scales / 8, the bf16 delta buffer poisoned.
+            for (exact, deferred, sums) in [(true, false, false), (false, false, false), (true, true, false), (true, true, true)] {
                 let quantize = |v: f32| if exact { (v * 8.0).round() / 8.0 } else { v };
                 let residual: Vec<f32> = values(rows * hidden, 3, 2.0).into_iter().map(|v| quantize(v.clamp(-4.0, 4.0))).collect();
                 // delta in bf16 (what the o / down projections write), also exact multiples of 1/8.
@@ -349,13 +351,15 @@ fn fused_rmsnorm_quant_matches_the_cpu_rms_norm_then_quantize() {
                 rms_norm(&summed, &weight, eps, &mut want);
 
                 let dres = c.gpu.upload(&residual).unwrap();
-                let ddelta = c.gpu.upload(&delta.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<u16>>()).unwrap();
+                let delta_bits: Vec<u16> = if sums { vec![0xFFFF; rows * hidden] } else { delta.iter().map(|&v| bf16::from_f32(v).to_bits()).collect() };
+                let ddelta = c.gpu.upload(&delta_bits).unwrap();
                 let dw = c.gpu.upload(&weight).unwrap();
                 let dout = c.gpu.upload(&vec![0xFFFFu16; rows * hidden]).unwrap();
                 let dq = c.gpu.upload(&vec![0xAAu8; rows * hidden]).unwrap();
                 let ds = c.gpu.upload(&if deferred { xs.clone() } else { vec![f32::NAN; rows] }).unwrap();
-                let dws = c.gpu.upload(&ws).unwrap();
-                let scale = deferred.then(|| OuterScale { xs: ds.ptr(), ws: dws.ptr() });
+                let dws = c.gpu.upload(&if sums { ws.iter().map(|w| w / 8.0).collect() } else { ws.clone() }).unwrap();
+                let dsums = c.gpu.upload(&delta.iter().map(|&v| (v * 8.0) as i32).collect::<Vec<i32>>()).unwrap();
+                let scale = deferred.then(|| OuterScale { sums_i32: if sums { dsums.ptr() } else { 0 }, ..OuterScale::bf16(ds.ptr(), dws.ptr()) });
                 unsafe { c.kernels.add_rmsnorm_quant(s, w8, dres.ptr(), Some(ddelta.ptr()), dw.ptr(), dout.ptr(), dq.ptr(), ds.ptr(), rows, hidden, eps, None, scale).unwrap() };
                 let res_after = dres.download(s).unwrap();
                 assert!(res_after.iter().zip(&summed).all(|(a, b)| a.to_bits() == b.to_bits()), "residual += delta");
@@ -363,7 +367,7 @@ fn fused_rmsnorm_quant_matches_the_cpu_rms_norm_then_quantize() {
                     let g = bf16::from_bits(bits).to_f32();
                     assert!((g - w).abs() <= w.abs() / 128.0 + 1e-6, "{format:?} normed bf16 [{i}]: {g} vs {w}");
                 }
-                let what = format!("rmsnorm {rows}x{hidden}{}", if deferred { " (scales deferred)" } else { "" });
+                let what = format!("rmsnorm {rows}x{hidden}{}", if sums { " (int32 sums, scales deferred)" } else if deferred { " (scales deferred)" } else { "" });
                 // Deferred: exact sums, but the scaled values' squares no longer sum exactly.
                 check_codes(format, &what, rows, hidden, &want, &dq.download(s).unwrap(), &ds.download(s).unwrap(), exact && !deferred);
             }
@@ -379,22 +383,32 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
         if !ready(&c, w8) {
             continue;
         }
-        for (rows, inter, deferred) in [(2usize, 1536usize, false), (17, 14336, false), (17, 14336, true)] {
+        // sums: gate|up as an int8 GEMM leaves it, int32 sums in their own buffer (the bf16 one poisoned).
+        for (rows, inter, deferred, sums) in [(2usize, 1536usize, false, false), (17, 14336, false, false), (17, 14336, true, false), (17, 14336, true, true)] {
             let mut gate_up = values(rows * 2 * inter, 21, 4.0);
             // A token whose SwiGLU is all zeros: scale 0, codes 0.
             gate_up[2 * inter..4 * inter].fill(0.0);
             let bits: Vec<u16> = gate_up.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+            // int32 sums: 64 × the values, rounded (the row scales take the 1/64: powers of two, exact).
+            let ints: Vec<i32> = gate_up.iter().map(|&v| (v * 64.0).round() as i32).collect();
             // deferred: gate|up unscaled, scaled by the kernel (powers of two: exact).
             let (xs, ws) = deferred_scales(rows, 2 * inter, deferred);
-            let gu: Vec<f32> = bits.iter().enumerate().map(|(i, &b)| bf16::from_bits(b).to_f32() * (xs[i / (2 * inter)] * ws[i % (2 * inter)])).collect();
+            let ws: Vec<f32> = if sums { ws.iter().map(|w| w / 64.0).collect() } else { ws };
+            let gu: Vec<f32> = (0..rows * 2 * inter)
+                .map(|i| {
+                    let v = if sums { ints[i] as f32 } else { bf16::from_bits(bits[i]).to_f32() };
+                    v * (xs[i / (2 * inter)] * ws[i % (2 * inter)])
+                })
+                .collect();
             let mut want = vec![0f32; rows * inter];
             swiglu(&gu, inter, &mut want);
-            let dgu = c.gpu.upload(&bits).unwrap();
+            let dgu = c.gpu.upload(&if sums { vec![0xFFFFu16; bits.len()] } else { bits.clone() }).unwrap();
+            let dints = c.gpu.upload(&ints).unwrap();
             let dout = c.gpu.upload(&vec![0xFFFFu16; rows * inter]).unwrap();
             let dq = c.gpu.upload(&vec![0xAAu8; rows * inter]).unwrap();
             let ds = c.gpu.upload(&if deferred { xs.clone() } else { vec![f32::NAN; rows] }).unwrap();
             let dws = c.gpu.upload(&ws).unwrap();
-            let scale = deferred.then(|| OuterScale { xs: ds.ptr(), ws: dws.ptr() });
+            let scale = deferred.then(|| OuterScale { sums_i32: if sums { dints.ptr() } else { 0 }, ..OuterScale::bf16(ds.ptr(), dws.ptr()) });
             unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None, scale).unwrap() };
             for (i, (&b, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
                 let g = bf16::from_bits(b).to_f32();
@@ -402,7 +416,7 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
             }
             let (q, sc) = (dq.download(s).unwrap(), ds.download(s).unwrap());
             assert_eq!(sc[1], 0.0, "zero token's scale");
-            check_codes(format, &format!("silu_mul {rows}x{inter}{}", if deferred { " (scales deferred)" } else { "" }), rows, inter, &want, &q, &sc, false);
+            check_codes(format, &format!("silu_mul {rows}x{inter}{}", if sums { " (int32 sums, scales deferred)" } else if deferred { " (scales deferred)" } else { "" }), rows, inter, &want, &q, &sc, false);
         }
     }
 }

@@ -9,17 +9,26 @@ use crate::Result;
 /// The token and row scales an unscaled 8-bit GEMM left to the kernel that consumes its output
 /// (`Cuda::linear_w8_deferred`): that kernel multiplies each value by `xs[token] · ws[column]`, which
 /// saves `scale_outer`'s pass over the output. `xs` may be the buffer the consumer writes its own
-/// token scales to (each row's is read before it is overwritten).
+/// token scales to (each row's is read before it is overwritten). `sums_i32` (0 for none): an int8
+/// GEMM's int32 sums, which the consumer reads there instead of the output buffer it is given (the
+/// conversion to bf16 deferred too); they live in cuBLASLt's scratch, so the consumer must run before
+/// the next int8 GEMM.
 #[derive(Debug, Clone, Copy)]
 pub struct OuterScale {
     pub xs: DPtr,
     pub ws: DPtr,
+    pub sums_i32: DPtr,
 }
 
 impl OuterScale {
-    /// The two kernel arguments (null pointers for None).
-    pub(crate) fn args(scale: Option<OuterScale>) -> (DPtr, DPtr) {
-        scale.map_or((0, 0), |s| (s.xs, s.ws))
+    /// Scales for a bf16 output the consumer reads where it was written.
+    pub fn bf16(xs: DPtr, ws: DPtr) -> Self {
+        OuterScale { xs, ws, sums_i32: 0 }
+    }
+
+    /// The three kernel arguments (null pointers for None).
+    pub(crate) fn args(scale: Option<OuterScale>) -> (DPtr, DPtr, DPtr) {
+        scale.map_or((0, 0, 0), |s| (s.xs, s.ws, s.sums_i32))
     }
 }
 
@@ -37,7 +46,7 @@ impl Kernels {
             return Ok(());
         }
         let (lora_d, lora_slots) = LoraDelta::args(lora);
-        let (dxs, dws) = OuterScale::args(delta_scale);
+        let (dxs, dws, delta_i32) = OuterScale::args(delta_scale);
         self.check_w8(format, "add_rmsnorm_quant")?;
         let delta = delta.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
@@ -55,6 +64,7 @@ impl Kernels {
             .arg(&lora_slots)
             .arg(&dxs)
             .arg(&dws)
+            .arg(&delta_i32)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }
@@ -70,7 +80,7 @@ impl Kernels {
             return Ok(());
         }
         let (lora_d, lora_slots) = LoraDelta::args(lora);
-        let (dxs, dws) = OuterScale::args(gate_up_scale);
+        let (dxs, dws, gate_up_i32) = OuterScale::args(gate_up_scale);
         self.check_w8(format, "silu_mul_quant")?;
         let inter_i = as_i32(inter, "intermediate")?;
         let threads = Self::row_threads(inter, "silu_mul_quant")?;
@@ -84,6 +94,7 @@ impl Kernels {
             .arg(&lora_slots)
             .arg(&dxs)
             .arg(&dws)
+            .arg(&gate_up_i32)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }

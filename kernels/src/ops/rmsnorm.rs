@@ -22,7 +22,7 @@ impl Kernels {
         }
         let delta = delta.unwrap_or(0);
         let (lora_d, lora_slots) = LoraDelta::args(lora);
-        let (dxs, dws) = OuterScale::args(delta_scale);
+        let (dxs, dws, delta_i32) = OuterScale::args(delta_scale);
         let rows = rows.unwrap_or(0);
         let hidden_i = as_i32(hidden, "hidden")?;
         let threads = Self::row_threads(hidden, "add_rmsnorm")?;
@@ -38,6 +38,7 @@ impl Kernels {
             .arg(&lora_slots)
             .arg(&dxs)
             .arg(&dws)
+            .arg(&delta_i32)
             .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
         Ok(())
     }

@@ -1,5 +1,6 @@
 // RoPE (rotate-half, as transformers' Llama) fused with the paged KV-cache write.
-// qkv: [n, (Hq + 2*Hkv) * D] bf16, the fused q/k/v projection of each token (+ bias when not null, f32).
+// qkv: [n, (Hq + 2*Hkv) * D] bf16, the fused q/k/v projection of each token (+ bias when not null, f32;
+// an 8-bit projection's unscaled output or int32 sums with its token and row scales, see below).
 // cos_t/sin_t: [max_pos, D/2] f32 tables (Llama-3 frequency scaling already applied on the host).
 // slots[t] = block * block_size + offset of token t's position.
 // Writes the rotated q to q_out [n, Hq*D] and the rotated k and plain v into the caches:
@@ -83,13 +84,28 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
                                                    const float* __restrict__ sin_t, const int* __restrict__ slots,
                                                    bf16_t* __restrict__ q_out, void* __restrict__ k_cache,
                                                    void* __restrict__ v_cache, int hq, int hkv, int d, int block_size,
-                                                   const bf16_t* __restrict__ lora_d, const int* __restrict__ lora_slots) {
+                                                   const bf16_t* __restrict__ lora_d, const int* __restrict__ lora_slots,
+                                                   const float* __restrict__ dxs, const float* __restrict__ dws,
+                                                   const int* __restrict__ qkv_i32) {
     const u64 t = blockIdx.x;
     const int half = d >> 1;
     const int width = (hq + 2 * hkv) * d;
     const bf16_t* row = qkv + t * width;
+    // An 8-bit q|k|v projection that left its scales here (dws not null): the unscaled bf16 output,
+    // or with qkv_i32 the int8 GEMM's int32 sums, times dxs[t] · dws[col] (quant8.cu's scale_outer,
+    // fused).
+    const int* row_i32 = qkv_i32 ? qkv_i32 + t * width : nullptr;
+    const float sx = dws ? dxs[t] : 1.f;
     // The q|k|v LoRA update of this token (lora.cu's expand wrote it beside qkv), added as bias is.
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, t, width);
+    // Column `col` of this token's q|k|v: scaled, plus bias and LoRA update.
+    auto input = [&](int col) {
+        float x = row_i32 ? (float)row_i32[col] : bf2f(row[col]);
+        if (dws) x *= sx * dws[col];
+        if (bias) x += bias[col];
+        if (ld) x += bf2f(ld[col]);
+        return x;
+    };
     const int pos = positions[t];
     const float* c = cos_t + (u64)pos * half;
     const float* s = sin_t + (u64)pos * half;
@@ -106,9 +122,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     for (int p = h0 * half + threadIdx.x; p < r1 * half; p += blockDim.x) {
         const int h = p / half, i = p % half;
         const int c0 = h * d + i, c1 = c0 + half;
-        float x0 = bf2f(row[c0]), x1 = bf2f(row[c1]);
-        if (bias) { x0 += bias[c0]; x1 += bias[c1]; }
-        if (ld) { x0 += bf2f(ld[c0]); x1 += bf2f(ld[c1]); }
+        const float x0 = input(c0), x1 = input(c1);
         const float y0 = x0 * c[i] - x1 * s[i];
         const float y1 = x1 * c[i] + x0 * s[i];
         if constexpr (HAD) {
@@ -125,10 +139,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     if constexpr (HADV) {
         // Staged like q/k (no RoPE), at their place among the block's heads.
         for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
-            float x = bf2f(row[vstart + e]);
-            if (bias) x += bias[vstart + e];
-            if (ld) x += bf2f(ld[vstart + e]);
-            had[(hq + hkv + e / d - h0) * d + e % d] = x;
+            had[(hq + hkv + e / d - h0) * d + e % d] = input(vstart + e);
         }
     }
     if constexpr (HAD) {
@@ -145,10 +156,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     if constexpr (!HADV) {
         // v heads: copied as they are.
         for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
-            float x = bf2f(row[vstart + e]);
-            if (bias) x += bias[vstart + e];
-            if (ld) x += bf2f(ld[vstart + e]);
-            rope_store_v<F8>(x, e / d, e % d, v_cache, hkv, d, block_size, blk, off);
+            rope_store_v<F8>(input(vstart + e), e / d, e % d, v_cache, hkv, d, block_size, blk, off);
         }
     }
 }
@@ -157,9 +165,9 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     extern "C" __global__ void NAME(const bf16_t* qkv, const float* bias, const int* positions, const float* cos_t, \
                                     const float* sin_t, const int* slots, bf16_t* q_out, void* k_cache,          \
                                     void* v_cache, int hq, int hkv, int d, int block_size, const bf16_t* lora_d, \
-                                    const int* lora_slots) {                                                     \
+                                    const int* lora_slots, const float* dxs, const float* dws, const int* qkv_i32) { \
         rope_kv_write_impl<F8, HAD, HADV>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, \
-                                          hkv, d, block_size, lora_d, lora_slots);                               \
+                                          hkv, d, block_size, lora_d, lora_slots, dxs, dws, qkv_i32);            \
     }
 ROPE_KV_WRITE(rope_kv_write, false, false, false)
 ROPE_KV_WRITE(rope_kv_write_fp8, true, false, false)

@@ -10,7 +10,7 @@
 
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation, LoraDelta};
+use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation, LoraDelta, OuterScale};
 use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -359,57 +359,75 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
             c.gpu.upload(&sin).unwrap(),
             c.gpu.upload(&slots).unwrap(),
         );
-        let qout = poison(&c, n * hq * d);
-        // Caches as bytes, poisoned (bf16 NaN pairs; 0xff is an e4m3 NaN too).
-        let kc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
-        let vc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
-        unsafe {
-            c.kernels
-                .rope_kv_write(&c.gpu.stream, dqkv.ptr(), Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, rotation, None)
-                .unwrap()
-        };
-        let gq = qout.download(&c.gpu.stream).unwrap();
-        let (gk, gv) = (kc.download(&c.gpu.stream).unwrap(), vc.download(&c.gpu.stream).unwrap());
-        let as_bf16 = |b: &[u8]| -> Vec<u16> { b.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).collect() };
-        // Checks a cached head row: `at(i)` is element i's index in the cache.
-        let check_cache = |bytes: &[u8], at: &dyn Fn(usize) -> usize, want: &[f64], what: &str| match kv {
-            KvCacheDtype::Bf16 => {
-                let all = as_bf16(bytes);
-                assert_bf16_close(&(0..d).map(|i| all[at(i)]).collect::<Vec<_>>(), want, what)
-            }
-            KvCacheDtype::Fp8E4m3 => assert_fp8_close(&(0..d).map(|i| bytes[at(i)]).collect::<Vec<_>>(), want, what),
-        };
-        for t in 0..n {
-            let x = |col: usize| qv[t * width + col] + bias[col] as f64;
-            let (cs, sn) = (&cos[positions[t] as usize * half..], &sin[positions[t] as usize * half..]);
-            let blk = slots[t] as usize / bs;
-            let off = slots[t] as usize % bs;
-            for h in 0..hq + hkv {
-                let mut want = vec![0f64; d];
-                for i in 0..half {
-                    let (x0, x1) = (x(h * d + i), x(h * d + i + half));
-                    want[i] = x0 * cs[i] as f64 - x1 * sn[i] as f64;
-                    want[i + half] = x1 * cs[i] as f64 + x0 * sn[i] as f64;
+        // Input modes: a final bf16 q|k|v; an 8-bit GEMM's unscaled bf16 output with its token and
+        // row scales (powers of two) left to this kernel; and an int8 GEMM's int32 sums (64 × the
+        // values, rounded) with the row scales / 64, the bf16 buffer poisoned.
+        let ints: Vec<i32> = qv.iter().map(|v| (v * 64.0).round() as i32).collect();
+        let dints = c.gpu.upload(&ints).unwrap();
+        let dpoison = c.gpu.upload(&vec![0xFFFFu16; n * width]).unwrap();
+        for mode in 0..3 {
+            let xs: Vec<f32> = (0..n).map(|t| if mode == 0 { 1.0 } else { [0.5, 2.0, 0.25][t % 3] }).collect();
+            let ws: Vec<f32> = (0..width).map(|j| if mode == 0 { 1.0 } else { [1.0, 0.5, 2.0, 4.0][j % 4] / if mode == 2 { 64.0 } else { 1.0 } }).collect();
+            let (dxs, dws) = (c.gpu.upload(&xs).unwrap(), c.gpu.upload(&ws).unwrap());
+            let scale = match mode {
+                0 => None,
+                1 => Some(OuterScale::bf16(dxs.ptr(), dws.ptr())),
+                _ => Some(OuterScale { sums_i32: dints.ptr(), ..OuterScale::bf16(dxs.ptr(), dws.ptr()) }),
+            };
+            let qkv_in = if mode == 2 { dpoison.ptr() } else { dqkv.ptr() };
+            let qout = poison(&c, n * hq * d);
+            // Caches as bytes, poisoned (bf16 NaN pairs; 0xff is an e4m3 NaN too).
+            let kc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
+            let vc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
+            unsafe {
+                c.kernels
+                    .rope_kv_write(&c.gpu.stream, qkv_in, Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, rotation, None, scale)
+                    .unwrap()
+            };
+            let gq = qout.download(&c.gpu.stream).unwrap();
+            let (gk, gv) = (kc.download(&c.gpu.stream).unwrap(), vc.download(&c.gpu.stream).unwrap());
+            let as_bf16 = |b: &[u8]| -> Vec<u16> { b.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).collect() };
+            // Checks a cached head row: `at(i)` is element i's index in the cache.
+            let check_cache = |bytes: &[u8], at: &dyn Fn(usize) -> usize, want: &[f64], what: &str| match kv {
+                KvCacheDtype::Bf16 => {
+                    let all = as_bf16(bytes);
+                    assert_bf16_close(&(0..d).map(|i| all[at(i)]).collect::<Vec<_>>(), want, what)
                 }
-                if rotation != KvRotation::None {
-                    want = sylvester_rotate(&want);
+                KvCacheDtype::Fp8E4m3 => assert_fp8_close(&(0..d).map(|i| bytes[at(i)]).collect::<Vec<_>>(), want, what),
+            };
+            for t in 0..n {
+                let raw = |col: usize| if mode == 2 { ints[t * width + col] as f64 } else { qv[t * width + col] };
+                let x = |col: usize| raw(col) * (xs[t] * ws[col]) as f64 + bias[col] as f64;
+                let (cs, sn) = (&cos[positions[t] as usize * half..], &sin[positions[t] as usize * half..]);
+                let blk = slots[t] as usize / bs;
+                let off = slots[t] as usize % bs;
+                for h in 0..hq + hkv {
+                    let mut want = vec![0f64; d];
+                    for i in 0..half {
+                        let (x0, x1) = (x(h * d + i), x(h * d + i + half));
+                        want[i] = x0 * cs[i] as f64 - x1 * sn[i] as f64;
+                        want[i + half] = x1 * cs[i] as f64 + x0 * sn[i] as f64;
+                    }
+                    if rotation != KvRotation::None {
+                        want = sylvester_rotate(&want);
+                    }
+                    if h < hq {
+                        assert_bf16_close(&gq[t * hq * d + h * d..t * hq * d + (h + 1) * d], &want, "rotated q");
+                    } else {
+                        check_cache(&gk, &|i| cache_index(blk, h - hq, off, i, hkv, bs, d), &want, "rotated k in cache");
+                    }
                 }
-                if h < hq {
-                    assert_bf16_close(&gq[t * hq * d + h * d..t * hq * d + (h + 1) * d], &want, "rotated q");
-                } else {
-                    check_cache(&gk, &|i| cache_index(blk, h - hq, off, i, hkv, bs, d), &want, "rotated k in cache");
+                for h in 0..hkv {
+                    let mut want: Vec<f64> = (0..d).map(|i| x((hq + hkv + h) * d + i)).collect();
+                    if rotation == KvRotation::QKV {
+                        want = sylvester_rotate(&want);
+                    }
+                    let at = |i: usize| match kv {
+                        KvCacheDtype::Bf16 => cache_index(blk, h, off, i, hkv, bs, d),
+                        KvCacheDtype::Fp8E4m3 => v_index_fp8(blk, h, off, i, hkv, bs, d),
+                    };
+                    check_cache(&gv, &at, &want, "v in cache");
                 }
-            }
-            for h in 0..hkv {
-                let mut want: Vec<f64> = (0..d).map(|i| x((hq + hkv + h) * d + i)).collect();
-                if rotation == KvRotation::QKV {
-                    want = sylvester_rotate(&want);
-                }
-                let at = |i: usize| match kv {
-                    KvCacheDtype::Bf16 => cache_index(blk, h, off, i, hkv, bs, d),
-                    KvCacheDtype::Fp8E4m3 => v_index_fp8(blk, h, off, i, hkv, bs, d),
-                };
-                check_cache(&gv, &at, &want, "v in cache");
             }
         }
     }

@@ -2,7 +2,7 @@
 
 use cudarc::driver::{CudaStream, LaunchConfig};
 
-use super::{as_i32, as_u32, DPtr, Kernels, KvCacheDtype, Launch, LoraDelta};
+use super::{as_i32, as_u32, DPtr, Kernels, KvCacheDtype, Launch, LoraDelta, OuterScale};
 use crate::{KernelError, Result};
 
 /// rope_kv.cu's ROPE_HEADS: heads per block of `rope_kv_write`.
@@ -47,17 +47,19 @@ impl Kernels {
     /// RoPE on the q and k parts of `qkv` (+ optional f32 bias), q written to `q_out`, k and v into the
     /// paged caches at `slots[t]`, as `kv` elements in that type's layout ([`KvCacheDtype`]), the
     /// heads `rotation` names rotated by the normalized Walsh–Hadamard matrix first; `lora`'s update
-    /// is added to qkv as the bias is.
+    /// is added to qkv as the bias is. `qkv_scale`: qkv is an 8-bit GEMM's unscaled output (or its
+    /// int32 sums at `sums_i32`), scaled here before the bias ([`OuterScale`]).
     ///
     /// # Safety
     /// qkv and lora's buffer: n*(hq+2hkv)*d bf16; positions, slots: n i32; cos/sin: (max position + 1)*d/2 f32;
     /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*d elements of `kv` covering every slot.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, kv: KvCacheDtype, rotation: KvRotation, lora: Option<LoraDelta>) -> Result<()> {
+    pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, kv: KvCacheDtype, rotation: KvRotation, lora: Option<LoraDelta>, qkv_scale: Option<OuterScale>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let (lora_d, lora_slots) = LoraDelta::args(lora);
+        let (dxs, dws, qkv_i32) = OuterScale::args(qkv_scale);
         if d % 2 != 0 {
             return Err(KernelError::Unsupported(format!("rope: odd head_dim {d}")));
         }
@@ -91,6 +93,9 @@ impl Kernels {
             .arg(&bs)
             .arg(&lora_d)
             .arg(&lora_slots)
+            .arg(&dxs)
+            .arg(&dws)
+            .arg(&qkv_i32)
             .launch(s, LaunchConfig { grid_dim: (as_u32(n, "tokens")?, ((hq + 2 * hkv + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }, false)?;
         Ok(())
     }

@@ -394,9 +394,10 @@ impl CudaBackend {
                     (Linear::W8 { .. }, None) => Err(KernelError::Unsupported("8-bit weights without a format".into())),
                 }
             };
-            // The projections whose output goes to a kernel that can scale it (o, gate|up, down): an
-            // unscaled 8-bit GEMM leaves its token and row scales to that kernel (in `scale`), unless
-            // LoRA adds its updates into the output (an in-place expand needs it final).
+            // The projections whose output goes to a kernel that can scale it (every one: q|k|v to
+            // RoPE, o and down to the norms, gate|up to SwiGLU): an unscaled 8-bit GEMM leaves its
+            // token and row scales to that kernel (in `scale`), unless LoRA adds its updates into the
+            // output (an in-place expand needs it final).
             let defer_scales = lora.is_none_or(|l| l.update_buffered(n));
             let linear_scaled_later = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize, scale: &Cell<Option<OuterScale>>| -> peregrine_kernels::Result<()> {
                 scale.set(match (wt, w8) {
@@ -431,7 +432,8 @@ impl CudaBackend {
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
-                let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h))?;
+                let qkv_scale = Cell::new(None);
+                let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear_scaled_later(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h, &qkv_scale))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 k.rope_kv_write(
                     s,
@@ -452,6 +454,7 @@ impl CudaBackend {
                     self.kv_dtype,
                     self.kv_rotation,
                     qkv_lora,
+                    qkv_scale.get(),
                 )?;
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
                 if self.kv_rotation == KvRotation::QKV {

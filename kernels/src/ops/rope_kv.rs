@@ -43,6 +43,16 @@ fn check_hadamard_dim(d: usize) -> Result<()> {
     }
 }
 
+/// rope_kv_write's grid: a token's items over blocks of 128 threads (`vec_items`, the 16-byte kernel),
+/// or ROPE_HEADS heads of a token per block of 256 threads.
+fn rope_launch(n: usize, hq: i32, hkv: i32, vec_items: Option<usize>) -> Result<LaunchConfig> {
+    let tokens = as_u32(n, "tokens")?;
+    Ok(match vec_items {
+        Some(items) => LaunchConfig { grid_dim: (tokens, items.div_ceil(128) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 },
+        None => LaunchConfig { grid_dim: (tokens, ((hq + 2 * hkv + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 },
+    })
+}
+
 impl Kernels {
     /// RoPE on the q and k parts of `qkv` (+ optional f32 bias), q written to `q_out`, k and v into the
     /// paged caches at `slots[t]`, as `kv` elements in that type's layout ([`KvCacheDtype`]), the
@@ -68,8 +78,13 @@ impl Kernels {
         }
         self.check_kv_dtype(kv, block_size)?;
         let bias = bias.unwrap_or(0);
+        // Unrotated heads of a dimension that is a multiple of 16: rope_kv_write_vec's 16-byte
+        // accesses, one item (8 RoPE pairs, or 8 values of v) per thread.
+        let vec_items = (rotation == KvRotation::None && d % 16 == 0).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
         let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
         let func = match (kv, rotation) {
+            (KvCacheDtype::Bf16, KvRotation::None) if vec_items.is_some() => &self.rope_kv_write_vec,
+            (KvCacheDtype::Fp8E4m3, KvRotation::None) if vec_items.is_some() => &self.rope_kv_write_fp8_vec,
             (KvCacheDtype::Bf16, KvRotation::None) => &self.rope_kv_write,
             (KvCacheDtype::Fp8E4m3, KvRotation::None) => &self.rope_kv_write_fp8,
             (KvCacheDtype::Bf16, KvRotation::QK) => &self.rope_kv_write_had,
@@ -96,7 +111,7 @@ impl Kernels {
             .arg(&dxs)
             .arg(&dws)
             .arg(&qkv_i32)
-            .launch(s, LaunchConfig { grid_dim: (as_u32(n, "tokens")?, ((hq + 2 * hkv + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }, false)?;
+            .launch(s, rope_launch(n, hq, hkv, vec_items)?, false)?;
         Ok(())
     }
 

@@ -37,9 +37,11 @@ __device__ __forceinline__ E4m3x16 decode16_e4m3(const uint4 a) {
     E4m3x16 r;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+        u32 h2[2];
+        e4m3x4_to_f16x2x2(av[i], h2[0], h2[1]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float2 f = f16x2_to_float2(e4m3x2_to_f16x2(av[i] >> (16 * h)));
+            const float2 f = f16x2_to_float2(h2[h]);
             r.v[4 * i + 2 * h] = f.x;
             r.v[4 * i + 2 * h + 1] = f.y;
         }
@@ -54,9 +56,11 @@ __device__ __forceinline__ float dot16_e4m3_decoded(const E4m3x16& w, const uint
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+        u32 h2[2];
+        e4m3x4_to_f16x2x2(bv[i], h2[0], h2[1]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float2 fb = f16x2_to_float2(e4m3x2_to_f16x2(bv[i] >> (16 * h)));
+            const float2 fb = f16x2_to_float2(h2[h]);
             s = fmaf(w.v[4 * i + 2 * h], fb.x, s);
             s = fmaf(w.v[4 * i + 2 * h + 1], fb.y, s);
         }

@@ -158,7 +158,7 @@ impl Kernels {
             )),
             // The fp8 tiles are copied 16 keys of a cache block at a time, and the decode kernel finds
             // a key's block with a shift.
-            KvCacheDtype::Fp8E4m3 if block_size % 16 != 0 || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
+            KvCacheDtype::Fp8E4m3 if !block_size.is_multiple_of(16) || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
                 "an fp8 KV cache needs a block size that is a power of two, at least 16 (got {block_size})"
             ))),
             KvCacheDtype::Fp8E4m3 => Ok(()),

@@ -80,7 +80,7 @@ impl Kernels {
         let bias = bias.unwrap_or(0);
         // Unrotated heads of a dimension that is a multiple of 16: rope_kv_write_vec's 16-byte
         // accesses, one item (8 RoPE pairs, or 8 values of v) per thread.
-        let vec_items = (rotation == KvRotation::None && d % 16 == 0).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
+        let vec_items = (rotation == KvRotation::None && d.is_multiple_of(16)).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
         let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
         let func = match (kv, rotation) {
             (KvCacheDtype::Bf16, KvRotation::None) if vec_items.is_some() => &self.rope_kv_write_vec,

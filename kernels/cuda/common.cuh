@@ -119,18 +119,24 @@ __device__ __forceinline__ void add8_bf16_scaled(const bf16_t* p, float (&v)[8],
 #pragma unroll
     for (int t = 0; t < 8; ++t) v[t] += d[t] * (sx * w[t]);
 }
-// v[t] += float(p[t]) · (sx · sw[t]): the int32 sums of an int8 GEMM that left its scales (and the
-// conversion to bf16) to the consumer.
-__device__ __forceinline__ void add8_i32_scaled(const int* p, float (&v)[8], float sx, const float* sw) {
+// 8 int32 sums (an int8 GEMM's, its scales left to the consumer) as floats.
+__device__ __forceinline__ void ld8_i32(const int* p, float (&v)[8]) {
     const int4 a = reinterpret_cast<const int4*>(p)[0], b = reinterpret_cast<const int4*>(p)[1];
-    const int d[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    float w[8];
+    v[0] = (float)a.x, v[1] = (float)a.y, v[2] = (float)a.z, v[3] = (float)a.w;
+    v[4] = (float)b.x, v[5] = (float)b.y, v[6] = (float)b.z, v[7] = (float)b.w;
+}
+// v[t] += float(p[t]) · (sx · sw[t]): int32 sums whose GEMM left its scales to the consumer.
+__device__ __forceinline__ void add8_i32_scaled(const int* p, float (&v)[8], float sx, const float* sw) {
+    float d[8], w[8];
+    ld8_i32(p, d);
     ld8_f32(sw, w);
 #pragma unroll
-    for (int t = 0; t < 8; ++t) v[t] += (float)d[t] * (sx * w[t]);
+    for (int t = 0; t < 8; ++t) v[t] += d[t] * (sx * w[t]);
 }
-// 8 values of a deferred-scale delta: bf16 `p`, or int32 sums `pi` when it is not null; scaled by
-// sx · sw[t] when sw is not null (pi needs sw).
+// 8 values of an 8-bit GEMM's output as its consumer reads them: bf16 `p`, or the int32 sums `pi`
+// when that is not null, times sx · sw[t] when sw is not null (the scales it left; pi needs sw).
+// Added to zeros rather than loaded and scaled in place: the in-place form spilled in silu_mul_quant
+// at 1,024 threads (ptxas, sm_90).
 __device__ __forceinline__ void ld8_delta_scaled(const bf16_t* p, const int* pi, float (&v)[8], float sx, const float* sw) {
 #pragma unroll
     for (int t = 0; t < 8; ++t) v[t] = 0.f;

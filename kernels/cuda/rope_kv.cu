@@ -186,19 +186,7 @@ ROPE_KV_WRITE(rope_kv_write_fp8_had_v, true, true, true)
 __device__ __forceinline__ void rope_load8(float (&v)[8], int col, const bf16_t* row, const int* row_i32, float sx,
                                            const float* __restrict__ dws, const float* __restrict__ bias,
                                            const bf16_t* ld) {
-    if (row_i32) {
-        const int4 a = *reinterpret_cast<const int4*>(row_i32 + col), b = *reinterpret_cast<const int4*>(row_i32 + col + 4);
-        v[0] = (float)a.x, v[1] = (float)a.y, v[2] = (float)a.z, v[3] = (float)a.w;
-        v[4] = (float)b.x, v[5] = (float)b.y, v[6] = (float)b.z, v[7] = (float)b.w;
-    } else {
-        ld8_bf16(row + col, v);
-    }
-    if (dws) {
-        float w[8];
-        ld8_f32(dws + col, w);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] *= sx * w[k];
-    }
+    ld8_delta_scaled(row + col, row_i32 ? row_i32 + col : nullptr, v, sx, dws ? dws + col : nullptr);
     if (bias) {
         float b[8];
         ld8_f32(bias + col, b);

@@ -130,6 +130,9 @@ pub struct Kernels {
     /// SM its plan aims for (`PEREGRINE_GEMV8_MMA_WARPS`).
     gemv8_mma_unroll: usize,
     gemv8_mma_warps: usize,
+    /// The tensor-core 8-bit GEMVs with weights staged through shared memory (gemv_mma8.cu),
+    /// [`W8Format::index`] × [m ≤ 8, m ≤ 16].
+    gemv8_staged: [[CudaFunction; 2]; 2],
     /// Which 8-bit GEMV [`Kernels::gemv_w8`] runs (`PEREGRINE_GEMV8=tensor` for the tensor-core one).
     gemv8_kernel: Gemv8Kernel,
     quant_rows_e4m3: CudaFunction,
@@ -246,6 +249,7 @@ impl Kernels {
             ],
             gemv8_mma_unroll: std::env::var("PEREGRINE_GEMV8_MMA_UNROLL").ok().and_then(|v| v.parse().ok()).filter(|u| matches!(u, 2 | 4)).unwrap_or(GEMV8_MMA_UNROLL_DEFAULT),
             gemv8_mma_warps: std::env::var("PEREGRINE_GEMV8_MMA_WARPS").ok().and_then(|v| v.parse().ok()).filter(|&w: &usize| (1..=64).contains(&w)).unwrap_or(GEMV8_MMA_WARPS_PER_SM),
+            gemv8_staged: [[f("gemv8_staged_e4m3_t1")?, f("gemv8_staged_e4m3_t2")?], [f("gemv8_staged_i8_t1")?, f("gemv8_staged_i8_t2")?]],
             gemv8_kernel: Gemv8Kernel::from_env(),
             quant_rows_e4m3: f("quant_rows_e4m3")?,
             quant_rows_i8: f("quant_rows_i8")?,

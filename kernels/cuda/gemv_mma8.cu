@@ -4,32 +4,35 @@
 //
 // Why: gemv_fp8.cu's e4m3 kernel decodes every weight and activation code to f32 on the CUDA cores
 // (about 48 conversions per 16 weight bytes, the activations again for every token), so from 2
-// tokens on conversions, not HBM, bound it and it lost to cuBLASLt. Here a warp feeds 16 weight rows straight into
-// mma.sync m16n8k32 (e4m3 × e4m3 → f32, sm_89+; s8 × s8 → s32, sm_80+) as the A operand and up to 8
-// tokens as B (one column each): no conversions, and 2..8 tokens cost what 1 costs (16 take two
-// column tiles). Most of the tensor core's work is wasted at 1 token; it has plenty to spare.
+// tokens on conversions, not HBM, bound it and it lost to cuBLASLt. Here a warp feeds 16 weight rows
+// straight into mma.sync m16n8k32 (e4m3 × e4m3 → f32, sm_89+; s8 × s8 → s32, sm_80+) as the A operand
+// and up to 8 tokens as B (one column each): no conversions, and 2..8 tokens cost what 1 costs (16
+// take two column tiles). Most of the tensor core's work is wasted at 1 token; it has plenty to spare.
 //
-// Layout: a dot product may visit k in any order as long as weights and activations agree, so each
-// lane loads whole 16-byte chunks. Per pair of k-steps (64 codes), lane (g = lane / 4, t = lane % 4)
-// loads chunk 4p + t of weight rows g and g + 8 and, for the B operand, of token g; bytes 0..7 of
+// Loads: each warp streams its 16 rows in 256-byte pieces with cp.async (a half-warp reads one row's
+// piece: 256 contiguous bytes) into a ring of GST8_STAGES pieces of its own, so two pieces (8 KB a
+// warp) are in flight while it multiplies the third, without holding them in registers. The first
+// pieces go out before pdl_wait() (weights do not depend on the kernel before). Warps never wait for
+// each other until the end: the ring is the warp's own, ordered by cp.async.wait_group and
+// __syncwarp. (An earlier version loaded 64-byte pieces of each row straight into registers, two
+// rounds in flight: at one token it was no faster than the CUDA-core kernel, and on every shape
+// slower than this one; docs/benchmarks.md, session 16.)
+//
+// Fragments: a dot product may visit k in any order as long as weights and activations agree, so
+// each lane reads whole 16-byte chunks. For pair q (64 codes) of a piece, lane (g = lane / 4,
+// t = lane % 4) takes chunk 4q + t of rows g and g + 8 and the same chunk of token g; bytes 0..7 of
 // those chunks are the first mma's a0..a3 / b0..b1 (PTX: a0/a2 hold row g at k 4t.. and 16 + 4t..,
 // a1/a3 row g + 8, b0/b1 token g at the same k), bytes 8..15 the second's. Lanes of tokens past m,
-// and chunks past k, feed zeros.
+// and chunks past k, feed zeros. In shared memory a row's chunk c lies at c ^ (4 · (row & 1)): the 8
+// lanes of a 16-byte access phase (rows g, g + 1, chunks 4q..4q + 3) then touch distinct banks, and
+// so do the copies (a row's 16 chunks from 16 lanes).
 //
-// `wpr` warps share a tile of 16 rows, each a contiguous share of the pairs, in rounds of U pairs (2U
-// weight loads of 16 bytes per lane), the next round's loads issued before this round's mma (two
-// rounds in flight), the first before pdl_wait() (weights do not depend on the kernel before).
-// Every round the mma results go into the lane's f32
-// accumulator by an ordinary add: Hopper's fp8 mma keeps ~14 bits when it adds into its accumulator,
-// so the chain it sees is at most 2U steps long.
-// Measured (H100, docs/benchmarks.md session 14): 2..16 tokens cost what one does, but at one token
-// it is no faster than gemv_fp8.cu's kernel and slower on gate|up (each row is read in 64-byte
-// pieces, 16 rows per load), so it is opt-in (`PEREGRINE_GEMV8=tensor`). int8 sums are exact s32 (bit-identical to the dp4a
-// kernel's). The warps of a tile add their partial sums in a fixed order, and an output column
+// Each piece's 8 mma go into a fresh f32 accumulator that is then added to the lane's total: Hopper's
+// fp8 mma keeps ~14 bits when it adds into its accumulator, so the chain it sees is 8 steps long. int8
+// sums are exact s32 (bit-identical to the dp4a kernel's). `wpr` warps share a tile of 16 rows, each a
+// contiguous share of the pieces; they add their partial sums in a fixed order, and an output column
 // depends on its own token alone, so a token's result is the same for any m ≤ 16: batch invariant.
 // k % 16 == 0 and 16-byte aligned rows.
-#define GMMA8_WARPS 8
-
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
 // a += b in the accumulator's own arithmetic (f32 for e4m3, s32 carried in float bits for int8).
@@ -50,164 +53,12 @@ __device__ __forceinline__ float gmma8_value<Q8_I8>(float a) {
     return (float)__float_as_int(a);
 }
 
-// NT column tiles of 8 tokens (m ≤ 8 * NT).
-template <int FMT, int NT, int U>
-__device__ __forceinline__ void gemv8_mma_impl(void* __restrict__ y, int y_f32, const unsigned char* __restrict__ xq,
-                                               const float* __restrict__ xs, const unsigned char* __restrict__ w,
-                                               const float* __restrict__ ws, int m, int n, int k, int wpr) {
-    __shared__ float partial[GMMA8_WARPS][16][8 * NT];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int tiles_per_block = GMMA8_WARPS / wpr;
-    const int row0 = (blockIdx.x * tiles_per_block + warp / wpr) * 16;
-    const int part = warp % wpr;
-    const int chunks = k >> 4;
-    const int pairs = (chunks + 3) >> 2;
-    const int per = (pairs + wpr - 1) / wpr;
-    const int pbeg = part * per, pend = min(pairs, pbeg + per);
-    const bool live = row0 < n;  // the same for the whole warp: mma.sync needs every lane
-    const uint4* wlo = reinterpret_cast<const uint4*>(w + (u64)min(row0 + g, n - 1) * k);
-    const uint4* whi = reinterpret_cast<const uint4*>(w + (u64)min(row0 + g + 8, n - 1) * k);
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-    // Two rounds of U pairs in flight: the next round's loads go out before this round's mma.
-    uint4 wa[U], wb[U], na[U], nb[U];
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    pdl_trigger();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int c = (pbeg + u) * 4 + t;
-        const bool in = live && pbeg + u < pend && c < chunks;
-        wa[u] = in ? __ldcs(wlo + c) : zero;  // streamed once
-        wb[u] = in ? __ldcs(whi + c) : zero;
-    }
-    pdl_wait();
-    if (live) {
-        for (int p = pbeg; p < pend; p += U) {
-            if (p + U < pend) {  // warp-uniform
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int c = (p + U + u) * 4 + t;
-                    const bool in = p + U + u < pend && c < chunks;
-                    na[u] = in ? __ldcs(wlo + c) : zero;
-                    nb[u] = in ? __ldcs(whi + c) : zero;
-                }
-            }
-            float fresh[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) fresh[nt][i] = 0.f;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (p + u < pend) {  // warp-uniform
-                    const int c = (p + u) * 4 + t;
-                    const u32 a0[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};
-                    const u32 a1[4] = {wa[u].z, wb[u].z, wa[u].w, wb[u].w};
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const int token = nt * 8 + g;
-                        const uint4 xv = (token < m && c < chunks) ? __ldg(reinterpret_cast<const uint4*>(xq + (u64)token * k) + c) : zero;
-                        mma8<FMT>(fresh[nt], a0, xv.x, xv.y);
-                        mma8<FMT>(fresh[nt], a1, xv.z, xv.w);
-                    }
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[nt][i] = gmma8_add<FMT>(acc[nt][i], fresh[nt][i]);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                wa[u] = na[u];
-                wb[u] = nb[u];
-            }
-        }
-    }
-    // Lane (g, t) holds rows g (c0, c1) and g + 8 (c2, c3) for tokens 8 nt + 2t and 8 nt + 2t + 1.
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        partial[warp][g][nt * 8 + 2 * t] = acc[nt][0];
-        partial[warp][g][nt * 8 + 2 * t + 1] = acc[nt][1];
-        partial[warp][g + 8][nt * 8 + 2 * t] = acc[nt][2];
-        partial[warp][g + 8][nt * 8 + 2 * t + 1] = acc[nt][3];
-    }
-    __syncthreads();
-    if (part == 0 && live) {
-        // Consecutive lanes take consecutive rows of one token: coalesced stores.
-        for (int i = lane; i < 16 * m; i += 32) {
-            const int token = i >> 4, r = i & 15, row = row0 + r;
-            if (row < n) {
-                float s = partial[warp][r][token];
-                for (int q = 1; q < wpr; ++q) s = gmma8_add<FMT>(s, partial[warp + q][r][token]);
-                const float v = gmma8_value<FMT>(s) * xs[token] * ws[row];
-                if (y_f32) reinterpret_cast<float*>(y)[(u64)token * n + row] = v;
-                else reinterpret_cast<bf16_t*>(y)[(u64)token * n + row] = f2bf(v);
-            }
-        }
-    }
-}
 
-#endif
-
-// The kernels exist on every target; below their architecture (e4m3: sm_89, int8: sm_80) they are
-// empty and the host never launches them.
-#define GEMV8_MMA(NAME, BODY, NT, U)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GMMA8_WARPS * 32)                                        \
-        NAME##_t##NT##_u##U(void* y, int y_f32, const unsigned char* xq, const float* xs,                 \
-                            const unsigned char* w, const float* ws, int m, int n, int k, int wpr) {      \
-        BODY(NT, U)                                                                                       \
-    }
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-#define GEMV8_MMA_BODY_e4m3(NT, U) gemv8_mma_impl<Q8_E4M3, NT, U>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);
-#else
-#define GEMV8_MMA_BODY_e4m3(NT, U)
-#endif
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define GEMV8_MMA_BODY_i8(NT, U) gemv8_mma_impl<Q8_I8, NT, U>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);
-#else
-#define GEMV8_MMA_BODY_i8(NT, U)
-#endif
-// Rounds of 2 and 4 pairs (`PEREGRINE_GEMV8_MMA_UNROLL`).
-GEMV8_MMA(gemv8_mma_e4m3, GEMV8_MMA_BODY_e4m3, 1, 2)
-GEMV8_MMA(gemv8_mma_e4m3, GEMV8_MMA_BODY_e4m3, 2, 2)
-GEMV8_MMA(gemv8_mma_i8, GEMV8_MMA_BODY_i8, 1, 2)
-GEMV8_MMA(gemv8_mma_i8, GEMV8_MMA_BODY_i8, 2, 2)
-GEMV8_MMA(gemv8_mma_e4m3, GEMV8_MMA_BODY_e4m3, 1, 4)
-GEMV8_MMA(gemv8_mma_e4m3, GEMV8_MMA_BODY_e4m3, 2, 4)
-GEMV8_MMA(gemv8_mma_i8, GEMV8_MMA_BODY_i8, 1, 4)
-GEMV8_MMA(gemv8_mma_i8, GEMV8_MMA_BODY_i8, 2, 4)
-
-// ---------------------------------------------------------------------------------------------------
-// The same GEMV with the weights staged through shared memory (`PEREGRINE_GEMV8=staged`).
-//
-// Why: the kernel above reads each row in 64-byte pieces straight into registers, two rounds in
-// flight, and at one token it was no faster than the CUDA-core kernel (gate|up slower). Here each warp
-// streams its 16 rows in 256-byte pieces with cp.async (a half-warp reads one row's piece: 256
-// contiguous bytes), GST8_STAGES pieces in a ring of its own, so two pieces (8 KB a warp) are in
-// flight while it multiplies the third, without holding them in registers. The first pieces go out
-// before pdl_wait() (weights do not depend on the kernel before). Warps never wait for each other
-// until the end: the ring is the warp's own, ordered by cp.async.wait_group and __syncwarp.
-//
-// Fragments: as above, lane (g, t) takes 16-byte chunk 4q + t of rows g and g + 8 for pair q of a
-// piece (bytes 0..7 the first mma's a0..a3, bytes 8..15 the second's) and the same chunk of token g.
-// In shared memory a row's chunk c lies at c ^ (4 · (row & 1)): the 8 lanes of a 16-byte access
-// phase (rows g, g + 1, chunks 4q..4q + 3) then touch distinct banks, and so do the copies (a row's
-// 16 chunks from 16 lanes).
-//
-// Each piece's 8 mma go into a fresh f32 accumulator that is then added to the lane's total, so the
-// chain Hopper's fp8 mma accumulates (~14 bits kept) is 8 steps long, as with rounds of 4 above.
-// Results differ from the kernel above only in that order. An output column depends on its own
-// token alone: batch invariant. k % 16 == 0 and 16-byte aligned rows.
 #define GST8_WARPS 4
 #define GST8_STAGES 3
 #define GST8_PIECE 256                          // bytes of each of a tile's 16 rows per stage
 #define GST8_STAGE_BYTES (16 * GST8_PIECE)      // 4 KB; 4 warps × 3 stages = 48 KB a block
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
 // A lane's share of the tile's copies: rows 2i + (lane / 16) for i < 8, 16-byte chunk lane % 16 of
 // each row's piece. Fixed once per warp; rows past n and chunks past k are copied as zeros (from a
@@ -232,7 +83,7 @@ __device__ __forceinline__ void gst8_load(const Gst8Lane& l, int slot, int piece
 }
 
 template <int FMT, int NT>
-__device__ __forceinline__ void gemv8_staged_impl(void* __restrict__ y, int y_f32, const unsigned char* __restrict__ xq,
+__device__ __forceinline__ void gemv8_mma_impl(void* __restrict__ y, int y_f32, const unsigned char* __restrict__ xq,
                                                   const float* __restrict__ xs, const unsigned char* __restrict__ w,
                                                   const float* __restrict__ ws, int m, int n, int k, int wpr) {
     __shared__ __align__(16) unsigned char ring_all[GST8_WARPS][GST8_STAGES * GST8_STAGE_BYTES];
@@ -335,23 +186,25 @@ __device__ __forceinline__ void gemv8_staged_impl(void* __restrict__ y, int y_f3
 
 #endif
 
-#define GEMV8_STAGED(NAME, BODY, NT)                                                                      \
+// The kernels exist on every target; below their architecture (e4m3: sm_89, int8: sm_80) they are
+// empty and the host never launches them.
+#define GEMV8_MMA(NAME, BODY, NT)                                                                         \
     extern "C" __global__ void __launch_bounds__(GST8_WARPS * 32)                                         \
         NAME##_t##NT(void* y, int y_f32, const unsigned char* xq, const float* xs, const unsigned char* w, \
                      const float* ws, int m, int n, int k, int wpr) {                                     \
         BODY(NT)                                                                                          \
     }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-#define GEMV8_STAGED_BODY_e4m3(NT) gemv8_staged_impl<Q8_E4M3, NT>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);
+#define GEMV8_MMA_BODY_e4m3(NT) gemv8_mma_impl<Q8_E4M3, NT>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);
 #else
-#define GEMV8_STAGED_BODY_e4m3(NT)
+#define GEMV8_MMA_BODY_e4m3(NT)
 #endif
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define GEMV8_STAGED_BODY_i8(NT) gemv8_staged_impl<Q8_I8, NT>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);
+#define GEMV8_MMA_BODY_i8(NT) gemv8_mma_impl<Q8_I8, NT>(y, y_f32, xq, xs, w, ws, m, n, k, wpr);
 #else
-#define GEMV8_STAGED_BODY_i8(NT)
+#define GEMV8_MMA_BODY_i8(NT)
 #endif
-GEMV8_STAGED(gemv8_staged_e4m3, GEMV8_STAGED_BODY_e4m3, 1)
-GEMV8_STAGED(gemv8_staged_e4m3, GEMV8_STAGED_BODY_e4m3, 2)
-GEMV8_STAGED(gemv8_staged_i8, GEMV8_STAGED_BODY_i8, 1)
-GEMV8_STAGED(gemv8_staged_i8, GEMV8_STAGED_BODY_i8, 2)
+GEMV8_MMA(gemv8_mma_e4m3, GEMV8_MMA_BODY_e4m3, 1)
+GEMV8_MMA(gemv8_mma_e4m3, GEMV8_MMA_BODY_e4m3, 2)
+GEMV8_MMA(gemv8_mma_i8, GEMV8_MMA_BODY_i8, 1)
+GEMV8_MMA(gemv8_mma_i8, GEMV8_MMA_BODY_i8, 2)

@@ -314,8 +314,7 @@ fn lora(c: &Cuda) {
 /// The 8-bit W8A8 GEMVs (weights with per-row scales, activations quantized per token first) against
 /// the bf16 GEMV at m = 1..16 on the Llama-3.1-8B projection shapes: microseconds per call and GB/s
 /// of weight bytes read (bf16: 2 bytes per weight, 8-bit: 1; the bound is the HBM bandwidth). e4m3 on
-/// the CUDA cores (gemv_fp8.cu) and on the tensor cores (gemv_mma8.cu: registers `t`, staged through
-/// shared memory `s`), int8 on the tensor cores.
+/// the CUDA cores (gemv_fp8.cu) and on the tensor cores (gemv_mma8.cu), int8 on the tensor cores.
 fn fp8(c: &Cuda) {
     let s = &c.gpu.stream;
     if !c.kernels.fp8_gemm_ready() {
@@ -323,8 +322,8 @@ fn fp8(c: &Cuda) {
         return;
     }
     println!(
-        "{:<18} {:>3} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "[n x k]", "m", "bf16 us", "bf16 GB/s", "quant us", "e4m3c us", "e4m3c GB/s", "e4m3t us", "e4m3t GB/s", "i8t us", "e4m3s us", "e4m3s GB/s", "i8s us"
+        "{:<18} {:>3} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "[n x k]", "m", "bf16 us", "bf16 GB/s", "quant us", "e4m3c us", "e4m3c GB/s", "e4m3t us", "e4m3t GB/s", "i8t us"
     );
     for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
         let copies = (400_000_000 / (n * k * 2)).clamp(2, 8);
@@ -357,11 +356,9 @@ fn fp8(c: &Cuda) {
             let tc = gemv8(Gemv8Kernel::CudaCores, W8Format::E4m3);
             let tt = gemv8(Gemv8Kernel::TensorCores, W8Format::E4m3);
             let ti = gemv8(Gemv8Kernel::TensorCores, W8Format::I8);
-            let ts = gemv8(Gemv8Kernel::Staged, W8Format::E4m3);
-            let tsi = gemv8(Gemv8Kernel::Staged, W8Format::I8);
             let gbs = |t: f64| (n * k) as f64 / t / 1e9;
             println!(
-                "{:<18} {m:>3} {:>9.1} {:>9.0} {:>9.1} {:>9.1} {:>9.0} {:>9.1} {:>9.0} {:>9.1} {:>9.1} {:>9.0} {:>9.1}",
+                "{:<18} {m:>3} {:>9.1} {:>9.0} {:>9.1} {:>9.1} {:>9.0} {:>9.1} {:>9.0} {:>9.1}",
                 format!("[{n} x {k}]"),
                 tb * 1e6,
                 (n * k * 2) as f64 / tb / 1e9,
@@ -370,10 +367,7 @@ fn fp8(c: &Cuda) {
                 gbs(tc),
                 tt * 1e6,
                 gbs(tt),
-                ti * 1e6,
-                ts * 1e6,
-                gbs(ts),
-                tsi * 1e6
+                ti * 1e6
             );
         }
     }

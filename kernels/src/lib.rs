@@ -24,10 +24,10 @@ pub use gemm::{Blas, OutType};
 pub use ops::{DPtr, Kernels, KvCacheDtype, W8Format};
 
 /// Above this many tokens an 8-bit linear leaves the GEMV for the tensor-core GEMM: measured on the
-/// H100 (Llama-3.1-8B shape, fp8 decode steps), cuBLASLt's FP8 GEMM beats the GEMV's multi-row
-/// kernels from 2 tokens on (2 / 4 / 8 / 16 tokens: 4.7 / 4.8 / 5.2 / 5.0 ms per step against
-/// 5.6 / 7.3 / 9.9 / 15.8); one token stays on the GEMV (4.5 ms, at the weight-bandwidth bound's 59 %).
-pub const GEMV8_DEFAULT_MAX_M: usize = 1;
+/// H100 (Llama-3.1-8B shape, fp8 decode, docs/benchmarks.md session 16), the tensor-core GEMV beats
+/// cuBLASLt's FP8 GEMM up to 8 tokens (2 / 4 / 8 tokens: 522 / 1,008 / 1,931 tokens/s against 482 /
+/// 944 / 1,856) and loses at 16 (3,432 against 3,575).
+pub const GEMV8_DEFAULT_MAX_M: usize = 8;
 
 /// The most tokens a bf16 linear sends to the skinny GEMV by default (cuBLAS above). Measured on an
 /// H100 (Llama-3.1-8B shape, bf16 decode steps, docs/benchmarks.md "Session 12"): from 3 tokens

@@ -1,7 +1,7 @@
 //! The FP8 W8A8 decode kernels (kernels/cuda/gemv_fp8.cu) against the CPU path they must reproduce
 //! (`rowquant::quantize_activations` and `matmul_w8a8`): per-token activation codes and scales bit for
 //! bit, the CUDA-core GEMV's outputs to f32 summation-order rounding (f32 out) or one bf16 rounding
-//! (bf16 out); the tensor-core GEMVs (registers, staged) near them and batch invariant.
+//! (bf16 out); the tensor-core GEMV near them and batch invariant.
 //! Needs a GPU of compute capability 8.9+; skips (visibly) elsewhere unless PEREGRINE_REQUIRE_GPU.
 
 mod cuda_common;
@@ -58,7 +58,7 @@ fn fp8_gemv_and_activation_quant_match_the_cpu_path() {
             // The CUDA-core kernel sums in f32 (the CPU's results to summation-order rounding);
             // the tensor-core one accumulates fp8 products as cuBLASLt does (cuda_w8a8 checks it
             // against its f64 bound), so here only a loose sanity bound and its batch invariance.
-            for kernel in [Gemv8Kernel::CudaCores, Gemv8Kernel::TensorCores, Gemv8Kernel::Staged] {
+            for kernel in [Gemv8Kernel::CudaCores, Gemv8Kernel::TensorCores] {
                 let yf = c.gpu.upload(&vec![f32::NAN; m * n]).unwrap();
                 unsafe { c.kernels.gemv_w8_with(kernel, s, W8Format::E4m3, yf.ptr(), true, dq.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), m, n, k).unwrap() };
                 let got = yf.download(s).unwrap();

@@ -204,8 +204,8 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
             let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
             // GEMV sizes: the 8-bit GEMV (up to 16 rows). GEMM sizes: both tiles (the plan picks by grid
             // size, so one sequence may meet either in different batches).
-            // GEMV sizes: every GEMV kernel (CUDA cores, tensor cores, tensor cores staged).
-            let tiles: &[Path] = if m <= peregrine_kernels::ops::GEMV_FP8_MAX_M { &[Path::Gemv(Gemv8Kernel::CudaCores), Path::Gemv(Gemv8Kernel::TensorCores), Path::Gemv(Gemv8Kernel::Staged)] } else { &[Path::Gemm(64), Path::Gemm(32)] };
+            // GEMV sizes: both GEMV kernels (CUDA cores, tensor cores).
+            let tiles: &[Path] = if m <= peregrine_kernels::ops::GEMV_FP8_MAX_M { &[Path::Gemv(Gemv8Kernel::CudaCores), Path::Gemv(Gemv8Kernel::TensorCores)] } else { &[Path::Gemm(64), Path::Gemm(32)] };
             let run = |y: u64, out: OutType, rows: usize, tile: Path| match tile {
                 // Our GEMVs themselves (`Cuda::linear_w8` may send these rows to cuBLASLt, tested above).
                 Path::Gemv(kernel) => unsafe { c.kernels.gemv_w8_with(kernel, s, w8, y, out == OutType::F32, dx.ptr(), dxs.ptr(), dw.ptr(), dws.ptr(), rows, n, k).unwrap() },

@@ -9,43 +9,36 @@ use crate::{KernelError, Result};
 /// Largest row count the 8-bit GEMVs take (larger steps take [`Kernels::gemm_w8a8`]).
 pub const GEMV_FP8_MAX_M: usize = 16;
 const GEMV8_WARPS: usize = 8;
-/// Warps per block and bytes of each row per stage of the staged GEMV (GST8_WARPS, GST8_PIECE in
-/// gemv_mma8.cu).
-const GEMV8_STAGED_WARPS: usize = 4;
-const GEMV8_STAGED_PIECE: usize = 256;
+/// Warps per block and bytes of each row per stage of the tensor-core GEMV (GST8_WARPS, GST8_PIECE
+/// in gemv_mma8.cu).
+const GEMV8_MMA_WARPS: usize = 4;
+const GEMV8_MMA_PIECE: usize = 256;
 /// Weight rows per warp tile of the one-token GEMV unless `PEREGRINE_GEMV8_M1_ROWS` says otherwise:
 /// 2, from batch-1 decode on an H100 (Llama-3.1-8B shape; docs/benchmarks.md, session 9): fp8 223.8
 /// (1 row) / 227.9 (2) / 226.5 (4) tokens/s, int8 232.7 / 242.6 / 240.8.
 pub(super) const GEMV8_M1_ROWS_DEFAULT: usize = 2;
 /// Warps the tensor-core GEMV aims to have in flight per SM (the plan gives a 16-row tile more warps,
-/// each a share of k, until the grid reaches this): enough 16-byte loads in flight to cover HBM's
-/// latency on an H100.
+/// each a share of k, until the grid reaches this): its blocks of 4 warps and 48 KB fit 4 to an SM.
 pub(super) const GEMV8_MMA_WARPS_PER_SM: usize = 16;
-/// Pairs of 64 codes per load round of the tensor-core GEMV (2 or 4; two rounds are in flight).
-pub(super) const GEMV8_MMA_UNROLL_DEFAULT: usize = 4;
 
 /// Which kernel computes an 8-bit GEMV.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gemv8Kernel {
-    /// gemv_mma8.cu: codes straight into mma.sync (fp8 accumulation as cuBLASLt's for e4m3; exact
-    /// for int8); 1..8 tokens cost what one does.
+    /// gemv_mma8.cu: codes straight into mma.sync, the weights streamed through shared memory
+    /// (fp8 accumulation as cuBLASLt's for e4m3; exact for int8); 1..8 tokens cost what one does.
     TensorCores,
-    /// gemv_mma8.cu's staged kernel: as [`Gemv8Kernel::TensorCores`], the weights streamed through
-    /// shared memory in 256-byte pieces of each row (cp.async, three pieces a warp in flight).
-    Staged,
     /// gemv_fp8.cu: codes decoded to f32 on the CUDA cores, f32 sums (the CPU's results to f32
     /// rounding).
     CudaCores,
 }
 
 impl Gemv8Kernel {
-    /// `PEREGRINE_GEMV8=tensor` picks the tensor-core kernel; the CUDA-core one otherwise (faster at
-    /// one token on an H100: docs/benchmarks.md, session 14).
+    /// The tensor-core kernel unless `PEREGRINE_GEMV8=cores` (faster at every m ≤ 16 on an H100:
+    /// docs/benchmarks.md, session 16).
     pub(super) fn from_env() -> Self {
         match std::env::var("PEREGRINE_GEMV8").as_deref() {
-            Ok("tensor") => Gemv8Kernel::TensorCores,
-            Ok("staged") => Gemv8Kernel::Staged,
-            _ => Gemv8Kernel::CudaCores,
+            Ok("cores") => Gemv8Kernel::CudaCores,
+            _ => Gemv8Kernel::TensorCores,
         }
     }
 }
@@ -136,10 +129,8 @@ impl Kernels {
         if m > GEMV_FP8_MAX_M || !k.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) {
             return Err(KernelError::Unsupported(format!("gemv_w8: m {m}, k {k} (m <= {GEMV_FP8_MAX_M}, k % 16 == 0, aligned)")));
         }
-        match kernel {
-            Gemv8Kernel::TensorCores => return self.gemv8_mma(s, format, y, y_f32, xq, xs, wq, ws, m, n, k),
-            Gemv8Kernel::Staged => return self.gemv8_staged(s, format, y, y_f32, xq, xs, wq, ws, m, n, k),
-            Gemv8Kernel::CudaCores => {}
+        if kernel == Gemv8Kernel::TensorCores {
+            return self.gemv8_mma(s, format, y, y_f32, xq, xs, wq, ws, m, n, k);
         }
         let index = match m {
             0..=1 => match self.gemv8_m1_rows {
@@ -183,58 +174,29 @@ impl Kernels {
         Ok(())
     }
 
-    /// gemv_mma8.cu's kernel for m ≤ 16 (checked by the caller): one or two 8-token column tiles.
+    /// gemv_mma8.cu's kernel for m ≤ 16 (checked by the caller): blocks of [`GEMV8_MMA_WARPS`]
+    /// warps, one or two 8-token column tiles.
     #[allow(clippy::too_many_arguments)]
     unsafe fn gemv8_mma(&self, s: &CudaStream, format: W8Format, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        let unroll = self.gemv8_mma_unroll;
-        let func = &self.gemv8_mma[usize::from(unroll == 4)][format.index()][usize::from(m > 8)];
+        let func = &self.gemv8_mma[format.index()][usize::from(m > 8)];
         let tiles = n.div_ceil(16);
-        let mut wpr = Self::gemv8_mma_plan(tiles, k, self.num_sms as usize * self.gemv8_mma_warps, unroll);
-        if let Some((small, large)) = self.gemv8_wpr {
-            wpr = if k >= 8192 { large } else { small };
-        }
-        if !matches!(wpr, 1 | 2 | 4 | 8) {
-            return Err(KernelError::Unsupported(format!("gemv_w8: {wpr} warps per tile (1, 2, 4 or 8)")));
-        }
-        self.launch_gemv8(s, func, tiles.div_ceil(GEMV8_WARPS / wpr), GEMV8_WARPS * 32, wpr, y, y_f32, xq, xs, wq, ws, m, n, k)
-    }
-
-    /// gemv_mma8.cu's staged kernel for m ≤ 16 (checked by the caller): blocks of
-    /// [`GEMV8_STAGED_WARPS`] warps, one or two 8-token column tiles.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemv8_staged(&self, s: &CudaStream, format: W8Format, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        let func = &self.gemv8_staged[format.index()][usize::from(m > 8)];
-        let tiles = n.div_ceil(16);
-        let mut wpr = Self::gemv8_staged_plan(tiles, k, self.num_sms as usize * self.gemv8_mma_warps);
+        let mut wpr = Self::gemv8_mma_plan(tiles, k, self.num_sms as usize * self.gemv8_mma_warps);
         if let Some((small, large)) = self.gemv8_wpr {
             wpr = if k >= 8192 { large } else { small };
         }
         if !matches!(wpr, 1 | 2 | 4) {
-            return Err(KernelError::Unsupported(format!("gemv_w8 (staged): {wpr} warps per tile (1, 2 or 4)")));
+            return Err(KernelError::Unsupported(format!("gemv_w8 (tensor cores): {wpr} warps per tile (1, 2 or 4)")));
         }
-        self.launch_gemv8(s, func, tiles.div_ceil(GEMV8_STAGED_WARPS / wpr), GEMV8_STAGED_WARPS * 32, wpr, y, y_f32, xq, xs, wq, ws, m, n, k)
+        self.launch_gemv8(s, func, tiles.div_ceil(GEMV8_MMA_WARPS / wpr), GEMV8_MMA_WARPS * 32, wpr, y, y_f32, xq, xs, wq, ws, m, n, k)
     }
 
-    /// Warps per 16-row tile of the staged GEMV: doubled (up to its block's 4) until the grid has
+    /// Warps per 16-row tile of the tensor-core GEMV: doubled (up to its block's 4) until the grid has
     /// `target_warps` warps, while each warp keeps at least two 256-byte pieces of its rows.
     /// Llama-3.1-8B on 132 SMs, 16 warps per SM: q|k|v, o and down 4, gate|up 2.
-    pub fn gemv8_staged_plan(tiles: usize, k: usize, target_warps: usize) -> usize {
-        let pieces = k.div_ceil(GEMV8_STAGED_PIECE);
+    pub fn gemv8_mma_plan(tiles: usize, k: usize, target_warps: usize) -> usize {
+        let pieces = k.div_ceil(GEMV8_MMA_PIECE);
         let mut wpr = 1;
-        while wpr < GEMV8_STAGED_WARPS && tiles * wpr < target_warps && pieces >= 4 * wpr {
-            wpr *= 2;
-        }
-        wpr
-    }
-
-    /// Warps per 16-row tile of the tensor-core GEMV: doubled (up to 8) until the grid has
-    /// `target_warps` warps (by default [`GEMV8_MMA_WARPS_PER_SM`] per SM), while each warp keeps at
-    /// least one full round of `unroll` pairs of 64 codes. Llama-3.1-8B on 132 SMs, 16 warps per SM
-    /// and rounds of 4: q|k|v, o and down 8, gate|up 2.
-    pub fn gemv8_mma_plan(tiles: usize, k: usize, target_warps: usize, unroll: usize) -> usize {
-        let pairs = k.div_ceil(64);
-        let mut wpr = 1;
-        while wpr < 8 && tiles * wpr < target_warps && pairs >= 2 * wpr * unroll {
+        while wpr < GEMV8_MMA_WARPS && tiles * wpr < target_warps && pieces >= 4 * wpr {
             wpr *= 2;
         }
         wpr
@@ -268,30 +230,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_tensor_core_gemv_plan_splits_small_grids_and_keeps_a_round_per_warp() {
-        // Llama-3.1-8B on an H100 (132 SMs, 16 warps each, rounds of 4 pairs).
+    fn the_tensor_core_gemv_plan_splits_small_grids_and_keeps_two_pieces_per_warp() {
         let target = 132 * GEMV8_MMA_WARPS_PER_SM;
-        assert_eq!(Kernels::gemv8_mma_plan(6144 / 16, 4096, target, 4), 8, "q|k|v");
-        assert_eq!(Kernels::gemv8_mma_plan(28672 / 16, 4096, target, 4), 2, "gate|up");
-        assert_eq!(Kernels::gemv8_mma_plan(4096 / 16, 14336, target, 4), 8, "down");
-        // k of 64 codes: one pair, so one warp per tile whatever the grid.
-        assert_eq!(Kernels::gemv8_mma_plan(3, 64, target, 4), 1);
-        // SmolLM2's k 576 = 9 pairs: split while every warp keeps a full round (2-3 pairs of 9 at
-        // rounds of 2, 4-5 at rounds of 4).
-        assert_eq!(Kernels::gemv8_mma_plan(36, 576, target, 2), 4);
-        assert_eq!(Kernels::gemv8_mma_plan(36, 576, target, 4), 2);
-    }
-
-    #[test]
-    fn the_staged_gemv_plan_splits_small_grids_and_keeps_two_pieces_per_warp() {
-        let target = 132 * GEMV8_MMA_WARPS_PER_SM;
-        assert_eq!(Kernels::gemv8_staged_plan(6144 / 16, 4096, target), 4, "q|k|v");
-        assert_eq!(Kernels::gemv8_staged_plan(4096 / 16, 4096, target), 4, "o");
-        assert_eq!(Kernels::gemv8_staged_plan(28672 / 16, 4096, target), 2, "gate|up");
-        assert_eq!(Kernels::gemv8_staged_plan(4096 / 16, 14336, target), 4, "down");
+        assert_eq!(Kernels::gemv8_mma_plan(6144 / 16, 4096, target), 4, "q|k|v");
+        assert_eq!(Kernels::gemv8_mma_plan(4096 / 16, 4096, target), 4, "o");
+        assert_eq!(Kernels::gemv8_mma_plan(28672 / 16, 4096, target), 2, "gate|up");
+        assert_eq!(Kernels::gemv8_mma_plan(4096 / 16, 14336, target), 4, "down");
         // SmolLM2's k 576 = 3 pieces: one warp per tile; 1536 = 6 pieces: two.
-        assert_eq!(Kernels::gemv8_staged_plan(36, 576, target), 1);
-        assert_eq!(Kernels::gemv8_staged_plan(36, 1536, target), 2);
+        assert_eq!(Kernels::gemv8_mma_plan(36, 576, target), 1);
+        assert_eq!(Kernels::gemv8_mma_plan(36, 1536, target), 2);
     }
 
     #[test]

@@ -20,7 +20,7 @@ mod silu_mul;
 mod token_mask;
 
 use attention::mma_smem_opt_in;
-use gemv_fp8::{GEMV8_M1_ROWS_DEFAULT, GEMV8_MMA_UNROLL_DEFAULT, GEMV8_MMA_WARPS_PER_SM};
+use gemv_fp8::{GEMV8_M1_ROWS_DEFAULT, GEMV8_MMA_WARPS_PER_SM};
 pub use gemv_fp8::Gemv8Kernel;
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use encoder::{
@@ -123,17 +123,11 @@ pub struct Kernels {
     /// m up to 1, 2, 4, 8, 16, then m = 1 with 2 and 4 weight rows per warp tile.
     gemv_e4m3: [CudaFunction; 7],
     gemv_i8: [CudaFunction; 7],
-    /// The 8-bit GEMVs on tensor cores (gemv_mma8.cu), [rounds of 2, 4 pairs] × [`W8Format::index`] ×
-    /// [m ≤ 8, m ≤ 16].
-    gemv8_mma: [[[CudaFunction; 2]; 2]; 2],
-    /// Its round (pairs of 64 codes per load round; `PEREGRINE_GEMV8_MMA_UNROLL`) and the warps per
-    /// SM its plan aims for (`PEREGRINE_GEMV8_MMA_WARPS`).
-    gemv8_mma_unroll: usize,
+    /// The 8-bit GEMVs on tensor cores (gemv_mma8.cu), [`W8Format::index`] × [m ≤ 8, m ≤ 16].
+    gemv8_mma: [[CudaFunction; 2]; 2],
+    /// The warps per SM its plan aims for (`PEREGRINE_GEMV8_MMA_WARPS`).
     gemv8_mma_warps: usize,
-    /// The tensor-core 8-bit GEMVs with weights staged through shared memory (gemv_mma8.cu),
-    /// [`W8Format::index`] × [m ≤ 8, m ≤ 16].
-    gemv8_staged: [[CudaFunction; 2]; 2],
-    /// Which 8-bit GEMV [`Kernels::gemv_w8`] runs (`PEREGRINE_GEMV8=tensor` for the tensor-core one).
+    /// Which 8-bit GEMV [`Kernels::gemv_w8`] runs (`PEREGRINE_GEMV8=cores` for the CUDA-core one).
     gemv8_kernel: Gemv8Kernel,
     quant_rows_e4m3: CudaFunction,
     quant_rows_i8: CudaFunction,
@@ -243,13 +237,8 @@ impl Kernels {
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
             gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?, f("gemv_e4m3_m16")?, f("gemv_e4m3_m1r2")?, f("gemv_e4m3_m1r4")?],
             gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?, f("gemv_i8_m1r2")?, f("gemv_i8_m1r4")?],
-            gemv8_mma: [
-                [[f("gemv8_mma_e4m3_t1_u2")?, f("gemv8_mma_e4m3_t2_u2")?], [f("gemv8_mma_i8_t1_u2")?, f("gemv8_mma_i8_t2_u2")?]],
-                [[f("gemv8_mma_e4m3_t1_u4")?, f("gemv8_mma_e4m3_t2_u4")?], [f("gemv8_mma_i8_t1_u4")?, f("gemv8_mma_i8_t2_u4")?]],
-            ],
-            gemv8_mma_unroll: std::env::var("PEREGRINE_GEMV8_MMA_UNROLL").ok().and_then(|v| v.parse().ok()).filter(|u| matches!(u, 2 | 4)).unwrap_or(GEMV8_MMA_UNROLL_DEFAULT),
+            gemv8_mma: [[f("gemv8_mma_e4m3_t1")?, f("gemv8_mma_e4m3_t2")?], [f("gemv8_mma_i8_t1")?, f("gemv8_mma_i8_t2")?]],
             gemv8_mma_warps: std::env::var("PEREGRINE_GEMV8_MMA_WARPS").ok().and_then(|v| v.parse().ok()).filter(|&w: &usize| (1..=64).contains(&w)).unwrap_or(GEMV8_MMA_WARPS_PER_SM),
-            gemv8_staged: [[f("gemv8_staged_e4m3_t1")?, f("gemv8_staged_e4m3_t2")?], [f("gemv8_staged_i8_t1")?, f("gemv8_staged_i8_t2")?]],
             gemv8_kernel: Gemv8Kernel::from_env(),
             quant_rows_e4m3: f("quant_rows_e4m3")?,
             quant_rows_i8: f("quant_rows_i8")?,

@@ -117,8 +117,8 @@ fn f8_tiles_bytes(d: usize, kt: usize, stages: usize) -> usize {
 
 /// Dynamic shared memory of a tensor-core attention kernel (`decode`: the one-token kernel, else the
 /// prefill rows kernel) for head dim `d`: the K and V tiles of every pipeline stage, rows padded (the
-/// warps' merge reuses the same bytes). attention_mma.cu's MmaDecodeGeom / MmaRowsGeom; the fp8
-/// decode kernel's is its default variant's ([`F8_DECODE_VARIANTS`]).
+/// warps' merge reuses the same bytes). attention_mma.cu's MmaDecodeGeom / MmaRowsGeom, and for the
+/// fp8 decode kernel attention_mma_f8.cu's configuration (F8K_KW, F8K_STAGES).
 pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usize {
     match kv {
         KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,

@@ -6,8 +6,8 @@
 // registers, 1.57 M spill requests, issue-bound at 2.4 instructions a cycle, 46 % of DRAM peak).
 // Here the keys are the 16 rows (M) and the group the 8 columns (N, half used for a group of 4): a
 // key costs half the mma steps, the accumulator O^T (dims x heads) is 32 floats, and K and V^T tiles
-// are A operands read with plain ldmatrix from the shared-memory layout attention_mma.cu's loader
-// writes (K rows in mma_f8_key_row order, V^T rows of keys). Scores go from their accumulator
+// are A operands read with plain ldmatrix (K rows in mma_f8_key_row order, V^T rows of keys; the
+// stage layout is F8SwzGeom's). Scores go from their accumulator
 // layout to the B layout of P^T with one movmatrix (a register transpose) per 8 keys.
 //
 // k-order: a 32-bit ldmatrix element holds 4 fp8 values (dims, or keys) 4q..4q+3 of lane q of a quad;
@@ -44,8 +44,27 @@ __device__ __forceinline__ void f8_a_fragment(u32 (&a)[4], u32 lo, u32 hi) {
     e4m3x4_to_f16x2x2(hi, a[1], a[3]);
 }
 
-// The decode kernel's tile copies, in attention_mma.cu's shared-memory layout (K rows in
-// mma_f8_key_row order, V^T rows of keys), with this thread's share of every tile fixed once: pass j
+// The decode kernel's stage: K [KT keys][D] bytes (rows in mma_f8_key_row order) then V^T [D][KT]
+// bytes, unpadded; 16-byte chunks are XOR-swizzled within each 128-byte line (f8_swz) so that the 8
+// rows an ldmatrix reads land in distinct banks. 16 KB a 64-key stage instead of attention_mma.cu's
+// padded 19.5 KB: three stages fit four blocks per SM.
+template <int D, int KT_, int STAGES_> struct F8SwzGeom {
+    static constexpr int KT = KT_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int K_TILE = KT * D;
+    static constexpr int STAGE = K_TILE + D * KT;
+};
+
+// Byte offset of 16-byte chunk c of row r in a tile of `row_bytes`-byte rows (a multiple of 16 that
+// divides 128, or a multiple of 128): the chunk's place within its 128-byte line XORed with the
+// line's index mod 8. Eight consecutive rows at one chunk then cover all 32 banks (for 64-byte rows:
+// two rows per line, the second's chunks offset by 4, lines differing in their low three bits).
+__device__ __forceinline__ int f8_swz(int r, int c, int row_bytes) {
+    const int lin = r * row_bytes + c * 16;
+    return (lin & ~0x70) | ((((lin >> 4) & 7) ^ ((lin >> 7) & 7)) << 4);
+}
+
+// The decode kernel's tile copies, in the F8SwzGeom layout, with this thread's share of every tile fixed once: pass j
 // copies 16 bytes of a K row and 16 keys of a V^T row of one 16-key chunk, the two sharing the
 // chunk's block-table entry, which is read a tile ahead (its load latency hidden behind a tile's
 // compute). The generic loader spent ~70 instructions a pass on this (ptxas for sm_90), as many as
@@ -70,8 +89,8 @@ struct F8TileCopies {
             kr[j] = w / CH;
             k_src[j] = (u32)(kr[j] * D + (w % CH) * 16);
             v_src[j] = (u32)(w * block_size);
-            k_dst[j] = (u32)((chunk * 16 + mma_f8_key_row(kr[j])) * G::K_ROW + (w % CH) * 16);
-            v_dst[j] = (u32)(G::K_TILE + w * G::V_ROW + chunk * 16);
+            k_dst[j] = (u32)f8_swz(chunk * 16 + mma_f8_key_row(kr[j]), w % CH, D);
+            v_dst[j] = (u32)(G::K_TILE + f8_swz(w, chunk, G::KT));
         }
     }
 
@@ -107,7 +126,7 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
     const fp8_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    typedef MmaGeom<D, true, KW * MMA_WARPS, STAGES> G;
+    typedef F8SwzGeom<D, KW * MMA_WARPS, STAGES> G;
     constexpr int KS = D / 16;   // k-steps of S^T (16 dims each) = m-tiles of O^T (16 dims each)
     constexpr int SG = KW / 16;  // this warp's 16-key groups of a tile
     extern __shared__ __align__(16) unsigned char mma_smem[];
@@ -144,10 +163,9 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
     // Rows g and g + 8 of a 16-key group hold keys pg and pg + 2 (mma_f8_key_row's order).
     const int pg = 4 * (g >> 1) + (g & 1);
-    // ldmatrix row addresses: K matrices (rows 0-7 | 8-15) x (16 dims | the next 16); V^T matrices
-    // are 8 dims each, four consecutive.
-    const int k_lane_off = (KW * warp + (lane & 7) + ((lane >> 3) & 1) * 8) * G::K_ROW + (lane >> 4) * 16;
-    const int v_lane_off = lane * G::V_ROW + KW * warp;
+    // ldmatrix rows: K matrices (rows 0-7 | 8-15) x (16 dims | the next 16), so this lane's K row and
+    // chunk; V^T matrices are 8 dims each, four consecutive, so this lane's dim.
+    const int k_row = KW * warp + (lane & 7) + ((lane >> 3) & 1) * 8, k_chunk = lane >> 4;
 
     const int ntiles = (ab.end > ab.begin) ? (ab.end - ab.begin + G::KT - 1) / G::KT : 0;
     F8TileCopies<D, G> copies(block_size);
@@ -182,11 +200,10 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
 #pragma unroll
         for (int sg = 0; sg < SG; ++sg) {
             s[sg][0] = s[sg][1] = s[sg][2] = s[sg][3] = 0.f;
-            const unsigned char* kp = ks + k_lane_off + sg * 16 * G::K_ROW;
 #pragma unroll
             for (int kk = 0; kk < D / 32; ++kk) {
                 u32 r0, r1, r2, r3, a[4];
-                ldmatrix_x4(smem_addr(kp + kk * 32), r0, r1, r2, r3);
+                ldmatrix_x4(smem_addr(ks + f8_swz(k_row + sg * 16, k_chunk + 2 * kk, D)), r0, r1, r2, r3);
                 f8_a_fragment(a, r0, r1);
                 mma_f16(s[sg], a, qb[2 * kk][0], qb[2 * kk][1]);
                 f8_a_fragment(a, r2, r3);
@@ -243,11 +260,10 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
         for (int sg = 0; sg < SG; ++sg) {
             const u32 b0 = movmatrix_trans(prob_f16x2(s[sg][0], s[sg][1]));  // keys 4q, 4q + 1
             const u32 b1 = movmatrix_trans(prob_f16x2(s[sg][2], s[sg][3]));  // keys 4q + 2, 4q + 3
-            const unsigned char* vp = vs + v_lane_off + sg * 16;
 #pragma unroll
             for (int mp = 0; mp < D / 32; ++mp) {
                 u32 r0, r1, r2, r3, a[4];
-                ldmatrix_x4(smem_addr(vp + mp * 32 * G::V_ROW), r0, r1, r2, r3);
+                ldmatrix_x4(smem_addr(vs + f8_swz(lane + mp * 32, (KW * warp) / 16 + sg, G::KT)), r0, r1, r2, r3);
                 f8_a_fragment(a, r0, r1);
                 mma_f16(o[2 * mp], a, b0, b1);
                 f8_a_fragment(a, r2, r3);
@@ -280,11 +296,13 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
 }
 
 // attention.cu's one-token signature and launch shape, plus dynamic shared memory (attention.rs's
-// attention_mma_smem_bytes). Measured on an H100 (docs/benchmarks.md, session 15) against 32 keys per
-// warp, three stages, and five blocks per SM: 16 keys per warp, two stages, four blocks per SM (no
-// spills at 128 registers) was best or within 2 % on every batched shape.
+// attention_mma_smem_bytes). Measured on an H100 (docs/benchmarks.md, session 15) with attention_mma.cu's
+// padded stages against 32 keys per warp, three stages (then three blocks per SM), and five blocks
+// per SM: 16 keys per warp, two stages, four blocks per SM (no spills at 128 registers) was best or
+// within 2 % on every batched shape. Unpadded stages fit three at four blocks per SM (NOT YET MEASURED:
+// branch wip/f8-swizzle; compare with F8K_STAGES 2).
 #define F8K_KW 16      // keys per warp per tile
-#define F8K_STAGES 2
+#define F8K_STAGES 3
 #define F8K_BLOCKS 4   // blocks per SM the registers are bounded for
 #define ATTENTION_F8K_KERNEL(NAME, D)                                                                        \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, F8K_BLOCKS) NAME##_d##D(                  \

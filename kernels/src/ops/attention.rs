@@ -72,6 +72,8 @@ const MMA_STAGES: usize = 2;
 const MMA_PAD: usize = 8;
 const MMA_F8_PAD: usize = 16;
 const MMA_F8_STAGES: usize = 3;
+/// attention_mma_f8.cu's F8K_STAGES.
+const F8_DECODE_STAGES: usize = 3;
 
 /// The arguments every attention kernel takes first, in order.
 struct AttentionArgs {
@@ -120,8 +122,8 @@ fn f8_tiles_bytes(d: usize, kt: usize, stages: usize) -> usize {
 pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usize {
     match kv {
         KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,
-        // attention_mma_f8.cu's decode kernel: two stages of 64-key tiles (F8K_KW x 4 warps).
-        KvCacheDtype::Fp8E4m3 if decode => f8_tiles_bytes(d, MMA_KT, MMA_STAGES),
+        // attention_mma_f8.cu's decode kernel: F8K_STAGES unpadded stages of 64-key tiles (F8K_KW x 4 warps).
+        KvCacheDtype::Fp8E4m3 if decode => F8_DECODE_STAGES * 2 * MMA_KT * d,
         KvCacheDtype::Fp8E4m3 => f8_tiles_bytes(d, MMA_KT, MMA_F8_STAGES),
     }
 }

@@ -70,7 +70,7 @@ template <int D>
 __device__ __forceinline__ void attention_merge_write(
     float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group, int t,
     int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
-    float* __restrict__ part_acc) {
+    float* __restrict__ part_acc, const AttnOutQuant& aq) {
     __syncthreads();
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
@@ -96,6 +96,8 @@ __device__ __forceinline__ void attention_merge_write(
             if (d == 0) { part_ml[2 * pi] = mx; part_ml[2 * pi + 1] = sum; }
         }
     }
+    // hkv blocks write a token's row; attention_combine quantizes split ones.
+    if (splits == 1) attn_out_rows_written(aq, out, hq * D, t, 1);
 }
 
 // The end of the CUDA-core attention kernels: each warp's online-softmax state (running max m, sum l,
@@ -107,7 +109,7 @@ __device__ __forceinline__ void attention_merge_warps(
     const float (&m)[ATTN_MAX_GROUP], const float (&l)[ATTN_MAX_GROUP], const float (&acc)[ATTN_MAX_GROUP][D / 32],
     float (*sm_m)[ATTN_MAX_GROUP], float (*sm_l)[ATTN_MAX_GROUP], float (*sm_acc)[ATTN_MAX_GROUP][D], int group,
     int t, int kvh, int hq, int splits, int split, bf16_t* __restrict__ out, float* __restrict__ part_ml,
-    float* __restrict__ part_acc) {
+    float* __restrict__ part_acc, const AttnOutQuant& aq) {
     constexpr int E = D / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
@@ -119,7 +121,7 @@ __device__ __forceinline__ void attention_merge_warps(
             for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
         }
     }
-    attention_merge_write<D>(sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc, aq);
 }
 
 template <int D>
@@ -127,7 +129,7 @@ __device__ __forceinline__ void paged_attention_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    float scale, const AttnOutQuant& aq, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     constexpr int E = D / 32;  // elements of a head row per lane
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ float sm_l[ATTN_WARPS][ATTN_MAX_GROUP];
@@ -200,12 +202,14 @@ __device__ __forceinline__ void paged_attention_impl(
         }
     }
 
-    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
+    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc, aq);
 }
 
-// Merges the splits of each (token, query head): grid (n, hq), blockDim.x = D.
+// Merges the splits of each (token, query head): grid (n, hq), blockDim.x = D; then, where `aq` asks
+// for it, the block that completes a token's row quantizes it.
 extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const float* __restrict__ part_ml,
-                                             const float* __restrict__ part_acc, int hq, int splits, int d) {
+                                             const float* __restrict__ part_acc, int hq, int splits, int d,
+                                             AttnOutQuant aq) {
     pdl_trigger();
     const u64 th = (u64)blockIdx.x * hq + blockIdx.y;
     const int i = threadIdx.x;
@@ -220,6 +224,7 @@ extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const flo
         o += part_acc[(th * splits + z) * d + i] * f;
     }
     if (i < d) out[th * d + i] = f2bf(o / sum);
+    attn_out_rows_written(aq, out, hq * d, blockIdx.x, 1);
 }
 
 // The exported entry points: NAME_d64 / NAME_d128 with the launch signature both kernels share.
@@ -227,9 +232,9 @@ extern "C" __global__ void attention_combine(bf16_t* __restrict__ out, const flo
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) NAME##_d##D(                         \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* block_tables, int max_blocks, const int* token_seq, const int* positions, int hq,    \
-        int hkv, int block_size, float scale, float* part_ml, float* part_acc) {                        \
+        int hkv, int block_size, float scale, AttnOutQuant aq, float* part_ml, float* part_acc) {                        \
         IMPL<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, hq, hkv,       \
-                block_size, scale, part_ml, part_acc);                                                  \
+                block_size, scale, aq, part_ml, part_acc);                                                  \
     }
 ATTENTION_KERNEL(paged_attention, paged_attention_impl, 64)
 ATTENTION_KERNEL(paged_attention, paged_attention_impl, 128)

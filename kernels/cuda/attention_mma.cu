@@ -398,7 +398,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    float scale, const AttnOutQuant& aq, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     typedef MmaDecodeGeom<D, false> G;
     constexpr int KW = G::KT / MMA_WARPS;  // keys of a tile per warp (16): one or more mma steps of 16
     constexpr int NT = D / 8;  // mma n-tiles of p·V
@@ -470,7 +470,7 @@ __device__ __forceinline__ void paged_attention_mma_impl(
             sm_acc[warp][r][x * 8 + quad * 2 + 1] = o[x][1];
         }
     }
-    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc);
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc, aq);
 }
 
 // Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
@@ -479,7 +479,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
     const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, int t_begin, int n, int tq) {
+    float scale, const AttnOutQuant& aq, int t_begin, int n, int tq) {
     typedef MmaRowsGeom<D, F8> G;
     constexpr int KSTEPS = D / 16;  // mma k-steps of q·k
     constexpr int NT = D / 8;       // mma n-tiles of p·V
@@ -577,17 +577,19 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
         __syncthreads();  // the next segment's first copy reuses stage 0
         sb = se;
     }
+    // hkv blocks write each token's row.
+    attn_out_rows_written(aq, out, hq * D, t0, t1 - t0);
 }
 
 #else
 // Empty bodies for targets without mma.sync on bf16: the host never launches these.
 template <int D>
 __device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int, const int*,
-                                         const int*, int, int, int, float, float*, float*) {}
+                                         const int*, int, int, int, float, const AttnOutQuant&, float*, float*) {}
 template <int D, bool F8>
 __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                               const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int,
-                                              int, int, float, int, int, int) {}
+                                              int, int, float, const AttnOutQuant&, int, int, int) {}
 #endif
 
 // Decode: attention.cu's signature and launch shape (plus dynamic shared memory).
@@ -595,9 +597,9 @@ __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const type
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
         bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,   \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
-        float scale, float* part_ml, float* part_acc) {                                                       \
+        float scale, AttnOutQuant aq, float* part_ml, float* part_acc) {                                                       \
         paged_attention_mma_impl<D>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions,  \
-                                    hq, hkv, block_size, scale, part_ml, part_acc);                           \
+                                    hq, hkv, block_size, scale, aq, part_ml, part_acc);                           \
     }
 ATTENTION_MMA_KERNEL(paged_attention_mma, 64)
 ATTENTION_MMA_KERNEL(paged_attention_mma, 128)
@@ -607,9 +609,9 @@ ATTENTION_MMA_KERNEL(paged_attention_mma, 128)
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
         bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
-        float scale, int t_begin, int n, int tq) {                                                            \
+        float scale, AttnOutQuant aq, int t_begin, int n, int tq) {                                                            \
         paged_attention_mma_rows_impl<D, F8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,    \
-                                             positions, hq, hkv, block_size, scale, t_begin, n, tq);          \
+                                             positions, hq, hkv, block_size, scale, aq, t_begin, n, tq);          \
     }
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 64, false, bf16_t)
 ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t)
@@ -621,7 +623,7 @@ ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t)
 #else
 // Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
 #define ATTENTION_MMA_F8_STUB(NAME) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
-    const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, int, int, int) {}
+    const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, AttnOutQuant, int, int, int) {}
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128)
 #endif

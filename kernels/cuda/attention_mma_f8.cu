@@ -125,7 +125,7 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const fp8_t* __restrict__ k_cache,
     const fp8_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    float scale, const AttnOutQuant& aq, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     typedef F8SwzGeom<D, KW * MMA_WARPS, STAGES> G;
     constexpr int KS = D / 16;   // k-steps of S^T (16 dims each) = m-tiles of O^T (16 dims each)
     constexpr int SG = KW / 16;  // this warp's 16-key groups of a tile
@@ -292,15 +292,15 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
         if (h0 < ab.group) { sm_acc[warp][h0][d] = o[x][0]; sm_acc[warp][h0][d + 8] = o[x][2]; }
         if (h1 < ab.group) { sm_acc[warp][h1][d] = o[x][1]; sm_acc[warp][h1][d + 8] = o[x][3]; }
     }
-    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc);
+    attention_merge_write<D>(sm_m, sm_l, sm_acc, ab.group, ab.t, ab.kvh, hq, ab.splits, ab.split, out, part_ml, part_acc, aq);
 }
 
 // attention.cu's one-token signature and launch shape, plus dynamic shared memory (attention.rs's
 // attention_mma_smem_bytes). Measured on an H100 (docs/benchmarks.md, session 15) with attention_mma.cu's
 // padded stages against 32 keys per warp, three stages (then three blocks per SM), and five blocks
 // per SM: 16 keys per warp, two stages, four blocks per SM (no spills at 128 registers) was best or
-// within 2 % on every batched shape. Unpadded stages fit three at four blocks per SM (NOT YET MEASURED:
-// branch wip/f8-swizzle; compare with F8K_STAGES 2).
+// within 2 % on every batched shape. Unpadded XOR-swizzled stages fit three at four blocks per SM:
+// 3-4 % faster than two padded ones on every batched shape (session 16).
 #define F8K_KW 16      // keys per warp per tile
 #define F8K_STAGES 3
 #define F8K_BLOCKS 4   // blocks per SM the registers are bounded for
@@ -308,17 +308,17 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, F8K_BLOCKS) NAME##_d##D(                  \
         bf16_t* out, const bf16_t* q, const fp8_t* k_cache, const fp8_t* v_cache, const int* block_tables,     \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
-        float scale, float* part_ml, float* part_acc) {                                                       \
+        float scale, AttnOutQuant aq, float* part_ml, float* part_acc) {                                                       \
         paged_attention_f8k_impl<D, F8K_KW, F8K_STAGES>(out, q, k_cache, v_cache, block_tables, max_blocks,   \
                                                         token_seq, positions, hq, hkv, block_size, scale,     \
-                                                        part_ml, part_acc);                                   \
+                                                        aq, part_ml, part_acc);                                   \
     }
 ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 64)
 ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 128)
 #else
 // Below sm_89 the entry points exist (the host loads every name) with empty bodies.
 extern "C" __global__ void paged_attention_mma_f8_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
-                                                      const int*, const int*, int, int, int, float, float*, float*) {}
+                                                      const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
 extern "C" __global__ void paged_attention_mma_f8_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
-                                                       const int*, const int*, int, int, int, float, float*, float*) {}
+                                                       const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
 #endif

@@ -16,7 +16,7 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
-    float scale, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    float scale, const AttnOutQuant& aq, float* __restrict__ part_ml, float* __restrict__ part_acc) {
     constexpr int E = D / 32;  // head dims per lane in p·V
     constexpr int KROW = D + ATTN_KROW_PAD;
     __shared__ __align__(16) float q_s[ATTN_MAX_GROUP][D];
@@ -143,7 +143,7 @@ __device__ __forceinline__ void paged_attention_tiled_impl(
 
     // (the merge starts with a barrier: every warp is done with its K tile before the accumulators
     // take the same bytes)
-    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc);
+    attention_merge_warps<D>(m, l, acc, sm_m, sm_l, sm_acc, group, t, kvh, hq, splits, split, out, part_ml, part_acc, aq);
 }
 
 ATTENTION_KERNEL(paged_attention_tiled, paged_attention_tiled_impl, 64)

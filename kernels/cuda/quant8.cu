@@ -4,7 +4,10 @@
 // - add_rmsnorm_quant_{e4m3,i8}: add_rmsnorm (rmsnorm.cu) that also writes the normalized row's
 //   8-bit codes and its scale (input of q|k|v and gate|up);
 // - silu_mul_quant_{e4m3,i8}: silu_mul (silu_mul.cu) with one block per row, likewise (input of down);
-// - quant_rows_{e4m3,i8}: bf16 rows -> 8-bit codes (the attention output, and weights at load).
+// - attn_out_rows_written: called by the attention kernels once a block has written its share of the
+//   attention output, quantizes each token's row in the block that completes it (input of o);
+// - quant_rows_{e4m3,i8}: bf16 rows -> 8-bit codes (weights at load, and the attention output where
+//   the kernels above cannot: after the rotation back of `--kv-cache-dtype fp8-hadamard-qkv`).
 //
 // Every row gets scale = max |v| / Q (Q = 448 for e4m3, 127 for int8; 0 for a zero row) and codes
 // encode(v / scale), as the CPU's `rowquant::quantize_activations`: e4m3 rounds to nearest even and
@@ -203,6 +206,81 @@ __device__ __forceinline__ void quant_rows_impl(unsigned char* __restrict__ q, f
     }
     quantize_row_regs<FMT>(v, chunks, amax, q + row * k, scales + row, scratch);
 }
+// The attention output's quantizer (issue 17: every 8-bit input quantized inside the kernel that
+// produces it). A token's attention output row (hq · d values) is written by several blocks (one per
+// KV head, or per query head in attention_combine), so no block sees the whole row while it computes.
+// Instead each block, once its writes are out, counts itself in a per-token counter; the block that
+// completes a row (gridDim.y blocks write each one) reads the row back from L2 and writes its codes
+// and scale, exactly as quant_rows would (the max of |v| does not depend on the order it is taken
+// in), then sets the counter back to 0 for the next launch. No extra launch, no pass over HBM.
+struct AttnOutQuant {
+    unsigned char* q;  // [tokens, row_len] codes; null: the kernel does not quantize its output
+    float* scales;     // [tokens]
+    int* counters;     // [tokens], 0 between launches
+    int fmt;           // Q8_E4M3 or Q8_I8
+    int pad;
+};
+
+// One row of bf16 values written by other blocks of this launch (read through L2, not the
+// non-coherent read-only path) -> codes and scale, by the whole block (blockDim.x a multiple of 32).
+template <int FMT>
+__device__ __forceinline__ void quantize_row_l2(const bf16_t* x, int k, unsigned char* q, float* scale_out, float* scratch) {
+    const int chunks = k >> 3;
+    float amax = 0.f;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const uint4 r = __ldcg(reinterpret_cast<const uint4*>(x) + c);
+        const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[t] << 16)), fabsf(__uint_as_float(w[t] & 0xffff0000u))));
+    }
+    const float scale = q8_scale<FMT>(block_max(amax, scratch));
+    if (threadIdx.x == 0) *scale_out = scale;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const uint4 r = __ldcg(reinterpret_cast<const uint4*>(x) + c);
+        const u32 w[4] = {r.x, r.y, r.z, r.w};
+        float v[8];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            v[2 * t] = __uint_as_float(w[t] << 16);
+            v[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+        }
+        st8_codes<FMT>(q + 8 * c, v, scale);
+    }
+}
+
+// The counting and the quantization, out of line (one call per block, so the attention kernels'
+// register allocation does not carry it).
+__device__ __noinline__ void attn_out_rows_count(unsigned char* q, float* scales, int* counters, int fmt, const bf16_t* out,
+                                                 int row_len, int t0, int count) {
+    __shared__ float scratch[33];
+    __shared__ unsigned long long completed;
+    __threadfence();  // this thread's writes of the rows, before the block counts itself
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long mask = 0ull;
+        for (int i = 0; i < count; ++i)
+            if (atomicAdd(counters + t0 + i, 1) == (int)gridDim.y - 1) mask |= 1ull << i;
+        completed = mask;
+    }
+    __syncthreads();
+    const unsigned long long mask = completed;
+    if (mask == 0ull) return;
+    __threadfence();  // the other blocks' writes, seen through their counts
+    for (int i = 0; i < count; ++i) {
+        if (!((mask >> i) & 1ull)) continue;
+        const u64 t = (u64)(t0 + i);
+        if (fmt == Q8_I8) quantize_row_l2<Q8_I8>(out + t * row_len, row_len, q + t * row_len, scales + t, scratch);
+        else quantize_row_l2<Q8_E4M3>(out + t * row_len, row_len, q + t * row_len, scales + t, scratch);
+        if (threadIdx.x == 0) counters[t] = 0;
+    }
+}
+
+// Called by every thread of a block after it has written its share of the output rows of tokens t0 ..
+// t0 + count - 1 (count ≤ 64; rows of row_len bf16, row_len % 8 == 0). Block-uniform arguments.
+__device__ __forceinline__ void attn_out_rows_written(const AttnOutQuant& aq, const bf16_t* out, int row_len, int t0, int count) {
+    if (aq.q != nullptr) attn_out_rows_count(aq.q, aq.scales, aq.counters, aq.fmt, out, row_len, t0, count);
+}
+
 extern "C" __global__ void __launch_bounds__(1024) quant_rows_e4m3(unsigned char* q, float* scales, const bf16_t* x, int k) {
     quant_rows_impl<Q8_E4M3>(q, scales, x, k);
 }

@@ -5,7 +5,7 @@
 //! Prints a table; asserts nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
-use peregrine_kernels::ops::{AttentionKernel, Gemv8Kernel};
+use peregrine_kernels::ops::{AttentionKernel, AttnOutQuant, Gemv8Kernel};
 use peregrine_kernels::{Cuda, KvCacheDtype, OutType, W8Format};
 
 fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
@@ -129,7 +129,7 @@ fn attention(c: &Cuda) {
         for (kernel, kv) in attention_variants(c) {
             let s = &c.gpu.stream;
             let run = |p: Option<u64>| unsafe {
-                c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p, kv).unwrap()
+                c.kernels.paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), blocks, seq.ptr(), pos.ptr(), 1, 1, hq, hkv, d, bs, p, kv, AttnOutQuant::NONE).unwrap()
             };
             let t1 = time(c, 30, || run(None));
             let t2 = time(c, 30, || run(Some(parts.ptr())));
@@ -162,7 +162,7 @@ fn attention(c: &Cuda) {
             let s = &c.gpu.stream;
             let t = time(c, 20, || unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, seqs, hq, hkv, d, bs, Some(parts.ptr()), kv)
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), seqs, seqs, hq, hkv, d, bs, Some(parts.ptr()), kv, AttnOutQuant::NONE)
                     .unwrap()
             });
             // GB/s of the bytes this cache type really reads.
@@ -199,7 +199,7 @@ fn attention(c: &Cuda) {
             let s = &c.gpu.stream;
             let t = time(c, 10, || unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None, kv)
+                    .paged_attention_with(kernel, s, out.ptr(), q.ptr(), kc.ptr(), vc.ptr(), bt.ptr(), per, seq.ptr(), pos.ptr(), n, 0, hq, hkv, d, bs, None, kv, AttnOutQuant::NONE)
                     .unwrap()
             });
             line += &format!("  {} {:.1} us = {:.1} TFLOP/s", label(kernel, kv), t * 1e6, flops / t / 1e12);

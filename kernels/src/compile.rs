@@ -18,6 +18,9 @@ const SOURCES: &[(&str, &str)] = &[
     ("embedding.cu", include_str!("../cuda/embedding.cu")),
     ("rmsnorm.cu", include_str!("../cuda/rmsnorm.cu")),
     ("rope_kv.cu", include_str!("../cuda/rope_kv.cu")),
+    // After rope_kv.cu (f2e4m3); defines the 8-bit formats' names gemv_fp8.cu and gemm_w8a8.cu use, and
+    // the attention output's quantizer the attention kernels call.
+    ("quant8.cu", include_str!("../cuda/quant8.cu")),
     ("attention.cu", include_str!("../cuda/attention.cu")),
     ("attention_tiled.cu", include_str!("../cuda/attention_tiled.cu")),
     ("attention_mma.cu", include_str!("../cuda/attention_mma.cu")),
@@ -26,8 +29,6 @@ const SOURCES: &[(&str, &str)] = &[
     ("silu_mul.cu", include_str!("../cuda/silu_mul.cu")),
     ("argmax.cu", include_str!("../cuda/argmax.cu")),
     ("gemv.cu", include_str!("../cuda/gemv.cu")),
-    // After rope_kv.cu (f2e4m3); defines the 8-bit formats' names gemv_fp8.cu and gemm_w8a8.cu use.
-    ("quant8.cu", include_str!("../cuda/quant8.cu")),
     // After rope_kv.cu and attention_mma.cu: uses their e4m3 conversions.
     ("gemv_fp8.cu", include_str!("../cuda/gemv_fp8.cu")),
     // After attention_mma.cu (cp.async helpers).

@@ -10,8 +10,8 @@
 
 use half::bf16;
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, ConstrainedRow, KvRotation, LoraDelta, OuterScale};
-use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType};
+use peregrine_kernels::ops::{pack_token_constraints, AttentionKernel, AttnOutQuant, ConstrainedRow, KvRotation, LoraDelta, OuterScale};
+use peregrine_kernels::{Cuda, DevBuf, KvCacheDtype, OutType, W8Format};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -459,8 +459,81 @@ fn paged_attention_fp8_matches_reference() {
         assert!(c.kernels.check_kv_dtype(KvCacheDtype::Fp8E4m3, bs).is_err(), "an fp8 cache with blocks of {bs} must be refused");
     }
     // The CUDA-core kernels refuse an fp8 cache rather than misread it.
-    let err = unsafe { c.kernels.paged_attention_with(AttentionKernel::Tiled, &c.gpu.stream, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 8, 8, 128, 16, None, KvCacheDtype::Fp8E4m3) };
+    let err = unsafe { c.kernels.paged_attention_with(AttentionKernel::Tiled, &c.gpu.stream, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 8, 8, 128, 16, None, KvCacheDtype::Fp8E4m3, AttnOutQuant::NONE) };
     assert!(err.is_err(), "the tiled kernel must refuse an fp8 cache");
+}
+
+/// With 8-bit linears the attention kernels quantize their own output (the block that completes a
+/// token's row writes its codes and scale): the codes and scales must be the bits `quant_rows` gives
+/// for the bf16 output they wrote, in every launch shape (decode blocks, split decode + combine,
+/// prefill blocks of several tokens), for every kernel and format, and twice in a row (the per-token
+/// counters are left at zero for the next launch).
+#[test]
+fn paged_attention_quantizes_its_output_as_quant_rows_does() {
+    let Some(c) = cuda_or_skip() else { return };
+    let s = &c.gpu.stream;
+    let mut r = rng();
+    let formats: Vec<W8Format> = [W8Format::E4m3, W8Format::I8].into_iter().filter(|&f| c.kernels.w8_ready(f)).collect();
+    if formats.is_empty() {
+        eprintln!("skipped: no 8-bit format on this GPU");
+        return;
+    }
+    let mut cases = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16), (AttentionKernel::Tiled, KvCacheDtype::Bf16), (AttentionKernel::Mma, KvCacheDtype::Bf16)];
+    if c.kernels.check_kv_dtype(KvCacheDtype::Fp8E4m3, 16).is_ok() {
+        cases.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
+    }
+    let bs = 16;
+    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
+        // Two decode tokens at long contexts, then a prefill chunk over a cached prefix and a fresh prompt.
+        let lens = [700usize, 300, 70, 9];
+        let chunks = [(0usize, 699..700usize), (1, 299..300), (2, 50..70), (3, 0..9)];
+        let pg = paged(&mut r, &lens, bs);
+        let (mut positions, mut token_seq) = (vec![], vec![]);
+        for (sq, range) in chunks.iter().cloned() {
+            for p in range {
+                positions.push(p as i32);
+                token_seq.push(sq as i32);
+            }
+        }
+        let n = positions.len();
+        let (q, _) = rand_bf16(&mut r, n * hq * d, 2.0);
+        let (dq, dbt, dts, dpos) = (c.gpu.upload(&q).unwrap(), c.gpu.upload(&pg.block_tables).unwrap(), c.gpu.upload(&token_seq).unwrap(), c.gpu.upload(&positions).unwrap());
+        let partials = c.gpu.alloc_zeros::<f32>(c.kernels.attention_partials_len()).unwrap();
+        assert!(c.kernels.attention_splits(2, hkv) > 1, "two decode tokens are split");
+        let counters = c.gpu.alloc_zeros::<i32>(n).unwrap();
+        for &(kernel, kvt) in &cases {
+            let (dk, dv, _, _) = rand_caches(&c, &mut r, kvt, pg.num_blocks * hkv * bs * d, hkv, bs, d);
+            for &format in &formats {
+                // (tokens, decode tokens, split): the whole batch unsplit; the two decode tokens alone,
+                // split along their contexts (combine quantizes); everything as prefill rows.
+                for (rows, decode, split) in [(n, 2usize, false), (2, 2, true), (n, 0, false)] {
+                    for round in 0..2 {
+                        let out = poison(&c, rows * hq * d);
+                        let (xq, xs) = (c.gpu.upload(&vec![0xAAu8; rows * hq * d]).unwrap(), c.gpu.upload(&vec![f32::NAN; rows]).unwrap());
+                        let quant = AttnOutQuant::new(format, xq.ptr(), xs.ptr(), counters.ptr());
+                        let parts = if split { Some(partials.ptr()) } else { None };
+                        unsafe {
+                            c.kernels
+                                .paged_attention_with(kernel, s, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), rows, decode, hq, hkv, d, bs, parts, kvt, quant)
+                                .unwrap()
+                        };
+                        let (wq, ws) = (c.gpu.upload(&vec![0x55u8; rows * hq * d]).unwrap(), c.gpu.upload(&vec![f32::NAN; rows]).unwrap());
+                        unsafe { c.kernels.quant_rows(s, format, wq.ptr(), ws.ptr(), out.ptr(), rows, hq * d).unwrap() };
+                        let what = format!("{kernel:?} {kvt:?} {format:?} hq {hq} d {d}: {rows} tokens, {decode} decode, split {split}, round {round}");
+                        let (got_s, want_s) = (xs.download(s).unwrap(), ws.download(s).unwrap());
+                        for (i, (a, b)) in got_s.iter().zip(&want_s).enumerate() {
+                            assert_eq!(a.to_bits(), b.to_bits(), "{what}: scale of token {i}: {a} vs {b}");
+                        }
+                        let (got_q, want_q) = (xq.download(s).unwrap(), wq.download(s).unwrap());
+                        if let Some(i) = got_q.iter().zip(&want_q).position(|(a, b)| a != b) {
+                            panic!("{what}: code {i} (token {}) is {:#x}, quant_rows gives {:#x}", i / (hq * d), got_q[i], want_q[i]);
+                        }
+                        assert!(counters.download(s).unwrap().iter().all(|&v| v == 0), "{what}: counters left non-zero");
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype, bs: usize) {
@@ -492,7 +565,7 @@ fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype, bs
         let out = poison(c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 1, hq, hkv, d, bs, None, kvt)
+                .paged_attention_with(kernel, &c.gpu.stream, out.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 1, hq, hkv, d, bs, None, kvt, AttnOutQuant::NONE)
                 .unwrap()
         };
         let got = to_f64(&out.download(&c.gpu.stream).unwrap());
@@ -501,7 +574,7 @@ fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype, bs
         let all_prefill = poison(c, n * hq * d);
         unsafe {
             c.kernels
-                .paged_attention_with(kernel, &c.gpu.stream, all_prefill.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 0, hq, hkv, d, bs, None, kvt)
+                .paged_attention_with(kernel, &c.gpu.stream, all_prefill.ptr(), dq.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, dts.ptr(), dpos.ptr(), n, 0, hq, hkv, d, bs, None, kvt, AttnOutQuant::NONE)
                 .unwrap()
         };
         let all_prefill = to_f64(&all_prefill.download(&c.gpu.stream).unwrap());
@@ -514,7 +587,7 @@ fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype, bs
             assert!(c.kernels.attention_splits(1, hkv) > 1, "a single token is split");
             unsafe {
                 c.kernels
-                    .paged_attention_with(kernel, &c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, 1, hq, hkv, d, bs, Some(partials.ptr()), kvt)
+                    .paged_attention_with(kernel, &c.gpu.stream, one.ptr(), q1.ptr(), dk.ptr(), dv.ptr(), dbt.ptr(), pg.max_blocks, seq1.ptr(), pos1.ptr(), 1, 1, hq, hkv, d, bs, Some(partials.ptr()), kvt, AttnOutQuant::NONE)
                     .unwrap()
             };
             split_out[t * hq * d..(t + 1) * hq * d].copy_from_slice(&to_f64(&one.download(&c.gpu.stream).unwrap()));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig};
 
-use super::{as_i32, as_u32, DPtr, Kernels, Launch};
+use super::{as_i32, as_u32, DPtr, Kernels, Launch, W8Format};
 use crate::{KernelError, Result};
 
 /// The paged-attention kernels (same contract): a warp per key (`attention.cu`), 32 keys per warp
@@ -89,6 +89,48 @@ struct AttentionArgs {
     hkv: i32,
     block_size: i32,
     scale: f32,
+    quant: AttnOutQuant,
+}
+
+/// The attention output's 8-bit quantization, done by the attention kernels themselves (quant8.cu's
+/// `attn_out_rows_written`: the block that completes a token's output row writes its codes and
+/// scale, exactly what [`Kernels::quant_rows`] would write for that row). Mirrors quant8.cu's
+/// `AttnOutQuant`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttnOutQuant {
+    q: DPtr,
+    scales: DPtr,
+    counters: DPtr,
+    format: i32,
+    pad: i32,
+}
+
+// SAFETY: plain data with the layout of the kernels' parameter (three pointers, two ints).
+unsafe impl cudarc::driver::DeviceRepr for AttnOutQuant {}
+
+impl AttnOutQuant {
+    /// No quantization: the kernels write the bf16 output only.
+    pub const NONE: AttnOutQuant = AttnOutQuant { q: 0, scales: 0, counters: 0, format: 0, pad: 0 };
+
+    /// Codes into `q` ([tokens, hq · d] bytes) and one scale per token into `scales` (f32), in
+    /// `format`; `counters`: one i32 per token of the largest step, zero before the first launch (the
+    /// kernels leave them zero).
+    pub fn new(format: W8Format, q: DPtr, scales: DPtr, counters: DPtr) -> Self {
+        AttnOutQuant { q, scales, counters, format: format.index() as i32, pad: 0 }
+    }
+
+    pub fn is_some(&self) -> bool {
+        self.q != 0
+    }
+
+    fn format(&self) -> W8Format {
+        if self.format == W8Format::I8.index() as i32 {
+            W8Format::I8
+        } else {
+            W8Format::E4m3
+        }
+    }
 }
 
 impl AttentionArgs {
@@ -105,7 +147,8 @@ impl AttentionArgs {
             .arg(&self.hq)
             .arg(&self.hkv)
             .arg(&self.block_size)
-            .arg(&self.scale);
+            .arg(&self.scale)
+            .arg(&self.quant);
     }
 }
 
@@ -184,13 +227,16 @@ impl Kernels {
     /// Causal paged attention of `n` query tokens (decode and prefill alike; see attention.cu). The
     /// tokens of a sequence are contiguous, and the first `decode_tokens` are each alone in theirs
     /// (`n` for a decode batch). With `partials` (f32, [`Kernels::attention_partials_len`]) small
-    /// decode batches are split along the sequence and merged by a second kernel.
+    /// decode batches are split along the sequence and merged by a second kernel. With `quant` (not
+    /// [`AttnOutQuant::NONE`]) the kernels also write each token's output row as 8-bit codes and a
+    /// scale, for an 8-bit o projection.
     ///
     /// # Safety
     /// q/out: n*hq*d bf16; caches as in `rope_kv_write`; block_tables: seqs*max_blocks i32 covering
-    /// every position 0..=positions[t]; token_seq, positions: n i32.
+    /// every position 0..=positions[t]; token_seq, positions: n i32; quant's buffers: n*hq*d bytes, n
+    /// f32, n i32 (zero).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>, kv: KvCacheDtype) -> Result<()> {
+    pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>, kv: KvCacheDtype, quant: AttnOutQuant) -> Result<()> {
         let kernel = self.attention.unwrap_or_else(|| {
             if self.mma_ready || kv == KvCacheDtype::Fp8E4m3 {
                 AttentionKernel::Mma
@@ -200,7 +246,7 @@ impl Kernels {
                 AttentionKernel::Tiled
             }
         });
-        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, decode_tokens, hq, hkv, d, block_size, partials, kv)
+        self.paged_attention_with(kernel, s, out, q, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, n, decode_tokens, hq, hkv, d, block_size, partials, kv, quant)
     }
 
     /// [`Kernels::paged_attention`] with the kernel chosen by the caller (tests run both).
@@ -208,7 +254,7 @@ impl Kernels {
     /// # Safety
     /// As [`Kernels::paged_attention`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>, kv: KvCacheDtype) -> Result<()> {
+    pub unsafe fn paged_attention_with(&self, kernel: AttentionKernel, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>, kv: KvCacheDtype, quant: AttnOutQuant) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -224,6 +270,9 @@ impl Kernels {
             return Err(KernelError::Unsupported(format!("attention: {decode_tokens} decode tokens of {n}")));
         }
         self.check_kv_dtype(kv, block_size)?;
+        if quant.is_some() {
+            self.check_w8(quant.format(), "attention output quantization")?;
+        }
         if kv == KvCacheDtype::Fp8E4m3 && kernel != AttentionKernel::Mma {
             return Err(KernelError::Unsupported(format!("attention: an fp8 KV cache is read by the tensor-core kernel only, not {kernel:?}")));
         }
@@ -241,6 +290,7 @@ impl Kernels {
             hkv: as_i32(hkv, "hkv")?,
             block_size: as_i32(block_size, "block_size")?,
             scale: 1.0f32 / (d as f32).sqrt(),
+            quant,
         };
         match kernel {
             AttentionKernel::WarpPerKey | AttentionKernel::Tiled => {
@@ -324,6 +374,7 @@ impl Kernels {
                 .arg(&hq_i)
                 .arg(&splits_i)
                 .arg(&d_i)
+                .arg(&args.quant)
                 .launch(s, combine, false)?;
         }
         Ok(())

@@ -22,7 +22,7 @@ mod token_mask;
 use attention::mma_smem_opt_in;
 use gemv_fp8::{GEMV8_M1_ROWS_DEFAULT, GEMV8_MMA_WARPS_PER_SM};
 pub use gemv_fp8::Gemv8Kernel;
-pub use attention::{attention_mma_smem_bytes, AttentionKernel, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
+pub use attention::{attention_mma_smem_bytes, AttentionKernel, AttnOutQuant, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use encoder::{
     attention_tiles as encoder_attention_tiles, attention_tiles_of as encoder_attention_tiles_of, EmbeddingTables, EncoderActivation, EncoderKernels, EncoderPooling, NormParams, ENC_ATTN_MAX_HEAD_DIM,
     ENC_ATTN_MMA_HEAD_DIMS, ENC_ATTN_MMA_QUERIES_PER_WARP, ENC_ATTN_MMA_WARPS, ENC_ATTN_QUERY_TILE,

@@ -35,7 +35,7 @@ pub use weights::{GpuWeights, Linear};
 
 use std::cell::Cell;
 
-use peregrine_kernels::ops::{pack_token_constraints, ConstrainedRow, DPtr, KvRotation, LoraDelta, OuterScale, SAMPLE_PARAMS};
+use peregrine_kernels::ops::{pack_token_constraints, AttnOutQuant, ConstrainedRow, DPtr, KvRotation, LoraDelta, OuterScale, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
@@ -456,15 +456,21 @@ impl CudaBackend {
                     qkv_lora,
                     qkv_scale.get(),
                 )?;
-                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype)?;
+                // With 8-bit linears the attention kernels quantize their own output for o_proj,
+                // unless it must first be rotated back (below).
+                let attn_quant = match w8 {
+                    Some(f) if self.kv_rotation != KvRotation::QKV => AttnOutQuant::new(f, xq, xs, sc.attn_counters.ptr()),
+                    _ => AttnOutQuant::NONE,
+                };
+                k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype, attn_quant)?;
                 if self.kv_rotation == KvRotation::QKV {
                     // The cache holds H·v, so attention gave H times each head's output: rotate it
                     // back in place, before the 8-bit quantizer, o_proj and its LoRA adapter read it
                     // (part of the step's launches, so inside the decode graphs too).
                     k.hadamard_heads(s, sc.attn.ptr(), n, hq, d)?;
                 }
-                if let Some(f) = w8 {
-                    // The attention output is the one 8-bit input without a fused quantizer.
+                if let (Some(f), false) = (w8, attn_quant.is_some()) {
+                    // The rotated-back output: the one 8-bit input quantized by a pass of its own.
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
                 let o_scale = Cell::new(None);

@@ -40,6 +40,9 @@ pub(super) struct Scratch {
     /// reads (`t × max(hidden, q_dim, intermediate)` bytes) and one scale per token.
     pub(super) xq: DevBuf<u8>,
     pub(super) xs: DevBuf<f32>,
+    /// W8A8 models only: one counter per token for the attention kernels' fused quantization of
+    /// their output (`AttnOutQuant`; zero between launches).
+    pub(super) attn_counters: DevBuf<i32>,
 }
 
 impl Scratch {
@@ -69,6 +72,7 @@ impl Scratch {
             attn_partials: cuda.gpu.alloc_zeros::<f32>(cuda.kernels.attention_partials_len()).map_err(gpu_err)?,
             xq: cuda.gpu.alloc_zeros::<u8>(if w8 { Self::xq_len(c, t) } else { 1 }).map_err(gpu_err)?,
             xs: cuda.gpu.alloc_zeros::<f32>(if w8 { t } else { 1 }).map_err(gpu_err)?,
+            attn_counters: cuda.gpu.alloc_zeros::<i32>(if w8 { t } else { 1 }).map_err(gpu_err)?,
         })
     }
 
@@ -85,7 +89,7 @@ impl Scratch {
     pub(super) fn bytes(c: &ModelConfig, t: usize, layout: &PlanLayout, w8: bool) -> usize {
         let h = c.hidden_size;
         let bf = t * (h * 3 + c.q_dim() * 2 + c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate_size) + layout.max_seqs * h;
-        let w8_bytes = if w8 { Self::xq_len(c, t) + t * 4 } else { 0 };
+        let w8_bytes = if w8 { Self::xq_len(c, t) + t * 8 } else { 0 };
         bf * 2 + t * h * 4 + layout.max_seqs * (c.vocab_size * 4 + 4 + SAMPLE_PARAMS * 4) + layout.len() * 4 + w8_bytes + Self::constraint_words(c, layout.max_seqs) * 4
     }
 }

@@ -254,9 +254,9 @@ __device__ __noinline__ void attn_out_rows_count(unsigned char* q, float* scales
                                                  int row_len, int t0, int count) {
     __shared__ float scratch[33];
     __shared__ unsigned long long completed;
-    __threadfence();  // this thread's writes of the rows, before the block counts itself
-    __syncthreads();
+    __syncthreads();  // the block's writes of the rows, before thread 0 counts the block
     if (threadIdx.x == 0) {
+        __threadfence();  // cumulative: covers the writes the barrier ordered before it
         unsigned long long mask = 0ull;
         for (int i = 0; i < count; ++i)
             if (atomicAdd(counters + t0 + i, 1) == (int)gridDim.y - 1) mask |= 1ull << i;

@@ -165,6 +165,10 @@ pub struct CudaBackend {
     kv_dtype: KvCacheDtype,
     /// Which heads `rope_kv_write` Hadamard-rotates ([`CudaOptions::kv_hadamard`], `kv_hadamard_v`).
     kv_rotation: KvRotation,
+    /// `PEREGRINE_ATTN_QUANT=fused`: with 8-bit linears, the attention kernels quantize their own
+    /// output instead of a `quant_rows` pass. Off by default: on an H100 the per-block count and the
+    /// completing block's read-back cost more than the pass saves (docs/benchmarks.md, session 16).
+    fused_attn_quant: bool,
     rope_cos: DevBuf<f32>,
     rope_sin: DevBuf<f32>,
     scratch: Scratch,
@@ -300,7 +304,8 @@ impl CudaBackend {
             Some(max) => *LORA_SM_RESERVE_TOKENS.start()..=max,
             None => LORA_SM_RESERVE_TOKENS,
         };
-        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora, lora_sm_reserve, lora_sm_reserve_tokens })
+        let fused_attn_quant = std::env::var("PEREGRINE_ATTN_QUANT").is_ok_and(|v| v == "fused");
+        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, fused_attn_quant, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora, lora_sm_reserve, lora_sm_reserve_tokens })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -456,10 +461,10 @@ impl CudaBackend {
                     qkv_lora,
                     qkv_scale.get(),
                 )?;
-                // With 8-bit linears the attention kernels quantize their own output for o_proj,
-                // unless it must first be rotated back (below).
+                // With 8-bit linears and `fused_attn_quant` the attention kernels quantize their own
+                // output for o_proj, unless it must first be rotated back (below).
                 let attn_quant = match w8 {
-                    Some(f) if self.kv_rotation != KvRotation::QKV => AttnOutQuant::new(f, xq, xs, sc.attn_counters.ptr()),
+                    Some(f) if self.fused_attn_quant && self.kv_rotation != KvRotation::QKV => AttnOutQuant::new(f, xq, xs, sc.attn_counters.ptr()),
                     _ => AttnOutQuant::NONE,
                 };
                 k.paged_attention(s, sc.attn.ptr(), sc.q.ptr(), kc, vc, m(lay.block_tables()), lay.max_blocks, m(lay.token_seq()), m(lay.positions()), n, decode_tokens, hq, hkv, d, bs, Some(sc.attn_partials.ptr()), self.kv_dtype, attn_quant)?;
@@ -470,7 +475,7 @@ impl CudaBackend {
                     k.hadamard_heads(s, sc.attn.ptr(), n, hq, d)?;
                 }
                 if let (Some(f), false) = (w8, attn_quant.is_some()) {
-                    // The rotated-back output: the one 8-bit input quantized by a pass of its own.
+                    // The one 8-bit input quantized by a pass of its own (see `fused_attn_quant`).
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
                 let o_scale = Cell::new(None);

@@ -41,7 +41,7 @@ pub(super) struct Scratch {
     pub(super) xq: DevBuf<u8>,
     pub(super) xs: DevBuf<f32>,
     /// W8A8 models only: one counter per token for the attention kernels' fused quantization of
-    /// their output (`AttnOutQuant`; zero between launches).
+    /// their output (`AttnOutQuant`, `PEREGRINE_ATTN_QUANT=fused`; zero between launches).
     pub(super) attn_counters: DevBuf<i32>,
 }
 

@@ -75,14 +75,17 @@ __device__ __forceinline__ const bf16_t* lora_delta_row(const bf16_t* d, const i
 // issued at once, and a value read once stays in registers for the later passes (reduction, scale,
 // codes). The scalar loops these replaced made each row a chain of dependent round trips to memory.
 #define ROW_MAXC 4
-__device__ __forceinline__ void ld8_bf16(const bf16_t* p, float (&v)[8]) {
-    const uint4 r = *reinterpret_cast<const uint4*>(p);
+// 8 bf16 values held in a 16-byte vector, as floats (exactly), low half of each word first.
+__device__ __forceinline__ void bf16x8_to_f32(const uint4 r, float (&v)[8]) {
     const u32 w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
         v[2 * t] = __uint_as_float(w[t] << 16);
         v[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
     }
+}
+__device__ __forceinline__ void ld8_bf16(const bf16_t* p, float (&v)[8]) {
+    bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), v);
 }
 __device__ __forceinline__ void st8_bf16(bf16_t* p, const float (&v)[8]) {
     u32 w[4];

@@ -228,22 +228,16 @@ __device__ __forceinline__ void quantize_row_l2(const bf16_t* x, int k, unsigned
     const int chunks = k >> 3;
     float amax = 0.f;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        const uint4 r = __ldcg(reinterpret_cast<const uint4*>(x) + c);
-        const u32 w[4] = {r.x, r.y, r.z, r.w};
+        float v[8];
+        bf16x8_to_f32(__ldcg(reinterpret_cast<const uint4*>(x) + c), v);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[t] << 16)), fabsf(__uint_as_float(w[t] & 0xffff0000u))));
+        for (int t = 0; t < 8; ++t) amax = fmaxf(amax, fabsf(v[t]));
     }
     const float scale = q8_scale<FMT>(block_max(amax, scratch));
     if (threadIdx.x == 0) *scale_out = scale;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        const uint4 r = __ldcg(reinterpret_cast<const uint4*>(x) + c);
-        const u32 w[4] = {r.x, r.y, r.z, r.w};
         float v[8];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            v[2 * t] = __uint_as_float(w[t] << 16);
-            v[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
-        }
+        bf16x8_to_f32(__ldcg(reinterpret_cast<const uint4*>(x) + c), v);
         st8_codes<FMT>(q + 8 * c, v, scale);
     }
 }

@@ -488,13 +488,7 @@ fn paged_attention_quantizes_its_output_as_quant_rows_does() {
         let lens = [700usize, 300, 70, 9];
         let chunks = [(0usize, 699..700usize), (1, 299..300), (2, 50..70), (3, 0..9)];
         let pg = paged(&mut r, &lens, bs);
-        let (mut positions, mut token_seq) = (vec![], vec![]);
-        for (sq, range) in chunks.iter().cloned() {
-            for p in range {
-                positions.push(p as i32);
-                token_seq.push(sq as i32);
-            }
-        }
+        let (positions, token_seq) = chunk_tokens(&chunks);
         let n = positions.len();
         let (q, _) = rand_bf16(&mut r, n * hq * d, 2.0);
         let (dq, dbt, dts, dpos) = (c.gpu.upload(&q).unwrap(), c.gpu.upload(&pg.block_tables).unwrap(), c.gpu.upload(&token_seq).unwrap(), c.gpu.upload(&positions).unwrap());
@@ -536,6 +530,11 @@ fn paged_attention_quantizes_its_output_as_quant_rows_does() {
     }
 }
 
+/// The positions and sequence of each token of a batch of (sequence, positions) chunks, in order.
+fn chunk_tokens(chunks: &[(usize, std::ops::Range<usize>)]) -> (Vec<i32>, Vec<i32>) {
+    chunks.iter().flat_map(|(s, range)| range.clone().map(move |p| (p as i32, *s as i32))).unzip()
+}
+
 fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype, bs: usize) {
     let mut r = rng();
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 128), (16, 2, 128)] {
@@ -545,14 +544,7 @@ fn paged_attention_case(c: &Cuda, kernel: AttentionKernel, kvt: KvCacheDtype, bs
         let pg = paged(&mut r, &lens, bs);
         let cache_len = pg.num_blocks * hkv * bs * d;
         let (dk, dv, kv, vv) = rand_caches(c, &mut r, kvt, cache_len, hkv, bs, d);
-        let mut positions = vec![];
-        let mut token_seq = vec![];
-        for (s, range) in chunks.iter().cloned() {
-            for p in range {
-                positions.push(p as i32);
-                token_seq.push(s as i32);
-            }
-        }
+        let (positions, token_seq) = chunk_tokens(&chunks);
         let n = positions.len();
         let (q, qv) = rand_bf16(&mut r, n * hq * d, 2.0);
         let (dq, dbt, dts, dpos) = (

@@ -69,6 +69,8 @@ struct PlanKey {
     k: usize,
     f32_out: bool,
     int8: bool,
+    /// The SM count the plan targets (0: all; [`BlasLt::set_sm_count_target`]).
+    sm_target: usize,
 }
 
 pub struct BlasLt {
@@ -79,6 +81,8 @@ pub struct BlasLt {
     stream: Arc<CudaStream>,
     /// None: cuBLASLt has no kernel for this shape (the caller uses its own).
     plans: Mutex<HashMap<PlanKey, Option<Plan>>>,
+    /// The SM count the next GEMMs target (0: all).
+    sm_target: std::sync::atomic::AtomicUsize,
 }
 
 // SAFETY: the handle and descriptors are used under the plans' mutex or from the one thread that
@@ -109,7 +113,19 @@ impl BlasLt {
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
         let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
         let acc = stream.alloc_zeros::<i32>(ACC_ELEMS)?;
-        Ok(Some(BlasLt { handle, workspace, acc, stream: stream.clone(), plans: Mutex::new(HashMap::new()) }))
+        Ok(Some(BlasLt { handle, workspace, acc, stream: stream.clone(), plans: Mutex::new(HashMap::new()), sm_target: Default::default() }))
+    }
+
+    /// Plans the next GEMMs for `sms` multiprocessors (0: all of them), as `Blas::set_sm_count_target`
+    /// does for cuBLAS: kernels on another stream (the LoRA path beside an 8-bit base projection)
+    /// then find SMs free. The target is part of each plan's key (it is a descriptor attribute that
+    /// also steers the heuristic), and a GEMM captured into a graph keeps the plan it ran with.
+    pub fn set_sm_count_target(&self, sms: usize) {
+        self.sm_target.store(sms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn sm_target(&self) -> usize {
+        self.sm_target.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `y[m, n] = xq · wqᵀ` over e4m3 codes (`xq` m × k tokens, `wq` n × k weight rows, both
@@ -129,7 +145,7 @@ impl BlasLt {
         if !k.is_multiple_of(16) || !n.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !y.is_multiple_of(16) {
             return Ok(false);
         }
-        let key = PlanKey { m, n, k, f32_out, int8: false };
+        let key = PlanKey { m, n, k, f32_out, int8: false, sm_target: self.sm_target() };
         // SAFETY: as this function's contract.
         unsafe { self.run(key, y, xq, wq) }
     }
@@ -168,7 +184,7 @@ impl BlasLt {
         let mut r0 = 0;
         while r0 < m {
             let chunk = rows.min(m - r0);
-            let key = PlanKey { m: chunk, n, k, f32_out: false, int8: true };
+            let key = PlanKey { m: chunk, n, k, f32_out: false, int8: true, sm_target: self.sm_target() };
             // SAFETY: the chunk's rows of xq and the scratch (chunk * n <= ACC_ELEMS) as the contract.
             let ran = unsafe { self.run(key, acc, xq + (r0 * k) as u64, wq)? };
             if !ran {
@@ -199,7 +215,7 @@ impl BlasLt {
             return Ok(None);
         }
         let (acc, _sync) = self.acc.device_ptr(self.stream.as_ref());
-        let key = PlanKey { m, n, k, f32_out: false, int8: true };
+        let key = PlanKey { m, n, k, f32_out: false, int8: true, sm_target: self.sm_target() };
         // SAFETY: m * n <= ACC_ELEMS, the rest as this function's contract.
         Ok(unsafe { self.run(key, acc, xq, wq)? }.then_some(acc))
     }
@@ -258,7 +274,7 @@ impl BlasLt {
     /// Descriptors for one shape and cuBLASLt's first-choice algorithm for them.
     fn plan(&self, key: PlanKey) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
-        let PlanKey { m, n, k, f32_out, int8 } = key;
+        let PlanKey { m, n, k, f32_out, int8, sm_target } = key;
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         let (compute, scale_type, code_type, d_type) = if int8 {
             (sys::cublasComputeType_t::CUBLAS_COMPUTE_32I, sys::cudaDataType::CUDA_R_32I, sys::cudaDataType::CUDA_R_8I, sys::cudaDataType::CUDA_R_32I)
@@ -277,6 +293,10 @@ impl BlasLt {
             let set_u32 = |attr: Attr, v: u32| lt::set_matmul_desc_attribute(desc, attr, &v as *const u32 as *const c_void, size_of::<u32>());
             set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSA, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as u32)?;
             set_u32(Attr::CUBLASLT_MATMUL_DESC_TRANSB, cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N as u32)?;
+            if sm_target > 0 {
+                let sms = i32::try_from(sm_target).unwrap_or(i32::MAX);
+                lt::set_matmul_desc_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms as *const i32 as *const c_void, size_of::<i32>())?;
+            }
             let pref = lt::create_matmul_pref()?;
             let ws = WORKSPACE_BYTES as u64;
             let set = lt::set_matmul_pref_attribute(

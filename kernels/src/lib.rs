@@ -155,6 +155,15 @@ impl Cuda {
         self.kernels.gemm_w8a8(&self.gpu.stream, format, y, f32_out, xq, xs, wq, ws, m, n, k).map(|()| None)
     }
 
+    /// Plans the next cuBLAS and cuBLASLt GEMMs for `sms` multiprocessors (0: all of them), leaving
+    /// the rest to kernels on another stream ([`Blas::set_sm_count_target`]).
+    pub fn set_sm_count_target(&self, sms: usize) -> Result<()> {
+        if let Some(lt) = &self.blas_lt {
+            lt.set_sm_count_target(sms);
+        }
+        self.blas.set_sm_count_target(sms)
+    }
+
     /// The fused gate/up projection with SwiGLU on `m` tokens, `act[m, inter] = silu(x · gate) * (x ·
     /// up)` for `w_gate_up` = [gate; up] ([2 inter, k]), in one skinny kernel where `linear` would
     /// take the skinny path; returns false (nothing launched) where it would not, and the caller runs

@@ -370,10 +370,11 @@ impl CudaBackend {
         let lora = self.lora.as_ref().filter(|_| with_lora);
         let lora_slots = m(lay.lora_slots());
         // Set for every step (graphs capture the target in force): LoRA steps long enough for
-        // cuBLAS leave `lora_sm_reserve` SMs to the side stream, all others use every SM.
+        // cuBLAS / cuBLASLt GEMMs leave `lora_sm_reserve` SMs to the side stream, all others use
+        // every SM.
         if self.lora_sm_reserve > 0 {
             let reserve = if lora.is_some() && self.lora_sm_reserve_tokens.contains(&n) { self.lora_sm_reserve } else { 0 };
-            cuda.blas.set_sm_count_target(if reserve > 0 { cuda.num_sms - reserve } else { 0 })?;
+            cuda.set_sm_count_target(if reserve > 0 { cuda.num_sms - reserve } else { 0 })?;
         }
         let w8 = w.w8;
         let (xq, xs) = (sc.xq.ptr(), sc.xs.ptr());

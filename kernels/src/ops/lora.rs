@@ -46,7 +46,17 @@ pub enum LoraShrinkShape {
     /// `lora_shrink_staged` with one block per 64 tokens and module walking the whole fan-in (what
     /// `Staged` becomes where the tiles alone fill the GPU).
     StagedWhole,
+    /// `lora_shrink_ranks`: one block per 8 ranks, work tile and module walking the whole fan-in
+    /// with 16 warps, no reduction across blocks (fan-ins up to [`LORA_RANKS_MAX_K`]; `Split`
+    /// beyond). Not chosen by default yet: measured against `Split` on the GPU first.
+    Ranks,
 }
+
+/// Warps of a `lora_shrink_ranks` block (lora.cu's LORA_RK_WARPS).
+const LORA_RANKS_WARPS: u32 = 16;
+
+/// The longest fan-in `lora_shrink_ranks` takes (its shared memory holds 64 chunks of 256).
+pub const LORA_RANKS_MAX_K: usize = 64 * LORA_KC;
 
 /// Steps of at least this many tokens take the staged shrink by default: below it, a step's tiles
 /// are mostly of different slots and a 64-token block would run them one pass at a time.
@@ -177,6 +187,7 @@ impl Kernels {
         // Prefill-sized steps take the staged kernel, which also splits the fan-in to fill the GPU.
         let shape = match self.lora_shrink_shape {
             Some(LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole) if !aligned => LoraShrinkShape::Whole,
+            Some(LoraShrinkShape::Ranks) if k > LORA_RANKS_MAX_K => LoraShrinkShape::Split,
             Some(shape) => shape,
             None if aligned && n >= LORA_STAGED_MIN_TOKENS => LoraShrinkShape::Staged,
             None if n.div_ceil(LORA_TILE) * modules.len() >= 4 * self.num_sms as usize => LoraShrinkShape::Whole,
@@ -184,6 +195,15 @@ impl Kernels {
         };
         let max_tiles = lora_max_tiles(n, segs.num_slots);
         let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
+        if shape == LoraShrinkShape::Ranks {
+            let grid = ((r_pad / 8) as u32, as_u32(max_tiles, "work tiles")?, modules.len() as u32);
+            let launch = LaunchConfig { grid_dim: grid, block_dim: (LORA_RANKS_WARPS * 32, 1, 1), shared_mem_bytes: 0 };
+            let mut l = Launch::new(&self.lora_shrink_ranks);
+            l.arg(&work.t_hi).arg(&work.t_lo).arg(&x).arg(&x_stride).arg(&m0.a).arg(&m1.a).arg(&m2.a);
+            l.arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&k_i).arg(&r_i).arg(&nm);
+            l.launch(s, launch, self.pdl)?;
+            return Ok(());
+        }
         let staged = matches!(shape, LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole);
         let (function, grid, chunks_per_block) = if staged {
             let groups = max_tiles.div_ceil(4);

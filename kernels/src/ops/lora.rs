@@ -48,7 +48,8 @@ pub enum LoraShrinkShape {
     StagedWhole,
     /// `lora_shrink_ranks`: one block per 8 ranks, work tile and module walking the whole fan-in
     /// with 16 warps, no reduction across blocks (fan-ins up to [`LORA_RANKS_MAX_K`]; `Split`
-    /// beyond). Not chosen by default yet: measured against `Split` on the GPU first.
+    /// beyond). The default for decode-sized steps over short fan-ins ([`LORA_RANKS_TOKENS`],
+    /// [`LORA_RANKS_DEFAULT_MAX_K`]).
     Ranks,
 }
 
@@ -57,6 +58,15 @@ const LORA_RANKS_WARPS: u32 = 16;
 
 /// The longest fan-in `lora_shrink_ranks` takes (its shared memory holds 64 chunks of 256).
 pub const LORA_RANKS_MAX_K: usize = 64 * LORA_KC;
+
+/// `Ranks` by default up to this many tokens and this fan-in. On an H100 (`MICRO=lora`, 4 adapters
+/// of rank 32, Llama-3.1-8B shapes, docs/benchmarks.md session 18) it beat `Split` on the 4096-wide
+/// fan-ins (q|k|v, o, gate|up) at 1 / 16 / 64 tokens (q|k|v 14.5 -> 12.4 µs at 1 token) and lost on
+/// down's 14,336 (4 blocks walking 56 chunks each: 15.5 -> 19.6 µs); at 256 tokens it lost on q|k|v.
+/// In `bench --lora 4 --lora-rank 32`, LoRA / base at batch 1 / 8 / 64 went 0.84 / 0.90 / 0.90 ->
+/// 0.89 / 0.94 / 0.89 over bf16 and 0.73 / 0.76 / 0.82 -> 0.79 / 0.78 / 0.85 over fp8.
+const LORA_RANKS_TOKENS: usize = 128;
+const LORA_RANKS_DEFAULT_MAX_K: usize = 8192;
 
 /// Steps of at least this many tokens take the staged shrink by default: below it, a step's tiles
 /// are mostly of different slots and a 64-token block would run them one pass at a time.
@@ -190,6 +200,7 @@ impl Kernels {
             Some(LoraShrinkShape::Ranks) if k > LORA_RANKS_MAX_K => LoraShrinkShape::Split,
             Some(shape) => shape,
             None if aligned && n >= LORA_STAGED_MIN_TOKENS => LoraShrinkShape::Staged,
+            None if n <= LORA_RANKS_TOKENS && k <= LORA_RANKS_DEFAULT_MAX_K => LoraShrinkShape::Ranks,
             None if n.div_ceil(LORA_TILE) * modules.len() >= 4 * self.num_sms as usize => LoraShrinkShape::Whole,
             None => LoraShrinkShape::Split,
         };

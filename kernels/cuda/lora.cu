@@ -410,6 +410,97 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
     lora_sum_splits(t_hi, t_lo, t_part, order, start, len, n, R, mod, r_pad, rank, scale, chunks, lane, 32);
 }
 
+// Decode-sized steps without a reduction across blocks: lora_shrink_ranks computes what
+// lora_shrink_sgmv computes, bit for bit, with one block per (8-rank column tile, work tile, module)
+// walking the whole fan-in. Its LORA_RK_WARPS warps take the 256-wide chunks in turn (warp w: chunks
+// w, w + LORA_RK_WARPS, ...), each chunk as the split kernel's four warps do it (four 64-wide
+// sub-ranges of four k-steps each, from 0, then ((p0 + p1) + p2) + p3), into shared memory; then the
+// chunks are added in order from 0, scaled and stored. No partial sums in global memory, no
+// counter, no last block: the split kernel's chain after its mma (store, fence, atomic, re-read)
+// is gone, and each block reads only its 8 rows of A. Column tiles at or past the slot's rank write
+// zeros, as the split kernel does past the rank. grid: (r_pad / 8, max tiles, n_modules); block:
+// 32 * LORA_RK_WARPS; ceil(k / 256) <= LORA_RK_MAX_CHUNKS.
+#define LORA_RK_WARPS 16
+#define LORA_RK_MAX_CHUNKS 64
+
+extern "C" __global__ void __launch_bounds__(LORA_RK_WARPS * 32) lora_shrink_ranks(
+    bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, const bf16_t* __restrict__ x, int x_stride,
+    const bf16_t* __restrict__ a0, const bf16_t* __restrict__ a1, const bf16_t* __restrict__ a2,
+    const int* __restrict__ order, const int* __restrict__ seg, const int* __restrict__ tiles,
+    const int* __restrict__ ranks, const float* __restrict__ scales, int k, int r_pad, int n_modules) {
+    __shared__ float sums[LORA_RK_MAX_CHUNKS][LORA_TILE][8];
+    pdl_wait();
+    pdl_trigger();
+    const int col0 = blockIdx.x * 8, tile = blockIdx.y, mod = blockIdx.z;
+    if (tile >= tiles[0]) return;
+    const int slot = tiles[1 + 2 * tile], first = tiles[2 + 2 * tile];
+    const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+    const int rank = min(ranks[slot], r_pad);
+    if (len == 0 || rank <= 0) return;
+    const u64 out0 = (u64)mod * r_pad + col0;  // this tile's first column of t
+    const int R = n_modules * r_pad;
+    if (col0 >= rank) {
+        for (int e = threadIdx.x; e < len * 8; e += blockDim.x) {
+            lora_store_t(t_hi, t_lo, (u64)order[start + (e >> 3)] * R + out0 + (e & 7), 0.f);
+        }
+        return;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const bf16_t* a = (mod == 0 ? a0 : mod == 1 ? a1 : a2) + ((u64)slot * r_pad + col0 + g) * k;
+    // Rows past the tile's tokens read a valid row (the tile's first) and feed zeros, and steps past
+    // k a valid column, so that every load is unconditional and a half chunk's 48 go out before its
+    // first mma (with the split kernel's guarded loads, each k-step waited for its own).
+    const bool has0 = g < len, has1 = g + 8 < len;
+    const bf16_t* x0 = x + (u64)order[start + (has0 ? g : 0)] * x_stride;
+    const bf16_t* x1 = x + (u64)order[start + (has1 ? g + 8 : 0)] * x_stride;
+    const int chunks = (k + LORA_KC - 1) / LORA_KC;
+    for (int chunk = warp; chunk < chunks; chunk += LORA_RK_WARPS) {
+        float sum[4], acc[4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // two sub-ranges of four k-steps each
+            u32 xf[8][4], af[8][2];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int c = min(chunk * LORA_KC + (half * 8 + i) * 16, k - 16) + q * 2;
+                xf[i][0] = lora_ld2(x0 + c);
+                xf[i][1] = lora_ld2(x1 + c);
+                xf[i][2] = lora_ld2(x0 + c + 8);
+                xf[i][3] = lora_ld2(x1 + c + 8);
+                af[i][0] = lora_ld2(a + c);
+                af[i][1] = lora_ld2(a + c + 8);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int st = half * 8 + i, sub = st >> 2;
+                if ((st & 3) == 0) acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+                if (chunk * LORA_KC + st * 16 < k) {
+                    const u32 xa[4] = {has0 ? xf[i][0] : 0u, has1 ? xf[i][1] : 0u, has0 ? xf[i][2] : 0u, has1 ? xf[i][3] : 0u};
+                    lora_mma(acc, xa, af[i][0], af[i][1]);
+                }
+                if ((st & 3) == 3) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) sum[j] = sub == 0 ? acc[j] : sum[j] + acc[j];
+                }
+            }
+        }
+        // Accumulator: rows g and g + 8, columns 2q, 2q + 1 of the tile.
+        sums[chunk][g][2 * q] = sum[0];
+        sums[chunk][g][2 * q + 1] = sum[1];
+        sums[chunk][g + 8][2 * q] = sum[2];
+        sums[chunk][g + 8][2 * q + 1] = sum[3];
+    }
+    __syncthreads();
+    if (threadIdx.x < LORA_TILE * 8) {
+        const int row = threadIdx.x >> 3, col = threadIdx.x & 7;
+        if (row < len) {
+            float v = 0.f;
+            for (int c = 0; c < chunks; ++c) v += sums[c][row][col];
+            v *= scales[slot];
+            lora_store_t(t_hi, t_lo, (u64)order[start + row] * R + out0 + col, col0 + col < rank ? v : 0.f);
+        }
+    }
+}
+
 // y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each
 // segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
 // module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128),
@@ -577,6 +668,9 @@ extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, cons
 extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                             const bf16_t*, int, int, int, int, int, int, const int*, const int*,
                                             const int*, const int*, int, int, int, int) {}
+extern "C" __global__ void lora_shrink_ranks(bf16_t*, bf16_t*, const bf16_t*, int, const bf16_t*, const bf16_t*,
+                                             const bf16_t*, const int*, const int*, const int*, const int*,
+                                             const float*, int, int, int) {}
 extern "C" __global__ void lora_shrink_staged(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
                                               const bf16_t*, const bf16_t*, const int*, const int*, const int*,
                                               const int*, const float*, int, int, int, int, int) {}

@@ -32,6 +32,7 @@ fn val(b: u16) -> f64 {
 }
 
 /// One projection group's inputs on the host.
+#[derive(Clone)]
 struct Case {
     k: usize,
     /// (fan-out, first column in y) per module.
@@ -225,8 +226,14 @@ fn grouped_lora_matches_reference_on_ragged_segments_and_every_rank() {
     let case = Case { k: 1040, outs: vec![(200, 0), (72, 200), (72, 273)], y_width: 346, ranks: vec![8, 16, 32, 64, 0], scales: vec![2.0, 0.5, 1.0, 4.0, 0.0], slots };
     check(&cuda, &case);
     // Every token on slot 3 (rank 64).
-    let case = Case { slots: vec![3; 33], ..case };
+    let all_rank_64 = Case { slots: vec![3; 33], ..case.clone() };
+    check(&cuda, &all_rank_64);
+    // The shrink without a cross-block reduction (`lora_shrink_ranks`), on both.
+    let mut cuda = cuda;
+    cuda.kernels.set_lora_launch_shapes(Some(LoraShrinkShape::Ranks), None);
     check(&cuda, &case);
+    check(&cuda, &all_rank_64);
+    cuda.kernels.set_lora_launch_shapes(None, None);
 }
 
 #[test]
@@ -240,9 +247,9 @@ fn grouped_lora_matches_reference_on_a_long_prefill_segment() {
     let case = Case { k: 14336, outs: vec![(512, 0)], y_width: 512, ranks: vec![16, 32], scales: vec![1.0, 2.0], slots };
     check(&cuda, &case);
     // The staged shrink (prefill steps of 512+ tokens take it), its blocks mixing both slots, over
-    // the fan-in split and whole.
+    // the fan-in split and whole; and the shrink by rank tiles, 56 chunks over its 16 warps.
     let mut cuda = cuda;
-    for shape in [LoraShrinkShape::Staged, LoraShrinkShape::StagedWhole] {
+    for shape in [LoraShrinkShape::Staged, LoraShrinkShape::StagedWhole, LoraShrinkShape::Ranks] {
         cuda.kernels.set_lora_launch_shapes(Some(shape), None);
         check(&cuda, &case);
     }
@@ -265,8 +272,8 @@ fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
     let h = host_inputs(&mut r, &case);
     cuda.kernels.set_lora_launch_shapes(Some(LoraShrinkShape::Split), Some(1));
     let base = run(&cuda, &case, &h, None);
-    use LoraShrinkShape::{Split, Staged, StagedWhole, Whole};
-    for (shape, tiles) in [(Whole, 1), (Whole, 4), (Split, 3), (Whole, 16), (Staged, 1), (Staged, 4), (StagedWhole, 1)] {
+    use LoraShrinkShape::{Ranks, Split, Staged, StagedWhole, Whole};
+    for (shape, tiles) in [(Whole, 1), (Whole, 4), (Split, 3), (Whole, 16), (Staged, 1), (Staged, 4), (StagedWhole, 1), (Ranks, 1)] {
         cuda.kernels.set_lora_launch_shapes(Some(shape), Some(tiles));
         let got = run(&cuda, &case, &h, None);
         assert!(got == base, "shrink {shape:?}, {tiles} tiles per expand block: different bits");
@@ -278,7 +285,7 @@ fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
     let h = host_inputs(&mut r, &aligned);
     cuda.kernels.set_lora_launch_shapes(Some(Split), Some(1));
     let base = run(&cuda, &aligned, &h, None);
-    for (shape, tiles) in [(Whole, 1), (Staged, 1), (Staged, 4), (StagedWhole, 2)] {
+    for (shape, tiles) in [(Whole, 1), (Staged, 1), (Staged, 4), (StagedWhole, 2), (Ranks, 1)] {
         cuda.kernels.set_lora_launch_shapes(Some(shape), Some(tiles));
         assert!(run(&cuda, &aligned, &h, None) == base, "aligned columns, shrink {shape:?}, {tiles} tiles per expand block: different bits");
     }

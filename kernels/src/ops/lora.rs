@@ -46,7 +46,27 @@ pub enum LoraShrinkShape {
     /// `lora_shrink_staged` with one block per 64 tokens and module walking the whole fan-in (what
     /// `Staged` becomes where the tiles alone fill the GPU).
     StagedWhole,
+    /// `lora_shrink_ranks`: one block per 8 ranks, work tile and module walking the whole fan-in
+    /// with 16 warps, no reduction across blocks (fan-ins up to [`LORA_RANKS_MAX_K`]; `Split`
+    /// beyond). The default for decode-sized steps over short fan-ins ([`LORA_RANKS_TOKENS`],
+    /// [`LORA_RANKS_DEFAULT_MAX_K`]).
+    Ranks,
 }
+
+/// Warps of a `lora_shrink_ranks` block (lora.cu's LORA_RK_WARPS).
+const LORA_RANKS_WARPS: u32 = 16;
+
+/// The longest fan-in `lora_shrink_ranks` takes (its shared memory holds 64 chunks of 256).
+pub const LORA_RANKS_MAX_K: usize = 64 * LORA_KC;
+
+/// `Ranks` by default up to this many tokens and this fan-in. On an H100 (`MICRO=lora`, 4 adapters
+/// of rank 32, Llama-3.1-8B shapes, docs/benchmarks.md session 18) it beat `Split` on the 4096-wide
+/// fan-ins (q|k|v, o, gate|up) at 1 / 16 / 64 tokens (q|k|v 14.5 -> 12.4 µs at 1 token) and lost on
+/// down's 14,336 (4 blocks walking 56 chunks each: 15.5 -> 19.6 µs); at 256 tokens it lost on q|k|v.
+/// In `bench --lora 4 --lora-rank 32`, LoRA / base at batch 1 / 8 / 64 went 0.84 / 0.90 / 0.90 ->
+/// 0.89 / 0.94 / 0.89 over bf16 and 0.73 / 0.76 / 0.82 -> 0.79 / 0.78 / 0.85 over fp8.
+const LORA_RANKS_TOKENS: usize = 128;
+const LORA_RANKS_DEFAULT_MAX_K: usize = 8192;
 
 /// Steps of at least this many tokens take the staged shrink by default: below it, a step's tiles
 /// are mostly of different slots and a 64-token block would run them one pass at a time.
@@ -177,13 +197,24 @@ impl Kernels {
         // Prefill-sized steps take the staged kernel, which also splits the fan-in to fill the GPU.
         let shape = match self.lora_shrink_shape {
             Some(LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole) if !aligned => LoraShrinkShape::Whole,
+            Some(LoraShrinkShape::Ranks) if k > LORA_RANKS_MAX_K => LoraShrinkShape::Split,
             Some(shape) => shape,
             None if aligned && n >= LORA_STAGED_MIN_TOKENS => LoraShrinkShape::Staged,
+            None if n <= LORA_RANKS_TOKENS && k <= LORA_RANKS_DEFAULT_MAX_K => LoraShrinkShape::Ranks,
             None if n.div_ceil(LORA_TILE) * modules.len() >= 4 * self.num_sms as usize => LoraShrinkShape::Whole,
             None => LoraShrinkShape::Split,
         };
         let max_tiles = lora_max_tiles(n, segs.num_slots);
         let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
+        if shape == LoraShrinkShape::Ranks {
+            let grid = ((r_pad / 8) as u32, as_u32(max_tiles, "work tiles")?, modules.len() as u32);
+            let launch = LaunchConfig { grid_dim: grid, block_dim: (LORA_RANKS_WARPS * 32, 1, 1), shared_mem_bytes: 0 };
+            let mut l = Launch::new(&self.lora_shrink_ranks);
+            l.arg(&work.t_hi).arg(&work.t_lo).arg(&x).arg(&x_stride).arg(&m0.a).arg(&m1.a).arg(&m2.a);
+            l.arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&k_i).arg(&r_i).arg(&nm);
+            l.launch(s, launch, self.pdl)?;
+            return Ok(());
+        }
         let staged = matches!(shape, LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole);
         let (function, grid, chunks_per_block) = if staged {
             let groups = max_tiles.div_ceil(4);

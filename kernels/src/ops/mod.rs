@@ -110,6 +110,7 @@ pub struct Kernels {
     lora_group: CudaFunction,
     lora_shrink_sgmv: CudaFunction,
     lora_shrink_staged: CudaFunction,
+    lora_shrink_ranks: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
@@ -156,7 +157,7 @@ pub struct Kernels {
     /// Weight rows per warp tile of the one-token 8-bit GEMV (1, 2 or 4; `PEREGRINE_GEMV8_M1_ROWS`).
     gemv8_m1_rows: usize,
     attn_max_splits: usize,
-    /// `PEREGRINE_LORA_SHRINK=split|whole|staged|staged-whole`: the LoRA shrink's kernel and grid, instead of
+    /// `PEREGRINE_LORA_SHRINK=split|whole|staged|staged-whole|ranks`: the LoRA shrink's kernel and grid, instead of
     /// [`Kernels::lora_shrink`]'s choice by step size (None).
     lora_shrink_shape: Option<LoraShrinkShape>,
     /// `PEREGRINE_LORA_EXPAND_TILES=n` (1 to 16): work tiles per expand block, instead of the choice
@@ -226,6 +227,7 @@ impl Kernels {
             lora_group: f("lora_group")?,
             lora_shrink_sgmv: f("lora_shrink_sgmv")?,
             lora_shrink_staged: f("lora_shrink_staged")?,
+            lora_shrink_ranks: f("lora_shrink_ranks")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
@@ -260,6 +262,7 @@ impl Kernels {
                 Ok("split") => Some(LoraShrinkShape::Split),
                 Ok("staged") => Some(LoraShrinkShape::Staged),
                 Ok("staged-whole") => Some(LoraShrinkShape::StagedWhole),
+                Ok("ranks") => Some(LoraShrinkShape::Ranks),
                 _ => None,
             },
             lora_expand_tiles: std::env::var("PEREGRINE_LORA_EXPAND_TILES").ok().and_then(|v| v.parse().ok()).filter(|n: &usize| (1..=16).contains(n)),

@@ -236,6 +236,7 @@ fn lora(c: &Cuda) {
     // (fan-in, fan-outs) per group.
     let groups: [(usize, Vec<usize>); 4] = [(h, vec![q, kv, kv]), (q, vec![h]), (h, vec![inter, inter]), (inter, vec![h])];
     println!("{:<10} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9} {:>8} {:>11} {:>11}", "LoRA", "batch", "rank", "qkv us", "o us", "gate_up", "down", "x32 ms", "qkv shrink", "qkv expand");
+    let mut halves_rows = Vec::new();
     for (adapters, rank) in [(4usize, 32usize), (4, 8), (4, 64), (16, 32)] {
         let r_pad = lora_rank_pad(rank);
         let bufs: Vec<Vec<(peregrine_kernels::DevBuf<u16>, peregrine_kernels::DevBuf<u16>)>> = groups
@@ -257,8 +258,13 @@ fn lora(c: &Cuda) {
         let ranks = c.gpu.upload(&vec![rank as i32; adapters]).unwrap();
         let scales = c.gpu.upload(&vec![1.0f32; adapters]).unwrap();
         let seg = c.gpu.alloc_zeros::<i32>(adapters + 1).unwrap();
-        for n in [1usize, 16, 64, 256, 4096] {
-            let slots = c.gpu.upload(&(0..n).map(|i| (i % adapters) as i32).collect::<Vec<_>>()).unwrap();
+        // `MICRO_LORA_TOKENS=4096,16384`: other step sizes; `MICRO_LORA_SEGMENTS=1`: each adapter's
+        // tokens contiguous (prefill: whole sequences) instead of interleaved.
+        let sizes: Vec<usize> = std::env::var("MICRO_LORA_TOKENS").ok().map(|v| v.split(',').filter_map(|t| t.trim().parse().ok()).collect()).unwrap_or_else(|| vec![1, 16, 64, 256, 4096]);
+        let contiguous = std::env::var("MICRO_LORA_SEGMENTS").is_ok_and(|v| v == "1");
+        for &n in &sizes {
+            let slot_of = |i: usize| if contiguous { i * adapters / n } else { i % adapters };
+            let slots = c.gpu.upload(&(0..n).map(|i| slot_of(i) as i32).collect::<Vec<_>>()).unwrap();
             let order = c.gpu.alloc_zeros::<i32>(n).unwrap();
             let counters = c.gpu.alloc_zeros::<i32>(3 * lora_max_tiles(n, adapters)).unwrap();
             let tiles = c.gpu.alloc_zeros::<i32>(1 + 2 * lora_max_tiles(n, adapters)).unwrap();
@@ -272,6 +278,7 @@ fn lora(c: &Cuda) {
             let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
             unsafe { c.kernels.lora_group(s, &segs, n).unwrap() };
             let mut us = vec![];
+            let mut halves = vec![];
             let mut qkv_halves = (0.0, 0.0);
             for (g, (k, outs)) in groups.iter().enumerate() {
                 let mut col = 0;
@@ -286,11 +293,12 @@ fn lora(c: &Cuda) {
                     .collect();
                 let t = time(c, 20, || unsafe { c.kernels.lora_apply(s, y.ptr(), col, x.ptr(), *k, *k, &modules, r_pad, &segs, &work, n).unwrap() });
                 us.push(t * 1e6);
+                let shrink = time(c, 20, || unsafe { c.kernels.lora_shrink(s, x.ptr(), *k, *k, &modules, r_pad, &segs, &work, n).unwrap() });
+                let expand = time(c, 20, || unsafe { c.kernels.lora_expand(s, y.ptr(), col, &modules, r_pad, &segs, &work, n).unwrap() });
                 if g == 0 {
-                    let shrink = time(c, 20, || unsafe { c.kernels.lora_shrink(s, x.ptr(), *k, *k, &modules, r_pad, &segs, &work, n).unwrap() });
-                    let expand = time(c, 20, || unsafe { c.kernels.lora_expand(s, y.ptr(), col, &modules, r_pad, &segs, &work, n).unwrap() });
                     qkv_halves = (shrink * 1e6, expand * 1e6);
                 }
+                halves.push((shrink * 1e6, expand * 1e6));
             }
             let group_us = time(c, 20, || unsafe { c.kernels.lora_group(s, &segs, n).unwrap() }) * 1e6;
             let step_ms = (us.iter().sum::<f64>() * 32.0 + group_us) / 1e3;
@@ -307,7 +315,15 @@ fn lora(c: &Cuda) {
                 qkv_halves.0,
                 qkv_halves.1
             );
+            halves_rows.push((adapters, n, rank, halves));
         }
+    }
+    // Each group's shrink and expand launched alone (no PDL overlap between them): where a step's
+    // LoRA time goes.
+    println!("{:<10} {:>5} {:>5} {:>17} {:>17} {:>17} {:>17}", "alone", "batch", "rank", "qkv shr/exp", "o shr/exp", "gate_up shr/exp", "down shr/exp");
+    for (adapters, n, rank, h) in halves_rows {
+        let cell = |i: usize| format!("{:.1}/{:.1}", h[i].0, h[i].1);
+        println!("{:<10} {:>5} {:>5} {:>17} {:>17} {:>17} {:>17}", format!("{adapters} adapters"), n, rank, cell(0), cell(1), cell(2), cell(3));
     }
 }
 

@@ -245,6 +245,10 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
 // their row strides 16-byte aligned; chunks_per_block * gridDim.z covers ceil(k / 256).
 #define LORA_SUB (LORA_KC / 4)      // fan-in per sub-range: a warp's share of a chunk in the split kernel
 #define LORA_SROW (LORA_SUB + 8)    // shared row in bf16 (144 bytes: lanes g, q hit 32 distinct banks)
+// Sub-ranges in the cp.async ring: two are in flight while the third is computed (with two, the
+// block waited for each one's loads: 18 % of the DRAM bandwidth at 4096 tokens on an H100). Dynamic
+// shared memory: LORA_STAGES * (4 * LORA_TILE + r_pad) rows of LORA_SROW (lora_staged_smem_bytes).
+#define LORA_STAGES 3
 
 __device__ __forceinline__ void lora_cp16(void* smem, const void* gmem, bool fill) {
     unsigned dst;
@@ -253,6 +257,8 @@ __device__ __forceinline__ void lora_cp16(void* smem, const void* gmem, bool fil
 }
 __device__ __forceinline__ void lora_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void lora_cp_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void lora_cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+extern __shared__ __align__(16) bf16_t lora_stage_smem[];
 
 extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
     bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, float* __restrict__ t_part, int* __restrict__ counters,
@@ -260,8 +266,11 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
     const bf16_t* __restrict__ a2, const int* __restrict__ order, const int* __restrict__ seg,
     const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n, int k,
     int r_pad, int n_modules, int chunks_per_block) {
-    __shared__ __align__(16) bf16_t xs[2][4 * LORA_TILE][LORA_SROW];
-    __shared__ __align__(16) bf16_t as[2][LORA_MAX_R][LORA_SROW];
+    // xs: [LORA_STAGES][4 * LORA_TILE][LORA_SROW], then as: [LORA_STAGES][r_pad][LORA_SROW].
+    bf16_t* const xs = lora_stage_smem;
+    bf16_t* const as = lora_stage_smem + LORA_STAGES * 4 * LORA_TILE * LORA_SROW;
+#define LORA_XS(b, r, c) xs[((b) * 4 * LORA_TILE + (r)) * LORA_SROW + (c)]
+#define LORA_AS(b, r, c) as[((b) * r_pad + (r)) * LORA_SROW + (c)]
     __shared__ int last;
     pdl_wait();
     pdl_trigger();
@@ -298,25 +307,34 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
 #pragma unroll
                     for (int pc = 0; pc < 4; ++pc) {
                         const int kk = k0 + (stage_piece + pc) * 8;
-                        if (kk < k) lora_cp16(&xs[buf][warp * LORA_TILE + stage_row][(stage_piece + pc) * 8], xrow + kk, xfill);
+                        if (kk < k) lora_cp16(&LORA_XS(buf, warp * LORA_TILE + stage_row, (stage_piece + pc) * 8), xrow + kk, xfill);
                     }
                 }
                 for (int e = threadIdx.x; e < cols * 8; e += blockDim.x) {
                     const int row = e >> 3, kk = k0 + (e & 7) * 8;
-                    if (kk < k) lora_cp16(&as[buf][row][(e & 7) * 8], a + (u64)row * k + kk, true);
+                    if (kk < k) lora_cp16(&LORA_AS(buf, row, (e & 7) * 8), a + (u64)row * k + kk, true);
                 }
             };
             float run[8][4], sum[8][4];
 #pragma unroll
             for (int t = 0; t < 8; ++t) run[t][0] = run[t][1] = run[t][2] = run[t][3] = 0.f;
-            stage(sub_begin, 0);
-            lora_cp_commit();
-            for (int sub = sub_begin; sub < sub_end; ++sub) {
-                const int buf = (sub - sub_begin) & 1;
-                if (sub + 1 < sub_end) stage(sub + 1, buf ^ 1);
+            // The ring: LORA_STAGES - 1 sub-ranges staged ahead; one commit group per sub-range
+            // (empty past the end), so that waiting for all but the newest LORA_STAGES - 2 groups
+            // means this sub-range has landed.
+            const int nsub = sub_end - sub_begin;
+#pragma unroll
+            for (int p = 0; p < LORA_STAGES - 1; ++p) {
+                if (p < nsub) stage(sub_begin + p, p);
                 lora_cp_commit();
-                lora_cp_wait_prev();
+            }
+            for (int i = 0; i < nsub; ++i) {
+                const int sub = sub_begin + i, buf = i % LORA_STAGES;
+                lora_cp_wait_prev();  // wait_group 1 = LORA_STAGES - 2
+                // Every thread's copies of this sub-range have landed, and every warp is done with
+                // the buffer read in the previous iteration, which the next stage overwrites.
                 __syncthreads();
+                if (i + LORA_STAGES - 1 < nsub) stage(sub + LORA_STAGES - 1, (i + LORA_STAGES - 1) % LORA_STAGES);
+                lora_cp_commit();
                 if (mine) {
                     float acc[8][4];
 #pragma unroll
@@ -325,8 +343,8 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
                     for (int step = 0; step < LORA_SUB / 16; ++step) {
                         if (sub * LORA_SUB + step * 16 < k) {
                             const int c = step * 16 + q * 2;
-                            const bf16_t* r0 = &xs[buf][warp * LORA_TILE + g][c];
-                            const bf16_t* r1 = &xs[buf][warp * LORA_TILE + g + 8][c];
+                            const bf16_t* r0 = &LORA_XS(buf, warp * LORA_TILE + g, c);
+                            const bf16_t* r1 = &LORA_XS(buf, warp * LORA_TILE + g + 8, c);
                             u32 af[4];
                             af[0] = lora_ld2(r0);
                             af[1] = lora_ld2(r1);
@@ -335,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
 #pragma unroll
                             for (int t = 0; t < 8; ++t) {
                                 if (t < ntiles) {
-                                    const bf16_t* ar = &as[buf][t * 8 + g][c];
+                                    const bf16_t* ar = &LORA_AS(buf, t * 8 + g, c);
                                     lora_mma(acc[t], af, lora_ld2(ar), lora_ld2(ar + 8));
                                 }
                             }
@@ -362,8 +380,10 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
                         }
                     }
                 }
-                __syncthreads();  // the buffer just read is staged into next
             }
+            // Nothing in flight, and every warp done reading, before another pass stages again.
+            lora_cp_wait_all();
+            __syncthreads();
             if (mine && whole) {
                 const float scale = scales[pass_slot];
 #pragma unroll
@@ -409,6 +429,8 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
     const float scale = scales[my_slot];
     lora_sum_splits(t_hi, t_lo, t_part, order, start, len, n, R, mod, r_pad, rank, scale, chunks, lane, 32);
 }
+#undef LORA_XS
+#undef LORA_AS
 
 // Decode-sized steps without a reduction across blocks: lora_shrink_ranks computes what
 // lora_shrink_sgmv computes, bit for bit, with one block per (8-rank column tile, work tile, module)

@@ -68,6 +68,13 @@ pub const LORA_RANKS_MAX_K: usize = 64 * LORA_KC;
 const LORA_RANKS_TOKENS: usize = 128;
 const LORA_RANKS_DEFAULT_MAX_K: usize = 8192;
 
+/// Dynamic shared memory of a `lora_shrink_staged` block (lora.cu): LORA_STAGES sub-ranges of x's 64
+/// rows and A's `r_pad` rows, 144 bytes each.
+pub(crate) fn lora_staged_smem_bytes(r_pad: usize) -> u32 {
+    const STAGES: usize = 3; // lora.cu's LORA_STAGES
+    (STAGES * (4 * LORA_TILE + r_pad) * (LORA_KC / 4 + 8) * 2) as u32
+}
+
 /// Steps of at least this many tokens take the staged shrink by default: below it, a step's tiles
 /// are mostly of different slots and a 64-token block would run them one pass at a time.
 const LORA_STAGED_MIN_TOKENS: usize = 512;
@@ -228,7 +235,8 @@ impl Kernels {
             let splits = if shape == LoraShrinkShape::Whole { 1 } else { lora_splits(k) };
             (&self.lora_shrink_sgmv, (as_u32(splits, "splits")?, as_u32(max_tiles, "work tiles")?, modules.len() as u32), 0)
         };
-        let launch = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let smem = if staged { lora_staged_smem_bytes(r_pad) } else { 0 };
+        let launch = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: smem };
         let per_block_i = as_i32(chunks_per_block, "chunks per block")?;
         let mut l = Launch::new(function);
         l.arg(&work.t_hi).arg(&work.t_lo).arg(&work.t_part).arg(&work.counters).arg(&x).arg(&x_stride).arg(&m0.a).arg(&m1.a).arg(&m2.a);

@@ -138,6 +138,36 @@ impl LoraDelta {
     }
 }
 
+/// What [`shrink_shape`] chooses by: the step's tokens, the group's fan-in and modules, and
+/// whether x and A allow the staged kernel's 16-byte copies.
+#[derive(Debug, Clone, Copy)]
+struct ShrinkStep {
+    n: usize,
+    k: usize,
+    modules: usize,
+    aligned: bool,
+}
+
+/// The shrink kernel for a step: `forced` where set (falling back where that kernel cannot take the
+/// step), else by size. All give the same bits (lora.cu), so the choice may follow the step's size:
+/// prefill-sized steps take the staged kernel, which splits the fan-in to fill the GPU; decode-sized
+/// steps over fan-ins up to [`LORA_RANKS_DEFAULT_MAX_K`] the rank-tile kernel; work tiles enough
+/// for four blocks per SM on their own one block per tile and module walking the whole fan-in (on
+/// an H100 at 4096 tokens the q|k|v shrink went 162 -> 130 µs this way, while o and down, one
+/// module, got slower: docs/benchmarks.md); the rest the split kernel.
+fn shrink_shape(forced: Option<LoraShrinkShape>, step: ShrinkStep, num_sms: usize) -> LoraShrinkShape {
+    let ShrinkStep { n, k, modules, aligned } = step;
+    match forced {
+        Some(LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole) if !aligned => LoraShrinkShape::Whole,
+        Some(LoraShrinkShape::Ranks) if k > LORA_RANKS_MAX_K => LoraShrinkShape::Split,
+        Some(shape) => shape,
+        None if aligned && n >= LORA_STAGED_MIN_TOKENS => LoraShrinkShape::Staged,
+        None if n <= LORA_RANKS_TOKENS && k <= LORA_RANKS_DEFAULT_MAX_K => LoraShrinkShape::Ranks,
+        None if n.div_ceil(LORA_TILE) * modules >= 4 * num_sms => LoraShrinkShape::Whole,
+        None => LoraShrinkShape::Split,
+    }
+}
+
 impl Kernels {
     /// Fixes the LoRA kernels' launch shapes instead of choosing them by step size (None: choose):
     /// the shrink's kernel and grid, and the work tiles
@@ -196,21 +226,7 @@ impl Kernels {
         // 16-byte cp.async needs 16-byte aligned rows of x and A; where they are not, the staged
         // kernel is not an option.
         let aligned = x.is_multiple_of(16) && x_stride.is_multiple_of(8) && k.is_multiple_of(8) && modules.iter().all(|m| m.a.is_multiple_of(16));
-        // Work tiles enough for four blocks per SM on their own (prefill-sized q|k|v steps): one
-        // block per tile and module walks the whole fan-in; otherwise the fan-in is split over
-        // blocks. The same bits either way (lora.cu), so this may depend on the step's size. On an
-        // H100 at 4096 tokens the q|k|v shrink went 162 -> 130 µs this way, while o and down (one
-        // module: a quarter of the blocks, each walking 16 or 56 chunks) got slower (docs/benchmarks.md).
-        // Prefill-sized steps take the staged kernel, which also splits the fan-in to fill the GPU.
-        let shape = match self.lora_shrink_shape {
-            Some(LoraShrinkShape::Staged | LoraShrinkShape::StagedWhole) if !aligned => LoraShrinkShape::Whole,
-            Some(LoraShrinkShape::Ranks) if k > LORA_RANKS_MAX_K => LoraShrinkShape::Split,
-            Some(shape) => shape,
-            None if aligned && n >= LORA_STAGED_MIN_TOKENS => LoraShrinkShape::Staged,
-            None if n <= LORA_RANKS_TOKENS && k <= LORA_RANKS_DEFAULT_MAX_K => LoraShrinkShape::Ranks,
-            None if n.div_ceil(LORA_TILE) * modules.len() >= 4 * self.num_sms as usize => LoraShrinkShape::Whole,
-            None => LoraShrinkShape::Split,
-        };
+        let shape = shrink_shape(self.lora_shrink_shape, ShrinkStep { n, k, modules: modules.len(), aligned }, self.num_sms as usize);
         let max_tiles = lora_max_tiles(n, segs.num_slots);
         let (n_i, k_i, r_i, nm, x_stride) = (as_i32(n, "tokens")?, as_i32(k, "k")?, as_i32(r_pad, "r_pad")?, modules.len() as i32, as_i32(x_stride, "x_stride")?);
         if shape == LoraShrinkShape::Ranks {
@@ -340,4 +356,48 @@ fn check_group(modules: &[LoraModule], r_pad: usize) -> Result<()> {
 /// Module `i` of a group, or an empty one (the kernels take three and ignore those past `modules.len()`).
 fn module_at(modules: &[LoraModule], i: usize) -> LoraModule {
     modules.get(i).copied().unwrap_or(LoraModule { a: 0, b: 0, out: 0, col: 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H100_SMS: usize = 132;
+
+    fn step(n: usize, k: usize, modules: usize) -> ShrinkStep {
+        ShrinkStep { n, k, modules, aligned: true }
+    }
+
+    #[test]
+    fn decode_steps_over_short_fan_ins_take_the_rank_tiles() {
+        // Llama-3.1-8B's q|k|v, o and gate|up (fan-in 4096) from 1 to 128 tokens.
+        for n in [1, 8, 64, 128] {
+            for modules in [3, 1, 2] {
+                assert_eq!(shrink_shape(None, step(n, 4096, modules), H100_SMS), LoraShrinkShape::Ranks, "{n} tokens, {modules} modules");
+            }
+        }
+        // Down's 14,336 (the rank-tile kernel measured slower there) and 256 tokens take the split kernel.
+        assert_eq!(shrink_shape(None, step(1, 14336, 1), H100_SMS), LoraShrinkShape::Split);
+        assert_eq!(shrink_shape(None, step(256, 4096, 3), H100_SMS), LoraShrinkShape::Split);
+    }
+
+    #[test]
+    fn prefill_steps_take_the_staged_kernel_where_x_and_a_are_aligned() {
+        assert_eq!(shrink_shape(None, step(512, 4096, 3), H100_SMS), LoraShrinkShape::Staged);
+        assert_eq!(shrink_shape(None, step(16384, 14336, 1), H100_SMS), LoraShrinkShape::Staged);
+        // Unaligned rows: enough tiles for four blocks per SM walk the whole fan-in, fewer split it.
+        let unaligned = |n, modules| ShrinkStep { aligned: false, ..step(n, 4096, modules) };
+        assert_eq!(shrink_shape(None, unaligned(4096, 3), H100_SMS), LoraShrinkShape::Whole);
+        assert_eq!(shrink_shape(None, unaligned(512, 1), H100_SMS), LoraShrinkShape::Split);
+    }
+
+    #[test]
+    fn a_forced_shape_falls_back_where_its_kernel_cannot_take_the_step() {
+        let unaligned = ShrinkStep { aligned: false, ..step(4096, 4096, 3) };
+        assert_eq!(shrink_shape(Some(LoraShrinkShape::Staged), unaligned, H100_SMS), LoraShrinkShape::Whole);
+        assert_eq!(shrink_shape(Some(LoraShrinkShape::StagedWhole), unaligned, H100_SMS), LoraShrinkShape::Whole);
+        assert_eq!(shrink_shape(Some(LoraShrinkShape::Ranks), step(1, LORA_RANKS_MAX_K + 16, 1), H100_SMS), LoraShrinkShape::Split);
+        assert_eq!(shrink_shape(Some(LoraShrinkShape::Ranks), step(1, 14336, 1), H100_SMS), LoraShrinkShape::Ranks);
+        assert_eq!(shrink_shape(Some(LoraShrinkShape::Split), step(4096, 4096, 3), H100_SMS), LoraShrinkShape::Split);
+    }
 }

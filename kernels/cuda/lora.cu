@@ -530,7 +530,10 @@ extern "C" __global__ void __launch_bounds__(LORA_RK_WARPS * 32) lora_shrink_ran
 // With `overwrite`, y is a separate delta buffer instead: y[i, ..] = bf16(update) for every token with
 // a slot (zeros for an empty slot's rank 0), nothing read; the kernel that consumes the base output
 // adds it (LoraDelta in ops/lora.rs), so this launch can run beside the base projection.
-extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
+// KS: the most 16-rank steps of B a thread holds (LORA_MAX_R / 16 = 4; 2 where r_pad <= 32, which
+// keeps 16 fewer registers of B fragments).
+template <int KS>
+__device__ __forceinline__ void lora_expand_body(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
     const bf16_t* __restrict__ b0, const bf16_t* __restrict__ b1, const bf16_t* __restrict__ b2, int out0, int out1,
     int out2, int col0, int col1, int col2, const int* __restrict__ order, const int* __restrict__ seg,
@@ -562,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     // This warp's B fragments (4 column tiles × up to 4 rank steps) of the slot last loaded: a block
     // takes `tiles_per_block` consecutive work tiles, mostly of one slot, and reloads B only when the
     // slot changes. Each token's sum is the same whatever tiles share its block.
-    u32 bf[4][4][2];
+    u32 bf[4][KS][2];
     int loaded = -1, ksteps = 0;
     for (int wt = blockIdx.y * tiles_per_block; wt < (int)(blockIdx.y + 1) * tiles_per_block && wt < tiles[0]; ++wt) {
         const int slot = tiles[1 + 2 * wt], first = tiles[2 + 2 * wt];
@@ -576,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
             for (int nt = 0; nt < 4; ++nt) {
                 const int o = o_base + nt * 8 + g;
 #pragma unroll
-                for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
+                for (int ks = 0; ks < KS; ++ks) {
                     const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
                     const bool ok = o < out && ks < ksteps;
                     bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
@@ -604,7 +607,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
-            for (int ks = 0; ks < LORA_MAX_R / 16; ++ks) {
+            for (int ks = 0; ks < KS; ++ks) {
                 if (ks < ksteps) {
                     const int c = mod * r_pad + ks * 16 + q * 2;
                     u32 hi[4], lo[4];
@@ -682,6 +685,24 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(
     }
 }
 
+
+#define LORA_EXPAND_PARAMS                                                                                          \
+    bf16_t *__restrict__ y, int y_stride, const bf16_t *__restrict__ t_hi, const bf16_t *__restrict__ t_lo,       \
+        const bf16_t *__restrict__ b0, const bf16_t *__restrict__ b1, const bf16_t *__restrict__ b2, int out0,     \
+        int out1, int out2, int col0, int col1, int col2, const int *__restrict__ order,                          \
+        const int *__restrict__ seg, const int *__restrict__ tiles, const int *__restrict__ ranks, int R, int r_pad, \
+        int tiles_per_block, int overwrite
+#define LORA_EXPAND_ARGS \
+    y, y_stride, t_hi, t_lo, b0, b1, b2, out0, out1, out2, col0, col1, col2, order, seg, tiles, ranks, R, r_pad, tiles_per_block, overwrite
+extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(LORA_EXPAND_PARAMS) {
+    lora_expand_body<LORA_MAX_R / 16>(LORA_EXPAND_ARGS);
+}
+// r_pad <= 32 (ranks up to 32): the same sums with half the B fragments held.
+extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv_r32(LORA_EXPAND_PARAMS) {
+    lora_expand_body<2>(LORA_EXPAND_ARGS);
+}
+#undef LORA_EXPAND_ARGS
+
 #else
 
 extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
@@ -690,6 +711,9 @@ extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, cons
 extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                             const bf16_t*, int, int, int, int, int, int, const int*, const int*,
                                             const int*, const int*, int, int, int, int) {}
+extern "C" __global__ void lora_expand_sgmv_r32(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
+                                                const bf16_t*, int, int, int, int, int, int, const int*, const int*,
+                                                const int*, const int*, int, int, int, int) {}
 extern "C" __global__ void lora_shrink_ranks(bf16_t*, bf16_t*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                              const bf16_t*, const int*, const int*, const int*, const int*,
                                              const float*, int, int, int) {}

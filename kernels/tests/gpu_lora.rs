@@ -253,6 +253,14 @@ fn grouped_lora_matches_reference_on_a_long_prefill_segment() {
         cuda.kernels.set_lora_launch_shapes(Some(shape), None);
         check(&cuda, &case);
     }
+    // Ranks up to 32 (r_pad 32): the expand holding B for 32 ranks gives the bits of the one for 64.
+    cuda.kernels.set_lora_launch_shapes(None, None);
+    let mut r = rng();
+    let h = host_inputs(&mut r, &case);
+    let narrow = run(&cuda, &case, &h, None);
+    cuda.kernels.set_lora_expand_r32(false);
+    assert!(run(&cuda, &case, &h, None) == narrow, "the r_pad <= 32 expand: different bits");
+    cuda.kernels.set_lora_expand_r32(true);
 }
 
 #[test]

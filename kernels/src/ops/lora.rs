@@ -177,6 +177,12 @@ impl Kernels {
         self.lora_expand_tiles = expand_tiles.map(|t| t.clamp(1, 16));
     }
 
+    /// Whether stacks padded to 32 ranks or fewer take the expand that holds B for 32 ranks only
+    /// (the default) or the one for every rank. The same bits either way; tests check that.
+    pub fn set_lora_expand_r32(&mut self, on: bool) {
+        self.lora_expand_r32 = on;
+    }
+
     /// Groups the `n` tokens of a step by slot into `segs.order` / `segs.seg` (once per step; see
     /// lora.cu).
     ///
@@ -315,7 +321,8 @@ impl Kernels {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        Launch::new(&self.lora_expand_sgmv)
+        let function = if r_pad <= 32 && self.lora_expand_r32 { &self.lora_expand_sgmv_r32 } else { &self.lora_expand_sgmv };
+        Launch::new(function)
             .arg(&y)
             .arg(&y_stride)
             .arg(&work.t_hi)

@@ -112,6 +112,10 @@ pub struct Kernels {
     lora_shrink_staged: CudaFunction,
     lora_shrink_ranks: CudaFunction,
     lora_expand_sgmv: CudaFunction,
+    /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
+    lora_expand_sgmv_r32: CudaFunction,
+    /// Whether r_pad <= 32 takes `lora_expand_sgmv_r32` (`PEREGRINE_LORA_EXPAND_R32=0`: never).
+    lora_expand_r32: bool,
     fill_uniform_bf16: CudaFunction,
     fill_f32: CudaFunction,
     f32_to_bf16: CudaFunction,
@@ -235,6 +239,8 @@ impl Kernels {
             },
             lora_shrink_ranks: f("lora_shrink_ranks")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
+            lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,
+            lora_expand_r32: std::env::var("PEREGRINE_LORA_EXPAND_R32").map_or(true, |v| v != "0"),
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,

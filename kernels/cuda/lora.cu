@@ -235,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
 // Prefill-sized steps: lora_shrink_staged computes what lora_shrink_sgmv computes, bit for bit, with
 // x and A staged in shared memory. One block of 4 warps takes 4 consecutive work tiles (64 tokens,
 // mostly of one slot), so A is read from global memory once per 64 tokens instead of once per 16, and
-// every global read is a 16-byte cp.async, double-buffered over sub-ranges of 64 of the fan-in. Each
+// every global read is a 16-byte cp.async, in a ring of LORA_STAGES sub-ranges of 64 of the fan-in. Each
 // warp computes its own tile's sums in the split kernel's order: per sub-range of 64 (4 mma k-steps
 // from 0), ((p0 + p1) + p2) + p3 per chunk of 256, the chunks added in order from 0; steps past k
 // are skipped exactly as there. Tiles of another slot in the same block get a second pass (tiles are
@@ -685,7 +685,6 @@ __device__ __forceinline__ void lora_expand_body(
     }
 }
 
-
 #define LORA_EXPAND_PARAMS                                                                                          \
     bf16_t *__restrict__ y, int y_stride, const bf16_t *__restrict__ t_hi, const bf16_t *__restrict__ t_lo,       \
         const bf16_t *__restrict__ b0, const bf16_t *__restrict__ b1, const bf16_t *__restrict__ b2, int out0,     \
@@ -702,6 +701,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv_r32(LORA_EXPA
     lora_expand_body<2>(LORA_EXPAND_ARGS);
 }
 #undef LORA_EXPAND_ARGS
+#undef LORA_EXPAND_PARAMS
 
 #else
 

@@ -231,10 +231,11 @@ impl Kernels {
             lora_group: f("lora_group")?,
             lora_shrink_sgmv: f("lora_shrink_sgmv")?,
             lora_shrink_staged: {
-                // Past the 48 KB default only with r_pad 64 (55 KB); sm_80+ allow far more.
+                // Past the 48 KB default only with r_pad 64 (55 KB); sm_80+ allow far more, so a
+                // refusal here is an error, not something to find at the first rank-64 prefill.
                 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
                 let func = f("lora_shrink_staged")?;
-                let _ = func.set_attribute(MAX_DYN, lora::lora_staged_smem_bytes(lora::lora_rank_pad(LORA_MAX_RANK)) as i32);
+                func.set_attribute(MAX_DYN, lora::lora_staged_smem_bytes(lora::lora_rank_pad(LORA_MAX_RANK)) as i32)?;
                 func
             },
             lora_shrink_ranks: f("lora_shrink_ranks")?,

@@ -260,7 +260,10 @@ __device__ __forceinline__ void lora_cp_wait_prev() { asm volatile("cp.async.wai
 __device__ __forceinline__ void lora_cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 extern __shared__ __align__(16) bf16_t lora_stage_smem[];
 
-extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
+// NT: 8-rank accumulator tiles a warp holds (r_pad / 8 at most); the r32 instance holds 4, so fewer
+// registers and more blocks per SM for ranks up to 32.
+template <int NT>
+__device__ __forceinline__ void lora_shrink_staged_body(
     bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, float* __restrict__ t_part, int* __restrict__ counters,
     const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ a0, const bf16_t* __restrict__ a1,
     const bf16_t* __restrict__ a2, const int* __restrict__ order, const int* __restrict__ seg,
@@ -296,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
         const int rank = min(ranks[pass_slot], r_pad);
         const bool mine = my_slot == pass_slot && len > 0;
         if (rank > 0 && sub_begin < sub_end) {
-            const int ntiles = (rank + 7) >> 3, cols = ntiles * 8;
+            const int ntiles = min((rank + 7) >> 3, NT), cols = ntiles * 8;
             const bf16_t* a = (mod == 0 ? a0 : mod == 1 ? a1 : a2) + (u64)pass_slot * r_pad * k;
             const bool xfill = mine && stage_row < len;
             const bf16_t* xrow = xfill ? x + (u64)order[start + stage_row] * x_stride : x;
@@ -315,9 +318,9 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
                     if (kk < k) lora_cp16(&LORA_AS(buf, row, (e & 7) * 8), a + (u64)row * k + kk, true);
                 }
             };
-            float run[8][4], sum[8][4];
+            float run[NT][4], sum[NT][4];
 #pragma unroll
-            for (int t = 0; t < 8; ++t) run[t][0] = run[t][1] = run[t][2] = run[t][3] = 0.f;
+            for (int t = 0; t < NT; ++t) run[t][0] = run[t][1] = run[t][2] = run[t][3] = 0.f;
             // The ring: LORA_STAGES - 1 sub-ranges staged ahead; one commit group per sub-range
             // (empty past the end), so that waiting for all but the newest LORA_STAGES - 2 groups
             // means this sub-range has landed.
@@ -336,9 +339,9 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
                 if (i + LORA_STAGES - 1 < nsub) stage(sub + LORA_STAGES - 1, (i + LORA_STAGES - 1) % LORA_STAGES);
                 lora_cp_commit();
                 if (mine) {
-                    float acc[8][4];
+                    float acc[NT][4];
 #pragma unroll
-                    for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+                    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 #pragma unroll
                     for (int step = 0; step < LORA_SUB / 16; ++step) {
                         if (sub * LORA_SUB + step * 16 < k) {
@@ -351,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
                             af[2] = lora_ld2(r0 + 8);
                             af[3] = lora_ld2(r1 + 8);
 #pragma unroll
-                            for (int t = 0; t < 8; ++t) {
+                            for (int t = 0; t < NT; ++t) {
                                 if (t < ntiles) {
                                     const bf16_t* ar = &LORA_AS(buf, t * 8 + g, c);
                                     lora_mma(acc[t], af, lora_ld2(ar), lora_ld2(ar + 8));
@@ -361,13 +364,13 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
                     }
                     const int w = sub & 3;
 #pragma unroll
-                    for (int t = 0; t < 8; ++t) {
+                    for (int t = 0; t < NT; ++t) {
 #pragma unroll
                         for (int j = 0; j < 4; ++j) sum[t][j] = w == 0 ? acc[t][j] : sum[t][j] + acc[t][j];
                     }
                     if (w == 3) {
 #pragma unroll
-                        for (int t = 0; t < 8; ++t) {
+                        for (int t = 0; t < NT; ++t) {
 #pragma unroll
                             for (int j = 0; j < 4; ++j) {
                                 const int row = g + (j >> 1) * 8, col = t * 8 + 2 * q + (j & 1);
@@ -387,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
             if (mine && whole) {
                 const float scale = scales[pass_slot];
 #pragma unroll
-                for (int t = 0; t < 8; ++t) {
+                for (int t = 0; t < NT; ++t) {
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const int row = g + (j >> 1) * 8, col = t * 8 + 2 * q + (j & 1);
@@ -429,6 +432,23 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(
     const float scale = scales[my_slot];
     lora_sum_splits(t_hi, t_lo, t_part, order, start, len, n, R, mod, r_pad, rank, scale, chunks, lane, 32);
 }
+#define LORA_STAGED_PARAMS                                                                                       \
+    bf16_t *__restrict__ t_hi, bf16_t *__restrict__ t_lo, float *__restrict__ t_part, int *__restrict__ counters, \
+        const bf16_t *__restrict__ x, int x_stride, const bf16_t *__restrict__ a0, const bf16_t *__restrict__ a1,  \
+        const bf16_t *__restrict__ a2, const int *__restrict__ order, const int *__restrict__ seg,                 \
+        const int *__restrict__ tiles, const int *__restrict__ ranks, const float *__restrict__ scales, int n, int k, \
+        int r_pad, int n_modules, int chunks_per_block
+#define LORA_STAGED_ARGS \
+    t_hi, t_lo, t_part, counters, x, x_stride, a0, a1, a2, order, seg, tiles, ranks, scales, n, k, r_pad, n_modules, chunks_per_block
+extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged(LORA_STAGED_PARAMS) {
+    lora_shrink_staged_body<LORA_MAX_R / 8>(LORA_STAGED_ARGS);
+}
+// r_pad <= 32 (ranks up to 32): the same sums with half the accumulator tiles held.
+extern "C" __global__ void __launch_bounds__(128) lora_shrink_staged_r32(LORA_STAGED_PARAMS) {
+    lora_shrink_staged_body<4>(LORA_STAGED_ARGS);
+}
+#undef LORA_STAGED_ARGS
+#undef LORA_STAGED_PARAMS
 #undef LORA_XS
 #undef LORA_AS
 
@@ -720,5 +740,8 @@ extern "C" __global__ void lora_shrink_ranks(bf16_t*, bf16_t*, const bf16_t*, in
 extern "C" __global__ void lora_shrink_staged(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
                                               const bf16_t*, const bf16_t*, const int*, const int*, const int*,
                                               const int*, const float*, int, int, int, int, int) {}
+extern "C" __global__ void lora_shrink_staged_r32(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
+                                                  const bf16_t*, const bf16_t*, const int*, const int*, const int*,
+                                                  const int*, const float*, int, int, int, int, int) {}
 
 #endif

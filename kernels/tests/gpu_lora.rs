@@ -253,6 +253,16 @@ fn grouped_lora_matches_reference_on_a_long_prefill_segment() {
         cuda.kernels.set_lora_launch_shapes(Some(shape), None);
         check(&cuda, &case);
     }
+    // Ranks up to 32 (r_pad 32): the staged shrink holding 4 accumulator tiles (taken where the grid
+    // splits the fan-in, as here) gives the bits of the one holding 8.
+    let mut r = rng();
+    let h = host_inputs(&mut r, &case);
+    cuda.kernels.set_lora_launch_shapes(Some(LoraShrinkShape::Staged), None);
+    let narrow = run(&cuda, &case, &h, None);
+    cuda.kernels.set_lora_staged_r32(false);
+    let wide = run(&cuda, &case, &h, None);
+    cuda.kernels.set_lora_staged_r32(true);
+    assert!(narrow == wide, "the r_pad <= 32 staged shrink: different bits");
     // Ranks up to 32 (r_pad 32): the expand holding B for 32 ranks gives the bits of the one for 64.
     cuda.kernels.set_lora_launch_shapes(None, None);
     let mut r = rng();

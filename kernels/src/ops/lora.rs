@@ -183,6 +183,12 @@ impl Kernels {
         self.lora_expand_r32 = on;
     }
 
+    /// The same for the staged (prefill-sized) shrink: accumulators for 32 ranks only, or for every
+    /// rank. The same bits either way; tests check that.
+    pub fn set_lora_staged_r32(&mut self, on: bool) {
+        self.lora_staged_r32 = on;
+    }
+
     /// Groups the `n` tokens of a step by slot into `segs.order` / `segs.seg` (once per step; see
     /// lora.cu).
     ///
@@ -252,7 +258,11 @@ impl Kernels {
             let wanted = if shape == LoraShrinkShape::StagedWhole { 1 } else { (4 * self.num_sms as usize).div_ceil(groups * modules.len()).clamp(1, chunks) };
             let per_block = chunks.div_ceil(wanted);
             let splits = chunks.div_ceil(per_block);
-            (&self.lora_shrink_staged, (as_u32(groups, "tile groups")?, modules.len() as u32, as_u32(splits, "splits")?), per_block)
+            // The r32 kernel fits 5 blocks per SM instead of 3: faster while the grid splits the fan-in
+            // (H200, 4096 tokens, 4 adapters: down 149 -> 126 µs), slower once the step is large
+            // enough to walk it whole (16384 tokens: down 345 -> 396 µs; docs/benchmarks.md).
+            let function = if r_pad <= 32 && self.lora_staged_r32 && splits > 1 { &self.lora_shrink_staged_r32 } else { &self.lora_shrink_staged };
+            (function, (as_u32(groups, "tile groups")?, modules.len() as u32, as_u32(splits, "splits")?), per_block)
         } else {
             let splits = if shape == LoraShrinkShape::Whole { 1 } else { lora_splits(k) };
             (&self.lora_shrink_sgmv, (as_u32(splits, "splits")?, as_u32(max_tiles, "work tiles")?, modules.len() as u32), 0)

@@ -110,6 +110,11 @@ pub struct Kernels {
     lora_group: CudaFunction,
     lora_shrink_sgmv: CudaFunction,
     lora_shrink_staged: CudaFunction,
+    /// `lora_shrink_staged` holding accumulators for ranks up to 32 only (fewer registers, more
+    /// blocks per SM), for r_pad <= 32.
+    lora_shrink_staged_r32: CudaFunction,
+    /// Whether r_pad <= 32 takes `lora_shrink_staged_r32` (`PEREGRINE_LORA_STAGED_R32=0`: never).
+    lora_staged_r32: bool,
     lora_shrink_ranks: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
@@ -238,6 +243,9 @@ impl Kernels {
                 func.set_attribute(MAX_DYN, lora::lora_staged_smem_bytes(lora::lora_rank_pad(LORA_MAX_RANK)) as i32)?;
                 func
             },
+            // r_pad 32: 41 KB, under the default; no opt-in needed.
+            lora_shrink_staged_r32: f("lora_shrink_staged_r32")?,
+            lora_staged_r32: std::env::var("PEREGRINE_LORA_STAGED_R32").map_or(true, |v| v != "0"),
             lora_shrink_ranks: f("lora_shrink_ranks")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,

@@ -723,6 +723,138 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv_r32(LORA_EXPA
 #undef LORA_EXPAND_ARGS
 #undef LORA_EXPAND_PARAMS
 
+// Large steps over bf16 weights: SwiGLU of the gate|up projection with its LoRA update, for the
+// tokens that have a slot: h[i, j] = silu(g + d_g) · (u + d_u) with g = y[i, j], u = y[i, inter + j]
+// and d_m = bf16((t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][j, :]), the update buffer's value
+// (lora_expand_body with `overwrite`) and silu_mul's arithmetic: the same bits as that path
+// (lora_expand_to, then silu_mul adding the buffer), without an update buffer as large as y and
+// without writing y back (the in-place expand's read-modify-write of y was most of a prefill
+// step's LoRA time). silu_mul skips these rows (its skip_slots). Tiles of an empty slot (rank 0)
+// are written too, with no update. grid: (inter / 64, ceil(max tiles / tiles_per_block));
+// block: 128, warps 0-1 the block's 64 gate columns, warps 2-3 the same 64 up columns.
+// inter % 64 == 0; y and h 16-byte aligned.
+#define LORA_SWIGLU_COLS 64
+template <int KS>
+__device__ __forceinline__ void lora_expand_swiglu_body(
+    bf16_t* __restrict__ h, const bf16_t* __restrict__ y, int inter, const bf16_t* __restrict__ t_hi,
+    const bf16_t* __restrict__ t_lo, const bf16_t* __restrict__ b_gate, const bf16_t* __restrict__ b_up,
+    const int* __restrict__ order, const int* __restrict__ seg, const int* __restrict__ tiles,
+    const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block) {
+    // Each tile's sums: gate in columns 0-63, up in 64-127.
+    __shared__ float staged[LORA_TILE][2 * LORA_SWIGLU_COLS + 4];
+    pdl_wait();
+    pdl_trigger();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int mod = warp >> 1;  // 0: gate, 1: up
+    const int j0 = blockIdx.x * LORA_SWIGLU_COLS;
+    const int o_base = j0 + (warp & 1) * 32;  // this warp's 32 columns of its module
+    const u64 y_stride = 2 * (u64)inter;
+    // This thread's 8 outputs of a tile: row threadIdx.x / 8, columns j0 + (threadIdx.x % 8) * 8.
+    const int my_row = threadIdx.x >> 3, my_c8 = (threadIdx.x & 7) * 8;
+    u32 bf[4][KS][2];
+    int loaded = -1, ksteps = 0;
+    for (int wt = blockIdx.y * tiles_per_block; wt < (int)(blockIdx.y + 1) * tiles_per_block && wt < tiles[0]; ++wt) {
+        const int slot = tiles[1 + 2 * wt], first = tiles[2 + 2 * wt];
+        const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+        const int rank = max(min(ranks[slot], r_pad), 0);
+        if (len <= 0) continue;
+        if (slot != loaded) {
+            const bf16_t* b = (mod == 0 ? b_gate : b_up) + (u64)slot * inter * r_pad;
+            ksteps = (rank + 15) >> 4;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const int o = o_base + nt * 8 + g;
+#pragma unroll
+                for (int ks = 0; ks < KS; ++ks) {
+                    const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
+                    const bool ok = ks < ksteps;
+                    bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
+                    bf[nt][ks][1] = ok ? lora_ld2(br + 8) : 0u;
+                }
+            }
+            loaded = slot;
+        }
+        for (int m0 = 0; m0 < len; m0 += 16) {
+            // This thread's gate and up vectors, loaded first so that their latency overlaps the
+            // loads of t and the mma.
+            const bool mine = m0 + my_row < len;
+            const u64 my_token = mine ? (u64)order[start + m0 + my_row] : 0;
+            uint4 g_pre = make_uint4(0u, 0u, 0u, 0u), u_pre = g_pre;
+            if (mine) {
+                const bf16_t* yr = y + my_token * y_stride + j0 + my_c8;
+                g_pre = *reinterpret_cast<const uint4*>(yr);
+                u_pre = *reinterpret_cast<const uint4*>(yr + inter);
+            }
+            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
+            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
+            float acc[4][4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                if (ks < ksteps) {
+                    const int c = mod * r_pad + ks * 16 + q * 2;
+                    u32 hi[4], lo[4];
+                    const u64 r0 = (u64)i0 * R + c, r1 = (u64)i1 * R + c;
+                    hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
+                    hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
+                    hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
+                    hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
+                    lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
+                    lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
+                    lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
+                    lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) {
+                        lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
+                        lora_mma(acc[nt], lo, bf[nt][ks][0], bf[nt][ks][1]);
+                    }
+                }
+            }
+            // Accumulator (nt): rows g and g + 8, columns nt * 8 + 2q, +1 of this warp's 32.
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const int c = warp * 32 + nt * 8 + 2 * q;
+                staged[g][c] = acc[nt][0];
+                staged[g][c + 1] = acc[nt][1];
+                staged[g + 8][c] = acc[nt][2];
+                staged[g + 8][c + 1] = acc[nt][3];
+            }
+            __syncthreads();
+            if (mine) {
+                float gv[8], uv[8];
+                bf16x8_to_f32(g_pre, gv);
+                bf16x8_to_f32(u_pre, uv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    // The update buffer's value (0 + sum, rounded once), added as silu_mul adds it.
+                    gv[e] += bf2f(f2bf(0.f + staged[my_row][my_c8 + e]));
+                    uv[e] += bf2f(f2bf(0.f + staged[my_row][LORA_SWIGLU_COLS + my_c8 + e]));
+                }
+#pragma unroll
+                for (int e = 0; e < 8; ++e) gv[e] = gv[e] / (1.f + __expf(-gv[e])) * uv[e];
+                st8_bf16(h + my_token * inter + j0 + my_c8, gv);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+#define LORA_SWIGLU_PARAMS                                                                                          \
+    bf16_t *__restrict__ h, const bf16_t *__restrict__ y, int inter, const bf16_t *__restrict__ t_hi,             \
+        const bf16_t *__restrict__ t_lo, const bf16_t *__restrict__ b_gate, const bf16_t *__restrict__ b_up,       \
+        const int *__restrict__ order, const int *__restrict__ seg, const int *__restrict__ tiles,                \
+        const int *__restrict__ ranks, int R, int r_pad, int tiles_per_block
+#define LORA_SWIGLU_ARGS h, y, inter, t_hi, t_lo, b_gate, b_up, order, seg, tiles, ranks, R, r_pad, tiles_per_block
+extern "C" __global__ void __launch_bounds__(128) lora_expand_swiglu(LORA_SWIGLU_PARAMS) {
+    lora_expand_swiglu_body<LORA_MAX_R / 16>(LORA_SWIGLU_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) lora_expand_swiglu_r32(LORA_SWIGLU_PARAMS) {
+    lora_expand_swiglu_body<2>(LORA_SWIGLU_ARGS);
+}
+#undef LORA_SWIGLU_ARGS
+#undef LORA_SWIGLU_PARAMS
+
 #else
 
 extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
@@ -734,6 +866,12 @@ extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const b
 extern "C" __global__ void lora_expand_sgmv_r32(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                                 const bf16_t*, int, int, int, int, int, int, const int*, const int*,
                                                 const int*, const int*, int, int, int, int) {}
+extern "C" __global__ void lora_expand_swiglu(bf16_t*, const bf16_t*, int, const bf16_t*, const bf16_t*,
+                                              const bf16_t*, const bf16_t*, const int*, const int*, const int*,
+                                              const int*, int, int, int) {}
+extern "C" __global__ void lora_expand_swiglu_r32(bf16_t*, const bf16_t*, int, const bf16_t*, const bf16_t*,
+                                                  const bf16_t*, const bf16_t*, const int*, const int*, const int*,
+                                                  const int*, int, int, int) {}
 extern "C" __global__ void lora_shrink_ranks(bf16_t*, bf16_t*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                              const bf16_t*, const int*, const int*, const int*, const int*,
                                              const float*, int, int, int) {}

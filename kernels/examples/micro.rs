@@ -237,6 +237,7 @@ fn lora(c: &Cuda) {
     let groups: [(usize, Vec<usize>); 4] = [(h, vec![q, kv, kv]), (q, vec![h]), (h, vec![inter, inter]), (inter, vec![h])];
     println!("{:<10} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9} {:>8} {:>11} {:>11}", "LoRA", "batch", "rank", "qkv us", "o us", "gate_up", "down", "x32 ms", "qkv shrink", "qkv expand");
     let mut halves_rows = Vec::new();
+    let mut swiglu_rows = Vec::new();
     for (adapters, rank) in [(4usize, 32usize), (4, 8), (4, 64), (16, 32)] {
         let r_pad = lora_rank_pad(rank);
         let bufs: Vec<Vec<(peregrine_kernels::DevBuf<u16>, peregrine_kernels::DevBuf<u16>)>> = groups
@@ -298,6 +299,20 @@ fn lora(c: &Cuda) {
                 if g == 0 {
                     qkv_halves = (shrink * 1e6, expand * 1e6);
                 }
+                if g == 2 {
+                    // After the shrink: SwiGLU with the updates added in place first, against the
+                    // fused kernel that leaves gate|up alone (what large bf16 steps take).
+                    let act = c.gpu.alloc_zeros::<u16>(n * inter).unwrap();
+                    let in_place = time(c, 20, || unsafe {
+                        c.kernels.lora_expand(s, y.ptr(), col, &modules, r_pad, &segs, &work, n).unwrap();
+                        c.kernels.silu_mul(s, act.ptr(), y.ptr(), n, inter, None).unwrap()
+                    });
+                    let fused = time(c, 20, || unsafe {
+                        c.kernels.silu_mul_unslotted(s, act.ptr(), y.ptr(), n, inter, slots.ptr()).unwrap();
+                        c.kernels.lora_expand_swiglu(s, act.ptr(), y.ptr(), inter, &modules[0], &modules[1], r_pad, &segs, &work, n).unwrap()
+                    });
+                    swiglu_rows.push((adapters, n, rank, in_place * 1e6, fused * 1e6));
+                }
                 halves.push((shrink * 1e6, expand * 1e6));
             }
             let group_us = time(c, 20, || unsafe { c.kernels.lora_group(s, &segs, n).unwrap() }) * 1e6;
@@ -324,6 +339,11 @@ fn lora(c: &Cuda) {
     for (adapters, n, rank, h) in halves_rows {
         let cell = |i: usize| format!("{:.1}/{:.1}", h[i].0, h[i].1);
         println!("{:<10} {:>5} {:>5} {:>17} {:>17} {:>17} {:>17}", format!("{adapters} adapters"), n, rank, cell(0), cell(1), cell(2), cell(3));
+    }
+    // Gate|up's expand and SwiGLU (every token with an adapter), in place + silu_mul against fused.
+    println!("{:<10} {:>5} {:>5} {:>22} {:>10}", "SwiGLU", "batch", "rank", "expand + silu_mul us", "fused us");
+    for (adapters, n, rank, in_place, fused) in swiglu_rows {
+        println!("{:<10} {:>5} {:>5} {:>22.1} {:>10.1}", format!("{adapters} adapters"), n, rank, in_place, fused);
     }
 }
 

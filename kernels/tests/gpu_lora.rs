@@ -11,7 +11,7 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, LORA_TILE};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, LORA_TILE};
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, DevBuf};
 use rand::{Rng, SeedableRng};
@@ -308,4 +308,76 @@ fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
         assert!(run(&cuda, &aligned, &h, None) == base, "aligned columns, shrink {shape:?}, {tiles} tiles per expand block: different bits");
     }
     cuda.kernels.set_lora_launch_shapes(None, None);
+}
+
+/// SwiGLU of a gate|up case (modules 0 and 1, each `inter` wide, side by side in y) with the LoRA
+/// updates, two ways from the same shrink: the update buffer added by `silu_mul` (decode-sized
+/// steps), and `silu_mul_unslotted` + `lora_expand_swiglu` (large steps); both outputs start as
+/// [`UNWRITTEN`]. Also returns plain SwiGLU without updates and y after the fused path.
+fn swiglu_both(cuda: &Cuda, c: &Case, h: &Host) -> (Vec<u16>, Vec<u16>, Vec<u16>, Vec<u16>) {
+    let g = &cuda.gpu;
+    let s = &g.stream;
+    let n = c.slots.len();
+    let inter = c.outs[0].0;
+    let x = g.upload(&h.x).unwrap();
+    let y = g.upload(&h.y0).unwrap();
+    let slots = g.upload(&c.slots).unwrap();
+    let a: Vec<DevBuf<u16>> = h.a.iter().map(|v| g.upload(v).unwrap()).collect();
+    let b: Vec<DevBuf<u16>> = h.b.iter().map(|v| g.upload(v).unwrap()).collect();
+    let ranks = g.upload(&c.ranks.iter().map(|&r| r as i32).collect::<Vec<_>>()).unwrap();
+    let scales = g.upload(&c.scales).unwrap();
+    let order = g.alloc_zeros::<i32>(n).unwrap();
+    let seg = g.alloc_zeros::<i32>(c.ranks.len() + 1).unwrap();
+    let big_r = 2 * h.r_pad;
+    let t_part = g.alloc_zeros::<f32>(lora_splits(c.k) * n * big_r).unwrap();
+    let t_hi = g.alloc_zeros::<u16>(n * big_r).unwrap();
+    let t_lo = g.alloc_zeros::<u16>(n * big_r).unwrap();
+    let max_tiles = lora_max_tiles(n, c.ranks.len());
+    let counters = g.alloc_zeros::<i32>(3 * max_tiles).unwrap();
+    let tiles = g.alloc_zeros::<i32>(1 + 2 * max_tiles).unwrap();
+    let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: c.ranks.len() };
+    let modules: Vec<LoraModule> = c.outs.iter().enumerate().map(|(m, &(out, col))| LoraModule { a: a[m].ptr(), b: b[m].ptr(), out, col }).collect();
+    let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
+    let d = g.upload(&vec![UNWRITTEN; n * c.y_width]).unwrap();
+    let (buffered, fused, plain) = (g.upload(&vec![UNWRITTEN; n * inter]).unwrap(), g.upload(&vec![UNWRITTEN; n * inter]).unwrap(), g.upload(&vec![UNWRITTEN; n * inter]).unwrap());
+    // SAFETY: every buffer above is sized as the wrappers document for these n tokens.
+    unsafe {
+        let k = &cuda.kernels;
+        k.lora_group(s, &segs, n).unwrap();
+        k.lora_shrink(s, x.ptr(), c.k, c.k, &modules, h.r_pad, &segs, &work, n).unwrap();
+        k.lora_expand_to(s, d.ptr(), c.y_width, &modules, h.r_pad, &segs, &work, n).unwrap();
+        k.silu_mul(s, buffered.ptr(), y.ptr(), n, inter, Some(LoraDelta { d: d.ptr(), slots: slots.ptr() })).unwrap();
+        k.silu_mul_unslotted(s, fused.ptr(), y.ptr(), n, inter, slots.ptr()).unwrap();
+        k.lora_expand_swiglu(s, fused.ptr(), y.ptr(), inter, &modules[0], &modules[1], h.r_pad, &segs, &work, n).unwrap();
+        k.silu_mul(s, plain.ptr(), y.ptr(), n, inter, None).unwrap();
+    }
+    (buffered.download(s).unwrap(), fused.download(s).unwrap(), plain.download(s).unwrap(), y.download(s).unwrap())
+}
+
+#[test]
+fn lora_swiglu_gives_the_bits_of_the_update_buffer_path() {
+    let Some(mut cuda) = cuda_or_skip() else { return };
+    let mut r = rng();
+    // Gate and up of 192 columns each (three 64-column blocks), fan-in 320; every rank, an empty
+    // slot and base-model tokens mixed in; a decode-sized step (one work tile per block) and a
+    // prefill-sized one (four), each with ranks up to 64 and up to 32 (the r32 kernel).
+    for (n, ranks) in [(45, vec![8, 16, 32, 64, 0]), (700, vec![8, 16, 32, 64, 0]), (45, vec![8, 32, 16, 0]), (700, vec![32, 8, 16, 0])] {
+        let slots: Vec<i32> = (0..n).map(|_| r.random_range(-1..ranks.len() as i32)).collect();
+        let scales = ranks.iter().map(|&rk| if rk == 0 { 0.0 } else { r.random_range(0.5..2.0) }).collect();
+        let case = Case { k: 320, outs: vec![(192, 0), (192, 192)], y_width: 384, ranks: ranks.clone(), scales, slots };
+        let h = host_inputs(&mut r, &case);
+        for r32 in [true, false] {
+            cuda.kernels.set_lora_expand_r32(r32);
+            let (buffered, fused, plain, y_after) = swiglu_both(&cuda, &case, &h);
+            assert!(y_after == h.y0, "{n} tokens, ranks {ranks:?}: the fused path must leave gate|up alone");
+            assert!(fused == buffered, "{n} tokens, ranks {ranks:?}, r32 {r32}: fused SwiGLU differs from the update-buffer path");
+            // Not vacuous: the updates changed the output of every token with a ranked slot.
+            for (i, &slot) in case.slots.iter().enumerate() {
+                let row = |v: &[u16]| v[i * 192..(i + 1) * 192].to_vec();
+                let lora = slot >= 0 && ranks[slot as usize] > 0;
+                assert_eq!(row(&fused) != row(&plain), lora, "token {i} (slot {slot}): LoRA update {}", if lora { "missing" } else { "where none is due" });
+            }
+        }
+    }
+    cuda.kernels.set_lora_expand_r32(true);
 }

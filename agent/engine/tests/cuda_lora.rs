@@ -10,6 +10,9 @@
 //!   W8A8 bound `W8_ATOL` (|Δ| <= 4 on the CPU's top-10; why so loose: at its definition), once with the fixture
 //!   prompts and once with them repeated into one prefill step of 64–512 tokens (cuBLASLt's GEMMs
 //!   with the LoRA side stream's SM reserve);
+//! - over the bf16 base, the same with the prompts repeated into one step of more than 512 tokens,
+//!   where the updates are added in place and gate|up's is fused into SwiGLU (`lora_expand_swiglu`):
+//!   within the bf16 tolerance of the CPU backend;
 //! - with q, k and v Hadamard-rotated in a bf16 cache (`fp8-hadamard-qkv`'s rotation without fp8's
 //!   rounding), where o_proj's adapter must see the attention output rotated back: the same bf16
 //!   tolerance against PEFT and the CPU backend rotating the same way.
@@ -63,7 +66,9 @@ fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation) -> Opti
         num_blocks: Some(32 * BLOCKS_PER_SEQ),
         block_size: BLOCK,
         max_model_len: BLOCK * BLOCKS_PER_SEQ,
-        max_num_batched_tokens: 512,
+        // Room for a first step of more than 512 tokens: the steps that add updates in place (and
+        // fuse gate|up's into SwiGLU) rather than through the update buffer.
+        max_num_batched_tokens: 1024,
         max_num_seqs: 32,
         lora: Some(LoraCapacity { max_loras: 2, max_rank: 64 }),
         quantization,
@@ -213,11 +218,12 @@ fn a_rewritten_slot_serves_the_new_adapter() {
 /// cuda_smollm2_w8a8's position-0 emulation test, so this bound only catches gross LoRA errors.
 const W8_ATOL: f32 = 4.0;
 
-/// The fixture cases mixed in one batch over an fp8 base, each prompt repeated `repeat` times (no
-/// PEFT reference for those: the CPU backend over the same fp8 weights is the reference), against
-/// the CPU backend: the top-10 logits after the prompt and the greedy tokens.
-fn fp8_base_matches_the_cpu_backend(repeat: usize, what: &str) {
-    let Some((mut gpu, mut cpu)) = backends_with(Some(RowFormat::Fp8E4m3)) else { return };
+/// The fixture cases mixed in one batch, each prompt repeated `repeat` times (no PEFT reference for
+/// those: the CPU backend over the same weights, quantized to `quantization` where given, is the
+/// reference), against the CPU backend: the top-10 logits after the prompt within `atol`, and the
+/// greedy tokens.
+fn long_prompts_match_the_cpu_backend(quantization: Option<RowFormat>, atol: f32, repeat: usize, what: &str) {
+    let Some((mut gpu, mut cpu)) = backends_with(quantization) else { return };
     let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
     mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     for c in &mut mixed {
@@ -229,15 +235,36 @@ fn fp8_base_matches_the_cpu_backend(repeat: usize, what: &str) {
         let mut ids: Vec<usize> = (0..cl.len()).collect();
         ids.sort_by(|&a, &b| cl[b].total_cmp(&cl[a]));
         let worst = ids[..10].iter().map(|&id| (gl[id] - cl[id]).abs()).fold(0f32, f32::max);
-        assert!(worst <= W8_ATOL, "{what} {}: max |Δ| {worst} against the CPU over its top-10", c.label);
+        assert!(worst <= atol, "{what} {}: max |Δ| {worst} against the CPU over its top-10", c.label);
         match (0..STEPS).find(|&s| g.ids[i][s] != h.ids[i][s]) {
-            None => report(&format!("{what} {}: max |Δ| {worst:.3} vs the CPU's fp8, {STEPS} greedy tokens identical", c.label)),
+            None => report(&format!("{what} {}: max |Δ| {worst:.3} vs the CPU backend, {STEPS} greedy tokens identical", c.label)),
             Some(s) => {
                 report(&format!("{what} {}: max |Δ| {worst:.3}, first divergence at step {s} (CPU top-2 margin {:.4})", c.label, h.margins[i][s]));
                 assert!(h.margins[i][s] < BF16_NOISE_MARGIN, "{what} {}: diverged at step {s} where the CPU's margin is {}", c.label, h.margins[i][s]);
             }
         }
     }
+}
+
+fn fp8_base_matches_the_cpu_backend(repeat: usize, what: &str) {
+    long_prompts_match_the_cpu_backend(Some(RowFormat::Fp8E4m3), W8_ATOL, repeat, what);
+}
+
+/// Tokens in the first step of [`run_together`] with the fixture prompts repeated `repeat` times.
+fn first_step_tokens(repeat: usize) -> usize {
+    cases(&[("adapter-a", 0), ("adapter-b", 1)]).iter().map(|c| c.prompt.len() * repeat).sum()
+}
+
+#[test]
+fn a_step_of_more_than_512_tokens_matches_the_cpu_backend() {
+    if !gpu_or_skip() {
+        return;
+    }
+    // Past the update buffer's 512 tokens: q|k|v, o and down add their updates in place and
+    // gate|up's is fused into SwiGLU (`lora_expand_swiglu`); every sequence stays within the cache.
+    let total = first_step_tokens(10);
+    assert!((513..=1024).contains(&total), "the first step has {total} tokens, not past the update buffer");
+    long_prompts_match_the_cpu_backend(None, BF16_ATOL, 10, "bf16, prompts x10");
 }
 
 #[test]
@@ -255,7 +282,7 @@ fn a_long_lora_step_over_an_fp8_base_matches_the_cpu_backend() {
     if !gpu_or_skip() {
         return;
     }
-    let total: usize = cases(&[("adapter-a", 0), ("adapter-b", 1)]).iter().map(|c| c.prompt.len() * 4).sum();
+    let total = first_step_tokens(4);
     assert!((64..=512).contains(&total), "the first step has {total} tokens, outside the SM-reserve range");
     fp8_base_matches_the_cpu_backend(4, "fp8 base, prompts x4");
 }

@@ -13,6 +13,8 @@ pub const LORA_MAX_MODULES: usize = 3;
 /// Fan-in per shrink block (lora.cu's LORA_KC).
 const LORA_KC: usize = 256;
 const LORA_EXPAND_COLS: usize = 128;
+/// Columns of each module per `lora_expand_swiglu` block (lora.cu's LORA_SWIGLU_COLS).
+const LORA_SWIGLU_COLS: usize = 64;
 /// Tokens per work tile (lora.cu's LORA_TILE).
 pub const LORA_TILE: usize = 16;
 
@@ -20,6 +22,11 @@ pub const LORA_TILE: usize = 16;
 /// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.
 pub fn lora_max_tiles(n: usize, num_slots: usize) -> usize {
     n.div_ceil(LORA_TILE) + num_slots
+}
+
+/// Whether [`Kernels::lora_expand_swiglu`] takes a gate|up group of `inter` columns per module.
+pub fn lora_swiglu_fits(inter: usize) -> bool {
+    inter > 0 && inter.is_multiple_of(LORA_SWIGLU_COLS)
 }
 
 /// Rank every slot's rows are padded to in the stacks: a multiple of the mma's k step (16).
@@ -355,6 +362,41 @@ impl Kernels {
             .arg(&per_block_i)
             .arg(&overwrite_i)
             .launch(s, expand, self.pdl)?;
+        Ok(())
+    }
+
+    /// SwiGLU of a gate|up projection's output `y` (`n × 2·inter`, gate first) with each token's
+    /// LoRA update of both modules, into `h` (`n × inter`) for the tokens that have a slot: what
+    /// [`Kernels::lora_expand_to`] and then [`Kernels::silu_mul`] adding that update give, bit for
+    /// bit, without writing the update anywhere. After the [`Kernels::lora_shrink`] of the group
+    /// (gate's ranks first); [`Kernels::silu_mul_unslotted`] writes the other tokens' rows.
+    ///
+    /// # Safety
+    /// `y` (16-byte aligned) and `h` hold `n` rows of `2·inter` and `inter` bf16; `gate` and `up`
+    /// are this layer's B stacks for `inter` outputs each (their `a`, `col` are not read); `segs`
+    /// and `work` as for the shrink that ran before.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn lora_expand_swiglu(&self, s: &CudaStream, h: DPtr, y: DPtr, inter: usize, gate: &LoraModule, up: &LoraModule, r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
+        if n == 0 || segs.num_slots == 0 {
+            return Ok(());
+        }
+        check_group(&[*gate, *up], r_pad)?;
+        if !lora_swiglu_fits(inter) || gate.out != inter || up.out != inter {
+            return Err(KernelError::Unsupported(format!("LoRA SwiGLU: {inter} columns per module (a multiple of {LORA_SWIGLU_COLS}, both modules that wide)")));
+        }
+        let max_tiles = lora_max_tiles(n, segs.num_slots);
+        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_STAGED_MIN_TOKENS { 4 } else { 1 });
+        let launch = LaunchConfig {
+            grid_dim: (as_u32(inter / LORA_SWIGLU_COLS, "column blocks")?, as_u32(max_tiles.div_ceil(per_block), "work tiles")?, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (inter_i, big_r_i, r_i, per_block_i) = (as_i32(inter, "inter")?, as_i32(2 * r_pad, "R")?, as_i32(r_pad, "r_pad")?, as_i32(per_block, "tiles per block")?);
+        let function = if r_pad <= 32 && self.lora_expand_r32 { &self.lora_expand_swiglu_r32 } else { &self.lora_expand_swiglu };
+        let mut l = Launch::new(function);
+        l.arg(&h).arg(&y).arg(&inter_i).arg(&work.t_hi).arg(&work.t_lo).arg(&gate.b).arg(&up.b);
+        l.arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&big_r_i).arg(&r_i).arg(&per_block_i);
+        l.launch(s, launch, self.pdl)?;
         Ok(())
     }
 }

@@ -31,7 +31,7 @@ pub use gemv::GEMV_MAX_M;
 pub use gemv_fp8::GEMV_FP8_MAX_M;
 pub use quant8::OuterScale;
 pub use rope_kv::KvRotation;
-pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, LoraDelta, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
+pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, LoraDelta, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 pub use token_mask::{mask_words, pack_token_constraints, packed_capacity, ConstrainedRow, TOKEN_MASK_HEADER};
 
@@ -119,6 +119,9 @@ pub struct Kernels {
     lora_expand_sgmv: CudaFunction,
     /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
     lora_expand_sgmv_r32: CudaFunction,
+    /// SwiGLU of gate|up with its LoRA update fused (`lora_expand_swiglu`), and its r_pad <= 32 form.
+    lora_expand_swiglu: CudaFunction,
+    lora_expand_swiglu_r32: CudaFunction,
     /// Whether r_pad <= 32 takes `lora_expand_sgmv_r32` (`PEREGRINE_LORA_EXPAND_R32=0`: never).
     lora_expand_r32: bool,
     fill_uniform_bf16: CudaFunction,
@@ -249,6 +252,8 @@ impl Kernels {
             lora_shrink_ranks: f("lora_shrink_ranks")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,
+            lora_expand_swiglu: f("lora_expand_swiglu")?,
+            lora_expand_swiglu_r32: f("lora_expand_swiglu_r32")?,
             lora_expand_r32: std::env::var("PEREGRINE_LORA_EXPAND_R32").map_or(true, |v| v != "0"),
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_f32")?,

@@ -12,10 +12,24 @@ impl Kernels {
     /// # Safety
     /// out: n*inter bf16; gate_up and lora's buffer: n*2*inter bf16.
     pub unsafe fn silu_mul(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>) -> Result<()> {
+        let (lora_d, lora_slots) = LoraDelta::args(lora);
+        self.launch_silu_mul(s, out, gate_up, n, inter, lora_d, lora_slots, 0)
+    }
+
+    /// [`Kernels::silu_mul`] without LoRA for the rows whose `slots` entry (i32 per row) is -1: the
+    /// others are left alone, for [`Kernels::lora_expand_swiglu`] to write with their update.
+    ///
+    /// # Safety
+    /// As [`Kernels::silu_mul`]; `slots` holds n i32.
+    pub unsafe fn silu_mul_unslotted(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize, slots: DPtr) -> Result<()> {
+        self.launch_silu_mul(s, out, gate_up, n, inter, 0, 0, slots)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_silu_mul(&self, s: &CudaStream, out: DPtr, gate_up: DPtr, n: usize, inter: usize, lora_d: DPtr, lora_slots: DPtr, skip_slots: DPtr) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let (lora_d, lora_slots) = LoraDelta::args(lora);
         let n64 = n as u64;
         let inter_i = as_i32(inter, "intermediate")?;
         let chunks = n * inter / 8;
@@ -29,6 +43,7 @@ impl Kernels {
             .arg(&inter_i)
             .arg(&lora_d)
             .arg(&lora_slots)
+            .arg(&skip_slots)
             .launch(s, cfg(self.elementwise_grid(chunks, 256), 256), false)?;
         Ok(())
     }

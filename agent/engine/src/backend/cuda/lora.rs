@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::gpu_err;
@@ -75,6 +75,9 @@ pub struct GpuLora {
     delta_tokens: usize,
     /// Copies adapters into slots (made at the first load: its pinned image is one slot's size).
     uploader: Option<SlotUploader>,
+    /// Whether steps that add in place may fuse gate|up's expand into SwiGLU instead
+    /// (`PEREGRINE_LORA_SWIGLU=0`: never, for comparisons).
+    fused_swiglu: bool,
 }
 
 /// Side streams and the two events that fork one from the main stream (the projection's input is
@@ -267,6 +270,27 @@ pub struct Projection<'a> {
     pub outs: &'a [(TargetModule, usize)],
 }
 
+/// What [`GpuLora::apply_around`] did with a group's updates.
+pub enum LoraUpdate {
+    /// Added into the projection's output.
+    Added,
+    /// In the update buffer: the kernel that consumes the output must add it.
+    Buffered(LoraDelta),
+    /// Gate|up with a SwiGLU output given: SwiGLU written there for every token, updates included;
+    /// the caller runs none of its own.
+    SwigluWritten,
+}
+
+impl LoraUpdate {
+    /// The update buffer the output's consumer must add, if any.
+    pub fn buffered(self) -> Option<LoraDelta> {
+        match self {
+            LoraUpdate::Buffered(d) => Some(d),
+            LoraUpdate::Added | LoraUpdate::SwigluWritten => None,
+        }
+    }
+}
+
 impl GpuLora {
     /// Device bytes the stacks take for `config` at `cap` (for sizing the KV cache around them).
     pub fn bytes(config: &ModelConfig, cap: LoraCapacity, max_tokens: usize) -> usize {
@@ -337,6 +361,7 @@ impl GpuLora {
             delta,
             delta_tokens,
             uploader: None,
+            fused_swiglu: !std::env::var("PEREGRINE_LORA_SWIGLU").is_ok_and(|v| v == "0"),
         })
     }
 
@@ -439,14 +464,19 @@ impl GpuLora {
     /// Bᵀ` of every module of its group for the `n` tokens of a step, after [`GpuLora::begin_step`]
     /// with the same `slots`. Decode-sized steps: shrink and expand beside `base` on the side stream,
     /// into the update buffer, which the caller must have the consumer of `p.y` add (the returned
-    /// [`LoraDelta`]; it holds until the next call). Otherwise (None returned): the shrink beside
-    /// `base`, then the expand adds into `p.y`.
+    /// [`LoraDelta`]; it holds until the next call). Otherwise: the shrink beside `base`, then the
+    /// expand adds into `p.y`; or, for a gate|up group (gate's columns first, then up's, `p.y_stride`
+    /// twice a module's width) with `swiglu` given, SwiGLU is written into `swiglu` for every token
+    /// with the updates fused into it (`lora_expand_swiglu`: the same bits as the buffered path, and
+    /// no read-modify-write of `p.y`), and `p.y` keeps the base output.
     ///
     /// # Safety
     /// `p.x`/`p.y` hold `n` rows at their strides with the modules' fan-in / fan-out columns (each
     /// module's at its offset in `p.outs`); the modules share a fan-in; `slots` as in
     /// [`GpuLora::begin_step`]; `base` writes `p.y` and does not write `p.x`; the update returned by
-    /// the previous call was consumed by work enqueued on the main stream before this call.
+    /// the previous call was consumed by work enqueued on the main stream before this call;
+    /// `swiglu` holds `n` rows of a module's width.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn apply_around(
         &self,
         cuda: &Cuda,
@@ -454,8 +484,9 @@ impl GpuLora {
         p: &Projection<'_>,
         slots: DPtr,
         n: usize,
+        swiglu: Option<DPtr>,
         base: impl FnOnce() -> peregrine_kernels::Result<()>,
-    ) -> peregrine_kernels::Result<Option<LoraDelta>> {
+    ) -> peregrine_kernels::Result<LoraUpdate> {
         let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
         let mut fan_in = 0;
@@ -488,7 +519,7 @@ impl GpuLora {
                 base()?;
                 main.wait(&side.side_done)?;
                 if let Some(d) = delta {
-                    return Ok(Some(LoraDelta { d: d.ptr(), slots }));
+                    return Ok(LoraUpdate::Buffered(LoraDelta { d: d.ptr(), slots }));
                 }
             }
             None => {
@@ -496,7 +527,22 @@ impl GpuLora {
                 k.lora_shrink(main, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
             }
         }
+        if let Some(h) = swiglu.filter(|_| self.fused_swiglu && is_gate_up(modules, p.y_stride)) {
+            let inter = modules[0].out;
+            k.silu_mul_unslotted(main, h, p.y, n, inter, slots)?;
+            k.lora_expand_swiglu(main, h, p.y, inter, &modules[0], &modules[1], self.r_pad, &segs, &work, n)?;
+            return Ok(LoraUpdate::SwigluWritten);
+        }
         k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;
-        Ok(None)
+        Ok(LoraUpdate::Added)
+    }
+}
+
+/// Whether `modules` are gate and up side by side as `lora_expand_swiglu` reads them: two modules
+/// of one width (that kernel's multiple), the second starting where the first ends, rows twice that.
+fn is_gate_up(modules: &[LoraModule], y_stride: usize) -> bool {
+    match modules {
+        [gate, up] => gate.out == up.out && gate.col == 0 && up.col == gate.out && y_stride == 2 * gate.out && lora_swiglu_fits(gate.out),
+        _ => false,
     }
 }

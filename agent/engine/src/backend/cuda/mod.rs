@@ -40,7 +40,7 @@ pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
 use self::graphs::Graphs;
-use self::lora::{GpuLora, Projection};
+use self::lora::{GpuLora, LoraUpdate, Projection};
 use self::scratch::{PinnedUpload, Scratch};
 use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
@@ -381,11 +381,15 @@ impl CudaBackend {
         // A base projection `y = x · Wᵀ` (`base`) with its group's LoRA updates around it; `outs`
         // are (module, column offset) in `y`. Some(update): the kernel that consumes `y` must add it
         // (decode-sized steps compute it beside the base projection; see cuda/lora.rs).
-        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
-            let Some(lora) = lora else { return base().map(|()| None) };
+        // `swiglu`: gate|up only, where SwiGLU may be written with the updates fused into it.
+        let project_into = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], swiglu: Option<DPtr>, base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<LoraUpdate> {
+            let Some(lora) = lora else { return base().map(|()| LoraUpdate::Added) };
             // SAFETY: as the step's block below; each module's columns stay inside each row of `y`,
-            // and `base` writes `y` only.
-            unsafe { lora.apply_around(cuda, l, &Projection { x, x_stride, y, y_stride, outs }, lora_slots, n, base) }
+            // `base` writes `y` only, and `swiglu` (sc.act) holds the step's rows of the SwiGLU width.
+            unsafe { lora.apply_around(cuda, l, &Projection { x, x_stride, y, y_stride, outs }, lora_slots, n, swiglu, base) }
+        };
+        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
+            project_into(l, x, x_stride, y, y_stride, outs, None, base).map(LoraUpdate::buffered)
         };
         // SAFETY (whole block): every buffer was sized for max_num_batched_tokens tokens and
         // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
@@ -492,9 +496,14 @@ impl CudaBackend {
                 if !fused {
                     let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
                     let gate_up_scale = Cell::new(None);
-                    let gate_up_lora = project(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, &|| linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h, &gate_up_scale))?;
+                    // bf16 linears: large steps may write SwiGLU with the updates fused (cuda/lora.rs).
+                    let swiglu = w8.is_none().then(|| sc.act.ptr());
+                    let gate_up_update = project_into(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, swiglu, &|| linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h, &gate_up_scale))?;
+                    let swiglu_written = matches!(gate_up_update, LoraUpdate::SwigluWritten);
+                    let gate_up_lora = gate_up_update.buffered();
                     let gate_up_scale = gate_up_scale.get();
                     match w8 {
+                        _ if swiglu_written => {}
                         Some(f) => {
                             let out = if bf16_read(&[&lw.down]) { sc.act.ptr() } else { 0 };
                             k.silu_mul_quant(s, f, out, xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora, gate_up_scale)?

@@ -572,6 +572,24 @@ __device__ __forceinline__ void lora_load8_staged(const float* p, float (&v)[8])
     v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
 
+// The expand kernels' copy of t for one tile: rows 0..rows-1 are the tokens order[start ..], zeros
+// after; columns c0 .. c0 + w of t_hi and t_lo (w a multiple of 8), in rows `stride` bf16 apart
+// (stride = w + 8: the mma fragment reads of a warp, rows g and 4-byte columns q, hit distinct
+// banks). One 16-byte load per thread and chunk: read from global memory as 4-byte fragments, t was
+// the kernels' L1 bottleneck (8 lines per warp load, re-read by every column block).
+#define LORA_TS_MAX (2 * LORA_MAX_R + 8)
+__device__ __forceinline__ void lora_stage_t(bf16_t* ts_hi, bf16_t* ts_lo, int stride, const bf16_t* __restrict__ t_hi,
+                                             const bf16_t* __restrict__ t_lo, const int* __restrict__ order, int start,
+                                             int rows, int R, int c0, int w) {
+    const int per_row = w >> 3, per_half = LORA_TILE * per_row;
+    for (int e = threadIdx.x; e < 2 * per_half; e += blockDim.x) {
+        const int lo = e >= per_half, r = (e - lo * per_half) / per_row, c = ((e - lo * per_half) % per_row) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < rows) v = *reinterpret_cast<const uint4*>((lo ? t_lo : t_hi) + (u64)order[start + r] * R + c0 + c);
+        *reinterpret_cast<uint4*>((lo ? ts_lo : ts_hi) + r * stride + c) = v;
+    }
+}
+
 template <int KS>
 __device__ __forceinline__ void lora_expand_body(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
@@ -580,6 +598,8 @@ __device__ __forceinline__ void lora_expand_body(
     const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block, int overwrite) {
     // A tile's sums, staged for the 16-byte read-modify-write of y (when rows and columns allow it).
     __shared__ __align__(16) float staged[LORA_TILE][LORA_EXPAND_COLS + LORA_STAGE_PAD];
+    // The tile's t columns of this block's module (r_pad of them).
+    __shared__ __align__(16) bf16_t ts_hi[LORA_TILE * (LORA_MAX_R + 8)], ts_lo[LORA_TILE * (LORA_MAX_R + 8)];
     pdl_wait();
     pdl_trigger();
     int tile = blockIdx.x, mod = 0;
@@ -641,25 +661,20 @@ __device__ __forceinline__ void lora_expand_body(
                 y_at[j] = vec8 && m0 + row < len && o < out ? reinterpret_cast<uint4*>(y + (u64)order[start + m0 + row] * y_stride + col + o) : nullptr;
                 if (y_at[j] && !overwrite) y_pre[j] = *y_at[j];
             }
-            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
-            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
+            const int ts_stride = r_pad + 8;
+            lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
+            __syncthreads();
             float acc[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
                 if (ks < ksteps) {
-                    const int c = mod * r_pad + ks * 16 + q * 2;
-                    u32 hi[4], lo[4];
-                    const u64 r0 = (u64)i0 * R + c, r1 = (u64)i1 * R + c;
-                    hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
-                    hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
-                    hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
-                    hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
-                    lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
-                    lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
-                    lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
-                    lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
+                    const int c = ks * 16 + q * 2;
+                    const bf16_t *h0 = ts_hi + g * ts_stride + c, *h1 = h0 + 8 * ts_stride;
+                    const bf16_t *l0 = ts_lo + g * ts_stride + c, *l1 = l0 + 8 * ts_stride;
+                    const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
+                    const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt) {
                         lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
@@ -667,6 +682,8 @@ __device__ __forceinline__ void lora_expand_body(
                     }
                 }
             }
+            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
+            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
             if (vec8) {
                 // Accumulator (nt): rows g and g + 8, columns nt * 8 + 2q, +1 of this warp's 32.
 #pragma unroll
@@ -696,12 +713,11 @@ __device__ __forceinline__ void lora_expand_body(
                 __syncthreads();
                 continue;
             }
-            if (!active) continue;
             // Accumulator (nt): rows g (token i0) and g + 8 (token i1), columns nt * 8 + 2q, +1: one
             // 4-byte read-modify-write per pair where the pair is aligned and whole.
             const bool pairs = ((col | y_stride | out) & 1) == 0;
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
+            for (int nt = 0; nt < 4 && active; ++nt) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int i = h == 0 ? i0 : i1;
@@ -720,6 +736,8 @@ __device__ __forceinline__ void lora_expand_body(
                     }
                 }
             }
+            // Every warp done with this tile's t before the next one is staged.
+            __syncthreads();
         }
     }
 }
@@ -761,6 +779,8 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
     const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block) {
     // Each tile's sums: gate in columns 0-63, up in 64-127.
     __shared__ __align__(16) float staged[LORA_TILE][2 * LORA_SWIGLU_COLS + LORA_STAGE_PAD];
+    // The tile's t columns of both modules (gate's r_pad, then up's).
+    __shared__ __align__(16) bf16_t ts_hi[LORA_TILE * LORA_TS_MAX], ts_lo[LORA_TILE * LORA_TS_MAX];
     pdl_wait();
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -804,8 +824,9 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
                 g_pre = *reinterpret_cast<const uint4*>(yr);
                 u_pre = *reinterpret_cast<const uint4*>(yr + inter);
             }
-            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
-            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
+            const int ts_stride = 2 * r_pad + 8;
+            lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, 0, 2 * r_pad);
+            __syncthreads();
             float acc[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -813,16 +834,10 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
             for (int ks = 0; ks < KS; ++ks) {
                 if (ks < ksteps) {
                     const int c = mod * r_pad + ks * 16 + q * 2;
-                    u32 hi[4], lo[4];
-                    const u64 r0 = (u64)i0 * R + c, r1 = (u64)i1 * R + c;
-                    hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
-                    hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
-                    hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
-                    hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
-                    lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
-                    lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
-                    lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
-                    lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
+                    const bf16_t *h0 = ts_hi + g * ts_stride + c, *h1 = h0 + 8 * ts_stride;
+                    const bf16_t *l0 = ts_lo + g * ts_stride + c, *l1 = l0 + 8 * ts_stride;
+                    const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
+                    const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt) {
                         lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);

@@ -590,30 +590,6 @@ __device__ __forceinline__ void lora_stage_t(bf16_t* ts_hi, bf16_t* ts_lo, int s
     }
 }
 
-// A tile's mma A fragments of t (hi and lo) for rank step columns: from the shared copy (column
-// `sc`, rows g and g + 8) or from global memory (column `gc` of tokens i0, i1; zeros for -1).
-__device__ __forceinline__ void lora_t_fragments(u32 (&hi)[4], u32 (&lo)[4], bool staged, const bf16_t* ts_hi,
-                                                 const bf16_t* ts_lo, int stride, int sc, int g,
-                                                 const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
-                                                 int i0, int i1, int R, int gc) {
-    if (staged) {
-        const bf16_t *h0 = ts_hi + g * stride + sc, *h1 = h0 + 8 * stride;
-        const bf16_t *l0 = ts_lo + g * stride + sc, *l1 = l0 + 8 * stride;
-        hi[0] = lora_ld2(h0), hi[1] = lora_ld2(h1), hi[2] = lora_ld2(h0 + 8), hi[3] = lora_ld2(h1 + 8);
-        lo[0] = lora_ld2(l0), lo[1] = lora_ld2(l1), lo[2] = lora_ld2(l0 + 8), lo[3] = lora_ld2(l1 + 8);
-        return;
-    }
-    const u64 r0 = (u64)i0 * R + gc, r1 = (u64)i1 * R + gc;
-    hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
-    hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
-    hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
-    hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
-    lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
-    lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
-    lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
-    lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
-}
-
 template <int KS>
 __device__ __forceinline__ void lora_expand_body(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
@@ -649,10 +625,6 @@ __device__ __forceinline__ void lora_expand_body(
     // This warp's B fragments (4 column tiles × up to 4 rank steps) of the slot last loaded: a block
     // takes `tiles_per_block` consecutive work tiles, mostly of one slot, and reloads B only when the
     // slot changes. Each token's sum is the same whatever tiles share its block.
-    // Blocks of several tiles (prefill-sized steps) copy each tile's t into shared memory first;
-    // decode-sized ones read its fragments straight from global memory (the copy and its barrier
-    // cost batch 1 about 2 % of its LoRA throughput on an H200). The same values either way.
-    const bool stage_t = tiles_per_block > 1;
     u32 bf[4][KS][2];
     int loaded = -1, ksteps = 0;
     for (int wt = blockIdx.y * tiles_per_block; wt < (int)(blockIdx.y + 1) * tiles_per_block && wt < tiles[0]; ++wt) {
@@ -689,21 +661,20 @@ __device__ __forceinline__ void lora_expand_body(
                 y_at[j] = vec8 && m0 + row < len && o < out ? reinterpret_cast<uint4*>(y + (u64)order[start + m0 + row] * y_stride + col + o) : nullptr;
                 if (y_at[j] && !overwrite) y_pre[j] = *y_at[j];
             }
-            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
-            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
             const int ts_stride = r_pad + 8;
-            if (stage_t) {
-                lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
-                __syncthreads();
-            }
+            lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
+            __syncthreads();
             float acc[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
                 if (ks < ksteps) {
-                    u32 hi[4], lo[4];
-                    lora_t_fragments(hi, lo, stage_t, ts_hi, ts_lo, ts_stride, ks * 16 + q * 2, g, t_hi, t_lo, i0, i1, R, mod * r_pad + ks * 16 + q * 2);
+                    const int c = ks * 16 + q * 2;
+                    const bf16_t *h0 = ts_hi + g * ts_stride + c, *h1 = h0 + 8 * ts_stride;
+                    const bf16_t *l0 = ts_lo + g * ts_stride + c, *l1 = l0 + 8 * ts_stride;
+                    const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
+                    const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt) {
                         lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
@@ -711,6 +682,8 @@ __device__ __forceinline__ void lora_expand_body(
                     }
                 }
             }
+            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
+            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
             if (vec8) {
                 // Accumulator (nt): rows g and g + 8, columns nt * 8 + 2q, +1 of this warp's 32.
 #pragma unroll
@@ -764,7 +737,7 @@ __device__ __forceinline__ void lora_expand_body(
                 }
             }
             // Every warp done with this tile's t before the next one is staged.
-            if (stage_t) __syncthreads();
+            __syncthreads();
         }
     }
 }
@@ -852,13 +825,8 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
                 u_pre = *reinterpret_cast<const uint4*>(yr + inter);
             }
             const int ts_stride = 2 * r_pad + 8;
-            const bool stage_t = tiles_per_block > 1;  // as in lora_expand_body
-            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
-            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
-            if (stage_t) {
-                lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, 0, 2 * r_pad);
-                __syncthreads();
-            }
+            lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, 0, 2 * r_pad);
+            __syncthreads();
             float acc[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -866,8 +834,10 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
             for (int ks = 0; ks < KS; ++ks) {
                 if (ks < ksteps) {
                     const int c = mod * r_pad + ks * 16 + q * 2;
-                    u32 hi[4], lo[4];
-                    lora_t_fragments(hi, lo, stage_t, ts_hi, ts_lo, ts_stride, c, g, t_hi, t_lo, i0, i1, R, c);
+                    const bf16_t *h0 = ts_hi + g * ts_stride + c, *h1 = h0 + 8 * ts_stride;
+                    const bf16_t *l0 = ts_lo + g * ts_stride + c, *l1 = l0 + 8 * ts_stride;
+                    const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
+                    const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt) {
                         lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);

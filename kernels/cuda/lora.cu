@@ -590,6 +590,48 @@ __device__ __forceinline__ void lora_stage_t(bf16_t* ts_hi, bf16_t* ts_lo, int s
     }
 }
 
+// A warp's B fragments of one slot's stack `b` ([out, r_pad]): 4 column tiles of 8 from o_base, up to
+// KS rank steps of 16; zeros past `ksteps` and past `out`.
+template <int KS>
+__device__ __forceinline__ void lora_load_b(u32 (&bf)[4][KS][2], const bf16_t* __restrict__ b, int o_base, int out,
+                                            int r_pad, int ksteps, int g, int q) {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+        const int o = o_base + nt * 8 + g;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
+            const bool ok = o < out && ks < ksteps;
+            bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
+            bf[nt][ks][1] = ok ? lora_ld2(br + 8) : 0u;
+        }
+    }
+}
+
+// A warp's sums of one tile: acc[nt] = (t_hi + t_lo) · B over the first `ksteps` rank steps, t from
+// the tile's shared copy (rows g and g + 8, columns c0 + 16 ks + 2q; see lora_stage_t).
+template <int KS>
+__device__ __forceinline__ void lora_tile_mma(float (&acc)[4][4], const u32 (&bf)[4][KS][2], const bf16_t* ts_hi,
+                                              const bf16_t* ts_lo, int stride, int c0, int ksteps, int g, int q) {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        if (ks < ksteps) {
+            const int c = c0 + ks * 16 + q * 2;
+            const bf16_t *h0 = ts_hi + g * stride + c, *h1 = h0 + 8 * stride;
+            const bf16_t *l0 = ts_lo + g * stride + c, *l1 = l0 + 8 * stride;
+            const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
+            const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
+                lora_mma(acc[nt], lo, bf[nt][ks][0], bf[nt][ks][1]);
+            }
+        }
+    }
+}
+
 template <int KS>
 __device__ __forceinline__ void lora_expand_body(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
@@ -633,19 +675,8 @@ __device__ __forceinline__ void lora_expand_body(
         const int rank = max(min(ranks[slot], r_pad), 0);
         if (len == 0 || (rank == 0 && !overwrite)) continue;
         if (slot != loaded && active) {
-            const bf16_t* b = (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad;
             ksteps = (rank + 15) >> 4;
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int o = o_base + nt * 8 + g;
-#pragma unroll
-                for (int ks = 0; ks < KS; ++ks) {
-                    const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
-                    const bool ok = o < out && ks < ksteps;
-                    bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
-                    bf[nt][ks][1] = ok ? lora_ld2(br + 8) : 0u;
-                }
-            }
+            lora_load_b<KS>(bf, (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad, o_base, out, r_pad, ksteps, g, q);
             loaded = slot;
         }
         for (int m0 = 0; m0 < len; m0 += 16) {
@@ -665,23 +696,7 @@ __device__ __forceinline__ void lora_expand_body(
             lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
             __syncthreads();
             float acc[4][4];
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                if (ks < ksteps) {
-                    const int c = ks * 16 + q * 2;
-                    const bf16_t *h0 = ts_hi + g * ts_stride + c, *h1 = h0 + 8 * ts_stride;
-                    const bf16_t *l0 = ts_lo + g * ts_stride + c, *l1 = l0 + 8 * ts_stride;
-                    const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
-                    const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) {
-                        lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
-                        lora_mma(acc[nt], lo, bf[nt][ks][0], bf[nt][ks][1]);
-                    }
-                }
-            }
+            lora_tile_mma<KS>(acc, bf, ts_hi, ts_lo, ts_stride, 0, ksteps, g, q);
             const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
             const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
             if (vec8) {
@@ -798,19 +813,8 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
         const int rank = max(min(ranks[slot], r_pad), 0);
         if (len <= 0) continue;
         if (slot != loaded) {
-            const bf16_t* b = (mod == 0 ? b_gate : b_up) + (u64)slot * inter * r_pad;
             ksteps = (rank + 15) >> 4;
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int o = o_base + nt * 8 + g;
-#pragma unroll
-                for (int ks = 0; ks < KS; ++ks) {
-                    const bf16_t* br = b + (u64)o * r_pad + ks * 16 + q * 2;
-                    const bool ok = ks < ksteps;
-                    bf[nt][ks][0] = ok ? lora_ld2(br) : 0u;
-                    bf[nt][ks][1] = ok ? lora_ld2(br + 8) : 0u;
-                }
-            }
+            lora_load_b<KS>(bf, (mod == 0 ? b_gate : b_up) + (u64)slot * inter * r_pad, o_base, inter, r_pad, ksteps, g, q);
             loaded = slot;
         }
         for (int m0 = 0; m0 < len; m0 += 16) {
@@ -828,23 +832,7 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
             lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, 0, 2 * r_pad);
             __syncthreads();
             float acc[4][4];
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                if (ks < ksteps) {
-                    const int c = mod * r_pad + ks * 16 + q * 2;
-                    const bf16_t *h0 = ts_hi + g * ts_stride + c, *h1 = h0 + 8 * ts_stride;
-                    const bf16_t *l0 = ts_lo + g * ts_stride + c, *l1 = l0 + 8 * ts_stride;
-                    const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
-                    const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) {
-                        lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
-                        lora_mma(acc[nt], lo, bf[nt][ks][0], bf[nt][ks][1]);
-                    }
-                }
-            }
+            lora_tile_mma<KS>(acc, bf, ts_hi, ts_lo, ts_stride, mod * r_pad, ksteps, g, q);
             // Accumulator (nt): rows g and g + 8, columns nt * 8 + 2q, +1 of this warp's 32.
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {

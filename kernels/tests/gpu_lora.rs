@@ -114,34 +114,77 @@ fn run(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> Vec<u16> {
     run_both(cuda, c, h, rows).0
 }
 
+/// A case's inputs on the GPU for some of its tokens, with the group's scratch buffers.
+struct Group {
+    n: usize,
+    slots_host: Vec<i32>,
+    x: DevBuf<u16>,
+    y: DevBuf<u16>,
+    slots: DevBuf<i32>,
+    a: Vec<DevBuf<u16>>,
+    b: Vec<DevBuf<u16>>,
+    ranks: DevBuf<i32>,
+    scales: DevBuf<f32>,
+    order: DevBuf<i32>,
+    seg: DevBuf<i32>,
+    tiles: DevBuf<i32>,
+    t_part: DevBuf<f32>,
+    t_hi: DevBuf<u16>,
+    t_lo: DevBuf<u16>,
+    counters: DevBuf<i32>,
+}
+
+impl Group {
+    /// The tokens `pick` of the case (x, y and slots gathered in that order).
+    fn upload(cuda: &Cuda, c: &Case, h: &Host, pick: &[usize]) -> Group {
+        let g = &cuda.gpu;
+        let n = pick.len();
+        let gather = |src: &[u16], w: usize| pick.iter().flat_map(|&i| src[i * w..(i + 1) * w].to_vec()).collect::<Vec<u16>>();
+        let slots_host: Vec<i32> = pick.iter().map(|&i| c.slots[i]).collect();
+        let big_r = c.outs.len() * h.r_pad;
+        let max_tiles = lora_max_tiles(n, c.ranks.len());
+        Group {
+            n,
+            x: g.upload(&gather(&h.x, c.k)).unwrap(),
+            y: g.upload(&gather(&h.y0, c.y_width)).unwrap(),
+            slots: g.upload(&slots_host).unwrap(),
+            slots_host,
+            a: h.a.iter().map(|v| g.upload(v).unwrap()).collect(),
+            b: h.b.iter().map(|v| g.upload(v).unwrap()).collect(),
+            ranks: g.upload(&c.ranks.iter().map(|&r| r as i32).collect::<Vec<_>>()).unwrap(),
+            scales: g.upload(&c.scales).unwrap(),
+            order: g.alloc_zeros::<i32>(n).unwrap(),
+            seg: g.alloc_zeros::<i32>(c.ranks.len() + 1).unwrap(),
+            tiles: g.alloc_zeros::<i32>(1 + 2 * max_tiles).unwrap(),
+            t_part: g.alloc_zeros::<f32>(lora_splits(c.k) * n * big_r).unwrap(),
+            t_hi: g.alloc_zeros::<u16>(n * big_r).unwrap(),
+            t_lo: g.alloc_zeros::<u16>(n * big_r).unwrap(),
+            counters: g.alloc_zeros::<i32>(3 * max_tiles).unwrap(),
+        }
+    }
+
+    fn segs(&self) -> LoraSegments {
+        LoraSegments { slots: self.slots.ptr(), order: self.order.ptr(), seg: self.seg.ptr(), tiles: self.tiles.ptr(), ranks: self.ranks.ptr(), scales: self.scales.ptr(), num_slots: self.ranks.len() }
+    }
+
+    fn modules(&self, c: &Case) -> Vec<LoraModule> {
+        c.outs.iter().enumerate().map(|(m, &(out, col))| LoraModule { a: self.a[m].ptr(), b: self.b[m].ptr(), out, col }).collect()
+    }
+
+    fn work(&self) -> LoraScratch {
+        LoraScratch { t_part: self.t_part.ptr(), t_hi: self.t_hi.ptr(), t_lo: self.t_lo.ptr(), counters: self.counters.ptr() }
+    }
+}
+
 /// [`run`], and the update the expand writes into a separate buffer (`lora_expand_to`, from the same
 /// shrink output), which starts as [`UNWRITTEN`].
 fn run_both(cuda: &Cuda, c: &Case, h: &Host, rows: Option<&[usize]>) -> (Vec<u16>, Vec<u16>) {
     let g = &cuda.gpu;
     let s = &g.stream;
     let pick: Vec<usize> = rows.map_or_else(|| (0..c.slots.len()).collect(), |r| r.to_vec());
-    let n = pick.len();
-    let gather = |src: &[u16], w: usize| pick.iter().flat_map(|&i| src[i * w..(i + 1) * w].to_vec()).collect::<Vec<u16>>();
-    let x = g.upload(&gather(&h.x, c.k)).unwrap();
-    let y = g.upload(&gather(&h.y0, c.y_width)).unwrap();
-    let slots_host: Vec<i32> = pick.iter().map(|&i| c.slots[i]).collect();
-    let slots = g.upload(&slots_host).unwrap();
-    let a: Vec<DevBuf<u16>> = h.a.iter().map(|v| g.upload(v).unwrap()).collect();
-    let b: Vec<DevBuf<u16>> = h.b.iter().map(|v| g.upload(v).unwrap()).collect();
-    let ranks = g.upload(&c.ranks.iter().map(|&r| r as i32).collect::<Vec<_>>()).unwrap();
-    let scales = g.upload(&c.scales).unwrap();
-    let order = g.alloc_zeros::<i32>(n).unwrap();
-    let seg = g.alloc_zeros::<i32>(c.ranks.len() + 1).unwrap();
-    let big_r = c.outs.len() * h.r_pad;
-    let t_part = g.alloc_zeros::<f32>(lora_splits(c.k) * n * big_r).unwrap();
-    let t_hi = g.alloc_zeros::<u16>(n * big_r).unwrap();
-    let t_lo = g.alloc_zeros::<u16>(n * big_r).unwrap();
-    let max_tiles = lora_max_tiles(n, c.ranks.len());
-    let counters = g.alloc_zeros::<i32>(3 * max_tiles).unwrap();
-    let tiles = g.alloc_zeros::<i32>(1 + 2 * max_tiles).unwrap();
-    let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: c.ranks.len() };
-    let modules: Vec<LoraModule> = c.outs.iter().enumerate().map(|(m, &(out, col))| LoraModule { a: a[m].ptr(), b: b[m].ptr(), out, col }).collect();
-    let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
+    let dev = Group::upload(cuda, c, h, &pick);
+    let (n, segs, modules, work) = (dev.n, dev.segs(), dev.modules(c), dev.work());
+    let (x, y, order, seg, tiles, slots_host) = (&dev.x, &dev.y, &dev.order, &dev.seg, &dev.tiles, &dev.slots_host);
     // SAFETY: every buffer above is sized as the wrappers document for these n tokens.
     unsafe {
         cuda.kernels.lora_group(s, &segs, n).unwrap();
@@ -317,27 +360,11 @@ fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
 fn swiglu_both(cuda: &Cuda, c: &Case, h: &Host) -> (Vec<u16>, Vec<u16>, Vec<u16>, Vec<u16>) {
     let g = &cuda.gpu;
     let s = &g.stream;
-    let n = c.slots.len();
+    let pick: Vec<usize> = (0..c.slots.len()).collect();
+    let dev = Group::upload(cuda, c, h, &pick);
+    let (n, segs, modules, work) = (dev.n, dev.segs(), dev.modules(c), dev.work());
+    let (x, y, slots) = (&dev.x, &dev.y, &dev.slots);
     let inter = c.outs[0].0;
-    let x = g.upload(&h.x).unwrap();
-    let y = g.upload(&h.y0).unwrap();
-    let slots = g.upload(&c.slots).unwrap();
-    let a: Vec<DevBuf<u16>> = h.a.iter().map(|v| g.upload(v).unwrap()).collect();
-    let b: Vec<DevBuf<u16>> = h.b.iter().map(|v| g.upload(v).unwrap()).collect();
-    let ranks = g.upload(&c.ranks.iter().map(|&r| r as i32).collect::<Vec<_>>()).unwrap();
-    let scales = g.upload(&c.scales).unwrap();
-    let order = g.alloc_zeros::<i32>(n).unwrap();
-    let seg = g.alloc_zeros::<i32>(c.ranks.len() + 1).unwrap();
-    let big_r = 2 * h.r_pad;
-    let t_part = g.alloc_zeros::<f32>(lora_splits(c.k) * n * big_r).unwrap();
-    let t_hi = g.alloc_zeros::<u16>(n * big_r).unwrap();
-    let t_lo = g.alloc_zeros::<u16>(n * big_r).unwrap();
-    let max_tiles = lora_max_tiles(n, c.ranks.len());
-    let counters = g.alloc_zeros::<i32>(3 * max_tiles).unwrap();
-    let tiles = g.alloc_zeros::<i32>(1 + 2 * max_tiles).unwrap();
-    let segs = LoraSegments { slots: slots.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: c.ranks.len() };
-    let modules: Vec<LoraModule> = c.outs.iter().enumerate().map(|(m, &(out, col))| LoraModule { a: a[m].ptr(), b: b[m].ptr(), out, col }).collect();
-    let work = LoraScratch { t_part: t_part.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), counters: counters.ptr() };
     let d = g.upload(&vec![UNWRITTEN; n * c.y_width]).unwrap();
     let (buffered, fused, plain) = (g.upload(&vec![UNWRITTEN; n * inter]).unwrap(), g.upload(&vec![UNWRITTEN; n * inter]).unwrap(), g.upload(&vec![UNWRITTEN; n * inter]).unwrap());
     // SAFETY: every buffer above is sized as the wrappers document for these n tokens.

@@ -609,37 +609,20 @@ __device__ __forceinline__ void lora_load_b(u32 (&bf)[4][KS][2], const bf16_t* _
 }
 
 // A warp's sums of one tile: acc[nt] = (t_hi + t_lo) · B over the first `ksteps` rank steps, t from
-// the tile's shared copy (`staged`: rows g and g + 8, columns sc0 + 16 ks + 2q; see lora_stage_t) or
-// from global memory (tokens i0, i1, -1 for none: zeros; columns gc0 + 16 ks + 2q of rows R wide).
+// the tile's shared copy (rows g and g + 8, columns c0 + 16 ks + 2q; see lora_stage_t).
 template <int KS>
-__device__ __forceinline__ void lora_tile_mma(float (&acc)[4][4], const u32 (&bf)[4][KS][2], bool staged,
-                                              const bf16_t* ts_hi, const bf16_t* ts_lo, int stride, int sc0,
-                                              const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo, int i0,
-                                              int i1, int R, int gc0, int ksteps, int g, int q) {
+__device__ __forceinline__ void lora_tile_mma(float (&acc)[4][4], const u32 (&bf)[4][KS][2], const bf16_t* ts_hi,
+                                              const bf16_t* ts_lo, int stride, int c0, int ksteps, int g, int q) {
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         if (ks < ksteps) {
-            u32 hi[4], lo[4];
-            if (staged) {
-                const int c = sc0 + ks * 16 + q * 2;
-                const bf16_t *h0 = ts_hi + g * stride + c, *h1 = h0 + 8 * stride;
-                const bf16_t *l0 = ts_lo + g * stride + c, *l1 = l0 + 8 * stride;
-                hi[0] = lora_ld2(h0), hi[1] = lora_ld2(h1), hi[2] = lora_ld2(h0 + 8), hi[3] = lora_ld2(h1 + 8);
-                lo[0] = lora_ld2(l0), lo[1] = lora_ld2(l1), lo[2] = lora_ld2(l0 + 8), lo[3] = lora_ld2(l1 + 8);
-            } else {
-                const int c = gc0 + ks * 16 + q * 2;
-                const u64 r0 = (u64)i0 * R + c, r1 = (u64)i1 * R + c;
-                hi[0] = i0 >= 0 ? lora_ld2(t_hi + r0) : 0u;
-                hi[1] = i1 >= 0 ? lora_ld2(t_hi + r1) : 0u;
-                hi[2] = i0 >= 0 ? lora_ld2(t_hi + r0 + 8) : 0u;
-                hi[3] = i1 >= 0 ? lora_ld2(t_hi + r1 + 8) : 0u;
-                lo[0] = i0 >= 0 ? lora_ld2(t_lo + r0) : 0u;
-                lo[1] = i1 >= 0 ? lora_ld2(t_lo + r1) : 0u;
-                lo[2] = i0 >= 0 ? lora_ld2(t_lo + r0 + 8) : 0u;
-                lo[3] = i1 >= 0 ? lora_ld2(t_lo + r1 + 8) : 0u;
-            }
+            const int c = c0 + ks * 16 + q * 2;
+            const bf16_t *h0 = ts_hi + g * stride + c, *h1 = h0 + 8 * stride;
+            const bf16_t *l0 = ts_lo + g * stride + c, *l1 = l0 + 8 * stride;
+            const u32 hi[4] = {lora_ld2(h0), lora_ld2(h1), lora_ld2(h0 + 8), lora_ld2(h1 + 8)};
+            const u32 lo[4] = {lora_ld2(l0), lora_ld2(l1), lora_ld2(l0 + 8), lora_ld2(l1 + 8)};
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
                 lora_mma(acc[nt], hi, bf[nt][ks][0], bf[nt][ks][1]);
@@ -684,10 +667,6 @@ __device__ __forceinline__ void lora_expand_body(
     // This warp's B fragments (4 column tiles × up to 4 rank steps) of the slot last loaded: a block
     // takes `tiles_per_block` consecutive work tiles, mostly of one slot, and reloads B only when the
     // slot changes. Each token's sum is the same whatever tiles share its block.
-    // Blocks of several tiles (prefill-sized steps) copy each tile's t into shared memory first;
-    // decode-sized ones read its fragments from global memory (the copy and its barrier cost batch 1
-    // about 2 % of its LoRA throughput on an H200). The same values either way.
-    const bool stage_t = tiles_per_block > 1;
     u32 bf[4][KS][2];
     int loaded = -1, ksteps = 0;
     for (int wt = blockIdx.y * tiles_per_block; wt < (int)(blockIdx.y + 1) * tiles_per_block && wt < tiles[0]; ++wt) {
@@ -714,14 +693,12 @@ __device__ __forceinline__ void lora_expand_body(
                 if (y_at[j] && !overwrite) y_pre[j] = *y_at[j];
             }
             const int ts_stride = r_pad + 8;
+            lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
+            __syncthreads();
+            float acc[4][4];
+            lora_tile_mma<KS>(acc, bf, ts_hi, ts_lo, ts_stride, 0, ksteps, g, q);
             const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
             const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
-            if (stage_t) {
-                lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
-                __syncthreads();
-            }
-            float acc[4][4];
-            lora_tile_mma<KS>(acc, bf, stage_t, ts_hi, ts_lo, ts_stride, 0, t_hi, t_lo, i0, i1, R, mod * r_pad, ksteps, g, q);
             if (vec8) {
                 // Accumulator (nt): rows g and g + 8, columns nt * 8 + 2q, +1 of this warp's 32.
 #pragma unroll
@@ -775,7 +752,7 @@ __device__ __forceinline__ void lora_expand_body(
                 }
             }
             // Every warp done with this tile's t before the next one is staged.
-            if (stage_t) __syncthreads();
+            __syncthreads();
         }
     }
 }
@@ -852,15 +829,10 @@ __device__ __forceinline__ void lora_expand_swiglu_body(
                 u_pre = *reinterpret_cast<const uint4*>(yr + inter);
             }
             const int ts_stride = 2 * r_pad + 8;
-            const bool stage_t = tiles_per_block > 1;  // as in lora_expand_body
-            const int i0 = m0 + g < len ? order[start + m0 + g] : -1;
-            const int i1 = m0 + g + 8 < len ? order[start + m0 + g + 8] : -1;
-            if (stage_t) {
-                lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, 0, 2 * r_pad);
-                __syncthreads();
-            }
+            lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, 0, 2 * r_pad);
+            __syncthreads();
             float acc[4][4];
-            lora_tile_mma<KS>(acc, bf, stage_t, ts_hi, ts_lo, ts_stride, mod * r_pad, t_hi, t_lo, i0, i1, R, mod * r_pad, ksteps, g, q);
+            lora_tile_mma<KS>(acc, bf, ts_hi, ts_lo, ts_stride, mod * r_pad, ksteps, g, q);
             // Accumulator (nt): rows g and g + 8, columns nt * 8 + 2q, +1 of this warp's 32.
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {

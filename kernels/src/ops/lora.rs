@@ -15,8 +15,6 @@ const LORA_KC: usize = 256;
 const LORA_EXPAND_COLS: usize = 128;
 /// Columns of each module per `lora_expand_swiglu` block (lora.cu's LORA_SWIGLU_COLS).
 const LORA_SWIGLU_COLS: usize = 64;
-/// Most work tiles per `lora_expand_swiglu` block (lora.cu's LORA_SWIGLU_TILES).
-const LORA_SWIGLU_TILES: usize = 4;
 /// Tokens per work tile (lora.cu's LORA_TILE).
 pub const LORA_TILE: usize = 16;
 
@@ -387,8 +385,8 @@ impl Kernels {
             return Err(KernelError::Unsupported(format!("LoRA SwiGLU: {inter} columns per module (a multiple of {LORA_SWIGLU_COLS}, both modules that wide)")));
         }
         let max_tiles = lora_max_tiles(n, segs.num_slots);
-        // The kernel holds at most LORA_SWIGLU_TILES tiles' vectors per block.
-        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_STAGED_MIN_TOKENS { 4 } else { 1 }).min(LORA_SWIGLU_TILES);
+        // Work tiles per block as for the expand (B fragments loaded once per slot for consecutive tiles).
+        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_STAGED_MIN_TOKENS { 4 } else { 1 });
         let launch = LaunchConfig {
             grid_dim: (as_u32(inter / LORA_SWIGLU_COLS, "column blocks")?, as_u32(max_tiles.div_ceil(per_block), "work tiles")?, 1),
             block_dim: (128, 1, 1),

@@ -2,6 +2,9 @@
 # The CUDA benchmarks of docs/benchmarks.md, from the prebuilt binaries in .device-bin/ (`make gpu-bins`
 # where Rust is), on a GPU machine. Prints figures; asserts nothing.
 #   bash scripts/bench-gpu.sh [micro] [decode] [tput128] [tput1000]   (default: all four)
+#   bash scripts/bench-gpu.sh lora   (issue 16's LoRA figures: decode with 4 rank-32 adapters at batch
+#   1/8/64/256, LoRA/base; prefill-heavy 1000 x 1000 in / 100 out with 4 adapters Zipf(1); 128/128 with
+#   16 adapters Zipf(1); each printed beside the base run of the same workload)
 #   bash scripts/bench-gpu.sh encoder   (MiniLM on the CUDA encoder, the forward alone and through the
 #   server, bf16 and f32, and on torch fp32/fp16 where python3 has torch + transformers; ENC or
 #   PEREGRINE_TEST_ENCODER names the folder)
@@ -26,6 +29,12 @@ for w in "${what[@]}"; do
     decode) "$bin/cuda_bench" ;;
     tput128) tput 128 128 ;;
     tput1000) tput 1000 1000 ;;
+    lora)
+      "$bin/peregrine-agent" bench --model scripts/shapes/llama-3.1-8b.json --load-format dummy --device cuda \
+        --context-len 128 --decode-tokens 128 --repeat 2 --max-model-len 2048 \
+        --lora 4 --lora-rank 32 --max-lora-rank 32 --zipf-s 0 --batch-sizes 1,8,64,256
+      MAX_NUM_SEQS=1024 MAX_NUM_BATCHED_TOKENS=16384 tput 1000 100 --lora 4 --lora-rank 32 --lora-dist zipf:1
+      MAX_NUM_SEQS=1024 MAX_NUM_BATCHED_TOKENS=16384 tput 128 128 --lora 16 --max-loras 16 --lora-rank 32 --lora-dist zipf:1 ;;
     encoder)
       enc="${ENC:-${PEREGRINE_TEST_ENCODER:?set ENC to the all-MiniLM-L6-v2 folder}}"
       "$bin/encoder_bench" "$enc" --device cuda --gemm bf16 --forward-only

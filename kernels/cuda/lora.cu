@@ -543,19 +543,10 @@ extern "C" __global__ void __launch_bounds__(LORA_RK_WARPS * 32) lora_shrink_ran
     }
 }
 
-// y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each
-// segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
-// module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128),
-// ceil(max tiles / tiles_per_block)); block: 128.
-// With `overwrite`, y is a separate delta buffer instead: y[i, ..] = bf16(update) for every token with
-// a slot (zeros for an empty slot's rank 0), nothing read; the kernel that consumes the base output
-// adds it (LoraDelta in ops/lora.rs), so this launch can run beside the base projection.
-// KS: the most 16-rank steps of B a thread holds (LORA_MAX_R / 16 = 4; 2 where r_pad <= 32, which
-// keeps 16 fewer registers of B fragments).
 // Row stride of the expand kernels' staged sums, in floats: 8 more than the columns, so that the
 // float2 stores of an mma accumulator (rows g, columns 2q) from half a warp hit 32 distinct banks.
 #define LORA_STAGE_PAD 8
-// An accumulator pair (columns c, c + 1 of rows g and g + 8) into staged sums `rows` floats apart.
+// An accumulator pair (columns c, c + 1 of rows g and g + 8) into staged sums `stride` floats apart.
 __device__ __forceinline__ void lora_stage_acc(float* staged, int stride, int g, int c, const float (&acc)[4]) {
     *reinterpret_cast<float2*>(staged + g * stride + c) = make_float2(acc[0], acc[1]);
     *reinterpret_cast<float2*>(staged + (g + 8) * stride + c) = make_float2(acc[2], acc[3]);
@@ -632,6 +623,15 @@ __device__ __forceinline__ void lora_tile_mma(float (&acc)[4][4], const u32 (&bf
     }
 }
 
+// y[i, col_m + o] += (t_hi + t_lo)[i, module m's ranks] · B_m[slot_i][o, :] for the tokens of each
+// segment, rounded back to bf16. b_m: module m's B stack for this layer, [slots, out_m, r_pad] bf16;
+// module m's columns start at col_m in rows `y_stride` apart. grid: (Σ_m ceil(out_m / 128),
+// ceil(max tiles / tiles_per_block)); block: 128.
+// With `overwrite`, y is a separate delta buffer instead: y[i, ..] = bf16(update) for every token with
+// a slot (zeros for an empty slot's rank 0), nothing read; the kernel that consumes the base output
+// adds it (LoraDelta in ops/lora.rs), so this launch can run beside the base projection.
+// KS: the most 16-rank steps of B a thread holds (LORA_MAX_R / 16 = 4; 2 where r_pad <= 32, which
+// keeps 16 fewer registers of B fragments).
 template <int KS>
 __device__ __forceinline__ void lora_expand_body(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
@@ -782,10 +782,9 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv_r32(LORA_EXPA
 // (lora_expand_to, then silu_mul adding the buffer), without an update buffer as large as y and
 // without writing y back (gate|up's in-place expand was the largest of a prefill step's LoRA
 // launches: 1,094 of 2,611 µs per layer at 16,384 tokens on an H200). silu_mul skips these rows
-// (its skip_slots). Tiles of an empty slot (rank 0)
-// are written too, with no update. grid: (inter / 64, ceil(max tiles / tiles_per_block));
-// block: 128, warps 0-1 the block's 64 gate columns, warps 2-3 the same 64 up columns.
-// inter % 64 == 0; y and h 16-byte aligned.
+// (its skip_slots). Tiles of an empty slot (rank 0) are written too, with no update. grid:
+// (inter / 64, ceil(max tiles / tiles_per_block)); block: 128, warps 0-1 the block's 64 gate
+// columns, warps 2-3 the same 64 up columns. inter % 64 == 0; y and h 16-byte aligned.
 #define LORA_SWIGLU_COLS 64
 template <int KS>
 __device__ __forceinline__ void lora_expand_swiglu_body(

@@ -82,9 +82,22 @@ pub(crate) fn lora_staged_smem_bytes(r_pad: usize) -> u32 {
     (STAGES * (4 * LORA_TILE + r_pad) * (LORA_KC / 4 + 8) * 2) as u32
 }
 
-/// Steps of at least this many tokens take the staged shrink by default: below it, a step's tiles
-/// are mostly of different slots and a 64-token block would run them one pass at a time.
-const LORA_STAGED_MIN_TOKENS: usize = 512;
+/// Steps of at least this many tokens take 4 work tiles per expand block (tiles mostly of one slot
+/// there; below, decode batches' tiles mostly change slot and 1 per block is faster).
+const LORA_EXPAND_MULTI_TILE_MIN_TOKENS: usize = 512;
+
+/// Dynamic shared memory of a `lora_shrink_sgmv` block (lora.cu): a chunk of the tile's 16 rows of
+/// x and of A's `r_pad` rows, LORA_KC + 8 bf16 each (42 KB at rank 64, under the 48 KB that needs no
+/// opt-in).
+fn lora_split_smem_bytes(r_pad: usize) -> u32 {
+    ((LORA_TILE + r_pad) * (LORA_KC + 8) * 2) as u32
+}
+
+/// Steps of at least this many tokens take the staged shrink by default. Below it the split kernel,
+/// with its chunks staged in shared memory, is faster: on an H200 (`MICRO=lora`, 16 adapters of rank
+/// 32, µs for q|k|v / o / gate|up / down) 1,024 tokens 39.6 / 20.7 / 31.0 / 49.0 against the staged
+/// kernel's 39.5 / 28.7 / 34.7 / 63.4; at 2,048 the staged kernel wins in sum (210 against 225 µs).
+const LORA_STAGED_MIN_TOKENS: usize = 2048;
 
 /// The step's adapter tables on the device, shared by every projection of the step.
 #[derive(Debug, Clone, Copy)]
@@ -274,14 +287,17 @@ impl Kernels {
             let splits = if shape == LoraShrinkShape::Whole { 1 } else { lora_splits(k) };
             (&self.lora_shrink_sgmv, (as_u32(splits, "splits")?, as_u32(max_tiles, "work tiles")?, modules.len() as u32), 0)
         };
-        let smem = if staged { lora_staged_smem_bytes(r_pad) } else { 0 };
+        let smem = if staged { lora_staged_smem_bytes(r_pad) } else { lora_split_smem_bytes(r_pad) };
         let launch = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: smem };
         let per_block_i = as_i32(chunks_per_block, "chunks per block")?;
         let mut l = Launch::new(function);
         l.arg(&work.t_hi).arg(&work.t_lo).arg(&work.t_part).arg(&work.counters).arg(&x).arg(&x_stride).arg(&m0.a).arg(&m1.a).arg(&m2.a);
         l.arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&k_i).arg(&r_i).arg(&nm);
+        let aligned_i = i32::from(aligned);
         if staged {
             l.arg(&per_block_i);
+        } else {
+            l.arg(&aligned_i);
         }
         l.launch(s, launch, self.pdl)?;
         Ok(())
@@ -330,7 +346,7 @@ impl Kernels {
         // mostly change slot (docs/benchmarks.md).
         // Prefill-sized steps (512+ tokens, tiles mostly of one slot) take 4: on an H100 at 4096
         // tokens the gate|up expand went 457 -> 408 µs per group that way (docs/benchmarks.md).
-        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_STAGED_MIN_TOKENS { 4 } else { 1 });
+        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_EXPAND_MULTI_TILE_MIN_TOKENS { 4 } else { 1 });
         let per_block_i = as_i32(per_block, "tiles per block")?;
         let overwrite_i = overwrite as i32;
         let expand = LaunchConfig {
@@ -386,7 +402,7 @@ impl Kernels {
         }
         let max_tiles = lora_max_tiles(n, segs.num_slots);
         // Work tiles per block as for the expand (B fragments loaded once per slot for consecutive tiles).
-        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_STAGED_MIN_TOKENS { 4 } else { 1 });
+        let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_EXPAND_MULTI_TILE_MIN_TOKENS { 4 } else { 1 });
         let launch = LaunchConfig {
             grid_dim: (as_u32(inter / LORA_SWIGLU_COLS, "column blocks")?, as_u32(max_tiles.div_ceil(per_block), "work tiles")?, 1),
             block_dim: (128, 1, 1),
@@ -443,7 +459,10 @@ mod tests {
 
     #[test]
     fn prefill_steps_take_the_staged_kernel_where_x_and_a_are_aligned() {
-        assert_eq!(shrink_shape(None, step(512, 4096, 3), H100_SMS), LoraShrinkShape::Staged);
+        assert_eq!(shrink_shape(None, step(2048, 4096, 3), H100_SMS), LoraShrinkShape::Staged);
+        // Up to 2047 tokens the split kernel (faster there, docs/benchmarks.md).
+        assert_eq!(shrink_shape(None, step(512, 4096, 3), H100_SMS), LoraShrinkShape::Split);
+        assert_eq!(shrink_shape(None, step(2047, 14336, 1), H100_SMS), LoraShrinkShape::Split);
         assert_eq!(shrink_shape(None, step(16384, 14336, 1), H100_SMS), LoraShrinkShape::Staged);
         // Unaligned rows: enough tiles for four blocks per SM walk the whole fan-in, fewer split it.
         let unaligned = |n, modules| ShrinkStep { aligned: false, ..step(n, 4096, modules) };

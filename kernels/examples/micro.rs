@@ -8,17 +8,24 @@ use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
 use peregrine_kernels::ops::{AttentionKernel, AttnOutQuant, Gemv8Kernel};
 use peregrine_kernels::{Cuda, KvCacheDtype, OutType, W8Format};
 
+/// Median seconds per call of `f` over `reps` timings. Each timing brackets `MICRO_INNER` calls
+/// (default 1, as every figure in docs/benchmarks.md up to session 20) with two events: with one, a
+/// short kernel's time includes the host's launch latency; with several back to back, launches
+/// overlap the kernels before them and the figure approaches the GPU's time per call.
 fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
     f();
+    let inner = std::env::var("MICRO_INNER").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut ts = vec![];
     for _ in 0..reps {
         let (a, b) = (c.gpu.ctx.new_event(flags).unwrap(), c.gpu.ctx.new_event(flags).unwrap());
         a.record(&c.gpu.stream).unwrap();
-        f();
+        for _ in 0..inner {
+            f();
+        }
         b.record(&c.gpu.stream).unwrap();
         b.synchronize().unwrap();
-        ts.push(a.elapsed_ms(&b).unwrap() as f64 * 1e-3);
+        ts.push(a.elapsed_ms(&b).unwrap() as f64 * 1e-3 / inner as f64);
     }
     ts.sort_by(|x, y| x.total_cmp(y));
     ts[ts.len() / 2]

@@ -101,10 +101,7 @@ __device__ __forceinline__ void lora_store_t(bf16_t* t_hi, bf16_t* t_lo, u64 at,
 
 // The last block of a tile: every split's partial sum of each (token, rank) of the tile added in
 // split order from 0, scaled, stored as t (zeros past the slot's rank up to r_pad). Threads
-// `first`, `first + stride`, ... share the tile's len * r_pad values. The partial sums are loaded
-// LORA_SUM_BATCH at a time before they are added (one add chain, in split order, as before: the same
-// bits), so that a thread waits for one round trip to L2 per batch instead of one per few splits.
-#define LORA_SUM_BATCH 16
+// `first`, `first + stride`, ... share the tile's len * r_pad values.
 __device__ __forceinline__ void lora_sum_splits(bf16_t* t_hi, bf16_t* t_lo, const float* t_part, const int* order,
                                                 int start, int len, int n, int R, int mod, int r_pad, int rank,
                                                 float scale, int splits, int first, int stride) {
@@ -113,17 +110,7 @@ __device__ __forceinline__ void lora_sum_splits(bf16_t* t_hi, bf16_t* t_lo, cons
         const u64 at = (u64)order[start + row] * R + mod * r_pad + col;
         float v = 0.f;
         if (col < rank) {
-            for (int s0 = 0; s0 < splits; s0 += LORA_SUM_BATCH) {
-                float p[LORA_SUM_BATCH];
-#pragma unroll
-                for (int j = 0; j < LORA_SUM_BATCH; ++j) {
-                    p[j] = s0 + j < splits ? __ldcg(t_part + (u64)(s0 + j) * n * R + at) : 0.f;
-                }
-#pragma unroll
-                for (int j = 0; j < LORA_SUM_BATCH; ++j) {
-                    if (s0 + j < splits) v += p[j];
-                }
-            }
+            for (int s = 0; s < splits; ++s) v += __ldcg(t_part + (u64)s * n * R + at);
             v *= scale;
         }
         lora_store_t(t_hi, t_lo, at, v);

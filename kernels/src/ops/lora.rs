@@ -43,12 +43,13 @@ pub fn lora_splits(k: usize) -> usize {
 /// `gpu_lora` checks it), so the choice may follow the step's size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoraShrinkShape {
-    /// `lora_shrink_sgmv`, the fan-in split over blocks (one chunk of 256 each): decode-sized steps.
+    /// `lora_shrink_sgmv`, the fan-in split over blocks (one chunk of 256 each, staged in shared
+    /// memory): steps below `LORA_STAGED_MIN_TOKENS` (2,048) that `Ranks` does not take.
     Split,
     /// `lora_shrink_sgmv`, one block per tile and module walking the whole fan-in.
     Whole,
     /// `lora_shrink_staged`: x and A staged in shared memory, 64 tokens per block, the fan-in split
-    /// over as many blocks as fill the GPU: prefill-sized steps.
+    /// over as many blocks as fill the GPU: prefill-sized steps (from `LORA_STAGED_MIN_TOKENS`, 2,048).
     Staged,
     /// `lora_shrink_staged` with one block per 64 tokens and module walking the whole fan-in (what
     /// `Staged` becomes where the tiles alone fill the GPU).

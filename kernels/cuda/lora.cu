@@ -296,7 +296,6 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
 // shared memory: LORA_STAGES * (4 * LORA_TILE + r_pad) rows of LORA_SROW (lora_staged_smem_bytes).
 #define LORA_STAGES 3
 
-
 // NT: 8-rank accumulator tiles a warp holds (r_pad / 8 at most); the r32 instance holds 4, so fewer
 // registers and more blocks per SM for ranks up to 32.
 template <int NT>

@@ -353,6 +353,34 @@ fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
     cuda.kernels.set_lora_launch_shapes(None, None);
 }
 
+#[test]
+fn the_split_shrink_gives_the_same_bits_from_rows_that_are_not_16_byte_aligned() {
+    let Some(mut cuda) = cuda_or_skip() else { return };
+    // x rows 2 elements longer than the fan-in: 4-byte aligned, not 16, so the split kernel stages
+    // them 4 bytes at a time instead of with cp.async; its bits must be those of packed rows.
+    let slots: Vec<i32> = (0..45).map(|i| [0, 1, 2, 3, -1][i % 5]).collect();
+    let case = Case { k: 1040, outs: vec![(200, 0), (72, 200), (72, 272)], y_width: 344, ranks: vec![8, 32, 64, 0], scales: vec![2.0, 0.5, 1.0, 0.0], slots };
+    let mut r = rng();
+    let h = host_inputs(&mut r, &case);
+    for shape in [LoraShrinkShape::Split, LoraShrinkShape::Whole] {
+        cuda.kernels.set_lora_launch_shapes(Some(shape), Some(1));
+        let want = run(&cuda, &case, &h, None);
+        let all: Vec<usize> = (0..case.slots.len()).collect();
+        let dev = Group::upload(&cuda, &case, &h, &all);
+        let x_stride = case.k + 2;
+        let padded: Vec<u16> = h.x.chunks(case.k).flat_map(|row| row.iter().copied().chain([0, 0])).collect();
+        let x = cuda.gpu.upload(&padded).unwrap();
+        let (s, segs, modules, work) = (&cuda.gpu.stream, dev.segs(), dev.modules(&case), dev.work());
+        // SAFETY: the group's buffers are sized for its tokens; x holds them at `x_stride`.
+        unsafe {
+            cuda.kernels.lora_group(s, &segs, dev.n).unwrap();
+            cuda.kernels.lora_apply(s, dev.y.ptr(), case.y_width, x.ptr(), x_stride, case.k, &modules, h.r_pad, &segs, &work, dev.n).unwrap();
+        }
+        assert!(dev.y.download(s).unwrap() == want, "shrink {shape:?}: x rows {x_stride} apart give other bits than packed rows");
+    }
+    cuda.kernels.set_lora_launch_shapes(None, None);
+}
+
 /// SwiGLU of a gate|up case (modules 0 and 1, each `inter` wide, side by side in y) with the LoRA
 /// updates, two ways from the same shrink: the update buffer added by `silu_mul` (decode-sized
 /// steps), and `silu_mul_unslotted` + `lora_expand_swiglu` (large steps); both outputs start as

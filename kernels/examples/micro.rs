@@ -245,7 +245,12 @@ fn lora(c: &Cuda) {
     println!("{:<10} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9} {:>8} {:>11} {:>11}", "LoRA", "batch", "rank", "qkv us", "o us", "gate_up", "down", "x32 ms", "qkv shrink", "qkv expand");
     let mut halves_rows = Vec::new();
     let mut swiglu_rows = Vec::new();
-    for (adapters, rank) in [(4usize, 32usize), (4, 8), (4, 64), (16, 32)] {
+    // `MICRO_LORA_CONFIGS=16x32,4x32`: only those (adapters x rank) configurations (for ncu runs).
+    let configs: Vec<(usize, usize)> = std::env::var("MICRO_LORA_CONFIGS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|c| c.trim().split_once('x')).filter_map(|(a, r)| Some((a.parse().ok()?, r.parse().ok()?))).collect())
+        .unwrap_or_else(|| vec![(4usize, 32usize), (4, 8), (4, 64), (16, 32)]);
+    for (adapters, rank) in configs {
         let r_pad = lora_rank_pad(rank);
         let bufs: Vec<Vec<(peregrine_kernels::DevBuf<u16>, peregrine_kernels::DevBuf<u16>)>> = groups
             .iter()

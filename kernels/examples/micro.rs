@@ -15,6 +15,8 @@ use peregrine_kernels::{Cuda, KvCacheDtype, OutType, W8Format};
 fn time<F: FnMut()>(c: &Cuda, reps: usize, mut f: F) -> f64 {
     f();
     let inner = std::env::var("MICRO_INNER").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
+    // `MICRO_REPS=1`: one timing per figure (a short ncu capture sees every kernel a few times).
+    let reps = std::env::var("MICRO_REPS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(reps).max(1);
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut ts = vec![];
     for _ in 0..reps {

@@ -136,11 +136,6 @@ extern __shared__ __align__(16) bf16_t lora_stage_smem[];
 // between launches; x rows `x_stride` apart; a_m: module m's A stack for this layer, [slots, r_pad,
 // k] bf16; ranks, scales: one per slot. grid: (ceil(k / LORA_KC), max tiles, n_modules); block: 128;
 // dynamic shared memory: (LORA_TILE + r_pad) rows of LORA_CROW bf16. k a multiple of 16.
-// A block takes `chunks_per_block` consecutive chunks (grid x = ceil(chunks / chunks_per_block)),
-// one after another, and stores each chunk's sum in t_part as a block of one chunk would: the last
-// block adds every chunk's sum in chunk order whatever the grid, so the bits do not depend on it.
-// (One chunk per block, a 1,024-token step with 16 adapters launched 3,840 blocks of 64 mma each
-// for q|k|v: ncu on an H200 saw them issue-bound on their own set-up, at 10 % DRAM throughput.)
 // Each chunk's 16 rows of x and the slot's rows of A are first copied into shared memory, with
 // 16-byte cp.async where `aligned` (x, A and their row strides 16-byte aligned), else 4 bytes at a
 // time; the mma fragments are then read from there. (Read straight from global memory, 4 bytes per
@@ -152,15 +147,13 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
     const bf16_t* __restrict__ x, int x_stride, const bf16_t* __restrict__ a0, const bf16_t* __restrict__ a1,
     const bf16_t* __restrict__ a2, const int* __restrict__ order, const int* __restrict__ seg,
     const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n, int k,
-    int r_pad, int n_modules, int aligned, int chunks_per_block) {
+    int r_pad, int n_modules, int aligned) {
     // xs: [LORA_TILE][LORA_CROW], then as: [r_pad][LORA_CROW]; once a chunk's mma are done, the
     // warps' sums (red: [4][LORA_TILE][cols + 1] f32, at most 16.6 KB) reuse the same bytes.
     bf16_t* const xs = lora_stage_smem;
     bf16_t* const as = lora_stage_smem + LORA_TILE * LORA_CROW;
     float* const red = reinterpret_cast<float*>(lora_stage_smem);
     __shared__ int last;
-    // The tile's token indices, looked up once for every chunk's staging and store.
-    __shared__ int tok[LORA_TILE];
     pdl_wait();
     pdl_trigger();
     const int split = blockIdx.x, tile = blockIdx.y, mod = blockIdx.z;
@@ -179,15 +172,11 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
     // keeping each chunk's sum in registers: both add the chunks' sums in chunk order starting
     // from 0, so a token's result is the same bits either way (batch invariance across step sizes).
     const bool whole = gridDim.x == 1;
-    const int chunks = (k + LORA_KC - 1) / LORA_KC;
-    const int chunk_begin = whole ? 0 : split * chunks_per_block;
-    const int chunk_end = whole ? chunks : min(chunks, chunk_begin + chunks_per_block);
-    if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = (int)threadIdx.x < len ? order[start + threadIdx.x] : 0;
-    __syncthreads();
+    const int chunk_end = whole ? (k + LORA_KC - 1) / LORA_KC : split + 1;
     float run[LORA_RUN];
 #pragma unroll
     for (int j = 0; j < LORA_RUN; ++j) run[j] = 0.f;
-    for (int chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+    for (int chunk = whole ? 0 : split; chunk < chunk_end; ++chunk) {
         const int k0 = chunk * LORA_KC;
         // Stage: x's rows (zeros past the tile's tokens), then A's first `cols` rows; 16-byte pieces
         // past k are left alone (the k-steps there are skipped below).
@@ -195,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
             const int row = e / (LORA_KC / 8), kk = k0 + (e % (LORA_KC / 8)) * 8;
             if (kk >= k) continue;
             const bool is_x = row < LORA_TILE, fill = !is_x || row < len;
-            const bf16_t* src = is_x ? (fill ? x + (u64)tok[row] * x_stride + kk : x) : a + (u64)(row - LORA_TILE) * k + kk;
+            const bf16_t* src = is_x ? (fill ? x + (u64)order[start + row] * x_stride + kk : x) : a + (u64)(row - LORA_TILE) * k + kk;
             bf16_t* dst = xs + row * LORA_CROW + (kk - k0);  // as follows xs: row LORA_TILE is A's row 0
             if (aligned) {
                 lora_cp16(dst, src, fill);
@@ -252,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
                 if (whole) {
                     run[j] += v;
                 } else if (row < len) {
-                    t_part[((u64)chunk * n + tok[row]) * R + mod * r_pad + col] = v;
+                    t_part[((u64)split * n + order[start + row]) * R + mod * r_pad + col] = v;
                 }
             }
         }
@@ -286,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_sgmv(
     if (!last) return;
     __threadfence();
     if (threadIdx.x == 0) counters[tile * 3 + mod] = 0;
-    lora_sum_splits(t_hi, t_lo, t_part, order, start, len, n, R, mod, r_pad, rank, scale, chunks, threadIdx.x, blockDim.x);
+    lora_sum_splits(t_hi, t_lo, t_part, order, start, len, n, R, mod, r_pad, rank, scale, gridDim.x, threadIdx.x, blockDim.x);
 }
 
 // Prefill-sized steps: lora_shrink_staged computes what lora_shrink_sgmv computes, bit for bit, with

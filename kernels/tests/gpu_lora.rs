@@ -339,13 +339,6 @@ fn grouped_lora_gives_the_same_bits_for_every_launch_shape() {
         let got = run(&cuda, &case, &h, None);
         assert!(got == base, "shrink {shape:?}, {tiles} tiles per expand block: different bits");
     }
-    // Split blocks taking several of the five chunks each (the last block fewer): the same bits.
-    cuda.kernels.set_lora_launch_shapes(Some(Split), Some(1));
-    for chunks in [2, 3, 4] {
-        cuda.kernels.set_lora_split_chunks(Some(chunks));
-        assert!(run(&cuda, &case, &h, None) == base, "split shrink, {chunks} chunks per block: different bits");
-    }
-    cuda.kernels.set_lora_split_chunks(None);
     // The same step with every module's columns 8-aligned, so that the expand takes its 16-byte
     // path (the case above, with a module at column 273, takes the 2-byte one).
     let aligned = Case { outs: vec![(200, 0), (72, 200), (72, 272)], y_width: 344, ..case };

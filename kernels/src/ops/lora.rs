@@ -43,9 +43,8 @@ pub fn lora_splits(k: usize) -> usize {
 /// `gpu_lora` checks it), so the choice may follow the step's size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoraShrinkShape {
-    /// `lora_shrink_sgmv`, the fan-in split over blocks (chunks of 256 staged in shared memory, one
-    /// or more per block: [`split_chunks_per_block`]): steps below `LORA_STAGED_MIN_TOKENS` (2,048)
-    /// that `Ranks` does not take.
+    /// `lora_shrink_sgmv`, the fan-in split over blocks (one chunk of 256 each, staged in shared
+    /// memory): steps below `LORA_STAGED_MIN_TOKENS` (2,048) that `Ranks` does not take.
     Split,
     /// `lora_shrink_sgmv`, one block per tile and module walking the whole fan-in.
     Whole,
@@ -94,19 +93,6 @@ const LORA_EXPAND_MULTI_TILE_MIN_TOKENS: usize = 512;
 fn lora_split_smem_bytes(r_pad: usize) -> u32 {
     ((LORA_TILE + r_pad) * (LORA_KC + 8) * 2) as u32
 }
-
-/// Chunks of the fan-in per `lora_shrink_sgmv` block in the `Split` shape: the most (1, 2, 4 or 8)
-/// that still leave `LORA_SPLIT_MIN_BLOCKS_PER_SM` blocks per SM. Each block then stages and sums
-/// several chunks one after another (same bits: every chunk's sum still goes to `t_part` and the
-/// last block adds them in chunk order). One chunk per block made a 1,024-token step with 16
-/// adapters launch 3,840 blocks of 64 mma each for q|k|v, issue-bound on their set-up (ncu, H200).
-fn split_chunks_per_block(chunks: usize, tiles: usize, modules: usize, num_sms: usize) -> usize {
-    let min_blocks = LORA_SPLIT_MIN_BLOCKS_PER_SM * num_sms;
-    [8, 4, 2].into_iter().find(|&c| chunks.div_ceil(c) * tiles * modules >= min_blocks).unwrap_or(1)
-}
-
-/// See [`split_chunks_per_block`].
-const LORA_SPLIT_MIN_BLOCKS_PER_SM: usize = 4;
 
 /// Steps of at least this many tokens take the staged shrink by default. Below it the split kernel,
 /// with its chunks staged in shared memory, is faster: on an H200 (`MICRO=lora`, 16 adapters of rank
@@ -212,12 +198,6 @@ impl Kernels {
         self.lora_expand_tiles = expand_tiles.map(|t| t.clamp(1, 16));
     }
 
-    /// Fixes the chunks of the fan-in per block of the `Split` shrink (1 to 64) instead of
-    /// [`split_chunks_per_block`]'s choice (None). Every choice gives the same bits; tests check that.
-    pub fn set_lora_split_chunks(&mut self, chunks: Option<usize>) {
-        self.lora_split_chunks = chunks.map(|c| c.clamp(1, 64));
-    }
-
     /// Whether stacks padded to 32 ranks or fewer take the expand that holds B for 32 ranks only
     /// (the default) or the one for every rank. The same bits either way; tests check that.
     pub fn set_lora_expand_r32(&mut self, on: bool) {
@@ -305,12 +285,8 @@ impl Kernels {
             let function = if r_pad <= 32 && self.lora_staged_r32 && splits > 1 { &self.lora_shrink_staged_r32 } else { &self.lora_shrink_staged };
             (function, (as_u32(groups, "tile groups")?, modules.len() as u32, as_u32(splits, "splits")?), per_block)
         } else {
-            let chunks = lora_splits(k);
-            let per_block = match shape {
-                LoraShrinkShape::Whole => chunks,
-                _ => self.lora_split_chunks.unwrap_or_else(|| split_chunks_per_block(chunks, max_tiles, modules.len(), self.num_sms as usize)).min(chunks),
-            };
-            (&self.lora_shrink_sgmv, (as_u32(chunks.div_ceil(per_block), "splits")?, as_u32(max_tiles, "work tiles")?, modules.len() as u32), per_block)
+            let splits = if shape == LoraShrinkShape::Whole { 1 } else { lora_splits(k) };
+            (&self.lora_shrink_sgmv, (as_u32(splits, "splits")?, as_u32(max_tiles, "work tiles")?, modules.len() as u32), 0)
         };
         let smem = if staged { lora_staged_smem_bytes(r_pad) } else { lora_split_smem_bytes(r_pad) };
         let launch = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: smem };
@@ -319,10 +295,11 @@ impl Kernels {
         l.arg(&work.t_hi).arg(&work.t_lo).arg(&work.t_part).arg(&work.counters).arg(&x).arg(&x_stride).arg(&m0.a).arg(&m1.a).arg(&m2.a);
         l.arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&k_i).arg(&r_i).arg(&nm);
         let aligned_i = i32::from(aligned);
-        if !staged {
+        if staged {
+            l.arg(&per_block_i);
+        } else {
             l.arg(&aligned_i);
         }
-        l.arg(&per_block_i);
         l.launch(s, launch, self.pdl)?;
         Ok(())
     }
@@ -502,18 +479,5 @@ mod tests {
         assert_eq!(shrink_shape(Some(LoraShrinkShape::Ranks), step(1, LORA_RANKS_MAX_K + 16, 1), H100_SMS), LoraShrinkShape::Split);
         assert_eq!(shrink_shape(Some(LoraShrinkShape::Ranks), step(1, 14336, 1), H100_SMS), LoraShrinkShape::Ranks);
         assert_eq!(shrink_shape(Some(LoraShrinkShape::Split), step(4096, 4096, 3), H100_SMS), LoraShrinkShape::Split);
-    }
-
-    #[test]
-    fn split_blocks_take_several_chunks_while_four_blocks_per_sm_remain() {
-        // 1,024 tokens over 16 adapters (80 work tiles), q|k|v: 16 chunks, 4 per block (960 blocks);
-        // o: 2 per block (640; 4 would leave 320 < 528).
-        assert_eq!(split_chunks_per_block(16, 80, 3, H100_SMS), 4);
-        assert_eq!(split_chunks_per_block(16, 80, 1, H100_SMS), 2);
-        // 256 tokens over 4 adapters (20 tiles): q|k|v keeps one chunk a block, down's 56 take 2.
-        assert_eq!(split_chunks_per_block(16, 20, 3, H100_SMS), 1);
-        assert_eq!(split_chunks_per_block(56, 20, 1, H100_SMS), 2);
-        // Never more than 8, however many tiles.
-        assert_eq!(split_chunks_per_block(56, 1000, 3, H100_SMS), 8);
     }
 }

@@ -175,9 +175,6 @@ pub struct Kernels {
     /// `PEREGRINE_LORA_EXPAND_TILES=n` (1 to 16): work tiles per expand block, instead of the choice
     /// by grid size.
     lora_expand_tiles: Option<usize>,
-    /// `PEREGRINE_LORA_SPLIT_CHUNKS=n` (1 to 64): chunks of the fan-in per split-shrink block,
-    /// instead of the choice by grid size.
-    lora_split_chunks: Option<usize>,
     /// Launch GEMVs with programmatic dependent launch (sm_90+; `PEREGRINE_PDL=0` turns it off).
     pdl: bool,
 }
@@ -295,7 +292,6 @@ impl Kernels {
                 _ => None,
             },
             lora_expand_tiles: std::env::var("PEREGRINE_LORA_EXPAND_TILES").ok().and_then(|v| v.parse().ok()).filter(|n: &usize| (1..=16).contains(n)),
-            lora_split_chunks: std::env::var("PEREGRINE_LORA_SPLIT_CHUNKS").ok().and_then(|v| v.parse().ok()).filter(|n: &usize| (1..=64).contains(n)),
             // On by default on sm_90+ (`PEREGRINE_PDL=0` turns it off): with the kernels before the
             // GEMVs (norms, attention, the gate/up GEMV) triggering early, batch-1 decode on an H100
             // went 166.2 -> 167.8 tokens/s (docs/benchmarks.md).

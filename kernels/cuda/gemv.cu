@@ -10,7 +10,25 @@
 // (x · up_j) for the fused weight [gate; up] of 2n rows: a block's rows come in pairs (gate j, up j),
 // so the activation is written straight away and silu_mul's kernel (and its launch) disappear from
 // batch-1..8 decode steps. The two dot products are rounded to bf16 first, as the unfused path does.
+//
+// LORA (gemv_lora_m1): one token's LoRA shrink computed by the same launch, as extra rows after the
+// base weight's n: row n + j is row j % r_pad of module j / r_pad's A for the token's slot, and its
+// sum, times the slot's scale, goes to t (as bf16 hi + lo, lora.cu's layout: t_hi[j], t_lo[j])
+// instead of y. A decode step of one token then needs no shrink launch of its own: the expand follows
+// the GEMV (see cuda/lora.rs, where the side stream's shrink -> expand chain was longer than a short
+// base GEMV at batch 1).
 #define GEMV_WARPS 8
+
+// The LoRA rows of gemv_lora_m1 (see the top). slot < 0: none (the token has no adapter).
+struct GemvLoraRows {
+    const bf16_t* a0;
+    const bf16_t* a1;
+    const bf16_t* a2;
+    const float* scales;
+    bf16_t* t_hi;
+    bf16_t* t_lo;
+    int slot, r_pad, rows;  // rows: n_modules * r_pad
+};
 
 __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
     const u32 av[4] = {a.x, a.y, a.z, a.w};
@@ -24,9 +42,10 @@ __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
     return s;
 }
 
-template <int MAXM, int GEMV_UNROLL, bool SILU = false>
+template <int MAXM, int GEMV_UNROLL, bool SILU = false, bool LORA = false>
 __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const bf16_t* __restrict__ x,
-                                          const bf16_t* __restrict__ w, int m, int n, int k, int wpr) {
+                                          const bf16_t* __restrict__ w, int m, int n, int k, int wpr,
+                                          const GemvLoraRows* lora = nullptr) {
     __shared__ float partial[GEMV_WARPS][MAXM];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows_per_block = GEMV_WARPS / wpr;
@@ -42,8 +61,19 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
     float acc[MAXM];
 #pragma unroll
     for (int i = 0; i < MAXM; ++i) acc[i] = 0.f;
-    const bool live = SILU ? (vrow >> 1) < n : row < n;
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (u64)min(row, nrows - 1) * k);
+    bool live = SILU ? (vrow >> 1) < n : row < n;
+    const bf16_t* wrow = w + (u64)min(row, nrows - 1) * k;
+    int lora_row = -1;  // LORA: this warp's column of t, or -1
+    if constexpr (LORA) {
+        const int j = vrow - n;
+        if (j >= 0 && j < lora->rows && lora->slot >= 0) {
+            const int mod = j / lora->r_pad, local = j - mod * lora->r_pad;
+            wrow = (mod == 0 ? lora->a0 : mod == 1 ? lora->a1 : lora->a2) + ((u64)lora->slot * lora->r_pad + local) * k;
+            live = true;
+            lora_row = j;
+        }
+    }
+    const uint4* wr = reinterpret_cast<const uint4*>(wrow);
     // The weights do not depend on the previous kernel: the first UNROLL loads go out before
     // pdl_wait(), overlapping that kernel's tail when launched with PDL; x is read only after it.
     uint4 wv[GEMV_UNROLL];
@@ -107,6 +137,13 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
         for (int p = 0; p < wpr; ++p) s += partial[warp + p][lane];
         if (y_f32) reinterpret_cast<float*>(y)[(u64)lane * n + row] = s;
         else reinterpret_cast<bf16_t*>(y)[(u64)lane * n + row] = f2bf(s);
+    } else if (LORA && part == 0 && lane == 0 && lora_row >= 0) {
+        float s = 0.f;
+        for (int p = 0; p < wpr; ++p) s += partial[warp + p][0];
+        const float v = s * lora->scales[lora->slot];
+        const bf16_t hi = f2bf(v);
+        lora->t_hi[lora_row] = hi;
+        lora->t_lo[lora_row] = f2bf(v - bf2f(hi));
     }
 }
 
@@ -124,6 +161,17 @@ GEMV(1, 16)
 GEMV(2, 16)
 GEMV(4, 16)
 GEMV(8, 16)
+
+// gemv_lora_m1: one token's y = x · wᵀ (bf16 out) and its LoRA shrink (see the top); grid covers
+// n + n_modules * r_pad rows. `slots`: the token's slot (read before pdl_wait(): the host writes it
+// before the step, no kernel does).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_lora_m1(bf16_t* y, const bf16_t* x, const bf16_t* w, int n, int k, int wpr, const bf16_t* a0,
+                 const bf16_t* a1, const bf16_t* a2, const int* slots, const float* scales, bf16_t* t_hi,
+                 bf16_t* t_lo, int r_pad, int n_modules) {
+    const GemvLoraRows lora{a0, a1, a2, scales, t_hi, t_lo, slots[0], r_pad, n_modules * r_pad};
+    gemv_impl<1, 8, false, true>(y, 0, x, w, 1, n, k, wpr, &lora);
+}
 
 // gemv_silu_m{M}: the gate/up projection with SwiGLU fused (see the top); unroll 8, wpr 1, 2 or 4.
 #define GEMV_SILU(M)                                                                                    \

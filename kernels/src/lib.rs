@@ -88,11 +88,29 @@ impl Cuda {
     /// As [`Blas::matmul`] with beta = 0.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn linear(&self, y: DPtr, out: OutType, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        if self.use_gemv && m <= self.gemv_max_m && k % 8 == 0 && x % 16 == 0 && w % 16 == 0 {
+        if self.linear_is_gemv(m, k, x, w) {
             self.kernels.gemv(&self.gpu.stream, y, out == OutType::F32, x, w, m, n, k)
         } else {
             self.blas.matmul(y, out, x, w, m, n, k, 0.0)
         }
+    }
+
+    /// Whether [`Cuda::linear`] runs the skinny GEMV (not cuBLAS) for these arguments.
+    pub fn linear_is_gemv(&self, m: usize, k: usize, x: DPtr, w: DPtr) -> bool {
+        self.use_gemv && m <= self.gemv_max_m && k % 8 == 0 && x % 16 == 0 && w % 16 == 0
+    }
+
+    /// [`Cuda::linear`] of one token into bf16 with its LoRA shrink as the GEMV's extra rows
+    /// ([`ops::GemvLoraRows`]); only where [`Cuda::linear_is_gemv`] holds for m = 1.
+    ///
+    /// # Safety
+    /// As [`Cuda::linear`] and [`Kernels::gemv_lora_rows`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn linear_lora_rows(&self, y: DPtr, x: DPtr, w: DPtr, n: usize, k: usize, rows: &ops::GemvLoraRows) -> Result<()> {
+        if !self.linear_is_gemv(1, k, x, w) {
+            return Err(KernelError::Unsupported("LoRA rows need the GEMV path (PEREGRINE_GEMV on, k % 8 == 0, aligned)".into()));
+        }
+        self.kernels.gemv_lora_rows(&self.gpu.stream, y, x, w, n, k, rows)
     }
 
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`, a linear layer over row-wise 8-bit weights (`wq`

@@ -11,7 +11,7 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, LORA_TILE};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, GemvLoraRows, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, LORA_TILE};
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, DevBuf};
 use rand::{Rng, SeedableRng};
@@ -435,4 +435,65 @@ fn lora_swiglu_gives_the_bits_of_the_update_buffer_path() {
         }
     }
     cuda.kernels.set_lora_expand_r32(true);
+}
+
+#[test]
+fn the_gemv_computes_a_one_token_shrink_as_extra_rows() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    let s = &cuda.gpu.stream;
+    let mut r = rng();
+    // Three modules (q|k|v-like) over a fan-in that is no multiple of the GEMV's 256-wide passes;
+    // slots of rank 8, 32, 64 and an empty one, and a token without an adapter.
+    let base = Case { k: 1040, outs: vec![(200, 0), (72, 200), (72, 272)], y_width: 344, ranks: vec![8, 32, 64, 0], scales: vec![2.0, 0.5, 1.0, 0.0], slots: vec![0] };
+    for slot in [0, 1, 2, 3, -1] {
+        let case = Case { slots: vec![slot], ..base.clone() };
+        let h = host_inputs(&mut r, &case);
+        let dev = Group::upload(&cuda, &case, &h, &[0]);
+        let w = cuda.gpu.upload(&rand_bf16(&mut r, case.y_width * case.k, 0.05)).unwrap();
+        let big_r = case.outs.len() * h.r_pad;
+        let t_hi = cuda.gpu.upload(&vec![UNWRITTEN; big_r]).unwrap();
+        let t_lo = cuda.gpu.upload(&vec![UNWRITTEN; big_r]).unwrap();
+        let plain = cuda.gpu.alloc_zeros::<u16>(case.y_width).unwrap();
+        let rows = GemvLoraRows { a: [dev.a[0].ptr(), dev.a[1].ptr(), dev.a[2].ptr()], n_modules: 3, r_pad: h.r_pad, slots: dev.slots.ptr(), scales: dev.scales.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr() };
+        // SAFETY: x holds one row of k, w y_width rows of k, y and plain y_width, t 3 * r_pad.
+        unsafe {
+            cuda.kernels.gemv(s, plain.ptr(), false, dev.x.ptr(), w.ptr(), 1, case.y_width, case.k).unwrap();
+            cuda.kernels.gemv_lora_rows(s, dev.y.ptr(), dev.x.ptr(), w.ptr(), case.y_width, case.k, &rows).unwrap();
+        }
+        let y_rows = dev.y.download(s).unwrap();
+        assert!(y_rows == plain.download(s).unwrap(), "slot {slot}: the base rows' bits differ from the plain GEMV's");
+        let (hi, lo) = (t_hi.download(s).unwrap(), t_lo.download(s).unwrap());
+        if slot < 0 {
+            assert!(hi.iter().chain(&lo).all(|&v| v == UNWRITTEN), "no adapter: t must be left alone");
+            continue;
+        }
+        let (sl, rank, scale) = (slot as usize, case.ranks[slot as usize], case.scales[slot as usize] as f64);
+        for m in 0..3 {
+            for rr in 0..h.r_pad {
+                let at = m * h.r_pad + rr;
+                let got = val(hi[at]) + val(lo[at]);
+                let terms: Vec<f64> = (0..case.k).map(|j| val(h.x[j]) * val(h.a[m][(sl * h.r_pad + rr) * case.k + j]) * scale).collect();
+                let want: f64 = terms.iter().sum();
+                let tol = terms.iter().map(|t| t.abs()).sum::<f64>() / 4096.0 + 1e-7;
+                if rr >= rank {
+                    assert!(hi[at] == 0 && lo[at] == 0, "slot {slot}, module {m}, rank {rr} past {rank}: t must be 0");
+                }
+                assert!((got - want).abs() <= tol, "slot {slot}, module {m}, rank {rr}: t {got}, want {want} (tol {tol})");
+            }
+        }
+        // The expand after it (what a one-token engine step does) adds the update to the GEMV's y.
+        let modules = dev.modules(&case);
+        let work = LoraScratch { t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), ..dev.work() };
+        // SAFETY: as above; the group's tables are sized for its one token.
+        unsafe {
+            cuda.kernels.lora_group(s, &dev.segs(), 1).unwrap();
+            cuda.kernels.lora_expand(s, dev.y.ptr(), case.y_width, &modules, h.r_pad, &dev.segs(), &work, 1).unwrap();
+        }
+        let got = dev.y.download(s).unwrap();
+        let (want, mag) = reference(&case, &Host { y0: y_rows.clone(), x: h.x.clone(), a: h.a.clone(), b: h.b.clone(), r_pad: h.r_pad });
+        for j in 0..case.y_width {
+            let tol = want[j].abs() / 256.0 + mag[j] / 4096.0 + 1e-6;
+            assert!((val(got[j]) - want[j]).abs() <= tol, "slot {slot} column {j}: got {}, want {} (tol {tol})", val(got[j]), want[j]);
+        }
+    }
 }

@@ -101,6 +101,55 @@ impl Kernels {
     }
 }
 
+/// One token's LoRA shrink, computed by [`Kernels::gemv_lora_rows`] beside its base projection:
+/// the group's modules' A stacks for this layer (`[slots, r_pad, k]` bf16, as [`super::LoraModule`]),
+/// the token's slot (device i32, -1 for none) and the slots' scales, and where t goes (bf16 hi + lo,
+/// `n_modules * r_pad` columns: what [`Kernels::lora_shrink`] writes for a one-token step).
+#[derive(Debug, Clone, Copy)]
+pub struct GemvLoraRows {
+    pub a: [DPtr; 3],
+    pub n_modules: usize,
+    pub r_pad: usize,
+    pub slots: DPtr,
+    pub scales: DPtr,
+    pub t_hi: DPtr,
+    pub t_lo: DPtr,
+}
+
+impl Kernels {
+    /// `y[1, n] = x[1, k] · w[n, k]ᵀ` (bf16 out) and, in the same launch, one token's LoRA shrink
+    /// `t = scale · x · Aᵀ` over `rows`' modules (gemv.cu's LORA): a one-token step's shrink without
+    /// a launch of its own. The GEMV's sum order, so t may differ from the tensor-core shrinks' in
+    /// the last bits (a one-token step's result depends only on its token either way).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv`] with m = 1 and a bf16 y; `rows`' A stacks hold `r_pad` rows of `k` per
+    /// slot, its slot is below their slot count or -1, and t holds `n_modules * r_pad` bf16.
+    pub unsafe fn gemv_lora_rows(&self, s: &CudaStream, y: DPtr, x: DPtr, w: DPtr, n: usize, k: usize, rows: &GemvLoraRows) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if k % 8 != 0 || x % 16 != 0 || w % 16 != 0 || rows.a.iter().take(rows.n_modules).any(|a| a % 16 != 0) {
+            return Err(KernelError::Unsupported(format!("gemv_lora_rows: k {k} (k % 8 == 0, 16-byte aligned rows)")));
+        }
+        if !(1..=3).contains(&rows.n_modules) || rows.r_pad == 0 {
+            return Err(KernelError::Unsupported(format!("gemv_lora_rows: {} modules of rank {}", rows.n_modules, rows.r_pad)));
+        }
+        let mut wpr = Self::gemv_plan(n, k).1;
+        if let Some((small, large)) = self.gemv_wpr {
+            wpr = if k >= 8192 { large } else { small };
+        }
+        let total = n + rows.n_modules * rows.r_pad;
+        let grid = as_u32(total.div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;
+        let (ni, ki, wpr_i, r_i, nm) = (as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32, as_i32(rows.r_pad, "r_pad")?, rows.n_modules as i32);
+        let mut l = Launch::new(&self.gemv_lora_m1);
+        l.arg(&y).arg(&x).arg(&w).arg(&ni).arg(&ki).arg(&wpr_i);
+        l.arg(&rows.a[0]).arg(&rows.a[1]).arg(&rows.a[2]).arg(&rows.slots).arg(&rows.scales).arg(&rows.t_hi).arg(&rows.t_lo).arg(&r_i).arg(&nm);
+        l.launch(s, cfg(grid, (GEMV_WARPS * 32) as u32), self.pdl)?;
+        Ok(())
+    }
+}
+
 /// The GEMV kernel table's column for `m` rows (kernels built for m ≤ 1, 2, 4, 8).
 fn gemv_m_index(m: usize) -> usize {
     match m {

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
+use peregrine_kernels::ops::{lora_max_tiles, GemvLoraRows, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::gpu_err;
@@ -78,6 +78,54 @@ pub struct GpuLora {
     /// Whether steps that add in place may fuse gate|up's expand into SwiGLU instead
     /// (`PEREGRINE_LORA_SWIGLU=0`: never, for comparisons).
     fused_swiglu: bool,
+    /// The groups whose one-token steps have the base GEMV compute the shrink ([`GemvRowGroups`]).
+    gemv_rows: GemvRowGroups,
+}
+
+/// Which projection groups of a one-token step over a bf16 GEMV take the shrink as the GEMV's extra
+/// rows, with the expand in place right after it on the main stream, instead of the side stream's
+/// shrink -> expand beside the GEMV. Where the base GEMV is short (q|k|v, o: 12 and 8 µs on an H200)
+/// the side chain of two launches outlasted it and the step waited at the join; gate|up and down
+/// hide their chains behind GEMVs of 55 and 27 µs. `PEREGRINE_LORA_GEMV_ROWS=none|all|qkv,o,...`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GemvRowGroups {
+    qkv: bool,
+    o: bool,
+    gate_up: bool,
+    down: bool,
+}
+
+impl GemvRowGroups {
+    const DEFAULT: GemvRowGroups = GemvRowGroups { qkv: true, o: true, gate_up: false, down: false };
+
+    fn parse(v: &str) -> GemvRowGroups {
+        let none = GemvRowGroups { qkv: false, o: false, gate_up: false, down: false };
+        match v.trim() {
+            "none" | "0" => none,
+            "all" => GemvRowGroups { qkv: true, o: true, gate_up: true, down: true },
+            list => list.split(',').fold(none, |g, name| match name.trim() {
+                "qkv" => GemvRowGroups { qkv: true, ..g },
+                "o" => GemvRowGroups { o: true, ..g },
+                "gate_up" => GemvRowGroups { gate_up: true, ..g },
+                "down" => GemvRowGroups { down: true, ..g },
+                _ => g,
+            }),
+        }
+    }
+
+    fn from_env() -> GemvRowGroups {
+        std::env::var("PEREGRINE_LORA_GEMV_ROWS").map_or(Self::DEFAULT, |v| Self::parse(&v))
+    }
+
+    /// Whether the group whose first module is `first` takes the GEMV's rows.
+    fn takes(self, first: TargetModule) -> bool {
+        match first {
+            TargetModule::Q | TargetModule::K | TargetModule::V => self.qkv,
+            TargetModule::O => self.o,
+            TargetModule::Gate | TargetModule::Up => self.gate_up,
+            TargetModule::Down => self.down,
+        }
+    }
 }
 
 /// Side streams and the two events that fork one from the main stream (the projection's input is
@@ -268,6 +316,9 @@ pub struct Projection<'a> {
     pub y_stride: usize,
     /// The group's modules (they share x) and where each one's columns start in `y`.
     pub outs: &'a [(TargetModule, usize)],
+    /// Whether the base projection is our bf16 GEMV for this step, which can compute a one-token
+    /// step's shrink as extra rows ([`GemvLoraRows`]) when handed them.
+    pub gemv: bool,
 }
 
 /// What [`GpuLora::apply_around`] did with a group's updates.
@@ -362,6 +413,7 @@ impl GpuLora {
             delta_tokens,
             uploader: None,
             fused_swiglu: !std::env::var("PEREGRINE_LORA_SWIGLU").is_ok_and(|v| v == "0"),
+            gemv_rows: GemvRowGroups::from_env(),
         })
     }
 
@@ -485,7 +537,7 @@ impl GpuLora {
         slots: DPtr,
         n: usize,
         swiglu: Option<DPtr>,
-        base: impl FnOnce() -> peregrine_kernels::Result<()>,
+        base: impl FnOnce(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>,
     ) -> peregrine_kernels::Result<LoraUpdate> {
         let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
@@ -504,6 +556,18 @@ impl GpuLora {
         // The update buffer holds `delta_tokens` rows of the widest output at any stride up to it
         // (used only with the side stream: the decision `update_buffered` reports).
         let delta = self.delta.as_ref().filter(|_| self.update_buffered(n));
+        if n == 1 && p.gemv && p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first)) {
+            // The GEMV writes the shrink's t (one token, every module of the group) with y; the
+            // expand then adds in place, PDL-chained after it.
+            let mut a = [0; 3];
+            for (dst, m) in a.iter_mut().zip(modules) {
+                *dst = m.a;
+            }
+            let rows = GemvLoraRows { a, n_modules: modules.len(), r_pad: self.r_pad, slots, scales: self.scales.ptr(), t_hi: work.t_hi, t_lo: work.t_lo };
+            base(Some(&rows))?;
+            k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;
+            return Ok(LoraUpdate::Added);
+        }
         match &self.overlap {
             Some(side) => {
                 // The fork: the side stream starts once the main stream has made x (and consumed
@@ -516,14 +580,14 @@ impl GpuLora {
                     k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
                 }
                 side.side_done.record(stream)?;
-                base()?;
+                base(None)?;
                 main.wait(&side.side_done)?;
                 if let Some(d) = delta {
                     return Ok(LoraUpdate::Buffered(LoraDelta { d: d.ptr(), slots }));
                 }
             }
             None => {
-                base()?;
+                base(None)?;
                 k.lora_shrink(main, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
             }
         }

@@ -35,7 +35,7 @@ pub use weights::{GpuWeights, Linear};
 
 use std::cell::Cell;
 
-use peregrine_kernels::ops::{pack_token_constraints, AttnOutQuant, ConstrainedRow, DPtr, KvRotation, LoraDelta, OuterScale, SAMPLE_PARAMS};
+use peregrine_kernels::ops::{pack_token_constraints, AttnOutQuant, ConstrainedRow, DPtr, GemvLoraRows, KvRotation, LoraDelta, OuterScale, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
@@ -382,24 +382,30 @@ impl CudaBackend {
         // are (module, column offset) in `y`. Some(update): the kernel that consumes `y` must add it
         // (decode-sized steps compute it beside the base projection; see cuda/lora.rs).
         // `swiglu`: gate|up only, where SwiGLU may be written with the updates fused into it.
-        let project_into = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], swiglu: Option<DPtr>, base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<LoraUpdate> {
-            let Some(lora) = lora else { return base().map(|()| LoraUpdate::Added) };
+        // `gemv`: the base projection is our bf16 GEMV this step, which `base` runs with the LoRA
+        // rows it is handed (a one-token step's shrink; cuda/lora.rs).
+        let project_into = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], swiglu: Option<DPtr>, gemv: bool, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<LoraUpdate> {
+            let Some(lora) = lora else { return base(None).map(|()| LoraUpdate::Added) };
             // SAFETY: as the step's block below; each module's columns stay inside each row of `y`,
             // `base` writes `y` only, and `swiglu` (sc.act) holds the step's rows of the SwiGLU width.
-            unsafe { lora.apply_around(cuda, l, &Projection { x, x_stride, y, y_stride, outs }, lora_slots, n, swiglu, base) }
+            unsafe { lora.apply_around(cuda, l, &Projection { x, x_stride, y, y_stride, outs, gemv }, lora_slots, n, swiglu, base) }
         };
-        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], base: &dyn Fn() -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
-            project_into(l, x, x_stride, y, y_stride, outs, None, base).map(LoraUpdate::buffered)
+        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], gemv: bool, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
+            project_into(l, x, x_stride, y, y_stride, outs, None, gemv, base).map(LoraUpdate::buffered)
         };
+        let gemv_of = |wt: &Linear, x: DPtr, k_in: usize| matches!(wt, Linear::Bf16(wb) if cuda.linear_is_gemv(n, k_in, x, wb.ptr()));
         // SAFETY (whole block): every buffer was sized for max_num_batched_tokens tokens and
         // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
         // against the cache.
         unsafe {
             // `y = x · Wᵀ` on the step's n tokens: a bf16 linear reads `x`; an 8-bit one reads x's
             // codes and token scales, which the kernel that produced `x` left in xq/xs.
-            let linear = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize| -> peregrine_kernels::Result<()> {
+            let linear = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize, rows: Option<&GemvLoraRows>| -> peregrine_kernels::Result<()> {
                 match (wt, w8) {
-                    (Linear::Bf16(wb), _) => cuda.linear(y, OutType::Bf16, x, wb.ptr(), n, n_out, k_in),
+                    (Linear::Bf16(wb), _) => match rows {
+                        Some(rows) => cuda.linear_lora_rows(y, x, wb.ptr(), n_out, k_in, rows),
+                        None => cuda.linear(y, OutType::Bf16, x, wb.ptr(), n, n_out, k_in),
+                    },
                     (Linear::W8 { codes, scales }, Some(f)) => cuda.linear_w8(f, y, OutType::Bf16, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in),
                     (Linear::W8 { .. }, None) => Err(KernelError::Unsupported("8-bit weights without a format".into())),
                 }
@@ -409,10 +415,10 @@ impl CudaBackend {
             // token and row scales to that kernel (in `scale`), unless LoRA adds its updates into the
             // output (an in-place expand needs it final).
             let defer_scales = lora.is_none_or(|l| l.update_buffered(n));
-            let linear_scaled_later = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize, scale: &Cell<Option<OuterScale>>| -> peregrine_kernels::Result<()> {
+            let linear_scaled_later = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize, scale: &Cell<Option<OuterScale>>, rows: Option<&GemvLoraRows>| -> peregrine_kernels::Result<()> {
                 scale.set(match (wt, w8) {
                     (Linear::W8 { codes, scales }, Some(f)) if defer_scales => cuda.linear_w8_deferred(f, y, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in)?,
-                    _ => linear(y, x, wt, n_out, k_in).map(|()| None)?,
+                    _ => linear(y, x, wt, n_out, k_in, rows).map(|()| None)?,
                 });
                 Ok(())
             };
@@ -443,7 +449,7 @@ impl CudaBackend {
                 norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
                 let qkv_scale = Cell::new(None);
-                let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, &|| linear_scaled_later(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h, &qkv_scale))?;
+                let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, gemv_of(&lw.qkv, sc.normed.ptr(), h), &|rows| linear_scaled_later(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h, &qkv_scale, rows))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 k.rope_kv_write(
                     s,
@@ -484,7 +490,7 @@ impl CudaBackend {
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
                 let o_scale = Cell::new(None);
-                let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], &|| linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim(), &o_scale))?;
+                let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], gemv_of(&lw.o, sc.attn.ptr(), c.q_dim()), &|rows| linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim(), &o_scale, rows))?;
                 norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale.get(), &[&lw.gate_up])?;
                 // Decode-sized bf16 steps without LoRA: one kernel for gate/up and SwiGLU; otherwise
                 // the projection (+ LoRA updates on gate and up), then SwiGLU (quantizing its output
@@ -498,7 +504,7 @@ impl CudaBackend {
                     let gate_up_scale = Cell::new(None);
                     // bf16 linears: large steps may write SwiGLU with the updates fused (cuda/lora.rs).
                     let swiglu = w8.is_none().then(|| sc.act.ptr());
-                    let gate_up_update = project_into(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, swiglu, &|| linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h, &gate_up_scale))?;
+                    let gate_up_update = project_into(l, sc.normed.ptr(), h, sc.gate_up.ptr(), 2 * inter, &gate_up_cols, swiglu, gemv_of(&lw.gate_up, sc.normed.ptr(), h), &|rows| linear_scaled_later(sc.gate_up.ptr(), sc.normed.ptr(), &lw.gate_up, 2 * inter, h, &gate_up_scale, rows))?;
                     let swiglu_written = matches!(gate_up_update, LoraUpdate::SwigluWritten);
                     let gate_up_lora = gate_up_update.buffered();
                     let gate_up_scale = gate_up_scale.get();
@@ -513,7 +519,7 @@ impl CudaBackend {
                     }
                 }
                 let scale = Cell::new(None);
-                down_lora = project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], &|| linear_scaled_later(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter, &scale))?;
+                down_lora = project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], gemv_of(&lw.down, sc.act.ptr(), inter), &|rows| linear_scaled_later(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter, &scale, rows))?;
                 down_scale = scale.get();
             }
             if rows > 0 {

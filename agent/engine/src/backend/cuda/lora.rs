@@ -13,7 +13,10 @@
 //! (RoPE + KV write, the residual add + RMSNorm, SwiGLU): the whole LoRA path then hides beside the
 //! base GEMM/GEMV instead of following it (at batch 1 the expand after each GEMV was ~10 µs of a
 //! 13 µs-per-group overhead). Larger steps add in place after the GEMM, on the main stream: their
-//! update buffer would be as large as the output. `PEREGRINE_LORA_OVERLAP=0` runs everything on the
+//! update buffer would be as large as the output. One-token steps over a bf16 GEMV take neither:
+//! the GEMV computes the shrink as extra rows of its own launch and the expand adds in place right
+//! after it, so such a step forks no side stream at all ([`GemvRowGroups`]).
+//! `PEREGRINE_LORA_OVERLAP=0` runs everything on the
 //! main stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
 
 use std::sync::Arc;
@@ -84,9 +87,12 @@ pub struct GpuLora {
 
 /// Which projection groups of a one-token step over a bf16 GEMV take the shrink as the GEMV's extra
 /// rows, with the expand in place right after it on the main stream, instead of the side stream's
-/// shrink -> expand beside the GEMV. Where the base GEMV is short (q|k|v, o: 12 and 8 µs on an H200)
-/// the side chain of two launches outlasted it and the step waited at the join; gate|up and down
-/// hide their chains behind GEMVs of 55 and 27 µs. `PEREGRINE_LORA_GEMV_ROWS=none|all|qkv,o,...`.
+/// shrink -> expand beside the GEMV. All four by default: with no group left on the side stream a
+/// one-token step has no fork or join at all. On an H200 (Llama-3.1-8B shape, 4 adapters of rank
+/// 32, `bench --batch-sizes 1`) LoRA / base went 0.857–0.860 (none) -> 0.913 (all), while q|k|v and
+/// o alone (whose short GEMVs the side chain outlasted) gave 0.859–0.862: the side stream's fork and
+/// join were what cost, not the chains (docs/benchmarks.md, session 21).
+/// `PEREGRINE_LORA_GEMV_ROWS=none|all|qkv,o,gate_up,down` for comparisons.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct GemvRowGroups {
     qkv: bool,
@@ -96,7 +102,7 @@ struct GemvRowGroups {
 }
 
 impl GemvRowGroups {
-    const DEFAULT: GemvRowGroups = GemvRowGroups { qkv: true, o: true, gate_up: false, down: false };
+    const DEFAULT: GemvRowGroups = GemvRowGroups { qkv: true, o: true, gate_up: true, down: true };
 
     fn parse(v: &str) -> GemvRowGroups {
         let none = GemvRowGroups { qkv: false, o: false, gate_up: false, down: false };
@@ -608,5 +614,26 @@ fn is_gate_up(modules: &[LoraModule], y_stride: usize) -> bool {
     match modules {
         [gate, up] => gate.out == up.out && gate.col == 0 && up.col == gate.out && y_stride == 2 * gate.out && lora_swiglu_fits(gate.out),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_row_groups_parse_names_lists_and_the_two_words() {
+        let all = GemvRowGroups { qkv: true, o: true, gate_up: true, down: true };
+        let none = GemvRowGroups { qkv: false, o: false, gate_up: false, down: false };
+        assert_eq!(GemvRowGroups::DEFAULT, all);
+        assert_eq!(GemvRowGroups::parse("all"), all);
+        assert_eq!(GemvRowGroups::parse("none"), none);
+        assert_eq!(GemvRowGroups::parse("0"), none);
+        assert_eq!(GemvRowGroups::parse("qkv, o"), GemvRowGroups { qkv: true, o: true, ..none });
+        // Unknown names are ignored, not taken as "all".
+        assert_eq!(GemvRowGroups::parse("down,bogus"), GemvRowGroups { down: true, ..none });
+        let g = GemvRowGroups::parse("gate_up");
+        assert!(g.takes(TargetModule::Gate) && g.takes(TargetModule::Up));
+        assert!(!g.takes(TargetModule::Q) && !g.takes(TargetModule::O) && !g.takes(TargetModule::Down));
     }
 }

@@ -62,7 +62,7 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
 #pragma unroll
     for (int i = 0; i < MAXM; ++i) acc[i] = 0.f;
     bool live = SILU ? (vrow >> 1) < n : row < n;
-    const bf16_t* wrow = w + (u64)min(row, nrows - 1) * k;
+    const bf16_t* wrow = w + (u64)max(min(row, nrows - 1), 0) * k;  // a valid row (n may be 0 with LORA)
     int lora_row = -1;  // LORA: this warp's column of t, or -1
     if constexpr (LORA) {
         const int j = vrow - n;
@@ -163,7 +163,7 @@ GEMV(4, 16)
 GEMV(8, 16)
 
 // gemv_lora_m1: one token's y = x · wᵀ (bf16 out) and its LoRA shrink (see the top); grid covers
-// n + n_modules * r_pad rows. `slots`: the token's slot (read before pdl_wait(): the host writes it
+// n + n_modules * r_pad rows. n = 0: the shrink alone (for a base projection of 8-bit weights). `slots`: the token's slot (read before pdl_wait(): the host writes it
 // before the step, no kernel does).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_lora_m1(bf16_t* y, const bf16_t* x, const bf16_t* w, int n, int k, int wpr, const bf16_t* a0,

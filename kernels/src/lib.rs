@@ -95,6 +95,12 @@ impl Cuda {
         }
     }
 
+    /// Whether [`Cuda::linear_w8`] runs the 8-bit GEMV (not a GEMM) for `m` tokens: its output is
+    /// then final (no scales left to the consumer).
+    pub fn linear_w8_is_gemv(&self, m: usize) -> bool {
+        self.use_gemv && m <= self.gemv8_max_m
+    }
+
     /// Whether [`Cuda::linear`] runs the skinny GEMV (not cuBLAS) for these arguments.
     pub fn linear_is_gemv(&self, m: usize, k: usize, x: DPtr, w: DPtr) -> bool {
         self.use_gemv && m <= self.gemv_max_m && k % 8 == 0 && x % 16 == 0 && w % 16 == 0

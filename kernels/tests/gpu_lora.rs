@@ -463,6 +463,12 @@ fn the_gemv_computes_a_one_token_shrink_as_extra_rows() {
         let y_rows = dev.y.download(s).unwrap();
         assert!(y_rows == plain.download(s).unwrap(), "slot {slot}: the base rows' bits differ from the plain GEMV's");
         let (hi, lo) = (t_hi.download(s).unwrap(), t_lo.download(s).unwrap());
+        // The rows alone (no base rows: what runs before an 8-bit GEMV) give the same t.
+        let (alone_hi, alone_lo) = (cuda.gpu.upload(&vec![UNWRITTEN; big_r]).unwrap(), cuda.gpu.upload(&vec![UNWRITTEN; big_r]).unwrap());
+        let alone = GemvLoraRows { t_hi: alone_hi.ptr(), t_lo: alone_lo.ptr(), ..rows };
+        // SAFETY: as above; with no base rows y is not written and w only names a valid row.
+        unsafe { cuda.kernels.gemv_lora_rows(s, 0, dev.x.ptr(), w.ptr(), 0, case.k, &alone).unwrap() };
+        assert!(alone_hi.download(s).unwrap() == hi && alone_lo.download(s).unwrap() == lo, "slot {slot}: the rows alone give another t");
         if slot < 0 {
             assert!(hi.iter().chain(&lo).all(|&v| v == UNWRITTEN), "no adapter: t must be left alone");
             continue;

@@ -120,15 +120,13 @@ impl Kernels {
     /// `y[1, n] = x[1, k] · w[n, k]ᵀ` (bf16 out) and, in the same launch, one token's LoRA shrink
     /// `t = scale · x · Aᵀ` over `rows`' modules (gemv.cu's LORA): a one-token step's shrink without
     /// a launch of its own. The GEMV's sum order, so t may differ from the tensor-core shrinks' in
-    /// the last bits (a one-token step's result depends only on its token either way).
+    /// the last bits (a one-token step's result depends only on its token either way). `n` = 0:
+    /// the shrink alone (`y` is not written; `w` must still be a valid 16-byte aligned pointer).
     ///
     /// # Safety
     /// As [`Kernels::gemv`] with m = 1 and a bf16 y; `rows`' A stacks hold `r_pad` rows of `k` per
     /// slot, its slot is below their slot count or -1, and t holds `n_modules * r_pad` bf16.
     pub unsafe fn gemv_lora_rows(&self, s: &CudaStream, y: DPtr, x: DPtr, w: DPtr, n: usize, k: usize, rows: &GemvLoraRows) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
         if k % 8 != 0 || x % 16 != 0 || w % 16 != 0 || rows.a.iter().take(rows.n_modules).any(|a| a % 16 != 0) {
             return Err(KernelError::Unsupported(format!("gemv_lora_rows: k {k} (k % 8 == 0, 16-byte aligned rows)")));
         }

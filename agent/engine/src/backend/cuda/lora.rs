@@ -83,6 +83,9 @@ pub struct GpuLora {
     fused_swiglu: bool,
     /// The groups whose one-token steps have the base GEMV compute the shrink ([`GemvRowGroups`]).
     gemv_rows: GemvRowGroups,
+    /// Whether one-token steps over an 8-bit GEMV take the same path, the shrink as a GEMV of its
+    /// own right before the base one (`PEREGRINE_LORA_W8_ROWS=0`: the side stream, for comparisons).
+    w8_rows: bool,
 }
 
 /// Which projection groups of a one-token step over a bf16 GEMV take the shrink as the GEMV's extra
@@ -322,9 +325,21 @@ pub struct Projection<'a> {
     pub y_stride: usize,
     /// The group's modules (they share x) and where each one's columns start in `y`.
     pub outs: &'a [(TargetModule, usize)],
-    /// Whether the base projection is our bf16 GEMV for this step, which can compute a one-token
-    /// step's shrink as extra rows ([`GemvLoraRows`]) when handed them.
-    pub gemv: bool,
+    /// Which of our GEMVs the base projection is for this step, if one.
+    pub gemv: BaseGemv,
+}
+
+/// The kernel a step's base projection runs, as far as the one-token LoRA path cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BaseGemv {
+    /// A GEMM (cuBLAS, cuBLASLt or ours), or a GEMV of several tokens.
+    None,
+    /// The bf16 GEMV: it computes a one-token step's shrink as extra rows when handed them
+    /// ([`GemvLoraRows`]).
+    Bf16,
+    /// The 8-bit GEMV, whose output is final (no scales left to its consumer): a one-token step's
+    /// shrink runs as a GEMV of those rows alone right before it.
+    W8,
 }
 
 /// What [`GpuLora::apply_around`] did with a group's updates.
@@ -420,6 +435,7 @@ impl GpuLora {
             uploader: None,
             fused_swiglu: !std::env::var("PEREGRINE_LORA_SWIGLU").is_ok_and(|v| v == "0"),
             gemv_rows: GemvRowGroups::from_env(),
+            w8_rows: !std::env::var("PEREGRINE_LORA_W8_ROWS").is_ok_and(|v| v == "0"),
         })
     }
 
@@ -562,15 +578,23 @@ impl GpuLora {
         // The update buffer holds `delta_tokens` rows of the widest output at any stride up to it
         // (used only with the side stream: the decision `update_buffered` reports).
         let delta = self.delta.as_ref().filter(|_| self.update_buffered(n));
-        if n == 1 && p.gemv && p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first)) {
-            // The GEMV writes the shrink's t (one token, every module of the group) with y; the
-            // expand then adds in place, PDL-chained after it.
+        let one_token = n == 1 && p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first));
+        if one_token && p.gemv != BaseGemv::None && (p.gemv == BaseGemv::Bf16 || self.w8_rows) {
+            // The bf16 GEMV writes the shrink's t (one token, every module of the group) with y;
+            // before an 8-bit GEMV a GEMV of the LoRA rows alone does (it triggers the base GEMV's
+            // launch at once, so that one still streams its weights early). Either way the expand
+            // then adds in place, PDL-chained after the base: all on the main stream.
             let mut a = [0; 3];
             for (dst, m) in a.iter_mut().zip(modules) {
                 *dst = m.a;
             }
             let rows = GemvLoraRows { a, n_modules: modules.len(), r_pad: self.r_pad, slots, scales: self.scales.ptr(), t_hi: work.t_hi, t_lo: work.t_lo };
-            base(Some(&rows))?;
+            if p.gemv == BaseGemv::Bf16 {
+                base(Some(&rows))?;
+            } else {
+                k.gemv_lora_rows(main, 0, p.x, p.x, 0, fan_in, &rows)?;
+                base(None)?;
+            }
             k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;
             return Ok(LoraUpdate::Added);
         }

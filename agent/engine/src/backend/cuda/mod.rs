@@ -40,7 +40,7 @@ pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
 use self::graphs::Graphs;
-use self::lora::{GpuLora, LoraUpdate, Projection};
+use self::lora::{BaseGemv, GpuLora, LoraUpdate, Projection};
 use self::scratch::{PinnedUpload, Scratch};
 use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
@@ -382,18 +382,22 @@ impl CudaBackend {
         // are (module, column offset) in `y`. Some(update): the kernel that consumes `y` must add it
         // (decode-sized steps compute it beside the base projection; see cuda/lora.rs).
         // `swiglu`: gate|up only, where SwiGLU may be written with the updates fused into it.
-        // `gemv`: the base projection is our bf16 GEMV this step, which `base` runs with the LoRA
-        // rows it is handed (a one-token step's shrink; cuda/lora.rs).
-        let project_into = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], swiglu: Option<DPtr>, gemv: bool, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<LoraUpdate> {
+        // `gemv`: which of our GEMVs the base projection is this step; the bf16 one runs with the
+        // LoRA rows `base` is handed (a one-token step's shrink; cuda/lora.rs).
+        let project_into = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], swiglu: Option<DPtr>, gemv: BaseGemv, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<LoraUpdate> {
             let Some(lora) = lora else { return base(None).map(|()| LoraUpdate::Added) };
             // SAFETY: as the step's block below; each module's columns stay inside each row of `y`,
             // `base` writes `y` only, and `swiglu` (sc.act) holds the step's rows of the SwiGLU width.
             unsafe { lora.apply_around(cuda, l, &Projection { x, x_stride, y, y_stride, outs, gemv }, lora_slots, n, swiglu, base) }
         };
-        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], gemv: bool, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
+        let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], gemv: BaseGemv, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
             project_into(l, x, x_stride, y, y_stride, outs, None, gemv, base).map(LoraUpdate::buffered)
         };
-        let gemv_of = |wt: &Linear, x: DPtr, k_in: usize| matches!(wt, Linear::Bf16(wb) if cuda.linear_is_gemv(n, k_in, x, wb.ptr()));
+        let gemv_of = |wt: &Linear, x: DPtr, k_in: usize| match wt {
+            Linear::Bf16(wb) if cuda.linear_is_gemv(n, k_in, x, wb.ptr()) => BaseGemv::Bf16,
+            Linear::W8 { .. } if cuda.linear_w8_is_gemv(n) => BaseGemv::W8,
+            _ => BaseGemv::None,
+        };
         // SAFETY (whole block): every buffer was sized for max_num_batched_tokens tokens and
         // max_num_seqs rows, which `plan::pack` enforced, and every block id/slot was checked
         // against the cache.

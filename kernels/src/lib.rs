@@ -103,7 +103,7 @@ impl Cuda {
 
     /// Whether [`Cuda::linear`] runs the skinny GEMV (not cuBLAS) for these arguments.
     pub fn linear_is_gemv(&self, m: usize, k: usize, x: DPtr, w: DPtr) -> bool {
-        self.use_gemv && m <= self.gemv_max_m && k % 8 == 0 && x % 16 == 0 && w % 16 == 0
+        self.use_gemv && m <= self.gemv_max_m && k.is_multiple_of(8) && x.is_multiple_of(16) && w.is_multiple_of(16)
     }
 
     /// [`Cuda::linear`] of one token into bf16 with its LoRA shrink as the GEMV's extra rows

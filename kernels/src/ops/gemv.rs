@@ -127,7 +127,7 @@ impl Kernels {
     /// As [`Kernels::gemv`] with m = 1 and a bf16 y; `rows`' A stacks hold `r_pad` rows of `k` per
     /// slot, its slot is below their slot count or -1, and t holds `n_modules * r_pad` bf16.
     pub unsafe fn gemv_lora_rows(&self, s: &CudaStream, y: DPtr, x: DPtr, w: DPtr, n: usize, k: usize, rows: &GemvLoraRows) -> Result<()> {
-        if k % 8 != 0 || x % 16 != 0 || w % 16 != 0 || rows.a.iter().take(rows.n_modules).any(|a| a % 16 != 0) {
+        if !k.is_multiple_of(8) || !x.is_multiple_of(16) || !w.is_multiple_of(16) || rows.a.iter().take(rows.n_modules).any(|a| !a.is_multiple_of(16)) {
             return Err(KernelError::Unsupported(format!("gemv_lora_rows: k {k} (k % 8 == 0, 16-byte aligned rows)")));
         }
         if !(1..=3).contains(&rows.n_modules) || rows.r_pad == 0 {

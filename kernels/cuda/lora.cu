@@ -41,8 +41,9 @@ extern "C" __global__ void __launch_bounds__(1024) lora_group(int* __restrict__ 
                                                              int n, int num_slots) {
     __shared__ int warp_counts[32];
     __shared__ int base;
+    // No pdl_trigger(): kernels after this one read the tables before their pdl_wait()
+    // (lora_expand_body prefetches B by them), so none may start before these are written.
     pdl_wait();
-    pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     if (tid == 0) base = 0;
     __syncthreads();
@@ -678,8 +679,6 @@ __device__ __forceinline__ void lora_expand_body(
     __shared__ __align__(16) float staged[LORA_TILE][LORA_EXPAND_COLS + LORA_STAGE_PAD];
     // The tile's t columns of this block's module (r_pad of them).
     __shared__ __align__(16) bf16_t ts_hi[LORA_TILE * (LORA_MAX_R + 8)], ts_lo[LORA_TILE * (LORA_MAX_R + 8)];
-    pdl_wait();
-    pdl_trigger();
     int tile = blockIdx.x, mod = 0;
     const int tiles0 = (out0 + LORA_EXPAND_COLS - 1) / LORA_EXPAND_COLS;
     const int tiles1 = (out1 + LORA_EXPAND_COLS - 1) / LORA_EXPAND_COLS;
@@ -705,6 +704,23 @@ __device__ __forceinline__ void lora_expand_body(
     // slot changes. Each token's sum is the same whatever tiles share its block.
     u32 bf[4][KS][2];
     int loaded = -1, ksteps = 0;
+    // The first work tile's B fragments load before pdl_wait(), while the kernel before this launch
+    // (the base GEMV of a one-token step, PDL-chained) still runs: B and the segment tables are not
+    // written by it (lora_group, which writes the tables, lets no later kernel start before it
+    // completes); t and y are read only after the wait.
+    if (blockIdx.y * tiles_per_block < tiles[0] && active) {
+        const int wt = blockIdx.y * tiles_per_block;
+        const int slot = tiles[1 + 2 * wt], first = tiles[2 + 2 * wt];
+        const int len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+        const int rank = max(min(ranks[slot], r_pad), 0);
+        if (len > 0 && (rank > 0 || overwrite)) {
+            ksteps = (rank + 15) >> 4;
+            lora_load_b<KS>(bf, (mod == 0 ? b0 : mod == 1 ? b1 : b2) + (u64)slot * out * r_pad, o_base, out, r_pad, ksteps, g, q);
+            loaded = slot;
+        }
+    }
+    pdl_wait();
+    pdl_trigger();
     for (int wt = blockIdx.y * tiles_per_block; wt < (int)(blockIdx.y + 1) * tiles_per_block && wt < tiles[0]; ++wt) {
         const int slot = tiles[1 + 2 * wt], first = tiles[2 + 2 * wt];
         const int start = seg[slot] + first, len = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);

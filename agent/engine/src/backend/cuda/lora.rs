@@ -579,7 +579,9 @@ impl GpuLora {
         // (used only with the side stream: the decision `update_buffered` reports).
         let delta = self.delta.as_ref().filter(|_| self.update_buffered(n));
         let one_token = n == 1 && p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first));
-        if one_token && p.gemv != BaseGemv::None && (p.gemv == BaseGemv::Bf16 || self.w8_rows) {
+        // The rows-only GEMV reads x in 16-byte pieces (the bf16 GEMV's own check covers its case).
+        let w8_rows = self.w8_rows && p.x.is_multiple_of(16) && fan_in.is_multiple_of(8);
+        if one_token && (p.gemv == BaseGemv::Bf16 || (p.gemv == BaseGemv::W8 && w8_rows)) {
             // The bf16 GEMV writes the shrink's t (one token, every module of the group) with y;
             // before an 8-bit GEMV a GEMV of the LoRA rows alone does (it triggers the base GEMV's
             // launch at once, so that one still streams its weights early). Either way the expand

@@ -13,9 +13,10 @@
 //! (RoPE + KV write, the residual add + RMSNorm, SwiGLU): the whole LoRA path then hides beside the
 //! base GEMM/GEMV instead of following it (at batch 1 the expand after each GEMV was ~10 µs of a
 //! 13 µs-per-group overhead). Larger steps add in place after the GEMM, on the main stream: their
-//! update buffer would be as large as the output. One-token steps over a bf16 GEMV take neither:
-//! the GEMV computes the shrink as extra rows of its own launch and the expand adds in place right
-//! after it, so such a step forks no side stream at all ([`GemvRowGroups`]).
+//! update buffer would be as large as the output. One-token steps over one of our GEMVs take
+//! neither: the bf16 GEMV computes the shrink as extra rows of its own launch (before an 8-bit GEMV
+//! a launch of those rows alone does) and the expand adds in place right after the base GEMV, so
+//! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]).
 //! `PEREGRINE_LORA_OVERLAP=0` runs everything on the
 //! main stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
 
@@ -23,7 +24,7 @@ use std::sync::Arc;
 
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, GemvLoraRows, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, LORA_MAX_RANK};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, LORA_MAX_RANK};
 use peregrine_kernels::{Cuda, DevBuf};
 
 use super::gpu_err;
@@ -88,13 +89,14 @@ pub struct GpuLora {
     w8_rows: bool,
 }
 
-/// Which projection groups of a one-token step over a bf16 GEMV take the shrink as the GEMV's extra
-/// rows, with the expand in place right after it on the main stream, instead of the side stream's
-/// shrink -> expand beside the GEMV. All four by default: with no group left on the side stream a
-/// one-token step has no fork or join at all. On an H200 (Llama-3.1-8B shape, 4 adapters of rank
-/// 32, `bench --batch-sizes 1`) LoRA / base went 0.857–0.860 (none) -> 0.913 (all), while q|k|v and
-/// o alone (whose short GEMVs the side chain outlasted) gave 0.859–0.862: the side stream's fork and
-/// join were what cost, not the chains (docs/benchmarks.md, session 21).
+/// Which projection groups of a one-token step over one of our GEMVs take the shrink as GEMV rows
+/// ([`BaseGemv`]), with the expand in place right after the base GEMV on the main stream, instead of
+/// the side stream's shrink -> expand beside it. All four by default: with no group left on the side
+/// stream a one-token step has no fork or join at all. On an H200 (Llama-3.1-8B shape, 4 adapters of
+/// rank 32, `bench --batch-sizes 1`) LoRA / base over bf16 went 0.857–0.860 (none) -> 0.913 (all),
+/// while q|k|v and o alone (whose short GEMVs the side chain outlasted) gave 0.859–0.862: the side
+/// stream's fork and join were what cost, not the chains; over fp8 weights 0.70 -> 0.78
+/// (docs/benchmarks.md, session 21).
 /// `PEREGRINE_LORA_GEMV_ROWS=none|all|qkv,o,gate_up,down` for comparisons.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct GemvRowGroups {

@@ -11,24 +11,23 @@
 // so the activation is written straight away and silu_mul's kernel (and its launch) disappear from
 // batch-1..8 decode steps. The two dot products are rounded to bf16 first, as the unfused path does.
 //
-// LORA (gemv_lora_m*): the step's LoRA shrink computed by the same launch, as extra rows after the
-// base weight's n: with R = n_modules * r_pad, row n + s * R + j is row j % r_pad of module
-// j / r_pad's A for slot s, for every slot; a row of a slot no token of the step has is skipped
-// (no loads). Its sum for token i, times the slot's scale, goes to t[i, j] (bf16 hi + lo, lora.cu's
-// layout) for each token i of that slot. A decode step of up to 8 tokens then needs no shrink
-// launch of its own, and no side stream: the expand follows the GEMV (see cuda/lora.rs).
+// LORA (gemv_lora_m1): one token's LoRA shrink computed by the same launch, as extra rows after the
+// base weight's n: row n + j is row j % r_pad of module j / r_pad's A for the token's slot, and its
+// sum, times the slot's scale, goes to t (as bf16 hi + lo, lora.cu's layout: t_hi[j], t_lo[j])
+// instead of y. A decode step of one token then needs no shrink launch of its own: the expand follows
+// the GEMV (see cuda/lora.rs, where the side stream's shrink -> expand chain was longer than a short
+// base GEMV at batch 1).
 #define GEMV_WARPS 8
 
-// The LoRA rows of gemv_lora_m* (see the top): slots[i] is token i's slot (< 0: none).
+// The LoRA rows of gemv_lora_m1 (see the top). slot < 0: none (the token has no adapter).
 struct GemvLoraRows {
     const bf16_t* a0;
     const bf16_t* a1;
     const bf16_t* a2;
-    const int* slots;
     const float* scales;
     bf16_t* t_hi;
     bf16_t* t_lo;
-    int num_slots, r_pad, rows;  // rows: n_modules * r_pad (R)
+    int slot, r_pad, rows;  // rows: n_modules * r_pad
 };
 
 __device__ __forceinline__ float dot8(const uint4 a, const uint4 b) {
@@ -64,20 +63,14 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
     for (int i = 0; i < MAXM; ++i) acc[i] = 0.f;
     bool live = SILU ? (vrow >> 1) < n : row < n;
     const bf16_t* wrow = w + (u64)max(min(row, nrows - 1), 0) * k;  // a valid row (n may be 0 with LORA)
-    int lora_row = -1, lora_slot = -1;  // LORA: this warp's column of t and its slot, or -1
+    int lora_row = -1;  // LORA: this warp's column of t, or -1
     if constexpr (LORA) {
         const int j = vrow - n;
-        if (j >= 0 && j < lora->num_slots * lora->rows) {
-            const int sl = j / lora->rows, jj = j - sl * lora->rows;
-            bool used = false;
-            for (int i = 0; i < m; ++i) used |= lora->slots[i] == sl;
-            if (used) {
-                const int mod = jj / lora->r_pad, local = jj - mod * lora->r_pad;
-                wrow = (mod == 0 ? lora->a0 : mod == 1 ? lora->a1 : lora->a2) + ((u64)sl * lora->r_pad + local) * k;
-                live = true;
-                lora_row = jj;
-                lora_slot = sl;
-            }
+        if (j >= 0 && j < lora->rows && lora->slot >= 0) {
+            const int mod = j / lora->r_pad, local = j - mod * lora->r_pad;
+            wrow = (mod == 0 ? lora->a0 : mod == 1 ? lora->a1 : lora->a2) + ((u64)lora->slot * lora->r_pad + local) * k;
+            live = true;
+            lora_row = j;
         }
     }
     const uint4* wr = reinterpret_cast<const uint4*>(wrow);
@@ -144,14 +137,13 @@ __device__ __forceinline__ void gemv_impl(void* __restrict__ y, int y_f32, const
         for (int p = 0; p < wpr; ++p) s += partial[warp + p][lane];
         if (y_f32) reinterpret_cast<float*>(y)[(u64)lane * n + row] = s;
         else reinterpret_cast<bf16_t*>(y)[(u64)lane * n + row] = f2bf(s);
-    } else if (LORA && part == 0 && lane < m && lora_row >= 0 && lora->slots[lane] == lora_slot) {
+    } else if (LORA && part == 0 && lane == 0 && lora_row >= 0) {
         float s = 0.f;
-        for (int p = 0; p < wpr; ++p) s += partial[warp + p][lane];
-        const float v = s * lora->scales[lora_slot];
+        for (int p = 0; p < wpr; ++p) s += partial[warp + p][0];
+        const float v = s * lora->scales[lora->slot];
         const bf16_t hi = f2bf(v);
-        const u64 at = (u64)lane * lora->rows + lora_row;
-        lora->t_hi[at] = hi;
-        lora->t_lo[at] = f2bf(v - bf2f(hi));
+        lora->t_hi[lora_row] = hi;
+        lora->t_lo[lora_row] = f2bf(v - bf2f(hi));
     }
 }
 
@@ -170,23 +162,16 @@ GEMV(2, 16)
 GEMV(4, 16)
 GEMV(8, 16)
 
-// gemv_lora_m{M}: m <= M tokens' y = x · wᵀ (bf16 out) and their LoRA shrink (see the top); grid
-// covers n + num_slots * n_modules * r_pad rows. n = 0: the shrink alone (for a base projection of
-// 8-bit weights). `slots` is read before pdl_wait(): the host writes it before the step, no kernel
-// does.
-#define GEMV_LORA(M)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-        gemv_lora_m##M(bf16_t* y, const bf16_t* x, const bf16_t* w, int m, int n, int k, int wpr,       \
-                       const bf16_t* a0, const bf16_t* a1, const bf16_t* a2, const int* slots,           \
-                       const float* scales, bf16_t* t_hi, bf16_t* t_lo, int num_slots, int r_pad,        \
-                       int n_modules) {                                                                 \
-        const GemvLoraRows lora{a0, a1, a2, slots, scales, t_hi, t_lo, num_slots, r_pad, n_modules * r_pad}; \
-        gemv_impl<M, 8, false, true>(y, 0, x, w, m, n, k, wpr, &lora);                                  \
-    }
-GEMV_LORA(1)
-GEMV_LORA(2)
-GEMV_LORA(4)
-GEMV_LORA(8)
+// gemv_lora_m1: one token's y = x · wᵀ (bf16 out) and its LoRA shrink (see the top); grid covers
+// n + n_modules * r_pad rows. n = 0: the shrink alone (for a base projection of 8-bit weights). `slots`: the token's slot (read before pdl_wait(): the host writes it
+// before the step, no kernel does).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_lora_m1(bf16_t* y, const bf16_t* x, const bf16_t* w, int n, int k, int wpr, const bf16_t* a0,
+                 const bf16_t* a1, const bf16_t* a2, const int* slots, const float* scales, bf16_t* t_hi,
+                 bf16_t* t_lo, int r_pad, int n_modules) {
+    const GemvLoraRows lora{a0, a1, a2, scales, t_hi, t_lo, slots[0], r_pad, n_modules * r_pad};
+    gemv_impl<1, 8, false, true>(y, 0, x, w, 1, n, k, wpr, &lora);
+}
 
 // gemv_silu_m{M}: the gate/up projection with SwiGLU fused (see the top); unroll 8, wpr 1, 2 or 4.
 #define GEMV_SILU(M)                                                                                    \

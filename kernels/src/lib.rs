@@ -106,17 +106,17 @@ impl Cuda {
         self.use_gemv && m <= self.gemv_max_m && k.is_multiple_of(8) && x.is_multiple_of(16) && w.is_multiple_of(16)
     }
 
-    /// [`Cuda::linear`] of `m` tokens into bf16 with their LoRA shrink as the GEMV's extra rows
-    /// ([`ops::GemvLoraRows`]); only where [`Cuda::linear_is_gemv`] holds.
+    /// [`Cuda::linear`] of one token into bf16 with its LoRA shrink as the GEMV's extra rows
+    /// ([`ops::GemvLoraRows`]); only where [`Cuda::linear_is_gemv`] holds for m = 1.
     ///
     /// # Safety
     /// As [`Cuda::linear`] and [`Kernels::gemv_lora_rows`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn linear_lora_rows(&self, y: DPtr, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, rows: &ops::GemvLoraRows) -> Result<()> {
-        if !self.linear_is_gemv(m, k, x, w) {
+    pub unsafe fn linear_lora_rows(&self, y: DPtr, x: DPtr, w: DPtr, n: usize, k: usize, rows: &ops::GemvLoraRows) -> Result<()> {
+        if !self.linear_is_gemv(1, k, x, w) {
             return Err(KernelError::Unsupported("LoRA rows need the GEMV path (PEREGRINE_GEMV on, k % 8 == 0, aligned)".into()));
         }
-        self.kernels.gemv_lora_rows(&self.gpu.stream, y, x, w, m, n, k, rows)
+        self.kernels.gemv_lora_rows(&self.gpu.stream, y, x, w, n, k, rows)
     }
 
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`, a linear layer over row-wise 8-bit weights (`wq`

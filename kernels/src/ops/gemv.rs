@@ -101,17 +101,15 @@ impl Kernels {
     }
 }
 
-/// A decode step's LoRA shrink, computed by [`Kernels::gemv_lora_rows`] beside its base projection:
-/// the group's modules' A stacks for this layer (`[num_slots, r_pad, k]` bf16, as
-/// [`super::LoraModule`]), each token's slot (device i32, -1 for none) and the slots' scales, and
-/// where t goes (bf16 hi + lo, `n_modules * r_pad` columns a token: what [`Kernels::lora_shrink`]
-/// writes).
+/// One token's LoRA shrink, computed by [`Kernels::gemv_lora_rows`] beside its base projection:
+/// the group's modules' A stacks for this layer (`[slots, r_pad, k]` bf16, as [`super::LoraModule`]),
+/// the token's slot (device i32, -1 for none) and the slots' scales, and where t goes (bf16 hi + lo,
+/// `n_modules * r_pad` columns: what [`Kernels::lora_shrink`] writes for a one-token step).
 #[derive(Debug, Clone, Copy)]
 pub struct GemvLoraRows {
     pub a: [DPtr; 3],
     pub n_modules: usize,
     pub r_pad: usize,
-    pub num_slots: usize,
     pub slots: DPtr,
     pub scales: DPtr,
     pub t_hi: DPtr,
@@ -119,24 +117,16 @@ pub struct GemvLoraRows {
 }
 
 impl Kernels {
-    /// `y[m, n] = x[m, k] · w[n, k]ᵀ` (bf16 out) for m ≤ [`GEMV_MAX_M`] and, in the same launch,
-    /// each token's LoRA shrink `t_i = scale · x_i · A_slot(i)ᵀ` over `rows`' modules (gemv.cu's
-    /// LORA: rows of every slot some token has): a decode step's shrink without a launch of its
-    /// own. The GEMV's sum order, so t may differ from the tensor-core shrinks' in the last bits (a
-    /// token's result still depends only on its own row). `n` = 0: the shrink alone (`y` is not
-    /// written; `w` must still be a valid 16-byte aligned pointer).
+    /// `y[1, n] = x[1, k] · w[n, k]ᵀ` (bf16 out) and, in the same launch, one token's LoRA shrink
+    /// `t = scale · x · Aᵀ` over `rows`' modules (gemv.cu's LORA): a one-token step's shrink without
+    /// a launch of its own. The GEMV's sum order, so t may differ from the tensor-core shrinks' in
+    /// the last bits (a one-token step's result depends only on its token either way). `n` = 0:
+    /// the shrink alone (`y` is not written; `w` must still be a valid 16-byte aligned pointer).
     ///
     /// # Safety
-    /// As [`Kernels::gemv`] with a bf16 y; `rows`' A stacks hold `num_slots * r_pad` rows of `k`,
-    /// its `m` slots are below `num_slots` or -1, and t holds `m * n_modules * r_pad` bf16.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv_lora_rows(&self, s: &CudaStream, y: DPtr, x: DPtr, w: DPtr, m: usize, n: usize, k: usize, rows: &GemvLoraRows) -> Result<()> {
-        if m == 0 {
-            return Ok(());
-        }
-        if m > GEMV_MAX_M {
-            return Err(KernelError::Unsupported(format!("gemv_lora_rows: m {m} (m <= {GEMV_MAX_M})")));
-        }
+    /// As [`Kernels::gemv`] with m = 1 and a bf16 y; `rows`' A stacks hold `r_pad` rows of `k` per
+    /// slot, its slot is below their slot count or -1, and t holds `n_modules * r_pad` bf16.
+    pub unsafe fn gemv_lora_rows(&self, s: &CudaStream, y: DPtr, x: DPtr, w: DPtr, n: usize, k: usize, rows: &GemvLoraRows) -> Result<()> {
         if !k.is_multiple_of(8) || !x.is_multiple_of(16) || !w.is_multiple_of(16) || rows.a.iter().take(rows.n_modules).any(|a| !a.is_multiple_of(16)) {
             return Err(KernelError::Unsupported(format!("gemv_lora_rows: k {k} (k % 8 == 0, 16-byte aligned rows)")));
         }
@@ -147,13 +137,12 @@ impl Kernels {
         if let Some((small, large)) = self.gemv_wpr {
             wpr = if k >= 8192 { large } else { small };
         }
-        let total = n + rows.num_slots * rows.n_modules * rows.r_pad;
+        let total = n + rows.n_modules * rows.r_pad;
         let grid = as_u32(total.div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;
-        let (mi, ni, ki, wpr_i) = (m as i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
-        let (slots_i, r_i, nm) = (as_i32(rows.num_slots, "slots")?, as_i32(rows.r_pad, "r_pad")?, rows.n_modules as i32);
-        let mut l = Launch::new(&self.gemv_lora[gemv_m_index(m)]);
-        l.arg(&y).arg(&x).arg(&w).arg(&mi).arg(&ni).arg(&ki).arg(&wpr_i);
-        l.arg(&rows.a[0]).arg(&rows.a[1]).arg(&rows.a[2]).arg(&rows.slots).arg(&rows.scales).arg(&rows.t_hi).arg(&rows.t_lo).arg(&slots_i).arg(&r_i).arg(&nm);
+        let (ni, ki, wpr_i, r_i, nm) = (as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32, as_i32(rows.r_pad, "r_pad")?, rows.n_modules as i32);
+        let mut l = Launch::new(&self.gemv_lora_m1);
+        l.arg(&y).arg(&x).arg(&w).arg(&ni).arg(&ki).arg(&wpr_i);
+        l.arg(&rows.a[0]).arg(&rows.a[1]).arg(&rows.a[2]).arg(&rows.slots).arg(&rows.scales).arg(&rows.t_hi).arg(&rows.t_lo).arg(&r_i).arg(&nm);
         l.launch(s, cfg(grid, (GEMV_WARPS * 32) as u32), self.pdl)?;
         Ok(())
     }

@@ -131,8 +131,8 @@ pub struct Kernels {
     gemv: [[CudaFunction; 4]; 2],
     /// gate/up GEMV with SwiGLU in the epilogue, m ≤ 1, 2, 4, 8.
     gemv_silu: [CudaFunction; 4],
-    /// The GEMV with a decode step's LoRA shrink as extra rows (gemv.cu's LORA), m ≤ 1, 2, 4, 8.
-    gemv_lora: [CudaFunction; 4],
+    /// One token's GEMV with its LoRA shrink as extra rows (gemv.cu's LORA).
+    gemv_lora_m1: CudaFunction,
     /// Row-wise 8-bit W8A8 GEMVs (gemv_fp8.cu), m ≤ 1, 2, 4, 8, 16, and the per-token quantizers of
     /// bf16 rows.
     /// m up to 1, 2, 4, 8, 16, then m = 1 with 2 and 4 weight rows per warp tile.
@@ -265,7 +265,7 @@ impl Kernels {
                 [f("gemv_m1_u16")?, f("gemv_m2_u16")?, f("gemv_m4_u16")?, f("gemv_m8_u16")?],
             ],
             gemv_silu: [f("gemv_silu_m1")?, f("gemv_silu_m2")?, f("gemv_silu_m4")?, f("gemv_silu_m8")?],
-            gemv_lora: [f("gemv_lora_m1")?, f("gemv_lora_m2")?, f("gemv_lora_m4")?, f("gemv_lora_m8")?],
+            gemv_lora_m1: f("gemv_lora_m1")?,
             gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?, f("gemv_e4m3_m16")?, f("gemv_e4m3_m1r2")?, f("gemv_e4m3_m1r4")?],
             gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?, f("gemv_i8_m1r2")?, f("gemv_i8_m1r4")?],
             gemv8_mma: [[f("gemv8_mma_e4m3_t1")?, f("gemv8_mma_e4m3_t2")?], [f("gemv8_mma_i8_t1")?, f("gemv8_mma_i8_t2")?]],

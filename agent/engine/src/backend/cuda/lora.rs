@@ -13,10 +13,10 @@
 //! (RoPE + KV write, the residual add + RMSNorm, SwiGLU): the whole LoRA path then hides beside the
 //! base GEMM/GEMV instead of following it (at batch 1 the expand after each GEMV was ~10 µs of a
 //! 13 µs-per-group overhead). Larger steps add in place after the GEMM, on the main stream: their
-//! update buffer would be as large as the output. Steps whose base projection is one of our GEMVs
-//! (up to 8 tokens) take neither: the bf16 GEMV computes the shrink as extra rows of its own launch
-//! (before an 8-bit GEMV a launch of those rows alone does) and the expand adds in place right after
-//! the base GEMV, so such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]).
+//! update buffer would be as large as the output. One-token steps over one of our GEMVs take
+//! neither: the bf16 GEMV computes the shrink as extra rows of its own launch (before an 8-bit GEMV
+//! a launch of those rows alone does) and the expand adds in place right after the base GEMV, so
+//! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]).
 //! `PEREGRINE_LORA_OVERLAP=0` runs everything on the
 //! main stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
 
@@ -82,17 +82,17 @@ pub struct GpuLora {
     /// Whether steps that add in place may fuse gate|up's expand into SwiGLU instead
     /// (`PEREGRINE_LORA_SWIGLU=0`: never, for comparisons).
     fused_swiglu: bool,
-    /// The groups whose GEMV steps have the base GEMV compute the shrink ([`GemvRowGroups`]).
+    /// The groups whose one-token steps have the base GEMV compute the shrink ([`GemvRowGroups`]).
     gemv_rows: GemvRowGroups,
-    /// Whether steps over an 8-bit GEMV take the same path, the shrink as a GEMV of its
+    /// Whether one-token steps over an 8-bit GEMV take the same path, the shrink as a GEMV of its
     /// own right before the base one (`PEREGRINE_LORA_W8_ROWS=0`: the side stream, for comparisons).
     w8_rows: bool,
 }
 
-/// Which projection groups of a step over one of our GEMVs take the shrink as GEMV rows
+/// Which projection groups of a one-token step over one of our GEMVs take the shrink as GEMV rows
 /// ([`BaseGemv`]), with the expand in place right after the base GEMV on the main stream, instead of
 /// the side stream's shrink -> expand beside it. All four by default: with no group left on the side
-/// stream such a step has no fork or join at all. On an H200 (Llama-3.1-8B shape, 4 adapters of
+/// stream a one-token step has no fork or join at all. On an H200 (Llama-3.1-8B shape, 4 adapters of
 /// rank 32, `bench --batch-sizes 1`) LoRA / base over bf16 went 0.857–0.860 (none) -> 0.913 (all),
 /// while q|k|v and o alone (whose short GEMVs the side chain outlasted) gave 0.859–0.862: the side
 /// stream's fork and join were what cost, not the chains; over fp8 weights 0.70 -> 0.78
@@ -331,16 +331,16 @@ pub struct Projection<'a> {
     pub gemv: BaseGemv,
 }
 
-/// The kernel a step's base projection runs, as far as the GEMV-step LoRA path cares.
+/// The kernel a step's base projection runs, as far as the one-token LoRA path cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BaseGemv {
-    /// A GEMM (cuBLAS, cuBLASLt or ours).
+    /// A GEMM (cuBLAS, cuBLASLt or ours), or a GEMV of several tokens.
     None,
-    /// The bf16 GEMV (up to 2 tokens by default): it computes the step's shrink as extra rows when
-    /// handed them ([`GemvLoraRows`]).
+    /// The bf16 GEMV: it computes a one-token step's shrink as extra rows when handed them
+    /// ([`GemvLoraRows`]).
     Bf16,
-    /// The 8-bit GEMV (up to 8 tokens), whose output is final (no scales left to its consumer): the
-    /// step's shrink runs as a GEMV of those rows alone right before it.
+    /// The 8-bit GEMV, whose output is final (no scales left to its consumer): a one-token step's
+    /// shrink runs as a GEMV of those rows alone right before it.
     W8,
 }
 
@@ -580,12 +580,11 @@ impl GpuLora {
         // The update buffer holds `delta_tokens` rows of the widest output at any stride up to it
         // (used only with the side stream: the decision `update_buffered` reports).
         let delta = self.delta.as_ref().filter(|_| self.update_buffered(n));
-        // `p.gemv` is only set for steps of at most GEMV_MAX_M (8) tokens.
-        let gemv_step = p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first));
+        let one_token = n == 1 && p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first));
         // The rows-only GEMV reads x in 16-byte pieces (the bf16 GEMV's own check covers its case).
         let w8_rows = self.w8_rows && p.x.is_multiple_of(16) && fan_in.is_multiple_of(8);
-        if gemv_step && (p.gemv == BaseGemv::Bf16 || (p.gemv == BaseGemv::W8 && w8_rows)) {
-            // The bf16 GEMV writes the shrink's t (every token, every module of the group) with y;
+        if one_token && (p.gemv == BaseGemv::Bf16 || (p.gemv == BaseGemv::W8 && w8_rows)) {
+            // The bf16 GEMV writes the shrink's t (one token, every module of the group) with y;
             // before an 8-bit GEMV a GEMV of the LoRA rows alone does (it triggers the base GEMV's
             // launch at once, so that one still streams its weights early). Either way the expand
             // then adds in place, PDL-chained after the base: all on the main stream.
@@ -593,11 +592,11 @@ impl GpuLora {
             for (dst, m) in a.iter_mut().zip(modules) {
                 *dst = m.a;
             }
-            let rows = GemvLoraRows { a, n_modules: modules.len(), r_pad: self.r_pad, num_slots: self.capacity.max_loras, slots, scales: self.scales.ptr(), t_hi: work.t_hi, t_lo: work.t_lo };
+            let rows = GemvLoraRows { a, n_modules: modules.len(), r_pad: self.r_pad, slots, scales: self.scales.ptr(), t_hi: work.t_hi, t_lo: work.t_lo };
             if p.gemv == BaseGemv::Bf16 {
                 base(Some(&rows))?;
             } else {
-                k.gemv_lora_rows(main, 0, p.x, p.x, n, 0, fan_in, &rows)?;
+                k.gemv_lora_rows(main, 0, p.x, p.x, 0, fan_in, &rows)?;
                 base(None)?;
             }
             k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;

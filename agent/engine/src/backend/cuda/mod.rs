@@ -383,7 +383,7 @@ impl CudaBackend {
         // (decode-sized steps compute it beside the base projection; see cuda/lora.rs).
         // `swiglu`: gate|up only, where SwiGLU may be written with the updates fused into it.
         // `gemv`: which of our GEMVs the base projection is this step; the bf16 one runs with the
-        // LoRA rows `base` is handed (the step's shrink; cuda/lora.rs).
+        // LoRA rows `base` is handed (a one-token step's shrink; cuda/lora.rs).
         let project_into = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], swiglu: Option<DPtr>, gemv: BaseGemv, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<LoraUpdate> {
             let Some(lora) = lora else { return base(None).map(|()| LoraUpdate::Added) };
             // SAFETY: as the step's block below; each module's columns stay inside each row of `y`,
@@ -407,7 +407,7 @@ impl CudaBackend {
             let linear = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize, rows: Option<&GemvLoraRows>| -> peregrine_kernels::Result<()> {
                 match (wt, w8) {
                     (Linear::Bf16(wb), _) => match rows {
-                        Some(rows) => cuda.linear_lora_rows(y, x, wb.ptr(), n, n_out, k_in, rows),
+                        Some(rows) => cuda.linear_lora_rows(y, x, wb.ptr(), n_out, k_in, rows),
                         None => cuda.linear(y, OutType::Bf16, x, wb.ptr(), n, n_out, k_in),
                     },
                     (Linear::W8 { codes, scales }, Some(f)) => cuda.linear_w8(f, y, OutType::Bf16, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in),

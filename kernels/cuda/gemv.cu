@@ -163,8 +163,9 @@ GEMV(4, 16)
 GEMV(8, 16)
 
 // gemv_lora_m1: one token's y = x · wᵀ (bf16 out) and its LoRA shrink (see the top); grid covers
-// n + n_modules * r_pad rows. n = 0: the shrink alone (for a base projection of 8-bit weights). `slots`: the token's slot (read before pdl_wait(): the host writes it
-// before the step, no kernel does).
+// n + n_modules * r_pad rows. n = 0: the shrink alone (for a base projection of 8-bit weights).
+// `slots`: the token's slot, read before pdl_wait() (the host writes it before the step, no kernel
+// does).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_lora_m1(bf16_t* y, const bf16_t* x, const bf16_t* w, int n, int k, int wpr, const bf16_t* a0,
                  const bf16_t* a1, const bf16_t* a2, const int* slots, const float* scales, bf16_t* t_hi,

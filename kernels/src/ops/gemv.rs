@@ -17,6 +17,16 @@ impl Kernels {
         (8, if k >= 8192 { 8 } else { 4 })
     }
 
+    /// Warps per row of the GEMVs that run the plan's unroll: `PEREGRINE_GEMV_WPR` where set, else
+    /// [`Kernels::gemv_plan`]'s. One place, so that `gemv_lora_rows` sums its base rows exactly as
+    /// `gemv` does.
+    fn gemv_wpr(&self, n: usize, k: usize) -> usize {
+        match self.gemv_wpr {
+            Some((small, large)) => if k >= 8192 { large } else { small },
+            None => Self::gemv_plan(n, k).1,
+        }
+    }
+
     /// Skinny GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` for m ≤ [`GEMV_MAX_M`], k a multiple of 8
     /// (bandwidth-bound decode shapes); y bf16 or f32. Unroll depth and warps per row from
     /// [`Kernels::gemv_plan`].
@@ -25,11 +35,8 @@ impl Kernels {
     /// x: m*k bf16 and w: n*k bf16, both 16-byte aligned; y: m*n of the output type.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemv(&self, s: &CudaStream, y: DPtr, y_f32: bool, x: DPtr, w: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
-        let (unroll, mut wpr) = Self::gemv_plan(n, k);
-        if let Some((small, large)) = self.gemv_wpr {
-            wpr = if k >= 8192 { large } else { small };
-        }
-        self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, wpr)
+        let unroll = Self::gemv_plan(n, k).0;
+        self.gemv_with(s, y, y_f32, x, w, m, n, k, unroll, self.gemv_wpr(n, k))
     }
 
     /// [`Kernels::gemv`] with an explicit unroll depth (8 or 16) and warps per row (1, 2, 4 or 8).
@@ -80,11 +87,7 @@ impl Kernels {
         if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w_gate_up % 16 != 0 {
             return Err(KernelError::Unsupported(format!("gemv_silu: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
         }
-        let wpr = match self.gemv_wpr {
-            Some((small, large)) => if k >= 8192 { large } else { small },
-            None => Self::gemv_plan(2 * inter, k).1,
-        }
-        .min(4);
+        let wpr = self.gemv_wpr(2 * inter, k).min(4);
         let func = &self.gemv_silu[gemv_m_index(m)];
         let (mi, ni, ki, wpr_i) = (m as i32, as_i32(inter, "intermediate")?, as_i32(k, "k")?, wpr as i32);
         let grid = as_u32((2 * inter).div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;
@@ -133,10 +136,7 @@ impl Kernels {
         if !(1..=3).contains(&rows.n_modules) || rows.r_pad == 0 {
             return Err(KernelError::Unsupported(format!("gemv_lora_rows: {} modules of rank {}", rows.n_modules, rows.r_pad)));
         }
-        let mut wpr = Self::gemv_plan(n, k).1;
-        if let Some((small, large)) = self.gemv_wpr {
-            wpr = if k >= 8192 { large } else { small };
-        }
+        let wpr = self.gemv_wpr(n, k);
         let total = n + rows.n_modules * rows.r_pad;
         let grid = as_u32(total.div_ceil(GEMV_WARPS / wpr), "gemv blocks")?;
         let (ni, ki, wpr_i, r_i, nm) = (as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32, as_i32(rows.r_pad, "r_pad")?, rows.n_modules as i32);

@@ -927,6 +927,28 @@ extern "C" __global__ void __launch_bounds__(128) lora_expand_swiglu_r32(LORA_SW
 #undef LORA_SWIGLU_ARGS
 #undef LORA_SWIGLU_PARAMS
 
+// Decode-sized steps through cuBLAS (cuda/lora.rs, DenseShrink): one GEMM of the step's tokens
+// against every slot's A of the group, u = x · [A_0; ...; A_{M-1}]ᵀ in f32, u [n, M * num_slots *
+// r_pad] with module m, slot s, rank j at column (m * num_slots + s) * r_pad + j. This kernel keeps
+// each token's own slot: t[i, m * r_pad + j] = scale · u[i, (m * num_slots + slot_i) * r_pad + j] as
+// bf16 hi + lo, zeros past the slot's rank, as the shrink kernels store it for the expand. Tokens
+// without a slot are left alone (no work tile reads them). grid-stride over n * M * r_pad.
+extern "C" __global__ void lora_pick_t(bf16_t* __restrict__ t_hi, bf16_t* __restrict__ t_lo, const float* __restrict__ u,
+                                       const int* __restrict__ slots, const int* __restrict__ ranks,
+                                       const float* __restrict__ scales, int n, int n_modules, int num_slots, int r_pad) {
+    pdl_wait();
+    pdl_trigger();
+    const int R = n_modules * r_pad;
+    const u64 u_row = (u64)R * num_slots;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < (u64)n * R; e += (u64)gridDim.x * blockDim.x) {
+        const int i = (int)(e / R), c = (int)(e % R), m = c / r_pad, j = c % r_pad;
+        const int slot = slots[i];
+        if (slot < 0) continue;
+        const float v = j < ranks[slot] ? __ldcg(u + i * u_row + (u64)(m * num_slots + slot) * r_pad + j) * scales[slot] : 0.f;
+        lora_store_t(t_hi, t_lo, e, v);
+    }
+}
+
 #else
 
 extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
@@ -953,5 +975,8 @@ extern "C" __global__ void lora_shrink_staged(bf16_t*, bf16_t*, float*, int*, co
 extern "C" __global__ void lora_shrink_staged_r32(bf16_t*, bf16_t*, float*, int*, const bf16_t*, int, const bf16_t*,
                                                   const bf16_t*, const bf16_t*, const int*, const int*, const int*,
                                                   const int*, const float*, int, int, int, int, int) {}
+
+extern "C" __global__ void lora_pick_t(bf16_t*, bf16_t*, const float*, const int*, const int*, const float*, int, int,
+                                       int, int) {}
 
 #endif

@@ -10,8 +10,6 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use crate::ops::DPtr;
 use crate::{KernelError, Result};
 
-/// cuBLAS needs a fixed workspace of its own to be capturable into CUDA graphs.
-const WORKSPACE_BYTES: usize = 32 << 20;
 
 pub struct Blas {
     blas: CudaBlas,
@@ -26,16 +24,19 @@ pub enum OutType {
 }
 
 impl Blas {
+    /// cuBLAS needs a fixed workspace of its own to be capturable into CUDA graphs.
+    pub const WORKSPACE_BYTES: usize = 32 << 20;
+
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone())?;
-        let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        let workspace = stream.alloc_zeros::<u8>(Self::WORKSPACE_BYTES)?;
         let ws_ptr = {
             let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&workspace, stream.as_ref());
             ptr
         };
         // SAFETY: the workspace lives as long as the handle (both in self).
         unsafe {
-            sys::cublasSetWorkspace_v2(*blas.handle(), ws_ptr as *mut c_void, WORKSPACE_BYTES).result()?;
+            sys::cublasSetWorkspace_v2(*blas.handle(), ws_ptr as *mut c_void, Self::WORKSPACE_BYTES).result()?;
         }
         Ok(Blas { blas, _workspace: workspace })
     }

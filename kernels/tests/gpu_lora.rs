@@ -503,3 +503,77 @@ fn the_gemv_computes_a_one_token_shrink_as_extra_rows() {
         }
     }
 }
+
+#[test]
+fn the_dense_shrink_and_pick_match_the_reference() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    let s = &cuda.gpu.stream;
+    let mut r = rng();
+    // What decode-sized engine steps on the side stream take (cuda/lora.rs, DenseShrink): one cuBLAS
+    // GEMM of every token against every slot's A of a q|k|v-like group, then `lora_pick_t` keeps each
+    // token's own slot, then the expand. Slots of rank 8, 16, 32, 64 and an empty one, tokens
+    // without an adapter mixed in, a fan-in ending inside a 256-wide chunk.
+    let mut slots: Vec<i32> = (0..150).map(|i| [0, 1, 2, 3, 4, -1][i % 6]).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, r.random_range(0..=i));
+    }
+    let case = Case { k: 1040, outs: vec![(200, 0), (72, 200), (72, 273)], y_width: 346, ranks: vec![8, 16, 32, 64, 0], scales: vec![2.0, 0.5, 1.0, 4.0, 0.0], slots };
+    let h = host_inputs(&mut r, &case);
+    let (want, mag) = reference(&case, &h);
+    let n = case.slots.len();
+    let dev = Group::upload(&cuda, &case, &h, &(0..n).collect::<Vec<_>>());
+    // The group's A stack: every module's [slots, r_pad, k] one after another.
+    let a_group = cuda.gpu.upload(&h.a.concat()).unwrap();
+    let cols = case.outs.len() * case.ranks.len() * h.r_pad;
+    let u = cuda.gpu.alloc_zeros::<f32>(n * cols).unwrap();
+    let big_r = case.outs.len() * h.r_pad;
+    let t_hi = cuda.gpu.upload(&vec![UNWRITTEN; n * big_r]).unwrap();
+    let t_lo = cuda.gpu.upload(&vec![UNWRITTEN; n * big_r]).unwrap();
+    let work = LoraScratch { t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), ..dev.work() };
+    let (segs, modules) = (dev.segs(), dev.modules(&case));
+    // SAFETY: x holds n rows of k, the stack cols rows of k, u n rows of cols, t n rows of big_r; the
+    // tables are sized for n tokens.
+    unsafe {
+        cuda.kernels.lora_group(s, &segs, n).unwrap();
+        cuda.blas.matmul(u.ptr(), peregrine_kernels::OutType::F32, dev.x.ptr(), a_group.ptr(), n, cols, case.k, 0.0).unwrap();
+        cuda.kernels.lora_pick_t(s, u.ptr(), case.outs.len(), h.r_pad, &segs, &work, n).unwrap();
+    }
+    let (hi, lo) = (t_hi.download(s).unwrap(), t_lo.download(s).unwrap());
+    for (i, &slot) in case.slots.iter().enumerate() {
+        let row = i * big_r..(i + 1) * big_r;
+        if slot < 0 {
+            assert!(hi[row.clone()].iter().chain(&lo[row]).all(|&v| v == UNWRITTEN), "token {i} without an adapter: t must be left alone");
+            continue;
+        }
+        let (sl, rank, scale) = (slot as usize, case.ranks[slot as usize], case.scales[slot as usize] as f64);
+        for m in 0..case.outs.len() {
+            for rr in 0..h.r_pad {
+                let at = i * big_r + m * h.r_pad + rr;
+                if rr >= rank {
+                    assert!(hi[at] == 0 && lo[at] == 0, "token {i}, slot {slot}, module {m}, rank {rr} past {rank}: t must be 0");
+                    continue;
+                }
+                let terms: Vec<f64> = (0..case.k).map(|j| val(h.x[i * case.k + j]) * val(h.a[m][(sl * h.r_pad + rr) * case.k + j]) * scale).collect();
+                let want_t: f64 = terms.iter().sum();
+                let tol = terms.iter().map(|t| t.abs()).sum::<f64>() / 4096.0 + 1e-7;
+                let got_t = val(hi[at]) + val(lo[at]);
+                assert!((got_t - want_t).abs() <= tol, "token {i}, slot {slot}, module {m}, rank {rr}: t {got_t}, want {want_t} (tol {tol})");
+            }
+        }
+    }
+    // SAFETY: as above; t holds this group's shrink output for the n tokens.
+    unsafe { cuda.kernels.lora_expand(s, dev.y.ptr(), case.y_width, &modules, h.r_pad, &segs, &work, n).unwrap() };
+    let got = dev.y.download(s).unwrap();
+    for (i, &slot) in case.slots.iter().enumerate() {
+        for j in 0..case.y_width {
+            let at = i * case.y_width + j;
+            let in_module = case.outs.iter().any(|&(out, col)| (col..col + out).contains(&j));
+            if slot < 0 || !in_module || case.ranks[slot as usize] == 0 {
+                assert_eq!(got[at], h.y0[at], "token {i} (slot {slot}) column {j} must be left alone");
+                continue;
+            }
+            let tol = want[at].abs() / 256.0 + mag[at] / 4096.0 + 1e-6;
+            assert!((val(got[at]) - want[at]).abs() <= tol, "token {i} (slot {slot}) column {j}: got {}, want {} (tol {tol})", val(got[at]), want[at]);
+        }
+    }
+}

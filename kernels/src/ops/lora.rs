@@ -304,6 +304,31 @@ impl Kernels {
         Ok(())
     }
 
+    /// The shrink's output `t` (bf16 hi + lo, as [`Kernels::lora_shrink`] leaves it for the expand)
+    /// from a dense product `u = x · Aᵀ` of every token against every slot of the group: `u` f32
+    /// `[n, n_modules × num_slots × r_pad]`, module m's slot s's rank j at column `(m × num_slots +
+    /// s) × r_pad + j` (what one GEMM over a group's A stack, `[modules, slots, r_pad, k]` per layer,
+    /// gives). Each token keeps its own slot's columns, times the slot's scale.
+    ///
+    /// # Safety
+    /// `u` holds `n` such rows; `work.t_hi`/`t_lo` hold `n × n_modules × r_pad`; `segs` as in
+    /// [`Kernels::lora_apply`].
+    pub unsafe fn lora_pick_t(&self, s: &CudaStream, u: DPtr, n_modules: usize, r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
+        if n == 0 || segs.num_slots == 0 {
+            return Ok(());
+        }
+        if n_modules == 0 || n_modules > LORA_MAX_MODULES || r_pad == 0 || r_pad > LORA_MAX_RANK {
+            return Err(KernelError::Unsupported(format!("LoRA pick: {n_modules} modules of rank {r_pad}")));
+        }
+        let total = n * n_modules * r_pad;
+        let blocks = as_u32(total.div_ceil(256).min(4 * self.num_sms as usize), "pick blocks")?;
+        let (n_i, nm, slots, r_i) = (as_i32(n, "tokens")?, n_modules as i32, as_i32(segs.num_slots, "slots")?, as_i32(r_pad, "r_pad")?);
+        let mut l = Launch::new(&self.lora_pick_t);
+        l.arg(&work.t_hi).arg(&work.t_lo).arg(&u).arg(&segs.slots).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&nm).arg(&slots).arg(&r_i);
+        l.launch(s, cfg(blocks, 256), self.pdl)?;
+        Ok(())
+    }
+
     /// The second half of [`Kernels::lora_apply`]: `y[.., col_m ..] += t · B_mᵀ`, after the
     /// [`Kernels::lora_shrink`] of the same group (and after whatever else writes `y`).
     ///

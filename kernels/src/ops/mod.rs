@@ -116,6 +116,7 @@ pub struct Kernels {
     /// Whether r_pad <= 32 takes `lora_shrink_staged_r32` (`PEREGRINE_LORA_STAGED_R32=0`: never).
     lora_staged_r32: bool,
     lora_shrink_ranks: CudaFunction,
+    lora_pick_t: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
     lora_expand_sgmv_r32: CudaFunction,
@@ -252,6 +253,7 @@ impl Kernels {
             lora_shrink_staged_r32: f("lora_shrink_staged_r32")?,
             lora_staged_r32: std::env::var("PEREGRINE_LORA_STAGED_R32").map_or(true, |v| v != "0"),
             lora_shrink_ranks: f("lora_shrink_ranks")?,
+            lora_pick_t: f("lora_pick_t")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,
             lora_expand_swiglu: f("lora_expand_swiglu")?,

@@ -16,7 +16,9 @@
 //! update buffer would be as large as the output. One-token steps over one of our GEMVs take
 //! neither: the bf16 GEMV computes the shrink as extra rows of its own launch (before an 8-bit GEMV
 //! a launch of those rows alone does) and the expand adds in place right after the base GEMV, so
-//! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]).
+//! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]). Steps of 128–512
+//! tokens take the side stream's shrink as one cuBLAS GEMM against every slot's A of the group
+//! (the A stacks are laid out per group for it), then keep each token's own slot ([`DenseShrink`]).
 //! `PEREGRINE_LORA_OVERLAP=0` runs everything on the
 //! main stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
 
@@ -25,7 +27,7 @@ use std::sync::Arc;
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
 use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, LORA_MAX_RANK};
-use peregrine_kernels::{Cuda, DevBuf};
+use peregrine_kernels::{Blas, Cuda, DevBuf, OutType};
 
 use super::gpu_err;
 use crate::config::ModelConfig;
@@ -39,19 +41,31 @@ pub struct LoraCapacity {
     pub max_rank: usize,
 }
 
+/// One target module's B stack and shapes; its A lives in its group's stack ([`GroupStack`]).
 struct ModuleStack {
-    /// `[layers, slots, r_pad, fan_in]`.
-    a: DevBuf<u16>,
     /// `[layers, slots, fan_out, r_pad]`.
     b: DevBuf<u16>,
     fan_in: usize,
     fan_out: usize,
+    /// Its group in [`GROUPS`] and its place in that group.
+    group: usize,
+    index: usize,
+}
+
+/// The A stacks of one projection group's modules, `[layers, modules, slots, r_pad, fan_in]`: per
+/// layer the group's every module's every slot's rows one after another, so that one GEMM reads
+/// them all ([`DenseShrink`]). Module m's slice of a layer, `[slots, r_pad, fan_in]`, is what the
+/// grouped kernels read.
+struct GroupStack {
+    a: DevBuf<u16>,
+    modules: usize,
 }
 
 pub struct GpuLora {
     pub capacity: LoraCapacity,
     layers: usize,
     modules: Vec<ModuleStack>,
+    groups: Vec<GroupStack>,
     /// `scaling` of the adapter in each slot (0 for an empty slot).
     scales: DevBuf<f32>,
     scales_host: Vec<f32>,
@@ -87,6 +101,78 @@ pub struct GpuLora {
     /// Whether one-token steps over an 8-bit GEMV take the same path, the shrink as a GEMV of its
     /// own right before the base one (`PEREGRINE_LORA_W8_ROWS=0`: the side stream, for comparisons).
     w8_rows: bool,
+    /// The side stream's shrink as one cuBLAS GEMM per group, for the step sizes it takes.
+    dense: Option<DenseShrink>,
+}
+
+/// Steps of `tokens` compute the side stream's shrink as one cuBLAS GEMM of the group's x against
+/// every slot's A (`u`, f32), and `lora_pick_t` keeps each token's own slot's columns as the
+/// expand's t. Every token is multiplied by every slot (the slots × ranks columns are few next to
+/// the base projection's), but on tensor cores at cuBLAS's efficiency rather than our grouped
+/// shrink's, whose blocks mostly wait on their loads (docs/benchmarks.md, session 21).
+/// A token's t then depends on the step's size in its last bits, as the base GEMMs' outputs do.
+/// `PEREGRINE_LORA_DENSE=lo-hi` (token counts) or `0` (never).
+struct DenseShrink {
+    /// A handle (and workspace) of its own on the side stream: the main stream's runs beside it.
+    blas: Blas,
+    u: DevBuf<f32>,
+    tokens: std::ops::RangeInclusive<usize>,
+}
+
+/// The step sizes [`DenseShrink`] takes by default: from 128 tokens to the update buffer's largest
+/// step. On an H200 (Llama-3.1-8B shape, `bench --lora 4 --lora-rank 32`, LoRA / base against the
+/// grouped shrink, docs/benchmarks.md session 22) it gained at batch 128 (0.841 -> 0.886) and 256
+/// (0.830–0.845 -> 0.873–0.877; over fp8 weights 0.715 -> 0.792; 16 adapters 0.807 -> 0.821) and
+/// lost at 64 (0.894 -> 0.864–0.879; fp8 0.808 -> 0.785) and on 128/128 × 16 adapters, whose
+/// ~1,000-token steps expand after the GEMM (0.843 -> 0.827).
+const DENSE_TOKENS: std::ops::RangeInclusive<usize> = 128..=DELTA_MAX_TOKENS;
+
+/// Slots × padded rank up to which [`DenseShrink`] is worth its extra products (16 slots of rank
+/// 32, 8 of rank 64).
+const DENSE_MAX_SLOT_RANKS: usize = 512;
+
+impl DenseShrink {
+    fn tokens_from_env() -> Option<std::ops::RangeInclusive<usize>> {
+        match std::env::var("PEREGRINE_LORA_DENSE") {
+            Err(_) => Some(DENSE_TOKENS),
+            Ok(v) => {
+                let (lo, hi) = v.trim().split_once('-')?;
+                Some(lo.trim().parse().ok()?..=hi.trim().parse().ok()?)
+            }
+        }
+    }
+
+    /// The most tokens it takes for a step budget of `max_tokens`, and the f32 elements of `u`.
+    fn sizes(cap: LoraCapacity, max_tokens: usize, tokens: &std::ops::RangeInclusive<usize>) -> (usize, usize) {
+        let rows = (*tokens.end()).min(max_tokens);
+        let widest = GROUPS.iter().map(|g| g.len()).max().unwrap_or(0) * cap.max_loras * lora_rank_pad(cap.max_rank);
+        (rows, rows * widest)
+    }
+
+    fn new(cuda: &Cuda, cap: LoraCapacity, max_tokens: usize, side: Option<&SideStream>) -> Result<Option<Self>> {
+        let Some(side) = side else { return Ok(None) };
+        let Some(tokens) = Self::tokens_from_env() else { return Ok(None) };
+        if cap.max_loras * lora_rank_pad(cap.max_rank) > DENSE_MAX_SLOT_RANKS || tokens.is_empty() {
+            return Ok(None);
+        }
+        let (rows, len) = Self::sizes(cap, max_tokens, &tokens);
+        if rows == 0 {
+            return Ok(None);
+        }
+        Ok(Some(DenseShrink {
+            blas: Blas::new(&side.stream).map_err(gpu_err)?,
+            u: cuda.gpu.alloc_zeros::<f32>(len).map_err(gpu_err)?,
+            tokens: *tokens.start()..=rows,
+        }))
+    }
+
+    /// Device bytes it takes: `u` and the handle's workspace.
+    fn bytes(cap: LoraCapacity, max_tokens: usize) -> usize {
+        if overlap_disabled() || cap.max_loras * lora_rank_pad(cap.max_rank) > DENSE_MAX_SLOT_RANKS {
+            return 0;
+        }
+        Self::tokens_from_env().map_or(0, |t| Self::sizes(cap, max_tokens, &t).1 * 4 + Blas::WORKSPACE_BYTES)
+    }
 }
 
 /// Which projection groups of a one-token step over one of our GEMVs take the shrink as GEMV rows
@@ -297,6 +383,11 @@ const GROUPS: [&[TargetModule]; 4] = [
     &[TargetModule::Down],
 ];
 
+/// A module's group in [`GROUPS`] and its place there.
+fn group_of(module: TargetModule) -> (usize, usize) {
+    GROUPS.iter().enumerate().find_map(|(g, ms)| ms.iter().position(|&m| m == module).map(|i| (g, i))).unwrap_or((0, 0))
+}
+
 /// Steps of at most this many tokens (every decode batch the graphs capture) expand into the update
 /// buffer beside the base projection; a buffer of 512 rows of Llama-3.1-8B's gate|up is 29 MB.
 pub const DELTA_MAX_TOKENS: usize = 512;
@@ -384,6 +475,7 @@ impl GpuLora {
             + t_part_len(config, r_pad, max_tokens) * 4
             + 2 * max_tokens * 3 * r_pad * 2
             + delta_rows(max_tokens, !overlap_disabled()) * widest_output(config) * 2
+            + DenseShrink::bytes(cap, max_tokens)
     }
 
     pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize) -> Result<Self> {
@@ -409,16 +501,21 @@ impl GpuLora {
         let delta_tokens = delta_rows(max_tokens, overlap.is_some());
         let delta = (delta_tokens > 0).then(|| zeros(delta_tokens * widest_output(config))).transpose()?;
         let ints = |n: usize| cuda.gpu.alloc_zeros::<i32>(n).map_err(gpu_err);
+        let per = layers * cap.max_loras * r_pad;
         let mut modules = Vec::with_capacity(TargetModule::ALL.len());
         for m in TargetModule::ALL {
             let (fan_in, fan_out) = m.dims(config);
-            let per = layers * cap.max_loras * r_pad;
-            modules.push(ModuleStack { a: zeros(per * fan_in)?, b: zeros(per * fan_out)?, fan_in, fan_out });
+            let (group, index) = group_of(m);
+            modules.push(ModuleStack { b: zeros(per * fan_out)?, fan_in, fan_out, group, index });
         }
+        // A group's modules share a fan-in (they read the same x).
+        let groups = GROUPS.iter().map(|g| Ok(GroupStack { a: zeros(g.len() * per * g[0].dims(config).0)?, modules: g.len() })).collect::<Result<Vec<_>>>()?;
+        let dense = DenseShrink::new(cuda, cap, max_tokens, overlap.as_ref())?;
         Ok(GpuLora {
             capacity: cap,
             layers,
             modules,
+            groups,
             scales: cuda.gpu.alloc_zeros::<f32>(cap.max_loras).map_err(gpu_err)?,
             scales_host: vec![0.0; cap.max_loras],
             ranks: ints(cap.max_loras)?,
@@ -438,7 +535,20 @@ impl GpuLora {
             fused_swiglu: !std::env::var("PEREGRINE_LORA_SWIGLU").is_ok_and(|v| v == "0"),
             gemv_rows: GemvRowGroups::from_env(),
             w8_rows: !std::env::var("PEREGRINE_LORA_W8_ROWS").is_ok_and(|v| v == "0"),
+            dense,
         })
+    }
+
+    /// Where `module`'s A rows of `slot` in `layer` start in its group's stack (elements).
+    fn a_offset(&self, module: TargetModule, layer: usize, slot: usize) -> usize {
+        let stack = &self.modules[module.index()];
+        let per_module = self.capacity.max_loras * self.r_pad * stack.fan_in;
+        ((layer * self.groups[stack.group].modules + stack.index) * per_module) + slot * self.r_pad * stack.fan_in
+    }
+
+    /// `module`'s A stack of `layer`, `[slots, r_pad, fan_in]`, as the grouped kernels read it.
+    fn a_ptr(&self, module: TargetModule, layer: usize) -> DPtr {
+        self.groups[self.modules[module.index()].group].a.ptr_at(self.a_offset(module, layer, 0))
     }
 
     /// Writes `adapter` into `slot` (every layer and module; untargeted modules become zeros)
@@ -469,6 +579,8 @@ impl GpuLora {
         if self.uploader.is_none() {
             self.uploader = Some(SlotUploader::new(cuda, image_len)?);
         }
+        // Where each (module, layer) of the slot goes in its group's A stack, in the image's order.
+        let a_at: Vec<usize> = TargetModule::ALL.into_iter().flat_map(|m| (0..self.layers).map(move |l| (m, l))).map(|(m, l)| self.a_offset(m, l, slot)).collect();
         let Some(up) = &mut self.uploader else { return Err(EngineError::Backend("LoRA uploader missing".into())) };
         SlotImage::fill(up.staging(image_len)?, adapter, &dims, self.layers, self.r_pad)?;
         let main = &cuda.gpu.stream;
@@ -478,13 +590,19 @@ impl GpuLora {
         up.stream.wait(&up.slot_free).map_err(driver)?;
         let r_pad = self.r_pad;
         let mut offset = 0;
-        for stack in &mut self.modules {
-            let (a_len, b_len) = (r_pad * stack.fan_in, stack.fan_out * r_pad);
+        let mut a_at = a_at.into_iter();
+        for module in TargetModule::ALL {
+            let (fan_in, fan_out, group) = {
+                let m = &self.modules[module.index()];
+                (m.fan_in, m.fan_out, m.group)
+            };
+            let (a_len, b_len) = (r_pad * fan_in, fan_out * r_pad);
             for layer in 0..self.layers {
-                let at = layer * max_loras + slot;
-                stack.a.write_at(&up.stream, at * a_len, &staging[offset..offset + a_len]).map_err(gpu_err)?;
+                let at = a_at.next().ok_or_else(|| EngineError::Backend("LoRA A offsets".into()))?;
+                self.groups[group].a.write_at(&up.stream, at, &staging[offset..offset + a_len]).map_err(gpu_err)?;
                 offset += a_len;
-                stack.b.write_at(&up.stream, at * b_len, &staging[offset..offset + b_len]).map_err(gpu_err)?;
+                let b_at = (layer * max_loras + slot) * b_len;
+                self.modules[module.index()].b.write_at(&up.stream, b_at, &staging[offset..offset + b_len]).map_err(gpu_err)?;
                 offset += b_len;
             }
         }
@@ -570,7 +688,7 @@ impl GpuLora {
             let stack = &self.modules[module.index()];
             fan_in = stack.fan_in;
             let at = layer * per_layer;
-            *dst = LoraModule { a: stack.a.ptr_at(at * stack.fan_in), b: stack.b.ptr_at(at * stack.fan_out), out: stack.fan_out, col };
+            *dst = LoraModule { a: self.a_ptr(module, layer), b: stack.b.ptr_at(at * stack.fan_out), out: stack.fan_out, col };
         }
         let work = LoraScratch { t_part: self.t_part.ptr(), t_hi: self.t_hi.ptr(), t_lo: self.t_lo.ptr(), counters: self.counters.ptr() };
         let modules = &modules[..p.outs.len().min(modules.len())];
@@ -609,7 +727,16 @@ impl GpuLora {
                 let stream = side.for_tokens(n);
                 side.input_ready.record(main)?;
                 stream.wait(&side.input_ready)?;
-                k.lora_shrink(stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
+                match self.dense_group(p, fan_in, n, Arc::ptr_eq(stream, &side.stream)) {
+                    // One GEMM of x against every slot's A of the group, then each token's own slot.
+                    Some((dense, group)) => {
+                        let cols = group.modules * self.capacity.max_loras * self.r_pad;
+                        let a = group.a.ptr_at(self.a_offset(p.outs[0].0, layer, 0));
+                        dense.blas.matmul(dense.u.ptr(), OutType::F32, p.x, a, n, cols, fan_in, 0.0)?;
+                        k.lora_pick_t(stream, dense.u.ptr(), modules.len(), self.r_pad, &segs, &work, n)?;
+                    }
+                    None => k.lora_shrink(stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?,
+                }
                 if let Some(d) = delta {
                     k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
                 }
@@ -633,6 +760,19 @@ impl GpuLora {
         }
         k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;
         Ok(LoraUpdate::Added)
+    }
+}
+
+impl GpuLora {
+    /// The dense shrink and the group's A stack, when a step of `n` tokens on the side stream's
+    /// default-priority stream (`on_side`) takes it for `p`: every module of the group in
+    /// [`GROUPS`] order (what the GEMM's columns hold) and x rows packed (the GEMM's row stride).
+    fn dense_group(&self, p: &Projection<'_>, fan_in: usize, n: usize, on_side: bool) -> Option<(&DenseShrink, &GroupStack)> {
+        let dense = self.dense.as_ref().filter(|d| on_side && d.tokens.contains(&n) && p.x_stride == fan_in)?;
+        let &(first, _) = p.outs.first()?;
+        let (g, _) = group_of(first);
+        let whole = GROUPS[g].len() == p.outs.len() && GROUPS[g].iter().zip(p.outs).all(|(&m, &(o, _))| m == o);
+        whole.then(|| (dense, &self.groups[g]))
     }
 }
 

@@ -16,7 +16,7 @@
 //! update buffer would be as large as the output. One-token steps over one of our GEMVs take
 //! neither: the bf16 GEMV computes the shrink as extra rows of its own launch (before an 8-bit GEMV
 //! a launch of those rows alone does) and the expand adds in place right after the base GEMV, so
-//! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]). Steps of 128–512
+//! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]). Steps of 64–512
 //! tokens take the side stream's shrink as one cuBLAS GEMM against every slot's A of the group
 //! (the A stacks are laid out per group for it), then keep each token's own slot ([`DenseShrink`]).
 //! `PEREGRINE_LORA_OVERLAP=0` runs everything on the
@@ -119,13 +119,14 @@ struct DenseShrink {
     tokens: std::ops::RangeInclusive<usize>,
 }
 
-/// The step sizes [`DenseShrink`] takes by default: from 128 tokens to the update buffer's largest
+/// The step sizes [`DenseShrink`] takes by default: from 64 tokens to the update buffer's largest
 /// step. On an H200 (Llama-3.1-8B shape, `bench --lora 4 --lora-rank 32`, LoRA / base against the
 /// grouped shrink, docs/benchmarks.md session 22) it gained at batch 128 (0.841 -> 0.886) and 256
-/// (0.830–0.845 -> 0.873–0.877; over fp8 weights 0.715 -> 0.792; 16 adapters 0.807 -> 0.821) and
-/// lost at 64 (0.894 -> 0.864–0.879; fp8 0.808 -> 0.785) and on 128/128 × 16 adapters, whose
-/// ~1,000-token steps expand after the GEMM (0.843 -> 0.827).
-const DENSE_TOKENS: std::ops::RangeInclusive<usize> = 128..=DELTA_MAX_TOKENS;
+/// (0.830–0.845 -> 0.873–0.877; over fp8 weights 0.715 -> 0.792; 16 adapters 0.807 -> 0.821); at
+/// 64 it lost while planned for every SM (0.894 -> 0.864–0.879) and gained a little once planned
+/// for the SMs the base GEMM leaves free (0.864–0.869 -> 0.872–0.880). It lost on 128/128 × 16
+/// adapters, whose ~1,000-token steps expand after the GEMM (0.843 -> 0.827), so it stops at 512.
+const DENSE_TOKENS: std::ops::RangeInclusive<usize> = 64..=DELTA_MAX_TOKENS;
 
 /// Slots × padded rank up to which [`DenseShrink`] is worth its extra products (16 slots of rank
 /// 32, 8 of rank 64).
@@ -149,7 +150,7 @@ impl DenseShrink {
         (rows, rows * widest)
     }
 
-    fn new(cuda: &Cuda, cap: LoraCapacity, max_tokens: usize, side: Option<&SideStream>) -> Result<Option<Self>> {
+    fn new(cuda: &Cuda, cap: LoraCapacity, max_tokens: usize, side: Option<&SideStream>, side_sms: usize) -> Result<Option<Self>> {
         let Some(side) = side else { return Ok(None) };
         let Some(tokens) = Self::tokens_from_env() else { return Ok(None) };
         if cap.max_loras * lora_rank_pad(cap.max_rank) > DENSE_MAX_SLOT_RANKS || tokens.is_empty() {
@@ -159,8 +160,13 @@ impl DenseShrink {
         if rows == 0 {
             return Ok(None);
         }
+        let blas = Blas::new(&side.stream).map_err(gpu_err)?;
+        // Planned for the SMs the base GEMM leaves free, so that its blocks do not queue behind the
+        // base GEMM's nor take SMs the base GEMM was planned for (`PEREGRINE_LORA_DENSE_SMS`; 0: all).
+        let sms = std::env::var("PEREGRINE_LORA_DENSE_SMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(side_sms);
+        blas.set_sm_count_target(sms.min(cuda.num_sms)).map_err(gpu_err)?;
         Ok(Some(DenseShrink {
-            blas: Blas::new(&side.stream).map_err(gpu_err)?,
+            blas,
             u: cuda.gpu.alloc_zeros::<f32>(len).map_err(gpu_err)?,
             tokens: *tokens.start()..=rows,
         }))
@@ -478,7 +484,9 @@ impl GpuLora {
             + DenseShrink::bytes(cap, max_tokens)
     }
 
-    pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize) -> Result<Self> {
+    /// `side_sms`: the SMs the base GEMMs of decode-sized LoRA steps leave to the side stream (the
+    /// dense shrink's GEMM is planned for that many).
+    pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize, side_sms: usize) -> Result<Self> {
         if cap.max_loras == 0 || cap.max_rank == 0 {
             return Err(EngineError::InvalidRequest("LoRA needs at least one slot of rank >= 1".into()));
         }
@@ -510,7 +518,7 @@ impl GpuLora {
         }
         // A group's modules share a fan-in (they read the same x).
         let groups = GROUPS.iter().map(|g| Ok(GroupStack { a: zeros(g.len() * per * g[0].dims(config).0)?, modules: g.len() })).collect::<Result<Vec<_>>>()?;
-        let dense = DenseShrink::new(cuda, cap, max_tokens, overlap.as_ref())?;
+        let dense = DenseShrink::new(cuda, cap, max_tokens, overlap.as_ref(), side_sms)?;
         Ok(GpuLora {
             capacity: cap,
             layers,

@@ -196,6 +196,11 @@ const LORA_SM_RESERVE: usize = 16;
 /// longer steps are compute-bound prefill, whose expand adds in place on the main stream).
 const LORA_SM_RESERVE_TOKENS: std::ops::RangeInclusive<usize> = 64..=lora::DELTA_MAX_TOKENS;
 
+/// [`LORA_SM_RESERVE`], or `PEREGRINE_LORA_SM_RESERVE`, at most half the device's SMs.
+fn lora_sm_reserve(cuda: &Cuda) -> usize {
+    std::env::var("PEREGRINE_LORA_SM_RESERVE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(LORA_SM_RESERVE).min(cuda.num_sms / 2)
+}
+
 /// Memory kept free beyond the computed needs: cuBLAS's internal buffers, CUDA graphs, the context.
 const HEADROOM_BYTES: usize = 512 << 20;
 
@@ -246,7 +251,8 @@ impl CudaBackend {
             max_blocks: opts.max_model_len.div_ceil(opts.block_size),
         };
         let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout, w8.is_some())?;
-        let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens)).transpose()?;
+        let lora_sm_reserve = lora_sm_reserve(&cuda);
+        let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_sm_reserve)).transpose()?;
         let (cos, sin) = rope::tables(&config, opts.max_model_len);
         let rope_cos = cuda.gpu.upload(&cos).map_err(gpu_err)?;
         let rope_sin = cuda.gpu.upload(&sin).map_err(gpu_err)?;
@@ -299,7 +305,6 @@ impl CudaBackend {
             lora_slots: lora.as_ref().map_or(0, |l| l.capacity.max_loras),
         };
         let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
-        let lora_sm_reserve = std::env::var("PEREGRINE_LORA_SM_RESERVE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(LORA_SM_RESERVE).min(cuda.num_sms / 2);
         let lora_sm_reserve_tokens = match std::env::var("PEREGRINE_LORA_SM_RESERVE_MAX_TOKENS").ok().and_then(|v| v.parse::<usize>().ok()) {
             Some(max) => *LORA_SM_RESERVE_TOKENS.start()..=max,
             None => LORA_SM_RESERVE_TOKENS,
@@ -703,7 +708,7 @@ impl Backend for CudaBackend {
             None => {
                 // Not reserved at start: the KV cache took its share already, so this allocation may
                 // not fit; a clear error then, never an OOM later.
-                let lora = GpuLora::new(&self.cuda, &self.config, want, self.layout.max_tokens).map_err(|e| {
+                let lora = GpuLora::new(&self.cuda, &self.config, want, self.layout.max_tokens, self.lora_sm_reserve).map_err(|e| {
                     EngineError::Backend(format!(
                         "LoRA stacks ({:.1} MiB) do not fit beside the KV cache: {e}; reserve them at start",
                         GpuLora::bytes(&self.config, want, self.layout.max_tokens) as f64 / (1 << 20) as f64

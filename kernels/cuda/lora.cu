@@ -618,34 +618,6 @@ __device__ __forceinline__ void lora_stage_t(bf16_t* ts_hi, bf16_t* ts_lo, int s
     }
 }
 
-// lora_stage_t's copy of t made straight from the dense shrink's f32 product (lora_pick_t's input):
-// rows as there, columns u_col .. u_col + w of u (rows u_row floats apart, u_col and u_row multiples
-// of 8), each value times `scale`, zeros from column `rank` on, split into hi + lo exactly as
-// lora_pick_t stores it: the same t bits, without that launch or its pass over t.
-__device__ __forceinline__ void lora_stage_u(bf16_t* ts_hi, bf16_t* ts_lo, int stride, const float* __restrict__ u,
-                                             u64 u_row, u64 u_col, const int* __restrict__ order, int start, int rows,
-                                             int w, int rank, float scale) {
-    const int per_row = w >> 3;
-    for (int e = threadIdx.x; e < LORA_TILE * per_row; e += blockDim.x) {
-        const int r = e / per_row, c = (e % per_row) * 8;
-        u32 hi[4] = {0u, 0u, 0u, 0u}, lo[4] = {0u, 0u, 0u, 0u};
-        if (r < rows) {
-            const float* p = u + (u64)order[start + r] * u_row + u_col + c;
-            const float4 a = __ldcg(reinterpret_cast<const float4*>(p)), b = __ldcg(reinterpret_cast<const float4*>(p + 4));
-            const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const float x = c + k < rank ? v[k] * scale : 0.f;
-                const bf16_t h = f2bf(x), l = f2bf(x - bf2f(h));
-                hi[k >> 1] |= (u32)h << (16 * (k & 1));
-                lo[k >> 1] |= (u32)l << (16 * (k & 1));
-            }
-        }
-        *reinterpret_cast<uint4*>(ts_hi + r * stride + c) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        *reinterpret_cast<uint4*>(ts_lo + r * stride + c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    }
-}
-
 // A warp's B fragments of one slot's stack `b` ([out, r_pad]): 4 column tiles of 8 from o_base, up to
 // KS rank steps of 16; zeros past `ksteps` and past `out`.
 template <int KS>
@@ -702,8 +674,7 @@ __device__ __forceinline__ void lora_expand_body(
     bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ t_hi, const bf16_t* __restrict__ t_lo,
     const bf16_t* __restrict__ b0, const bf16_t* __restrict__ b1, const bf16_t* __restrict__ b2, int out0, int out1,
     int out2, int col0, int col1, int col2, const int* __restrict__ order, const int* __restrict__ seg,
-    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block, int overwrite,
-    const float* __restrict__ u, int u_slots, const float* __restrict__ scales) {
+    const int* __restrict__ tiles, const int* __restrict__ ranks, int R, int r_pad, int tiles_per_block, int overwrite) {
     // A tile's sums, staged for the 16-byte read-modify-write of y (when rows and columns allow it).
     __shared__ __align__(16) float staged[LORA_TILE][LORA_EXPAND_COLS + LORA_STAGE_PAD];
     // The tile's t columns of this block's module (r_pad of them).
@@ -774,12 +745,7 @@ __device__ __forceinline__ void lora_expand_body(
                 if (y_at[j] && !overwrite) y_pre[j] = *y_at[j];
             }
             const int ts_stride = r_pad + 8;
-            if (u) {
-                lora_stage_u(ts_hi, ts_lo, ts_stride, u, (u64)R * u_slots, (u64)(mod * u_slots + slot) * r_pad, order, start + m0,
-                             min(len - m0, LORA_TILE), r_pad, rank, scales[slot]);
-            } else {
-                lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
-            }
+            lora_stage_t(ts_hi, ts_lo, ts_stride, t_hi, t_lo, order, start + m0, min(len - m0, LORA_TILE), R, mod * r_pad, r_pad);
             __syncthreads();
             float acc[4][4];
             lora_tile_mma<KS>(acc, bf, ts_hi, ts_lo, ts_stride, 0, ksteps, g, q);
@@ -848,9 +814,9 @@ __device__ __forceinline__ void lora_expand_body(
         const bf16_t *__restrict__ b0, const bf16_t *__restrict__ b1, const bf16_t *__restrict__ b2, int out0,     \
         int out1, int out2, int col0, int col1, int col2, const int *__restrict__ order,                          \
         const int *__restrict__ seg, const int *__restrict__ tiles, const int *__restrict__ ranks, int R, int r_pad, \
-        int tiles_per_block, int overwrite, const float *__restrict__ u, int u_slots, const float *__restrict__ scales
+        int tiles_per_block, int overwrite
 #define LORA_EXPAND_ARGS \
-    y, y_stride, t_hi, t_lo, b0, b1, b2, out0, out1, out2, col0, col1, col2, order, seg, tiles, ranks, R, r_pad, tiles_per_block, overwrite, u, u_slots, scales
+    y, y_stride, t_hi, t_lo, b0, b1, b2, out0, out1, out2, col0, col1, col2, order, seg, tiles, ranks, R, r_pad, tiles_per_block, overwrite
 extern "C" __global__ void __launch_bounds__(128) lora_expand_sgmv(LORA_EXPAND_PARAMS) {
     lora_expand_body<LORA_MAX_R / 16>(LORA_EXPAND_ARGS);
 }
@@ -990,11 +956,10 @@ extern "C" __global__ void lora_shrink_sgmv(bf16_t*, bf16_t*, float*, int*, cons
                                             const int*, const float*, int, int, int, int, int) {}
 extern "C" __global__ void lora_expand_sgmv(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                             const bf16_t*, int, int, int, int, int, int, const int*, const int*,
-                                            const int*, const int*, int, int, int, int, const float*, int, const float*) {}
+                                            const int*, const int*, int, int, int, int) {}
 extern "C" __global__ void lora_expand_sgmv_r32(bf16_t*, int, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*,
                                                 const bf16_t*, int, int, int, int, int, int, const int*, const int*,
-                                                const int*, const int*, int, int, int, int, const float*, int,
-                                                const float*) {}
+                                                const int*, const int*, int, int, int, int) {}
 extern "C" __global__ void lora_expand_swiglu(bf16_t*, const bf16_t*, int, const bf16_t*, const bf16_t*,
                                               const bf16_t*, const bf16_t*, const int*, const int*, const int*,
                                               const int*, int, int, int) {}

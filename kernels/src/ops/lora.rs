@@ -336,7 +336,7 @@ impl Kernels {
     /// As [`Kernels::lora_apply`]; `work` holds this group's shrink output.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn lora_expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
-        self.expand(s, y, y_stride, modules, r_pad, segs, work, n, false, None)
+        self.expand(s, y, y_stride, modules, r_pad, segs, work, n, false)
     }
 
     /// [`Kernels::lora_expand`] into a separate buffer: `d[.., col_m ..] = t · B_mᵀ` (rounded to bf16
@@ -347,27 +347,11 @@ impl Kernels {
     /// As [`Kernels::lora_expand`] with `d` in place of `y` (`n` rows `d_stride` apart).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn lora_expand_to(&self, s: &CudaStream, d: DPtr, d_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
-        self.expand(s, d, d_stride, modules, r_pad, segs, work, n, true, None)
-    }
-
-    /// [`Kernels::lora_expand_to`] with t taken straight from a dense product `u` (as
-    /// [`Kernels::lora_pick_t`] reads it, `num_slots` from `segs`): each block makes its tile's t
-    /// from its slot's columns of `u` as `lora_pick_t` would, so the update has the bits of
-    /// `lora_pick_t` then `lora_expand_to`, one launch and one pass over t fewer. `work.t_hi` and
-    /// `t_lo` are not read.
-    ///
-    /// # Safety
-    /// As [`Kernels::lora_expand_to`]; `u` as for [`Kernels::lora_pick_t`], 16-byte aligned.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn lora_expand_to_from_dense(&self, s: &CudaStream, d: DPtr, d_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize, u: DPtr) -> Result<()> {
-        if !u.is_multiple_of(16) {
-            return Err(KernelError::Unsupported("LoRA: the dense product must be 16-byte aligned".into()));
-        }
-        self.expand(s, d, d_stride, modules, r_pad, segs, work, n, true, Some(u))
+        self.expand(s, d, d_stride, modules, r_pad, segs, work, n, true)
     }
 
     #[allow(clippy::too_many_arguments)]
-    unsafe fn expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize, overwrite: bool, u: Option<DPtr>) -> Result<()> {
+    unsafe fn expand(&self, s: &CudaStream, y: DPtr, y_stride: usize, modules: &[LoraModule], r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize, overwrite: bool) -> Result<()> {
         if n == 0 || segs.num_slots == 0 {
             return Ok(());
         }
@@ -391,9 +375,6 @@ impl Kernels {
         let per_block = self.lora_expand_tiles.unwrap_or(if n >= LORA_EXPAND_MULTI_TILE_MIN_TOKENS { 4 } else { 1 });
         let per_block_i = as_i32(per_block, "tiles per block")?;
         let overwrite_i = overwrite as i32;
-        // 0: t from work.t_hi / t_lo.
-        let u_ptr: DPtr = u.unwrap_or(0);
-        let u_slots = as_i32(segs.num_slots, "slots")?;
         let expand = LaunchConfig {
             grid_dim: (as_u32(tiles, "column tiles")?, as_u32(max_tiles.div_ceil(per_block), "work tiles")?, 1),
             block_dim: (128, 1, 1),
@@ -422,9 +403,6 @@ impl Kernels {
             .arg(&r_i)
             .arg(&per_block_i)
             .arg(&overwrite_i)
-            .arg(&u_ptr)
-            .arg(&u_slots)
-            .arg(&segs.scales)
             .launch(s, expand, self.pdl)?;
         Ok(())
     }

@@ -117,9 +117,6 @@ struct DenseShrink {
     blas: Blas,
     u: DevBuf<f32>,
     tokens: std::ops::RangeInclusive<usize>,
-    /// `PEREGRINE_LORA_DENSE_PICK=1`: `lora_pick_t` before the expand into the update buffer too,
-    /// instead of that expand picking t itself (for comparisons).
-    separate_pick: bool,
 }
 
 /// The step sizes [`DenseShrink`] takes by default: from 64 tokens to the update buffer's largest
@@ -172,7 +169,6 @@ impl DenseShrink {
             blas,
             u: cuda.gpu.alloc_zeros::<f32>(len).map_err(gpu_err)?,
             tokens: *tokens.start()..=rows,
-            separate_pick: std::env::var("PEREGRINE_LORA_DENSE_PICK").is_ok_and(|v| v == "1"),
         }))
     }
 
@@ -740,29 +736,17 @@ impl GpuLora {
                 side.input_ready.record(main)?;
                 stream.wait(&side.input_ready)?;
                 match self.dense_group(p, fan_in, n, Arc::ptr_eq(stream, &side.stream)) {
-                    // One GEMM of x against every slot's A of the group; the expand into the update
-                    // buffer makes each token's t from its own slot's columns itself, an in-place
-                    // expand later reads them as `lora_pick_t` leaves them.
+                    // One GEMM of x against every slot's A of the group, then each token's own slot.
                     Some((dense, group)) => {
                         let cols = group.modules * self.capacity.max_loras * self.r_pad;
                         let a = group.a.ptr_at(self.a_offset(p.outs[0].0, layer, 0));
                         dense.blas.matmul(dense.u.ptr(), OutType::F32, p.x, a, n, cols, fan_in, 0.0)?;
-                        match delta.filter(|_| !dense.separate_pick) {
-                            Some(d) => k.lora_expand_to_from_dense(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n, dense.u.ptr())?,
-                            None => {
-                                k.lora_pick_t(stream, dense.u.ptr(), modules.len(), self.r_pad, &segs, &work, n)?;
-                                if let Some(d) = delta {
-                                    k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
-                                }
-                            }
-                        }
+                        k.lora_pick_t(stream, dense.u.ptr(), modules.len(), self.r_pad, &segs, &work, n)?;
                     }
-                    None => {
-                        k.lora_shrink(stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?;
-                        if let Some(d) = delta {
-                            k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
-                        }
-                    }
+                    None => k.lora_shrink(stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?,
+                }
+                if let Some(d) = delta {
+                    k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
                 }
                 side.side_done.record(stream)?;
                 base(None)?;

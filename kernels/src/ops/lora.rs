@@ -313,6 +313,7 @@ impl Kernels {
     /// # Safety
     /// `u` holds `n` such rows; `work.t_hi`/`t_lo` hold `n × n_modules × r_pad`; `segs` as in
     /// [`Kernels::lora_apply`].
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn lora_pick_t(&self, s: &CudaStream, u: DPtr, n_modules: usize, r_pad: usize, segs: &LoraSegments, work: &LoraScratch, n: usize) -> Result<()> {
         if n == 0 || segs.num_slots == 0 {
             return Ok(());

@@ -17,7 +17,7 @@
 //! neither: the bf16 GEMV computes the shrink as extra rows of its own launch (before an 8-bit GEMV
 //! a launch of those rows alone does) and the expand adds in place right after the base GEMV, so
 //! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]). Steps of 64–512
-//! tokens take the side stream's shrink as one cuBLAS GEMM against every slot's A of the group
+//! tokens (8–512 over 8-bit weights) take the side stream's shrink as one cuBLAS GEMM against every slot's A of the group
 //! (the A stacks are laid out per group for it), then keep each token's own slot ([`DenseShrink`]).
 //! `PEREGRINE_LORA_OVERLAP=0` runs everything on the
 //! main stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
@@ -128,13 +128,29 @@ struct DenseShrink {
 /// adapters, whose ~1,000-token steps expand after the GEMM (0.843 -> 0.827), so it stops at 512.
 const DENSE_TOKENS: std::ops::RangeInclusive<usize> = 64..=DELTA_MAX_TOKENS;
 
+/// Over 8-bit weights from 8 tokens: there batch 8 went 0.711, 0.713 -> 0.743, 0.738 × base, 16
+/// and 32 stayed (0.84–0.85); over bf16 weights 8 and 16 tokens lost a little (0.903 / 0.930 ->
+/// 0.895 / 0.922; docs/benchmarks.md session 22).
+const DENSE_TOKENS_W8: std::ops::RangeInclusive<usize> = 8..=DELTA_MAX_TOKENS;
+
+/// What the LoRA path needs to know of the base model's side of a step.
+#[derive(Debug, Clone, Copy)]
+pub struct LoraBase {
+    /// The SMs the base GEMMs of decode-sized LoRA steps leave to the side stream (the dense
+    /// shrink's GEMM is planned for that many).
+    pub side_sms: usize,
+    /// Whether the linears are 8-bit (shorter base projections: [`DENSE_TOKENS_W8`]).
+    pub eight_bit: bool,
+}
+
 /// Slots × padded rank up to which [`DenseShrink`] is worth its extra products (16 slots of rank
 /// 32, 8 of rank 64).
 const DENSE_MAX_SLOT_RANKS: usize = 512;
 
 impl DenseShrink {
-    fn tokens_from_env() -> Option<std::ops::RangeInclusive<usize>> {
+    fn tokens_from_env(eight_bit: bool) -> Option<std::ops::RangeInclusive<usize>> {
         match std::env::var("PEREGRINE_LORA_DENSE") {
+            Err(_) if eight_bit => Some(DENSE_TOKENS_W8),
             Err(_) => Some(DENSE_TOKENS),
             Ok(v) => {
                 let (lo, hi) = v.trim().split_once('-')?;
@@ -150,9 +166,9 @@ impl DenseShrink {
         (rows, rows * widest)
     }
 
-    fn new(cuda: &Cuda, cap: LoraCapacity, max_tokens: usize, side: Option<&SideStream>, side_sms: usize) -> Result<Option<Self>> {
+    fn new(cuda: &Cuda, cap: LoraCapacity, max_tokens: usize, side: Option<&SideStream>, base: LoraBase) -> Result<Option<Self>> {
         let Some(side) = side else { return Ok(None) };
-        let Some(tokens) = Self::tokens_from_env() else { return Ok(None) };
+        let Some(tokens) = Self::tokens_from_env(base.eight_bit) else { return Ok(None) };
         if cap.max_loras * lora_rank_pad(cap.max_rank) > DENSE_MAX_SLOT_RANKS || tokens.is_empty() {
             return Ok(None);
         }
@@ -163,7 +179,7 @@ impl DenseShrink {
         let blas = Blas::new(&side.stream).map_err(gpu_err)?;
         // Planned for the SMs the base GEMM leaves free, so that its blocks do not queue behind the
         // base GEMM's nor take SMs the base GEMM was planned for (`PEREGRINE_LORA_DENSE_SMS`; 0: all).
-        let sms = std::env::var("PEREGRINE_LORA_DENSE_SMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(side_sms);
+        let sms = std::env::var("PEREGRINE_LORA_DENSE_SMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(base.side_sms);
         blas.set_sm_count_target(sms.min(cuda.num_sms)).map_err(gpu_err)?;
         Ok(Some(DenseShrink {
             blas,
@@ -172,12 +188,12 @@ impl DenseShrink {
         }))
     }
 
-    /// Device bytes it takes: `u` and the handle's workspace.
+    /// Device bytes it takes at most: `u` and the handle's workspace (`u` is as large over either base).
     fn bytes(cap: LoraCapacity, max_tokens: usize) -> usize {
         if overlap_disabled() || cap.max_loras * lora_rank_pad(cap.max_rank) > DENSE_MAX_SLOT_RANKS {
             return 0;
         }
-        Self::tokens_from_env().map_or(0, |t| Self::sizes(cap, max_tokens, &t).1 * 4 + Blas::WORKSPACE_BYTES)
+        Self::tokens_from_env(false).map_or(0, |t| Self::sizes(cap, max_tokens, &t).1 * 4 + Blas::WORKSPACE_BYTES)
     }
 }
 
@@ -484,9 +500,7 @@ impl GpuLora {
             + DenseShrink::bytes(cap, max_tokens)
     }
 
-    /// `side_sms`: the SMs the base GEMMs of decode-sized LoRA steps leave to the side stream (the
-    /// dense shrink's GEMM is planned for that many).
-    pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize, side_sms: usize) -> Result<Self> {
+    pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize, base: LoraBase) -> Result<Self> {
         if cap.max_loras == 0 || cap.max_rank == 0 {
             return Err(EngineError::InvalidRequest("LoRA needs at least one slot of rank >= 1".into()));
         }
@@ -518,7 +532,7 @@ impl GpuLora {
         }
         // A group's modules share a fan-in (they read the same x).
         let groups = GROUPS.iter().map(|g| Ok(GroupStack { a: zeros(g.len() * per * g[0].dims(config).0)?, modules: g.len() })).collect::<Result<Vec<_>>>()?;
-        let dense = DenseShrink::new(cuda, cap, max_tokens, overlap.as_ref(), side_sms)?;
+        let dense = DenseShrink::new(cuda, cap, max_tokens, overlap.as_ref(), base)?;
         Ok(GpuLora {
             capacity: cap,
             layers,

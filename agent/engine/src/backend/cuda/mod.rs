@@ -40,7 +40,7 @@ pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
 use self::graphs::Graphs;
-use self::lora::{BaseGemv, GpuLora, LoraUpdate, Projection};
+use self::lora::{BaseGemv, GpuLora, LoraBase, LoraUpdate, Projection};
 use self::scratch::{PinnedUpload, Scratch};
 use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
@@ -252,7 +252,8 @@ impl CudaBackend {
         };
         let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout, w8.is_some())?;
         let lora_sm_reserve = lora_sm_reserve(&cuda);
-        let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_sm_reserve)).transpose()?;
+        let lora_base = LoraBase { side_sms: lora_sm_reserve, eight_bit: w8.is_some() };
+        let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_base)).transpose()?;
         let (cos, sin) = rope::tables(&config, opts.max_model_len);
         let rope_cos = cuda.gpu.upload(&cos).map_err(gpu_err)?;
         let rope_sin = cuda.gpu.upload(&sin).map_err(gpu_err)?;
@@ -708,7 +709,8 @@ impl Backend for CudaBackend {
             None => {
                 // Not reserved at start: the KV cache took its share already, so this allocation may
                 // not fit; a clear error then, never an OOM later.
-                let lora = GpuLora::new(&self.cuda, &self.config, want, self.layout.max_tokens, self.lora_sm_reserve).map_err(|e| {
+                let base = LoraBase { side_sms: self.lora_sm_reserve, eight_bit: self.weights.w8.is_some() };
+                let lora = GpuLora::new(&self.cuda, &self.config, want, self.layout.max_tokens, base).map_err(|e| {
                     EngineError::Backend(format!(
                         "LoRA stacks ({:.1} MiB) do not fit beside the KV cache: {e}; reserve them at start",
                         GpuLora::bytes(&self.config, want, self.layout.max_tokens) as f64 / (1 << 20) as f64

@@ -17,10 +17,10 @@
 //! neither: the bf16 GEMV computes the shrink as extra rows of its own launch (before an 8-bit GEMV
 //! a launch of those rows alone does) and the expand adds in place right after the base GEMV, so
 //! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]). Steps of 64–512
-//! tokens (8–512 over 8-bit weights) take the side stream's shrink as one cuBLAS GEMM against every slot's A of the group
-//! (the A stacks are laid out per group for it), then keep each token's own slot ([`DenseShrink`]).
-//! `PEREGRINE_LORA_OVERLAP=0` runs everything on the
-//! main stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
+//! tokens (8–512 over 8-bit weights) take the side stream's shrink as one cuBLAS GEMM against
+//! every slot's A of the group (the A stacks are laid out per group for it), then keep each
+//! token's own slot ([`DenseShrink`]). `PEREGRINE_LORA_OVERLAP=0` runs everything on the main
+//! stream, `PEREGRINE_LORA_DELTA=0` keeps the in-place expand at every size (for comparisons).
 
 use std::sync::Arc;
 

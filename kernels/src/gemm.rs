@@ -10,7 +10,6 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use crate::ops::DPtr;
 use crate::{KernelError, Result};
 
-
 pub struct Blas {
     blas: CudaBlas,
     _workspace: CudaSlice<u8>,

@@ -136,8 +136,9 @@ const DENSE_TOKENS_W8: std::ops::RangeInclusive<usize> = 8..=DELTA_MAX_TOKENS;
 /// What the LoRA path needs to know of the base model's side of a step.
 #[derive(Debug, Clone, Copy)]
 pub struct LoraBase {
-    /// The SMs the base GEMMs of decode-sized LoRA steps leave to the side stream (the dense
-    /// shrink's GEMM is planned for that many).
+    /// The SMs the base GEMMs of LoRA steps of 64–512 tokens leave to the side stream; the dense
+    /// shrink's GEMM is planned for that many at every size it takes (over 8-bit weights from 8
+    /// tokens, where the base projections are GEMVs or unreserved GEMMs: measured that way).
     pub side_sms: usize,
     /// Whether the linears are 8-bit (shorter base projections: [`DENSE_TOKENS_W8`]).
     pub eight_bit: bool,
@@ -408,6 +409,23 @@ const GROUPS: [&[TargetModule]; 4] = [
     &[TargetModule::Down],
 ];
 
+/// The shape of a [`GroupStack`]: `[layers, modules, slots, r_pad, fan_in]`.
+#[derive(Debug, Clone, Copy)]
+struct GroupShape {
+    modules: usize,
+    slots: usize,
+    r_pad: usize,
+    fan_in: usize,
+}
+
+impl GroupShape {
+    /// Where the A rows of the group's module `index`, `slot`, `layer` start (elements).
+    fn a_offset(self, index: usize, layer: usize, slot: usize) -> usize {
+        let rows = self.r_pad * self.fan_in;
+        ((layer * self.modules + index) * self.slots + slot) * rows
+    }
+}
+
 /// A module's group in [`GROUPS`] and its place there.
 fn group_of(module: TargetModule) -> (usize, usize) {
     GROUPS.iter().enumerate().find_map(|(g, ms)| ms.iter().position(|&m| m == module).map(|i| (g, i))).unwrap_or((0, 0))
@@ -567,8 +585,8 @@ impl GpuLora {
     /// Where `module`'s A rows of `slot` in `layer` start in its group's stack (elements).
     fn a_offset(&self, module: TargetModule, layer: usize, slot: usize) -> usize {
         let stack = &self.modules[module.index()];
-        let per_module = self.capacity.max_loras * self.r_pad * stack.fan_in;
-        ((layer * self.groups[stack.group].modules + stack.index) * per_module) + slot * self.r_pad * stack.fan_in
+        let shape = GroupShape { modules: self.groups[stack.group].modules, slots: self.capacity.max_loras, r_pad: self.r_pad, fan_in: stack.fan_in };
+        shape.a_offset(stack.index, layer, slot)
     }
 
     /// `module`'s A stack of `layer`, `[slots, r_pad, fan_in]`, as the grouped kernels read it.
@@ -604,8 +622,6 @@ impl GpuLora {
         if self.uploader.is_none() {
             self.uploader = Some(SlotUploader::new(cuda, image_len)?);
         }
-        // Where each (module, layer) of the slot goes in its group's A stack, in the image's order.
-        let a_at: Vec<usize> = TargetModule::ALL.into_iter().flat_map(|m| (0..self.layers).map(move |l| (m, l))).map(|(m, l)| self.a_offset(m, l, slot)).collect();
         let Some(up) = &mut self.uploader else { return Err(EngineError::Backend("LoRA uploader missing".into())) };
         SlotImage::fill(up.staging(image_len)?, adapter, &dims, self.layers, self.r_pad)?;
         let main = &cuda.gpu.stream;
@@ -615,15 +631,15 @@ impl GpuLora {
         up.stream.wait(&up.slot_free).map_err(driver)?;
         let r_pad = self.r_pad;
         let mut offset = 0;
-        let mut a_at = a_at.into_iter();
         for module in TargetModule::ALL {
-            let (fan_in, fan_out, group) = {
+            let (fan_in, fan_out, group, index) = {
                 let m = &self.modules[module.index()];
-                (m.fan_in, m.fan_out, m.group)
+                (m.fan_in, m.fan_out, m.group, m.index)
             };
+            let shape = GroupShape { modules: self.groups[group].modules, slots: max_loras, r_pad, fan_in };
             let (a_len, b_len) = (r_pad * fan_in, fan_out * r_pad);
             for layer in 0..self.layers {
-                let at = a_at.next().ok_or_else(|| EngineError::Backend("LoRA A offsets".into()))?;
+                let at = shape.a_offset(index, layer, slot);
                 self.groups[group].a.write_at(&up.stream, at, &staging[offset..offset + a_len]).map_err(gpu_err)?;
                 offset += a_len;
                 let b_at = (layer * max_loras + slot) * b_len;
@@ -786,9 +802,7 @@ impl GpuLora {
         k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;
         Ok(LoraUpdate::Added)
     }
-}
 
-impl GpuLora {
     /// The dense shrink and the group's A stack, when a step of `n` tokens on the side stream's
     /// default-priority stream (`on_side`) takes it for `p`: every module of the group in
     /// [`GROUPS`] order (what the GEMM's columns hold) and x rows packed (the GEMM's row stride).
@@ -813,6 +827,32 @@ fn is_gate_up(modules: &[LoraModule], y_stride: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_group_stack_gives_every_module_layer_and_slot_its_own_rows() {
+        // q|k|v-like: 3 modules, 4 slots of r_pad 16 over a fan-in of 8, 2 layers.
+        let shape = GroupShape { modules: 3, slots: 4, r_pad: 16, fan_in: 8 };
+        let rows = shape.r_pad * shape.fan_in;
+        let mut seen = vec![false; 2 * shape.modules * shape.slots * rows];
+        for layer in 0..2 {
+            for index in 0..shape.modules {
+                // A module's slice of a layer is [slots, r_pad, fan_in], as the grouped kernels read it.
+                let first = shape.a_offset(index, layer, 0);
+                for slot in 0..shape.slots {
+                    let at = shape.a_offset(index, layer, slot);
+                    assert_eq!(at, first + slot * rows, "module {index} layer {layer} slot {slot}");
+                    for e in &mut seen[at..at + rows] {
+                        assert!(!*e, "module {index} layer {layer} slot {slot} overlaps another");
+                        *e = true;
+                    }
+                }
+            }
+            // One layer's group is one [modules × slots × r_pad, fan_in] matrix (the dense GEMM's A),
+            // module after module.
+            assert_eq!(shape.a_offset(1, layer, 0), shape.a_offset(0, layer, 0) + shape.slots * rows);
+        }
+        assert!(seen.iter().all(|&e| e), "the stack has rows no module, layer or slot owns");
+    }
 
     #[test]
     fn gemv_row_groups_parse_names_lists_and_the_two_words() {

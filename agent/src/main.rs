@@ -9,6 +9,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start; boxing the large argument structs would only obscure clap's derive.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API.

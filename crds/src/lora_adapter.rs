@@ -8,6 +8,8 @@ use crate::gateway::AdapterGatewaySpec;
 use crate::source::AdapterSource;
 
 /// Desired state of an adapter.
+// kube's `printcolumn(...)` lists repeat the same keys by design.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[kube(
     group = "serving.peregrine.dev",

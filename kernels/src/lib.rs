@@ -196,7 +196,7 @@ impl Cuda {
     /// # Safety
     /// act: m*inter bf16; x: m*k bf16; w_gate_up: 2*inter*k bf16.
     pub unsafe fn gate_up_silu(&self, act: DPtr, x: DPtr, w_gate_up: DPtr, m: usize, inter: usize, k: usize) -> Result<bool> {
-        if self.use_gemv && m <= self.gemv_max_m && k % 8 == 0 && x % 16 == 0 && w_gate_up % 16 == 0 {
+        if self.use_gemv && m <= self.gemv_max_m && k.is_multiple_of(8) && x.is_multiple_of(16) && w_gate_up.is_multiple_of(16) {
             self.kernels.gemv_silu(&self.gpu.stream, act, x, w_gate_up, m, inter, k)?;
             Ok(true)
         } else {

@@ -268,7 +268,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>) {
         ),
         None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
     };
-    let managed = watcher::Config::default().labels(&format!("{DEPLOYMENT_LABEL}"));
+    let managed = watcher::Config::default().labels(DEPLOYMENT_LABEL);
     Controller::new(mds, watcher::Config::default().any_semantic())
         .owns(deployments, managed.clone())
         .owns(services, managed.clone())

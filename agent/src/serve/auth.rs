@@ -107,6 +107,10 @@ impl KeyStore {
     pub fn len(&self) -> usize {
         self.keys.len()
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
 }
 
 fn parse_keys_file(text: &str, default_limits: Limits) -> Result<Vec<ApiKey>, KeyFileError> {

@@ -258,7 +258,7 @@ impl Kernels {
         if n == 0 {
             return Ok(());
         }
-        if hkv == 0 || hq % hkv != 0 || hq / hkv > ATTN_MAX_GROUP {
+        if hkv == 0 || !hq.is_multiple_of(hkv) || hq / hkv > ATTN_MAX_GROUP {
             return Err(KernelError::Unsupported(format!(
                 "attention: {hq} query heads over {hkv} KV heads (group at most {ATTN_MAX_GROUP})"
             )));

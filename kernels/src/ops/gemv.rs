@@ -48,7 +48,7 @@ impl Kernels {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w % 16 != 0 {
+        if m > GEMV_MAX_M || !k.is_multiple_of(8) || !x.is_multiple_of(16) || !w.is_multiple_of(16) {
             return Err(KernelError::Unsupported(format!("gemv: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
         }
         if !matches!(wpr, 1 | 2 | 4 | 8) || !matches!(unroll, 8 | 16) {
@@ -84,7 +84,7 @@ impl Kernels {
         if m == 0 || inter == 0 {
             return Ok(());
         }
-        if m > GEMV_MAX_M || k % 8 != 0 || x % 16 != 0 || w_gate_up % 16 != 0 {
+        if m > GEMV_MAX_M || !k.is_multiple_of(8) || !x.is_multiple_of(16) || !w_gate_up.is_multiple_of(16) {
             return Err(KernelError::Unsupported(format!("gemv_silu: m {m}, k {k} (m <= {GEMV_MAX_M}, k % 8 == 0, aligned)")));
         }
         let wpr = self.gemv_wpr(2 * inter, k).min(4);
@@ -129,6 +129,8 @@ impl Kernels {
     /// # Safety
     /// As [`Kernels::gemv`] with m = 1 and a bf16 y; `rows`' A stacks hold `r_pad` rows of `k` per
     /// slot, its slot is below their slot count or -1, and t holds `n_modules * r_pad` bf16.
+    // The plain GEMV's arguments plus the LoRA rows, in the same order as `gemv`'s.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemv_lora_rows(&self, s: &CudaStream, y: DPtr, x: DPtr, w: DPtr, n: usize, k: usize, rows: &GemvLoraRows) -> Result<()> {
         if !k.is_multiple_of(8) || !x.is_multiple_of(16) || !w.is_multiple_of(16) || rows.a.iter().take(rows.n_modules).any(|a| !a.is_multiple_of(16)) {
             return Err(KernelError::Unsupported(format!("gemv_lora_rows: k {k} (k % 8 == 0, 16-byte aligned rows)")));

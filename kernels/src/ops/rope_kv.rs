@@ -70,7 +70,7 @@ impl Kernels {
         }
         let (lora_d, lora_slots) = LoraDelta::args(lora);
         let (dxs, dws, qkv_i32) = OuterScale::args(qkv_scale);
-        if d % 2 != 0 {
+        if !d.is_multiple_of(2) {
             return Err(KernelError::Unsupported(format!("rope: odd head_dim {d}")));
         }
         if rotation != KvRotation::None {

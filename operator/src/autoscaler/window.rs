@@ -9,6 +9,8 @@ use super::histogram::Histogram;
 use super::sample::PodMetrics;
 
 /// What the controller saw of one pod this round.
+// One per pod per round, mostly `Scraped`: boxing the metrics would only add an allocation each.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum PodState {
     /// Ready, and its `/metrics` was read.

@@ -8,7 +8,7 @@
 //! - [`client`]: one streamed OpenAI request → output text, tokens, TTFT and TPOT.
 //! - [`encoder_client`]: one encoder case (embed, rerank, classify) → its vector, text and latency.
 //! - [`judge`]: one case's verdict; token agreement.
-//! - [`stats`]: percentiles.
+//! - [`stats`], percentiles.
 //! - [`runner`]: a whole suite against a canary (and a stable reference) → [`peregrine_crds::StepResult`].
 
 pub mod cli;

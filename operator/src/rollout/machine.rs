@@ -403,7 +403,7 @@ fn progress(input: &Input, spec: &RolloutSpec, stable_revision: &str) -> Plan {
         return canary_not_ready(&ctx, st, actions, target);
     }
     // The step's observation (its pause, then its regression run) counts from here.
-    let ready_at = st.canary_ready_at.get_or_insert_with(|| Time(input.now)).clone();
+    let ready_at = st.canary_ready_at.get_or_insert(Time(input.now)).clone();
     if input.controls.paused {
         return paused_by_annotation(&ctx, st, actions);
     }

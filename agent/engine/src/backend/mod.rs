@@ -25,7 +25,7 @@ pub struct Logits {
 
 impl Logits {
     pub fn rows(&self) -> usize {
-        if self.vocab == 0 { 0 } else { self.data.len() / self.vocab }
+        self.data.len().checked_div(self.vocab).unwrap_or(0)
     }
 
     pub fn row(&self, i: usize) -> &[f32] {

@@ -86,7 +86,7 @@ impl GgmlType {
     pub fn bytes_for(self, n_elements: u64) -> Option<u64> {
         let (block, size) = self.block_geometry()?;
         let (block, size) = (block as u64, size as u64);
-        if n_elements % block != 0 {
+        if !n_elements.is_multiple_of(block) {
             return None;
         }
         (n_elements / block).checked_mul(size)

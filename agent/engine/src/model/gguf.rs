@@ -426,8 +426,8 @@ impl<'a> Reader<'a> {
                 let min_size = match elem_ty {
                     0 | 1 | 7 => 1,
                     2 | 3 => 2,
-                    4 | 5 | 6 => 4,
-                    10 | 11 | 12 => 8,
+                    4..=6 => 4,
+                    10..=12 => 8,
                     8 => 8,  // a string is at least its u64 length
                     9 => 12, // an array is at least its type and count
                     other => {

@@ -164,13 +164,13 @@ fn parse_rope_scaling(s: &Value) -> std::result::Result<Option<Llama3RopeScaling
 
 /// Sanity checks shared by both sources, so the backend can trust the numbers.
 fn check_config(c: &ModelConfig) -> std::result::Result<(), String> {
-    if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+    if c.num_key_value_heads == 0 || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
         return Err(format!(
             "num_attention_heads {} is not a multiple of num_key_value_heads {}",
             c.num_attention_heads, c.num_key_value_heads
         ));
     }
-    if c.head_dim == 0 || c.head_dim % 2 != 0 {
+    if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) {
         return Err(format!("head_dim {} must be even and non-zero", c.head_dim));
     }
     if !(c.rms_norm_eps.is_finite()

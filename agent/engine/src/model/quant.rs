@@ -39,7 +39,7 @@ fn expected_bytes(ty: GgmlType, n_elements: usize) -> Result<usize, QuantError> 
         | GgmlType::Q4_1 => ty.block_geometry().ok_or(QuantError::Unsupported(ty))?,
         other => return Err(QuantError::Unsupported(other)),
     };
-    if n_elements % block != 0 {
+    if !n_elements.is_multiple_of(block) {
         return Err(QuantError::Size {
             ty,
             n_elements,
@@ -202,7 +202,7 @@ impl QuantMatrix {
             expected: 0,
             found: bytes.len(),
         })?;
-        if cols % QK != 0 {
+        if !cols.is_multiple_of(QK) {
             return Err(QuantError::Size {
                 ty,
                 n_elements: n,

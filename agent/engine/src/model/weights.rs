@@ -189,13 +189,13 @@ impl ModelWeights {
             c.intermediate_size,
             c.vocab_size,
         );
-        if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+        if c.num_key_value_heads == 0 || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
             return Err(format!(
                 "{} attention heads are not a multiple of {} KV heads",
                 c.num_attention_heads, c.num_key_value_heads
             ));
         }
-        if c.head_dim % 2 != 0 || c.head_dim == 0 {
+        if !c.head_dim.is_multiple_of(2) || c.head_dim == 0 {
             return Err(format!("head_dim {} must be even", c.head_dim));
         }
         let check = |name: &str, m: &Matrix, rows: usize, cols: usize| -> Result<(), String> {

@@ -34,12 +34,8 @@ pub fn write_kv(
     for g in 0..cache.kv_heads {
         let off = cache.offset(block, g, slot);
         let (kc, vc) = &mut cache.layers[layer];
-        for (dst, &x) in kc[off..off + hd].iter_mut().zip(&k[g * hd..(g + 1) * hd]) {
-            *dst = format.k.round(x);
-        }
-        for (dst, &x) in vc[off..off + hd].iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
-            *dst = format.v.round(x);
-        }
+        format.k.round_head(&k[g * hd..(g + 1) * hd], &mut kc[off..off + hd]);
+        format.v.round_head(&v[g * hd..(g + 1) * hd], &mut vc[off..off + hd]);
     }
 }
 

@@ -16,16 +16,35 @@ pub enum KvElem {
     Bf16,
     /// e4m3, scale 1, saturating at ±448: the CUDA fp8 cache's values.
     Fp8E4m3,
+    /// e4m3 with one scale per token and KV head, `max |x| / 448` (CPU only so far): each head's
+    /// vector uses e4m3's whole range, so its small values keep 3 mantissa bits instead of falling
+    /// into e4m3's subnormals below 2^-6.
+    Fp8E4m3PerHead,
 }
 
 impl KvElem {
-    /// `x` as this type would store it.
+    /// `x` as this type would store it (a per-head type: as its vector's scale 1 would).
     #[inline]
     pub fn round(self, x: f32) -> f32 {
         match self {
             KvElem::F32 => x,
             KvElem::Bf16 => half::bf16::from_f32(x).to_f32(),
-            KvElem::Fp8E4m3 => e4m3_to_f32(e4m3_from_f32(x)),
+            KvElem::Fp8E4m3 | KvElem::Fp8E4m3PerHead => e4m3_to_f32(e4m3_from_f32(x)),
+        }
+    }
+
+    /// One token's head vector `src` as this type stores it, into `dst`.
+    pub fn round_head(self, src: &[f32], dst: &mut [f32]) {
+        if self == KvElem::Fp8E4m3PerHead {
+            let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
+            let scale = amax / 448.0;
+            for (d, &x) in dst.iter_mut().zip(src) {
+                *d = if scale > 0.0 { e4m3_to_f32(e4m3_from_f32(x / scale)) * scale } else { 0.0 };
+            }
+            return;
+        }
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = self.round(x);
         }
     }
 
@@ -34,6 +53,7 @@ impl KvElem {
             KvElem::F32 => "f32",
             KvElem::Bf16 => "bf16",
             KvElem::Fp8E4m3 => "fp8",
+            KvElem::Fp8E4m3PerHead => "fp8/head",
         }
     }
 }
@@ -156,6 +176,35 @@ mod tests {
     fn rss_bytes() -> usize {
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
         statm.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap() * 4096
+    }
+
+    #[test]
+    fn per_head_fp8_keeps_small_values_that_scale_1_rounds_away() {
+        // A head whose values are all below e4m3's normal range (2^-6): with scale 1 they land in
+        // the subnormals (steps of 2^-9), with a per-head scale they keep 3 mantissa bits.
+        let src: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) * 1e-4).collect();
+        let mut plain = vec![0.0; 64];
+        let mut scaled = vec![0.0; 64];
+        KvElem::Fp8E4m3.round_head(&src, &mut plain);
+        KvElem::Fp8E4m3PerHead.round_head(&src, &mut scaled);
+        let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
+        for (i, (&x, (&p, &q))) in src.iter().zip(plain.iter().zip(&scaled)).enumerate() {
+            // e4m3's relative step is 2^-3: rounding to nearest is within 2^-4 of x (normals, which
+            // every value is once scaled, except those under 2^-6 of the head's largest).
+            let bound = if x.abs() >= amax / 64.0 { x.abs() / 16.0 } else { amax / 448.0 * 2f32.powi(-9) };
+            assert!((q - x).abs() <= bound * 1.0001, "value {i}: {x} -> {q} (bound {bound})");
+            assert_eq!(p, e4m3_to_f32(e4m3_from_f32(x)), "scale 1 is the plain rounding");
+        }
+        let err = |v: &[f32]| v.iter().zip(&src).map(|(a, b)| (a - b).abs()).sum::<f32>();
+        assert!(err(&scaled) * 4.0 < err(&plain), "per-head {} against scale 1 {}", err(&scaled), err(&plain));
+        // The largest value maps to ±448 · scale: itself.
+        assert_eq!(scaled[0].abs(), amax);
+        // A zero head stays zero (no division by a zero scale); other types round as `round`.
+        let mut out = vec![1.0; 4];
+        KvElem::Fp8E4m3PerHead.round_head(&[0.0; 4], &mut out);
+        assert_eq!(out, [0.0; 4]);
+        KvElem::Bf16.round_head(&[1.0 + 1.0 / 512.0, 3.0], &mut out[..2]);
+        assert_eq!(&out[..2], &[1.0, 3.0]);
     }
 
     #[test]

@@ -23,28 +23,19 @@ pub enum KvElem {
 }
 
 impl KvElem {
-    /// `x` as this type would store it (a per-head type: as its vector's scale 1 would).
-    #[inline]
-    pub fn round(self, x: f32) -> f32 {
-        match self {
-            KvElem::F32 => x,
-            KvElem::Bf16 => half::bf16::from_f32(x).to_f32(),
-            KvElem::Fp8E4m3 | KvElem::Fp8E4m3PerHead => e4m3_to_f32(e4m3_from_f32(x)),
-        }
-    }
-
-    /// One token's head vector `src` as this type stores it, into `dst`.
+    /// One token's head vector `src` as this type stores it, into `dst` (the whole vector, since a
+    /// per-head type's scale depends on all of it); both of one length.
     pub fn round_head(self, src: &[f32], dst: &mut [f32]) {
-        if self == KvElem::Fp8E4m3PerHead {
-            let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
-            let scale = amax / 448.0;
-            for (d, &x) in dst.iter_mut().zip(src) {
-                *d = if scale > 0.0 { e4m3_to_f32(e4m3_from_f32(x / scale)) * scale } else { 0.0 };
+        let e4m3 = |x: f32| e4m3_to_f32(e4m3_from_f32(x));
+        match self {
+            KvElem::F32 => dst.copy_from_slice(src),
+            KvElem::Bf16 => dst.iter_mut().zip(src).for_each(|(d, &x)| *d = half::bf16::from_f32(x).to_f32()),
+            KvElem::Fp8E4m3 => dst.iter_mut().zip(src).for_each(|(d, &x)| *d = e4m3(x)),
+            KvElem::Fp8E4m3PerHead => {
+                let scale = src.iter().fold(0f32, |m, &x| m.max(x.abs())) / 448.0;
+                // A zero head stays zero (no division by a zero scale).
+                dst.iter_mut().zip(src).for_each(|(d, &x)| *d = if scale > 0.0 { e4m3(x / scale) * scale } else { 0.0 });
             }
-            return;
-        }
-        for (d, &x) in dst.iter_mut().zip(src) {
-            *d = self.round(x);
         }
     }
 
@@ -199,12 +190,10 @@ mod tests {
         assert!(err(&scaled) * 4.0 < err(&plain), "per-head {} against scale 1 {}", err(&scaled), err(&plain));
         // The largest value maps to ±448 · scale: itself.
         assert_eq!(scaled[0].abs(), amax);
-        // A zero head stays zero (no division by a zero scale); other types round as `round`.
+        // A zero head stays zero (no division by a zero scale).
         let mut out = vec![1.0; 4];
         KvElem::Fp8E4m3PerHead.round_head(&[0.0; 4], &mut out);
         assert_eq!(out, [0.0; 4]);
-        KvElem::Bf16.round_head(&[1.0 + 1.0 / 512.0, 3.0], &mut out[..2]);
-        assert_eq!(&out[..2], &[1.0, 3.0]);
     }
 
     #[test]

@@ -564,7 +564,10 @@ mod kv_format_tests {
         let mut b = CpuBackend::new(dummy_weights(&config, 7), KvCacheShape { num_blocks: 2, block_size: 4 }, 1).unwrap();
         let e = b.set_kv_format(KvFormat { hadamard: true, ..KvFormat::F32 }).unwrap_err().to_string();
         assert!(e.contains("power-of-two"), "{e}");
-        assert_eq!(KvElem::Fp8E4m3.round(1000.0), 448.0, "saturates as the CUDA cache does");
-        assert_eq!(KvElem::Bf16.round(1.0 + 1.0 / 512.0), 1.0);
+        let mut out = [0.0; 2];
+        KvElem::Fp8E4m3.round_head(&[1000.0, -1000.0], &mut out);
+        assert_eq!(out, [448.0, -448.0], "saturates as the CUDA cache does");
+        KvElem::Bf16.round_head(&[1.0 + 1.0 / 512.0, 3.0], &mut out);
+        assert_eq!(out, [1.0, 3.0]);
     }
 }

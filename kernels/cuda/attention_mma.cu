@@ -46,17 +46,24 @@ template <> struct KvElem<true> { typedef fp8_t T; };
 
 // Tiles of KT_ keys, STAGES_ deep; shared-memory geometry of one pipeline stage in bytes: the K tile,
 // then the V tile.
-template <int D, bool F8, int KT_, int STAGES_> struct MmaGeom {
+// SC (a scaled fp8 cache, see attention_mma_f8.cu's header): KT k scales and KT v scales (f32) after
+// the V tile.
+template <int D, bool F8, int KT_, int STAGES_, bool SC = false> struct MmaGeom {
     static constexpr int KT = KT_;
     static constexpr int STAGES = STAGES_;
     static constexpr int K_ROW = F8 ? D + MMA_F8_PAD : (D + MMA_PAD) * 2;
     static constexpr int K_TILE = KT * K_ROW;
     static constexpr int V_ROW = F8 ? KT + MMA_F8_PAD : (D + MMA_PAD) * 2;  // fp8: a row per dim
     static constexpr int V_TILE = F8 ? D * V_ROW : KT * V_ROW;
-    static constexpr int STAGE = K_TILE + V_TILE;
+    static constexpr int SCALES = K_TILE + V_TILE;
+    static constexpr int STAGE = SCALES + (SC ? 2 * KT * 4 : 0);
 };
 template <int D, bool F8> using MmaDecodeGeom = MmaGeom<D, F8, MMA_KT, MMA_STAGES>;
-template <int D, bool F8> using MmaRowsGeom = MmaGeom<D, F8, MMA_KT, F8 ? MMA_F8_STAGES : MMA_STAGES>;
+template <int D, bool F8, bool SC = false> using MmaRowsGeom = MmaGeom<D, F8, MMA_KT, F8 ? MMA_F8_STAGES : MMA_STAGES, SC>;
+
+// What a scaled cache's probabilities are multiplied by besides the v scale (attention_mma_f8.cu's
+// F8_VSC_BIAS; undone through l).
+#define MMA_VSC_BIAS 256.f
 
 // fp8 K tiles: the shared-memory row of key r of a tile. Within each 16 keys, the keys of score
 // n-tile 0 (4q + e: 0, 1, 4, 5, 8, 9, 12, 13) come first and those of n-tile 1 (4q + 2 + e) next, so
@@ -261,7 +268,7 @@ __device__ __forceinline__ void kv_locate(int p, int block_size, int& blk, int& 
 // bf16: both tiles [KT][D + MMA_PAD]. fp8: K [KT][D + MMA_F8_PAD] in mma_f8_key_row order, V^T
 // [D][KT + MMA_F8_PAD], copied 16 keys of a dimension at a time (block_size % 16 == 0, so 16
 // keys never straddle a cache block; the bytes past `end` are zero-filled).
-template <int D, bool F8, class G>
+template <int D, bool F8, class G, bool SC = false>
 __device__ __forceinline__ void mma_load_tile(unsigned char* tiles, int stage, int kt0, int end, const int* __restrict__ bt,
                                               int block_size, int hkv, int kvh,
                                               const typename KvElem<F8>::T* __restrict__ k_cache,
@@ -297,12 +304,26 @@ __device__ __forceinline__ void mma_load_tile(unsigned char* tiles, int stage, i
             int blk = 0, slot = 0;
             kv_locate(p0, block_size, blk, slot);
             const u64 head = bytes > 0 ? (u64)bt[blk] * hkv + kvh : 0;  // (block, KV head) of the chunk
+            const u64 hb = head * block_size * (SC ? D + 4 : D);       // its first byte (SC: + scales)
             const int kr = w / CH, c = w % CH;
             const bool kvalid = kr < bytes;
-            const u64 koff = kvalid ? (head * block_size + slot + kr) * D + c * 16 : 0;
+            const u64 koff = kvalid ? hb + (u64)(slot + kr) * D + c * 16 : 0;
             cp_async16(smem_addr(ks + (chunk * 16 + mma_f8_key_row(kr)) * G::K_ROW + c * 16), k_cache + koff, kvalid ? 16 : 0);
-            const u64 voff = bytes > 0 ? (head * D + w) * block_size + slot : 0;
+            const u64 voff = bytes > 0 ? hb + (u64)w * block_size + slot : 0;
             cp_async16(smem_addr(vs + w * G::V_ROW + chunk * 16), v_cache + voff, bytes);
+        }
+        if constexpr (SC) {
+            // Threads 0..KT/2-1: 4 keys' k scales (tid < KT/4) or v scales each, in tile key order.
+            constexpr int SPIECES = G::KT / 4;
+            if ((int)threadIdx.x < 2 * SPIECES) {
+                const int piece = (int)threadIdx.x % SPIECES, is_v = (int)threadIdx.x / SPIECES;
+                const int p = kt0 + piece * 4;
+                const int bytes = min(max(end - p, 0), 4) * 4;
+                int blk = 0, slot = 0;
+                kv_locate(p, block_size, blk, slot);
+                const u64 at = bytes > 0 ? ((u64)bt[blk] * hkv + kvh) * block_size * (D + 4) + (u64)block_size * D + (u64)slot * 4 : 0;
+                cp_async16(smem_addr(ks + G::SCALES + (is_v * G::KT + piece * 4) * 4), (is_v ? v_cache : k_cache) + at, bytes);
+            }
         }
     }
 }
@@ -474,13 +495,14 @@ __device__ __forceinline__ void paged_attention_mma_impl(
 }
 
 // Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
-template <int D, bool F8>
+template <int D, bool F8, bool SC = false>
 __device__ __forceinline__ void paged_attention_mma_rows_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
     const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, const AttnOutQuant& aq, int t_begin, int n, int tq) {
-    typedef MmaRowsGeom<D, F8> G;
+    static_assert(F8 || !SC, "only an fp8 cache is scaled");
+    typedef MmaRowsGeom<D, F8, SC> G;
     constexpr int KSTEPS = D / 16;  // mma k-steps of q·k
     constexpr int NT = D / 8;       // mma n-tiles of p·V
     constexpr int SN = MMA_KT / 8;  // score n-tiles per tile (8 keys each)
@@ -526,13 +548,13 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
         const int ntiles = (end + MMA_KT - 1) / MMA_KT;
 #pragma unroll
         for (int st = 0; st < G::STAGES - 1; ++st) {
-            if (st < ntiles) mma_load_tile<D, F8, G>(tiles, st, st * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
+            if (st < ntiles) mma_load_tile<D, F8, G, SC>(tiles, st, st * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
             cp_async_commit();
         }
         for (int it = 0; it < ntiles; ++it) {
             const int next = it + G::STAGES - 1;
             if (next < ntiles)
-                mma_load_tile<D, F8, G>(tiles, next % G::STAGES, next * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
+                mma_load_tile<D, F8, G, SC>(tiles, next % G::STAGES, next * MMA_KT, end, bt, block_size, hkv, kvh, k_cache, v_cache);
             cp_async_commit();
             cp_async_wait<G::STAGES - 1>();
             __syncthreads();
@@ -549,7 +571,34 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 #pragma unroll
                 for (int k16 = 0; k16 < SN / 2; ++k16) mma_qk16<D, F8, G>(s[2 * k16], s[2 * k16 + 1], qa, ks, k16 * 16, lane);
 
+                // SC: score n-tile j's column 2 quad + e is tile key 4 quad + 16 (j / 2) + 2 (j % 2) + e
+                // (the header's order); times its k scale before the softmax, its probability times
+                // its v scale (and MMA_VSC_BIAS) after it.
+                const float* ksc = reinterpret_cast<const float*>(ks + G::SCALES);
+                const float* vsc = ksc + G::KT;
+                if constexpr (SC) {
+#pragma unroll
+                    for (int j = 0; j < SN; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float k = ksc[quad * 4 + 16 * (j >> 1) + 2 * (j & 1) + e];
+                            s[j][e] *= k;
+                            s[j][2 + e] *= k;
+                        }
+                    }
+                }
                 mma_softmax_step<SN, NT, F8>(s, o, m_lo, m_hi, l_lo, l_hi, kt0 + quad * (F8 ? 4 : 2), lim_lo, lim_hi, qscale);
+                if constexpr (SC) {
+#pragma unroll
+                    for (int j = 0; j < SN; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float v = vsc[quad * 4 + 16 * (j >> 1) + 2 * (j & 1) + e] * MMA_VSC_BIAS;
+                            s[j][e] *= v;
+                            s[j][2 + e] *= v;
+                        }
+                    }
+                }
 
                 // O += P V, 16 keys per k-step.
 #pragma unroll
@@ -567,7 +616,8 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
         }
         bf16_t* o_lo = out + ((u64)row_token(r_lo) * hq + kvh * group + r_lo % group) * D;
         bf16_t* o_hi = out + ((u64)row_token(r_hi) * hq + kvh * group + r_hi % group) * D;
-        const float inv_lo = 1.f / l_lo, inv_hi = 1.f / l_hi;  // an active row saw at least its own key
+        // An active row saw at least its own key. SC: O carries MMA_VSC_BIAS.
+        const float inv_lo = 1.f / (SC ? l_lo * MMA_VSC_BIAS : l_lo), inv_hi = 1.f / (SC ? l_hi * MMA_VSC_BIAS : l_hi);
 #pragma unroll
         for (int x = 0; x < NT; ++x) {
             const int d = x * 8 + quad * 2;
@@ -586,7 +636,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 template <int D>
 __device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int, const int*,
                                          const int*, int, int, int, float, const AttnOutQuant&, float*, float*) {}
-template <int D, bool F8>
+template <int D, bool F8, bool SC = false>
 __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                               const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int,
                                               int, int, float, const AttnOutQuant&, int, int, int) {}
@@ -605,26 +655,30 @@ ATTENTION_MMA_KERNEL(paged_attention_mma, 64)
 ATTENTION_MMA_KERNEL(paged_attention_mma, 128)
 
 // Prefill: the block's first token is t_begin + blockIdx.x * tq, tokens past n are not computed.
-#define ATTENTION_MMA_ROWS_KERNEL(NAME, D, F8, KV)                                                            \
+#define ATTENTION_MMA_ROWS_KERNEL(NAME, D, F8, KV, SC)                                                        \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
         bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
         float scale, AttnOutQuant aq, int t_begin, int n, int tq) {                                                            \
-        paged_attention_mma_rows_impl<D, F8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,    \
+        paged_attention_mma_rows_impl<D, F8, SC>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,    \
                                              positions, hq, hkv, block_size, scale, aq, t_begin, n, tq);          \
     }
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 64, false, bf16_t)
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 64, false, bf16_t, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t, false)
 
 // The fp8 kernels need sm_89's e4m3 conversions.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t)
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8s, 64, true, fp8_t, true)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8s, 128, true, fp8_t, true)
 #else
 // Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
 #define ATTENTION_MMA_F8_STUB(NAME) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
     const fp8_t*, const int*, int, const int*, const int*, int, int, int, float, AttnOutQuant, int, int, int) {}
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8s_d64)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8s_d128)
 #endif
 

@@ -16,6 +16,12 @@
 // that plus 2 for rows 8..15 (mma_f8_key_row). After the transpose, lane q holds the probabilities of
 // keys 4q, 4q+1 (k = 2q, 2q+1) and 4q+2, 4q+3 (k = 2q+8, 2q+9): the keys its V^T fragment holds.
 //
+// The scaled cache (SC, `--kv-cache-dtype fp8-scaled*`, rope_kv.cu's rope_kv_write_fp8s): each
+// (block, KV head) chunk is block_size * (D + 4) bytes, the codes then one f32 scale per key for K and
+// for V. The scales of a tile's keys are copied into the stage after V^T; a key's score is multiplied
+// by its k scale, and its probability by its v scale (times F8_VSC_BIAS, so that p * s stays in f16's
+// normal range for small scales; the sums l carry the same factor) before the P·V mma.
+//
 // Each of the 4 warps takes KW keys of every KW * 4-key tile with its own online softmax per head
 // (rescaling its accumulator only when a running max grew) and the warps are merged by attention.cu's
 // attention_merge_write, which also writes the partials of splits for attention_combine.
@@ -48,12 +54,16 @@ __device__ __forceinline__ void f8_a_fragment(u32 (&a)[4], u32 lo, u32 hi) {
 // bytes, unpadded; 16-byte chunks are XOR-swizzled within each 128-byte line (f8_swz) so that the 8
 // rows an ldmatrix reads land in distinct banks. 16 KB a 64-key stage instead of attention_mma.cu's
 // padded 19.5 KB: three stages fit four blocks per SM.
-template <int D, int KT_, int STAGES_> struct F8SwzGeom {
+template <int D, int KT_, int STAGES_, bool SC = false> struct F8SwzGeom {
     static constexpr int KT = KT_;
     static constexpr int STAGES = STAGES_;
     static constexpr int K_TILE = KT * D;
-    static constexpr int STAGE = K_TILE + D * KT;
+    static constexpr int SCALES = K_TILE + D * KT;  // SC: KT k scales then KT v scales (f32)
+    static constexpr int STAGE = SCALES + (SC ? 2 * KT * 4 : 0);
 };
+
+// What a scaled cache's probabilities are multiplied by besides the v scale (undone through l).
+#define F8_VSC_BIAS 256.f
 
 // Byte offset of 16-byte chunk c of row r in a tile of `row_bytes`-byte rows (a multiple of 16 that
 // divides 128, or a multiple of 128): the chunk's place within its 128-byte line XORed with the
@@ -69,9 +79,13 @@ __device__ __forceinline__ int f8_swz(int r, int c, int row_bytes) {
 // chunk's block-table entry, which is read a tile ahead (its load latency hidden behind a tile's
 // compute). The generic loader spent ~70 instructions a pass on this (ptxas for sm_90), as many as
 // the tile's mma work.
-template <int D, class G>
+template <int D, class G, bool SC = false>
 struct F8TileCopies {
     static constexpr int PASSES = G::KT * D / 16 / (MMA_WARPS * 32);
+    // SC: threads 0..KT/2-1 copy the scales, 16 bytes (4 keys) each: piece tid % (KT/4) of K's
+    // (tid < KT/4) or V's; s_entry is the block-table entry of the piece's 16-key chunk.
+    static constexpr int SPIECES = G::KT / 4;
+    int s_entry;
     static constexpr int CH = D / 16;  // 16-byte pieces of a K row
     int chunk16[PASSES], kr[PASSES];   // first key of the pass's chunk in the tile; its K row in the chunk
     u32 k_src[PASSES], v_src[PASSES];  // bytes from the chunk's (block, head) base: K row kr piece c; V^T row w
@@ -102,6 +116,12 @@ struct F8TileCopies {
             const int p0 = kt0 + chunk16[j];
             entry[j] = p0 < end ? bt[p0 >> shift] : 0;
         }
+        if constexpr (SC) {
+            if ((int)threadIdx.x < 2 * SPIECES) {
+                const int p0 = kt0 + (((int)threadIdx.x % SPIECES) & ~3) * 4;
+                s_entry = p0 < end ? bt[p0 >> shift] : 0;
+            }
+        }
     }
 
     // Issues the copies of the tile at key kt0 (the one `fetch` read) into `stage`; zeros past `end`.
@@ -117,16 +137,26 @@ struct F8TileCopies {
             cp_async16(base + k_dst[j], k_cache + head + (u32)slot * D + k_src[j], kr[j] < rem ? 16 : 0);
             cp_async16(base + v_dst[j], v_cache + head + slot + v_src[j], min(max(rem, 0), 16));
         }
+        if constexpr (SC) {
+            if ((int)threadIdx.x < 2 * SPIECES) {
+                const int piece = (int)threadIdx.x % SPIECES, is_v = (int)threadIdx.x / SPIECES;
+                const int p = kt0 + piece * 4;  // 4 keys, within one cache block (slots are multiples of 4)
+                const int slot = p & (block_size - 1);
+                const u64 head = (u64)(s_entry * hkv + kvh) * block_bytes;
+                const fp8_t* src = (is_v ? v_cache : k_cache) + head + (u64)block_size * D + (u32)slot * 4;
+                cp_async16(base + G::SCALES + (is_v * G::KT + piece * 4) * 4, src, min(max(end - p, 0), 4) * 4);
+            }
+        }
     }
 };
 
-template <int D, int KW, int STAGES>
+template <int D, int KW, int STAGES, bool SC>
 __device__ __forceinline__ void paged_attention_f8k_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const fp8_t* __restrict__ k_cache,
     const fp8_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, const AttnOutQuant& aq, float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    typedef F8SwzGeom<D, KW * MMA_WARPS, STAGES> G;
+    typedef F8SwzGeom<D, KW * MMA_WARPS, STAGES, SC> G;
     constexpr int KS = D / 16;   // k-steps of S^T (16 dims each) = m-tiles of O^T (16 dims each)
     constexpr int SG = KW / 16;  // this warp's 16-key groups of a tile
     extern __shared__ __align__(16) unsigned char mma_smem[];
@@ -168,8 +198,9 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
     const int k_row = KW * warp + (lane & 7) + ((lane >> 3) & 1) * 8, k_chunk = lane >> 4;
 
     const int ntiles = (ab.end > ab.begin) ? (ab.end - ab.begin + G::KT - 1) / G::KT : 0;
-    F8TileCopies<D, G> copies(block_size);
-    const u64 block_bytes = (u64)block_size * D;  // one KV head of one cache block, K or V
+    F8TileCopies<D, G, SC> copies(block_size);
+    // One KV head of one cache block, K or V (SC: its scales too).
+    const u64 block_bytes = (u64)block_size * (SC ? D + 4 : D);
     copies.fetch(ab.bt, ab.begin, ab.end);
     // STAGES - 1 tiles in flight before the first is used; one copy group per tile (empty past the end).
 #pragma unroll
@@ -194,6 +225,9 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
         const unsigned char* ks = tiles + (it % G::STAGES) * G::STAGE;
         const unsigned char* vs = ks + G::K_TILE;
         const int key_warp = ab.begin + it * G::KT + KW * warp;
+        // SC: the tile's k and v scales; this lane's keys are tile keys KW warp + 16 sg + pg (+ 2).
+        const float* ksc = reinterpret_cast<const float*>(ks + G::SCALES);
+        const float* vsc = ksc + G::KT;
 
         // S^T for this warp's keys: s[sg][0..1] = key pg of group sg, heads 2q, 2q + 1; [2..3] key pg + 2.
         float s[SG][4];
@@ -218,10 +252,12 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
         for (int sg = 0; sg < SG; ++sg) {
             const int key = key_warp + sg * 16 + pg;
             const bool v_lo = key < ab.end, v_hi = key + 2 < ab.end;
-            s[sg][0] = v_lo ? s[sg][0] * qscale : NEG_INF;
-            s[sg][1] = v_lo ? s[sg][1] * qscale : NEG_INF;
-            s[sg][2] = v_hi ? s[sg][2] * qscale : NEG_INF;
-            s[sg][3] = v_hi ? s[sg][3] * qscale : NEG_INF;
+            const float q_lo = SC ? qscale * ksc[KW * warp + sg * 16 + pg] : qscale;
+            const float q_hi = SC ? qscale * ksc[KW * warp + sg * 16 + pg + 2] : qscale;
+            s[sg][0] = v_lo ? s[sg][0] * q_lo : NEG_INF;
+            s[sg][1] = v_lo ? s[sg][1] * q_lo : NEG_INF;
+            s[sg][2] = v_hi ? s[sg][2] * q_hi : NEG_INF;
+            s[sg][3] = v_hi ? s[sg][3] * q_hi : NEG_INF;
             mx0 = fmaxf(mx0, fmaxf(s[sg][0], s[sg][2]));
             mx1 = fmaxf(mx1, fmaxf(s[sg][1], s[sg][3]));
         }
@@ -258,8 +294,11 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
         // O^T += V^T P^T: P^T's B fragment is the score fragment transposed.
 #pragma unroll
         for (int sg = 0; sg < SG; ++sg) {
-            const u32 b0 = movmatrix_trans(prob_f16x2(s[sg][0], s[sg][1]));  // keys 4q, 4q + 1
-            const u32 b1 = movmatrix_trans(prob_f16x2(s[sg][2], s[sg][3]));  // keys 4q + 2, 4q + 3
+            // SC: each probability times its key's v scale (and F8_VSC_BIAS).
+            const float v_lo = SC ? vsc[KW * warp + sg * 16 + pg] * F8_VSC_BIAS : 1.f;
+            const float v_hi = SC ? vsc[KW * warp + sg * 16 + pg + 2] * F8_VSC_BIAS : 1.f;
+            const u32 b0 = movmatrix_trans(prob_f16x2(s[sg][0] * v_lo, s[sg][1] * v_lo));  // keys 4q, 4q + 1
+            const u32 b1 = movmatrix_trans(prob_f16x2(s[sg][2] * v_hi, s[sg][3] * v_hi));  // keys 4q + 2, 4q + 3
 #pragma unroll
             for (int mp = 0; mp < D / 32; ++mp) {
                 u32 r0, r1, r2, r3, a[4];
@@ -279,6 +318,10 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
     for (int off = 4; off < 32; off <<= 1) {
         l0 += __shfl_xor_sync(0xffffffffu, l0, off);
         l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    if constexpr (SC) {  // O carries F8_VSC_BIAS: so does l, and O / l is the output
+        l0 *= F8_VSC_BIAS;
+        l1 *= F8_VSC_BIAS;
     }
     __syncthreads();  // every warp is done with the tiles before sm_acc takes their bytes
     const int h0 = 2 * quad, h1 = h0 + 1;
@@ -304,21 +347,27 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
 #define F8K_KW 16      // keys per warp per tile
 #define F8K_STAGES 3
 #define F8K_BLOCKS 4   // blocks per SM the registers are bounded for
-#define ATTENTION_F8K_KERNEL(NAME, D)                                                                        \
+#define ATTENTION_F8K_KERNEL(NAME, D, SC)                                                                    \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, F8K_BLOCKS) NAME##_d##D(                  \
         bf16_t* out, const bf16_t* q, const fp8_t* k_cache, const fp8_t* v_cache, const int* block_tables,     \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
         float scale, AttnOutQuant aq, float* part_ml, float* part_acc) {                                                       \
-        paged_attention_f8k_impl<D, F8K_KW, F8K_STAGES>(out, q, k_cache, v_cache, block_tables, max_blocks,   \
+        paged_attention_f8k_impl<D, F8K_KW, F8K_STAGES, SC>(out, q, k_cache, v_cache, block_tables, max_blocks,   \
                                                         token_seq, positions, hq, hkv, block_size, scale,     \
                                                         aq, part_ml, part_acc);                                   \
     }
-ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 64)
-ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 128)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 64, false)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 128, false)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8s, 64, true)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8s, 128, true)
 #else
 // Below sm_89 the entry points exist (the host loads every name) with empty bodies.
 extern "C" __global__ void paged_attention_mma_f8_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
                                                       const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
 extern "C" __global__ void paged_attention_mma_f8_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
                                                        const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
+extern "C" __global__ void paged_attention_mma_f8s_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
+                                                       const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
+extern "C" __global__ void paged_attention_mma_f8s_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
+                                                        const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
 #endif

@@ -8,6 +8,12 @@
 // - rope_kv_write_fp8: e4m3 bytes (scale 1, saturating, one rounding from f32), K as
 //   [blocks, Hkv, block_size, D] and V transposed within each block, [blocks, Hkv, D, block_size]
 //   (the layout attention_mma.cu's fp8 kernels read).
+// - rope_kv_write_fp8s (`--kv-cache-dtype fp8-scaled*`): e4m3 of x / s with one f32 scale
+//   s = max |x| / 448 per token and KV head (0 for a zero head), so each head vector uses e4m3's whole
+//   range instead of falling into its subnormals below 2^-6. Each (block, KV head) of K and of V is
+//   then block_size * (D + 4) bytes: the codes in fp8's layout ([block_size, D] for K, [D, block_size]
+//   for V), then block_size f32 scales (kv_scaled_chunk). Every head is staged in shared memory for
+//   its max (the CPU backend's KvElem::Fp8E4m3PerHead is the reference).
 // The _had variants (`--kv-cache-dtype fp8`/`fp8-hadamard`) also rotate every q and k head by the
 // normalized Walsh-Hadamard matrix H = H_D / sqrt(D) (Sylvester's +-1 matrix; D a power of two, 64 or
 // 128) after RoPE and before rounding: scores q.k are unchanged (H is orthogonal), while k's outlier
@@ -50,6 +56,11 @@ __device__ __forceinline__ void rope_store_qk(float y, int h, int c0, u64 t, bf1
     }
 }
 
+// A scaled fp8 cache's (block, KV head) chunk: block_size * (d + 4) bytes, codes then f32 scales.
+__device__ __forceinline__ u64 kv_scaled_chunk(u64 blk, int hkv, int h, int d, int block_size) {
+    return (blk * hkv + h) * (u64)block_size * (u64)(d + 4);
+}
+
 // Stores value x of column i of v head h for the token at (blk, off): e4m3 V is transposed within
 // its block ([D, block_size]), bf16 V is not.
 template <bool F8>
@@ -78,7 +89,9 @@ __device__ __forceinline__ void had_butterflies(float* had, int nheads, int d) {
 }
 
 // HAD: q and k heads rotated; HADV: v heads too (only with HAD: the variants the backend offers).
-template <bool F8, bool HAD, bool HADV>
+// SC: the scaled fp8 cache (only with F8): every head of the block is staged, rotated or not, for its
+// max |x|.
+template <bool F8, bool HAD, bool HADV, bool SC>
 __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
                                                    const int* __restrict__ positions, const float* __restrict__ cos_t,
                                                    const float* __restrict__ sin_t, const int* __restrict__ slots,
@@ -116,16 +129,18 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     // q and k heads: one thread per rotated pair.
     const int r1 = min(h1, hq + hkv);
     static_assert(HAD || !HADV, "v is rotated only together with q and k");
-    // HAD: the block's RoPE'd q/k heads (and with HADV its v heads, after them), staged for the
-    // Walsh-Hadamard butterflies.
-    __shared__ float had[HAD ? ROPE_HEADS * ROPE_HAD_MAX_D : 1];
+    static_assert(F8 || !SC, "only an fp8 cache is scaled");
+    constexpr bool STAGE = HAD || SC;
+    // STAGE: the block's RoPE'd q/k heads (and with HADV or SC its v heads, after them), staged for the
+    // Walsh-Hadamard butterflies and the scaled cache's max.
+    __shared__ float had[STAGE ? ROPE_HEADS * ROPE_HAD_MAX_D : 1];
     for (int p = h0 * half + threadIdx.x; p < r1 * half; p += blockDim.x) {
         const int h = p / half, i = p % half;
         const int c0 = h * d + i, c1 = c0 + half;
         const float x0 = input(c0), x1 = input(c1);
         const float y0 = x0 * c[i] - x1 * s[i];
         const float y1 = x1 * c[i] + x0 * s[i];
-        if constexpr (HAD) {
+        if constexpr (STAGE) {
             had[(h - h0) * d + i] = y0;
             had[(h - h0) * d + i + half] = y1;
         } else {
@@ -136,13 +151,13 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     // v heads [v0, v1) of this block (relative to the first v head).
     const int vstart = (hq + hkv) * d;
     const int v0 = max(h0 - (hq + hkv), 0), v1 = h1 - (hq + hkv);
-    if constexpr (HADV) {
+    if constexpr (HADV || SC) {
         // Staged like q/k (no RoPE), at their place among the block's heads.
         for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
             had[(hq + hkv + e / d - h0) * d + e % d] = input(vstart + e);
         }
     }
-    if constexpr (HAD) {
+    if constexpr (HAD && !SC) {
         // Every staged head: q/k heads [h0, r1), and with HADV the v heads up to h1.
         const int nrot = max((HADV ? h1 : r1) - h0, 0);
         had_butterflies(had, nrot, d);
@@ -153,7 +168,47 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
             else rope_store_v<F8>(had[e] * norm, h - (hq + hkv), e % d, v_cache, hkv, d, block_size, blk, off);
         }
     }
-    if constexpr (!HADV) {
+    if constexpr (SC) {
+        // Rotated heads first (q/k, and v with HADV), then every staged head's max and its stores.
+        const int nrot = max((HADV ? h1 : r1) - h0, 0);
+        const int nst = h1 - h0;
+        if constexpr (HAD) had_butterflies(had, nrot, d);
+        else __syncthreads();
+        const float norm = HAD ? 1.f / sqrtf((float)d) : 1.f;
+        const auto staged = [&](int e) { return e < nrot * d ? had[e] * norm : had[e]; };
+        // One warp per head: max |x| of the cached (k and v) heads, s = max / 448.
+        __shared__ float head_scale[ROPE_HEADS];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        for (int hh = warp; hh < nst; hh += blockDim.x >> 5) {
+            float m = 0.f;
+            if (h0 + hh >= hq) {
+                for (int i = lane; i < d; i += 32) m = fmaxf(m, fabsf(staged(hh * d + i)));
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            }
+            if (lane == 0) head_scale[hh] = m / 448.f;
+        }
+        __syncthreads();
+        unsigned char* kc = static_cast<unsigned char*>(k_cache);
+        unsigned char* vc = static_cast<unsigned char*>(v_cache);
+        for (int e = threadIdx.x; e < nst * d; e += blockDim.x) {
+            const int hh = e / d, h = h0 + hh, i = e % d;
+            const float x = staged(e);
+            if (h < hq) {
+                q_out[t * (u64)(hq * d) + h * d + i] = f2bf(x);
+                continue;
+            }
+            const float sc = head_scale[hh];
+            // A zero head stays zero: codes 0 and scale 0 (no division by 0).
+            const unsigned char code = sc > 0.f ? f2e4m3(x / sc) : (unsigned char)0;
+            const bool is_k = h < hq + hkv;
+            const int kvh = is_k ? h - hq : h - hq - hkv;
+            unsigned char* chunk = (is_k ? kc : vc) + kv_scaled_chunk(blk, hkv, kvh, d, block_size);
+            chunk[is_k ? off * d + i : (u64)i * block_size + off] = code;
+            if (i == 0) reinterpret_cast<float*>(chunk + (u64)block_size * d)[off] = sc;
+        }
+    }
+    if constexpr (!HADV && !SC) {
         // v heads: copied as they are.
         for (int e = v0 * d + threadIdx.x; e < v1 * d; e += blockDim.x) {
             rope_store_v<F8>(input(vstart + e), e / d, e % d, v_cache, hkv, d, block_size, blk, off);
@@ -161,20 +216,23 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     }
 }
 
-#define ROPE_KV_WRITE(NAME, F8, HAD, HADV)                                                                      \
+#define ROPE_KV_WRITE(NAME, F8, HAD, HADV, SC)                                                                      \
     extern "C" __global__ void NAME(const bf16_t* qkv, const float* bias, const int* positions, const float* cos_t, \
                                     const float* sin_t, const int* slots, bf16_t* q_out, void* k_cache,          \
                                     void* v_cache, int hq, int hkv, int d, int block_size, const bf16_t* lora_d, \
                                     const int* lora_slots, const float* dxs, const float* dws, const int* qkv_i32) { \
-        rope_kv_write_impl<F8, HAD, HADV>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, \
+        rope_kv_write_impl<F8, HAD, HADV, SC>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, \
                                           hkv, d, block_size, lora_d, lora_slots, dxs, dws, qkv_i32);            \
     }
-ROPE_KV_WRITE(rope_kv_write, false, false, false)
-ROPE_KV_WRITE(rope_kv_write_fp8, true, false, false)
-ROPE_KV_WRITE(rope_kv_write_had, false, true, false)
-ROPE_KV_WRITE(rope_kv_write_fp8_had, true, true, false)
-ROPE_KV_WRITE(rope_kv_write_had_v, false, true, true)
-ROPE_KV_WRITE(rope_kv_write_fp8_had_v, true, true, true)
+ROPE_KV_WRITE(rope_kv_write, false, false, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8, true, false, false, false)
+ROPE_KV_WRITE(rope_kv_write_had, false, true, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8_had, true, true, false, false)
+ROPE_KV_WRITE(rope_kv_write_had_v, false, true, true, false)
+ROPE_KV_WRITE(rope_kv_write_fp8_had_v, true, true, true, false)
+ROPE_KV_WRITE(rope_kv_write_fp8s, true, false, false, true)
+ROPE_KV_WRITE(rope_kv_write_fp8s_had, true, true, false, true)
+ROPE_KV_WRITE(rope_kv_write_fp8s_had_v, true, true, true, true)
 
 // The unrotated variants with 16-byte accesses (d % 16 == 0): each thread takes one item, 8
 // consecutive RoPE pairs of a q or k head (values i0..i0+7 and their partners i0+half..) or 8 values of

@@ -175,7 +175,7 @@ fn attention(c: &Cuda) {
                     .unwrap()
             });
             // GB/s of the bytes this cache type really reads.
-            let read = kv_bytes / 2.0 * kv.bytes() as f64;
+            let read = kv_bytes / 2.0 * kv.head_bytes(d) as f64 / d as f64;
             line += &format!("  {} {:.1} us = {:.0} GB/s", label(kernel, kv), t * 1e6, read / t / 1e9);
         }
         println!("{line}");
@@ -217,13 +217,14 @@ fn attention(c: &Cuda) {
     }
 }
 
-/// Every attention kernel on a bf16 cache, and the tensor-core kernel on an fp8 cache where the GPU
-/// serves one (the fp8 runs read the same buffers as bytes: the values are not meaningful, the
-/// timing is).
+/// Every attention kernel on a bf16 cache, and the tensor-core kernel on an fp8 cache (scale 1 and
+/// per-head scales) where the GPU serves one (the fp8 runs read the same buffers as bytes: the values
+/// are not meaningful, the timing is).
 fn attention_variants(c: &Cuda) -> Vec<(AttentionKernel, KvCacheDtype)> {
     let mut v = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16), (AttentionKernel::Tiled, KvCacheDtype::Bf16), (AttentionKernel::Mma, KvCacheDtype::Bf16)];
     if c.kernels.fp8_kv_ready() {
         v.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
+        v.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3PerHead));
     }
     v
 }
@@ -232,6 +233,7 @@ fn label(kernel: AttentionKernel, kv: KvCacheDtype) -> String {
     match kv {
         KvCacheDtype::Bf16 => format!("{kernel:?}"),
         KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8"),
+        KvCacheDtype::Fp8E4m3PerHead => format!("{kernel:?}-fp8s"),
     }
 }
 

@@ -238,6 +238,33 @@ fn rand_caches(c: &Cuda, r: &mut ChaCha8Rng, kv: KvCacheDtype, len: usize, hkv: 
             }
             (c.gpu.upload(&kb).unwrap(), c.gpu.upload(&vt).unwrap(), kv_, vv)
         }
+        KvCacheDtype::Fp8E4m3PerHead => {
+            // Codes as above, and one scale per (block, head, slot) in [0.05, 1) for K and for V, in
+            // each (block, head) chunk after its codes; the values are code × scale.
+            let (kb, mut kv_) = rand_fp8(r, len);
+            let (vb, mut vv) = rand_fp8(r, len);
+            let chunk = bs * (d + 4);
+            let blocks = len / (hkv * bs * d);
+            let (mut kbuf, mut vbuf) = (vec![0u8; blocks * hkv * chunk], vec![0u8; blocks * hkv * chunk]);
+            for b in 0..blocks {
+                for h in 0..hkv {
+                    let base = (b * hkv + h) * chunk;
+                    for off in 0..bs {
+                        let (ks, vs): (f32, f32) = (r.random_range(0.05..1.0), r.random_range(0.05..1.0));
+                        kbuf[base + bs * d + off * 4..][..4].copy_from_slice(&ks.to_le_bytes());
+                        vbuf[base + bs * d + off * 4..][..4].copy_from_slice(&vs.to_le_bytes());
+                        for i in 0..d {
+                            let at = cache_index(b, h, off, i, hkv, bs, d);
+                            kbuf[base + off * d + i] = kb[at];
+                            vbuf[base + i * bs + off] = vb[at];
+                            kv_[at] *= ks as f64;
+                            vv[at] *= vs as f64;
+                        }
+                    }
+                }
+            }
+            (c.gpu.upload(&kbuf).unwrap(), c.gpu.upload(&vbuf).unwrap(), kv_, vv)
+        }
     }
 }
 
@@ -249,6 +276,15 @@ fn rope_kv_write_matches_reference() {
 #[test]
 fn rope_kv_write_fp8_matches_reference() {
     rope_kv_write_case(KvCacheDtype::Fp8E4m3, KvRotation::None);
+}
+
+/// The per-head-scaled fp8 cache (`--kv-cache-dtype fp8-scaled*`): each cached head's scale is its
+/// max |x| / 448 and its codes are x / scale in e4m3, with and without the rotations.
+#[test]
+fn rope_kv_write_fp8_per_head_scales_match_reference() {
+    for rotation in [KvRotation::None, KvRotation::QK, KvRotation::QKV] {
+        rope_kv_write_case(KvCacheDtype::Fp8E4m3PerHead, rotation);
+    }
 }
 
 /// The Hadamard-rotated variants (`--kv-cache-dtype fp8-hadamard`, and `fp8-hadamard-qkv` which
@@ -381,8 +417,9 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
             let qkv_in = if mode == 2 { dpoison.ptr() } else { dqkv.ptr() };
             let qout = poison(&c, n * hq * d);
             // Caches as bytes, poisoned (bf16 NaN pairs; 0xff is an e4m3 NaN too).
-            let kc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
-            let vc = c.gpu.upload(&vec![0xffu8; cache_len * kv.bytes()]).unwrap();
+            let cache_bytes = cache_len / d * kv.head_bytes(d);
+            let kc = c.gpu.upload(&vec![0xffu8; cache_bytes]).unwrap();
+            let vc = c.gpu.upload(&vec![0xffu8; cache_bytes]).unwrap();
             unsafe {
                 c.kernels
                     .rope_kv_write(&c.gpu.stream, qkv_in, Some(dbias.ptr()), dpos.ptr(), dcos.ptr(), dsin.ptr(), dslots.ptr(), qout.ptr(), kc.ptr(), vc.ptr(), n, hq, hkv, d, bs, kv, rotation, None, scale)
@@ -391,14 +428,26 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
             let gq = qout.download(&c.gpu.stream).unwrap();
             let (gk, gv) = (kc.download(&c.gpu.stream).unwrap(), vc.download(&c.gpu.stream).unwrap());
             let as_bf16 = |b: &[u8]| -> Vec<u16> { b.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).collect() };
-            // Checks a cached head row: `at(i)` is element i's index in the cache.
-            let check_cache = |bytes: &[u8], at: &dyn Fn(usize) -> usize, want: &[f64], what: &str| match kv {
+            // Checks a cached head row: `at(i)` is element i's index in the cache; a scaled cache's
+            // head also has its scale at `scale_at` (bytes).
+            let check_cache = |bytes: &[u8], at: &dyn Fn(usize) -> usize, scale_at: usize, want: &[f64], what: &str| match kv {
                 KvCacheDtype::Bf16 => {
                     let all = as_bf16(bytes);
                     assert_bf16_close(&(0..d).map(|i| all[at(i)]).collect::<Vec<_>>(), want, what)
                 }
                 KvCacheDtype::Fp8E4m3 => assert_fp8_close(&(0..d).map(|i| bytes[at(i)]).collect::<Vec<_>>(), want, what),
+                KvCacheDtype::Fp8E4m3PerHead => {
+                    let got_scale = f32::from_le_bytes([bytes[scale_at], bytes[scale_at + 1], bytes[scale_at + 2], bytes[scale_at + 3]]) as f64;
+                    let amax = want.iter().fold(0f64, |m, w| m.max(w.abs()));
+                    // The kernel's max is over f32 values (bf16 inputs, f32 RoPE and rotation).
+                    assert!((got_scale - amax / 448.0).abs() <= 1e-4 * amax / 448.0 + 1e-9, "{what}: scale {got_scale}, want {}", amax / 448.0);
+                    let codes: Vec<u8> = (0..d).map(|i| bytes[at(i)]).collect();
+                    // Codes within e4m3's rounding of x / scale (and the largest near ±448, not past it).
+                    assert_fp8_close(&codes, &want.iter().map(|w| w / got_scale).collect::<Vec<_>>(), what);
+                }
             };
+            // A scaled cache's (block, head) chunk: its codes, then its block_size f32 scales.
+            let chunk = |blk: usize, h: usize| (blk * hkv + h) * bs * (d + 4);
             for t in 0..n {
                 let raw = |col: usize| if mode == 2 { ints[t * width + col] as f64 } else { qv[t * width + col] };
                 let x = |col: usize| raw(col) * (xs[t] * ws[col]) as f64 + bias[col] as f64;
@@ -418,7 +467,11 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
                     if h < hq {
                         assert_bf16_close(&gq[t * hq * d + h * d..t * hq * d + (h + 1) * d], &want, "rotated q");
                     } else {
-                        check_cache(&gk, &|i| cache_index(blk, h - hq, off, i, hkv, bs, d), &want, "rotated k in cache");
+                        let k_at = |i: usize| match kv {
+                            KvCacheDtype::Fp8E4m3PerHead => chunk(blk, h - hq) + off * d + i,
+                            _ => cache_index(blk, h - hq, off, i, hkv, bs, d),
+                        };
+                        check_cache(&gk, &k_at, chunk(blk, h - hq) + bs * d + off * 4, &want, "rotated k in cache");
                     }
                 }
                 for h in 0..hkv {
@@ -429,8 +482,9 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
                     let at = |i: usize| match kv {
                         KvCacheDtype::Bf16 => cache_index(blk, h, off, i, hkv, bs, d),
                         KvCacheDtype::Fp8E4m3 => v_index_fp8(blk, h, off, i, hkv, bs, d),
+                        KvCacheDtype::Fp8E4m3PerHead => chunk(blk, h) + i * bs + off,
                     };
-                    check_cache(&gv, &at, &want, "v in cache");
+                    check_cache(&gv, &at, chunk(blk, h) + bs * d + off * 4, &want, "v in cache");
                 }
             }
         }
@@ -450,9 +504,12 @@ fn paged_attention_matches_reference() {
 #[test]
 fn paged_attention_fp8_matches_reference() {
     let Some(c) = cuda_for(KvCacheDtype::Fp8E4m3) else { return };
-    // The default block size and a larger one (a 64-key tile spans two cache blocks, not four).
-    for bs in [16, 32] {
-        paged_attention_case(&c, AttentionKernel::Mma, KvCacheDtype::Fp8E4m3, bs);
+    // The default block size and a larger one (a 64-key tile spans two cache blocks, not four); scale
+    // 1 and per-head scales.
+    for kv in [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E4m3PerHead] {
+        for bs in [16, 32] {
+            paged_attention_case(&c, AttentionKernel::Mma, kv, bs);
+        }
     }
     // Block sizes the fp8 kernels cannot address are refused up front.
     for bs in [8, 48] {
@@ -481,6 +538,7 @@ fn paged_attention_quantizes_its_output_as_quant_rows_does() {
     let mut cases = vec![(AttentionKernel::WarpPerKey, KvCacheDtype::Bf16), (AttentionKernel::Tiled, KvCacheDtype::Bf16), (AttentionKernel::Mma, KvCacheDtype::Bf16)];
     if c.kernels.check_kv_dtype(KvCacheDtype::Fp8E4m3, 16).is_ok() {
         cases.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
+        cases.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3PerHead));
     }
     let bs = 16;
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128)] {

@@ -75,6 +75,8 @@ impl KvOption {
             KvCacheDtypeArg::Fp8Hadamard => KvOption::fp8(true),
             KvCacheDtypeArg::Fp8HadamardQkv => KvOption::fp8_qkv(),
             KvCacheDtypeArg::Fp8Plain => KvOption::fp8(false),
+            KvCacheDtypeArg::Fp8Scaled => KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3PerHead, true)),
+            KvCacheDtypeArg::Fp8ScaledPlain => KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3PerHead, false)),
         }
     }
 
@@ -134,11 +136,12 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
             out.push(unquantized(KvOption::Typed(KvFormat { v: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, hadamard) })));
         }
         out.push(unquantized(KvOption::Typed(KvFormat { k: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, false) })));
-        // e4m3 with a scale per token and KV head instead of 1 (CPU only so far).
-        out.push(unquantized(KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3PerHead, false))));
-        out.push(unquantized(KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3PerHead, true))));
-        out.push(unquantized(KvOption::Typed(KvFormat { hadamard_v: true, ..KvFormat::both(KvElem::Fp8E4m3PerHead, true) })));
     }
+    // e4m3 with a scale per token and KV head instead of 1 (`fp8-scaled-plain`, `fp8-scaled`, and
+    // with v rotated too).
+    out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Fp8ScaledPlain)));
+    out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Fp8Scaled)));
+    out.push(unquantized(KvOption::Typed(KvFormat { hadamard_v: true, ..KvFormat::both(KvElem::Fp8E4m3PerHead, true) })));
     out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::from_flag(KvCacheDtypeArg::Fp8) });
     out
 }
@@ -179,7 +182,7 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
         KvOption::Typed(KvFormat { hadamard: false, hadamard_v: true, .. }) => anyhow::bail!("the CUDA backend rotates v only together with q and k"),
         KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard, hadamard_v }) => (KvCacheDtype::Bf16, hadamard, hadamard_v),
         KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard, hadamard_v }) => (KvCacheDtype::Fp8E4m3, hadamard, hadamard_v),
-        KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3PerHead, .. } | KvFormat { v: KvElem::Fp8E4m3PerHead, .. }) => anyhow::bail!("the CUDA fp8 cache has no per-head scales yet (CPU only)"),
+        KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3PerHead, v: KvElem::Fp8E4m3PerHead, hadamard, hadamard_v }) => (KvCacheDtype::Fp8E4m3PerHead, hadamard, hadamard_v),
         KvOption::Typed(_) => anyhow::bail!("the CUDA cache keeps K and V in one type (bf16 or fp8)"),
     };
     let block_size = 16;

@@ -47,6 +47,12 @@ pub enum KvCacheDtypeArg {
     Fp8HadamardQkv,
     /// fp8 without the rotation.
     Fp8Plain,
+    /// fp8 with one scale per token and KV head (`max |x| / 448`, 4 bytes per head beside its 64–128
+    /// codes) instead of scale 1, and q and k rotated as `fp8-hadamard`: the head vector uses e4m3's
+    /// whole range instead of its subnormals.
+    Fp8Scaled,
+    /// fp8 with per-head scales, without the rotation.
+    Fp8ScaledPlain,
 }
 
 /// What `--kv-cache-dtype fp8` means: `fp8-hadamard` (q and k rotated). From `peregrine-agent eval` on
@@ -66,8 +72,17 @@ impl KvCacheDtypeArg {
         match self {
             KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 => None,
             KvCacheDtypeArg::Fp8 => FP8_KV_DEFAULT.fp8_hadamard(),
-            KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8HadamardQkv => Some(true),
-            KvCacheDtypeArg::Fp8Plain => Some(false),
+            KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8HadamardQkv | KvCacheDtypeArg::Fp8Scaled => Some(true),
+            KvCacheDtypeArg::Fp8Plain | KvCacheDtypeArg::Fp8ScaledPlain => Some(false),
+        }
+    }
+
+    /// Whether the fp8 cache keeps one scale per token and KV head.
+    pub fn fp8_head_scales(self) -> bool {
+        match self {
+            KvCacheDtypeArg::Fp8 => FP8_KV_DEFAULT.fp8_head_scales(),
+            KvCacheDtypeArg::Fp8Scaled | KvCacheDtypeArg::Fp8ScaledPlain => true,
+            KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 | KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8HadamardQkv | KvCacheDtypeArg::Fp8Plain => false,
         }
     }
 
@@ -76,7 +91,7 @@ impl KvCacheDtypeArg {
         match self {
             KvCacheDtypeArg::Fp8 => FP8_KV_DEFAULT.fp8_hadamard_v(),
             KvCacheDtypeArg::Fp8HadamardQkv => true,
-            KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 | KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8Plain => false,
+            KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 | KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8Plain | KvCacheDtypeArg::Fp8Scaled | KvCacheDtypeArg::Fp8ScaledPlain => false,
         }
     }
 }

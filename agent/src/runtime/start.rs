@@ -155,6 +155,7 @@ impl EngineArgs {
             lora: self.lora_config().map(|l| LoraCapacity { max_loras: l.max_loras, max_rank: l.max_lora_rank }),
             kv_cache_dtype: match self.kv_cache_dtype.fp8_hadamard() {
                 None => KvCacheDtype::Bf16,
+                Some(_) if self.kv_cache_dtype.fp8_head_scales() => KvCacheDtype::Fp8E4m3PerHead,
                 Some(_) => KvCacheDtype::Fp8E4m3,
             },
             kv_hadamard: self.kv_cache_dtype.fp8_hadamard().unwrap_or(false),
@@ -279,10 +280,16 @@ mod tests {
         let qkv = parse(&["--kv-cache-dtype", "fp8-hadamard-qkv"]).unwrap().kv_cache_dtype;
         assert_eq!((qkv.fp8_hadamard(), qkv.fp8_hadamard_v()), (Some(true), true));
         assert!(!KvCacheDtypeArg::Fp8Hadamard.fp8_hadamard_v() && !KvCacheDtypeArg::Fp8Plain.fp8_hadamard_v());
+        let scaled = parse(&["--kv-cache-dtype", "fp8-scaled"]).unwrap().kv_cache_dtype;
+        assert_eq!((scaled.fp8_hadamard(), scaled.fp8_hadamard_v(), scaled.fp8_head_scales()), (Some(true), false, true));
+        let scaled_plain = parse(&["--kv-cache-dtype", "fp8-scaled-plain"]).unwrap().kv_cache_dtype;
+        assert_eq!((scaled_plain.fp8_hadamard(), scaled_plain.fp8_head_scales()), (Some(false), true));
+        assert!(!KvCacheDtypeArg::Fp8Hadamard.fp8_head_scales() && !KvCacheDtypeArg::Bf16.fp8_head_scales());
         // fp8 means whatever FP8_KV_DEFAULT names, and that is one of the fp8 options.
         let default = super::super::FP8_KV_DEFAULT;
         assert_eq!(KvCacheDtypeArg::Fp8.fp8_hadamard(), default.fp8_hadamard());
         assert_eq!(KvCacheDtypeArg::Fp8.fp8_hadamard_v(), default.fp8_hadamard_v());
+        assert_eq!(KvCacheDtypeArg::Fp8.fp8_head_scales(), default.fp8_head_scales());
         assert!(default.fp8_hadamard().is_some() && default != KvCacheDtypeArg::Fp8);
         assert_eq!(KvCacheDtypeArg::Bf16.fp8_hadamard(), None);
         assert!(parse(&["--kv-cache-dtype", "int4"]).is_err());

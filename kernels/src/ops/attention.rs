@@ -47,15 +47,27 @@ pub enum KvCacheDtype {
     /// bf16's layout; V transposed within each block ([blocks, kv heads, head dim, block size]).
     /// Tensor-core attention only (sm_89+), block size a power of two, at least 16.
     Fp8E4m3,
+    /// e4m3 bytes of `x / s` with one f32 scale `s = max |x| / 448` per token and KV head (the CPU
+    /// backend's `KvElem::Fp8E4m3PerHead`): each head vector uses e4m3's whole range instead of its
+    /// subnormals. Each (block, KV head) of K and of V is `block_size * (head_dim + 4)` bytes: the
+    /// codes as [`KvCacheDtype::Fp8E4m3`] lays them out, then `block_size` f32 scales. Same kernels'
+    /// limits as `Fp8E4m3`.
+    Fp8E4m3PerHead,
 }
 
 impl KvCacheDtype {
-    /// Bytes of one cached element.
-    pub fn bytes(self) -> usize {
+    /// Bytes one token's head of `d` values takes in the K (or the V) cache, scales included.
+    pub fn head_bytes(self, d: usize) -> usize {
         match self {
-            KvCacheDtype::Bf16 => 2,
-            KvCacheDtype::Fp8E4m3 => 1,
+            KvCacheDtype::Bf16 => 2 * d,
+            KvCacheDtype::Fp8E4m3 => d,
+            KvCacheDtype::Fp8E4m3PerHead => d + 4,
         }
+    }
+
+    /// Whether the cache holds e4m3 codes (read by the fp8 tensor-core kernels only).
+    pub fn is_fp8(self) -> bool {
+        self != KvCacheDtype::Bf16
     }
 }
 
@@ -163,11 +175,13 @@ fn f8_tiles_bytes(d: usize, kt: usize, stages: usize) -> usize {
 /// warps' merge reuses the same bytes). attention_mma.cu's MmaDecodeGeom / MmaRowsGeom, and for the
 /// fp8 decode kernel attention_mma_f8.cu's configuration (F8K_KW, F8K_STAGES).
 pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usize {
+    // A per-head-scaled cache's stages also hold each tile's k and v scales (f32).
+    let scales = if kv == KvCacheDtype::Fp8E4m3PerHead { 2 * MMA_KT * 4 } else { 0 };
     match kv {
         KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,
         // attention_mma_f8.cu's decode kernel: F8K_STAGES unpadded stages of 64-key tiles (F8K_KW x 4 warps).
-        KvCacheDtype::Fp8E4m3 if decode => F8_DECODE_STAGES * 2 * MMA_KT * d,
-        KvCacheDtype::Fp8E4m3 => f8_tiles_bytes(d, MMA_KT, MMA_F8_STAGES),
+        KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead if decode => F8_DECODE_STAGES * (2 * MMA_KT * d + scales),
+        KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead => f8_tiles_bytes(d, MMA_KT, MMA_F8_STAGES) + MMA_F8_STAGES * scales,
     }
 }
 
@@ -178,6 +192,7 @@ pub(super) fn mma_smem_opt_in(module: &Arc<CudaModule>, kv: KvCacheDtype) -> boo
     let names: [&str; 2] = match kv {
         KvCacheDtype::Bf16 => ["paged_attention_mma", "paged_attention_mma_rows"],
         KvCacheDtype::Fp8E4m3 => ["paged_attention_mma_f8", "paged_attention_mma_rows_f8"],
+        KvCacheDtype::Fp8E4m3PerHead => ["paged_attention_mma_f8s", "paged_attention_mma_rows_f8s"],
     };
     names.iter().enumerate().all(|(i, name)| {
         [64usize, 128].iter().all(|&d| {
@@ -198,15 +213,15 @@ impl Kernels {
     pub fn check_kv_dtype(&self, kv: KvCacheDtype, block_size: usize) -> Result<()> {
         match kv {
             KvCacheDtype::Bf16 => Ok(()),
-            KvCacheDtype::Fp8E4m3 if !self.fp8_ready => Err(KernelError::Unsupported(
+            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead if !self.fp8_ready => Err(KernelError::Unsupported(
                 "an fp8 KV cache needs a GPU of compute capability 8.9 or newer (e4m3 conversions) and the tensor-core attention kernels' shared memory".into(),
             )),
             // The fp8 tiles are copied 16 keys of a cache block at a time, and the decode kernel finds
             // a key's block with a shift.
-            KvCacheDtype::Fp8E4m3 if !block_size.is_multiple_of(16) || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
+            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead if !block_size.is_multiple_of(16) || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
                 "an fp8 KV cache needs a block size that is a power of two, at least 16 (got {block_size})"
             ))),
-            KvCacheDtype::Fp8E4m3 => Ok(()),
+            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead => Ok(()),
         }
     }
 
@@ -238,7 +253,7 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn paged_attention(&self, s: &CudaStream, out: DPtr, q: DPtr, k_cache: DPtr, v_cache: DPtr, block_tables: DPtr, max_blocks: usize, token_seq: DPtr, positions: DPtr, n: usize, decode_tokens: usize, hq: usize, hkv: usize, d: usize, block_size: usize, partials: Option<DPtr>, kv: KvCacheDtype, quant: AttnOutQuant) -> Result<()> {
         let kernel = self.attention.unwrap_or_else(|| {
-            if self.mma_ready || kv == KvCacheDtype::Fp8E4m3 {
+            if self.mma_ready || kv.is_fp8() {
                 AttentionKernel::Mma
             } else if partials.is_some() && self.attention_splits(n, hkv) > 1 {
                 AttentionKernel::WarpPerKey
@@ -273,7 +288,7 @@ impl Kernels {
         if quant.is_some() {
             self.check_w8(quant.format(), "attention output quantization")?;
         }
-        if kv == KvCacheDtype::Fp8E4m3 && kernel != AttentionKernel::Mma {
+        if kv.is_fp8() && kernel != AttentionKernel::Mma {
             return Err(KernelError::Unsupported(format!("attention: an fp8 KV cache is read by the tensor-core kernel only, not {kernel:?}")));
         }
         let wide = d == 128;
@@ -307,25 +322,28 @@ impl Kernels {
                 if !self.mma_ready && kv == KvCacheDtype::Bf16 {
                     return Err(KernelError::Unsupported("attention: the tensor-core kernel needs sm_80 and its shared memory".into()));
                 }
-                let fp8 = kv == KvCacheDtype::Fp8E4m3;
                 // The leading decode tokens (each alone in its sequence) get a block each, split along
                 // long contexts when they are too few to fill the GPU; the prefill chunks after them
                 // go 64 query rows per block (64 / group tokens).
                 if decode_tokens > 0 {
-                    let func = match (fp8, wide) {
-                        (false, false) => &self.paged_attention_mma_d64,
-                        (false, true) => &self.paged_attention_mma_d128,
-                        (true, false) => &self.paged_attention_mma_f8_d64,
-                        (true, true) => &self.paged_attention_mma_f8_d128,
+                    let func = match (kv, wide) {
+                        (KvCacheDtype::Bf16, false) => &self.paged_attention_mma_d64,
+                        (KvCacheDtype::Bf16, true) => &self.paged_attention_mma_d128,
+                        (KvCacheDtype::Fp8E4m3, false) => &self.paged_attention_mma_f8_d64,
+                        (KvCacheDtype::Fp8E4m3, true) => &self.paged_attention_mma_f8_d128,
+                        (KvCacheDtype::Fp8E4m3PerHead, false) => &self.paged_attention_mma_f8s_d64,
+                        (KvCacheDtype::Fp8E4m3PerHead, true) => &self.paged_attention_mma_f8s_d128,
                     };
                     self.attention_per_token(s, func, attention_mma_smem_bytes(d, kv, true), &args, decode_tokens, hq, hkv, d, partials)?;
                 }
                 if decode_tokens < n {
-                    let func = match (fp8, wide) {
-                        (false, false) => &self.paged_attention_mma_rows_d64,
-                        (false, true) => &self.paged_attention_mma_rows_d128,
-                        (true, false) => &self.paged_attention_mma_rows_f8_d64,
-                        (true, true) => &self.paged_attention_mma_rows_f8_d128,
+                    let func = match (kv, wide) {
+                        (KvCacheDtype::Bf16, false) => &self.paged_attention_mma_rows_d64,
+                        (KvCacheDtype::Bf16, true) => &self.paged_attention_mma_rows_d128,
+                        (KvCacheDtype::Fp8E4m3, false) => &self.paged_attention_mma_rows_f8_d64,
+                        (KvCacheDtype::Fp8E4m3, true) => &self.paged_attention_mma_rows_f8_d128,
+                        (KvCacheDtype::Fp8E4m3PerHead, false) => &self.paged_attention_mma_rows_f8s_d64,
+                        (KvCacheDtype::Fp8E4m3PerHead, true) => &self.paged_attention_mma_rows_f8s_d128,
                     };
                     let tq = (MMA_ROWS_PREFILL / (hq / hkv)).max(1);
                     let config = LaunchConfig {

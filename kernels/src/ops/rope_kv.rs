@@ -62,7 +62,7 @@ impl Kernels {
     ///
     /// # Safety
     /// qkv and lora's buffer: n*(hq+2hkv)*d bf16; positions, slots: n i32; cos/sin: (max position + 1)*d/2 f32;
-    /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*d elements of `kv` covering every slot.
+    /// q_out: n*hq*d bf16; caches: num_blocks*hkv*block_size*`kv.head_bytes(d)` bytes covering every slot.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn rope_kv_write(&self, s: &CudaStream, qkv: DPtr, bias: Option<DPtr>, positions: DPtr, cos: DPtr, sin: DPtr, slots: DPtr, q_out: DPtr, k_cache: DPtr, v_cache: DPtr, n: usize, hq: usize, hkv: usize, d: usize, block_size: usize, kv: KvCacheDtype, rotation: KvRotation, lora: Option<LoraDelta>, qkv_scale: Option<OuterScale>) -> Result<()> {
         if n == 0 {
@@ -76,11 +76,15 @@ impl Kernels {
         if rotation != KvRotation::None {
             check_hadamard_dim(d)?;
         }
+        if kv == KvCacheDtype::Fp8E4m3PerHead && d > ROPE_HAD_MAX_D {
+            return Err(KernelError::Unsupported(format!("rope: a per-head-scaled fp8 cache stages head_dim {d} (at most {ROPE_HAD_MAX_D})")));
+        }
         self.check_kv_dtype(kv, block_size)?;
         let bias = bias.unwrap_or(0);
         // Unrotated heads of a dimension that is a multiple of 16: rope_kv_write_vec's 16-byte
         // accesses, one item (8 RoPE pairs, or 8 values of v) per thread.
-        let vec_items = (rotation == KvRotation::None && d.is_multiple_of(16)).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
+        // (A per-head-scaled cache stages every head for its max: never the 16-byte kernel.)
+        let vec_items = (rotation == KvRotation::None && kv != KvCacheDtype::Fp8E4m3PerHead && d.is_multiple_of(16)).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
         let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
         let func = match (kv, rotation) {
             (KvCacheDtype::Bf16, KvRotation::None) if vec_items.is_some() => &self.rope_kv_write_vec,
@@ -91,6 +95,9 @@ impl Kernels {
             (KvCacheDtype::Fp8E4m3, KvRotation::QK) => &self.rope_kv_write_fp8_had,
             (KvCacheDtype::Bf16, KvRotation::QKV) => &self.rope_kv_write_had_v,
             (KvCacheDtype::Fp8E4m3, KvRotation::QKV) => &self.rope_kv_write_fp8_had_v,
+            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::None) => &self.rope_kv_write_fp8s,
+            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QK) => &self.rope_kv_write_fp8s_had,
+            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QKV) => &self.rope_kv_write_fp8s_had_v,
         };
         Launch::new(func)
             .arg(&qkv)

@@ -13,7 +13,7 @@
 //! Both run the decode path (steps of single-token sequences, replayed from CUDA graphs) and a
 //! prefill chunk.
 //! - the fp8 cache with one scale per token and KV head against the CPU with the same values, and
-//!   closer to the f32 cache than scale 1.
+//!   (unrotated) closer to the f32 cache than scale 1.
 //! Skipped with a visible message where no GPU (or, for fp8, no sm_89+) is usable.
 
 mod common;
@@ -159,10 +159,13 @@ fn fp8_cache_with_rotated_v_matches_the_cpu_rotation_and_differs_from_q_k_only()
 }
 
 /// The per-head-scaled fp8 cache (`KvCacheDtype::Fp8E4m3PerHead`, `--kv-cache-dtype fp8-scaled*`)
-/// against the CPU computing with the same per-head-scaled e4m3 values (`KvElem::Fp8E4m3PerHead`),
-/// within the fp8 bounds above; and closer to the unquantized cache than the scale-1 fp8 cache with
-/// the same rotation (on the CPU the scales halve the cache's mean |Δ|: docs/benchmarks.md), so the
-/// scales really reach the attention kernels.
+/// against the CPU computing with the same per-head-scaled e4m3 values (`KvElem::Fp8E4m3PerHead`).
+/// Bounds 1.5 × the H200's figures (2026-11-29: max |Δ| 0.864 / 0.891, mean 0.210 / 0.230 with and
+/// without the rotation), well inside the scale-1 cache's (3.0 / 0.45): a scale applied to the wrong
+/// key, or not at all, moves logits by units. Without the rotation the scales must also bring the
+/// GPU closer to the CPU's f32 cache than scale 1 does (H200: 0.248 against 0.327 mean |Δ|), so they
+/// really reach the attention kernels; with the rotation the two were 0.214 and 0.229, too close to
+/// assert on another GPU, so that pair is only reported.
 fn fp8_per_head_case(hadamard: bool) {
     if !gpu_or_skip() {
         return;
@@ -174,18 +177,20 @@ fn fp8_per_head_case(hadamard: bool) {
     let want = KvFormat::both(KvElem::Fp8E4m3PerHead, hadamard);
     let f = compare(&got, &cpu_rows(&w, want));
     report(&format!("cuda per-head fp8 KV (hadamard {hadamard}) vs cpu {}: max |Δ| {:.3}, mean {:.4}, top-1 {}/{}", want.label(), f.max_abs_diff, f.mean_abs_diff(), f.top1_agree, f.positions));
-    assert!(f.max_abs_diff <= 3.0 && f.mean_abs_diff() <= 0.45, "{f:?}");
+    assert!(f.max_abs_diff <= 1.35 && f.mean_abs_diff() <= 0.35, "{f:?}");
     let Some(mut one) = gpu(&w, KvCacheDtype::Fp8E4m3, hadamard) else { return };
     let scale_one = rows(&mut one);
     drop(one);
     let exact = cpu_rows(&w, KvFormat { hadamard, ..KvFormat::F32 });
     let (head, unit) = (compare(&got, &exact), compare(&scale_one, &exact));
     report(&format!("against the cpu's f32 cache (hadamard {hadamard}): per-head fp8 mean |Δ| {:.4}, scale-1 fp8 {:.4}", head.mean_abs_diff(), unit.mean_abs_diff()));
-    assert!(head.mean_abs_diff() < unit.mean_abs_diff(), "per-head scales no closer to the f32 cache than scale 1: {head:?} vs {unit:?}");
+    if !hadamard {
+        assert!(head.mean_abs_diff() < unit.mean_abs_diff(), "per-head scales no closer to the f32 cache than scale 1: {head:?} vs {unit:?}");
+    }
 }
 
 #[test]
-fn fp8_cache_with_per_head_scales_matches_the_cpu_and_beats_scale_one() {
+fn fp8_cache_with_per_head_scales_matches_the_cpu_and_unrotated_beats_scale_one() {
     fp8_per_head_case(true);
     fp8_per_head_case(false);
 }

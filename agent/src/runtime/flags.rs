@@ -64,6 +64,14 @@ pub enum KvCacheDtypeArg {
 /// averages v's rounding away, over few it does not. It costs one more kernel per layer (the output
 /// rotated back) and, with W8A8 weights, measured no better (prompts' mean |Δ| 1.15 vs 0.87). So
 /// the cheaper rotation stays the default; `fp8-hadamard-qkv` is there for short-context work.
+///
+/// Per-head scales (`fp8-scaled`: one f32 per token and KV head, q/k rotated) are not the default
+/// either. On the H200 (docs/benchmarks.md, "fp8 KV with one scale per token and KV head, on the
+/// GPU") they improve every KL and perplexity column a little (prompts' KL 0.0047 → 0.0037, text KL
+/// 0.0050 → 0.0046, perplexity +0.67 % → +0.40 %, within that text's noise) and the mean |Δ| against
+/// transformers 2.94 → 2.67 × the bf16 cache's, but decode at contexts of 1–2k tokens loses 4–6 %
+/// (each key's score and probability scaled in the attention kernels) and the cache 3 % of its
+/// tokens (d = 128). Users who weigh fidelity over that choose it by name.
 pub const FP8_KV_DEFAULT: KvCacheDtypeArg = KvCacheDtypeArg::Fp8Hadamard;
 
 impl KvCacheDtypeArg {
@@ -206,7 +214,8 @@ pub struct EngineArgs {
     /// KV cache element type. fp8 (cuda only, compute capability 8.9+): e4m3 with scale 1, twice the
     /// tokens in the same memory and half the bytes decode attention reads, at fp8's precision; q
     /// and k Hadamard-rotated per head first (= fp8-hadamard; fp8-hadamard-qkv: v too, the attention
-    /// output rotated back; fp8-plain: not rotated).
+    /// output rotated back; fp8-plain: not rotated). fp8-scaled: one scale per token and KV head
+    /// instead of 1 (q/k rotated; fp8-scaled-plain: not rotated), closer to bf16, 4-6% slower decode.
     #[arg(long, value_enum, env = "PEREGRINE_KV_CACHE_DTYPE", default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtypeArg,
     /// Quantize the decoder layers' linear weights to 8 bits at load (one scale per output row;

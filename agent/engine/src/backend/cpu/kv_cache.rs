@@ -16,7 +16,7 @@ pub enum KvElem {
     Bf16,
     /// e4m3, scale 1, saturating at ±448: the CUDA fp8 cache's values.
     Fp8E4m3,
-    /// e4m3 with one scale per token and KV head, `max |x| / 448` (CPU only so far): each head's
+    /// e4m3 with one scale per token and KV head, `max |x| / 448` (the CUDA `fp8-scaled` cache's values): each head's
     /// vector uses e4m3's whole range, so its small values keep 3 mantissa bits instead of falling
     /// into e4m3's subnormals below 2^-6.
     Fp8E4m3PerHead,

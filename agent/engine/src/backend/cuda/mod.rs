@@ -191,14 +191,21 @@ pub struct CudaBackend {
 /// each of 0 / 8 / 16), batch 64 within noise; without it the grouped kernels wait for SMs until the
 /// GEMM's last blocks retire.
 const LORA_SM_RESERVE: usize = 16;
+/// The same over 8-bit base weights, whose shorter GEMMs hide less of the side stream: measured on
+/// the H200 (docs/benchmarks.md, session 24; fp8 weights, 4 rank-32 adapters, runs interleaved),
+/// 32 SMs gave batch 64 / 256 +2.8 % / +3.3 % LoRA throughput over 16 (six runs of 32, two of 16),
+/// 8, 24 and 48 no more than 16; over bf16 weights 24 was no better than 16.
+const LORA_SM_RESERVE_8BIT: usize = 32;
 /// The LoRA steps that keep SMs free: from 64 tokens (below, the projections are GEMVs or small
 /// GEMMs and measured no gain) to the update-buffer path's largest ([`lora::DELTA_MAX_TOKENS`];
 /// longer steps are compute-bound prefill, whose expand adds in place on the main stream).
 const LORA_SM_RESERVE_TOKENS: std::ops::RangeInclusive<usize> = 64..=lora::DELTA_MAX_TOKENS;
 
-/// [`LORA_SM_RESERVE`], or `PEREGRINE_LORA_SM_RESERVE`, at most half the device's SMs.
-fn lora_sm_reserve(cuda: &Cuda) -> usize {
-    std::env::var("PEREGRINE_LORA_SM_RESERVE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(LORA_SM_RESERVE).min(cuda.num_sms / 2)
+/// [`LORA_SM_RESERVE`] (over `eight_bit` weights [`LORA_SM_RESERVE_8BIT`]), or
+/// `PEREGRINE_LORA_SM_RESERVE`, at most half the device's SMs.
+fn lora_sm_reserve(cuda: &Cuda, eight_bit: bool) -> usize {
+    let default = if eight_bit { LORA_SM_RESERVE_8BIT } else { LORA_SM_RESERVE };
+    std::env::var("PEREGRINE_LORA_SM_RESERVE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(default).min(cuda.num_sms / 2)
 }
 
 /// Memory kept free beyond the computed needs: cuBLAS's internal buffers, CUDA graphs, the context.
@@ -251,7 +258,7 @@ impl CudaBackend {
             max_blocks: opts.max_model_len.div_ceil(opts.block_size),
         };
         let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout, w8.is_some())?;
-        let lora_sm_reserve = lora_sm_reserve(&cuda);
+        let lora_sm_reserve = lora_sm_reserve(&cuda, w8.is_some());
         let lora_base = LoraBase { side_sms: lora_sm_reserve, eight_bit: w8.is_some() };
         let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_base)).transpose()?;
         let (cos, sin) = rope::tables(&config, opts.max_model_len);

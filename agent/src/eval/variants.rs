@@ -136,6 +136,12 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
             out.push(unquantized(KvOption::Typed(KvFormat { v: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, hadamard) })));
         }
         out.push(unquantized(KvOption::Typed(KvFormat { k: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3, false) })));
+        // Per-head scales on one of K and V only (q/k rotated): which half of `fp8-scaled`'s gain
+        // each brings (the CUDA kernels pay more per key for V's scale than for K's).
+        out.push(unquantized(KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3PerHead, ..KvFormat::both(KvElem::Fp8E4m3, true) })));
+        out.push(unquantized(KvOption::Typed(KvFormat { v: KvElem::Fp8E4m3PerHead, ..KvFormat::both(KvElem::Fp8E4m3, true) })));
+        // K kept in bf16 (over the long text K's rounding is what costs), V per-head fp8.
+        out.push(unquantized(KvOption::Typed(KvFormat { k: KvElem::Bf16, ..KvFormat::both(KvElem::Fp8E4m3PerHead, false) })));
     }
     // e4m3 with a scale per token and KV head instead of 1 (`fp8-scaled-plain`, `fp8-scaled`, and
     // with v rotated too).

@@ -61,8 +61,8 @@ template <int D, bool F8, int KT_, int STAGES_, bool SC = false> struct MmaGeom 
 template <int D, bool F8> using MmaDecodeGeom = MmaGeom<D, F8, MMA_KT, MMA_STAGES>;
 template <int D, bool F8, bool SC = false> using MmaRowsGeom = MmaGeom<D, F8, MMA_KT, F8 ? MMA_F8_STAGES : MMA_STAGES, SC>;
 
-// What a scaled cache's probabilities are multiplied by besides the v scale (attention_mma_f8.cu's
-// F8_VSC_BIAS; undone through l).
+// What a scaled cache's probabilities are multiplied by besides the v scale, so that p * s stays in
+// f16's normal range for small scales (undone through l; the fp8 decode kernel uses it too).
 #define MMA_VSC_BIAS 256.f
 
 // fp8 K tiles: the shared-memory row of key r of a tile. Within each 16 keys, the keys of score

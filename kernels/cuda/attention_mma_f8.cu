@@ -19,8 +19,8 @@
 // The scaled cache (SC, `--kv-cache-dtype fp8-scaled*`, rope_kv.cu's rope_kv_write_fp8s): each
 // (block, KV head) chunk is block_size * (D + 4) bytes, the codes then one f32 scale per key for K and
 // for V. The scales of a tile's keys are copied into the stage after V^T; a key's score is multiplied
-// by its k scale, and its probability by its v scale (times F8_VSC_BIAS, so that p * s stays in f16's
-// normal range for small scales; the sums l carry the same factor) before the P·V mma.
+// by its k scale, and its probability by its v scale times attention_mma.cu's MMA_VSC_BIAS (p * s in
+// f16's normal range for small scales; the sums l carry the same factor) before the P·V mma.
 //
 // Each of the 4 warps takes KW keys of every KW * 4-key tile with its own online softmax per head
 // (rescaling its accumulator only when a running max grew) and the warps are merged by attention.cu's
@@ -61,9 +61,6 @@ template <int D, int KT_, int STAGES_, bool SC = false> struct F8SwzGeom {
     static constexpr int SCALES = K_TILE + D * KT;  // SC: KT k scales then KT v scales (f32)
     static constexpr int STAGE = SCALES + (SC ? 2 * KT * 4 : 0);
 };
-
-// What a scaled cache's probabilities are multiplied by besides the v scale (undone through l).
-#define F8_VSC_BIAS 256.f
 
 // Byte offset of 16-byte chunk c of row r in a tile of `row_bytes`-byte rows (a multiple of 16 that
 // divides 128, or a multiple of 128): the chunk's place within its 128-byte line XORed with the
@@ -294,9 +291,9 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
         // O^T += V^T P^T: P^T's B fragment is the score fragment transposed.
 #pragma unroll
         for (int sg = 0; sg < SG; ++sg) {
-            // SC: each probability times its key's v scale (and F8_VSC_BIAS).
-            const float v_lo = SC ? vsc[KW * warp + sg * 16 + pg] * F8_VSC_BIAS : 1.f;
-            const float v_hi = SC ? vsc[KW * warp + sg * 16 + pg + 2] * F8_VSC_BIAS : 1.f;
+            // SC: each probability times its key's v scale (and MMA_VSC_BIAS).
+            const float v_lo = SC ? vsc[KW * warp + sg * 16 + pg] * MMA_VSC_BIAS : 1.f;
+            const float v_hi = SC ? vsc[KW * warp + sg * 16 + pg + 2] * MMA_VSC_BIAS : 1.f;
             const u32 b0 = movmatrix_trans(prob_f16x2(s[sg][0] * v_lo, s[sg][1] * v_lo));  // keys 4q, 4q + 1
             const u32 b1 = movmatrix_trans(prob_f16x2(s[sg][2] * v_hi, s[sg][3] * v_hi));  // keys 4q + 2, 4q + 3
 #pragma unroll
@@ -319,9 +316,9 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
         l0 += __shfl_xor_sync(0xffffffffu, l0, off);
         l1 += __shfl_xor_sync(0xffffffffu, l1, off);
     }
-    if constexpr (SC) {  // O carries F8_VSC_BIAS: so does l, and O / l is the output
-        l0 *= F8_VSC_BIAS;
-        l1 *= F8_VSC_BIAS;
+    if constexpr (SC) {  // O carries MMA_VSC_BIAS: so does l, and O / l is the output
+        l0 *= MMA_VSC_BIAS;
+        l1 *= MMA_VSC_BIAS;
     }
     __syncthreads();  // every warp is done with the tiles before sm_acc takes their bytes
     const int h0 = 2 * quad, h1 = h0 + 1;

@@ -213,12 +213,12 @@ impl Kernels {
     pub fn check_kv_dtype(&self, kv: KvCacheDtype, block_size: usize) -> Result<()> {
         match kv {
             KvCacheDtype::Bf16 => Ok(()),
-            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead if !self.fp8_ready => Err(KernelError::Unsupported(
+            _ if !self.fp8_ready => Err(KernelError::Unsupported(
                 "an fp8 KV cache needs a GPU of compute capability 8.9 or newer (e4m3 conversions) and the tensor-core attention kernels' shared memory".into(),
             )),
             // The fp8 tiles are copied 16 keys of a cache block at a time, and the decode kernel finds
             // a key's block with a shift.
-            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead if !block_size.is_multiple_of(16) || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
+            _ if !block_size.is_multiple_of(16) || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
                 "an fp8 KV cache needs a block size that is a power of two, at least 16 (got {block_size})"
             ))),
             KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead => Ok(()),
@@ -325,26 +325,19 @@ impl Kernels {
                 // The leading decode tokens (each alone in its sequence) get a block each, split along
                 // long contexts when they are too few to fill the GPU; the prefill chunks after them
                 // go 64 query rows per block (64 / group tokens).
+                // The (decode, prefill rows) kernels of this cache type and head dim.
+                let (decode_func, rows_func) = match (kv, wide) {
+                    (KvCacheDtype::Bf16, false) => (&self.paged_attention_mma_d64, &self.paged_attention_mma_rows_d64),
+                    (KvCacheDtype::Bf16, true) => (&self.paged_attention_mma_d128, &self.paged_attention_mma_rows_d128),
+                    (KvCacheDtype::Fp8E4m3, false) => (&self.paged_attention_mma_f8_d64, &self.paged_attention_mma_rows_f8_d64),
+                    (KvCacheDtype::Fp8E4m3, true) => (&self.paged_attention_mma_f8_d128, &self.paged_attention_mma_rows_f8_d128),
+                    (KvCacheDtype::Fp8E4m3PerHead, false) => (&self.paged_attention_mma_f8s_d64, &self.paged_attention_mma_rows_f8s_d64),
+                    (KvCacheDtype::Fp8E4m3PerHead, true) => (&self.paged_attention_mma_f8s_d128, &self.paged_attention_mma_rows_f8s_d128),
+                };
                 if decode_tokens > 0 {
-                    let func = match (kv, wide) {
-                        (KvCacheDtype::Bf16, false) => &self.paged_attention_mma_d64,
-                        (KvCacheDtype::Bf16, true) => &self.paged_attention_mma_d128,
-                        (KvCacheDtype::Fp8E4m3, false) => &self.paged_attention_mma_f8_d64,
-                        (KvCacheDtype::Fp8E4m3, true) => &self.paged_attention_mma_f8_d128,
-                        (KvCacheDtype::Fp8E4m3PerHead, false) => &self.paged_attention_mma_f8s_d64,
-                        (KvCacheDtype::Fp8E4m3PerHead, true) => &self.paged_attention_mma_f8s_d128,
-                    };
-                    self.attention_per_token(s, func, attention_mma_smem_bytes(d, kv, true), &args, decode_tokens, hq, hkv, d, partials)?;
+                    self.attention_per_token(s, decode_func, attention_mma_smem_bytes(d, kv, true), &args, decode_tokens, hq, hkv, d, partials)?;
                 }
                 if decode_tokens < n {
-                    let func = match (kv, wide) {
-                        (KvCacheDtype::Bf16, false) => &self.paged_attention_mma_rows_d64,
-                        (KvCacheDtype::Bf16, true) => &self.paged_attention_mma_rows_d128,
-                        (KvCacheDtype::Fp8E4m3, false) => &self.paged_attention_mma_rows_f8_d64,
-                        (KvCacheDtype::Fp8E4m3, true) => &self.paged_attention_mma_rows_f8_d128,
-                        (KvCacheDtype::Fp8E4m3PerHead, false) => &self.paged_attention_mma_rows_f8s_d64,
-                        (KvCacheDtype::Fp8E4m3PerHead, true) => &self.paged_attention_mma_rows_f8s_d128,
-                    };
                     let tq = (MMA_ROWS_PREFILL / (hq / hkv)).max(1);
                     let config = LaunchConfig {
                         grid_dim: (as_u32((n - decode_tokens).div_ceil(tq), "tokens")?, hkv as u32, 1),
@@ -352,7 +345,7 @@ impl Kernels {
                         shared_mem_bytes: attention_mma_smem_bytes(d, kv, false) as u32,
                     };
                     let (t_begin, n_i, tq_i) = (as_i32(decode_tokens, "tokens")?, as_i32(n, "tokens")?, as_i32(tq, "tokens per block")?);
-                    let mut launch = Launch::new(func);
+                    let mut launch = Launch::new(rows_func);
                     args.push(&mut launch);
                     launch.arg(&t_begin).arg(&n_i).arg(&tq_i).launch(s, config, false)?;
                 }

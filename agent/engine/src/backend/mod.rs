@@ -154,7 +154,8 @@ pub trait EncoderBackend: Send {
     fn name(&self) -> String;
 }
 
-/// Bytes of KV cache one block takes in f32 (K and V, every layer).
-pub fn kv_block_bytes(config: &ModelConfig, block_size: usize, bytes_per_elem: usize) -> usize {
-    2 * config.num_hidden_layers * config.kv_dim() * block_size * bytes_per_elem
+/// Bytes of KV cache one block takes (K and V, every layer), where one token's head takes
+/// `bytes_per_head` in the K (or the V) cache (a per-head-scaled cache's scale included).
+pub fn kv_block_bytes(config: &ModelConfig, block_size: usize, bytes_per_head: usize) -> usize {
+    2 * config.num_hidden_layers * config.num_key_value_heads * block_size * bytes_per_head
 }

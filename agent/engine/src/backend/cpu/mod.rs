@@ -166,7 +166,7 @@ impl CpuBackend {
 
     /// Bytes one KV block of `block_size` tokens takes in this backend (f32 K and V, every layer).
     pub fn kv_bytes_per_block(config: &ModelConfig, block_size: usize) -> usize {
-        kv_block_bytes(config, block_size, 4)
+        kv_block_bytes(config, block_size, 4 * config.head_dim)
     }
 
     pub fn threads(&self) -> usize {

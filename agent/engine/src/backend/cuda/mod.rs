@@ -43,7 +43,7 @@ use self::graphs::Graphs;
 use self::lora::{BaseGemv, GpuLora, LoraBase, LoraUpdate, Projection};
 use self::scratch::{PinnedUpload, Scratch};
 use self::timing::StepTiming;
-use crate::backend::{Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
+use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::config::ModelConfig;
 use crate::model::rowquant::RowFormat;
@@ -266,9 +266,7 @@ impl CudaBackend {
         let rope_sin = cuda.gpu.upload(&sin).map_err(gpu_err)?;
         cuda.gpu.synchronize().map_err(gpu_err)?;
 
-        // K and V of every layer, a block's worth of tokens per KV head (a per-head-scaled fp8 cache's
-        // scales included).
-        let block_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * opts.block_size * opts.kv_cache_dtype.head_bytes(config.head_dim);
+        let block_bytes = kv_block_bytes(&config, opts.block_size, opts.kv_cache_dtype.head_bytes(config.head_dim));
         let num_blocks = match opts.num_blocks {
             Some(n) => n,
             None => {

@@ -18,6 +18,9 @@
 //   sequence are contiguous in the flat batch; a block whose tokens span sequences runs the key loop
 //   once per sequence with the other rows masked.
 //
+// The fp8 flavour also reads an int8 cache with per-head scales (`--kv-cache-dtype int8*`: the same
+// layout, bytes, and scales; I8 only changes how four bytes become f16, kv8x4_to_f16x2x2).
+//
 // The prefill kernel also comes in an fp8 flavour (F8 = true: `--kv-cache-dtype fp8`; fp8 decode has
 // its own kernel, attention_mma_f8.cu, with the keys as the mma's rows), for a KV cache of
 // e4m3 bytes (scale 1, as vLLM's uncalibrated fp8 cache): K as [blocks, Hkv, block_size, D] and V
@@ -148,6 +151,24 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(u32 v, u32& lo, u32& hi) {
 #else
     lo = hi = 0u * v;
 #endif
+}
+
+// Four int8 codes (low byte first) -> two f16x2 (values 0, 1 and 2, 3), exactly: code + 128 becomes
+// the low byte of an f16 whose exponent makes its unit 1 (0x64xx = 1024 + xx), and 1152 is subtracted.
+__device__ __forceinline__ void i8x4_to_f16x2x2(u32 v, u32& lo, u32& hi) {
+    const u32 b = v ^ 0x80808080u;
+    const u32 bias = 0x64806480u;  // 1152, 1152 as f16x2
+    lo = __byte_perm(b, 0x64646464u, 0x4140);
+    hi = __byte_perm(b, 0x64646464u, 0x4342);
+    asm("sub.f16x2 %0, %1, %2;\n" : "=r"(lo) : "r"(lo), "r"(bias));
+    asm("sub.f16x2 %0, %1, %2;\n" : "=r"(hi) : "r"(hi), "r"(bias));
+}
+
+// Four codes of an 8-bit cache -> two f16x2: int8 (I8, `--kv-cache-dtype int8*`) or e4m3.
+template <bool I8>
+__device__ __forceinline__ void kv8x4_to_f16x2x2(u32 v, u32& lo, u32& hi) {
+    if constexpr (I8) i8x4_to_f16x2x2(v, lo, hi);
+    else e4m3x4_to_f16x2x2(v, lo, hi);
 }
 
 // 2^x for x <= 0 (softmax weights): the approximate unit, subnormal results flushed to zero, without
@@ -330,7 +351,7 @@ __device__ __forceinline__ void mma_load_tile(unsigned char* tiles, int stage, i
 
 // S = Q K^T for the 16 keys at rows key0.. of the K tile `ks`: s0 holds keys 0..7, s1 keys 8..15
 // (fp8: the keys of n-tiles 0 and 1 in the header's order, rows key0.. in mma_f8_key_row order).
-template <int D, bool F8, class G>
+template <int D, bool F8, class G, bool I8 = false>
 __device__ __forceinline__ void mma_qk16(float (&s0)[4], float (&s1)[4], const u32 (&qa)[D / 16][4],
                                          const unsigned char* ks, int key0, int lane) {
     const int mi = lane >> 3;  // the 8x8 matrix whose row address this lane supplies
@@ -352,10 +373,10 @@ __device__ __forceinline__ void mma_qk16(float (&s0)[4], float (&s1)[4], const u
             u32 r0, r1, r2, r3;
             ldmatrix_x4(smem_addr(base + kk * 32), r0, r1, r2, r3);
             u32 b[4][2];
-            e4m3x4_to_f16x2x2(r0, b[0][0], b[0][1]);
-            e4m3x4_to_f16x2x2(r1, b[1][0], b[1][1]);
-            e4m3x4_to_f16x2x2(r2, b[2][0], b[2][1]);
-            e4m3x4_to_f16x2x2(r3, b[3][0], b[3][1]);
+            kv8x4_to_f16x2x2<I8>(r0, b[0][0], b[0][1]);
+            kv8x4_to_f16x2x2<I8>(r1, b[1][0], b[1][1]);
+            kv8x4_to_f16x2x2<I8>(r2, b[2][0], b[2][1]);
+            kv8x4_to_f16x2x2<I8>(r3, b[3][0], b[3][1]);
             mma_f16(s0, qa[2 * kk], b[0][0], b[0][1]);
             mma_f16(s0, qa[2 * kk + 1], b[1][0], b[1][1]);
             mma_f16(s1, qa[2 * kk], b[2][0], b[2][1]);
@@ -368,7 +389,7 @@ __device__ __forceinline__ void mma_qk16(float (&s0)[4], float (&s1)[4], const u
 // fragments of mma_qk16, which packed to 16 bits are the A layout of the next mma). bf16: V rows
 // through transposing loads. fp8: V^T rows (a dimension's keys) through plain loads, matrix i of a
 // load = the 8 dims of n-tile 4 dd + i.
-template <int D, bool F8, class G>
+template <int D, bool F8, class G, bool I8 = false>
 __device__ __forceinline__ void mma_pv16(float (&o)[D / 8][4], const float (&p0)[4], const float (&p1)[4],
                                          const unsigned char* vs, int key0, int lane) {
     const int mi = lane >> 3;
@@ -394,7 +415,7 @@ __device__ __forceinline__ void mma_pv16(float (&o)[D / 8][4], const float (&p0)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 u32 b0, b1;
-                e4m3x4_to_f16x2x2(r[i], b0, b1);
+                kv8x4_to_f16x2x2<I8>(r[i], b0, b1);
                 mma_f16(o[4 * dd + i], pa, b0, b1);
             }
         }
@@ -495,13 +516,14 @@ __device__ __forceinline__ void paged_attention_mma_impl(
 }
 
 // Prefill chunks: 64 rows per block, 16 per warp, every warp against all 64 keys of each tile.
-template <int D, bool F8, bool SC = false>
+template <int D, bool F8, bool SC = false, bool I8 = false>
 __device__ __forceinline__ void paged_attention_mma_rows_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const typename KvElem<F8>::T* __restrict__ k_cache,
     const typename KvElem<F8>::T* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int hq, int hkv, int block_size,
     float scale, const AttnOutQuant& aq, int t_begin, int n, int tq) {
     static_assert(F8 || !SC, "only an fp8 cache is scaled");
+    static_assert(SC || !I8, "an int8 cache is always scaled");
     typedef MmaRowsGeom<D, F8, SC> G;
     constexpr int KSTEPS = D / 16;  // mma k-steps of q·k
     constexpr int NT = D / 8;       // mma n-tiles of p·V
@@ -569,7 +591,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 #pragma unroll
                 for (int j = 0; j < SN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-                for (int k16 = 0; k16 < SN / 2; ++k16) mma_qk16<D, F8, G>(s[2 * k16], s[2 * k16 + 1], qa, ks, k16 * 16, lane);
+                for (int k16 = 0; k16 < SN / 2; ++k16) mma_qk16<D, F8, G, I8>(s[2 * k16], s[2 * k16 + 1], qa, ks, k16 * 16, lane);
 
                 // SC: score n-tile j's column 2 quad + e is tile key 4 quad + 16 (j / 2) + 2 (j % 2) + e
                 // (the header's order); times its k scale before the softmax, its probability times
@@ -602,7 +624,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 
                 // O += P V, 16 keys per k-step.
 #pragma unroll
-                for (int k16 = 0; k16 < SN / 2; ++k16) mma_pv16<D, F8, G>(o, s[2 * k16], s[2 * k16 + 1], vs, k16 * 16, lane);
+                for (int k16 = 0; k16 < SN / 2; ++k16) mma_pv16<D, F8, G, I8>(o, s[2 * k16], s[2 * k16 + 1], vs, k16 * 16, lane);
             }
             __syncthreads();  // the stage is overwritten by the copy issued next iteration
         }
@@ -636,7 +658,7 @@ __device__ __forceinline__ void paged_attention_mma_rows_impl(
 template <int D>
 __device__ void paged_attention_mma_impl(bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, const int*, int, const int*,
                                          const int*, int, int, int, float, const AttnOutQuant&, float*, float*) {}
-template <int D, bool F8, bool SC = false>
+template <int D, bool F8, bool SC = false, bool I8 = false>
 __device__ void paged_attention_mma_rows_impl(bf16_t*, const bf16_t*, const typename KvElem<F8>::T*,
                                               const typename KvElem<F8>::T*, const int*, int, const int*, const int*, int,
                                               int, int, float, const AttnOutQuant&, int, int, int) {}
@@ -655,23 +677,25 @@ ATTENTION_MMA_KERNEL(paged_attention_mma, 64)
 ATTENTION_MMA_KERNEL(paged_attention_mma, 128)
 
 // Prefill: the block's first token is t_begin + blockIdx.x * tq, tokens past n are not computed.
-#define ATTENTION_MMA_ROWS_KERNEL(NAME, D, F8, KV, SC)                                                        \
+#define ATTENTION_MMA_ROWS_KERNEL(NAME, D, F8, KV, SC, I8)                                                    \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) NAME##_d##D(                               \
         bf16_t* out, const bf16_t* q, const KV* k_cache, const KV* v_cache, const int* block_tables,           \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
         float scale, AttnOutQuant aq, int t_begin, int n, int tq) {                                                            \
-        paged_attention_mma_rows_impl<D, F8, SC>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,    \
+        paged_attention_mma_rows_impl<D, F8, SC, I8>(out, q, k_cache, v_cache, block_tables, max_blocks, token_seq,    \
                                              positions, hq, hkv, block_size, scale, aq, t_begin, n, tq);          \
     }
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 64, false, bf16_t, false)
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 64, false, bf16_t, false, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows, 128, false, bf16_t, false, false)
 
 // The fp8 kernels need sm_89's e4m3 conversions.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t, false)
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t, false)
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8s, 64, true, fp8_t, true)
-ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8s, 128, true, fp8_t, true)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 64, true, fp8_t, false, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8, 128, true, fp8_t, false, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8s, 64, true, fp8_t, true, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_f8s, 128, true, fp8_t, true, false)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_i8s, 64, true, fp8_t, true, true)
+ATTENTION_MMA_ROWS_KERNEL(paged_attention_mma_rows_i8s, 128, true, fp8_t, true, true)
 #else
 // Below sm_89 the fp8 entry points exist (the host loads every name) with empty bodies.
 #define ATTENTION_MMA_F8_STUB(NAME) extern "C" __global__ void NAME(bf16_t*, const bf16_t*, const fp8_t*, \
@@ -680,5 +704,7 @@ ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d64)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8_d128)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8s_d64)
 ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_f8s_d128)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_i8s_d64)
+ATTENTION_MMA_F8_STUB(paged_attention_mma_rows_i8s_d128)
 #endif
 

@@ -16,6 +16,9 @@
 // that plus 2 for rows 8..15 (mma_f8_key_row). After the transpose, lane q holds the probabilities of
 // keys 4q, 4q+1 (k = 2q, 2q+1) and 4q+2, 4q+3 (k = 2q+8, 2q+9): the keys its V^T fragment holds.
 //
+// An int8 cache (I8, `--kv-cache-dtype int8*`, always scaled) is read the same way; only the
+// conversion of four codes to f16 differs (attention_mma.cu's kv8x4_to_f16x2x2).
+//
 // The scaled cache (SC, `--kv-cache-dtype fp8-scaled*`, rope_kv.cu's rope_kv_write_fp8s): each
 // (block, KV head) chunk is block_size * (D + 4) bytes, the codes then one f32 scale per key for K and
 // for V. The scales of a tile's keys are copied into the stage after V^T; a key's score is multiplied
@@ -45,9 +48,11 @@ __device__ __forceinline__ u32 prob_f16x2(float lo, float hi) {
 
 // The A fragment of 16 rows x 16 k from two ldmatrix registers of fp8 values: `lo` holds row g's
 // values 4q..4q+3, `hi` row g + 8's (see the header for the k order).
+// I8: the values are int8 codes (an int8 cache), else e4m3.
+template <bool I8>
 __device__ __forceinline__ void f8_a_fragment(u32 (&a)[4], u32 lo, u32 hi) {
-    e4m3x4_to_f16x2x2(lo, a[0], a[2]);
-    e4m3x4_to_f16x2x2(hi, a[1], a[3]);
+    kv8x4_to_f16x2x2<I8>(lo, a[0], a[2]);
+    kv8x4_to_f16x2x2<I8>(hi, a[1], a[3]);
 }
 
 // The decode kernel's stage: K [KT keys][D] bytes (rows in mma_f8_key_row order) then V^T [D][KT]
@@ -147,7 +152,7 @@ struct F8TileCopies {
     }
 };
 
-template <int D, int KW, int STAGES, bool SC>
+template <int D, int KW, int STAGES, bool SC, bool I8>
 __device__ __forceinline__ void paged_attention_f8k_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const fp8_t* __restrict__ k_cache,
     const fp8_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
@@ -235,9 +240,9 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
             for (int kk = 0; kk < D / 32; ++kk) {
                 u32 r0, r1, r2, r3, a[4];
                 ldmatrix_x4(smem_addr(ks + f8_swz(k_row + sg * 16, k_chunk + 2 * kk, D)), r0, r1, r2, r3);
-                f8_a_fragment(a, r0, r1);
+                f8_a_fragment<I8>(a, r0, r1);
                 mma_f16(s[sg], a, qb[2 * kk][0], qb[2 * kk][1]);
-                f8_a_fragment(a, r2, r3);
+                f8_a_fragment<I8>(a, r2, r3);
                 mma_f16(s[sg], a, qb[2 * kk + 1][0], qb[2 * kk + 1][1]);
             }
         }
@@ -300,9 +305,9 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
             for (int mp = 0; mp < D / 32; ++mp) {
                 u32 r0, r1, r2, r3, a[4];
                 ldmatrix_x4(smem_addr(vs + f8_swz(lane + mp * 32, (KW * warp) / 16 + sg, G::KT)), r0, r1, r2, r3);
-                f8_a_fragment(a, r0, r1);
+                f8_a_fragment<I8>(a, r0, r1);
                 mma_f16(o[2 * mp], a, b0, b1);
-                f8_a_fragment(a, r2, r3);
+                f8_a_fragment<I8>(a, r2, r3);
                 mma_f16(o[2 * mp + 1], a, b0, b1);
             }
         }
@@ -344,19 +349,21 @@ __device__ __forceinline__ void paged_attention_f8k_impl(
 #define F8K_KW 16      // keys per warp per tile
 #define F8K_STAGES 3
 #define F8K_BLOCKS 4   // blocks per SM the registers are bounded for
-#define ATTENTION_F8K_KERNEL(NAME, D, SC)                                                                    \
+#define ATTENTION_F8K_KERNEL(NAME, D, SC, I8)                                                                  \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, F8K_BLOCKS) NAME##_d##D(                  \
         bf16_t* out, const bf16_t* q, const fp8_t* k_cache, const fp8_t* v_cache, const int* block_tables,     \
         int max_blocks, const int* token_seq, const int* positions, int hq, int hkv, int block_size,          \
         float scale, AttnOutQuant aq, float* part_ml, float* part_acc) {                                                       \
-        paged_attention_f8k_impl<D, F8K_KW, F8K_STAGES, SC>(out, q, k_cache, v_cache, block_tables, max_blocks,   \
+        paged_attention_f8k_impl<D, F8K_KW, F8K_STAGES, SC, I8>(out, q, k_cache, v_cache, block_tables, max_blocks,   \
                                                         token_seq, positions, hq, hkv, block_size, scale,     \
                                                         aq, part_ml, part_acc);                                   \
     }
-ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 64, false)
-ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 128, false)
-ATTENTION_F8K_KERNEL(paged_attention_mma_f8s, 64, true)
-ATTENTION_F8K_KERNEL(paged_attention_mma_f8s, 128, true)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 64, false, false)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8, 128, false, false)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8s, 64, true, false)
+ATTENTION_F8K_KERNEL(paged_attention_mma_f8s, 128, true, false)
+ATTENTION_F8K_KERNEL(paged_attention_mma_i8s, 64, true, true)
+ATTENTION_F8K_KERNEL(paged_attention_mma_i8s, 128, true, true)
 #else
 // Below sm_89 the entry points exist (the host loads every name) with empty bodies.
 extern "C" __global__ void paged_attention_mma_f8_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
@@ -366,5 +373,9 @@ extern "C" __global__ void paged_attention_mma_f8_d128(bf16_t*, const bf16_t*, c
 extern "C" __global__ void paged_attention_mma_f8s_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
                                                        const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
 extern "C" __global__ void paged_attention_mma_f8s_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
+                                                        const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
+extern "C" __global__ void paged_attention_mma_i8s_d64(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
+                                                       const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
+extern "C" __global__ void paged_attention_mma_i8s_d128(bf16_t*, const bf16_t*, const fp8_t*, const fp8_t*, const int*, int,
                                                         const int*, const int*, int, int, int, float, AttnOutQuant, float*, float*) {}
 #endif

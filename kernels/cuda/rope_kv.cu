@@ -14,6 +14,8 @@
 //   then block_size * (D + 4) bytes: the codes in fp8's layout ([block_size, D] for K, [D, block_size]
 //   for V), then block_size f32 scales (kv_scaled_chunk). Every head is staged in shared memory for
 //   its max (the CPU backend's KvElem::Fp8E4m3PerHead is the reference).
+// - rope_kv_write_i8s (`--kv-cache-dtype int8*`): the same layout and scales with int8 codes,
+//   round(x / s) with s = max |x| / 127 (KvElem::Int8PerHead).
 // The _had variants (`--kv-cache-dtype fp8`/`fp8-hadamard`) also rotate every q and k head by the
 // normalized Walsh-Hadamard matrix H = H_D / sqrt(D) (Sylvester's +-1 matrix; D a power of two, 64 or
 // 128) after RoPE and before rounding: scores q.k are unchanged (H is orthogonal), while k's outlier
@@ -88,10 +90,16 @@ __device__ __forceinline__ void had_butterflies(float* had, int nheads, int d) {
     }
 }
 
+// f32 (already divided by its head's scale, so within +-127) -> int8 code as a byte, rounded half
+// away from zero as the CPU's KvElem::Int8PerHead.
+__device__ __forceinline__ unsigned char f2i8(float x) {
+    return (unsigned char)(signed char)(int)fminf(fmaxf(roundf(x), -127.f), 127.f);
+}
+
 // HAD: q and k heads rotated; HADV: v heads too (only with HAD: the variants the backend offers).
-// SC: the scaled fp8 cache (only with F8): every head of the block is staged, rotated or not, for its
-// max |x|.
-template <bool F8, bool HAD, bool HADV, bool SC>
+// SC: a scaled 8-bit cache (only with F8's layout): every head of the block is staged, rotated or
+// not, for its max |x|; I8: its codes are int8 (scale max / 127), else e4m3 (max / 448).
+template <bool F8, bool HAD, bool HADV, bool SC, bool I8 = false>
 __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
                                                    const int* __restrict__ positions, const float* __restrict__ cos_t,
                                                    const float* __restrict__ sin_t, const int* __restrict__ slots,
@@ -130,6 +138,8 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     const int r1 = min(h1, hq + hkv);
     static_assert(HAD || !HADV, "v is rotated only together with q and k");
     static_assert(F8 || !SC, "only an fp8 cache is scaled");
+    static_assert(SC || !I8, "an int8 cache is always scaled");
+    constexpr float QMAX = I8 ? 127.f : 448.f;
     constexpr bool STAGE = HAD || SC;
     // STAGE: the block's RoPE'd q/k heads (and with HADV or SC its v heads, after them), staged for the
     // Walsh-Hadamard butterflies and the scaled cache's max.
@@ -176,7 +186,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
         else __syncthreads();
         const float norm = HAD ? 1.f / sqrtf((float)d) : 1.f;
         const auto staged = [&](int e) { return e < nrot * d ? had[e] * norm : had[e]; };
-        // One warp per head: max |x| of the cached (k and v) heads, s = max / 448.
+        // One warp per head: max |x| of the cached (k and v) heads, s = max / QMAX.
         __shared__ float head_scale[ROPE_HEADS];
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         for (int hh = warp; hh < nst; hh += blockDim.x >> 5) {
@@ -186,7 +196,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
             }
-            if (lane == 0) head_scale[hh] = m / 448.f;
+            if (lane == 0) head_scale[hh] = m / QMAX;
         }
         __syncthreads();
         unsigned char* kc = static_cast<unsigned char*>(k_cache);
@@ -200,7 +210,7 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
             }
             const float sc = head_scale[hh];
             // A zero head stays zero: codes 0 and scale 0 (no division by 0).
-            const unsigned char code = sc > 0.f ? f2e4m3(x / sc) : (unsigned char)0;
+            const unsigned char code = sc > 0.f ? (I8 ? f2i8(x / sc) : f2e4m3(x / sc)) : (unsigned char)0;
             const bool is_k = h < hq + hkv;
             const int kvh = is_k ? h - hq : h - hq - hkv;
             unsigned char* chunk = (is_k ? kc : vc) + kv_scaled_chunk(blk, hkv, kvh, d, block_size);
@@ -216,23 +226,26 @@ __device__ __forceinline__ void rope_kv_write_impl(const bf16_t* __restrict__ qk
     }
 }
 
-#define ROPE_KV_WRITE(NAME, F8, HAD, HADV, SC)                                                                      \
+#define ROPE_KV_WRITE(NAME, F8, HAD, HADV, SC, I8)                                                                  \
     extern "C" __global__ void NAME(const bf16_t* qkv, const float* bias, const int* positions, const float* cos_t, \
                                     const float* sin_t, const int* slots, bf16_t* q_out, void* k_cache,          \
                                     void* v_cache, int hq, int hkv, int d, int block_size, const bf16_t* lora_d, \
                                     const int* lora_slots, const float* dxs, const float* dws, const int* qkv_i32) { \
-        rope_kv_write_impl<F8, HAD, HADV, SC>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, \
+        rope_kv_write_impl<F8, HAD, HADV, SC, I8>(qkv, bias, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, hq, \
                                           hkv, d, block_size, lora_d, lora_slots, dxs, dws, qkv_i32);            \
     }
-ROPE_KV_WRITE(rope_kv_write, false, false, false, false)
-ROPE_KV_WRITE(rope_kv_write_fp8, true, false, false, false)
-ROPE_KV_WRITE(rope_kv_write_had, false, true, false, false)
-ROPE_KV_WRITE(rope_kv_write_fp8_had, true, true, false, false)
-ROPE_KV_WRITE(rope_kv_write_had_v, false, true, true, false)
-ROPE_KV_WRITE(rope_kv_write_fp8_had_v, true, true, true, false)
-ROPE_KV_WRITE(rope_kv_write_fp8s, true, false, false, true)
-ROPE_KV_WRITE(rope_kv_write_fp8s_had, true, true, false, true)
-ROPE_KV_WRITE(rope_kv_write_fp8s_had_v, true, true, true, true)
+ROPE_KV_WRITE(rope_kv_write, false, false, false, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8, true, false, false, false, false)
+ROPE_KV_WRITE(rope_kv_write_had, false, true, false, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8_had, true, true, false, false, false)
+ROPE_KV_WRITE(rope_kv_write_had_v, false, true, true, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8_had_v, true, true, true, false, false)
+ROPE_KV_WRITE(rope_kv_write_fp8s, true, false, false, true, false)
+ROPE_KV_WRITE(rope_kv_write_fp8s_had, true, true, false, true, false)
+ROPE_KV_WRITE(rope_kv_write_fp8s_had_v, true, true, true, true, false)
+ROPE_KV_WRITE(rope_kv_write_i8s, true, false, false, true, true)
+ROPE_KV_WRITE(rope_kv_write_i8s_had, true, true, false, true, true)
+ROPE_KV_WRITE(rope_kv_write_i8s_had_v, true, true, true, true, true)
 
 // The unrotated variants with 16-byte accesses (d % 16 == 0): each thread takes one item, 8
 // consecutive RoPE pairs of a q or k head (values i0..i0+7 and their partners i0+half..) or 8 values of

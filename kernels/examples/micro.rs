@@ -225,6 +225,7 @@ fn attention_variants(c: &Cuda) -> Vec<(AttentionKernel, KvCacheDtype)> {
     if c.kernels.fp8_kv_ready() {
         v.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
         v.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3PerHead));
+        v.push((AttentionKernel::Mma, KvCacheDtype::Int8PerHead));
     }
     v
 }
@@ -234,6 +235,7 @@ fn label(kernel: AttentionKernel, kv: KvCacheDtype) -> String {
         KvCacheDtype::Bf16 => format!("{kernel:?}"),
         KvCacheDtype::Fp8E4m3 => format!("{kernel:?}-fp8"),
         KvCacheDtype::Fp8E4m3PerHead => format!("{kernel:?}-fp8s"),
+        KvCacheDtype::Int8PerHead => format!("{kernel:?}-i8s"),
     }
 }
 

@@ -84,6 +84,13 @@ fn rand_fp8(r: &mut ChaCha8Rng, n: usize) -> (Vec<u8>, Vec<f64>) {
     (bytes, vals)
 }
 
+/// Random int8 codes (every byte), with their values code / 64 (within ±2, as `rand_fp8`'s).
+fn rand_i8(r: &mut ChaCha8Rng, n: usize) -> (Vec<u8>, Vec<f64>) {
+    let bytes: Vec<u8> = (0..n).map(|_| r.random()).collect();
+    let vals = bytes.iter().map(|&b| b as i8 as f64 / 64.0).collect();
+    (bytes, vals)
+}
+
 /// `Some(cuda)` when the GPU can hold a KV cache of type `kv`, else a visible skip (an fp8 cache needs
 /// sm_89; `make test-gpu`'s H100 always can).
 fn cuda_for(kv: KvCacheDtype) -> Option<Cuda> {
@@ -238,11 +245,12 @@ fn rand_caches(c: &Cuda, r: &mut ChaCha8Rng, kv: KvCacheDtype, len: usize, hkv: 
             }
             (c.gpu.upload(&kb).unwrap(), c.gpu.upload(&vt).unwrap(), kv_, vv)
         }
-        KvCacheDtype::Fp8E4m3PerHead => {
-            // Codes as above, and one scale per (block, head, slot) in [0.05, 1) for K and for V, in
-            // each (block, head) chunk after its codes; the values are code × scale.
-            let (kb, mut kv_) = rand_fp8(r, len);
-            let (vb, mut vv) = rand_fp8(r, len);
+        KvCacheDtype::Fp8E4m3PerHead | KvCacheDtype::Int8PerHead => {
+            // Codes as above (int8: every code of -128..=127, values code / 64 within ±2), and one
+            // scale per (block, head, slot) in [0.05, 1) for K and for V, in each (block, head) chunk
+            // after its codes; the values are code × scale.
+            let (kb, mut kv_) = if kv == KvCacheDtype::Int8PerHead { rand_i8(r, len) } else { rand_fp8(r, len) };
+            let (vb, mut vv) = if kv == KvCacheDtype::Int8PerHead { rand_i8(r, len) } else { rand_fp8(r, len) };
             let chunk = bs * (d + 4);
             let blocks = len / (hkv * bs * d);
             let (mut kbuf, mut vbuf) = (vec![0u8; blocks * hkv * chunk], vec![0u8; blocks * hkv * chunk]);
@@ -250,15 +258,20 @@ fn rand_caches(c: &Cuda, r: &mut ChaCha8Rng, kv: KvCacheDtype, len: usize, hkv: 
                 for h in 0..hkv {
                     let base = (b * hkv + h) * chunk;
                     for off in 0..bs {
-                        let (ks, vs): (f32, f32) = (r.random_range(0.05..1.0), r.random_range(0.05..1.0));
+                        let (mut ks, mut vs): (f32, f32) = (r.random_range(0.05..1.0), r.random_range(0.05..1.0));
+                        if kv == KvCacheDtype::Int8PerHead {
+                            // The cache holds the codes: its scale carries the 1/64.
+                            (ks, vs) = (ks / 64.0, vs / 64.0);
+                        }
                         kbuf[base + bs * d + off * 4..][..4].copy_from_slice(&ks.to_le_bytes());
                         vbuf[base + bs * d + off * 4..][..4].copy_from_slice(&vs.to_le_bytes());
                         for i in 0..d {
                             let at = cache_index(b, h, off, i, hkv, bs, d);
                             kbuf[base + off * d + i] = kb[at];
                             vbuf[base + i * bs + off] = vb[at];
-                            kv_[at] *= ks as f64;
-                            vv[at] *= vs as f64;
+                            let unit = if kv == KvCacheDtype::Int8PerHead { 64.0 } else { 1.0 };
+                            kv_[at] *= ks as f64 * unit;
+                            vv[at] *= vs as f64 * unit;
                         }
                     }
                 }
@@ -284,6 +297,15 @@ fn rope_kv_write_fp8_matches_reference() {
 fn rope_kv_write_fp8_per_head_scales_match_reference() {
     for rotation in [KvRotation::None, KvRotation::QK, KvRotation::QKV] {
         rope_kv_write_case(KvCacheDtype::Fp8E4m3PerHead, rotation);
+    }
+}
+
+/// The int8 cache (`--kv-cache-dtype int8*`): each cached head's scale is its max |x| / 127 and its
+/// codes are x / scale rounded to the nearest integer, with and without the rotations.
+#[test]
+fn rope_kv_write_int8_per_head_scales_match_reference() {
+    for rotation in [KvRotation::None, KvRotation::QK, KvRotation::QKV] {
+        rope_kv_write_case(KvCacheDtype::Int8PerHead, rotation);
     }
 }
 
@@ -445,6 +467,17 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
                     // Codes within e4m3's rounding of x / scale (and the largest near ±448, not past it).
                     assert_fp8_close(&codes, &want.iter().map(|w| w / got_scale).collect::<Vec<_>>(), what);
                 }
+                KvCacheDtype::Int8PerHead => {
+                    let got_scale = f32::from_le_bytes([bytes[scale_at], bytes[scale_at + 1], bytes[scale_at + 2], bytes[scale_at + 3]]) as f64;
+                    let amax = want.iter().fold(0f64, |m, w| m.max(w.abs()));
+                    assert!((got_scale - amax / 127.0).abs() <= 1e-4 * amax / 127.0 + 1e-9, "{what}: scale {got_scale}, want {}", amax / 127.0);
+                    for i in 0..d {
+                        // The nearest integer to x / scale (the kernel's x is f32: a hair of slack
+                        // at the midpoints), never past ±127.
+                        let (code, x) = (bytes[at(i)] as i8 as f64, want[i] / got_scale);
+                        assert!((code - x).abs() <= 0.5 + 1e-3 && code.abs() <= 127.0, "{what}[{i}]: code {code} for x / scale {x}");
+                    }
+                }
             };
             // A scaled cache's (block, head) chunk: its codes, then its block_size f32 scales.
             let chunk = |blk: usize, h: usize| (blk * hkv + h) * bs * (d + 4);
@@ -468,7 +501,7 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
                         assert_bf16_close(&gq[t * hq * d + h * d..t * hq * d + (h + 1) * d], &want, "rotated q");
                     } else {
                         let k_at = |i: usize| match kv {
-                            KvCacheDtype::Fp8E4m3PerHead => chunk(blk, h - hq) + off * d + i,
+                            KvCacheDtype::Fp8E4m3PerHead | KvCacheDtype::Int8PerHead => chunk(blk, h - hq) + off * d + i,
                             _ => cache_index(blk, h - hq, off, i, hkv, bs, d),
                         };
                         check_cache(&gk, &k_at, chunk(blk, h - hq) + bs * d + off * 4, &want, "rotated k in cache");
@@ -482,7 +515,7 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
                     let at = |i: usize| match kv {
                         KvCacheDtype::Bf16 => cache_index(blk, h, off, i, hkv, bs, d),
                         KvCacheDtype::Fp8E4m3 => v_index_fp8(blk, h, off, i, hkv, bs, d),
-                        KvCacheDtype::Fp8E4m3PerHead => chunk(blk, h) + i * bs + off,
+                        KvCacheDtype::Fp8E4m3PerHead | KvCacheDtype::Int8PerHead => chunk(blk, h) + i * bs + off,
                     };
                     check_cache(&gv, &at, chunk(blk, h) + bs * d + off * 4, &want, "v in cache");
                 }
@@ -499,14 +532,15 @@ fn paged_attention_matches_reference() {
     }
 }
 
-/// The fp8 cache through the tensor-core kernel (its only reader), against a reference over the very
-/// e4m3 values in the cache: what is checked is the kernel, not the quantization.
+/// The 8-bit caches (fp8, fp8 with per-head scales, int8) through the tensor-core kernel (their only
+/// reader), against a reference over the very values in the cache: what is checked is the kernel,
+/// not the quantization.
 #[test]
 fn paged_attention_fp8_matches_reference() {
     let Some(c) = cuda_for(KvCacheDtype::Fp8E4m3) else { return };
     // The default block size and a larger one (a 64-key tile spans two cache blocks, not four); scale
     // 1 and per-head scales.
-    for kv in [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E4m3PerHead] {
+    for kv in [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E4m3PerHead, KvCacheDtype::Int8PerHead] {
         for bs in [16, 32] {
             paged_attention_case(&c, AttentionKernel::Mma, kv, bs);
         }
@@ -539,6 +573,7 @@ fn paged_attention_quantizes_its_output_as_quant_rows_does() {
     if c.kernels.check_kv_dtype(KvCacheDtype::Fp8E4m3, 16).is_ok() {
         cases.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3));
         cases.push((AttentionKernel::Mma, KvCacheDtype::Fp8E4m3PerHead));
+        cases.push((AttentionKernel::Mma, KvCacheDtype::Int8PerHead));
     }
     let bs = 16;
     for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128)] {

@@ -14,6 +14,8 @@
 //! prefill chunk.
 //! - the fp8 cache with one scale per token and KV head against the CPU with the same values, and
 //!   (unrotated) closer to the f32 cache than scale 1.
+//! - the int8 cache (a scale per token and KV head) against the CPU with the same values, and
+//!   closer to the f32 cache than the per-head fp8 one.
 //! Skipped with a visible message where no GPU (or, for fp8, no sm_89+) is usable.
 
 mod common;
@@ -193,4 +195,37 @@ fn fp8_per_head_case(hadamard: bool) {
 fn fp8_cache_with_per_head_scales_matches_the_cpu_and_unrotated_beats_scale_one() {
     fp8_per_head_case(true);
     fp8_per_head_case(false);
+}
+
+/// The int8 cache (`KvCacheDtype::Int8PerHead`, `--kv-cache-dtype int8*`) against the CPU computing
+/// with the same per-head-scaled int8 values (`KvElem::Int8PerHead`), within the bf16 cache's
+/// bounds against the CPU (its codes are of values the GPU computed in bf16: a code may differ by
+/// one step, a rounding error of the size int8's own). It must also be closer to the CPU's f32
+/// cache than the per-head fp8 cache is, with and without the rotation: its uniform grid is what
+/// `--kv-cache-dtype int8` is for (CPU eval: mean |Δ| 0.055 against fp8-scaled's 0.148).
+fn int8_case(hadamard: bool) {
+    if !gpu_or_skip() {
+        return;
+    }
+    let w = weights();
+    let Some(mut g) = gpu(&w, KvCacheDtype::Int8PerHead, hadamard) else { return };
+    let got = rows(&mut g);
+    drop(g);
+    let want = KvFormat::both(KvElem::Int8PerHead, hadamard);
+    let f = compare(&got, &cpu_rows(&w, want));
+    report(&format!("cuda int8 KV (hadamard {hadamard}) vs cpu {}: max |Δ| {:.3}, mean {:.4}, top-1 {}/{}", want.label(), f.max_abs_diff, f.mean_abs_diff(), f.top1_agree, f.positions));
+    assert!(f.max_abs_diff <= 0.75 && f.mean_abs_diff() <= 0.15, "{f:?}");
+    let Some(mut fp8) = gpu(&w, KvCacheDtype::Fp8E4m3PerHead, hadamard) else { return };
+    let fp8_rows = rows(&mut fp8);
+    drop(fp8);
+    let exact = cpu_rows(&w, KvFormat { hadamard, ..KvFormat::F32 });
+    let (int8, fp8) = (compare(&got, &exact), compare(&fp8_rows, &exact));
+    report(&format!("against the cpu's f32 cache (hadamard {hadamard}): int8 mean |Δ| {:.4}, per-head fp8 {:.4}", int8.mean_abs_diff(), fp8.mean_abs_diff()));
+    assert!(int8.mean_abs_diff() < fp8.mean_abs_diff(), "int8 no closer to the f32 cache than per-head fp8: {int8:?} vs {fp8:?}");
+}
+
+#[test]
+fn int8_cache_matches_the_cpu_and_beats_per_head_fp8() {
+    int8_case(true);
+    int8_case(false);
 }

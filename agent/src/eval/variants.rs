@@ -77,6 +77,8 @@ impl KvOption {
             KvCacheDtypeArg::Fp8Plain => KvOption::fp8(false),
             KvCacheDtypeArg::Fp8Scaled => KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3PerHead, true)),
             KvCacheDtypeArg::Fp8ScaledPlain => KvOption::Typed(KvFormat::both(KvElem::Fp8E4m3PerHead, false)),
+            KvCacheDtypeArg::Int8 => KvOption::Typed(KvFormat::both(KvElem::Int8PerHead, true)),
+            KvCacheDtypeArg::Int8Plain => KvOption::Typed(KvFormat::both(KvElem::Int8PerHead, false)),
         }
     }
 
@@ -148,6 +150,9 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
     out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Fp8ScaledPlain)));
     out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Fp8Scaled)));
     out.push(unquantized(KvOption::Typed(KvFormat { hadamard_v: true, ..KvFormat::both(KvElem::Fp8E4m3PerHead, true) })));
+    // int8 with a scale per token and KV head (`int8-plain`, `int8`).
+    out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Int8Plain)));
+    out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Int8)));
     out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::from_flag(KvCacheDtypeArg::Fp8) });
     out
 }
@@ -189,7 +194,8 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
         KvOption::Typed(KvFormat { k: KvElem::Bf16, v: KvElem::Bf16, hadamard, hadamard_v }) => (KvCacheDtype::Bf16, hadamard, hadamard_v),
         KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3, v: KvElem::Fp8E4m3, hadamard, hadamard_v }) => (KvCacheDtype::Fp8E4m3, hadamard, hadamard_v),
         KvOption::Typed(KvFormat { k: KvElem::Fp8E4m3PerHead, v: KvElem::Fp8E4m3PerHead, hadamard, hadamard_v }) => (KvCacheDtype::Fp8E4m3PerHead, hadamard, hadamard_v),
-        KvOption::Typed(_) => anyhow::bail!("the CUDA cache keeps K and V in one type (bf16 or fp8)"),
+        KvOption::Typed(KvFormat { k: KvElem::Int8PerHead, v: KvElem::Int8PerHead, hadamard, hadamard_v }) => (KvCacheDtype::Int8PerHead, hadamard, hadamard_v),
+        KvOption::Typed(_) => anyhow::bail!("the CUDA cache keeps K and V in one type (bf16, fp8 or int8)"),
     };
     let block_size = 16;
     let opts = CudaOptions {

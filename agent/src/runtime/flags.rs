@@ -53,6 +53,13 @@ pub enum KvCacheDtypeArg {
     Fp8Scaled,
     /// fp8 with per-head scales, without the rotation.
     Fp8ScaledPlain,
+    /// int8 with one scale per token and KV head (`max |x| / 127`, 4 bytes per head beside its
+    /// codes), q and k rotated as `fp8-hadamard`: a uniform grid over each head vector's range, which
+    /// keeps near-Gaussian K and V several times closer than e4m3's 3-bit mantissa (cuda, compute
+    /// capability 8.9+, as the fp8 caches).
+    Int8,
+    /// int8 with per-head scales, without the rotation.
+    Int8Plain,
 }
 
 /// What `--kv-cache-dtype fp8` means: `fp8-hadamard` (q and k rotated). From `peregrine-agent eval` on
@@ -75,13 +82,13 @@ pub enum KvCacheDtypeArg {
 pub const FP8_KV_DEFAULT: KvCacheDtypeArg = KvCacheDtypeArg::Fp8Hadamard;
 
 impl KvCacheDtypeArg {
-    /// The fp8 cache's rotation of q and k, or None for a non-fp8 cache.
+    /// The 8-bit cache's rotation of q and k, or None for a 16-bit cache.
     pub fn fp8_hadamard(self) -> Option<bool> {
         match self {
             KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 => None,
             KvCacheDtypeArg::Fp8 => FP8_KV_DEFAULT.fp8_hadamard(),
-            KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8HadamardQkv | KvCacheDtypeArg::Fp8Scaled => Some(true),
-            KvCacheDtypeArg::Fp8Plain | KvCacheDtypeArg::Fp8ScaledPlain => Some(false),
+            KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8HadamardQkv | KvCacheDtypeArg::Fp8Scaled | KvCacheDtypeArg::Int8 => Some(true),
+            KvCacheDtypeArg::Fp8Plain | KvCacheDtypeArg::Fp8ScaledPlain | KvCacheDtypeArg::Int8Plain => Some(false),
         }
     }
 
@@ -91,7 +98,13 @@ impl KvCacheDtypeArg {
             KvCacheDtypeArg::Fp8 => FP8_KV_DEFAULT.fp8_head_scales(),
             KvCacheDtypeArg::Fp8Scaled | KvCacheDtypeArg::Fp8ScaledPlain => true,
             KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 | KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8HadamardQkv | KvCacheDtypeArg::Fp8Plain => false,
+            KvCacheDtypeArg::Int8 | KvCacheDtypeArg::Int8Plain => false,
         }
+    }
+
+    /// Whether the 8-bit cache holds int8 codes (with a scale per token and KV head).
+    pub fn int8(self) -> bool {
+        matches!(self, KvCacheDtypeArg::Int8 | KvCacheDtypeArg::Int8Plain)
     }
 
     /// Whether v is rotated too (and the attention output rotated back).
@@ -100,6 +113,7 @@ impl KvCacheDtypeArg {
             KvCacheDtypeArg::Fp8 => FP8_KV_DEFAULT.fp8_hadamard_v(),
             KvCacheDtypeArg::Fp8HadamardQkv => true,
             KvCacheDtypeArg::Auto | KvCacheDtypeArg::Bf16 | KvCacheDtypeArg::Fp8Hadamard | KvCacheDtypeArg::Fp8Plain | KvCacheDtypeArg::Fp8Scaled | KvCacheDtypeArg::Fp8ScaledPlain => false,
+            KvCacheDtypeArg::Int8 | KvCacheDtypeArg::Int8Plain => false,
         }
     }
 }

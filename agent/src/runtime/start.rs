@@ -155,6 +155,7 @@ impl EngineArgs {
             lora: self.lora_config().map(|l| LoraCapacity { max_loras: l.max_loras, max_rank: l.max_lora_rank }),
             kv_cache_dtype: match self.kv_cache_dtype.fp8_hadamard() {
                 None => KvCacheDtype::Bf16,
+                Some(_) if self.kv_cache_dtype.int8() => KvCacheDtype::Int8PerHead,
                 Some(_) if self.kv_cache_dtype.fp8_head_scales() => KvCacheDtype::Fp8E4m3PerHead,
                 Some(_) => KvCacheDtype::Fp8E4m3,
             },
@@ -292,6 +293,11 @@ mod tests {
         assert_eq!(KvCacheDtypeArg::Fp8.fp8_head_scales(), default.fp8_head_scales());
         assert!(default.fp8_hadamard().is_some() && default != KvCacheDtypeArg::Fp8);
         assert_eq!(KvCacheDtypeArg::Bf16.fp8_hadamard(), None);
+        let int8 = parse(&["--kv-cache-dtype", "int8"]).unwrap().kv_cache_dtype;
+        assert_eq!((int8.fp8_hadamard(), int8.fp8_hadamard_v(), int8.int8(), int8.fp8_head_scales()), (Some(true), false, true, false));
+        let int8_plain = parse(&["--kv-cache-dtype", "int8-plain"]).unwrap().kv_cache_dtype;
+        assert_eq!((int8_plain.fp8_hadamard(), int8_plain.int8()), (Some(false), true));
+        assert!(!KvCacheDtypeArg::Fp8Scaled.int8() && !KvCacheDtypeArg::Fp8.int8());
         assert!(parse(&["--kv-cache-dtype", "int4"]).is_err());
     }
 

@@ -53,6 +53,11 @@ pub enum KvCacheDtype {
     /// codes as [`KvCacheDtype::Fp8E4m3`] lays them out, then `block_size` f32 scales. Same kernels'
     /// limits as `Fp8E4m3`.
     Fp8E4m3PerHead,
+    /// int8 codes `round(x / s)` with one f32 scale `s = max |x| / 127` per token and KV head (the
+    /// CPU backend's `KvElem::Int8PerHead`): a uniform grid over the head vector's range, several
+    /// times closer than e4m3 for near-Gaussian K and V. Layout, bytes and kernels' limits as
+    /// [`KvCacheDtype::Fp8E4m3PerHead`]; the fp8 kernels read it with another byte conversion.
+    Int8PerHead,
 }
 
 impl KvCacheDtype {
@@ -61,13 +66,18 @@ impl KvCacheDtype {
         match self {
             KvCacheDtype::Bf16 => 2 * d,
             KvCacheDtype::Fp8E4m3 => d,
-            KvCacheDtype::Fp8E4m3PerHead => d + 4,
+            KvCacheDtype::Fp8E4m3PerHead | KvCacheDtype::Int8PerHead => d + 4,
         }
     }
 
-    /// Whether the cache holds e4m3 codes (read by the fp8 tensor-core kernels only).
+    /// Whether the cache holds 8-bit codes, e4m3 or int8 (read by the fp8 tensor-core kernels only).
     pub fn is_fp8(self) -> bool {
         self != KvCacheDtype::Bf16
+    }
+
+    /// Whether each token's head carries its own f32 scale after the block's codes.
+    pub fn has_head_scales(self) -> bool {
+        matches!(self, KvCacheDtype::Fp8E4m3PerHead | KvCacheDtype::Int8PerHead)
     }
 }
 
@@ -176,12 +186,12 @@ fn f8_tiles_bytes(d: usize, kt: usize, stages: usize) -> usize {
 /// fp8 decode kernel attention_mma_f8.cu's configuration (F8K_KW, F8K_STAGES).
 pub fn attention_mma_smem_bytes(d: usize, kv: KvCacheDtype, decode: bool) -> usize {
     // A per-head-scaled cache's stages also hold each tile's k and v scales (f32).
-    let scales = if kv == KvCacheDtype::Fp8E4m3PerHead { 2 * MMA_KT * 4 } else { 0 };
+    let scales = if kv.has_head_scales() { 2 * MMA_KT * 4 } else { 0 };
     match kv {
         KvCacheDtype::Bf16 => MMA_STAGES * 2 * MMA_KT * (d + MMA_PAD) * 2,
         // attention_mma_f8.cu's decode kernel: F8K_STAGES unpadded stages of 64-key tiles (F8K_KW x 4 warps).
-        KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead if decode => F8_DECODE_STAGES * (2 * MMA_KT * d + scales),
-        KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead => f8_tiles_bytes(d, MMA_KT, MMA_F8_STAGES) + MMA_F8_STAGES * scales,
+        _ if decode => F8_DECODE_STAGES * (2 * MMA_KT * d + scales),
+        _ => f8_tiles_bytes(d, MMA_KT, MMA_F8_STAGES) + MMA_F8_STAGES * scales,
     }
 }
 
@@ -193,6 +203,7 @@ pub(super) fn mma_smem_opt_in(module: &Arc<CudaModule>, kv: KvCacheDtype) -> boo
         KvCacheDtype::Bf16 => ["paged_attention_mma", "paged_attention_mma_rows"],
         KvCacheDtype::Fp8E4m3 => ["paged_attention_mma_f8", "paged_attention_mma_rows_f8"],
         KvCacheDtype::Fp8E4m3PerHead => ["paged_attention_mma_f8s", "paged_attention_mma_rows_f8s"],
+        KvCacheDtype::Int8PerHead => ["paged_attention_mma_i8s", "paged_attention_mma_rows_i8s"],
     };
     names.iter().enumerate().all(|(i, name)| {
         [64usize, 128].iter().all(|&d| {
@@ -214,14 +225,14 @@ impl Kernels {
         match kv {
             KvCacheDtype::Bf16 => Ok(()),
             _ if !self.fp8_ready => Err(KernelError::Unsupported(
-                "an fp8 KV cache needs a GPU of compute capability 8.9 or newer (e4m3 conversions) and the tensor-core attention kernels' shared memory".into(),
+                "an 8-bit KV cache (fp8 or int8) needs a GPU of compute capability 8.9 or newer (its kernels are built with the e4m3 ones) and the tensor-core attention kernels' shared memory".into(),
             )),
             // The fp8 tiles are copied 16 keys of a cache block at a time, and the decode kernel finds
             // a key's block with a shift.
             _ if !block_size.is_multiple_of(16) || !block_size.is_power_of_two() => Err(KernelError::Unsupported(format!(
-                "an fp8 KV cache needs a block size that is a power of two, at least 16 (got {block_size})"
+                "an 8-bit KV cache needs a block size that is a power of two, at least 16 (got {block_size})"
             ))),
-            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead => Ok(()),
+            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E4m3PerHead | KvCacheDtype::Int8PerHead => Ok(()),
         }
     }
 
@@ -333,6 +344,8 @@ impl Kernels {
                     (KvCacheDtype::Fp8E4m3, true) => (&self.paged_attention_mma_f8_d128, &self.paged_attention_mma_rows_f8_d128),
                     (KvCacheDtype::Fp8E4m3PerHead, false) => (&self.paged_attention_mma_f8s_d64, &self.paged_attention_mma_rows_f8s_d64),
                     (KvCacheDtype::Fp8E4m3PerHead, true) => (&self.paged_attention_mma_f8s_d128, &self.paged_attention_mma_rows_f8s_d128),
+                    (KvCacheDtype::Int8PerHead, false) => (&self.paged_attention_mma_i8s_d64, &self.paged_attention_mma_rows_i8s_d64),
+                    (KvCacheDtype::Int8PerHead, true) => (&self.paged_attention_mma_i8s_d128, &self.paged_attention_mma_rows_i8s_d128),
                 };
                 if decode_tokens > 0 {
                     self.attention_per_token(s, decode_func, attention_mma_smem_bytes(d, kv, true), &args, decode_tokens, hq, hkv, d, partials)?;

@@ -84,6 +84,9 @@ pub struct Kernels {
     rope_kv_write_fp8s: CudaFunction,
     rope_kv_write_fp8s_had: CudaFunction,
     rope_kv_write_fp8s_had_v: CudaFunction,
+    rope_kv_write_i8s: CudaFunction,
+    rope_kv_write_i8s_had: CudaFunction,
+    rope_kv_write_i8s_had_v: CudaFunction,
     hadamard_heads: CudaFunction,
     paged_attention_d64: CudaFunction,
     paged_attention_d128: CudaFunction,
@@ -101,6 +104,10 @@ pub struct Kernels {
     paged_attention_mma_f8s_d128: CudaFunction,
     paged_attention_mma_rows_f8s_d64: CudaFunction,
     paged_attention_mma_rows_f8s_d128: CudaFunction,
+    paged_attention_mma_i8s_d64: CudaFunction,
+    paged_attention_mma_i8s_d128: CudaFunction,
+    paged_attention_mma_rows_i8s_d64: CudaFunction,
+    paged_attention_mma_rows_i8s_d128: CudaFunction,
     /// Forced attention kernel (`PEREGRINE_ATTN=warp|tiled|mma`); None: chosen per launch.
     attention: Option<AttentionKernel>,
     /// Whether the tensor-core kernel got its dynamic shared memory (it needs more than the 48 KB a
@@ -226,6 +233,9 @@ impl Kernels {
             rope_kv_write_fp8s: f("rope_kv_write_fp8s")?,
             rope_kv_write_fp8s_had: f("rope_kv_write_fp8s_had")?,
             rope_kv_write_fp8s_had_v: f("rope_kv_write_fp8s_had_v")?,
+            rope_kv_write_i8s: f("rope_kv_write_i8s")?,
+            rope_kv_write_i8s_had: f("rope_kv_write_i8s_had")?,
+            rope_kv_write_i8s_had_v: f("rope_kv_write_i8s_had_v")?,
             hadamard_heads: f("hadamard_heads")?,
             paged_attention_d64: f("paged_attention_d64")?,
             paged_attention_d128: f("paged_attention_d128")?,
@@ -243,11 +253,16 @@ impl Kernels {
             paged_attention_mma_f8s_d128: f("paged_attention_mma_f8s_d128")?,
             paged_attention_mma_rows_f8s_d64: f("paged_attention_mma_rows_f8s_d64")?,
             paged_attention_mma_rows_f8s_d128: f("paged_attention_mma_rows_f8s_d128")?,
+            paged_attention_mma_i8s_d64: f("paged_attention_mma_i8s_d64")?,
+            paged_attention_mma_i8s_d128: f("paged_attention_mma_i8s_d128")?,
+            paged_attention_mma_rows_i8s_d64: f("paged_attention_mma_rows_i8s_d64")?,
+            paged_attention_mma_rows_i8s_d128: f("paged_attention_mma_rows_i8s_d128")?,
             attention: AttentionKernel::from_env(),
             // mma.sync on bf16 and cp.async need sm_80.
             mma_ready: arch.0 >= 8 && mma_smem_opt_in(module, KvCacheDtype::Bf16),
             // cvt between e4m3 and f16 needs sm_89.
-            fp8_ready: arch >= (8, 9) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3PerHead),
+            fp8_ready: arch >= (8, 9) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3) && mma_smem_opt_in(module, KvCacheDtype::Fp8E4m3PerHead)
+                && mma_smem_opt_in(module, KvCacheDtype::Int8PerHead),
             attention_combine: f("attention_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,

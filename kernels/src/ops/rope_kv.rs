@@ -98,6 +98,9 @@ impl Kernels {
             (KvCacheDtype::Fp8E4m3PerHead, KvRotation::None) => &self.rope_kv_write_fp8s,
             (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QK) => &self.rope_kv_write_fp8s_had,
             (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QKV) => &self.rope_kv_write_fp8s_had_v,
+            (KvCacheDtype::Int8PerHead, KvRotation::None) => &self.rope_kv_write_i8s,
+            (KvCacheDtype::Int8PerHead, KvRotation::QK) => &self.rope_kv_write_i8s_had,
+            (KvCacheDtype::Int8PerHead, KvRotation::QKV) => &self.rope_kv_write_i8s_had_v,
         };
         Launch::new(func)
             .arg(&qkv)

@@ -20,6 +20,10 @@ pub enum KvElem {
     /// vector uses e4m3's whole range, so its small values keep 3 mantissa bits instead of falling
     /// into e4m3's subnormals below 2^-6.
     Fp8E4m3PerHead,
+    /// int8 with one scale per token and KV head, `max |x| / 127` (the CUDA `int8` cache's values):
+    /// a uniform grid over the head's range. For the near-Gaussian head vectors of K and V (more so
+    /// after the q/k rotation) its error is a fraction of e4m3's 3-bit mantissa's.
+    Int8PerHead,
 }
 
 impl KvElem {
@@ -36,6 +40,13 @@ impl KvElem {
                 // A zero head stays zero (no division by a zero scale).
                 dst.iter_mut().zip(src).for_each(|(d, &x)| *d = if scale > 0.0 { e4m3(x / scale) * scale } else { 0.0 });
             }
+            KvElem::Int8PerHead => {
+                let scale = src.iter().fold(0f32, |m, &x| m.max(x.abs())) / 127.0;
+                // Round half away from zero (CUDA's __float2int_rn rounds half to even: a tie lies
+                // on the grid's midpoint either way, so both are within half a step).
+                let code = |x: f32| (x / scale).round().clamp(-127.0, 127.0);
+                dst.iter_mut().zip(src).for_each(|(d, &x)| *d = if scale > 0.0 { code(x) * scale } else { 0.0 });
+            }
         }
     }
 
@@ -45,6 +56,7 @@ impl KvElem {
             KvElem::Bf16 => "bf16",
             KvElem::Fp8E4m3 => "fp8",
             KvElem::Fp8E4m3PerHead => "fp8/head",
+            KvElem::Int8PerHead => "int8/head",
         }
     }
 }
@@ -193,6 +205,33 @@ mod tests {
         // A zero head stays zero (no division by a zero scale).
         let mut out = vec![1.0; 4];
         KvElem::Fp8E4m3PerHead.round_head(&[0.0; 4], &mut out);
+        assert_eq!(out, [0.0; 4]);
+    }
+
+    #[test]
+    fn per_head_int8_rounds_to_a_uniform_grid_closer_than_per_head_fp8() {
+        // A bell-shaped head (values spread over a few units, as K and V heads are): int8's grid of
+        // max / 127 steps beats e4m3's 3-bit mantissa on all but the smallest values.
+        let src: Vec<f32> = (0..128).map(|i| ((i as f32 * 0.37).sin() * 2.0) * (-((i as f32 - 64.0) / 40.0).powi(2)).exp()).collect();
+        let (mut int8, mut fp8) = (vec![0.0; 128], vec![0.0; 128]);
+        KvElem::Int8PerHead.round_head(&src, &mut int8);
+        KvElem::Fp8E4m3PerHead.round_head(&src, &mut fp8);
+        let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
+        let step = amax / 127.0;
+        for (i, (&x, &q)) in src.iter().zip(&int8).enumerate() {
+            // On the grid (an integer number of steps, at most 127) and within half a step of x.
+            let code = q / step;
+            assert!((code - code.round()).abs() < 1e-3 && code.abs() <= 127.0 + 1e-3, "value {i}: {q} is {code} steps");
+            assert!((q - x).abs() <= step / 2.0 * 1.0001, "value {i}: {x} -> {q} (step {step})");
+        }
+        // The largest value maps to itself.
+        let at = src.iter().position(|x| x.abs() == amax).unwrap();
+        assert!((int8[at] - src[at]).abs() <= amax * 1e-6);
+        let err = |v: &[f32]| v.iter().zip(&src).map(|(a, b)| (a - b).powi(2)).sum::<f32>().sqrt();
+        assert!(err(&int8) * 3.0 < err(&fp8), "int8 {} against per-head fp8 {}", err(&int8), err(&fp8));
+        // A zero head stays zero.
+        let mut out = vec![1.0; 4];
+        KvElem::Int8PerHead.round_head(&[0.0; 4], &mut out);
         assert_eq!(out, [0.0; 4]);
     }
 

@@ -76,15 +76,15 @@ impl Kernels {
         if rotation != KvRotation::None {
             check_hadamard_dim(d)?;
         }
-        if kv == KvCacheDtype::Fp8E4m3PerHead && d > ROPE_HAD_MAX_D {
-            return Err(KernelError::Unsupported(format!("rope: a per-head-scaled fp8 cache stages head_dim {d} (at most {ROPE_HAD_MAX_D})")));
+        if kv.has_head_scales() && d > ROPE_HAD_MAX_D {
+            return Err(KernelError::Unsupported(format!("rope: a per-head-scaled cache stages head_dim {d} (at most {ROPE_HAD_MAX_D})")));
         }
         self.check_kv_dtype(kv, block_size)?;
         let bias = bias.unwrap_or(0);
         // Unrotated heads of a dimension that is a multiple of 16: rope_kv_write_vec's 16-byte
         // accesses, one item (8 RoPE pairs, or 8 values of v) per thread.
         // (A per-head-scaled cache stages every head for its max: never the 16-byte kernel.)
-        let vec_items = (rotation == KvRotation::None && kv != KvCacheDtype::Fp8E4m3PerHead && d.is_multiple_of(16)).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
+        let vec_items = (rotation == KvRotation::None && !kv.has_head_scales() && d.is_multiple_of(16)).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
         let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
         let func = match (kv, rotation) {
             (KvCacheDtype::Bf16, KvRotation::None) if vec_items.is_some() => &self.rope_kv_write_vec,

@@ -10,6 +10,7 @@ use peregrine_agent::eval::{EvalArgs, KvOption, Variant, WeightOption};
 use peregrine_agent::runtime::{DeviceArg, KvCacheDtypeArg, LoadFormatArg};
 use peregrine_engine::bench::fidelity::{self, SMOLLM2_WEIGHT_BOUNDS};
 use peregrine_engine::model::quantize::Granularity;
+use peregrine_engine::model::rowquant::{Activations, RowFormat};
 
 fn fixture(name: &str) -> serde_json::Value {
     let path = peregrine_testkit::fixtures_dir().join("smollm2").join(name);
@@ -30,6 +31,7 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
         device: Some(DeviceArg::Cpu),
         threads: Some(2),
         quantization: None,
+        quantization_rotation: false,
         kv_cache_dtype: None,
         text: None,
         text_tokens: prefix,
@@ -39,7 +41,7 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
     let bounded: Vec<Variant> = SMOLLM2_WEIGHT_BOUNDS
         .iter()
         .map(|&(_, format, activations, _, _)| Variant {
-            weights: WeightOption::Quantized { format, granularity: Granularity::PerRow, activations },
+            weights: WeightOption::Quantized { format, granularity: Granularity::PerRow, activations, rotated: false },
             kv: KvOption::Native,
         })
         .collect();
@@ -47,6 +49,13 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
     // `--kv-cache-dtype fp8` (whatever FP8_KV_DEFAULT names: fp8-hadamard) and fp8-hadamard-qkv.
     variants.push(Variant { weights: WeightOption::Unquantized, kv: KvOption::from_flag(KvCacheDtypeArg::Fp8) });
     variants.push(Variant { weights: WeightOption::Unquantized, kv: KvOption::from_flag(KvCacheDtypeArg::Fp8HadamardQkv) });
+    // `--kv-cache-dtype int8` and `--quantization int8 --quantization-rotation`.
+    let int8_kv = Variant { weights: WeightOption::Unquantized, kv: KvOption::from_flag(KvCacheDtypeArg::Int8) };
+    let int8_rotated = Variant {
+        weights: WeightOption::Quantized { format: RowFormat::Int8, granularity: Granularity::PerRow, activations: Activations::PerToken, rotated: true },
+        kv: KvOption::Native,
+    };
+    variants.extend([int8_kv, int8_rotated]);
     let report = args.evaluate_variants(&variants, |line| eprintln!("{line}")).unwrap();
 
     // The reference is transformers' model: same prompt tokens, logits within 1e-3 at every position.
@@ -97,6 +106,20 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
         assert_eq!(fp8_kv.text_kl_positions, prefix);
         assert!(fp8_kv.text_kl_mean() > 0.0 && fp8_kv.text_kl_mean() < 0.05, "{:?}: text KL {}", variants[i], fp8_kv.text_kl_mean());
     }
+
+    // The int8 cache (docs/benchmarks.md, 1198 tokens: mean |Δ| 0.055 over the prompts, text KL
+    // 0.00025) well inside the fp8 cache's: a third of fp8-hadamard's 0.30 at most.
+    let int8_kv = &report.row(&int8_kv).unwrap().comparison;
+    let fp8_kv = &report.row(&variants[3]).unwrap().comparison;
+    assert!(int8_kv.logits.mean_abs_diff() > 0.0 && int8_kv.logits.mean_abs_diff() < fp8_kv.logits.mean_abs_diff() / 3.0, "int8 KV {int8_kv:?} vs fp8 {fp8_kv:?}");
+    assert!(int8_kv.text_kl_mean() < fp8_kv.text_kl_mean() / 3.0, "int8 KV text KL {} vs fp8 {}", int8_kv.text_kl_mean(), fp8_kv.text_kl_mean());
+    // The rotated residual stream must make int8 W8A8 closer to the model than the unrotated one
+    // (1198 tokens: text KL 0.029 -> 0.011, mean |Δ| 1.20 -> 0.69).
+    let rotated = &report.row(&int8_rotated).unwrap().comparison;
+    let plain = &report.row(&bounded[1]).unwrap().comparison;
+    eprintln!("int8 W8A8 text KL {:.5} -> rotated {:.5}; mean |Δ| {:.3} -> {:.3}", plain.text_kl_mean(), rotated.text_kl_mean(), plain.logits.mean_abs_diff(), rotated.logits.mean_abs_diff());
+    assert!(rotated.text_kl_mean() < 0.75 * plain.text_kl_mean(), "rotation: text KL {} vs {}", rotated.text_kl_mean(), plain.text_kl_mean());
+    assert!(rotated.logits.mean_abs_diff() < plain.logits.mean_abs_diff(), "rotation: {rotated:?} vs {plain:?}");
 
     // `--reference-logits`: the reference against transformers' float32 logits (the same figures as
     // above), and every row against them too, close to its figure against the reference.

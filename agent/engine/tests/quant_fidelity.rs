@@ -51,3 +51,17 @@ fn eight_bit_weights_stay_within_their_fidelity_bounds() {
         assert!(f.mean_abs_diff() > 10.0 * f32_path.mean_abs_diff(), "{label}: no quantization error at all?");
     }
 }
+
+/// The rotation of the residual stream (`model::rotate`) leaves the unquantized model's function
+/// unchanged: its logits equal transformers' as the unrotated model's do (up to f32 rounding).
+#[test]
+fn the_rotated_residual_stream_computes_the_same_logits() {
+    use peregrine_engine::model::rotate::{rotate_residual_stream, ROTATION_SEED};
+    let mut w = model::load(&common::model_path(), LoadFormat::Gguf).unwrap().weights;
+    rotate_residual_stream(&mut w, ROTATION_SEED).unwrap();
+    assert!(w.norm.iter().all(|&g| g == 1.0) && w.lm_head.is_some(), "norm weights folded, head untied");
+    let f = measure(w);
+    eprintln!("rotated f32: mean |Δ| {:.6}, max |Δ| {:.6}, top-1 {}/{}", f.mean_abs_diff(), f.max_abs_diff, f.top1_agree, f.positions);
+    assert_eq!(f.top1_agree, 36, "{f:?}");
+    assert!(f.max_abs_diff < 2e-3, "{f:?}");
+}

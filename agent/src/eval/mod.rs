@@ -46,6 +46,9 @@ pub struct EvalArgs {
     /// Evaluate only this weight quantization (with --kv-cache-dtype, or the backend's own cache).
     #[arg(long, value_enum)]
     pub quantization: Option<QuantizationArg>,
+    /// With --quantization: the residual stream rotated first, as the server's flag of that name.
+    #[arg(long, requires = "quantization")]
+    pub quantization_rotation: bool,
     /// Evaluate only this KV cache type (with --quantization, or unquantized weights).
     #[arg(long, value_enum)]
     pub kv_cache_dtype: Option<KvCacheDtypeArg>,
@@ -141,7 +144,12 @@ impl EvalArgs {
         }
         let weights = match self.quantization {
             None => WeightOption::Unquantized,
-            Some(q) => WeightOption::default_for(q.into()),
+            Some(q) => match WeightOption::default_for(q.into()) {
+                WeightOption::Quantized { format, granularity, activations, .. } => {
+                    WeightOption::Quantized { format, granularity, activations, rotated: self.quantization_rotation }
+                }
+                unquantized => unquantized,
+            },
         };
         let kv = match self.kv_cache_dtype {
             None | Some(KvCacheDtypeArg::Auto) => KvOption::Native,

@@ -4,6 +4,7 @@ use peregrine_engine::backend::cpu::kv_cache::{KvElem, KvFormat};
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape};
 use peregrine_engine::model::quantize::{quantize_linear_weights_with, Granularity};
+use peregrine_engine::model::rotate::{rotate_residual_stream, ROTATION_SEED};
 use peregrine_engine::model::rowquant::{Activations, RowFormat};
 use peregrine_engine::model::ModelWeights;
 
@@ -14,13 +15,15 @@ use crate::runtime::{DeviceArg, KvCacheDtypeArg, FP8_KV_DEFAULT};
 pub enum WeightOption {
     /// As loaded: f32 on the CPU, bf16 on CUDA.
     Unquantized,
-    Quantized { format: RowFormat, granularity: Granularity, activations: Activations },
+    /// `rotated`: the residual stream rotated first (`model::rotate`), so per-token activations lose
+    /// less.
+    Quantized { format: RowFormat, granularity: Granularity, activations: Activations, rotated: bool },
 }
 
 impl WeightOption {
     /// What `--quantization` does: one scale per output row, activations per token (W8A8).
     pub fn default_for(format: RowFormat) -> Self {
-        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken }
+        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken, rotated: false }
     }
 
     fn label(&self, device: DeviceArg) -> String {
@@ -29,8 +32,8 @@ impl WeightOption {
                 DeviceArg::Cpu => "weights f32".into(),
                 DeviceArg::Cuda => "weights bf16".into(),
             },
-            WeightOption::Quantized { format, granularity, activations } => format!(
-                "{} {}, per {}",
+            WeightOption::Quantized { format, granularity, activations, rotated } => format!(
+                "{} {}, per {}{}",
                 format.name(),
                 match activations {
                     Activations::PerToken => "W8A8",
@@ -39,7 +42,8 @@ impl WeightOption {
                 match granularity {
                     Granularity::PerRow => "row",
                     Granularity::PerTensor => "tensor",
-                }
+                },
+                if rotated { ", rotated" } else { "" }
             ),
         }
     }
@@ -122,8 +126,10 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
             DeviceArg::Cuda => &[(PerRow, PerToken)],
         };
         for &(granularity, activations) in combos {
-            out.push(native(WeightOption::Quantized { format, granularity, activations }));
+            out.push(native(WeightOption::Quantized { format, granularity, activations, rotated: false }));
         }
+        // W8A8 per row over the rotated residual stream.
+        out.push(native(WeightOption::Quantized { format, granularity: PerRow, activations: PerToken, rotated: true }));
     }
     // The bf16 cache on both devices: on CUDA it is the reference itself (0 against it, and a check
     // that runs repeat), and its column against `--reference-logits` is the bf16 cache's own cost.
@@ -160,7 +166,10 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
 /// The weights a configuration runs with (a copy, quantized as it says).
 fn weights_for(weights: &ModelWeights, option: WeightOption) -> anyhow::Result<ModelWeights> {
     let mut w = weights.clone();
-    if let WeightOption::Quantized { format, granularity, activations } = option {
+    if let WeightOption::Quantized { format, granularity, activations, rotated } = option {
+        if rotated {
+            rotate_residual_stream(&mut w, ROTATION_SEED)?;
+        }
         quantize_linear_weights_with(&mut w, format, granularity, activations)?;
     }
     Ok(w)
@@ -185,7 +194,7 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
     use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, WeightInit};
     let quantization = match variant.weights {
         WeightOption::Unquantized => None,
-        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken } => Some(format),
+        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken, .. } => Some(format),
         WeightOption::Quantized { .. } => anyhow::bail!("the CUDA backend runs per-row W8A8 weights only"),
     };
     let (kv_cache_dtype, kv_hadamard, kv_hadamard_v) = match variant.kv {
@@ -211,6 +220,17 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
         kv_hadamard_v,
         quantization,
         ..CudaOptions::default()
+    };
+    // The backend quantizes the host weights itself: a rotated variant hands it the rotated ones.
+    let rotated;
+    let weights = match variant.weights {
+        WeightOption::Quantized { rotated: true, .. } => {
+            let mut w = weights.clone();
+            rotate_residual_stream(&mut w, ROTATION_SEED)?;
+            rotated = w;
+            &rotated
+        }
+        _ => weights,
     };
     Ok(Box::new(CudaBackend::new(WeightInit::Host(weights), &opts).context("starting the CUDA backend")?))
 }

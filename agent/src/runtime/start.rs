@@ -66,6 +66,16 @@ impl EngineArgs {
         }
     }
 
+    /// `--quantization-rotation`: the residual stream and each head's values rotated, in the host
+    /// weights, before a backend quantizes them.
+    fn rotate(&self, weights: &mut model::ModelWeights) -> anyhow::Result<()> {
+        if self.quantization_rotation {
+            tracing::info!("rotating the residual stream (--quantization-rotation)");
+            model::rotate::rotate_residual_stream(weights, model::rotate::ROTATION_SEED).context("--quantization-rotation")?;
+        }
+        Ok(())
+    }
+
     /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
     pub fn start(&self) -> anyhow::Result<Runtime> {
         if let Some(n) = self.mask_threads {
@@ -86,6 +96,17 @@ impl EngineArgs {
             let asked = self.kv_cache_dtype.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string());
             anyhow::bail!("--kv-cache-dtype {asked}: the CPU backend keeps its KV cache in f32 (only auto); bf16 and fp8 caches are for --device cuda");
         }
+        if self.quantization_rotation {
+            if self.quantization.is_none() {
+                anyhow::bail!("--quantization-rotation rotates the model for --quantization fp8|int8; without it there is nothing to gain");
+            }
+            if self.lora_config().is_some() {
+                anyhow::bail!("--quantization-rotation cannot serve LoRA adapters: they were trained on the unrotated model");
+            }
+            if self.load_format == LoadFormatArg::Dummy {
+                anyhow::bail!("--quantization-rotation needs real weights (not --load-format dummy)");
+            }
+        }
         let tokenizer = match &self.tokenizer {
             Some(path) => Some(Tokenizer::for_model(path).with_context(|| format!("loading --tokenizer {}", path.display()))?),
             None => load_tokenizer(&self.model, self.load_format)?,
@@ -98,11 +119,13 @@ impl EngineArgs {
                 (config.clone(), self.cuda_backend(ModelSource::Random(config))?)
             }
             DeviceArg::Cuda => {
-                let loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
+                let mut loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
+                self.rotate(&mut loaded.weights)?;
                 (loaded.config.clone(), self.cuda_backend(ModelSource::Host(&loaded.weights))?)
             }
             DeviceArg::Cpu => {
                 let mut loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
+                self.rotate(&mut loaded.weights)?;
                 if let Some(q) = self.quantization {
                     model::quantize::quantize_linear_weights(&mut loaded.weights, q.into())?;
                 }
@@ -268,6 +291,8 @@ mod tests {
         assert_eq!(parse(&["--quantization", "fp8"]).unwrap().quantization, Some(QuantizationArg::Fp8));
         assert_eq!(parse(&["--quantization", "int8"]).unwrap().quantization, Some(QuantizationArg::Int8));
         assert!(parse(&["--quantization", "int4"]).is_err());
+        assert!(parse(&["--quantization", "int8", "--quantization-rotation"]).unwrap().quantization_rotation);
+        assert!(!parse(&["--quantization", "int8"]).unwrap().quantization_rotation);
     }
 
     #[test]
@@ -306,6 +331,18 @@ mod tests {
         let a = parse(&["--device", "cpu", "--kv-cache-dtype", "fp8"]).unwrap();
         let e = a.start().err().expect("fp8 on the CPU is refused").to_string();
         assert!(e.contains("--kv-cache-dtype") && e.contains("cuda"), "{e}");
+    }
+
+    #[test]
+    fn quantization_rotation_is_refused_where_it_cannot_apply() {
+        for (args, why) in [
+            (&["--device", "cpu", "--quantization-rotation"][..], "--quantization fp8|int8"),
+            (&["--device", "cpu", "--quantization", "int8", "--quantization-rotation", "--enable-lora"][..], "LoRA"),
+            (&["--device", "cpu", "--quantization", "int8", "--quantization-rotation", "--load-format", "dummy"][..], "dummy"),
+        ] {
+            let e = parse(args).unwrap().start().err().expect("refused").to_string();
+            assert!(e.contains("--quantization-rotation") && e.contains(why), "{args:?}: {e}");
+        }
     }
 
     #[test]

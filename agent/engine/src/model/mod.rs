@@ -8,6 +8,7 @@ pub mod gguf_weights;
 pub mod hf_config;
 pub mod quant;
 pub mod quantize;
+pub mod rotate;
 pub mod rowquant;
 pub mod safetensors;
 pub mod weights;

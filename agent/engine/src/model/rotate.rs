@@ -1,0 +1,273 @@
+//! An orthogonal rotation of the residual stream, folded into the weights (QuaRot's "computational
+//! invariance"), so that 8-bit per-token activations lose less.
+//!
+//! SmolLM2's post-norm hidden states have a few outlier channels; one int8 scale per token spends
+//! its range on them, and the inputs of q/k/v and gate/up (the residual stream after RMSNorm) are
+//! where W8A8 loses most (docs/benchmarks.md, "Which projection inputs cost"). With `x' = Q x` for an
+//! orthogonal `Q`, the model computes the same function when
+//! - every RMSNorm weight `g` moves into the matrices that read the norm's output (`W diag(g) Qᵀ`) and
+//!   becomes 1 (`RMSNorm(Q x) = Q RMSNorm(x)` without a weight: `Q` keeps the norm);
+//! - the matrices that write into the stream (o_proj, down_proj) and the embedding rows become `Q W`;
+//! - the LM head reads `W_lm diag(g_final) Qᵀ` (a tied head becomes a matrix of its own).
+//!
+//! `Q` spreads each channel over all of them: the normalized Walsh–Hadamard matrix of the largest
+//! power of two dividing the hidden size, Kronecker with a seeded random orthogonal matrix for the
+//! odd factor (576 = 9 × 64 for SmolLM2), times seeded random signs (as QuaRot's randomized
+//! Hadamard). Everything is computed in f32 from the loaded values; quantized matrices come out as
+//! f32, to be quantized afterwards.
+//!
+//! LoRA adapters read the norm's output and write into the stream too, so a rotated model cannot
+//! serve adapters trained on the original: callers refuse the combination.
+
+use super::weights::{Matrix, ModelWeights};
+use crate::{EngineError, Result};
+
+/// The seed of the rotation's random factors: fixed, so a model is rotated the same way every load.
+pub const ROTATION_SEED: u64 = 0x5155_4152_4f54; // "QUAROT"
+
+/// Largest odd factor of the hidden size the rotation builds a dense random orthogonal matrix for.
+const MAX_ODD_FACTOR: usize = 64;
+
+/// The rotation `Q = (R ⊗ H) · diag(signs)` of `n` channels.
+pub struct Rotation {
+    n: usize,
+    /// The Walsh–Hadamard order: the largest power of two dividing n.
+    p: usize,
+    /// The odd factor m = n / p and its orthogonal matrix R (m × m, row-major).
+    m: usize,
+    r: Vec<f64>,
+    signs: Vec<f64>,
+}
+
+impl Rotation {
+    pub fn new(n: usize, seed: u64) -> Result<Rotation> {
+        if n == 0 {
+            return Err(EngineError::Unsupported("rotation: hidden size 0".into()));
+        }
+        let p = 1usize << n.trailing_zeros();
+        let m = n / p;
+        if m > MAX_ODD_FACTOR {
+            return Err(EngineError::Unsupported(format!(
+                "rotation: hidden size {n} has the odd factor {m} (at most {MAX_ODD_FACTOR} supported)"
+            )));
+        }
+        let mut rng = SplitMix64(seed);
+        let signs = (0..n).map(|_| if rng.next() & 1 == 0 { 1.0 } else { -1.0 }).collect();
+        let r = random_orthogonal(m, &mut rng);
+        Ok(Rotation { n, p, m, r, signs })
+    }
+
+    /// v ← Q v.
+    pub fn apply(&self, v: &mut [f64]) {
+        debug_assert_eq!(v.len(), self.n);
+        v.iter_mut().zip(&self.signs).for_each(|(x, s)| *x *= s);
+        self.kron(v, false);
+    }
+
+    /// v ← Qᵀ v.
+    pub fn apply_transposed(&self, v: &mut [f64]) {
+        self.kron(v, true);
+        v.iter_mut().zip(&self.signs).for_each(|(x, s)| *x *= s);
+    }
+
+    /// v ← (R ⊗ H) v, or (Rᵀ ⊗ H) v: v as m rows of p, H on each row, then R (or Rᵀ) across rows.
+    fn kron(&self, v: &mut [f64], transposed: bool) {
+        let (m, p) = (self.m, self.p);
+        for row in v.chunks_exact_mut(p) {
+            hadamard_normalized(row);
+        }
+        if m == 1 {
+            return;
+        }
+        let mut col = vec![0f64; m];
+        for b in 0..p {
+            for (a, c) in col.iter_mut().enumerate() {
+                *c = (0..m).map(|k| if transposed { self.r[k * m + a] } else { self.r[a * m + k] } * v[k * p + b]).sum();
+            }
+            for (a, &c) in col.iter().enumerate() {
+                v[a * p + b] = c;
+            }
+        }
+    }
+}
+
+/// The normalized Walsh–Hadamard transform in place (length a power of two).
+fn hadamard_normalized(v: &mut [f64]) {
+    let n = v.len();
+    let mut len = 1;
+    while len < n {
+        for i in (0..n).step_by(2 * len) {
+            for j in i..i + len {
+                let (a, b) = (v[j], v[j + len]);
+                v[j] = a + b;
+                v[j + len] = a - b;
+            }
+        }
+        len <<= 1;
+    }
+    let norm = 1.0 / (n as f64).sqrt();
+    v.iter_mut().for_each(|x| *x *= norm);
+}
+
+/// A random orthogonal m × m matrix (row-major): Gram–Schmidt over Gaussian rows.
+fn random_orthogonal(m: usize, rng: &mut SplitMix64) -> Vec<f64> {
+    let mut r = vec![0f64; m * m];
+    for i in 0..m {
+        loop {
+            let mut row: Vec<f64> = (0..m).map(|_| rng.gaussian()).collect();
+            for j in 0..i {
+                let dot: f64 = (0..m).map(|k| row[k] * r[j * m + k]).sum();
+                (0..m).for_each(|k| row[k] -= dot * r[j * m + k]);
+            }
+            let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
+            if norm > 1e-6 {
+                r[i * m..(i + 1) * m].iter_mut().zip(&row).for_each(|(d, x)| *d = x / norm);
+                break;
+            }
+        }
+    }
+    r
+}
+
+/// A small deterministic generator (the rotation must not depend on a crate's stream).
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A standard normal sample (Box–Muller).
+    fn gaussian(&mut self) -> f64 {
+        let u1 = ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+/// `W diag(g) Qᵀ`: each row r of a matrix that reads the stream becomes Q (g ⊙ r).
+fn fold_reader(m: &Matrix, g: &[f32], q: &Rotation) -> Matrix {
+    let data = m.to_f32();
+    let mut out = Vec::with_capacity(data.len());
+    let mut row = vec![0f64; m.cols];
+    for r in data.chunks_exact(m.cols) {
+        row.iter_mut().zip(r.iter().zip(g)).for_each(|(d, (&x, &w))| *d = x as f64 * w as f64);
+        q.apply(&mut row);
+        out.extend(row.iter().map(|&x| x as f32));
+    }
+    Matrix::from_f32(m.rows, m.cols, out)
+}
+
+/// `Q W`: each column of a matrix that writes into the stream is rotated.
+fn fold_writer(m: &Matrix, q: &Rotation) -> Matrix {
+    let data = m.to_f32();
+    let mut out = data.clone();
+    let mut col = vec![0f64; m.rows];
+    for c in 0..m.cols {
+        col.iter_mut().enumerate().for_each(|(r, d)| *d = data[r * m.cols + c] as f64);
+        q.apply(&mut col);
+        col.iter().enumerate().for_each(|(r, &x)| out[r * m.cols + c] = x as f32);
+    }
+    Matrix::from_f32(m.rows, m.cols, out)
+}
+
+/// `v_proj`'s rows of each KV head rotated by the head's normalized Walsh–Hadamard matrix H (its
+/// bias too), and `o_proj`'s columns of each query head by H: attention averages v rows, so each
+/// head's output comes out rotated and o_proj undoes it (H is symmetric and its own inverse). o_proj
+/// then reads rotated heads, whose outliers are spread as the stream's are.
+fn rotate_heads(v_proj: &Matrix, v_bias: Option<&mut Vec<f32>>, o_proj: &Matrix, d: usize) -> (Matrix, Matrix) {
+    let mut v = v_proj.to_f32();
+    let mut buf = vec![0f64; d];
+    for c in 0..v_proj.cols {
+        for head in 0..v_proj.rows / d {
+            buf.iter_mut().enumerate().for_each(|(i, x)| *x = v[(head * d + i) * v_proj.cols + c] as f64);
+            hadamard_normalized(&mut buf);
+            buf.iter().enumerate().for_each(|(i, &x)| v[(head * d + i) * v_proj.cols + c] = x as f32);
+        }
+    }
+    if let Some(b) = v_bias {
+        for head in b.chunks_exact_mut(d) {
+            buf.iter_mut().zip(head.iter()).for_each(|(x, &y)| *x = y as f64);
+            hadamard_normalized(&mut buf);
+            head.iter_mut().zip(&buf).for_each(|(y, &x)| *y = x as f32);
+        }
+    }
+    let mut o = o_proj.to_f32();
+    for row in o.chunks_exact_mut(o_proj.cols) {
+        for head in row.chunks_exact_mut(d) {
+            buf.iter_mut().zip(head.iter()).for_each(|(x, &y)| *x = y as f64);
+            hadamard_normalized(&mut buf);
+            head.iter_mut().zip(&buf).for_each(|(y, &x)| *y = x as f32);
+        }
+    }
+    (Matrix::from_f32(v_proj.rows, v_proj.cols, v), Matrix::from_f32(o_proj.rows, o_proj.cols, o))
+}
+
+/// Rotates the residual stream of `w` by the seeded rotation of its hidden size, and each attention
+/// head's values by H (see the module's header); the model computes the same logits up to f32
+/// rounding.
+pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<()> {
+    let h = w.config.hidden_size;
+    let d = w.config.head_dim;
+    if !d.is_power_of_two() {
+        return Err(EngineError::Unsupported(format!("rotation: head_dim {d} is not a power of two")));
+    }
+    let q = Rotation::new(h, seed)?;
+    let ones = vec![1f32; h];
+    // The head first: a tied head is the embedding before it is rotated.
+    w.lm_head = Some(fold_reader(w.lm_head(), &w.norm, &q));
+    w.norm = ones.clone();
+    // Embedding rows are stream vectors: e' = Q e (a reader with g = 1 does exactly that per row).
+    w.embed_tokens = fold_reader(&w.embed_tokens, &ones, &q);
+    for layer in &mut w.layers {
+        let g = std::mem::replace(&mut layer.input_layernorm, ones.clone());
+        layer.q_proj = fold_reader(&layer.q_proj, &g, &q);
+        layer.k_proj = fold_reader(&layer.k_proj, &g, &q);
+        layer.v_proj = fold_reader(&layer.v_proj, &g, &q);
+        (layer.v_proj, layer.o_proj) = rotate_heads(&layer.v_proj, layer.v_bias.as_mut(), &layer.o_proj, d);
+        layer.o_proj = fold_writer(&layer.o_proj, &q);
+        let g = std::mem::replace(&mut layer.post_attention_layernorm, ones.clone());
+        layer.gate_proj = fold_reader(&layer.gate_proj, &g, &q);
+        layer.up_proj = fold_reader(&layer.up_proj, &g, &q);
+        layer.down_proj = fold_writer(&layer.down_proj, &q);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rotation_is_orthogonal_for_powers_of_two_and_odd_factors() {
+        for n in [64usize, 576, 96, 8] {
+            let q = Rotation::new(n, ROTATION_SEED).unwrap();
+            // Columns of Q: Q e_i; orthonormal, and Qᵀ undoes Q.
+            let cols: Vec<Vec<f64>> = (0..n)
+                .map(|i| {
+                    let mut e = vec![0f64; n];
+                    e[i] = 1.0;
+                    q.apply(&mut e);
+                    e
+                })
+                .collect();
+            for i in (0..n).step_by(7) {
+                for j in (0..n).step_by(5) {
+                    let dot: f64 = cols[i].iter().zip(&cols[j]).map(|(a, b)| a * b).sum();
+                    assert!((dot - if i == j { 1.0 } else { 0.0 }).abs() < 1e-9, "n {n}: <Q e{i}, Q e{j}> = {dot}");
+                }
+                let mut back = cols[i].clone();
+                q.apply_transposed(&mut back);
+                assert!(back.iter().enumerate().all(|(k, &x)| (x - if k == i { 1.0 } else { 0.0 }).abs() < 1e-9));
+            }
+            // One channel is spread over all of them (no entry larger than a few / sqrt(n)).
+            let spread = cols[0].iter().fold(0f64, |m, x| m.max(x.abs()));
+            assert!(spread <= 4.0 / (n as f64).sqrt(), "n {n}: largest entry {spread}");
+        }
+        assert!(Rotation::new(3 * 67, 1).is_err(), "an odd factor past the bound is refused");
+    }
+}

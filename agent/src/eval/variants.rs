@@ -160,6 +160,11 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
     out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Int8Plain)));
     out.push(unquantized(KvOption::from_flag(KvCacheDtypeArg::Int8)));
     out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::from_flag(KvCacheDtypeArg::Fp8) });
+    // Everything int8: rotated W8A8 weights and the int8 cache.
+    out.push(Variant {
+        weights: WeightOption::Quantized { format: RowFormat::Int8, granularity: PerRow, activations: PerToken, rotated: true },
+        kv: KvOption::from_flag(KvCacheDtypeArg::Int8),
+    });
     out
 }
 

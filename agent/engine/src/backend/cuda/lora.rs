@@ -442,9 +442,11 @@ fn widest_output(config: &ModelConfig) -> usize {
 
 /// Rows of the update buffer for steps of up to `max_tokens` tokens, or 0 where the expand adds in
 /// place (`PEREGRINE_LORA_DELTA=0`, or no side stream to run it on).
+/// `PEREGRINE_LORA_DELTA_MAX=N` moves the largest such step from [`DELTA_MAX_TOKENS`] (comparisons).
 fn delta_rows(max_tokens: usize, side_stream: bool) -> usize {
     let enabled = side_stream && !std::env::var("PEREGRINE_LORA_DELTA").is_ok_and(|v| v == "0");
-    if enabled { max_tokens.min(DELTA_MAX_TOKENS) } else { 0 }
+    let cap = std::env::var("PEREGRINE_LORA_DELTA_MAX").ok().and_then(|v| v.parse().ok()).unwrap_or(DELTA_MAX_TOKENS);
+    if enabled { max_tokens.min(cap) } else { 0 }
 }
 
 /// f32 elements of the shrink's partial sums for the largest group: splits of its fan-in × its ranks.

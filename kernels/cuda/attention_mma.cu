@@ -18,9 +18,6 @@
 //   sequence are contiguous in the flat batch; a block whose tokens span sequences runs the key loop
 //   once per sequence with the other rows masked.
 //
-// The fp8 flavour also reads an int8 cache with per-head scales (`--kv-cache-dtype int8*`: the same
-// layout, bytes, and scales; I8 only changes how four bytes become f16, kv8x4_to_f16x2x2).
-//
 // The prefill kernel also comes in an fp8 flavour (F8 = true: `--kv-cache-dtype fp8`; fp8 decode has
 // its own kernel, attention_mma_f8.cu, with the keys as the mma's rows), for a KV cache of
 // e4m3 bytes (scale 1, as vLLM's uncalibrated fp8 cache): K as [blocks, Hkv, block_size, D] and V
@@ -33,6 +30,8 @@
 // 2q+8+j), and the score columns are assigned keys so that a lane's probabilities are exactly the
 // keys its V fragment holds (column 2q+e of n-tile t of 16 keys = key 4q+2t+e). Q and P are f16 in
 // this path (f16 has the finer mantissa; |Q| is clamped to f16's range).
+// The fp8 flavour also reads an int8 cache with per-head scales (`--kv-cache-dtype int8*`: the same
+// layout, bytes and scales; I8 only changes how four bytes become f16, kv8x4_to_f16x2x2).
 #define MMA_WARPS 4
 #define MMA_KT 64      // keys per tile (the decode kernel's warps take 16 each)
 // MMA_WARPS must equal attention.cu's ATTN_WARPS: the decode kernel uses its merge.

@@ -149,30 +149,62 @@ impl SplitMix64 {
     }
 }
 
-/// `W diag(g) Qᵀ`: each row r of a matrix that reads the stream becomes Q (g ⊙ r).
+/// `W diag(g) Qᵀ`: each row r of a matrix that reads the stream becomes Q (g ⊙ r). Rows in parallel.
 fn fold_reader(m: &Matrix, g: &[f32], q: &Rotation) -> Matrix {
-    let data = m.to_f32();
-    let mut out = Vec::with_capacity(data.len());
-    let mut row = vec![0f64; m.cols];
-    for r in data.chunks_exact(m.cols) {
-        row.iter_mut().zip(r.iter().zip(g)).for_each(|(d, (&x, &w))| *d = x as f64 * w as f64);
-        q.apply(&mut row);
-        out.extend(row.iter().map(|&x| x as f32));
-    }
-    Matrix::from_f32(m.rows, m.cols, out)
+    use rayon::prelude::*;
+    let mut data = m.to_f32();
+    data.par_chunks_mut(m.cols.max(1)).for_each_init(
+        || vec![0f64; m.cols],
+        |row, r| {
+            row.iter_mut().zip(r.iter().zip(g)).for_each(|(d, (&x, &w))| *d = x as f64 * w as f64);
+            q.apply(row);
+            r.iter_mut().zip(row.iter()).for_each(|(d, &x)| *d = x as f32);
+        },
+    );
+    Matrix::from_f32(m.rows, m.cols, data)
 }
 
-/// `Q W`: each column of a matrix that writes into the stream is rotated.
+/// `Q W`: the matrix's rows are mixed (Q acts on the row index), as whole rows at a time: each
+/// butterfly adds and subtracts two rows, so a wide matrix (down_proj) streams through memory once
+/// per pass instead of gathering each column with a stride.
 fn fold_writer(m: &Matrix, q: &Rotation) -> Matrix {
-    let data = m.to_f32();
-    let mut out = data.clone();
-    let mut col = vec![0f64; m.rows];
-    for c in 0..m.cols {
-        col.iter_mut().enumerate().for_each(|(r, d)| *d = data[r * m.cols + c] as f64);
-        q.apply(&mut col);
-        col.iter().enumerate().for_each(|(r, &x)| out[r * m.cols + c] = x as f32);
+    use rayon::prelude::*;
+    let k = m.cols.max(1);
+    let mut rows: Vec<Vec<f64>> = m.to_f32().chunks_exact(k).map(|r| r.iter().map(|&x| x as f64).collect()).collect();
+    rows.par_iter_mut().zip(q.signs.par_iter()).for_each(|(r, &s)| r.iter_mut().for_each(|x| *x *= s));
+    let (p, mm) = (q.p, q.m);
+    let norm = 1.0 / (p as f64).sqrt();
+    for group in rows.chunks_mut(p) {
+        let mut len = 1;
+        while len < p {
+            // Pairs (j, j + len) within each 2·len run: disjoint, so the runs go in parallel.
+            group.par_chunks_mut(2 * len).for_each(|run| {
+                let (lo, hi) = run.split_at_mut(len);
+                for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                    a.iter_mut().zip(b.iter_mut()).for_each(|(x, y)| (*x, *y) = (*x + *y, *x - *y));
+                }
+            });
+            len <<= 1;
+        }
+        group.par_iter_mut().for_each(|r| r.iter_mut().for_each(|x| *x *= norm));
     }
-    Matrix::from_f32(m.rows, m.cols, out)
+    if mm > 1 {
+        // Row (a, b) <- sum_c R[a][c] row (c, b), for each b.
+        let mixed: Vec<Vec<f64>> = (0..mm * p)
+            .into_par_iter()
+            .map(|i| {
+                let (a, b) = (i / p, i % p);
+                let mut out = vec![0f64; k];
+                for c in 0..mm {
+                    let w = q.r[a * mm + c];
+                    out.iter_mut().zip(&rows[c * p + b]).for_each(|(o, &x)| *o += w * x);
+                }
+                out
+            })
+            .collect();
+        rows = mixed;
+    }
+    Matrix::from_f32(m.rows, m.cols, rows.into_iter().flatten().map(|x| x as f32).collect())
 }
 
 /// `v_proj`'s rows of each KV head rotated by the head's normalized Walsh–Hadamard matrix H (its
@@ -223,7 +255,11 @@ pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<()> {
     w.norm = ones.clone();
     // Embedding rows are stream vectors: e' = Q e (a reader with g = 1 does exactly that per row).
     w.embed_tokens = fold_reader(&w.embed_tokens, &ones, &q);
-    for layer in &mut w.layers {
+    let layers = w.layers.len();
+    for (i, layer) in w.layers.iter_mut().enumerate() {
+        if i % layers.div_ceil(8).max(1) == 0 {
+            tracing::info!("rotating the residual stream: layer {}/{layers}", i + 1);
+        }
         let g = std::mem::replace(&mut layer.input_layernorm, ones.clone());
         layer.q_proj = fold_reader(&layer.q_proj, &g, &q);
         layer.k_proj = fold_reader(&layer.k_proj, &g, &q);
@@ -269,5 +305,22 @@ mod tests {
             assert!(spread <= 4.0 / (n as f64).sqrt(), "n {n}: largest entry {spread}");
         }
         assert!(Rotation::new(3 * 67, 1).is_err(), "an odd factor past the bound is refused");
+    }
+
+    #[test]
+    fn the_row_wise_writer_fold_is_q_times_each_column() {
+        // 96 = 3 × 32 (an odd factor) and 64 rows, 5 columns.
+        for n in [96usize, 64] {
+            let q = Rotation::new(n, ROTATION_SEED).unwrap();
+            let data: Vec<f32> = (0..n * 5).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            let got = fold_writer(&Matrix::from_f32(n, 5, data.clone()), &q).to_f32();
+            for c in 0..5 {
+                let mut col: Vec<f64> = (0..n).map(|r| data[r * 5 + c] as f64).collect();
+                q.apply(&mut col);
+                for r in 0..n {
+                    assert!((got[r * 5 + c] as f64 - col[r]).abs() < 1e-5, "n {n} row {r} col {c}: {} vs {}", got[r * 5 + c], col[r]);
+                }
+            }
+        }
     }
 }

@@ -12,6 +12,7 @@ use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::KvCacheShape;
 use peregrine_engine::engine::{Engine, EngineConfig, EngineHandle, RequestStream};
 use peregrine_engine::lora::{AdapterState, LoadOutcome, LoraConfig};
+use peregrine_engine::model::rotate::{rotate_residual_stream, ROTATION_SEED};
 use peregrine_engine::model::{self, LoadFormat};
 use peregrine_engine::request::{FinishReason, GenerationRequest, RequestEvent, SamplingParams};
 use peregrine_engine::EngineError;
@@ -19,7 +20,14 @@ use peregrine_engine::EngineError;
 use lora_common::{adapter_dir, cases, Case};
 
 fn start(lora: LoraConfig, max_num_seqs: usize) -> EngineHandle {
-    let loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
+    start_maybe_rotated(lora, max_num_seqs, false)
+}
+
+/// `rotated`: the model's residual stream rotated (`--quantization-rotation`), adapters rotated
+/// by the engine as it reads them.
+fn start_maybe_rotated(lora: LoraConfig, max_num_seqs: usize, rotated: bool) -> EngineHandle {
+    let mut loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
+    let rotation = rotated.then(|| std::sync::Arc::new(rotate_residual_stream(&mut loaded.weights, ROTATION_SEED).unwrap()));
     let backend = CpuBackend::new(
         loaded.weights,
         KvCacheShape {
@@ -35,7 +43,11 @@ fn start(lora: LoraConfig, max_num_seqs: usize) -> EngineHandle {
         block_size: 16,
         ..Default::default()
     };
-    Engine::start_with_lora(Box::new(backend), config, lora).expect("engine starts")
+    match rotation {
+        Some(r) => Engine::start_with_lora_rotated(Box::new(backend), config, lora, r),
+        None => Engine::start_with_lora(Box::new(backend), config, lora),
+    }
+    .expect("engine starts")
 }
 
 fn load_fixture_adapters(h: &EngineHandle) {
@@ -176,6 +188,21 @@ fn host_memory_eviction_reloads_from_disk() {
         }
     }
     run_all(&h, &all);
+    h.shutdown();
+}
+
+/// Over a rotated model the engine rotates each adapter as it loads it and as it re-reads an
+/// evicted one (one adapter in host memory: every switch re-reads): PEFT's continuations.
+#[test]
+fn adapters_over_a_rotated_model_are_rotated_as_they_are_read() {
+    let h = start_maybe_rotated(LoraConfig { max_loras: 1, max_lora_rank: 64, max_cpu_loras: 1 }, 16, true);
+    load_fixture_adapters(&h);
+    let all = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
+    for i in [0, 3, 1, 4] {
+        let case = &all[i];
+        let (tokens, _) = collect(&mut submit(&h, &case.prompt, case.adapter.as_deref(), 24)).unwrap();
+        check(case, &tokens);
+    }
     h.shutdown();
 }
 

@@ -9,6 +9,7 @@ use lora_common::{cases, Case};
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
 use peregrine_engine::lora::LoraAdapter;
+use peregrine_engine::model::rotate::{rotate_residual_stream, ROTATION_SEED};
 use peregrine_engine::model::{self, LoadFormat};
 
 use lora_common::ATOL;
@@ -53,7 +54,14 @@ fn check_top10(row: &[f32], ids: &[u32], vals: &[f32], what: &str) {
 }
 
 fn backend_with_adapters() -> CpuBackend {
-    let loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
+    backend_with_adapters_rotated(false)
+}
+
+/// `rotated`: the model's residual stream rotated (`--quantization-rotation`) and each adapter
+/// rotated to match at load (`AdapterRotation`).
+fn backend_with_adapters_rotated(rotated: bool) -> CpuBackend {
+    let mut loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
+    let rotation = rotated.then(|| rotate_residual_stream(&mut loaded.weights, ROTATION_SEED).unwrap());
     let config = loaded.config.clone();
     let num_blocks = 16 * BLOCKS_PER_SEQ;
     let mut backend = CpuBackend::new(
@@ -67,7 +75,10 @@ fn backend_with_adapters() -> CpuBackend {
     .unwrap();
     backend.enable_lora(2, 64).unwrap();
     for (slot, name) in ["adapter-a", "adapter-b"].into_iter().enumerate() {
-        let adapter = LoraAdapter::load(&lora_common::adapter_dir(name), &config, 64).unwrap();
+        let mut adapter = LoraAdapter::load(&lora_common::adapter_dir(name), &config, 64).unwrap();
+        if let Some(r) = &rotation {
+            r.rotate(&mut adapter).unwrap();
+        }
         backend.set_lora_slot(slot as u32, &adapter).unwrap();
     }
     backend
@@ -161,6 +172,17 @@ fn base_and_both_adapters_mixed_in_one_batch_match_the_references() {
     let mut backend = backend_with_adapters();
     let mut all = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
     // Interleave so that neighbouring sequences use different slots (many segments per step).
+    all.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
+    run_together(&mut backend, &all);
+}
+
+/// Over a rotated model (`--quantization-rotation`, unquantized here so the tolerance is PEFT's),
+/// adapters rotated at load give PEFT's logits and continuations: every module's A and B are
+/// rotated as the matrix they add to (adapter-b targets all seven modules).
+#[test]
+fn rotated_adapters_over_a_rotated_model_match_peft() {
+    let mut backend = backend_with_adapters_rotated(true);
+    let mut all = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
     all.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     run_together(&mut backend, &all);
 }

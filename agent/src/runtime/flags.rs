@@ -247,7 +247,7 @@ pub struct EngineArgs {
     /// model's function is unchanged), so one scale per token spends less of its range on outlier
     /// channels. Helps int8 (SmolLM2: perplexity +2.04% -> +1.08%, text KL 0.029 -> 0.011); hurts
     /// fp8, whose per-value precision does not care about outliers until a rotation spreads them.
-    /// Not with LoRA (adapters are trained on the unrotated model).
+    /// LoRA adapters (trained on the unrotated model) are rotated alike as they are loaded.
     #[arg(long, env = "PEREGRINE_QUANTIZATION_ROTATION")]
     pub quantization_rotation: bool,
     /// Serve LoRA adapters (implied by --lora-modules).

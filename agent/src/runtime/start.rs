@@ -2,6 +2,7 @@
 //! sized from a memory budget → engine thread, with multi-LoRA when asked for.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::ValueEnum;
@@ -11,6 +12,7 @@ use peregrine_engine::backend::{Backend, KvCacheShape};
 use peregrine_engine::config::ModelConfig;
 use peregrine_engine::engine::{Engine, EngineConfig, EngineHandle};
 use peregrine_engine::model;
+use peregrine_engine::model::rotate::AdapterRotation;
 use peregrine_engine::tokenizer::Tokenizer;
 
 use super::flags::{DeviceArg, EngineArgs, KvCacheDtypeArg, LoadFormatArg};
@@ -67,13 +69,14 @@ impl EngineArgs {
     }
 
     /// `--quantization-rotation`: the residual stream and each head's values rotated, in the host
-    /// weights, before a backend quantizes them.
-    fn rotate(&self, weights: &mut model::ModelWeights) -> anyhow::Result<()> {
-        if self.quantization_rotation {
-            tracing::info!("rotating the residual stream (--quantization-rotation)");
-            model::rotate::rotate_residual_stream(weights, model::rotate::ROTATION_SEED).context("--quantization-rotation")?;
+    /// weights, before a backend quantizes them; what adapters then need to be rotated alike.
+    fn rotate(&self, weights: &mut model::ModelWeights) -> anyhow::Result<Option<Arc<AdapterRotation>>> {
+        if !self.quantization_rotation {
+            return Ok(None);
         }
-        Ok(())
+        tracing::info!("rotating the residual stream (--quantization-rotation)");
+        let rotation = model::rotate::rotate_residual_stream(weights, model::rotate::ROTATION_SEED).context("--quantization-rotation")?;
+        Ok(Some(Arc::new(rotation)))
     }
 
     /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
@@ -100,9 +103,6 @@ impl EngineArgs {
             if self.quantization.is_none() {
                 anyhow::bail!("--quantization-rotation rotates the model for --quantization fp8|int8; without it there is nothing to gain");
             }
-            if self.lora_config().is_some() {
-                anyhow::bail!("--quantization-rotation cannot serve LoRA adapters: they were trained on the unrotated model");
-            }
             if self.load_format == LoadFormatArg::Dummy {
                 anyhow::bail!("--quantization-rotation needs real weights (not --load-format dummy)");
             }
@@ -112,6 +112,7 @@ impl EngineArgs {
             None => load_tokenizer(&self.model, self.load_format)?,
         };
         let loading = || format!("loading model {}", self.model.display());
+        let mut rotation = None;
         let (config, backend): (ModelConfig, Box<dyn Backend>) = match device {
             // Random weights of a big model are made on the GPU; a host copy would not even fit.
             DeviceArg::Cuda if self.load_format == LoadFormatArg::Dummy => {
@@ -120,12 +121,12 @@ impl EngineArgs {
             }
             DeviceArg::Cuda => {
                 let mut loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
-                self.rotate(&mut loaded.weights)?;
+                rotation = self.rotate(&mut loaded.weights)?;
                 (loaded.config.clone(), self.cuda_backend(ModelSource::Host(&loaded.weights))?)
             }
             DeviceArg::Cpu => {
                 let mut loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
-                self.rotate(&mut loaded.weights)?;
+                rotation = self.rotate(&mut loaded.weights)?;
                 if let Some(q) = self.quantization {
                     model::quantize::quantize_linear_weights(&mut loaded.weights, q.into())?;
                 }
@@ -145,8 +146,12 @@ impl EngineArgs {
         let backend_name = backend.name();
         let kv_shape = backend.kv_shape();
         let engine = match self.lora_config() {
-            Some(lora) => Engine::start_with_lora(backend, self.engine_config(), lora)
-                .with_context(|| format!("starting the engine with LoRA on {backend_name}"))?,
+            // Over a rotated model every adapter is rotated alike as it is read.
+            Some(lora) => match rotation {
+                Some(r) => Engine::start_with_lora_rotated(backend, self.engine_config(), lora, r),
+                None => Engine::start_with_lora(backend, self.engine_config(), lora),
+            }
+            .with_context(|| format!("starting the engine with LoRA on {backend_name}"))?,
             None => Engine::start(backend, self.engine_config())?,
         };
         for module in &self.lora_modules {
@@ -337,7 +342,6 @@ mod tests {
     fn quantization_rotation_is_refused_where_it_cannot_apply() {
         for (args, why) in [
             (&["--device", "cpu", "--quantization-rotation"][..], "--quantization fp8|int8"),
-            (&["--device", "cpu", "--quantization", "int8", "--quantization-rotation", "--enable-lora"][..], "LoRA"),
             (&["--device", "cpu", "--quantization", "int8", "--quantization-rotation", "--load-format", "dummy"][..], "dummy"),
         ] {
             let e = parse(args).unwrap().start().err().expect("refused").to_string();

@@ -13,7 +13,7 @@ use super::command::Command;
 use super::config::ResolvedLimits;
 use super::lora::{canonical_source, check_name, HandleLora};
 use super::metrics::EngineMetrics;
-use crate::lora::{AdapterInfo, LoadOutcome, LoraAdapter};
+use crate::lora::{AdapterInfo, LoadOutcome};
 use crate::request::{GenerationRequest, RequestEvent, RequestId};
 use crate::{sampling, EngineError, Result};
 
@@ -173,7 +173,7 @@ impl EngineHandle {
         let source = canonical_source(path);
         let t0 = Instant::now();
         tracing::info!(adapter = name, "loading LoRA adapter");
-        let adapter = Arc::new(LoraAdapter::load(&source, &lora.model, lora.config.max_lora_rank)?);
+        let adapter = Arc::new(super::lora::load_rotated(&source, &lora.model, lora.config.max_lora_rank, lora.rotation.as_deref())?);
         let (bytes, rank) = (adapter.size_bytes(), adapter.rank);
         let (reply, answer) = crossbeam_channel::bounded(1);
         self.send(Command::LoadAdapter { name: name.to_string(), source, adapter, reply })?;

@@ -14,10 +14,20 @@ use parking_lot::RwLock;
 use super::command::Command;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
+use crate::model::rotate::AdapterRotation;
 use crate::lora::{AdapterCacheStats, AdapterId, AdapterInfo, LoadOutcome, LoraAdapter, LoraConfig, LoraRegistry};
 use crate::request::RequestId;
 use crate::scheduler::{Scheduler, SchedulerOutput, Sequence};
 use crate::{EngineError, Result};
+
+/// Reads the adapter in `source` and, over a rotated model, rotates it to match.
+pub(super) fn load_rotated(source: &Path, model: &ModelConfig, max_rank: usize, rotation: Option<&AdapterRotation>) -> Result<LoraAdapter> {
+    let mut adapter = LoraAdapter::load(source, model, max_rank)?;
+    if let Some(r) = rotation {
+        r.rotate(&mut adapter)?;
+    }
+    Ok(adapter)
+}
 
 /// Names that requests may use right now, shared with the handles so `submit` can refuse an
 /// unknown adapter at once (the engine thread re-checks, since an unload may race).
@@ -28,6 +38,8 @@ pub(super) type AdapterNames = Arc<RwLock<HashSet<String>>>;
 pub(super) struct HandleLora {
     pub model: ModelConfig,
     pub config: LoraConfig,
+    /// The model's residual-stream rotation, applied to every adapter as it is read.
+    pub rotation: Option<Arc<AdapterRotation>>,
     pub names: AdapterNames,
     /// Names whose evicted weights could not be re-read (refused with `AdapterUnavailable` until
     /// loaded again). Written by the engine thread before it fails the requests that waited.
@@ -37,6 +49,7 @@ pub(super) struct HandleLora {
 pub(super) struct EngineLora {
     registry: LoraRegistry,
     model: ModelConfig,
+    rotation: Option<Arc<AdapterRotation>>,
     names: AdapterNames,
     failed: AdapterNames,
     /// To report reloads back to the engine thread.
@@ -57,12 +70,14 @@ impl EngineLora {
     pub(super) fn new(
         model: ModelConfig,
         config: LoraConfig,
+        rotation: Option<Arc<AdapterRotation>>,
         (names, failed): (AdapterNames, AdapterNames),
         commands: Sender<Command>,
     ) -> Self {
         EngineLora {
             registry: LoraRegistry::new(config),
             model,
+            rotation,
             names,
             failed,
             commands,
@@ -87,17 +102,18 @@ impl EngineLora {
         let first = waiting.is_empty();
         waiting.push(seq);
         if first {
-            let (model, max_rank, commands) = (
+            let (model, max_rank, commands, rotation) = (
                 self.model.clone(),
                 self.registry.config().max_lora_rank,
                 self.commands.clone(),
+                self.rotation.clone(),
             );
             let spawned = std::thread::Builder::new()
                 .name("peregrine-lora-load".into())
                 .spawn(move || {
                     let t0 = std::time::Instant::now();
                     tracing::info!(adapter_version = id, "re-reading an evicted LoRA adapter");
-                    let result = LoraAdapter::load(&source, &model, max_rank).map(Arc::new);
+                    let result = load_rotated(&source, &model, max_rank, rotation.as_deref()).map(Arc::new);
                     if let Ok(adapter) = &result {
                         let ms = t0.elapsed().as_secs_f64() * 1e3;
                         tracing::info!(adapter_version = id, bytes = adapter.size_bytes(), ms = format_args!("{ms:.1}"), "LoRA adapter re-read");

@@ -23,6 +23,7 @@ pub use metrics::EngineMetrics;
 use crate::backend::Backend;
 use crate::kv::BlockManager;
 use crate::lora::LoraConfig;
+use crate::model::rotate::AdapterRotation;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::{EngineError, Result};
 
@@ -31,7 +32,7 @@ pub struct Engine;
 impl Engine {
     /// Checks the config against the backend and starts the engine thread.
     pub fn start(backend: Box<dyn Backend>, config: EngineConfig) -> Result<EngineHandle> {
-        Engine::start_inner(backend, config, None)
+        Engine::start_inner(backend, config, None, None)
     }
 
     /// Like [`Engine::start`], with multi-LoRA serving: the backend gets `lora.max_loras` slots
@@ -39,10 +40,17 @@ impl Engine {
     /// [`EngineHandle::load_adapter`], [`EngineHandle::unload_adapter`] and
     /// [`EngineHandle::list_adapters`].
     pub fn start_with_lora(backend: Box<dyn Backend>, config: EngineConfig, lora: LoraConfig) -> Result<EngineHandle> {
-        Engine::start_inner(backend, config, Some(lora))
+        Engine::start_inner(backend, config, Some(lora), None)
     }
 
-    fn start_inner(mut backend: Box<dyn Backend>, config: EngineConfig, lora: Option<LoraConfig>) -> Result<EngineHandle> {
+    /// [`Engine::start_with_lora`] over a model whose residual stream was rotated
+    /// (`model::rotate::rotate_residual_stream`): every adapter is rotated the same way as it is
+    /// read, loads and re-reads alike.
+    pub fn start_with_lora_rotated(backend: Box<dyn Backend>, config: EngineConfig, lora: LoraConfig, rotation: Arc<AdapterRotation>) -> Result<EngineHandle> {
+        Engine::start_inner(backend, config, Some(lora), Some(rotation))
+    }
+
+    fn start_inner(mut backend: Box<dyn Backend>, config: EngineConfig, lora: Option<LoraConfig>, rotation: Option<Arc<AdapterRotation>>) -> Result<EngineHandle> {
         let kv_shape = backend.kv_shape();
         let limits = config.resolve(backend.config(), kv_shape)?;
         config.check_batch_capacity(backend.batch_capacity())?;
@@ -67,12 +75,13 @@ impl Engine {
         let handle_lora = lora.map(|config| lora::HandleLora {
             model: backend.config().clone(),
             config,
+            rotation,
             names: lora::AdapterNames::default(),
             failed: lora::AdapterNames::default(),
         });
         let engine_lora = handle_lora
             .as_ref()
-            .map(|h| lora::EngineLora::new(h.model.clone(), h.config, (h.names.clone(), h.failed.clone()), tx.clone()));
+            .map(|h| lora::EngineLora::new(h.model.clone(), h.config, h.rotation.clone(), (h.names.clone(), h.failed.clone()), tx.clone()));
         let metrics = Arc::new(Mutex::new(EngineMetrics::default()));
         tracing::info!(
             backend = backend.name(),

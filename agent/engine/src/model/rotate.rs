@@ -16,10 +16,11 @@
 //! Hadamard). Everything is computed in f32 from the loaded values; quantized matrices come out as
 //! f32, to be quantized afterwards.
 //!
-//! LoRA adapters read the norm's output and write into the stream too, so a rotated model cannot
-//! serve adapters trained on the original: callers refuse the combination.
+//! LoRA adapters read the norm's output and write into the stream too: an adapter trained on the
+//! original model is rotated the same way at load ([`AdapterRotation`]).
 
 use super::weights::{Matrix, ModelWeights};
+use crate::lora::LoraAdapter;
 use crate::{EngineError, Result};
 
 /// The seed of the rotation's random factors: fixed, so a model is rotated the same way every load.
@@ -29,6 +30,7 @@ pub const ROTATION_SEED: u64 = 0x5155_4152_4f54; // "QUAROT"
 const MAX_ODD_FACTOR: usize = 64;
 
 /// The rotation `Q = (R ⊗ H) · diag(signs)` of `n` channels.
+#[derive(Debug)]
 pub struct Rotation {
     n: usize,
     /// The Walsh–Hadamard order: the largest power of two dividing n.
@@ -207,42 +209,91 @@ fn fold_writer(m: &Matrix, q: &Rotation) -> Matrix {
     Matrix::from_f32(m.rows, m.cols, rows.into_iter().flatten().map(|x| x as f32).collect())
 }
 
-/// `v_proj`'s rows of each KV head rotated by the head's normalized Walsh–Hadamard matrix H (its
-/// bias too), and `o_proj`'s columns of each query head by H: attention averages v rows, so each
-/// head's output comes out rotated and o_proj undoes it (H is symmetric and its own inverse). o_proj
-/// then reads rotated heads, whose outliers are spread as the stream's are.
-fn rotate_heads(v_proj: &Matrix, v_bias: Option<&mut Vec<f32>>, o_proj: &Matrix, d: usize) -> (Matrix, Matrix) {
-    let mut v = v_proj.to_f32();
+/// Each head's block of `d` rows rotated by the normalized Walsh–Hadamard matrix H (every column):
+/// a matrix whose outputs are heads (v_proj, a v adapter's B) then writes H times each head.
+fn heads_on_rows(m: &Matrix, d: usize) -> Matrix {
+    let mut v = m.to_f32();
     let mut buf = vec![0f64; d];
-    for c in 0..v_proj.cols {
-        for head in 0..v_proj.rows / d {
-            buf.iter_mut().enumerate().for_each(|(i, x)| *x = v[(head * d + i) * v_proj.cols + c] as f64);
+    for c in 0..m.cols {
+        for head in 0..m.rows / d {
+            buf.iter_mut().enumerate().for_each(|(i, x)| *x = v[(head * d + i) * m.cols + c] as f64);
             hadamard_normalized(&mut buf);
-            buf.iter().enumerate().for_each(|(i, &x)| v[(head * d + i) * v_proj.cols + c] = x as f32);
+            buf.iter().enumerate().for_each(|(i, &x)| v[(head * d + i) * m.cols + c] = x as f32);
         }
     }
-    if let Some(b) = v_bias {
-        for head in b.chunks_exact_mut(d) {
-            buf.iter_mut().zip(head.iter()).for_each(|(x, &y)| *x = y as f64);
-            hadamard_normalized(&mut buf);
-            head.iter_mut().zip(&buf).for_each(|(y, &x)| *y = x as f32);
-        }
-    }
-    let mut o = o_proj.to_f32();
-    for row in o.chunks_exact_mut(o_proj.cols) {
+    Matrix::from_f32(m.rows, m.cols, v)
+}
+
+/// Each row's block of `d` columns per head rotated by H: a matrix that reads heads (o_proj, an o
+/// adapter's A) then undoes H on each (H is symmetric and its own inverse).
+fn heads_on_cols(m: &Matrix, d: usize) -> Matrix {
+    let mut o = m.to_f32();
+    let mut buf = vec![0f64; d];
+    for row in o.chunks_exact_mut(m.cols.max(1)) {
         for head in row.chunks_exact_mut(d) {
             buf.iter_mut().zip(head.iter()).for_each(|(x, &y)| *x = y as f64);
             hadamard_normalized(&mut buf);
             head.iter_mut().zip(&buf).for_each(|(y, &x)| *y = x as f32);
         }
     }
-    (Matrix::from_f32(v_proj.rows, v_proj.cols, v), Matrix::from_f32(o_proj.rows, o_proj.cols, o))
+    Matrix::from_f32(m.rows, m.cols, o)
+}
+
+/// `v_proj`'s rows of each KV head rotated by H (its bias too), and `o_proj`'s columns of each query
+/// head: attention averages v rows, so each head's output comes out rotated and o_proj undoes it.
+/// o_proj then reads rotated heads, whose outliers are spread as the stream's are.
+fn rotate_heads(v_proj: &Matrix, v_bias: Option<&mut Vec<f32>>, o_proj: &Matrix, d: usize) -> (Matrix, Matrix) {
+    if let Some(b) = v_bias {
+        let rotated = heads_on_rows(&Matrix::from_f32(b.len(), 1, b.clone()), d).to_f32();
+        *b = rotated;
+    }
+    (heads_on_rows(v_proj, d), heads_on_cols(o_proj, d))
+}
+
+/// What LoRA adapters trained on the unrotated model need to serve over the rotated one: each
+/// pair rotated as the matrix it adds to (A of a norm-reading module folds the norm weight and Q,
+/// B of a stream-writing module gets Q, v's B and o's A the per-head H), from the norm weights the
+/// rotation folded away.
+#[derive(Debug)]
+pub struct AdapterRotation {
+    q: Rotation,
+    head_dim: usize,
+    /// Per layer: input_layernorm's and post_attention_layernorm's weights before folding.
+    norms: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+impl AdapterRotation {
+    /// Rotates every pair of `adapter` (one trained on the unrotated model).
+    pub fn rotate(&self, adapter: &mut LoraAdapter) -> Result<()> {
+        use crate::lora::target::TargetModule as T;
+        if adapter.layers.len() != self.norms.len() {
+            return Err(EngineError::Unsupported(format!("rotating an adapter of {} layers for a model of {}", adapter.layers.len(), self.norms.len())));
+        }
+        let r = adapter.rank;
+        for (layer, (g1, g2)) in adapter.layers.iter_mut().zip(&self.norms) {
+            for m in T::ALL {
+                let Some(pair) = layer[m.index()].as_mut() else { continue };
+                let (cols_a, rows_b) = (pair.a.len() / r.max(1), pair.b.len() / r.max(1));
+                let a = Matrix::from_f32(r, cols_a, std::mem::take(&mut pair.a));
+                let b = Matrix::from_f32(rows_b, r, std::mem::take(&mut pair.b));
+                let (a, b) = match m {
+                    T::Q | T::K => (fold_reader(&a, g1, &self.q), b),
+                    T::V => (fold_reader(&a, g1, &self.q), heads_on_rows(&b, self.head_dim)),
+                    T::O => (heads_on_cols(&a, self.head_dim), fold_writer(&b, &self.q)),
+                    T::Gate | T::Up => (fold_reader(&a, g2, &self.q), b),
+                    T::Down => (a, fold_writer(&b, &self.q)),
+                };
+                (pair.a, pair.b) = (a.to_f32(), b.to_f32());
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Rotates the residual stream of `w` by the seeded rotation of its hidden size, and each attention
 /// head's values by H (see the module's header); the model computes the same logits up to f32
 /// rounding.
-pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<()> {
+pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<AdapterRotation> {
     let h = w.config.hidden_size;
     let d = w.config.head_dim;
     if !d.is_power_of_two() {
@@ -250,6 +301,7 @@ pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<()> {
     }
     let q = Rotation::new(h, seed)?;
     let ones = vec![1f32; h];
+    let norms = w.layers.iter().map(|l| (l.input_layernorm.clone(), l.post_attention_layernorm.clone())).collect();
     // The head first: a tied head is the embedding before it is rotated.
     w.lm_head = Some(fold_reader(w.lm_head(), &w.norm, &q));
     w.norm = ones.clone();
@@ -271,7 +323,7 @@ pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<()> {
         layer.up_proj = fold_reader(&layer.up_proj, &g, &q);
         layer.down_proj = fold_writer(&layer.down_proj, &q);
     }
-    Ok(())
+    Ok(AdapterRotation { q, head_dim: d, norms })
 }
 
 #[cfg(test)]

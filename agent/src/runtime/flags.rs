@@ -234,6 +234,8 @@ pub struct EngineArgs {
     /// and k Hadamard-rotated per head first (= fp8-hadamard; fp8-hadamard-qkv: v too, the attention
     /// output rotated back; fp8-plain: not rotated). fp8-scaled: one scale per token and KV head
     /// instead of 1 (q/k rotated; fp8-scaled-plain: not rotated), closer to bf16, 4-6% slower decode.
+    /// int8: int8 codes with one scale per token and KV head (q/k rotated; int8-plain: not rotated),
+    /// the closest 8-bit cache to bf16, at fp8-scaled's decode cost.
     #[arg(long, value_enum, env = "PEREGRINE_KV_CACHE_DTYPE", default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtypeArg,
     /// Quantize the decoder layers' linear weights to 8 bits at load (one scale per output row;

@@ -113,13 +113,14 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
     let fp8_kv = &report.row(&variants[3]).unwrap().comparison;
     assert!(int8_kv.logits.mean_abs_diff() > 0.0 && int8_kv.logits.mean_abs_diff() < fp8_kv.logits.mean_abs_diff() / 3.0, "int8 KV {int8_kv:?} vs fp8 {fp8_kv:?}");
     assert!(int8_kv.text_kl_mean() < fp8_kv.text_kl_mean() / 3.0, "int8 KV text KL {} vs fp8 {}", int8_kv.text_kl_mean(), fp8_kv.text_kl_mean());
-    // The rotated residual stream must make int8 W8A8 closer to the model than the unrotated one
-    // (1198 tokens: text KL 0.029 -> 0.011, mean |Δ| 1.20 -> 0.69).
+    // The rotated residual stream and the online rotation of down_proj's input make int8 W8A8 far
+    // closer to the model than the unrotated one (1198 tokens: text KL 0.029 -> 0.0047, mean |Δ|
+    // 1.20 -> 0.27; without the online rotation 0.011 and 0.69, which these bounds refuse).
     let rotated = &report.row(&int8_rotated).unwrap().comparison;
     let plain = &report.row(&bounded[1]).unwrap().comparison;
     eprintln!("int8 W8A8 text KL {:.5} -> rotated {:.5}; mean |Δ| {:.3} -> {:.3}", plain.text_kl_mean(), rotated.text_kl_mean(), plain.logits.mean_abs_diff(), rotated.logits.mean_abs_diff());
-    assert!(rotated.text_kl_mean() < 0.75 * plain.text_kl_mean(), "rotation: text KL {} vs {}", rotated.text_kl_mean(), plain.text_kl_mean());
-    assert!(rotated.logits.mean_abs_diff() < plain.logits.mean_abs_diff(), "rotation: {rotated:?} vs {plain:?}");
+    assert!(rotated.text_kl_mean() < 0.25 * plain.text_kl_mean(), "rotation: text KL {} vs {}", rotated.text_kl_mean(), plain.text_kl_mean());
+    assert!(rotated.logits.mean_abs_diff() < 0.4 * plain.logits.mean_abs_diff(), "rotation: {rotated:?} vs {plain:?}");
 
     // `--reference-logits`: the reference against transformers' float32 logits (the same figures as
     // above), and every row against them too, close to its figure against the reference.

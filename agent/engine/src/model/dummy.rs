@@ -53,5 +53,6 @@ pub fn dummy_weights(config: &ModelConfig, seed: u64) -> ModelWeights {
         layers,
         norm: vec![1.0; h],
         lm_head,
+        down_input_hadamard: None,
     }
 }

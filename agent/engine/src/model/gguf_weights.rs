@@ -128,6 +128,7 @@ fn read_weights(file: &GgufFile, config: &ModelConfig) -> Result<ModelWeights> {
         layers,
         norm: cx.vector("output_norm.weight", h)?,
         lm_head,
+        down_input_hadamard: None,
     };
     weights.validate().map_err(|m| cx.err(m))?;
     Ok(weights)

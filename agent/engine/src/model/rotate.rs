@@ -16,6 +16,14 @@
 //! Hadamard). Everything is computed in f32 from the loaded values; quantized matrices come out as
 //! f32, to be quantized afterwards.
 //!
+//! down_proj's input (SwiGLU's output) lives outside the stream and no fold reaches it: it is rotated
+//! at run time instead, by the block-diagonal normalized Walsh–Hadamard matrix `H` of
+//! [`down_input_block`]-sized blocks, inside the kernel that quantizes it (QuaRot's online Hadamard;
+//! on the CPU `backend::cpu::hadamard::rotate_heads` over those blocks).
+//! Seeded signs `S` are folded into up_proj's rows (`silu(g) · (s u) = s · silu(g) u`), so the kernel
+//! computes `x' = H S x` and down_proj's columns become `W S H` (`ModelWeights::down_input_hadamard`
+//! tells the backends).
+//!
 //! LoRA adapters read the norm's output and write into the stream too: an adapter trained on the
 //! original model is rotated the same way at load ([`AdapterRotation`]).
 
@@ -28,6 +36,19 @@ pub const ROTATION_SEED: u64 = 0x5155_4152_4f54; // "QUAROT"
 
 /// Largest odd factor of the hidden size the rotation builds a dense random orthogonal matrix for.
 const MAX_ODD_FACTOR: usize = 64;
+
+/// Largest block of the online rotation of down_proj's input: 2048 spreads an outlier channel over
+/// plenty, and keeps the kernel's butterflies to 8 passes (Llama-3.1-8B's 14336 = 7 × 2048).
+const MAX_DOWN_BLOCK: usize = 2048;
+
+/// The block of the online rotation of down_proj's input for an intermediate size: its largest
+/// power-of-two divisor up to [`MAX_DOWN_BLOCK`]; None below 8 (the kernels rotate 8 values per
+/// thread in registers first).
+pub fn down_input_block(intermediate: usize) -> Option<usize> {
+    let b = (1usize << intermediate.trailing_zeros().min(usize::BITS - 1)).min(MAX_DOWN_BLOCK);
+    (intermediate > 0 && b >= 8).then_some(b)
+}
+
 
 /// The rotation `Q = (R ⊗ H) · diag(signs)` of `n` channels.
 #[derive(Debug)]
@@ -224,9 +245,10 @@ fn heads_on_rows(m: &Matrix, d: usize) -> Matrix {
     Matrix::from_f32(m.rows, m.cols, v)
 }
 
-/// Each row's block of `d` columns per head rotated by H: a matrix that reads heads (o_proj, an o
-/// adapter's A) then undoes H on each (H is symmetric and its own inverse).
-fn heads_on_cols(m: &Matrix, d: usize) -> Matrix {
+/// Each row's blocks of `d` columns rotated by H: a matrix that reads heads (o_proj, an o adapter's
+/// A) then undoes H on each (H is symmetric and its own inverse); likewise down_proj over blocks of
+/// the SwiGLU output.
+fn blocks_on_cols(m: &Matrix, d: usize) -> Matrix {
     let mut o = m.to_f32();
     let mut buf = vec![0f64; d];
     for row in o.chunks_exact_mut(m.cols.max(1)) {
@@ -247,7 +269,7 @@ fn rotate_heads(v_proj: &Matrix, v_bias: Option<&mut Vec<f32>>, o_proj: &Matrix,
         let rotated = heads_on_rows(&Matrix::from_f32(b.len(), 1, b.clone()), d).to_f32();
         *b = rotated;
     }
-    (heads_on_rows(v_proj, d), heads_on_cols(o_proj, d))
+    (heads_on_rows(v_proj, d), blocks_on_cols(o_proj, d))
 }
 
 /// What LoRA adapters trained on the unrotated model need to serve over the rotated one: each
@@ -258,11 +280,48 @@ fn rotate_heads(v_proj: &Matrix, v_bias: Option<&mut Vec<f32>>, o_proj: &Matrix,
 pub struct AdapterRotation {
     q: Rotation,
     head_dim: usize,
+    /// The online rotation of down_proj's input, if any: its block, and the signs folded into up.
+    down: Option<DownRotation>,
     /// Per layer: input_layernorm's and post_attention_layernorm's weights before folding.
     norms: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
+/// The online rotation of down_proj's input: `x' = H S x`, H over blocks of `block`.
+#[derive(Debug)]
+struct DownRotation {
+    block: usize,
+    signs: Vec<f32>,
+}
+
+impl DownRotation {
+    fn new(inter: usize, seed: u64) -> Option<DownRotation> {
+        let block = down_input_block(inter)?;
+        let mut rng = SplitMix64(seed ^ 0x444f_574e); // "DOWN": signs of their own stream
+        let signs = (0..inter).map(|_| if rng.next() & 1 == 0 { 1.0 } else { -1.0 }).collect();
+        Some(DownRotation { block, signs })
+    }
+
+    /// Rows of a matrix writing up_proj's outputs (up_proj, an up adapter's B) times the signs.
+    fn sign_rows(&self, m: &Matrix) -> Matrix {
+        let mut v = m.to_f32();
+        v.chunks_exact_mut(m.cols.max(1)).zip(&self.signs).for_each(|(r, &s)| r.iter_mut().for_each(|x| *x *= s));
+        Matrix::from_f32(m.rows, m.cols, v)
+    }
+
+    /// `W S H` for a matrix reading the SwiGLU output (down_proj, a down adapter's A).
+    fn reader(&self, m: &Matrix) -> Matrix {
+        let mut v = m.to_f32();
+        v.chunks_exact_mut(m.cols.max(1)).for_each(|r| r.iter_mut().zip(&self.signs).for_each(|(x, &s)| *x *= s));
+        blocks_on_cols(&Matrix::from_f32(m.rows, m.cols, v), self.block)
+    }
+}
+
 impl AdapterRotation {
+    /// The block of the online rotation of down_proj's input (None: not rotated).
+    pub fn down_block(&self) -> Option<usize> {
+        self.down.as_ref().map(|d| d.block)
+    }
+
     /// Rotates every pair of `adapter` (one trained on the unrotated model).
     pub fn rotate(&self, adapter: &mut LoraAdapter) -> Result<()> {
         use crate::lora::target::TargetModule as T;
@@ -279,9 +338,19 @@ impl AdapterRotation {
                 let (a, b) = match m {
                     T::Q | T::K => (fold_reader(&a, g1, &self.q), b),
                     T::V => (fold_reader(&a, g1, &self.q), heads_on_rows(&b, self.head_dim)),
-                    T::O => (heads_on_cols(&a, self.head_dim), fold_writer(&b, &self.q)),
-                    T::Gate | T::Up => (fold_reader(&a, g2, &self.q), b),
-                    T::Down => (a, fold_writer(&b, &self.q)),
+                    T::O => (blocks_on_cols(&a, self.head_dim), fold_writer(&b, &self.q)),
+                    T::Gate => (fold_reader(&a, g2, &self.q), b),
+                    T::Up => (fold_reader(&a, g2, &self.q), match &self.down {
+                        Some(d) => d.sign_rows(&b),
+                        None => b,
+                    }),
+                    T::Down => {
+                        let a = match &self.down {
+                            Some(d) => d.reader(&a),
+                            None => a,
+                        };
+                        (a, fold_writer(&b, &self.q))
+                    },
                 };
                 (pair.a, pair.b) = (a.to_f32(), b.to_f32());
             }
@@ -290,9 +359,9 @@ impl AdapterRotation {
     }
 }
 
-/// Rotates the residual stream of `w` by the seeded rotation of its hidden size, and each attention
-/// head's values by H (see the module's header); the model computes the same logits up to f32
-/// rounding.
+/// Rotates the residual stream of `w` by the seeded rotation of its hidden size, each attention
+/// head's values by H, and down_proj's input where its size allows (see the module's header;
+/// `w.down_input_hadamard` then says so): the model computes the same logits up to f32 rounding.
 pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<AdapterRotation> {
     let h = w.config.hidden_size;
     let d = w.config.head_dim;
@@ -300,6 +369,7 @@ pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<Adapter
         return Err(EngineError::Unsupported(format!("rotation: head_dim {d} is not a power of two")));
     }
     let q = Rotation::new(h, seed)?;
+    let down = DownRotation::new(w.config.intermediate_size, seed);
     let ones = vec![1f32; h];
     let norms = w.layers.iter().map(|l| (l.input_layernorm.clone(), l.post_attention_layernorm.clone())).collect();
     // The head first: a tied head is the embedding before it is rotated.
@@ -321,9 +391,14 @@ pub fn rotate_residual_stream(w: &mut ModelWeights, seed: u64) -> Result<Adapter
         let g = std::mem::replace(&mut layer.post_attention_layernorm, ones.clone());
         layer.gate_proj = fold_reader(&layer.gate_proj, &g, &q);
         layer.up_proj = fold_reader(&layer.up_proj, &g, &q);
+        if let Some(dr) = &down {
+            layer.up_proj = dr.sign_rows(&layer.up_proj);
+            layer.down_proj = dr.reader(&layer.down_proj);
+        }
         layer.down_proj = fold_writer(&layer.down_proj, &q);
     }
-    Ok(AdapterRotation { q, head_dim: d, norms })
+    w.down_input_hadamard = down.as_ref().map(|d| d.block);
+    Ok(AdapterRotation { q, head_dim: d, down, norms })
 }
 
 #[cfg(test)]
@@ -373,6 +448,41 @@ mod tests {
                     assert!((got[r * 5 + c] as f64 - col[r]).abs() < 1e-5, "n {n} row {r} col {c}: {} vs {}", got[r * 5 + c], col[r]);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn down_proj_input_blocks_are_the_largest_power_of_two_up_to_2048() {
+        assert_eq!(down_input_block(1536), Some(512), "SmolLM2: 3 × 512");
+        assert_eq!(down_input_block(14336), Some(2048), "Llama-3.1-8B: 7 × 2048");
+        assert_eq!(down_input_block(16384), Some(2048), "capped");
+        assert_eq!(down_input_block(8 * 11), Some(8));
+        assert_eq!(down_input_block(4 * 11), None, "blocks under 8 are not rotated");
+        assert_eq!(down_input_block(0), None);
+    }
+
+    #[test]
+    fn the_online_down_rotation_undoes_what_down_proj_holds() {
+        // down(x) = W x must equal W' (H S x) with W' = W S H, the signs S folded into up's rows.
+        let (inter, out) = (96usize, 3usize);
+        let down = DownRotation::new(inter, ROTATION_SEED).unwrap();
+        assert_eq!(down.block, 32);
+        assert!(down.signs.iter().any(|&s| s < 0.0) && down.signs.iter().any(|&s| s > 0.0));
+        let w: Vec<f32> = (0..out * inter).map(|i| ((i * 29 % 53) as f32 - 26.0) / 13.0).collect();
+        let x: Vec<f32> = (0..inter).map(|i| ((i * 17 % 31) as f32 - 15.0) / 7.0).collect();
+        let folded = down.reader(&Matrix::from_f32(out, inter, w.clone())).to_f32();
+        // What the kernel reads: up's output carries the signs, then each block is rotated.
+        let mut xr: Vec<f32> = x.iter().zip(&down.signs).map(|(a, s)| a * s).collect();
+        crate::backend::cpu::hadamard::rotate_heads(&mut xr, down.block);
+        for r in 0..out {
+            let want: f32 = (0..inter).map(|c| w[r * inter + c] * x[c]).sum();
+            let got: f32 = (0..inter).map(|c| folded[r * inter + c] * xr[c]).sum();
+            assert!((want - got).abs() < 1e-4 * want.abs().max(1.0), "row {r}: {got} vs {want}");
+        }
+        // The signed up rows: each output channel negated where its sign is.
+        let up = down.sign_rows(&Matrix::from_f32(inter, 2, (0..2 * inter).map(|i| i as f32).collect())).to_f32();
+        for c in 0..inter {
+            assert_eq!(up[2 * c + 1], down.signs[c] * (2 * c + 1) as f32);
         }
     }
 }

@@ -250,6 +250,7 @@ fn read_weights(st: &SafetensorsFolder, dir: &Path, config: &ModelConfig) -> Res
         layers,
         norm: st.vector("model.norm.weight", h)?,
         lm_head,
+        down_input_hadamard: None,
     };
     weights
         .validate()

@@ -171,6 +171,11 @@ pub struct ModelWeights {
     pub norm: Vec<f32>,
     /// `[vocab, hidden]`; None: tied to `embed_tokens`.
     pub lm_head: Option<Matrix>,
+    /// Some(b): down_proj reads the SwiGLU output rotated by the block-diagonal normalized
+    /// Walsh–Hadamard matrix of blocks of `b` (a power of two dividing the intermediate size), and
+    /// its columns hold that rotation (`model::rotate`): every backend must rotate the SwiGLU output
+    /// before down_proj and its LoRA adapter read it. None for a model as loaded.
+    pub down_input_hadamard: Option<usize>,
 }
 
 impl ModelWeights {

@@ -34,6 +34,15 @@ fn shard_vec(v: &[f32], range: Range<usize>, name: String) -> Result<Vec<f32>, T
 /// cut a quantization block.
 pub fn shard_weights(weights: &ModelWeights, plan: &TpPlan, rank: usize) -> Result<ModelWeights, TpError> {
     let m = |t: Tensor, matrix: &Matrix, name: String| shard_matrix(plan, t, rank, matrix, name);
+    // The online rotation of down_proj's input acts on blocks of intermediate channels: each rank
+    // can apply it to its own share only where that share is whole blocks.
+    let local_inter = plan.local_config(&weights.config).intermediate_size;
+    if let Some(b) = weights.down_input_hadamard.filter(|b| local_inter % b != 0) {
+        return Err(TpError::Slice {
+            tensor: Tensor::Down.name().into(),
+            message: format!("each rank's {local_inter} intermediate channels are not whole blocks of the {b}-channel rotation (--quantization-rotation)"),
+        });
+    }
     let mut layers = Vec::with_capacity(weights.layers.len());
     for (i, l) in weights.layers.iter().enumerate() {
         let name = |t: Tensor| format!("layers.{i}.{}", t.name());
@@ -65,6 +74,7 @@ pub fn shard_weights(weights: &ModelWeights, plan: &TpPlan, rank: usize) -> Resu
             .as_ref()
             .map(|h| m(Tensor::LmHead, h, Tensor::LmHead.name().into()))
             .transpose()?,
+        down_input_hadamard: weights.down_input_hadamard,
     })
 }
 
@@ -148,5 +158,22 @@ mod tests {
         let kb = l.k_bias.as_ref().unwrap();
         assert_eq!([s0.k_bias.clone().unwrap(), s1.k_bias.clone().unwrap()].concat(), *kb);
         assert_eq!(shards[1].embed_tokens.rows, c.vocab_size / 2);
+    }
+
+    #[test]
+    fn the_online_down_rotation_shards_only_in_whole_blocks() {
+        let mut c = crate::lora::test_support::tiny_config();
+        c.intermediate_size = 80;
+        let mut w = dummy_weights(&c, 3);
+        let plan = TpPlan::new(&c, 2).unwrap();
+        // 40 channels per rank: whole blocks of 8, each rank rotates its own.
+        w.down_input_hadamard = Some(8);
+        for r in 0..2 {
+            assert_eq!(shard_weights(&w, &plan, r).unwrap().down_input_hadamard, Some(8));
+        }
+        // Blocks of 16 would straddle the ranks (40 = 2.5 blocks).
+        w.down_input_hadamard = Some(16);
+        let e = shard_weights(&w, &plan, 0).unwrap_err().to_string();
+        assert!(e.contains("down_proj") && e.contains("16-channel") && e.contains("40"), "{e}");
     }
 }

@@ -35,7 +35,8 @@ pub fn rotate(x: &mut [f32]) {
     }
 }
 
-/// Rotates each of the `x.len() / head_dim` heads of `x`.
+/// Rotates each of the `x.len() / head_dim` heads of `x` (or blocks: the online rotation of
+/// down_proj's input under `--quantization-rotation`, `model::rotate`).
 pub fn rotate_heads(x: &mut [f32], head_dim: usize) {
     for head in x.chunks_exact_mut(head_dim) {
         rotate(head);

@@ -74,6 +74,8 @@ pub struct CpuBackend {
     isa: Isa,
     /// LoRA slots and the step's segment table, once `enable_lora` was called.
     lora: Option<CpuLora>,
+    /// The block of the online rotation of down_proj's input (`ModelWeights::down_input_hadamard`).
+    down_input_hadamard: Option<usize>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -105,6 +107,10 @@ impl CpuBackend {
             .validate()
             .map_err(|m| EngineError::Backend(format!("weights do not match the config: {m}")))?;
         let config = weights.config.clone();
+        let down_input_hadamard = weights.down_input_hadamard;
+        if let Some(b) = down_input_hadamard.filter(|&b| !b.is_power_of_two() || config.intermediate_size % b != 0) {
+            return Err(EngineError::Backend(format!("down_proj's input rotation in blocks of {b} does not tile {} channels", config.intermediate_size)));
+        }
         let mut layers = Vec::with_capacity(weights.layers.len());
         for l in weights.layers {
             let qkv_bias = if l.q_bias.is_some() || l.k_bias.is_some() || l.v_bias.is_some() {
@@ -143,6 +149,7 @@ impl CpuBackend {
             threads,
             isa: Isa::detect(),
             lora: None,
+            down_input_hadamard,
         })
     }
 
@@ -307,6 +314,10 @@ impl CpuBackend {
             }
         }
         ops::swiglu(&s.gu, inter, &mut s.act);
+        if let Some(block) = self.down_input_hadamard {
+            // down_proj (and its adapter's A) hold the rotation's inverse (model::rotate).
+            hadamard::rotate_heads(&mut s.act, block);
+        }
         matmul(isa, &s.act, n, &layer.down, &mut s.proj);
         if let Some(lora) = &self.lora {
             let x = Rows { data: &s.act, stride: inter, offset: 0 };

@@ -3,7 +3,8 @@
 //
 // - add_rmsnorm_quant_{e4m3,i8}: add_rmsnorm (rmsnorm.cu) that also writes the normalized row's
 //   8-bit codes and its scale (input of q|k|v and gate|up);
-// - silu_mul_quant_{e4m3,i8}: silu_mul (silu_mul.cu) with one block per row, likewise (input of down);
+// - silu_mul_quant_{e4m3,i8}: silu_mul (silu_mul.cu) with one block per row, likewise (input of down),
+//   optionally rotated first (the online Walsh–Hadamard of `--quantization-rotation`);
 // - attn_out_rows_written: called by the attention kernels once a block has written its share of the
 //   attention output, quantizes each token's row in the block that completes it (input of o);
 // - quant_rows_{e4m3,i8}: bf16 rows -> 8-bit codes (weights at load, and the attention output where
@@ -123,16 +124,71 @@ __device__ __forceinline__ void add_rmsnorm_quant_impl(float* __restrict__ resid
     quantize_row_regs<FMT>(v, chunks, amax, q + row * hidden, scales + row, scratch);
 }
 
+// x <- H8 x for 8 values in registers (Sylvester's butterflies at strides 1, 2, 4, unnormalized).
+__device__ __forceinline__ void hadamard8(float (&v)[8]) {
+#pragma unroll
+    for (int len = 1; len < 8; len <<= 1) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            if ((t & len) == 0) {
+                const float a = v[t], b = v[t + len];
+                v[t] = a + b;
+                v[t + len] = a - b;
+            }
+        }
+    }
+}
+
+// The row's values x <- H x, H the normalized Walsh–Hadamard matrix of each block of `had` values
+// (a power of two >= 8 dividing the row), through `row` (dynamic shared memory, 8 · chunks floats):
+// strides 1-4 within each thread's chunks, then the longer strides across threads. The butterflies
+// and the normalization after them are the CPU's (hadamard::rotate_heads), in the same order.
+__device__ __forceinline__ void hadamard_blocks_row(float (&v)[ROW_MAXC][8], int chunks, int had, float* row) {
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+            hadamard8(v[i]);
+#pragma unroll
+            for (int t = 0; t < 8; ++t) row[8 * c + t] = v[i][t];
+        }
+    }
+    __syncthreads();
+    const int half = 4 * chunks;
+    for (int len = 8; len < had; len <<= 1) {
+        for (int p = threadIdx.x; p < half; p += blockDim.x) {
+            const int j = (p / len) * 2 * len + (p % len);
+            const float a = row[j], b = row[j + len];
+            row[j] = a + b;
+            row[j + len] = a - b;
+        }
+        __syncthreads();
+    }
+    const float norm = 1.f / sqrtf((float)had);
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) v[i][t] = row[8 * c + t] * norm;
+        }
+    }
+}
+
 // One block per row as above (inter % 8 == 0); `out` may be null; gate_up unscaled when dws is not
 // null (dws: the 2·inter row scales of [gate; up]), read as int32 sums from gate_up_i32 when that is
-// not null.
+// not null. had > 0: the SwiGLU output is rotated by the block-diagonal Walsh–Hadamard matrix of
+// blocks of `had` before its scale, codes and bf16 copy (down_proj's online rotation,
+// `--quantization-rotation`; needs 4 · inter bytes of dynamic shared memory).
 template <int FMT>
 __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, unsigned char* __restrict__ q,
                                                     float* scales, const bf16_t* __restrict__ gate_up,
                                                     int inter, const bf16_t* __restrict__ lora_d,
                                                     const int* __restrict__ lora_slots, const float* dxs,
-                                                    const float* __restrict__ dws, const int* __restrict__ gate_up_i32) {
+                                                    const float* __restrict__ dws, const int* __restrict__ gate_up_i32,
+                                                    int had) {
     __shared__ float scratch[33];
+    extern __shared__ float silu_had_row[];
     pdl_trigger();
     const u64 row = blockIdx.x;
     const float sx = dws ? dxs[row] : 1.f;
@@ -144,7 +200,6 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
     // The LoRA update of gate|up (silu_mul.cu), added to gate and up before SwiGLU.
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, 2 * (u64)inter);
     float v[ROW_MAXC][8];
-    float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < ROW_MAXC; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
@@ -157,10 +212,17 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
                 add8_bf16(ld + inter + 8 * c, uv);
             }
 #pragma unroll
-            for (int t = 0; t < 8; ++t) {
-                v[i][t] = gv[t] / (1.f + expf(-gv[t])) * uv[t];
-                amax = fmaxf(amax, fabsf(v[i][t]));
-            }
+            for (int t = 0; t < 8; ++t) v[i][t] = gv[t] / (1.f + expf(-gv[t])) * uv[t];
+        }
+    }
+    if (had > 0) hadamard_blocks_row(v, chunks, had, silu_had_row);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROW_MAXC; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < chunks) {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) amax = fmaxf(amax, fabsf(v[i][t]));
             if (out) st8_bf16(out + row * inter + 8 * c, v[i]);
         }
     }
@@ -178,8 +240,8 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
     extern "C" __global__ void __launch_bounds__(1024) silu_mul_quant_##SUFFIX(bf16_t* out, unsigned char* q, float* scales,                 \
                                                        const bf16_t* gate_up, int inter, const bf16_t* lora_d,       \
                                                        const int* lora_slots, const float* dxs, const float* dws,    \
-                                                       const int* gate_up_i32) {                                     \
-        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots, dxs, dws, gate_up_i32);         \
+                                                       const int* gate_up_i32, int had) {                            \
+        silu_mul_quant_impl<FMT>(out, q, scales, gate_up, inter, lora_d, lora_slots, dxs, dws, gate_up_i32, had);    \
     }
 Q8_FAMILY(e4m3, Q8_E4M3)
 Q8_FAMILY(i8, Q8_I8)

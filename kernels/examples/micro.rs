@@ -1,7 +1,9 @@
 //! Micro-benchmarks of the decode-critical kernels on Llama-3.1-8B shapes (run on a GPU):
 //! skinny GEMM vs cuBLAS at m = 1 (achieved GB/s of weight reads) and decode attention with and
 //! without the sequence split, the grouped LoRA kernels (`MICRO=lora`), and the row-wise FP8 GEMV
-//! against the bf16 one (`MICRO=fp8`), the 8-bit tensor-core GEMMs against cuBLAS bf16 (`MICRO=w8`).
+//! against the bf16 one (`MICRO=fp8`), the 8-bit tensor-core GEMMs against cuBLAS bf16 (`MICRO=w8`),
+//! SiLU·mul with its 8-bit quantization with and without the online Walsh–Hadamard of
+//! `--quantization-rotation` (`MICRO=silu`).
 //! Prints a table; asserts nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
@@ -57,6 +59,10 @@ fn main() {
     }
     if std::env::var("MICRO").is_ok_and(|v| v == "w8") {
         w8(&c);
+        return;
+    }
+    if std::env::var("MICRO").is_ok_and(|v| v == "silu") {
+        silu(&c);
         return;
     }
     println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
@@ -474,6 +480,29 @@ fn w8(c: &Cuda) {
                 cols[1].0 * 1e6,
                 cols[1].1
             );
+        }
+    }
+}
+
+/// `silu_mul_quant` (int8) at Llama-3.1-8B's and SmolLM2's intermediate sizes, plain and with
+/// down_proj's online rotation: what the rotation adds to each layer's step.
+fn silu(c: &Cuda) {
+    let s = &c.gpu.stream;
+    if !c.kernels.w8_ready(W8Format::I8) {
+        println!("int8 kernels not ready on this GPU");
+        return;
+    }
+    println!("{:<8} {:>6} {:>6} {:>10} {:>10} {:>7}", "inter", "block", "m", "plain us", "rotated us", "ratio");
+    for (inter, block) in [(14336usize, 2048usize), (1536, 512)] {
+        for m in [1usize, 16, 64, 256, 2048] {
+            let gu = c.gpu.alloc_zeros::<u16>(m * 2 * inter).unwrap();
+            unsafe { c.kernels.fill_uniform_bf16(s, gu.ptr(), m * 2 * inter, 3, 2.0).unwrap() };
+            let out = c.gpu.alloc_zeros::<u16>(m * inter).unwrap();
+            let q = c.gpu.alloc_zeros::<u8>(m * inter).unwrap();
+            let sc = c.gpu.alloc_zeros::<f32>(m).unwrap();
+            let run = |had: Option<usize>| time(c, 50, || unsafe { c.kernels.silu_mul_quant(s, W8Format::I8, out.ptr(), q.ptr(), sc.ptr(), gu.ptr(), m, inter, None, None, had).unwrap() });
+            let (plain, rotated) = (run(None), run(Some(block)));
+            println!("{inter:<8} {block:>6} {m:>6} {:>10.2} {:>10.2} {:>7.2}", plain * 1e6, rotated * 1e6, rotated / plain);
         }
     }
 }

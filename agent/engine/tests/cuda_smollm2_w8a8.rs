@@ -67,10 +67,20 @@ fn w8_noise_margin(format: RowFormat) -> f32 {
 
 /// The model as loaded (f32), and the CPU backend over its `format` quantization.
 fn backends(format: RowFormat) -> Option<(CudaBackend, CpuBackend)> {
+    backends_of(format, false)
+}
+
+/// As [`backends`], over the model rotated as `--quantization-rotation` rotates it (residual
+/// stream, heads, and down_proj's input online) when `rotated`.
+fn backends_of(format: RowFormat, rotated: bool) -> Option<(CudaBackend, CpuBackend)> {
     if !gpu_or_skip() {
         return None;
     }
-    let w: ModelWeights = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF").weights;
+    let mut w: ModelWeights = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF").weights;
+    if rotated {
+        model::rotate::rotate_residual_stream(&mut w, model::rotate::ROTATION_SEED).expect("rotate");
+        assert_eq!(w.down_input_hadamard, Some(512), "SmolLM2's down_proj input rotated in blocks of 512");
+    }
     let mut quantized = w.clone();
     quantize::quantize_linear_weights(&mut quantized, format).expect("quantize");
     let opts = CudaOptions { num_blocks: Some(256), block_size: BLOCK, max_model_len: 1024, max_num_batched_tokens: 512, max_num_seqs: 16, ..CudaOptions::default() };
@@ -256,7 +266,11 @@ fn int8_position0_matches_the_emulation_of_the_gpus_rounding() {
 /// still be the same size. A wiring bug (a scale on the wrong column, a stale buffer) makes the GPU's
 /// distance from f32 much larger than the CPU's.
 fn error_against_f32_is_the_cpus(format: RowFormat) {
-    let Some((mut g, mut cpu)) = backends(format) else { return };
+    error_against_f32_is_the_cpus_of(format, false)
+}
+
+fn error_against_f32_is_the_cpus_of(format: RowFormat, rotated: bool) {
+    let Some((mut g, mut cpu)) = backends_of(format, rotated) else { return };
     let w: ModelWeights = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF").weights;
     let mut exact = CpuBackend::new(w, KvCacheShape { num_blocks: 64, block_size: BLOCK }, 4).expect("CPU backend (f32)");
     let reference = common::reference();
@@ -278,7 +292,8 @@ fn error_against_f32_is_the_cpus(format: RowFormat) {
         }
     }
     report(&format!(
-        "{format:?} W8A8 vs f32 over f32's top-10 at {positions} positions: cuda mean |Δ| {:.4} max {:.3} top-1 {gpu_top1}; cpu mean |Δ| {:.4} max {:.3} top-1 {cpu_top1}; cuda vs cpu mean {:.4} max {:.3} ({})",
+        "{format:?} W8A8{} vs f32 over f32's top-10 at {positions} positions: cuda mean |Δ| {:.4} max {:.3} top-1 {gpu_top1}; cpu mean |Δ| {:.4} max {:.3} top-1 {cpu_top1}; cuda vs cpu mean {:.4} max {:.3} ({})",
+        if rotated { " (rotated)" } else { "" },
         gpu_err.mean(), gpu_err.max, cpu_err.mean(), cpu_err.max, between.mean(), between.max, between.worst
     ));
     assert!(gpu_err.mean() <= 1.3 * cpu_err.mean() + 0.05, "{format:?}: the GPU's W8A8 is further from f32 (mean {}) than the CPU's (mean {})", gpu_err.mean(), cpu_err.mean());
@@ -293,6 +308,14 @@ fn fp8_error_against_f32_is_the_cpus() {
 #[test]
 fn int8_error_against_f32_is_the_cpus() {
     error_against_f32_is_the_cpus(RowFormat::Int8);
+}
+
+/// `--quantization int8 --quantization-rotation`: the GPU's rotated model (silu_mul_quant rotating
+/// down_proj's input as it quantizes it) as close to f32 as the CPU's. Leaving out any part of the
+/// rotation on the GPU moves its logits by whole units (an unrotated input into rotated columns).
+#[test]
+fn rotated_int8_error_against_f32_is_the_cpus() {
+    error_against_f32_is_the_cpus_of(RowFormat::Int8, true);
 }
 
 #[test]

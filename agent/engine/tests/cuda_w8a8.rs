@@ -386,7 +386,21 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
             continue;
         }
         // sums: gate|up as an int8 GEMM leaves it, int32 sums in their own buffer (the bf16 one poisoned).
-        for (rows, inter, deferred, sums) in [(2usize, 1536usize, false, false), (17, 14336, false, false), (17, 14336, true, false), (17, 14336, true, true)] {
+        // Blocks the kernel cannot rotate are refused before any launch (1024 does not tile 1536).
+        for bad in [3usize, 4, 4096, 1024] {
+            let r = unsafe { c.kernels.silu_mul_quant(s, w8, 0, 0, 0, 0, 2, 1536, None, None, Some(bad)) };
+            assert!(r.is_err(), "{format:?}: a Walsh–Hadamard block of {bad}");
+        }
+        // had: down_proj's online rotation (`--quantization-rotation`), SmolLM2's and Llama-3.1-8B's blocks.
+        for (rows, inter, deferred, sums, had) in [
+            (2usize, 1536usize, false, false, None),
+            (17, 14336, false, false, None),
+            (17, 14336, true, false, None),
+            (17, 14336, true, true, None),
+            (2, 1536, false, false, Some(512usize)),
+            (17, 14336, true, true, Some(2048)),
+            (5, 1536, true, false, Some(8)),
+        ] {
             let mut gate_up = values(rows * 2 * inter, 21, 4.0);
             // A token whose SwiGLU is all zeros: scale 0, codes 0.
             gate_up[2 * inter..4 * inter].fill(0.0);
@@ -404,6 +418,10 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
                 .collect();
             let mut want = vec![0f32; rows * inter];
             swiglu(&gu, inter, &mut want);
+            if let Some(b) = had {
+                // What the CPU backend does before down_proj reads the row.
+                peregrine_engine::backend::cpu::hadamard::rotate_heads(&mut want, b);
+            }
             let dgu = c.gpu.upload(&if sums { vec![0xFFFFu16; bits.len()] } else { bits.clone() }).unwrap();
             let dints = c.gpu.upload(&ints).unwrap();
             let dout = c.gpu.upload(&vec![0xFFFFu16; rows * inter]).unwrap();
@@ -411,14 +429,15 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
             let ds = c.gpu.upload(&if deferred { xs.clone() } else { vec![f32::NAN; rows] }).unwrap();
             let dws = c.gpu.upload(&ws).unwrap();
             let scale = deferred.then(|| OuterScale { sums_i32: if sums { dints.ptr() } else { 0 }, ..OuterScale::bf16(ds.ptr(), dws.ptr()) });
-            unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None, scale).unwrap() };
+            unsafe { c.kernels.silu_mul_quant(s, w8, dout.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None, scale, had).unwrap() };
             for (i, (&b, &w)) in dout.download(s).unwrap().iter().zip(&want).enumerate() {
                 let g = bf16::from_bits(b).to_f32();
                 assert!((g - w).abs() <= w.abs() / 128.0 + 1e-6, "{format:?} SwiGLU bf16 [{i}]: {g} vs {w}");
             }
             let (q, sc) = (dq.download(s).unwrap(), ds.download(s).unwrap());
             assert_eq!(sc[1], 0.0, "zero token's scale");
-            check_codes(format, &format!("silu_mul {rows}x{inter}{}", if sums { " (int32 sums, scales deferred)" } else if deferred { " (scales deferred)" } else { "" }), rows, inter, &want, &q, &sc, false);
+            let what = format!("silu_mul {rows}x{inter}{}{}", if sums { " (int32 sums, scales deferred)" } else if deferred { " (scales deferred)" } else { "" }, had.map_or(String::new(), |b| format!(" rotated in blocks of {b}")));
+            check_codes(format, &what, rows, inter, &want, &q, &sc, false);
         }
     }
 }

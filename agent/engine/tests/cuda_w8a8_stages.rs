@@ -138,7 +138,7 @@ fn layer0_stages(f: RowFormat) {
         swiglu(&gate_up_bf, inter, &mut act);
         let dgu = c.gpu.upload(&bf16_bits(&gate_up_bf)).unwrap();
         let dact = c.gpu.alloc_zeros::<u16>(rows * inter).unwrap();
-        unsafe { c.kernels.silu_mul_quant(s, w8, dact.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None, None).unwrap() };
+        unsafe { c.kernels.silu_mul_quant(s, w8, dact.ptr(), dq.ptr(), ds.ptr(), dgu.ptr(), rows, inter, None, None, None).unwrap() };
         let (act_vals, act_scales) = quantize_activations(f, &act, rows, inter);
         let got_s = ds.download(s).unwrap();
         let got_q = dq.download(s).unwrap();

@@ -307,7 +307,16 @@ impl Kernels {
             scale_outer: f("scale_outer")?,
             scale_outer_i32: f("scale_outer_i32")?,
             add_rmsnorm_quant: [f("add_rmsnorm_quant_e4m3")?, f("add_rmsnorm_quant_i8")?],
-            silu_mul_quant: [f("silu_mul_quant_e4m3")?, f("silu_mul_quant_i8")?],
+            silu_mul_quant: {
+                // The online rotation of down_proj's input holds the row in shared memory (4 bytes
+                // a channel: 56 KB for Llama-3.1-8B's 14336), past the 48 KB default.
+                use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN;
+                let funcs = [f("silu_mul_quant_e4m3")?, f("silu_mul_quant_i8")?];
+                for func in &funcs {
+                    func.set_attribute(MAX_DYN, quant8::SILU_HADAMARD_SMEM_MAX as i32)?;
+                }
+                funcs
+            },
             gemm_w8a8: [[f("gemm_w8a8_e4m3")?, f("gemm_w8a8_i8")?], [f("gemm_w8a8_e4m3_t32")?, f("gemm_w8a8_i8_t32")?]],
             gemm8_tile: std::env::var("PEREGRINE_GEMM8_TILE").ok().and_then(|v| v.parse().ok()).filter(|t| matches!(t, 32 | 64)),
             fp8_arch: arch >= (8, 9),

@@ -1,10 +1,15 @@
 //! quant8.cu: per-token 8-bit activation quantization fused into RMSNorm and SiLU·mul (the inputs
 //! of the W8A8 linears), each also writing its usual bf16 output (read by LoRA).
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaStream, LaunchConfig};
 
 use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, LoraDelta, W8Format};
-use crate::Result;
+use crate::{KernelError, Result};
+
+/// The widest row `silu_mul_quant` rotates (its Walsh–Hadamard holds the row in shared memory).
+pub const SILU_HADAMARD_MAX_INTER: usize = 16384;
+/// The dynamic shared memory that takes, opted into when the kernels load.
+pub(crate) const SILU_HADAMARD_SMEM_MAX: usize = 4 * SILU_HADAMARD_MAX_INTER;
 
 /// The token and row scales an unscaled 8-bit GEMM left to the kernel that consumes its output
 /// (`Cuda::linear_w8_deferred`): that kernel multiplies each value by `xs[token] · ws[column]`, which
@@ -70,15 +75,30 @@ impl Kernels {
     }
 
     /// [`Kernels::silu_mul`] (with `lora` as there) that also writes each output row's codes to `q` (`n × inter` bytes) and
-    /// its scale to `scales` (from the f32 values). One block per row.
+    /// its scale to `scales` (from the f32 values). One block per row. `hadamard_block` Some(b):
+    /// each row is first rotated by the normalized Walsh–Hadamard matrix of each block of `b`
+    /// channels (b a power of two from 8 to 2048 dividing `inter`, `inter` at most
+    /// [`SILU_HADAMARD_MAX_INTER`]), codes, scale and bf16 copy alike: down_proj's online rotation
+    /// (`model::rotate` in the engine).
     ///
     /// # Safety
     /// out: n*inter bf16 or 0 (no bf16 copy); q: n*inter bytes; scales: n f32; gate_up: n*2*inter bf16.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>, gate_up_scale: Option<OuterScale>) -> Result<()> {
+    pub unsafe fn silu_mul_quant(&self, s: &CudaStream, format: W8Format, out: DPtr, q: DPtr, scales: DPtr, gate_up: DPtr, n: usize, inter: usize, lora: Option<LoraDelta>, gate_up_scale: Option<OuterScale>, hadamard_block: Option<usize>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
+        let (had, smem) = match hadamard_block {
+            None => (0i32, 0u32),
+            Some(b) => {
+                if !b.is_power_of_two() || !(8..=2048).contains(&b) || !inter.is_multiple_of(b) || inter > SILU_HADAMARD_MAX_INTER {
+                    return Err(KernelError::Unsupported(format!(
+                        "silu_mul_quant: a Walsh–Hadamard block of {b} over {inter} channels (a power of two from 8 to 2048 dividing them, at most {SILU_HADAMARD_MAX_INTER} channels)"
+                    )));
+                }
+                (b as i32, (4 * inter) as u32)
+            }
+        };
         let (lora_d, lora_slots) = LoraDelta::args(lora);
         let (dxs, dws, gate_up_i32) = OuterScale::args(gate_up_scale);
         self.check_w8(format, "silu_mul_quant")?;
@@ -95,7 +115,8 @@ impl Kernels {
             .arg(&dxs)
             .arg(&dws)
             .arg(&gate_up_i32)
-            .launch(s, cfg(as_u32(n, "tokens")?, threads), false)?;
+            .arg(&had)
+            .launch(s, LaunchConfig { shared_mem_bytes: smem, ..cfg(as_u32(n, "tokens")?, threads) }, false)?;
         Ok(())
     }
 

@@ -169,6 +169,9 @@ pub struct CudaBackend {
     /// output instead of a `quant_rows` pass. Off by default: on an H100 the per-block count and the
     /// completing block's read-back cost more than the pass saves (docs/benchmarks.md, session 16).
     fused_attn_quant: bool,
+    /// The block of the online rotation of down_proj's input (`ModelWeights::down_input_hadamard`),
+    /// applied by `silu_mul_quant` as it quantizes that input.
+    down_input_hadamard: Option<usize>,
     rope_cos: DevBuf<f32>,
     rope_sin: DevBuf<f32>,
     scratch: Scratch,
@@ -244,6 +247,14 @@ impl CudaBackend {
         if let Some(f) = w8 {
             check_w8(&cuda, c, f)?;
         }
+        let down_input_hadamard = match &init {
+            WeightInit::Host(w) => w.down_input_hadamard,
+            WeightInit::Random { .. } => None,
+        };
+        if down_input_hadamard.is_some() && w8.is_none() {
+            // Only the 8-bit path's SwiGLU kernel rotates; a bf16 one would feed down_proj unrotated.
+            return Err(EngineError::InvalidRequest("the rotated model (--quantization-rotation) needs 8-bit linears (--quantization fp8|int8) on cuda".into()));
+        }
         let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
         let (config, weights) = match init {
             WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w, w8)?),
@@ -318,7 +329,7 @@ impl CudaBackend {
             None => LORA_SM_RESERVE_TOKENS,
         };
         let fused_attn_quant = std::env::var("PEREGRINE_ATTN_QUANT").is_ok_and(|v| v == "fused");
-        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, fused_attn_quant, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora, lora_sm_reserve, lora_sm_reserve_tokens })
+        Ok(CudaBackend { cuda, config, weights, kv_cache, kv_dtype: opts.kv_cache_dtype, kv_rotation, fused_attn_quant, down_input_hadamard, rope_cos, rope_sin, scratch, layout, limits, graphs, timing: None, lora, lora_sm_reserve, lora_sm_reserve_tokens })
     }
 
     /// Device address of layer `l`'s K (`v = false`) or V cache.
@@ -529,7 +540,7 @@ impl CudaBackend {
                         _ if swiglu_written => {}
                         Some(f) => {
                             let out = if bf16_read(&[&lw.down]) { sc.act.ptr() } else { 0 };
-                            k.silu_mul_quant(s, f, out, xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora, gate_up_scale)?
+                            k.silu_mul_quant(s, f, out, xq, xs, sc.gate_up.ptr(), n, inter, gate_up_lora, gate_up_scale, self.down_input_hadamard)?
                         }
                         // bf16 linears never leave scales.
                         None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter, gate_up_lora)?,

@@ -140,38 +140,81 @@ __device__ __forceinline__ void hadamard8(float (&v)[8]) {
 }
 
 // The row's values x <- H x, H the normalized Walsh–Hadamard matrix of each block of `had` values
-// (a power of two >= 8 dividing the row), through `row` (dynamic shared memory, 8 · chunks floats):
-// strides 1-4 within each thread's chunks, then the longer strides across threads. The butterflies
-// and the normalization after them are the CPU's (hadamard::rotate_heads), in the same order.
+// (a power of two >= 8 dividing the row; v zero past the row). Each stride where it is cheapest:
+// 1-4 within a thread's 8 values, 8-128 across the lanes of a warp (a warp's 32 chunks are 256
+// consecutive values) by shuffles, 256 and up (had > 256 only) in one pass over `row` (dynamic
+// shared memory, 8 · chunks floats), each thread taking one column of had / 256 values. The
+// butterflies are the CPU's (hadamard::rotate_heads), in its order of strides, and the
+// normalization after them too: the results are the CPU's bit for bit.
 __device__ __forceinline__ void hadamard_blocks_row(float (&v)[ROW_MAXC][8], int chunks, int had, float* row) {
+    const int lane = threadIdx.x & 31;
+    const int lane_span = min(had, 256) >> 3;  // chunks of a block within one warp
 #pragma unroll
     for (int i = 0; i < ROW_MAXC; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < chunks) {
+        // Warp-uniform: every lane shuffles, lanes past the row hold zeros that no valid lane reads
+        // (chunks is a multiple of had / 8, so groups of lane_span lanes are whole blocks or none).
+        if (i * (int)blockDim.x + (int)(threadIdx.x & ~31u) < chunks) {
             hadamard8(v[i]);
+            for (int m = 1; m < lane_span; m <<= 1) {
+                const bool upper = lane & m;
 #pragma unroll
-            for (int t = 0; t < 8; ++t) row[8 * c + t] = v[i][t];
+                for (int t = 0; t < 8; ++t) {
+                    const float o = __shfl_xor_sync(0xffffffffu, v[i][t], m);
+                    v[i][t] = upper ? o - v[i][t] : v[i][t] + o;
+                }
+            }
         }
     }
-    __syncthreads();
-    const int half = 4 * chunks;
-    for (int len = 8; len < had; len <<= 1) {
-        for (int p = threadIdx.x; p < half; p += blockDim.x) {
-            const int j = (p / len) * 2 * len + (p % len);
-            const float a = row[j], b = row[j + len];
-            row[j] = a + b;
-            row[j + len] = a - b;
+    if (had > 256) {
+#pragma unroll
+        for (int i = 0; i < ROW_MAXC; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < chunks) {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) row[8 * c + t] = v[i][t];
+            }
         }
         __syncthreads();
+        // Column p: values k·had + o + 256·j (j < r) of block k = p / 256, offset o = p % 256.
+        const int r = had >> 8;
+        for (int p = threadIdx.x; p < 8 * chunks / r; p += blockDim.x) {
+            float* col = row + (p >> 8) * had + (p & 255);
+            float x[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) x[j] = j < r ? col[256 * j] : 0.f;
+#pragma unroll
+            for (int len = 1; len < 8; len <<= 1) {
+                if (len < r) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        if ((j & len) == 0) {
+                            const float a = x[j], b = x[j + len];
+                            x[j] = a + b;
+                            x[j + len] = a - b;
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j < r) col[256 * j] = x[j];
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < ROW_MAXC; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < chunks) {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) v[i][t] = row[8 * c + t];
+            }
+        }
     }
     const float norm = 1.f / sqrtf((float)had);
 #pragma unroll
     for (int i = 0; i < ROW_MAXC; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < chunks) {
 #pragma unroll
-            for (int t = 0; t < 8; ++t) v[i][t] = row[8 * c + t] * norm;
-        }
+        for (int t = 0; t < 8; ++t) v[i][t] *= norm;
     }
 }
 
@@ -179,7 +222,7 @@ __device__ __forceinline__ void hadamard_blocks_row(float (&v)[ROW_MAXC][8], int
 // null (dws: the 2·inter row scales of [gate; up]), read as int32 sums from gate_up_i32 when that is
 // not null. had > 0: the SwiGLU output is rotated by the block-diagonal Walsh–Hadamard matrix of
 // blocks of `had` before its scale, codes and bf16 copy (down_proj's online rotation,
-// `--quantization-rotation`; needs 4 · inter bytes of dynamic shared memory).
+// `--quantization-rotation`; blocks over 256 need 4 · inter bytes of dynamic shared memory).
 template <int FMT>
 __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, unsigned char* __restrict__ q,
                                                     float* scales, const bf16_t* __restrict__ gate_up,
@@ -199,7 +242,7 @@ __device__ __forceinline__ void silu_mul_quant_impl(bf16_t* __restrict__ out, un
     const int* ui = gi ? gi + inter : nullptr;
     // The LoRA update of gate|up (silu_mul.cu), added to gate and up before SwiGLU.
     const bf16_t* ld = lora_delta_row(lora_d, lora_slots, row, 2 * (u64)inter);
-    float v[ROW_MAXC][8];
+    float v[ROW_MAXC][8] = {};
 #pragma unroll
     for (int i = 0; i < ROW_MAXC; ++i) {
         const int c = threadIdx.x + i * blockDim.x;

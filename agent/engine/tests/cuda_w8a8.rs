@@ -400,6 +400,9 @@ fn fused_silu_mul_quant_matches_the_cpu_swiglu_then_quantize() {
             (2, 1536, false, false, Some(512usize)),
             (17, 14336, true, true, Some(2048)),
             (5, 1536, true, false, Some(8)),
+            // Blocks within a warp only (no shared memory), and a row that ends inside a warp.
+            (3, 1536, false, false, Some(256)),
+            (4, 320, false, false, Some(64)),
         ] {
             let mut gate_up = values(rows * 2 * inter, 21, 4.0);
             // A token whose SwiGLU is all zeros: scale 0, codes 0.

@@ -96,7 +96,8 @@ impl Kernels {
                         "silu_mul_quant: a Walsh–Hadamard block of {b} over {inter} channels (a power of two from 8 to 2048 dividing them, at most {SILU_HADAMARD_MAX_INTER} channels)"
                     )));
                 }
-                (b as i32, (4 * inter) as u32)
+                // Blocks up to 256 rotate within warps; longer ones pass through shared memory.
+                (b as i32, if b > 256 { (4 * inter) as u32 } else { 0 })
             }
         };
         let (lora_d, lora_slots) = LoraDelta::args(lora);

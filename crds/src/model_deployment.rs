@@ -115,12 +115,12 @@ pub const GPU_BUDGET_RULE: &str =
 /// Message of [`GPU_BUDGET_RULE`].
 pub const GPU_BUDGET_MESSAGE: &str = "autoscaling.maxGpus must cover minReplicas × resources.gpus (each replica holds resources.gpus GPUs)";
 
-/// The CPU backend computes in float32 only; every other dtype needs a GPU.
+/// The CPU backend computes in float32, or int8 W8A8; every other dtype needs a GPU.
 pub const GPU_DTYPE_RULE: &str =
-    "self.resources.gpus > 0 || !has(self.engine.dtype) || self.engine.dtype in ['auto', 'float32']";
+    "self.resources.gpus > 0 || !has(self.engine.dtype) || self.engine.dtype in ['auto', 'float32', 'int8']";
 /// Message of [`GPU_DTYPE_RULE`].
 pub const GPU_DTYPE_MESSAGE: &str =
-    "resources.gpus is 0 (CPU backend): engine.dtype must be auto or float32";
+    "resources.gpus is 0 (CPU backend): engine.dtype must be auto, float32 or int8";
 
 /// The autoscaling SLO fits the task: TTFT and TPOT for `generate`; for an encoder (one step, no
 /// output tokens) the end-to-end p95 and neither of the others.
@@ -147,6 +147,9 @@ pub enum Dtype {
     /// FP8 weights (GPU only).
     #[serde(rename = "fp8")]
     Fp8,
+    /// int8 weights and activations over a rotated model (GPU compute capability 8.0+, or the CPU).
+    #[serde(rename = "int8")]
+    Int8,
 }
 
 impl Dtype {
@@ -158,6 +161,7 @@ impl Dtype {
             Dtype::Float16 => "float16",
             Dtype::Bfloat16 => "bfloat16",
             Dtype::Fp8 => "fp8",
+            Dtype::Int8 => "int8",
         }
     }
 }
@@ -185,11 +189,16 @@ impl PullPolicy {
 pub const EXTRA_ARGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^--(model|served-model-name|host|port|device|enable-lora|load-format|dtype|max-model-len|max-num-seqs|max-num-batched-tokens|gpu-memory-utilization|max-loras|max-lora-rank|max-cpu-loras|tensor-parallel-size|enable-prefix-caching|disable-prefix-caching|grpc-port)(=.*)?$'))";
 /// Message of [`EXTRA_ARGS_RULE`].
 pub const EXTRA_ARGS_MESSAGE: &str = "engine.extraArgs must not repeat a flag the operator sets (--model, --port, --device, ...) or a typed engine field (--max-model-len, --max-lora-rank, ...): use the field";
+/// `dtype: fp8 | int8` sets the agent's quantization flags: extraArgs may not set them again.
+pub const EXTRA_ARGS_QUANTIZATION_RULE: &str = "!has(self.extraArgs) || !has(self.dtype) || !(self.dtype in ['fp8', 'int8']) || !self.extraArgs.exists(a, a.matches('^--quantization(-rotation)?(=.*)?$'))";
+/// Message of [`EXTRA_ARGS_QUANTIZATION_RULE`].
+pub const EXTRA_ARGS_QUANTIZATION_MESSAGE: &str = "engine.extraArgs must not set --quantization or --quantization-rotation when engine.dtype is fp8 or int8 (the dtype sets them)";
 
 /// Engine settings; each maps to one `peregrine-agent serve` flag of the same name.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new(EXTRA_ARGS_RULE).message(EXTRA_ARGS_MESSAGE))]
+#[x_kube(validation = kube::core::Rule::new(EXTRA_ARGS_QUANTIZATION_RULE).message(EXTRA_ARGS_QUANTIZATION_MESSAGE))]
 #[x_kube(validation = kube::core::Rule::new("!has(self.maxLoraRank) || !has(self.maxLoras) || self.maxLoras > 0").message("maxLoraRank needs maxLoras > 0"))]
 #[x_kube(validation = kube::core::Rule::new("!has(self.maxCpuLoras) || !has(self.maxLoras) || self.maxCpuLoras >= self.maxLoras").message("maxCpuLoras must be at least maxLoras"))]
 pub struct EngineSettings {

@@ -154,7 +154,7 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         ("ftp uri", Box::new(|v| set(v, "/spec/model/uri", json!("ftp://host/m")) ), "uri must be pvc://"),
         ("bare path", Box::new(|v| set(v, "/spec/model/uri", json!("/models/m.gguf"))), "uri must be pvc://"),
         ("pvc without path", Box::new(|v| set(v, "/spec/model/uri", json!("pvc://models"))), "uri must be pvc://"),
-        ("gpu dtype on cpu", Box::new(|v| set(v, "/spec/resources/gpus", json!(0))), "engine.dtype must be auto or float32"),
+        ("gpu dtype on cpu", Box::new(|v| set(v, "/spec/resources/gpus", json!(0))), "engine.dtype must be auto, float32 or int8"),
         ("max < min", Box::new(|v| set(v, "/spec/autoscaling/maxReplicas", json!(1))), "maxReplicas must be >= minReplicas"),
         ("min 0 without scale to zero", Box::new(|v| set(v, "/spec/autoscaling/minReplicas", json!(0))), "minReplicas may be 0 only with scaleToZero"),
         ("zero ttft slo", Box::new(|v| set(v, "/spec/autoscaling/slo/ttftP95Seconds", json!(0.0))), "ttftP95Seconds must be > 0"),
@@ -187,6 +187,14 @@ fn bad_model_deployments_are_refused_with_a_clear_message() {
         ("extraArgs repeats a typed field", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--log-json", "--max-lora-rank=8"]))), "must not repeat a flag"),
         ("extraArgs repeats the port", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--port", "9000"]))), "must not repeat a flag"),
         ("extraArgs repeats the gRPC port", Box::new(|v| set(v, "/spec/engine/extraArgs", json!(["--grpc-port=50052"]))), "must not repeat a flag"),
+        ("extraArgs sets the quantization an 8-bit dtype sets", Box::new(|v| {
+            set(v, "/spec/engine/dtype", json!("int8"));
+            set(v, "/spec/engine/extraArgs", json!(["--quantization=fp8"]));
+        }), "must not set --quantization"),
+        ("extraArgs turns the rotation on beside dtype fp8", Box::new(|v| {
+            set(v, "/spec/engine/dtype", json!("fp8"));
+            set(v, "/spec/engine/extraArgs", json!(["--quantization-rotation"]));
+        }), "must not set --quantization"),
         ("duplicate case names", Box::new(|v| set(v, "/spec/rollout/regression/suite/cases/1/name", json!(examples()[2]["spec"]["rollout"]["regression"]["suite"]["cases"][0]["name"].clone()))), "case names must be unique"),
         ("cpu as words", Box::new(|v| set(v, "/spec/resources/container/requests/cpu", json!("four"))), "must be a Kubernetes quantity"),
     ];
@@ -251,12 +259,15 @@ fn quantities_the_api_server_parses_are_accepted() {
 }
 
 #[test]
-fn cpu_deployment_with_auto_or_float32_dtype_is_accepted() {
+fn cpu_deployment_with_auto_float32_or_int8_dtype_is_accepted() {
     let mut object = examples()[0].clone();
-    for dtype in ["auto", "float32"] {
+    for dtype in ["auto", "float32", "int8"] {
         set(&mut object, "/spec/engine/dtype", json!(dtype));
         assert_eq!(cel(&object, None), Ok(()), "{dtype}");
     }
+    // int8 with extra flags that are not the quantization's.
+    set(&mut object, "/spec/engine/extraArgs", json!(["--log-json"]));
+    assert_eq!(cel(&object, None), Ok(()));
     set(&mut object, "/spec/engine/dtype", json!("float16"));
     assert!(cel(&object, None).is_err());
 }

@@ -38,10 +38,10 @@ pub fn validate_spec(spec: &ModelDeploymentSpec) -> Result<SourceUri, SpecError>
     }
     if spec.resources.gpus == 0 {
         if let Some(dtype) = spec.engine.dtype {
-            if !matches!(dtype, Dtype::Auto | Dtype::Float32) {
+            if !matches!(dtype, Dtype::Auto | Dtype::Float32 | Dtype::Int8) {
                 return Err(SpecError::new(
                     reasons::NO_GPUS_FOR_DTYPE,
-                    format!("resources.gpus is 0 (CPU backend) but engine.dtype is {}; use auto or float32, or ask for GPUs", dtype.as_flag()),
+                    format!("resources.gpus is 0 (CPU backend) but engine.dtype is {}; use auto, float32 or int8, or ask for GPUs", dtype.as_flag()),
                 ));
             }
         }

@@ -79,7 +79,7 @@ const AGENT_SERVE_FLAGS: &[&str] = &[
     "max-waiting-requests", "max-body-bytes", "api-key", "api-keys-file", "rate-limit-rpm", "rate-limit-tpm",
     "drain-delay", "shutdown-grace-period", "otlp-endpoint", "log-json",
     "device", "gpu-memory-utilization", "max-loras", "max-lora-rank", "max-cpu-loras", "lora-modules", "enable-lora",
-    "quantization", "task", "grpc-port", "tensor-parallel-size",
+    "quantization", "quantization-rotation", "task", "grpc-port", "tensor-parallel-size",
 ];
 
 fn assert_agent_accepts(args: &[String]) {
@@ -142,7 +142,7 @@ fn gpus_set_the_gpu_limit_and_the_tensor_parallel_size() {
 }
 
 #[test]
-fn dtype_fp8_becomes_quantization_fp8_and_the_others_pass_nothing() {
+fn dtype_fp8_and_int8_become_quantization_and_the_others_pass_nothing() {
     use peregrine_crds::Dtype;
     let mut md = full();
     md.spec.engine.dtype = Some(Dtype::Fp8);
@@ -150,6 +150,15 @@ fn dtype_fp8_becomes_quantization_fp8_and_the_others_pass_nothing() {
     let at = args.iter().position(|a| a == "--quantization").expect("--quantization");
     assert_eq!(args[at + 1], "fp8");
     assert_eq!(args.iter().filter(|a| *a == "--quantization").count(), 1);
+    assert!(!args.iter().any(|a| a == "--quantization-rotation"), "fp8 is not rotated (it loses by it): {args:?}");
+    assert_agent_accepts(&args);
+    // int8: W8A8 over the rotated model.
+    md.spec.engine.dtype = Some(Dtype::Int8);
+    let args = agent_args(&md, "/m", 8000);
+    let at = args.iter().position(|a| a == "--quantization").expect("--quantization");
+    assert_eq!(args[at + 1], "int8");
+    assert_eq!(args.iter().filter(|a| a.starts_with("--quantization")).count(), 2, "{args:?}");
+    assert!(args.iter().any(|a| a == "--quantization-rotation"), "{args:?}");
     assert_agent_accepts(&args);
     for dtype in [Dtype::Auto, Dtype::Float32, Dtype::Float16, Dtype::Bfloat16] {
         md.spec.engine.dtype = Some(dtype);

@@ -6,8 +6,9 @@ use peregrine_crds::{Dtype, ModelDeployment, ModelFormat, ModelTask};
 ///
 /// The flags are `peregrine-agent serve`'s own (mostly vLLM's names); unset engine fields are left
 /// out so the agent's own defaults apply. `spec.engine.dtype: fp8` becomes `--quantization fp8`
-/// (8-bit linears, W8A8); the other dtypes pass nothing: the agent has no `--dtype` and computes in
-/// bf16 on GPUs, f32 on the CPU (see docs/crd-reference.md).
+/// (8-bit linears, W8A8), `int8` `--quantization int8 --quantization-rotation` (int8 W8A8 over the
+/// rotated model, its faithful form); the other dtypes pass nothing: the agent has no `--dtype` and
+/// computes in bf16 on GPUs, f32 on the CPU (see docs/crd-reference.md).
 pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<String> {
     let spec = &md.spec;
     let engine = &spec.engine;
@@ -37,6 +38,13 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
     if super::serves_grpc(md) {
         args.extend(["--grpc-port".to_string(), super::AGENT_GRPC_PORT.to_string()]);
     }
+    // The 8-bit dtypes. int8 comes rotated: unrotated int8 W8A8 costs SmolLM2 +2.1 % perplexity,
+    // rotated +0.6 % (docs/benchmarks.md).
+    match engine.dtype {
+        Some(Dtype::Fp8) => args.extend(["--quantization".to_string(), "fp8".to_string()]),
+        Some(Dtype::Int8) => args.extend(["--quantization".to_string(), "int8".to_string(), "--quantization-rotation".to_string()]),
+        _ => {}
+    }
     let mut flag = |name: &str, value: Option<String>| {
         if let Some(value) = value {
             args.push(format!("--{name}"));
@@ -46,7 +54,6 @@ pub fn agent_args(md: &ModelDeployment, model_path: &str, port: i32) -> Vec<Stri
     // One rank per GPU; left out at 1 so single-GPU pods keep the command line they had.
     let tp = spec.resources.tensor_parallel_size();
     flag("tensor-parallel-size", (tp > 1).then(|| tp.to_string()));
-    flag("quantization", (engine.dtype == Some(Dtype::Fp8)).then(|| "fp8".to_string()));
     flag("max-model-len", engine.max_model_len.map(|v| v.to_string()));
     flag("max-num-seqs", engine.max_num_seqs.map(|v| v.to_string()));
     flag("max-num-batched-tokens", engine.max_num_batched_tokens.map(|v| v.to_string()));

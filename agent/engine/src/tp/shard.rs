@@ -37,7 +37,7 @@ pub fn shard_weights(weights: &ModelWeights, plan: &TpPlan, rank: usize) -> Resu
     // The online rotation of down_proj's input acts on blocks of intermediate channels: each rank
     // can apply it to its own share only where that share is whole blocks.
     let local_inter = plan.local_config(&weights.config).intermediate_size;
-    if let Some(b) = weights.down_input_hadamard.filter(|b| local_inter % b != 0) {
+    if let Some(b) = weights.down_input_hadamard.filter(|b| !local_inter.is_multiple_of(*b)) {
         return Err(TpError::Slice {
             tensor: Tensor::Down.name().into(),
             message: format!("each rank's {local_inter} intermediate channels are not whole blocks of the {b}-channel rotation (--quantization-rotation)"),

@@ -108,7 +108,7 @@ impl CpuBackend {
             .map_err(|m| EngineError::Backend(format!("weights do not match the config: {m}")))?;
         let config = weights.config.clone();
         let down_input_hadamard = weights.down_input_hadamard;
-        if let Some(b) = down_input_hadamard.filter(|&b| !b.is_power_of_two() || config.intermediate_size % b != 0) {
+        if let Some(b) = down_input_hadamard.filter(|&b| !b.is_power_of_two() || !config.intermediate_size.is_multiple_of(b)) {
             return Err(EngineError::Backend(format!("down_proj's input rotation in blocks of {b} does not tile {} channels", config.intermediate_size)));
         }
         let mut layers = Vec::with_capacity(weights.layers.len());

@@ -100,6 +100,10 @@ pub struct CudaOptions {
     /// weights on the device), activations quantized per token (W8A8). None: bf16, unless the
     /// checkpoint's linears are 8-bit already (an FP8 checkpoint), which then stay 8-bit.
     pub quantization: Option<RowFormat>,
+    /// Random weights only (benchmarks): run the online rotation of down_proj's input that
+    /// `--quantization-rotation` adds, to measure its cost. The weights are not rotated (random
+    /// ones compute nothing worth keeping); host weights say for themselves whether they are.
+    pub random_down_rotation: bool,
 }
 
 impl Default for CudaOptions {
@@ -118,6 +122,7 @@ impl Default for CudaOptions {
             kv_hadamard: false,
             kv_hadamard_v: false,
             quantization: None,
+            random_down_rotation: false,
         }
     }
 }
@@ -249,7 +254,7 @@ impl CudaBackend {
         }
         let down_input_hadamard = match &init {
             WeightInit::Host(w) => w.down_input_hadamard,
-            WeightInit::Random { .. } => None,
+            WeightInit::Random { config, .. } => opts.random_down_rotation.then(|| crate::model::rotate::down_input_block(config.intermediate_size)).flatten(),
         };
         if down_input_hadamard.is_some() && w8.is_none() {
             // Only the 8-bit path's SwiGLU kernel rotates; a bf16 one would feed down_proj unrotated.

@@ -47,11 +47,13 @@ fn backends() -> (CudaBackend, CpuBackend) {
     backends_with(None).expect("CUDA backend")
 }
 
-/// The cache's rotation on both backends: q/k (`kv_hadamard`) and v (`kv_hadamard_v`).
+/// The cache's rotation on both backends: q/k (`kv_hadamard`) and v (`kv_hadamard_v`); `model`:
+/// the model rotated as `--quantization-rotation` rotates it, and the adapters with it.
 #[derive(Clone, Copy, Default)]
 struct Rotation {
     qk: bool,
     v: bool,
+    model: bool,
 }
 
 fn backends_with(quantization: Option<RowFormat>) -> Option<(CudaBackend, CpuBackend)> {
@@ -62,6 +64,7 @@ fn backends_with(quantization: Option<RowFormat>) -> Option<(CudaBackend, CpuBac
 /// same values on both); None (with a visible skip) where this GPU cannot run that format.
 fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation) -> Option<(CudaBackend, CpuBackend)> {
     let mut loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
+    let model_rotation = rotation.model.then(|| model::rotate::rotate_residual_stream(&mut loaded.weights, model::rotate::ROTATION_SEED).expect("rotate"));
     let opts = CudaOptions {
         num_blocks: Some(32 * BLOCKS_PER_SEQ),
         block_size: BLOCK,
@@ -91,9 +94,12 @@ fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation) -> Opti
     cpu.set_kv_format(KvFormat { hadamard: rotation.qk, hadamard_v: rotation.v, ..KvFormat::F32 }).unwrap();
     cpu.enable_lora(2, 64).unwrap();
     gpu.enable_lora(2, 64).unwrap();
-    for (slot, a) in adapters(&loaded.config).iter().enumerate() {
-        cpu.set_lora_slot(slot as u32, a).unwrap();
-        gpu.set_lora_slot(slot as u32, a).unwrap();
+    for (slot, mut a) in adapters(&loaded.config).into_iter().enumerate() {
+        if let Some(r) = &model_rotation {
+            r.rotate(&mut a).expect("rotate the adapter");
+        }
+        cpu.set_lora_slot(slot as u32, &a).unwrap();
+        gpu.set_lora_slot(slot as u32, &a).unwrap();
     }
     Some((gpu, cpu))
 }
@@ -191,7 +197,7 @@ fn adapters_with_rotated_q_k_v_match_peft_and_the_cpu_backend() {
     if !gpu_or_skip() {
         return;
     }
-    let (mut gpu, mut cpu) = backends_rotated(None, Rotation { qk: true, v: true }).expect("CUDA backend");
+    let (mut gpu, mut cpu) = backends_rotated(None, Rotation { qk: true, v: true, model: false }).expect("CUDA backend");
     let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
     mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     check(&mixed, &run_together(&mut gpu, &mixed), &run_together(&mut cpu, &mixed), "q/k/v rotated");
@@ -223,7 +229,11 @@ const W8_ATOL: f32 = 4.0;
 /// reference), against the CPU backend: the top-10 logits after the prompt within `atol`, and the
 /// greedy tokens.
 fn long_prompts_match_the_cpu_backend(quantization: Option<RowFormat>, atol: f32, repeat: usize, what: &str) {
-    let Some((mut gpu, mut cpu)) = backends_with(quantization) else { return };
+    long_prompts_match_the_cpu_backend_rotated(quantization, Rotation::default(), atol, repeat, what)
+}
+
+fn long_prompts_match_the_cpu_backend_rotated(quantization: Option<RowFormat>, rotation: Rotation, atol: f32, repeat: usize, what: &str) {
+    let Some((mut gpu, mut cpu)) = backends_rotated(quantization, rotation) else { return };
     let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
     mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     for c in &mut mixed {
@@ -285,4 +295,17 @@ fn a_long_lora_step_over_an_fp8_base_matches_the_cpu_backend() {
     let total = first_step_tokens(4);
     assert!((64..=512).contains(&total), "the first step has {total} tokens, outside the SM-reserve range");
     fp8_base_matches_the_cpu_backend(4, "fp8 base, prompts x4");
+}
+
+/// `--quantization int8 --quantization-rotation` with adapters: the rotated adapters over the
+/// rotated int8 base (down's A reading `silu_mul_quant`'s rotated bf16 output) against the CPU
+/// backend over the same, in a step of 64–512 tokens and in decode.
+#[test]
+fn rotated_adapters_over_a_rotated_int8_base_match_the_cpu_backend() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let rotation = Rotation { model: true, ..Rotation::default() };
+    long_prompts_match_the_cpu_backend_rotated(Some(RowFormat::Int8), rotation, W8_ATOL, 1, "rotated int8 base");
+    long_prompts_match_the_cpu_backend_rotated(Some(RowFormat::Int8), rotation, W8_ATOL, 4, "rotated int8 base, prompts x4");
 }

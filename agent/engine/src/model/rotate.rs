@@ -28,6 +28,8 @@
 //! original model is rotated the same way at load ([`AdapterRotation`]).
 
 use super::weights::{Matrix, ModelWeights};
+// The normalized Walsh–Hadamard transform, here in f64 (the folds' precision).
+use crate::backend::cpu::hadamard::rotate as hadamard;
 use crate::lora::LoraAdapter;
 use crate::{EngineError, Result};
 
@@ -97,7 +99,7 @@ impl Rotation {
     fn kron(&self, v: &mut [f64], transposed: bool) {
         let (m, p) = (self.m, self.p);
         for row in v.chunks_exact_mut(p) {
-            hadamard_normalized(row);
+            hadamard(row);
         }
         if m == 1 {
             return;
@@ -114,23 +116,6 @@ impl Rotation {
     }
 }
 
-/// The normalized Walsh–Hadamard transform in place (length a power of two).
-fn hadamard_normalized(v: &mut [f64]) {
-    let n = v.len();
-    let mut len = 1;
-    while len < n {
-        for i in (0..n).step_by(2 * len) {
-            for j in i..i + len {
-                let (a, b) = (v[j], v[j + len]);
-                v[j] = a + b;
-                v[j + len] = a - b;
-            }
-        }
-        len <<= 1;
-    }
-    let norm = 1.0 / (n as f64).sqrt();
-    v.iter_mut().for_each(|x| *x *= norm);
-}
 
 /// A random orthogonal m × m matrix (row-major): Gram–Schmidt over Gaussian rows.
 fn random_orthogonal(m: usize, rng: &mut SplitMix64) -> Vec<f64> {
@@ -238,7 +223,7 @@ fn heads_on_rows(m: &Matrix, d: usize) -> Matrix {
     for c in 0..m.cols {
         for head in 0..m.rows / d {
             buf.iter_mut().enumerate().for_each(|(i, x)| *x = v[(head * d + i) * m.cols + c] as f64);
-            hadamard_normalized(&mut buf);
+            hadamard(&mut buf);
             buf.iter().enumerate().for_each(|(i, &x)| v[(head * d + i) * m.cols + c] = x as f32);
         }
     }
@@ -254,7 +239,7 @@ fn blocks_on_cols(m: &Matrix, d: usize) -> Matrix {
     for row in o.chunks_exact_mut(m.cols.max(1)) {
         for head in row.chunks_exact_mut(d) {
             buf.iter_mut().zip(head.iter()).for_each(|(x, &y)| *x = y as f64);
-            hadamard_normalized(&mut buf);
+            hadamard(&mut buf);
             head.iter_mut().zip(&buf).for_each(|(y, &x)| *y = x as f32);
         }
     }

@@ -11,9 +11,28 @@ pub fn supports(head_dim: usize) -> bool {
     head_dim.is_power_of_two() && head_dim >= 2
 }
 
+/// The element types the rotation runs in: f32 at run time, f64 where `model::rotate` folds it into
+/// weights.
+pub trait HadamardScalar: Copy + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self> + std::ops::MulAssign {
+    /// 1 / √n.
+    fn inv_sqrt(n: usize) -> Self;
+}
+
+impl HadamardScalar for f32 {
+    fn inv_sqrt(n: usize) -> f32 {
+        1.0 / (n as f32).sqrt()
+    }
+}
+
+impl HadamardScalar for f64 {
+    fn inv_sqrt(n: usize) -> f64 {
+        1.0 / (n as f64).sqrt()
+    }
+}
+
 /// Rotates `x` in place: `x ← H x`. `x.len()` must be a power of two ([`supports`]); the caller
 /// checks that once, when the cache format is chosen.
-pub fn rotate(x: &mut [f32]) {
+pub fn rotate<T: HadamardScalar>(x: &mut [T]) {
     let n = x.len();
     debug_assert!(supports(n), "Hadamard rotation of {n} values");
     // Butterflies: at stride h, pairs (i, i + h) become (a + b, a - b). log2(n) passes give Hₙ x.
@@ -29,7 +48,7 @@ pub fn rotate(x: &mut [f32]) {
         }
         h *= 2;
     }
-    let norm = 1.0 / (n as f32).sqrt();
+    let norm = T::inv_sqrt(n);
     for v in x.iter_mut() {
         *v *= norm;
     }

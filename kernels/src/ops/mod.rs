@@ -29,7 +29,7 @@ pub use encoder::{
 };
 pub use gemv::{GemvLoraRows, GEMV_MAX_M};
 pub use gemv_fp8::GEMV_FP8_MAX_M;
-pub use quant8::OuterScale;
+pub use quant8::{OuterScale, SILU_HADAMARD_MAX_INTER};
 pub use rope_kv::KvRotation;
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, LoraDelta, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;

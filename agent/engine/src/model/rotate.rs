@@ -51,7 +51,6 @@ pub fn down_input_block(intermediate: usize) -> Option<usize> {
     (intermediate > 0 && b >= 8).then_some(b)
 }
 
-
 /// The rotation `Q = (R ⊗ H) · diag(signs)` of `n` channels.
 #[derive(Debug)]
 pub struct Rotation {
@@ -115,7 +114,6 @@ impl Rotation {
         }
     }
 }
-
 
 /// A random orthogonal m × m matrix (row-major): Gram–Schmidt over Gaussian rows.
 fn random_orthogonal(m: usize, rng: &mut SplitMix64) -> Vec<f64> {
@@ -302,11 +300,6 @@ impl DownRotation {
 }
 
 impl AdapterRotation {
-    /// The block of the online rotation of down_proj's input (None: not rotated).
-    pub fn down_block(&self) -> Option<usize> {
-        self.down.as_ref().map(|d| d.block)
-    }
-
     /// Rotates every pair of `adapter` (one trained on the unrotated model).
     pub fn rotate(&self, adapter: &mut LoraAdapter) -> Result<()> {
         use crate::lora::target::TargetModule as T;

@@ -260,6 +260,14 @@ impl CudaBackend {
             // Only the 8-bit path's SwiGLU kernel rotates; a bf16 one would feed down_proj unrotated.
             return Err(EngineError::InvalidRequest("the rotated model (--quantization-rotation) needs 8-bit linears (--quantization fp8|int8) on cuda".into()));
         }
+        if down_input_hadamard.is_some() && c.intermediate_size > peregrine_kernels::ops::SILU_HADAMARD_MAX_INTER {
+            // Refused here, not at the first step's launch: the kernel holds a row in shared memory.
+            return Err(EngineError::InvalidRequest(format!(
+                "--quantization-rotation on cuda rotates rows of at most {} intermediate channels; this model has {}",
+                peregrine_kernels::ops::SILU_HADAMARD_MAX_INTER,
+                c.intermediate_size
+            )));
+        }
         let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
         let (config, weights) = match init {
             WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w, w8)?),

@@ -41,7 +41,7 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
     let bounded: Vec<Variant> = SMOLLM2_WEIGHT_BOUNDS
         .iter()
         .map(|&(_, format, activations, _, _)| Variant {
-            weights: WeightOption::Quantized { format, granularity: Granularity::PerRow, activations, rotated: false },
+            weights: WeightOption::Quantized { format, granularity: Granularity::PerRow, activations, rotated: false, gptq: false },
             kv: KvOption::Native,
         })
         .collect();
@@ -52,7 +52,7 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
     // `--kv-cache-dtype int8` and `--quantization int8 --quantization-rotation`.
     let int8_kv = Variant { weights: WeightOption::Unquantized, kv: KvOption::from_flag(KvCacheDtypeArg::Int8) };
     let int8_rotated = Variant {
-        weights: WeightOption::Quantized { format: RowFormat::Int8, granularity: Granularity::PerRow, activations: Activations::PerToken, rotated: true },
+        weights: WeightOption::Quantized { format: RowFormat::Int8, granularity: Granularity::PerRow, activations: Activations::PerToken, rotated: true, gptq: false },
         kv: KvOption::Native,
     };
     variants.extend([int8_kv, int8_rotated]);

@@ -49,6 +49,10 @@ pub struct EvalArgs {
     /// With --quantization: the residual stream rotated first, as the server's flag of that name.
     #[arg(long, requires = "quantization")]
     pub quantization_rotation: bool,
+    /// With --quantization: GPTQ's rounding over calibration tokens the model samples, as the
+    /// server's flag of that name.
+    #[arg(long, requires = "quantization")]
+    pub quantization_gptq: bool,
     /// Evaluate only this KV cache type (with --quantization, or unquantized weights).
     #[arg(long, value_enum)]
     pub kv_cache_dtype: Option<KvCacheDtypeArg>,
@@ -145,9 +149,13 @@ impl EvalArgs {
         let weights = match self.quantization {
             None => WeightOption::Unquantized,
             Some(q) => match WeightOption::default_for(q.into()) {
-                WeightOption::Quantized { format, granularity, activations, .. } => {
-                    WeightOption::Quantized { format, granularity, activations, rotated: self.quantization_rotation }
-                }
+                WeightOption::Quantized { format, granularity, activations, .. } => WeightOption::Quantized {
+                    format,
+                    granularity,
+                    activations,
+                    rotated: self.quantization_rotation,
+                    gptq: self.quantization_gptq,
+                },
                 unquantized => unquantized,
             },
         };
@@ -190,7 +198,13 @@ impl EvalArgs {
         let loaded = model::load(&self.model, self.load_format.into()).with_context(|| format!("loading model {}", self.model.display()))?;
         let weights = loaded.weights;
         let longest = inputs.prompts.iter().map(Vec::len).chain([inputs.text.len()]).max().unwrap_or(0);
-        let backends = Backends { device, threads: self.threads, longest, chunk: self.chunk.clamp(1, 256) };
+        let backends = Backends {
+            device,
+            threads: self.threads,
+            longest,
+            chunk: self.chunk.clamp(1, 256),
+            calibration: variants::Calibration::new(self.threads.unwrap_or(0)),
+        };
 
         let ref_variant = Variant { weights: WeightOption::Unquantized, kv: KvOption::Native };
         let reference_label = ref_variant.label(device);
@@ -237,13 +251,14 @@ struct Backends {
     threads: Option<usize>,
     longest: usize,
     chunk: usize,
+    calibration: variants::Calibration,
 }
 
 impl Backends {
     fn build(&self, weights: &ModelWeights, variant: &Variant) -> anyhow::Result<Box<dyn Backend>> {
         match self.device {
-            DeviceArg::Cpu => variants::cpu_backend(weights, variant, self.longest, self.threads.unwrap_or(0)),
-            DeviceArg::Cuda => variants::cuda_backend(weights, variant, self.longest, self.chunk),
+            DeviceArg::Cpu => variants::cpu_backend(weights, variant, self.longest, self.threads.unwrap_or(0), &self.calibration),
+            DeviceArg::Cuda => variants::cuda_backend(weights, variant, self.longest, self.chunk, &self.calibration),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The configurations `eval` compares (weights × KV cache), and the backend each one runs on.
 
 use peregrine_engine::backend::cpu::kv_cache::{KvElem, KvFormat};
+use peregrine_engine::backend::cpu::calibrate::{self, CalibrationPlan};
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape};
 use peregrine_engine::model::quantize::{quantize_linear_weights_with, Granularity};
@@ -16,14 +17,15 @@ pub enum WeightOption {
     /// As loaded: f32 on the CPU, bf16 on CUDA.
     Unquantized,
     /// `rotated`: the residual stream rotated first (`model::rotate`), so per-token activations lose
-    /// less.
-    Quantized { format: RowFormat, granularity: Granularity, activations: Activations, rotated: bool },
+    /// less. `gptq`: rounded with GPTQ's error feedback over calibration tokens the model samples
+    /// (`--quantization-gptq`, per-row scales only) instead of to the nearest code.
+    Quantized { format: RowFormat, granularity: Granularity, activations: Activations, rotated: bool, gptq: bool },
 }
 
 impl WeightOption {
     /// What `--quantization` does: one scale per output row, activations per token (W8A8).
     pub fn default_for(format: RowFormat) -> Self {
-        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken, rotated: false }
+        WeightOption::Quantized { format, granularity: Granularity::PerRow, activations: Activations::PerToken, rotated: false, gptq: false }
     }
 
     fn label(&self, device: DeviceArg) -> String {
@@ -32,8 +34,8 @@ impl WeightOption {
                 DeviceArg::Cpu => "weights f32".into(),
                 DeviceArg::Cuda => "weights bf16".into(),
             },
-            WeightOption::Quantized { format, granularity, activations, rotated } => format!(
-                "{} {}, per {}{}",
+            WeightOption::Quantized { format, granularity, activations, rotated, gptq } => format!(
+                "{} {}, per {}{}{}",
                 format.name(),
                 match activations {
                     Activations::PerToken => "W8A8",
@@ -43,7 +45,8 @@ impl WeightOption {
                     Granularity::PerRow => "row",
                     Granularity::PerTensor => "tensor",
                 },
-                if rotated { ", rotated" } else { "" }
+                if rotated { ", rotated" } else { "" },
+                if gptq { ", GPTQ" } else { "" }
             ),
         }
     }
@@ -126,10 +129,18 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
             DeviceArg::Cuda => &[(PerRow, PerToken)],
         };
         for &(granularity, activations) in combos {
-            out.push(native(WeightOption::Quantized { format, granularity, activations, rotated: false }));
+            out.push(native(WeightOption::Quantized { format, granularity, activations, rotated: false, gptq: false }));
         }
         // W8A8 per row over the rotated residual stream.
-        out.push(native(WeightOption::Quantized { format, granularity: PerRow, activations: PerToken, rotated: true }));
+        out.push(native(WeightOption::Quantized { format, granularity: PerRow, activations: PerToken, rotated: true, gptq: false }));
+        // GPTQ's rounding instead of the nearest code: on the plain model, and on the rotated one.
+        for rotated in [false, true] {
+            out.push(native(WeightOption::Quantized { format, granularity: PerRow, activations: PerToken, rotated, gptq: true }));
+        }
+        if device == DeviceArg::Cpu {
+            // GPTQ on the weights alone (W8A16): how far the rounding can go without the activations.
+            out.push(native(WeightOption::Quantized { format, granularity: PerRow, activations: Float, rotated: false, gptq: true }));
+        }
     }
     // The bf16 cache on both devices: on CUDA it is the reference itself (0 against it, and a check
     // that runs repeat), and its column against `--reference-logits` is the bf16 cache's own cost.
@@ -162,29 +173,58 @@ pub fn table(device: DeviceArg) -> Vec<Variant> {
     out.push(Variant { weights: WeightOption::default_for(RowFormat::Fp8E4m3), kv: KvOption::from_flag(KvCacheDtypeArg::Fp8) });
     // Everything int8: rotated W8A8 weights and the int8 cache.
     out.push(Variant {
-        weights: WeightOption::Quantized { format: RowFormat::Int8, granularity: PerRow, activations: PerToken, rotated: true },
+        weights: WeightOption::Quantized { format: RowFormat::Int8, granularity: PerRow, activations: PerToken, rotated: true, gptq: false },
         kv: KvOption::from_flag(KvCacheDtypeArg::Int8),
     });
     out
 }
 
-/// The weights a configuration runs with (a copy, quantized as it says).
-fn weights_for(weights: &ModelWeights, option: WeightOption) -> anyhow::Result<ModelWeights> {
+/// The weights a configuration runs with (a copy, rotated and quantized as it says; `calibration`
+/// gives GPTQ's tokens, sampled once from the unquantized model).
+pub fn weights_for(weights: &ModelWeights, option: WeightOption, calibration: &Calibration) -> anyhow::Result<ModelWeights> {
     let mut w = weights.clone();
-    if let WeightOption::Quantized { format, granularity, activations, rotated } = option {
+    if let WeightOption::Quantized { format, granularity, activations, rotated, gptq } = option {
         if rotated {
             rotate_residual_stream(&mut w, ROTATION_SEED)?;
         }
-        quantize_linear_weights_with(&mut w, format, granularity, activations)?;
+        if gptq {
+            if granularity != Granularity::PerRow {
+                anyhow::bail!("GPTQ keeps round-to-nearest's per-row scales");
+            }
+            let inputs = calibrate::linear_inputs(&w, calibration.tokens(weights)?, calibration.threads)?;
+            calibrate::quantize_linear_weights(&mut w, format, activations, &inputs)?;
+        } else {
+            quantize_linear_weights_with(&mut w, format, granularity, activations)?;
+        }
     }
     Ok(w)
 }
 
+/// GPTQ's calibration tokens, sampled from the unquantized model the first time a variant needs them.
+pub struct Calibration {
+    threads: usize,
+    tokens: std::cell::OnceCell<Vec<Vec<u32>>>,
+}
+
+impl Calibration {
+    pub fn new(threads: usize) -> Calibration {
+        Calibration { threads, tokens: std::cell::OnceCell::new() }
+    }
+
+    fn tokens(&self, unquantized: &ModelWeights) -> anyhow::Result<&[Vec<u32>]> {
+        if self.tokens.get().is_none() {
+            let sampled = calibrate::sample_tokens(unquantized, CalibrationPlan::default(), self.threads)?;
+            let _ = self.tokens.set(sampled);
+        }
+        Ok(self.tokens.get().map(Vec::as_slice).unwrap_or_default())
+    }
+}
+
 /// A CPU backend for `variant` with room for `longest` tokens.
-pub fn cpu_backend(weights: &ModelWeights, variant: &Variant, longest: usize, threads: usize) -> anyhow::Result<Box<dyn Backend>> {
+pub fn cpu_backend(weights: &ModelWeights, variant: &Variant, longest: usize, threads: usize, calibration: &Calibration) -> anyhow::Result<Box<dyn Backend>> {
     let block_size = 16;
     let shape = KvCacheShape { num_blocks: longest.div_ceil(block_size).max(1), block_size };
-    let mut backend = CpuBackend::new(weights_for(weights, variant.weights)?, shape, threads)?;
+    let mut backend = CpuBackend::new(weights_for(weights, variant.weights, calibration)?, shape, threads)?;
     if let KvOption::Typed(format) = variant.kv {
         backend.set_kv_format(format)?;
     }
@@ -194,7 +234,7 @@ pub fn cpu_backend(weights: &ModelWeights, variant: &Variant, longest: usize, th
 /// A CUDA backend for `variant` with room for `longest` tokens and steps of `chunk` one-token
 /// sequences.
 #[cfg(feature = "cuda")]
-pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, chunk: usize) -> anyhow::Result<Box<dyn Backend>> {
+pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, chunk: usize, calibration: &Calibration) -> anyhow::Result<Box<dyn Backend>> {
     use anyhow::Context;
     use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, WeightInit};
     let quantization = match variant.weights {
@@ -226,14 +266,19 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
         quantization,
         ..CudaOptions::default()
     };
-    // The backend quantizes the host weights itself: a rotated variant hands it the rotated ones.
-    let rotated;
+    // The backend quantizes the host weights itself (to the nearest code): a rotated variant hands
+    // it the rotated ones, a GPTQ one the host's GPTQ codes (which it keeps).
+    let prepared;
     let weights = match variant.weights {
+        WeightOption::Quantized { gptq: true, .. } => {
+            prepared = weights_for(weights, variant.weights, calibration)?;
+            &prepared
+        }
         WeightOption::Quantized { rotated: true, .. } => {
             let mut w = weights.clone();
             rotate_residual_stream(&mut w, ROTATION_SEED)?;
-            rotated = w;
-            &rotated
+            prepared = w;
+            &prepared
         }
         _ => weights,
     };
@@ -241,6 +286,6 @@ pub fn cuda_backend(weights: &ModelWeights, variant: &Variant, longest: usize, c
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn cuda_backend(_: &ModelWeights, _: &Variant, _: usize, _: usize) -> anyhow::Result<Box<dyn Backend>> {
+pub fn cuda_backend(_: &ModelWeights, _: &Variant, _: usize, _: usize, _: &Calibration) -> anyhow::Result<Box<dyn Backend>> {
     anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
 }

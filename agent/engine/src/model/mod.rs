@@ -2,6 +2,7 @@
 
 pub mod dummy;
 pub mod fp8_checkpoint;
+pub mod gptq;
 pub mod ggml_type;
 pub mod gguf;
 pub mod gguf_weights;

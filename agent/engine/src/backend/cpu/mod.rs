@@ -3,6 +3,7 @@
 
 pub mod attention;
 mod attention_int8;
+pub mod calibrate;
 pub mod encoder;
 pub mod hadamard;
 pub mod int8;
@@ -27,6 +28,7 @@ use crate::backend::{kv_block_bytes, Backend, KvCacheShape, Logits, StepBatch};
 use crate::config::ModelConfig;
 use self::lora::{CpuLora, Rows, RowsMut};
 use crate::lora::{LoraAdapter, TargetModule};
+use crate::model::gptq::{LayerInputs, LinearInput};
 use crate::model::{Matrix, ModelWeights};
 use crate::{EngineError, Result};
 
@@ -76,6 +78,9 @@ pub struct CpuBackend {
     lora: Option<CpuLora>,
     /// The block of the online rotation of down_proj's input (`ModelWeights::down_input_hadamard`).
     down_input_hadamard: Option<usize>,
+    /// `--quantization-gptq`: the second moment of every linear layer's input, summed over the
+    /// steps run while it is set (`record_linear_inputs`).
+    linear_inputs: Option<Vec<LayerInputs>>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -150,6 +155,7 @@ impl CpuBackend {
             isa: Isa::detect(),
             lora: None,
             down_input_hadamard,
+            linear_inputs: None,
         })
     }
 
@@ -228,6 +234,18 @@ impl CpuBackend {
         Ok(normed)
     }
 
+    /// From now on, sums `x·xᵀ` of every linear layer's inputs over the tokens of each step (the
+    /// calibration GPTQ needs); `take_linear_inputs` returns the sums and stops.
+    pub fn record_linear_inputs(&mut self) {
+        let c = &self.config;
+        self.linear_inputs = Some((0..self.layers.len()).map(|_| LayerInputs::new(c)).collect());
+    }
+
+    /// The sums since `record_linear_inputs` (layer by layer), or `None` if it was not called.
+    pub fn take_linear_inputs(&mut self) -> Option<Vec<LayerInputs>> {
+        self.linear_inputs.take()
+    }
+
     /// Embedding and every decoder layer: the residual stream of each token before the final norm.
     fn trunk(&mut self, batch: &StepBatch) -> Vec<f32> {
         let (hidden, eps) = (self.config.hidden_size, self.config.rms_norm_eps);
@@ -259,6 +277,7 @@ impl CpuBackend {
         let (hidden, q_dim, kv_dim) = (c.hidden_size, c.q_dim(), c.kv_dim());
         let qkv_dim = q_dim + 2 * kv_dim;
         let isa = self.isa;
+        record(&mut self.linear_inputs, li, LinearInput::Attention, xn, n);
         let layer = &self.layers[li];
         matmul(isa, xn, n, &layer.qkv, &mut s.qkv);
         if let Some(lora) = &self.lora {
@@ -292,6 +311,8 @@ impl CpuBackend {
             // The output is H times the unrotated one: rotate it back.
             hadamard::rotate_heads(&mut s.attn, c.head_dim);
         }
+        record(&mut self.linear_inputs, li, LinearInput::Output, &s.attn, n);
+        let layer = &self.layers[li];
         matmul(isa, &s.attn, n, &layer.o, &mut s.proj);
         if let Some(lora) = &self.lora {
             let x = Rows { data: &s.attn, stride: q_dim, offset: 0 };
@@ -301,10 +322,11 @@ impl CpuBackend {
 
     /// The MLP half of layer `li` on its normalized input `xn`: gate/up (with LoRA), SwiGLU, down
     /// (with LoRA) into `s.proj` (one rank's partial sum under tensor parallelism).
-    fn mlp_block(&self, li: usize, xn: &[f32], s: &mut Scratch) {
+    fn mlp_block(&mut self, li: usize, xn: &[f32], s: &mut Scratch) {
         let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
         let n = xn.len() / hidden.max(1);
         let isa = self.isa;
+        record(&mut self.linear_inputs, li, LinearInput::Mlp, xn, n);
         let layer = &self.layers[li];
         matmul(isa, xn, n, &layer.gate_up, &mut s.gu);
         if let Some(lora) = &self.lora {
@@ -318,6 +340,8 @@ impl CpuBackend {
             // down_proj (and its adapter's A) hold the rotation's inverse (model::rotate).
             hadamard::rotate_heads(&mut s.act, block);
         }
+        record(&mut self.linear_inputs, li, LinearInput::Down, &s.act, n);
+        let layer = &self.layers[li];
         matmul(isa, &s.act, n, &layer.down, &mut s.proj);
         if let Some(lora) = &self.lora {
             let x = Rows { data: &s.act, stride: inter, offset: 0 };
@@ -463,6 +487,13 @@ fn check_step(batch: &StepBatch, vocab: usize, kv: KvCacheShape, lora_enabled: b
         self::lora::reject_lora_slots(batch)?;
     }
     Ok(())
+}
+
+/// Adds `x` (the input rows of one linear layer) to the recorded sums, when recording.
+fn record(linear_inputs: &mut Option<Vec<LayerInputs>>, li: usize, site: LinearInput, x: &[f32], n: usize) {
+    if let Some(layers) = linear_inputs {
+        layers[li].site_mut(site).add(x, n);
+    }
 }
 
 fn add_into(h: &mut [f32], x: &[f32]) {

@@ -93,7 +93,7 @@ impl CpuTpBackend {
             }
             all_reduce_add(&partials, &mut h);
             ops::rms_norm(&h, &self.ranks[0].layers[li].mlp_norm, eps, &mut xn);
-            for (rank, s) in self.ranks.iter().zip(&mut partials) {
+            for (rank, s) in self.ranks.iter_mut().zip(&mut partials) {
                 rank.mlp_block(li, &xn, s);
             }
             all_reduce_add(&partials, &mut h);

@@ -1,0 +1,176 @@
+//! `--quantization-gptq`: calibration tokens, the second moments of every linear layer's inputs over
+//! them, and the GPTQ-rounded 8-bit weights that follow (`model::gptq`).
+//!
+//! The calibration text is sampled from the model itself (temperature 1, each sequence starting from
+//! a random token, as LLM-QAT's data-free calibration does): it needs no dataset, follows the
+//! distribution the model serves, and shares nothing with the text `eval` measures perplexity on.
+//! The inputs are those of the unquantized model (one pass, every layer at once; GPTQ's published
+//! recipe feeds each layer the quantized layers' outputs instead, at one pass per layer).
+//!
+//! All of it runs on the CPU, with the unquantized weights in host memory: minutes for a model of a
+//! few hundred million parameters, too slow for billions (quantize those once, offline, and load
+//! the FP8 checkpoint).
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use super::CpuBackend;
+use crate::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
+use crate::model::gptq::{self, LayerInputs};
+use crate::model::rowquant::{Activations, RowFormat};
+use crate::model::{Matrix, MatrixData, ModelWeights};
+use crate::{EngineError, Result};
+
+/// How many calibration tokens, in how many sequences, from which seed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CalibrationPlan {
+    pub sequences: usize,
+    pub tokens_per_sequence: usize,
+    pub seed: u64,
+}
+
+impl Default for CalibrationPlan {
+    /// 2048 tokens: 16 sequences of 128 (GPTQ's paper used 128 × 2048 for billions of parameters;
+    /// a model's linear inputs have at most `intermediate_size` dimensions to cover).
+    fn default() -> Self {
+        CalibrationPlan { sequences: 16, tokens_per_sequence: 128, seed: 0x6770_7471 }
+    }
+}
+
+const BLOCK_SIZE: usize = 16;
+
+/// A CPU backend over `weights` with a KV cache for `plan`'s sequences side by side.
+fn backend_for(weights: &ModelWeights, plan: CalibrationPlan, threads: usize) -> Result<(CpuBackend, usize)> {
+    let blocks_per_seq = plan.tokens_per_sequence.div_ceil(BLOCK_SIZE).max(1);
+    let shape = KvCacheShape { num_blocks: blocks_per_seq * plan.sequences.max(1), block_size: BLOCK_SIZE };
+    Ok((CpuBackend::new(weights.clone(), shape, threads)?, blocks_per_seq))
+}
+
+fn block_table(seq: usize, blocks_per_seq: usize) -> Vec<u32> {
+    (seq * blocks_per_seq..(seq + 1) * blocks_per_seq).map(|b| b as u32).collect()
+}
+
+/// Samples `plan`'s calibration sequences from the model (`weights`, unquantized): one random first
+/// token each, then tokens drawn from the model's own distribution, all sequences decoded together.
+pub fn sample_tokens(weights: &ModelWeights, plan: CalibrationPlan, threads: usize) -> Result<Vec<Vec<u32>>> {
+    let vocab = weights.config.vocab_size;
+    if vocab == 0 || plan.sequences == 0 || plan.tokens_per_sequence == 0 {
+        return Err(EngineError::Unsupported("calibration needs a vocabulary and at least one token".into()));
+    }
+    let (mut backend, blocks_per_seq) = backend_for(weights, plan, threads)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(plan.seed);
+    let mut seqs: Vec<Vec<u32>> = (0..plan.sequences).map(|_| vec![rng.random_range(0..vocab) as u32]).collect();
+    let mut logged = std::time::Instant::now();
+    for pos in 0..plan.tokens_per_sequence - 1 {
+        let batch = StepBatch {
+            tokens: seqs.iter().map(|s| s[pos]).collect(),
+            positions: vec![pos as u32; seqs.len()],
+            seqs: (0..seqs.len())
+                .map(|i| SeqChunk {
+                    start: i,
+                    len: 1,
+                    context_len: pos,
+                    block_table: block_table(i, blocks_per_seq),
+                    wants_logits: true,
+                    lora_slot: None,
+                })
+                .collect(),
+        };
+        let logits = backend.forward(&batch)?;
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            seq.push(sample(logits.row(i), &mut rng));
+        }
+        if logged.elapsed() >= crate::progress::LOG_INTERVAL {
+            tracing::info!("calibration: sampled {}/{} tokens of {} sequences", pos + 2, plan.tokens_per_sequence, plan.sequences);
+            logged = std::time::Instant::now();
+        }
+    }
+    Ok(seqs)
+}
+
+/// A token drawn from `softmax(logits)`.
+fn sample(logits: &[f32], rng: &mut ChaCha8Rng) -> u32 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let weights: Vec<f64> = logits.iter().map(|&v| f64::from(v - max).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut pick = rng.random::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        pick -= w;
+        if pick <= 0.0 {
+            return i as u32;
+        }
+    }
+    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
+}
+
+/// The second moments of every linear layer's inputs while `weights` (unquantized) run `tokens`.
+pub fn linear_inputs(weights: &ModelWeights, tokens: &[Vec<u32>], threads: usize) -> Result<Vec<LayerInputs>> {
+    let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
+    let plan = CalibrationPlan { sequences: tokens.len(), tokens_per_sequence: longest, seed: 0 };
+    let (mut backend, blocks_per_seq) = backend_for(weights, plan, threads)?;
+    backend.record_linear_inputs();
+    // A few sequences per step: every token's inputs, without one huge step's scratch.
+    for (group, first) in tokens.chunks(4).zip((0..).step_by(4)) {
+        let mut batch = StepBatch::default();
+        for (j, seq) in group.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
+            batch.seqs.push(SeqChunk {
+                start: batch.tokens.len(),
+                len: seq.len(),
+                context_len: 0,
+                block_table: block_table(first + j, blocks_per_seq),
+                wants_logits: false,
+                lora_slot: None,
+            });
+            batch.tokens.extend_from_slice(seq);
+            batch.positions.extend(0..seq.len() as u32);
+        }
+        if !batch.tokens.is_empty() {
+            backend.forward(&batch)?;
+        }
+    }
+    backend.take_linear_inputs().ok_or_else(|| EngineError::Backend("the calibration pass recorded nothing".into()))
+}
+
+/// Quantizes every decoder layer's seven linear projections of `weights` to `format` with GPTQ's
+/// error feedback under `inputs` (from [`linear_inputs`] over the same weights). Matrices already
+/// row-quantized are kept, as `quantize_linear_weights` keeps them.
+pub fn quantize_linear_weights(weights: &mut ModelWeights, format: RowFormat, activations: Activations, inputs: &[LayerInputs]) -> Result<()> {
+    if inputs.len() != weights.layers.len() {
+        return Err(EngineError::Backend(format!("calibration of {} layers for a model of {}", inputs.len(), weights.layers.len())));
+    }
+    let total = weights.layers.len();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    weights.layers.par_iter_mut().zip(inputs).enumerate().try_for_each(|(i, (layer, h))| {
+        for (name, m, h) in [
+            ("q_proj", &mut layer.q_proj, &h.attention),
+            ("k_proj", &mut layer.k_proj, &h.attention),
+            ("v_proj", &mut layer.v_proj, &h.attention),
+            ("o_proj", &mut layer.o_proj, &h.output),
+            ("gate_proj", &mut layer.gate_proj, &h.mlp),
+            ("up_proj", &mut layer.up_proj, &h.mlp),
+            ("down_proj", &mut layer.down_proj, &h.down),
+        ] {
+            if matches!(m.data, MatrixData::RowQuant(_)) {
+                continue;
+            }
+            let mut q = gptq::quantize(format, m.rows, m.cols, &m.to_f32(), h, gptq::DEFAULT_DAMP)
+                .map_err(|e| EngineError::Unsupported(format!("--quantization-gptq {}: layers.{i}.{name}: {e}", format.name())))?;
+            q.activations = activations;
+            *m = Matrix::from_row_quant(q);
+        }
+        let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        tracing::info!("calibration: layer {n}/{total} quantized");
+        Ok(())
+    })
+}
+
+/// The whole of `--quantization-gptq` on host weights (unquantized, rotated or not): sample the
+/// calibration tokens from the model, record its linear inputs over them, then quantize.
+pub fn quantize_with_calibration(weights: &mut ModelWeights, format: RowFormat, plan: CalibrationPlan, threads: usize) -> Result<()> {
+    tracing::info!("calibration: sampling {} × {} tokens from the model", plan.sequences, plan.tokens_per_sequence);
+    let tokens = sample_tokens(weights, plan, threads)?;
+    tracing::info!("calibration: recording the linear layers' inputs");
+    let inputs = linear_inputs(weights, &tokens, threads)?;
+    quantize_linear_weights(weights, format, Activations::PerToken, &inputs)
+}

@@ -19,6 +19,7 @@ mod cuda_common;
 mod w8a8_pos0;
 
 use cuda_common::{argmax, gpu_or_skip, greedy, one_seq, report, top2_margin, u32s};
+use peregrine_engine::backend::cpu::calibrate::{self, CalibrationPlan};
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::cuda::{CudaBackend, CudaOptions, WeightInit};
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
@@ -73,6 +74,12 @@ fn backends(format: RowFormat) -> Option<(CudaBackend, CpuBackend)> {
 /// As [`backends`], over the model rotated as `--quantization-rotation` rotates it (residual
 /// stream, heads, and down_proj's input online) when `rotated`.
 fn backends_of(format: RowFormat, rotated: bool) -> Option<(CudaBackend, CpuBackend)> {
+    backends_with(format, rotated, false)
+}
+
+/// As [`backends_of`], with the weights rounded by GPTQ on the host (`--quantization-gptq`) when
+/// `gptq`: the GPU keeps the host's codes.
+fn backends_with(format: RowFormat, rotated: bool, gptq: bool) -> Option<(CudaBackend, CpuBackend)> {
     if !gpu_or_skip() {
         return None;
     }
@@ -82,9 +89,14 @@ fn backends_of(format: RowFormat, rotated: bool) -> Option<(CudaBackend, CpuBack
         assert_eq!(w.down_input_hadamard, Some(512), "SmolLM2's down_proj input rotated in blocks of 512");
     }
     let mut quantized = w.clone();
-    quantize::quantize_linear_weights(&mut quantized, format).expect("quantize");
+    if gptq {
+        calibrate::quantize_with_calibration(&mut quantized, format, CalibrationPlan::default(), 0).expect("GPTQ");
+    } else {
+        quantize::quantize_linear_weights(&mut quantized, format).expect("quantize");
+    }
     let opts = CudaOptions { num_blocks: Some(256), block_size: BLOCK, max_model_len: 1024, max_num_batched_tokens: 512, max_num_seqs: 16, ..CudaOptions::default() };
     let gpu = match format {
+        RowFormat::Fp8E4m3 if gptq => CudaBackend::new(WeightInit::Host(&quantized), &CudaOptions { quantization: Some(format), ..opts }),
         RowFormat::Fp8E4m3 => CudaBackend::new(WeightInit::Host(&w), &CudaOptions { quantization: Some(format), ..opts }),
         RowFormat::Int8 => CudaBackend::new(WeightInit::Host(&quantized), &opts),
     };
@@ -140,7 +152,11 @@ impl Diffs {
 }
 
 fn logits_match_the_cpu(format: RowFormat) {
-    let Some((mut g, mut cpu)) = backends(format) else { return };
+    logits_match(format, backends(format));
+}
+
+fn logits_match(format: RowFormat, backends: Option<(CudaBackend, CpuBackend)>) {
+    let Some((mut g, mut cpu)) = backends else { return };
     let reference = common::reference();
     let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| u32s(&p["input_ids"])).collect();
     let mut d = Diffs::new(w8_atol(format));
@@ -316,6 +332,18 @@ fn int8_error_against_f32_is_the_cpus() {
 #[test]
 fn rotated_int8_error_against_f32_is_the_cpus() {
     error_against_f32_is_the_cpus_of(RowFormat::Int8, true);
+}
+
+/// `--quantization-gptq`: the GPU runs the host's GPTQ codes as they are, and computes what the CPU
+/// computes with them (rotated int8, and fp8).
+#[test]
+fn gptq_rotated_int8_logits_match_the_cpu_backends() {
+    logits_match(RowFormat::Int8, backends_with(RowFormat::Int8, true, true));
+}
+
+#[test]
+fn gptq_fp8_logits_match_the_cpu_backends() {
+    logits_match(RowFormat::Fp8E4m3, backends_with(RowFormat::Fp8E4m3, false, true));
 }
 
 #[test]

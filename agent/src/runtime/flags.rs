@@ -254,6 +254,13 @@ pub struct EngineArgs {
     /// --load-format dummy on cuda only the run-time rotation runs (to measure its cost).
     #[arg(long, env = "PEREGRINE_QUANTIZATION_ROTATION")]
     pub quantization_rotation: bool,
+    /// With --quantization: round the weights with GPTQ's error feedback instead of to the nearest
+    /// code, calibrated at load on 2048 tokens the model samples itself (no dataset); same format,
+    /// same speed. SmolLM2 int8 rotated: perplexity +0.39% -> +0.15%, top-1 35 -> 36 of 36 (CPU).
+    /// Runs on the CPU with the unquantized weights in host memory: seconds for SmolLM2, far too
+    /// long for billions of parameters (its dense factorizations are not blocked yet).
+    #[arg(long, env = "PEREGRINE_QUANTIZATION_GPTQ")]
+    pub quantization_gptq: bool,
     /// Serve LoRA adapters (implied by --lora-modules).
     #[arg(long, env = "PEREGRINE_ENABLE_LORA")]
     pub enable_lora: bool,

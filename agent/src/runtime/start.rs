@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::ValueEnum;
+use peregrine_engine::backend::cpu::calibrate::{self, CalibrationPlan};
 use peregrine_engine::backend::cpu::tp::CpuTpBackend;
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape};
@@ -79,6 +80,16 @@ impl EngineArgs {
         Ok(Some(Arc::new(rotation)))
     }
 
+    /// `--quantization-gptq`: the linear weights rounded with GPTQ on the host, after any rotation.
+    fn calibrate(&self, weights: &mut model::ModelWeights) -> anyhow::Result<()> {
+        let (true, Some(q)) = (self.quantization_gptq, self.quantization) else { return Ok(()) };
+        tracing::info!("quantizing with GPTQ (--quantization-gptq): calibrating on the CPU");
+        let started = std::time::Instant::now();
+        calibrate::quantize_with_calibration(weights, q.into(), CalibrationPlan::default(), self.threads()).context("--quantization-gptq")?;
+        tracing::info!("GPTQ quantization done in {:.1} s", started.elapsed().as_secs_f64());
+        Ok(())
+    }
+
     /// Loads the model, builds the backend, starts the engine thread and loads `--lora-modules`.
     pub fn start(&self) -> anyhow::Result<Runtime> {
         if let Some(n) = self.mask_threads {
@@ -109,6 +120,14 @@ impl EngineArgs {
                 anyhow::bail!("--quantization-rotation needs real weights (not --load-format dummy) on the CPU; on cuda, dummy weights measure what its online rotation costs");
             }
         }
+        if self.quantization_gptq {
+            if self.quantization.is_none() {
+                anyhow::bail!("--quantization-gptq rounds the weights --quantization fp8|int8 makes; without it there is nothing to round");
+            }
+            if self.load_format == LoadFormatArg::Dummy {
+                anyhow::bail!("--quantization-gptq needs real weights (not --load-format dummy): it calibrates on text the model writes");
+            }
+        }
         let tokenizer = match &self.tokenizer {
             Some(path) => Some(Tokenizer::for_model(path).with_context(|| format!("loading --tokenizer {}", path.display()))?),
             None => load_tokenizer(&self.model, self.load_format)?,
@@ -124,11 +143,14 @@ impl EngineArgs {
             DeviceArg::Cuda => {
                 let mut loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
                 rotation = self.rotate(&mut loaded.weights)?;
+                // GPTQ's codes are kept by the backend as they are (it quantizes only float weights).
+                self.calibrate(&mut loaded.weights)?;
                 (loaded.config.clone(), self.cuda_backend(ModelSource::Host(&loaded.weights))?)
             }
             DeviceArg::Cpu => {
                 let mut loaded = model::load(&self.model, self.load_format.into()).with_context(loading)?;
                 rotation = self.rotate(&mut loaded.weights)?;
+                self.calibrate(&mut loaded.weights)?;
                 if let Some(q) = self.quantization {
                     model::quantize::quantize_linear_weights(&mut loaded.weights, q.into())?;
                 }
@@ -301,6 +323,8 @@ mod tests {
         assert!(parse(&["--quantization", "int4"]).is_err());
         assert!(parse(&["--quantization", "int8", "--quantization-rotation"]).unwrap().quantization_rotation);
         assert!(!parse(&["--quantization", "int8"]).unwrap().quantization_rotation);
+        assert!(parse(&["--quantization", "fp8", "--quantization-gptq"]).unwrap().quantization_gptq);
+        assert!(!parse(&["--quantization", "fp8"]).unwrap().quantization_gptq);
     }
 
     #[test]
@@ -349,6 +373,17 @@ mod tests {
         ] {
             let e = parse(args).unwrap().start().err().expect("refused").to_string();
             assert!(e.contains("--quantization-rotation") && e.contains(why), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn quantization_gptq_is_refused_where_it_cannot_apply() {
+        for (args, why) in [
+            (&["--device", "cpu", "--quantization-gptq"][..], "--quantization fp8|int8"),
+            (&["--device", "cpu", "--quantization", "int8", "--quantization-gptq", "--load-format", "dummy"][..], "dummy"),
+        ] {
+            let e = parse(args).unwrap().start().err().expect("refused").to_string();
+            assert!(e.contains("--quantization-gptq") && e.contains(why), "{args:?}: {e}");
         }
     }
 

@@ -174,3 +174,61 @@ pub fn quantize_with_calibration(weights: &mut ModelWeights, format: RowFormat, 
     let inputs = linear_inputs(weights, &tokens, threads)?;
     quantize_linear_weights(weights, format, Activations::PerToken, &inputs)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::dummy::dummy_weights;
+
+    fn tiny() -> ModelWeights {
+        let config = crate::model::hf_config::parse_hf_config(&serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "tie_word_embeddings": false
+        }))
+        .unwrap();
+        dummy_weights(&config, 1)
+    }
+
+    #[test]
+    fn sampled_tokens_are_seeded_and_in_the_vocabulary() {
+        let w = tiny();
+        let plan = CalibrationPlan { sequences: 3, tokens_per_sequence: 20, seed: 5 };
+        let a = sample_tokens(&w, plan, 1).unwrap();
+        assert_eq!(a.len(), 3);
+        assert!(a.iter().all(|s| s.len() == 20 && s.iter().all(|&t| t < 100)));
+        assert_eq!(a, sample_tokens(&w, plan, 2).unwrap(), "same seed, same tokens, whatever the threads");
+        assert_ne!(a, sample_tokens(&w, CalibrationPlan { seed: 6, ..plan }, 1).unwrap());
+        assert!(sample_tokens(&w, CalibrationPlan { tokens_per_sequence: 0, ..plan }, 1).is_err());
+    }
+
+    #[test]
+    fn every_token_reaches_every_linear_input() {
+        let w = tiny();
+        let tokens = vec![vec![1, 2, 3, 4, 5], vec![7, 8], vec![], vec![9, 10, 11], vec![12]];
+        let inputs = linear_inputs(&w, &tokens, 1).unwrap();
+        assert_eq!(inputs.len(), 2);
+        for layer in &inputs {
+            for (h, dim) in [(&layer.attention, 64), (&layer.output, 64), (&layer.mlp, 64), (&layer.down, 96)] {
+                assert_eq!((h.rows(), h.dim()), (11, dim));
+            }
+        }
+    }
+
+    #[test]
+    fn every_projection_is_quantized_with_its_inputs() {
+        let mut w = tiny();
+        let original = w.clone();
+        let inputs = linear_inputs(&w, &[vec![1, 2, 3, 4, 5, 6, 7, 8]], 1).unwrap();
+        quantize_linear_weights(&mut w, RowFormat::Int8, Activations::PerToken, &inputs).unwrap();
+        for (l, o) in w.layers.iter().zip(&original.layers) {
+            for (m, src) in [(&l.q_proj, &o.q_proj), (&l.o_proj, &o.o_proj), (&l.up_proj, &o.up_proj), (&l.down_proj, &o.down_proj)] {
+                let MatrixData::RowQuant(q) = &m.data else { panic!("not quantized") };
+                assert_eq!((q.rows, q.cols, q.format), (src.rows, src.cols, RowFormat::Int8));
+            }
+        }
+        assert_eq!(w.lm_head, original.lm_head);
+        let e = quantize_linear_weights(&mut original.clone(), RowFormat::Int8, Activations::PerToken, &inputs[..1]).unwrap_err();
+        assert!(e.to_string().contains("1 layers"), "{e}");
+    }
+}

@@ -155,17 +155,20 @@ pub fn quantize(format: RowFormat, rows: usize, cols: usize, w: &[f32], h: &Hess
     let mut order: Vec<usize> = (0..cols).collect();
     order.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]).then(a.cmp(&b)));
     let damping = damp * h.mean_diagonal().max(f64::MIN_POSITIVE);
-    let mut hp = vec![0f64; cols * cols];
+    // H in the permuted order, damped, and index-reversed for `factor_inverse_upper` (row `a` of the
+    // permuted matrix is row `cols − 1 − a` of this one, its columns reversed alike).
+    let mut reversed = vec![0f64; cols * cols];
     for (a, &i) in order.iter().enumerate() {
+        let row = &mut reversed[(cols - 1 - a) * cols..(cols - a) * cols];
         for (b, &j) in order.iter().enumerate() {
-            hp[a * cols + b] = h.sum[i * cols + j];
+            row[cols - 1 - b] = h.sum[i * cols + j];
         }
         if diag[i] == 0.0 {
-            hp[a * cols + a] = 1.0;
+            row[cols - 1 - a] = 1.0;
         }
-        hp[a * cols + a] += damping;
+        row[cols - 1 - a] += damping;
     }
-    let u = inverse_upper_cholesky(&hp, cols).ok_or(GptqError::NotPositiveDefinite)?;
+    let u = factor_inverse_upper(reversed, cols).ok_or(GptqError::NotPositiveDefinite)?;
 
     // The weights transposed into the permuted column order: `wt[a]` is input column `order[a]`,
     // contiguous over the rows, so each step's column and each update are unit-stride.
@@ -235,40 +238,39 @@ pub fn quantize(format: RowFormat, rows: usize, cols: usize, w: &[f32], h: &Hess
 /// upper triangular with a positive diagonal, so it is `U`: one factorization and one triangular
 /// inverse, no explicit inverse of `H`.
 pub fn inverse_upper_cholesky(h: &[f64], n: usize) -> Option<Vec<f64>> {
-    let mut reversed = vec![0f64; n * n];
-    for i in 0..n {
-        for j in 0..n {
-            reversed[i * n + j] = h[(n - 1 - i) * n + (n - 1 - j)];
-        }
-    }
-    let l = cholesky_lower(&reversed, n)?;
-    let inv = lower_inverse(&l, n);
-    let mut u = vec![0f64; n * n];
-    for i in 0..n {
-        for j in i..n {
-            u[i * n + j] = inv[(n - 1 - i) * n + (n - 1 - j)];
-        }
-    }
+    // Reversing both indices of a row-major n × n matrix reverses its flat array.
+    let mut reversed = h[..n * n].to_vec();
+    reversed.reverse();
+    factor_inverse_upper(reversed, n)
+}
+
+/// [`inverse_upper_cholesky`] of `P·H·P` given as `reversed` (consumed): two n × n buffers in all,
+/// the factor in place and the inverse beside it.
+fn factor_inverse_upper(mut reversed: Vec<f64>, n: usize) -> Option<Vec<f64>> {
+    cholesky_lower_in_place(&mut reversed, n)?;
+    let mut u = lower_inverse(&reversed, n);
+    u.reverse();
     Some(u)
 }
 
-/// `L` (lower, row-major) with `A = L·Lᵀ`, or `None` if `A` is not positive definite.
-fn cholesky_lower(a: &[f64], n: usize) -> Option<Vec<f64>> {
-    let mut l = vec![0f64; n * n];
+/// Overwrites the lower triangle of `a` with `L` (`A = L·Lᵀ`) and zeroes the upper one, or returns
+/// `None` if `A` is not positive definite.
+fn cholesky_lower_in_place(a: &mut [f64], n: usize) -> Option<()> {
     for i in 0..n {
-        for j in 0..=i {
-            let s = a[i * n + j] - dot(&l[i * n..i * n + j], &l[j * n..j * n + j]);
-            if i == j {
-                if !(s > 0.0 && s.is_finite()) {
-                    return None;
-                }
-                l[i * n + i] = s.sqrt();
-            } else {
-                l[i * n + j] = s / l[j * n + j];
-            }
+        let (above, rest) = a.split_at_mut(i * n);
+        let row = &mut rest[..n];
+        for j in 0..i {
+            let s = row[j] - dot(&row[..j], &above[j * n..j * n + j]);
+            row[j] = s / above[j * n + j];
         }
+        let s = row[i] - dot(&row[..i], &row[..i]);
+        if !(s > 0.0 && s.is_finite()) {
+            return None;
+        }
+        row[i] = s.sqrt();
+        row[i + 1..].fill(0.0);
     }
-    Some(l)
+    Some(())
 }
 
 /// `L⁻¹` of a lower-triangular `L` with a nonzero diagonal, by forward substitution row by row

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 use super::CpuBackend;
 use crate::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
+use crate::config::ModelConfig;
 use crate::model::gptq::{self, LayerInputs};
 use crate::model::rowquant::{Activations, RowFormat};
 use crate::model::{Matrix, MatrixData, ModelWeights};
@@ -39,6 +40,33 @@ impl Default for CalibrationPlan {
 }
 
 const BLOCK_SIZE: usize = 16;
+
+/// Most host memory the calibration's sums may take (f64 `x·xᵀ` of every layer's four inputs, held
+/// at once): 16 GiB is a model of ~1–2B parameters (Llama-3.2-1B: 10 GiB; Llama-3.1-8B would need 65).
+pub const MAX_LINEAR_INPUTS_BYTES: u64 = 16 << 30;
+
+/// Most host memory the rounding's working buffers may take at once (layers run side by side up to it).
+const ROUNDING_BUDGET_BYTES: u64 = 4 << 30;
+
+/// Bytes of the sums [`linear_inputs`] keeps for a model of `c`'s shape.
+pub fn linear_inputs_bytes(c: &ModelConfig) -> u64 {
+    let sq = |d: usize| (d as u64).saturating_mul(d as u64);
+    let per_layer = sq(c.hidden_size).saturating_mul(2).saturating_add(sq(c.q_dim())).saturating_add(sq(c.intermediate_size));
+    per_layer.saturating_mul(c.num_hidden_layers as u64).saturating_mul(8)
+}
+
+/// Refuses a model whose calibration would not fit [`MAX_LINEAR_INPUTS_BYTES`], before any work.
+pub fn check_size(c: &ModelConfig) -> Result<()> {
+    let need = linear_inputs_bytes(c);
+    if need > MAX_LINEAR_INPUTS_BYTES {
+        return Err(EngineError::Unsupported(format!(
+            "--quantization-gptq: this model's calibration would hold {:.1} GiB of input statistics in host memory, more than its limit of {} GiB (it is for models of up to ~1-2B parameters for now)",
+            need as f64 / (1u64 << 30) as f64,
+            MAX_LINEAR_INPUTS_BYTES >> 30
+        )));
+    }
+    Ok(())
+}
 
 /// A CPU backend over `weights` with a KV cache for `plan`'s sequences side by side.
 fn backend_for(weights: &ModelWeights, plan: CalibrationPlan, threads: usize) -> Result<(CpuBackend, usize)> {
@@ -106,6 +134,7 @@ fn sample(logits: &[f32], rng: &mut ChaCha8Rng) -> u32 {
 
 /// The second moments of every linear layer's inputs while `weights` (unquantized) run `tokens`.
 pub fn linear_inputs(weights: &ModelWeights, tokens: &[Vec<u32>], threads: usize) -> Result<Vec<LayerInputs>> {
+    check_size(&weights.config)?;
     let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
     let plan = CalibrationPlan { sequences: tokens.len(), tokens_per_sequence: longest, seed: 0 };
     let (mut backend, blocks_per_seq) = backend_for(weights, plan, threads)?;
@@ -141,7 +170,15 @@ pub fn quantize_linear_weights(weights: &mut ModelWeights, format: RowFormat, ac
     }
     let total = weights.layers.len();
     let done = std::sync::atomic::AtomicUsize::new(0);
-    weights.layers.par_iter_mut().zip(inputs).enumerate().try_for_each(|(i, (layer, h))| {
+    // One layer's rounding holds two n × n f64 factors for its widest input and the f64 weights:
+    // groups of layers run one after the other, the layers of a group side by side.
+    let c = &weights.config;
+    let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u64;
+    let per_layer = widest * widest * 16 + (c.intermediate_size as u64) * (c.hidden_size as u64) * 8;
+    let side_by_side = (ROUNDING_BUDGET_BYTES / per_layer.max(1)).clamp(1, total.max(1) as u64) as usize;
+    let mut layers: Vec<_> = weights.layers.iter_mut().zip(inputs).enumerate().collect();
+    layers.chunks_mut(side_by_side).try_for_each(|group| group.par_iter_mut().try_for_each(|(i, (layer, h))| {
+        let i = *i;
         for (name, m, h) in [
             ("q_proj", &mut layer.q_proj, &h.attention),
             ("k_proj", &mut layer.k_proj, &h.attention),
@@ -162,12 +199,13 @@ pub fn quantize_linear_weights(weights: &mut ModelWeights, format: RowFormat, ac
         let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         tracing::info!("calibration: layer {n}/{total} quantized");
         Ok(())
-    })
+    }))
 }
 
 /// The whole of `--quantization-gptq` on host weights (unquantized, rotated or not): sample the
 /// calibration tokens from the model, record its linear inputs over them, then quantize.
 pub fn quantize_with_calibration(weights: &mut ModelWeights, format: RowFormat, plan: CalibrationPlan, threads: usize) -> Result<()> {
+    check_size(&weights.config)?;
     tracing::info!("calibration: sampling {} × {} tokens from the model", plan.sequences, plan.tokens_per_sequence);
     let tokens = sample_tokens(weights, plan, threads)?;
     tracing::info!("calibration: recording the linear layers' inputs");
@@ -213,6 +251,19 @@ mod tests {
                 assert_eq!((h.rows(), h.dim()), (11, dim));
             }
         }
+    }
+
+    #[test]
+    fn models_too_big_to_calibrate_are_refused_by_size() {
+        let small = tiny().config;
+        assert_eq!(linear_inputs_bytes(&small), 2 * (2 * 64 * 64 + 64 * 64 + 96 * 96) * 8);
+        check_size(&small).unwrap();
+        let llama_8b = ModelConfig { hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, head_dim: 128, ..small };
+        let e = check_size(&llama_8b).unwrap_err().to_string();
+        assert!(e.contains("--quantization-gptq") && e.contains("GiB"), "{e}");
+        let mut w = tiny();
+        w.config = llama_8b;
+        assert!(quantize_with_calibration(&mut w, RowFormat::Int8, CalibrationPlan::default(), 1).is_err(), "refused before sampling");
     }
 
     #[test]

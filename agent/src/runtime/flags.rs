@@ -257,8 +257,8 @@ pub struct EngineArgs {
     /// With --quantization: round the weights with GPTQ's error feedback instead of to the nearest
     /// code, calibrated at load on 2048 tokens the model samples itself (no dataset); same format,
     /// same speed. SmolLM2 int8 rotated: perplexity +0.39% -> +0.15%, top-1 35 -> 36 of 36 (CPU).
-    /// Runs on the CPU with the unquantized weights in host memory: seconds for SmolLM2, far too
-    /// long for billions of parameters (its dense factorizations are not blocked yet).
+    /// Runs on the CPU with the unquantized weights in host memory: seconds for SmolLM2; refused for
+    /// a model whose input statistics would exceed 16 GiB (about 2B parameters and up).
     #[arg(long, env = "PEREGRINE_QUANTIZATION_GPTQ")]
     pub quantization_gptq: bool,
     /// Serve LoRA adapters (implied by --lora-modules).

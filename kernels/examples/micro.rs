@@ -440,21 +440,24 @@ fn w8(c: &Cuda) {
     let s = &c.gpu.stream;
     let formats: Vec<W8Format> = [W8Format::E4m3, W8Format::I8].into_iter().filter(|&f| c.kernels.w8_ready(f)).collect();
     // e4m3: `linear_w8` (cuBLASLt above 16 rows where the library is there) and our gemm_w8a8 alone.
+    // `MICRO_W8_M=256,1100`: those step sizes only; `MICRO_W8_INT8_ONLY=1`: the int8 column only.
+    let ms: Vec<usize> = std::env::var("MICRO_W8_M").ok().map(|v| v.split(',').filter_map(|t| t.trim().parse().ok()).collect()).unwrap_or_else(|| vec![1, 16, 64, 128, 256, 512, 2048]);
+    let int8_only = std::env::var("MICRO_W8_INT8_ONLY").is_ok();
     println!("{:<18} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}", "[n x k]", "m", "bf16 us", "bf16 TF/s", "e4m3 us", "e4m3 TF/s", "ours us", "int8 us", "int8 TF/s");
     for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
         let wb = c.gpu.alloc_zeros::<u16>(n * k).unwrap();
         unsafe { c.kernels.fill_uniform_bf16(s, wb.ptr(), n * k, 1, 0.02).unwrap() };
         let wq = c.gpu.alloc_zeros::<u8>(n * k).unwrap();
         let ws = c.gpu.alloc_zeros::<f32>(n).unwrap();
-        for m in [1usize, 16, 64, 128, 256, 512, 2048] {
+        for &m in &ms {
             let x = c.gpu.alloc_zeros::<u16>(m * k).unwrap();
             unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), m * k, 99, 1.0).unwrap() };
             let y = c.gpu.alloc_zeros::<u16>(m * n).unwrap();
             let mut ours = f64::NAN;
-            let tb = time(c, 20, || unsafe { c.linear(y.ptr(), OutType::Bf16, x.ptr(), wb.ptr(), m, n, k).unwrap() });
+            let tb = if int8_only { f64::NAN } else { time(c, 20, || unsafe { c.linear(y.ptr(), OutType::Bf16, x.ptr(), wb.ptr(), m, n, k).unwrap() }) };
             let mut cols = vec![];
             for &f in &[W8Format::E4m3, W8Format::I8] {
-                if !formats.contains(&f) {
+                if !formats.contains(&f) || (int8_only && f == W8Format::E4m3) {
                     cols.push((f64::NAN, f64::NAN));
                     continue;
                 }

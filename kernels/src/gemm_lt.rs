@@ -83,7 +83,35 @@ pub struct BlasLt {
     plans: Mutex<HashMap<PlanKey, Option<Plan>>>,
     /// The SM count the next GEMMs target (0: all).
     sm_target: std::sync::atomic::AtomicUsize,
+    /// int8 plans: the fastest of cuBLASLt's candidate algorithms per size class (`TuneKey`), timed
+    /// the first time a shape of the class ran outside a graph capture.
+    tuned: Mutex<HashMap<TuneKey, sys::cublasLtMatmulAlgo_t>>,
+    /// `PEREGRINE_GEMM8_TUNE=0`: the heuristic's first algorithm for every int8 shape (as before).
+    tune: bool,
 }
+
+/// The size class an int8 GEMM's timed algorithm is shared across: rows rounded up to 64 (128 from
+/// 1,024), the same n, k and SM target. Steps of every length between two classes' bounds reuse one
+/// timing instead of paying one each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct TuneKey {
+    rows: usize,
+    n: usize,
+    k: usize,
+    sm_target: usize,
+}
+
+impl TuneKey {
+    fn of(key: &PlanKey) -> TuneKey {
+        let rows = if key.m < 1024 { key.m.next_multiple_of(64) } else { key.m.next_multiple_of(128) };
+        TuneKey { rows, n: key.n, k: key.k, sm_target: key.sm_target }
+    }
+}
+
+/// Candidates cuBLASLt is asked for when an int8 shape is timed.
+const TUNE_CANDIDATES: usize = 8;
+/// Timed runs per candidate (after one untimed).
+const TUNE_RUNS: usize = 3;
 
 // SAFETY: the handle and descriptors are used under the plans' mutex or from the one thread that
 // owns the stream; cuBLASLt handles may be used from any thread.
@@ -113,7 +141,17 @@ impl BlasLt {
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
         let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
         let acc = stream.alloc_zeros::<i32>(ACC_ELEMS)?;
-        Ok(Some(BlasLt { handle, workspace, acc, stream: stream.clone(), plans: Mutex::new(HashMap::new()), sm_target: Default::default() }))
+        let tune = std::env::var("PEREGRINE_GEMM8_TUNE").map_or(true, |v| v != "0");
+        Ok(Some(BlasLt {
+            handle,
+            workspace,
+            acc,
+            stream: stream.clone(),
+            plans: Mutex::new(HashMap::new()),
+            sm_target: Default::default(),
+            tuned: Mutex::new(HashMap::new()),
+            tune,
+        }))
     }
 
     /// Plans the next GEMMs for `sms` multiprocessors (0: all of them), as `Blas::set_sm_count_target`
@@ -231,7 +269,11 @@ impl BlasLt {
             if plans.len() >= MAX_PLANS {
                 plans.clear();
             }
-            let plan = self.plan(key).ok();
+            let mut plan = self.plan(key).ok();
+            if let (Some(p), true) = (plan.as_mut(), key.int8 && self.tune) {
+                // SAFETY: the operands are this call's, valid for `key`'s shape (the contract).
+                unsafe { self.tune_int8(key, p, d_ptr, xq, wq) }?;
+            }
             plans.insert(key, plan);
         }
         let Some(plan) = plans.get(&key).and_then(Option::as_ref) else { return Ok(false) };
@@ -269,6 +311,120 @@ impl BlasLt {
         }
         .map_err(|e| lt_err("matmul", e))?;
         Ok(true)
+    }
+
+    /// An int8 plan's algorithm: its size class's timed one where that class was timed (and cuBLASLt
+    /// accepts it for this shape); else, outside a graph capture, the fastest of cuBLASLt's first
+    /// [`TUNE_CANDIDATES`] on this call's operands, remembered for the class; else (inside a capture,
+    /// where nothing can be timed) the heuristic's first, as `plan` chose. On the H200 the
+    /// heuristic's first int8 choice ran Llama-3.1-8B's gate|up at 1,100–1,170 rows 1.8 × slower than
+    /// the best of its others (docs/benchmarks.md). int8 sums are exact, so no choice changes a result.
+    ///
+    /// # Safety
+    /// `d_ptr`, `xq`, `wq` as [`BlasLt::run`]'s for `key`: the candidates write `d_ptr` (the int32
+    /// scratch) again and again.
+    unsafe fn tune_int8(&self, key: PlanKey, plan: &mut Plan, d_ptr: DPtr, xq: DPtr, wq: DPtr) -> Result<()> {
+        let class = TuneKey::of(&key);
+        let mut tuned = self.tuned.lock().map_err(|_| KernelError::Unsupported("cuBLASLt tuning cache poisoned".into()))?;
+        let [a, b, d] = plan.layouts;
+        if let Some(algo) = tuned.get(&class) {
+            let mut check = MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit();
+            // SAFETY: descriptors live; the result is written by cuBLASLt.
+            let ok = unsafe { sys::cublasLtMatmulAlgoCheck(self.handle, plan.desc, a, b, d, d, algo, check.as_mut_ptr()) };
+            if ok == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                plan.algo = *algo;
+            }
+            return Ok(());
+        }
+        let capturing = self.stream.capture_status().map_err(|e| KernelError::Unsupported(format!("stream capture status: {e:?}")))?;
+        if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Ok(());
+        }
+        let mut found = [MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit(); TUNE_CANDIDATES];
+        let mut count = 0i32;
+        // SAFETY: descriptors live; `found` holds TUNE_CANDIDATES results.
+        let listed = unsafe {
+            let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
+            let ws = WORKSPACE_BYTES as u64;
+            let set = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                size_of::<u64>(),
+            );
+            let status = sys::cublasLtMatmulAlgoGetHeuristic(self.handle, plan.desc, a, b, d, d, pref, TUNE_CANDIDATES as i32, found.as_mut_ptr() as *mut _, &mut count);
+            let _ = lt::destroy_matmul_pref(pref);
+            set.is_ok() && status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+        };
+        if !listed || count <= 1 {
+            return Ok(());
+        }
+        let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
+        for result in &found[..count as usize] {
+            // SAFETY: cuBLASLt wrote the first `count` results.
+            let result = unsafe { result.assume_init() };
+            if result.state != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                continue;
+            }
+            let algo = result.algo;
+            // One untimed run (a candidate cuBLASLt then refuses is skipped), then the timed ones.
+            // SAFETY: as this function's contract.
+            if unsafe { self.matmul_i8(plan, &algo, d_ptr, xq, wq) }.is_err() {
+                continue;
+            }
+            let timed = (|| -> Result<f32> {
+                let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                let start = self.stream.record_event(flags)?;
+                for _ in 0..TUNE_RUNS {
+                    // SAFETY: as above.
+                    unsafe { self.matmul_i8(plan, &algo, d_ptr, xq, wq) }?;
+                }
+                let end = self.stream.record_event(flags)?;
+                Ok(start.elapsed_ms(&end)?)
+            })();
+            if let Ok(ms) = timed {
+                if best.is_none_or(|(b, _)| ms < b) {
+                    best = Some((ms, algo));
+                }
+            }
+        }
+        if let Some((_, algo)) = best {
+            plan.algo = algo;
+            tuned.insert(class, algo);
+        }
+        Ok(())
+    }
+
+    /// `d = xq · wqᵀ` over int8 codes with `plan`'s descriptors and `algo` (see [`BlasLt::run`] for the views).
+    ///
+    /// # Safety
+    /// As [`BlasLt::run`] for the plan's shape.
+    unsafe fn matmul_i8(&self, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t, d_ptr: DPtr, xq: DPtr, wq: DPtr) -> Result<()> {
+        let (alpha_i, beta_i) = (1i32, 0i32);
+        let (ws_ptr, _sync) = self.workspace.device_ptr(self.stream.as_ref());
+        let [a, b, d] = plan.layouts;
+        // SAFETY: descriptors live; pointers as the caller's contract; the workspace is ours.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                &alpha_i as *const i32 as *const c_void,
+                &beta_i as *const i32 as *const c_void,
+                wq as *const c_void,
+                a,
+                xq as *const c_void,
+                b,
+                d_ptr as *const c_void,
+                d,
+                d_ptr as *mut c_void,
+                d,
+                algo,
+                ws_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| lt_err("matmul", e))
     }
 
     /// Descriptors for one shape and cuBLASLt's first-choice algorithm for them.
@@ -311,5 +467,20 @@ impl BlasLt {
             plan.algo = found?.algo;
         }
         Ok(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int8_shapes_share_a_timing_within_their_size_class() {
+        let key = |m| PlanKey { m, n: 4096, k: 14336, f32_out: false, int8: true, sm_target: 0 };
+        let rows = |m| TuneKey::of(&key(m)).rows;
+        assert_eq!((rows(1), rows(64), rows(65), rows(1000), rows(1023)), (64, 64, 128, 1024, 1024));
+        assert_eq!((rows(1024), rows(1100), rows(1170), rows(1280)), (1024, 1152, 1280, 1280));
+        let other = PlanKey { sm_target: 116, ..key(100) };
+        assert_ne!(TuneKey::of(&other), TuneKey::of(&key(100)), "an SM target is its own class");
     }
 }

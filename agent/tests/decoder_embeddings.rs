@@ -112,4 +112,7 @@ fn generation_refuses_grpc_and_an_encoder_refuses_generate() {
     };
     refused(&common::model_path(), &["--grpc-port", "1"], "--grpc-port serves the encoder endpoints");
     refused(&peregrine_testkit::test_encoder(), &["--task", "generate"], "this model is an encoder");
+    // The rotation would rotate the embeddings themselves; GPTQ needs a format to round to.
+    refused(&common::model_path(), &["--task", "embed", "--quantization", "int8", "--quantization-rotation"], "--quantization-rotation is for generation");
+    refused(&common::model_path(), &["--task", "embed", "--quantization-gptq"], "--quantization fp8|int8");
 }

@@ -93,9 +93,21 @@ fn cuda_encoder(_: &EncoderModel, _: peregrine_engine::encoder::weights::Encoder
 /// `--max-model-len`, by default the model's context or `--max-num-batched-tokens`, the smaller.
 fn load_decoder(args: &ServeArgs) -> anyhow::Result<(EncoderModel, Box<dyn EncoderBackend>)> {
     let path = &args.engine.model;
+    if args.engine.quantization_rotation {
+        // The rotation moves the final norm's output (the embedding) by the rotation itself.
+        anyhow::bail!("--quantization-rotation is for generation; --task embed serves the final hidden states, which it would rotate");
+    }
     let mut loaded = model::load(path, args.engine.load_format.into()).with_context(|| format!("loading model {}", path.display()))?;
     if let Some(q) = args.engine.quantization {
+        if args.engine.quantization_gptq {
+            let plan = peregrine_engine::backend::cpu::calibrate::CalibrationPlan::default();
+            peregrine_engine::backend::cpu::calibrate::quantize_with_calibration(&mut loaded.weights, q.into(), plan, args.engine.threads())
+                .context("--quantization-gptq")?;
+        }
+        // Keeps the GPTQ codes; quantizes what is still floating point.
         model::quantize::quantize_linear_weights(&mut loaded.weights, q.into())?;
+    } else if args.engine.quantization_gptq {
+        anyhow::bail!("--quantization-gptq rounds the weights --quantization fp8|int8 makes; without it there is nothing to round");
     }
     let tokenizer = Tokenizer::for_model(path).with_context(|| format!("loading the tokenizer of {}", path.display()))?;
     let max_tokens = args.engine.max_num_batched_tokens;

@@ -292,30 +292,8 @@ impl BlasLt {
         } else {
             (&alpha_f as *const f32 as *const c_void, &beta_f as *const f32 as *const c_void)
         };
-        let (ws_ptr, _sync) = self.workspace.device_ptr(self.stream.as_ref());
-        let [a, b, d] = plan.layouts;
-        // SAFETY: descriptors live; pointers as the caller's contract; the workspace is ours.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                plan.desc,
-                alpha,
-                beta,
-                wq as *const c_void,
-                a,
-                xq as *const c_void,
-                b,
-                d_ptr as *const c_void,
-                d,
-                d_ptr as *mut c_void,
-                d,
-                &plan.algo,
-                ws_ptr as *mut c_void,
-                WORKSPACE_BYTES,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| lt_err("matmul", e))?;
+        // SAFETY: as this function's contract.
+        unsafe { self.launch(plan, &plan.algo, alpha, beta, d_ptr, xq, wq) }?;
         Ok(true)
     }
 
@@ -405,12 +383,32 @@ impl BlasLt {
         Ok(())
     }
 
-    /// `d = xq · wqᵀ` over int8 codes with `plan`'s descriptors and `algo` (see [`BlasLt::run`] for the views).
+    /// `d = xq · wqᵀ` over int8 codes with `plan`'s descriptors and `algo` (int32 scale: 1 and 0).
     ///
     /// # Safety
     /// As [`BlasLt::run`] for the plan's shape.
     unsafe fn matmul_i8(&self, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t, d_ptr: DPtr, xq: DPtr, wq: DPtr) -> Result<()> {
-        let (alpha_i, beta_i) = (1i32, 0i32);
+        let (alpha, beta) = (1i32, 0i32);
+        // SAFETY: as this function's contract; the scalars outlive the call.
+        unsafe { self.launch(plan, algo, &alpha as *const i32 as *const c_void, &beta as *const i32 as *const c_void, d_ptr, xq, wq) }
+    }
+
+    /// One cuBLASLt matmul `d = alpha · xq · wqᵀ + beta · d` with `plan`'s descriptors and `algo`
+    /// (see [`BlasLt::run`] for the views; `alpha`/`beta` point at the plan's scale type).
+    ///
+    /// # Safety
+    /// As [`BlasLt::run`] for the plan's shape; `alpha` and `beta` valid for the call.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch(
+        &self,
+        plan: &Plan,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        alpha: *const c_void,
+        beta: *const c_void,
+        d_ptr: DPtr,
+        xq: DPtr,
+        wq: DPtr,
+    ) -> Result<()> {
         let (ws_ptr, _sync) = self.workspace.device_ptr(self.stream.as_ref());
         let [a, b, d] = plan.layouts;
         // SAFETY: descriptors live; pointers as the caller's contract; the workspace is ours.
@@ -418,8 +416,8 @@ impl BlasLt {
             lt::matmul(
                 self.handle,
                 plan.desc,
-                &alpha_i as *const i32 as *const c_void,
-                &beta_i as *const i32 as *const c_void,
+                alpha,
+                beta,
                 wq as *const c_void,
                 a,
                 xq as *const c_void,

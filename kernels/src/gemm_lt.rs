@@ -108,6 +108,29 @@ impl TuneKey {
     }
 }
 
+/// A matmul preference allowing [`WORKSPACE_BYTES`] of workspace (the caller destroys it).
+///
+/// # Safety
+/// Calls into cuBLASLt; the preference is destroyed here if setting it fails.
+unsafe fn workspace_preference() -> std::result::Result<sys::cublasLtMatmulPreference_t, CublasError> {
+    // SAFETY: a fresh preference; `ws` outlives the call that reads it.
+    unsafe {
+        let pref = lt::create_matmul_pref()?;
+        let ws = WORKSPACE_BYTES as u64;
+        let set = lt::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws as *const u64 as *const c_void,
+            size_of::<u64>(),
+        );
+        if let Err(e) = set {
+            let _ = lt::destroy_matmul_pref(pref);
+            return Err(e);
+        }
+        Ok(pref)
+    }
+}
+
 /// Candidates cuBLASLt is asked for when an int8 shape is timed.
 const TUNE_CANDIDATES: usize = 8;
 /// Timed runs per candidate (after one untimed).
@@ -329,17 +352,10 @@ impl BlasLt {
         let mut count = 0i32;
         // SAFETY: descriptors live; `found` holds TUNE_CANDIDATES results.
         let listed = unsafe {
-            let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
-            let ws = WORKSPACE_BYTES as u64;
-            let set = lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws as *const u64 as *const c_void,
-                size_of::<u64>(),
-            );
+            let pref = workspace_preference().map_err(|e| lt_err("preference", e))?;
             let status = sys::cublasLtMatmulAlgoGetHeuristic(self.handle, plan.desc, a, b, d, d, pref, TUNE_CANDIDATES as i32, found.as_mut_ptr() as *mut _, &mut count);
             let _ = lt::destroy_matmul_pref(pref);
-            set.is_ok() && status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
         };
         if !listed || count <= 1 {
             return Ok(());
@@ -461,16 +477,9 @@ impl BlasLt {
                 let sms = i32::try_from(sm_target).unwrap_or(i32::MAX);
                 lt::set_matmul_desc_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms as *const i32 as *const c_void, size_of::<i32>())?;
             }
-            let pref = lt::create_matmul_pref()?;
-            let ws = WORKSPACE_BYTES as u64;
-            let set = lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws as *const u64 as *const c_void,
-                size_of::<u64>(),
-            );
+            let pref = workspace_preference()?;
             let [a, b, d] = plan.layouts;
-            let found = set.and_then(|()| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
+            let found = lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref);
             let _ = lt::destroy_matmul_pref(pref);
             plan.algo = found?.algo;
         }

@@ -366,24 +366,15 @@ mod tests {
     }
 
     #[test]
-    fn quantization_rotation_is_refused_where_it_cannot_apply() {
-        for (args, why) in [
-            (&["--device", "cpu", "--quantization-rotation"][..], "--quantization fp8|int8"),
-            (&["--device", "cpu", "--quantization", "int8", "--quantization-rotation", "--load-format", "dummy"][..], "dummy"),
+    fn quantization_options_are_refused_where_they_cannot_apply() {
+        for (args, flag, why) in [
+            (&["--device", "cpu", "--quantization-rotation"][..], "--quantization-rotation", "--quantization fp8|int8"),
+            (&["--device", "cpu", "--quantization", "int8", "--quantization-rotation", "--load-format", "dummy"][..], "--quantization-rotation", "dummy"),
+            (&["--device", "cpu", "--quantization-gptq"][..], "--quantization-gptq", "--quantization fp8|int8"),
+            (&["--device", "cpu", "--quantization", "int8", "--quantization-gptq", "--load-format", "dummy"][..], "--quantization-gptq", "dummy"),
         ] {
             let e = parse(args).unwrap().start().err().expect("refused").to_string();
-            assert!(e.contains("--quantization-rotation") && e.contains(why), "{args:?}: {e}");
-        }
-    }
-
-    #[test]
-    fn quantization_gptq_is_refused_where_it_cannot_apply() {
-        for (args, why) in [
-            (&["--device", "cpu", "--quantization-gptq"][..], "--quantization fp8|int8"),
-            (&["--device", "cpu", "--quantization", "int8", "--quantization-gptq", "--load-format", "dummy"][..], "dummy"),
-        ] {
-            let e = parse(args).unwrap().start().err().expect("refused").to_string();
-            assert!(e.contains("--quantization-gptq") && e.contains(why), "{args:?}: {e}");
+            assert!(e.contains(flag) && e.contains(why), "{args:?}: {e}");
         }
     }
 

@@ -21,6 +21,8 @@ use crate::config::ModelConfig;
 use crate::model::gptq::{self, LayerInputs};
 use crate::model::rowquant::{Activations, RowFormat};
 use crate::model::{Matrix, MatrixData, ModelWeights};
+use crate::request::SamplingParams;
+use crate::sampling::RequestSampler;
 use crate::{EngineError, Result};
 
 /// How many calibration tokens, in how many sequences, from which seed.
@@ -89,6 +91,9 @@ pub fn sample_tokens(weights: &ModelWeights, plan: CalibrationPlan, threads: usi
     let (mut backend, blocks_per_seq) = backend_for(weights, plan, threads)?;
     let mut rng = ChaCha8Rng::seed_from_u64(plan.seed);
     let mut seqs: Vec<Vec<u32>> = (0..plan.sequences).map(|_| vec![rng.random_range(0..vocab) as u32]).collect();
+    // The engine's own sampler at temperature 1 (no top-k/top-p, no penalties), one seed per sequence.
+    let mut samplers: Vec<RequestSampler> =
+        (0..plan.sequences).map(|i| RequestSampler::new(SamplingParams::default(), &[], plan.seed.wrapping_add(1 + i as u64))).collect();
     let mut logged = std::time::Instant::now();
     for pos in 0..plan.tokens_per_sequence - 1 {
         let batch = StepBatch {
@@ -106,8 +111,8 @@ pub fn sample_tokens(weights: &ModelWeights, plan: CalibrationPlan, threads: usi
                 .collect(),
         };
         let logits = backend.forward(&batch)?;
-        for (i, seq) in seqs.iter_mut().enumerate() {
-            seq.push(sample(logits.row(i), &mut rng));
+        for (i, (seq, sampler)) in seqs.iter_mut().zip(&mut samplers).enumerate() {
+            seq.push(sampler.sample(logits.row(i)).token_id);
         }
         if logged.elapsed() >= crate::progress::LOG_INTERVAL {
             tracing::info!("calibration: sampled {}/{} tokens of {} sequences", pos + 2, plan.tokens_per_sequence, plan.sequences);
@@ -115,21 +120,6 @@ pub fn sample_tokens(weights: &ModelWeights, plan: CalibrationPlan, threads: usi
         }
     }
     Ok(seqs)
-}
-
-/// A token drawn from `softmax(logits)`.
-fn sample(logits: &[f32], rng: &mut ChaCha8Rng) -> u32 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let weights: Vec<f64> = logits.iter().map(|&v| f64::from(v - max).exp()).collect();
-    let total: f64 = weights.iter().sum();
-    let mut pick = rng.random::<f64>() * total;
-    for (i, w) in weights.iter().enumerate() {
-        pick -= w;
-        if pick <= 0.0 {
-            return i as u32;
-        }
-    }
-    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
 }
 
 /// The second moments of every linear layer's inputs while `weights` (unquantized) run `tokens`.

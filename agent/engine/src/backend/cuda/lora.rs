@@ -103,6 +103,11 @@ pub struct GpuLora {
     w8_rows: bool,
     /// The side stream's shrink as one cuBLAS GEMM per group, for the step sizes it takes.
     dense: Option<DenseShrink>,
+    /// Diagnostics only (wrong results): the groups whose LoRA path is left out entirely
+    /// (`PEREGRINE_LORA_SKIP_GROUPS`), and those whose expand is (`PEREGRINE_LORA_SKIP_EXPAND`):
+    /// what each group's side chain, and its expand, cost a step (docs/benchmarks.md, session 28).
+    skip_groups: GemvRowGroups,
+    skip_expand: GemvRowGroups,
 }
 
 /// Steps of `tokens` compute the side stream's shrink as one cuBLAS GEMM of the group's x against
@@ -238,6 +243,15 @@ impl GemvRowGroups {
 
     fn from_env() -> GemvRowGroups {
         std::env::var("PEREGRINE_LORA_GEMV_ROWS").map_or(Self::DEFAULT, |v| Self::parse(&v))
+    }
+
+    /// The groups a diagnostic variable names (none when it is unset).
+    fn diagnostic(var: &str) -> GemvRowGroups {
+        let set = std::env::var(var).map_or(Self::parse("none"), |v| Self::parse(&v));
+        if set != Self::parse("none") {
+            tracing::warn!(variable = var, groups = ?set, "LoRA diagnostics: updates are left out, results are wrong");
+        }
+        set
     }
 
     /// Whether the group whose first module is `first` takes the GEMV's rows.
@@ -579,6 +593,8 @@ impl GpuLora {
             uploader: None,
             fused_swiglu: !std::env::var("PEREGRINE_LORA_SWIGLU").is_ok_and(|v| v == "0"),
             gemv_rows: GemvRowGroups::from_env(),
+            skip_groups: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_GROUPS"),
+            skip_expand: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_EXPAND"),
             w8_rows: !std::env::var("PEREGRINE_LORA_W8_ROWS").is_ok_and(|v| v == "0"),
             dense,
         })
@@ -724,6 +740,12 @@ impl GpuLora {
         swiglu: Option<DPtr>,
         base: impl FnOnce(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>,
     ) -> peregrine_kernels::Result<LoraUpdate> {
+        let first = p.outs.first().map(|&(m, _)| m);
+        if first.is_some_and(|m| self.skip_groups.takes(m)) {
+            base(None)?;
+            return Ok(LoraUpdate::Added);
+        }
+        let skip_expand = first.is_some_and(|m| self.skip_expand.takes(m));
         let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
         let mut fan_in = 0;
@@ -780,12 +802,15 @@ impl GpuLora {
                     }
                     None => k.lora_shrink(stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?,
                 }
-                if let Some(d) = delta {
+                if let Some(d) = delta.filter(|_| !skip_expand) {
                     k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
                 }
                 side.side_done.record(stream)?;
                 base(None)?;
                 main.wait(&side.side_done)?;
+                if skip_expand {
+                    return Ok(LoraUpdate::Added);
+                }
                 if let Some(d) = delta {
                     return Ok(LoraUpdate::Buffered(LoraDelta { d: d.ptr(), slots }));
                 }

@@ -108,6 +108,9 @@ pub struct GpuLora {
     /// what each group's side chain, and its expand, cost a step (docs/benchmarks.md, session 28).
     skip_groups: GemvRowGroups,
     skip_expand: GemvRowGroups,
+    /// Diagnostics only: the groups that fork and join the side stream with nothing on it
+    /// (`PEREGRINE_LORA_EMPTY_SIDE`), what the fork and join alone cost.
+    empty_side: GemvRowGroups,
 }
 
 /// Steps of `tokens` compute the side stream's shrink as one cuBLAS GEMM of the group's x against
@@ -595,6 +598,7 @@ impl GpuLora {
             gemv_rows: GemvRowGroups::from_env(),
             skip_groups: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_GROUPS"),
             skip_expand: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_EXPAND"),
+            empty_side: GemvRowGroups::diagnostic("PEREGRINE_LORA_EMPTY_SIDE"),
             w8_rows: !std::env::var("PEREGRINE_LORA_W8_ROWS").is_ok_and(|v| v == "0"),
             dense,
         })
@@ -746,6 +750,16 @@ impl GpuLora {
             return Ok(LoraUpdate::Added);
         }
         let skip_expand = first.is_some_and(|m| self.skip_expand.takes(m));
+        if let (Some(side), true) = (&self.overlap, first.is_some_and(|m| self.empty_side.takes(m))) {
+            // Diagnostic: the fork and the join alone, nothing on the side stream.
+            let stream = side.for_tokens(n);
+            side.input_ready.record(&cuda.gpu.stream)?;
+            stream.wait(&side.input_ready)?;
+            side.side_done.record(stream)?;
+            base(None)?;
+            cuda.gpu.stream.wait(&side.side_done)?;
+            return Ok(LoraUpdate::Added);
+        }
         let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
         let mut fan_in = 0;

@@ -111,6 +111,8 @@ pub struct GpuLora {
     /// Diagnostics only: the groups that fork and join the side stream with nothing on it
     /// (`PEREGRINE_LORA_EMPTY_SIDE`), what the fork and join alone cost.
     empty_side: GemvRowGroups,
+    /// ... in the first this many layers (`PEREGRINE_LORA_EMPTY_SIDE_LAYERS`, default all).
+    empty_side_layers: usize,
 }
 
 /// Steps of `tokens` compute the side stream's shrink as one cuBLAS GEMM of the group's x against
@@ -599,6 +601,7 @@ impl GpuLora {
             skip_groups: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_GROUPS"),
             skip_expand: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_EXPAND"),
             empty_side: GemvRowGroups::diagnostic("PEREGRINE_LORA_EMPTY_SIDE"),
+            empty_side_layers: std::env::var("PEREGRINE_LORA_EMPTY_SIDE_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX),
             w8_rows: !std::env::var("PEREGRINE_LORA_W8_ROWS").is_ok_and(|v| v == "0"),
             dense,
         })
@@ -750,7 +753,8 @@ impl GpuLora {
             return Ok(LoraUpdate::Added);
         }
         let skip_expand = first.is_some_and(|m| self.skip_expand.takes(m));
-        if let (Some(side), true) = (&self.overlap, first.is_some_and(|m| self.empty_side.takes(m))) {
+        let empty_side_layer = layer < self.empty_side_layers;
+        if let (Some(side), true) = (&self.overlap, empty_side_layer && first.is_some_and(|m| self.empty_side.takes(m))) {
             // Diagnostic: the fork and the join alone, nothing on the side stream.
             let stream = side.for_tokens(n);
             side.input_ready.record(&cuda.gpu.stream)?;

@@ -748,10 +748,6 @@ impl GpuLora {
         base: impl FnOnce(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>,
     ) -> peregrine_kernels::Result<LoraUpdate> {
         let first = p.outs.first().map(|&(m, _)| m);
-        if first.is_some_and(|m| self.skip_groups.takes(m)) {
-            base(None)?;
-            return Ok(LoraUpdate::Added);
-        }
         let skip_expand = first.is_some_and(|m| self.skip_expand.takes(m));
         let empty_side_layer = layer < self.empty_side_layers;
         if let (Some(side), true) = (&self.overlap, empty_side_layer && first.is_some_and(|m| self.empty_side.takes(m))) {
@@ -762,6 +758,10 @@ impl GpuLora {
             side.side_done.record(stream)?;
             base(None)?;
             cuda.gpu.stream.wait(&side.side_done)?;
+            return Ok(LoraUpdate::Added);
+        }
+        if first.is_some_and(|m| self.skip_groups.takes(m)) {
+            base(None)?;
             return Ok(LoraUpdate::Added);
         }
         let per_layer = self.capacity.max_loras * self.r_pad;

@@ -57,12 +57,13 @@ struct Rotation {
 }
 
 fn backends_with(quantization: Option<RowFormat>) -> Option<(CudaBackend, CpuBackend)> {
-    backends_rotated(quantization, Rotation::default())
+    backends_rotated(quantization, Rotation::default(), 0)
 }
 
 /// Both backends with the adapters in slots 0 and 1, the linears quantized to `quantization` (the
 /// same values on both); None (with a visible skip) where this GPU cannot run that format.
-fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation) -> Option<(CudaBackend, CpuBackend)> {
+/// `graph_segment_layers`: the GPU's decode graphs in parts of that many layers (0: whole).
+fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation, graph_segment_layers: usize) -> Option<(CudaBackend, CpuBackend)> {
     let mut loaded = model::load(&common::model_path(), LoadFormat::Gguf).expect("load GGUF");
     let model_rotation = rotation.model.then(|| model::rotate::rotate_residual_stream(&mut loaded.weights, model::rotate::ROTATION_SEED).expect("rotate"));
     let opts = CudaOptions {
@@ -77,6 +78,7 @@ fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation) -> Opti
         quantization,
         kv_hadamard: rotation.qk,
         kv_hadamard_v: rotation.v,
+        cuda_graph_segment_layers: graph_segment_layers,
         ..CudaOptions::default()
     };
     let mut gpu = match CudaBackend::new(WeightInit::Host(&loaded.weights), &opts) {
@@ -197,10 +199,33 @@ fn adapters_with_rotated_q_k_v_match_peft_and_the_cpu_backend() {
     if !gpu_or_skip() {
         return;
     }
-    let (mut gpu, mut cpu) = backends_rotated(None, Rotation { qk: true, v: true, model: false }).expect("CUDA backend");
+    let (mut gpu, mut cpu) = backends_rotated(None, Rotation { qk: true, v: true, model: false }, 0).expect("CUDA backend");
     let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
     mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     check(&mixed, &run_together(&mut gpu, &mixed), &run_together(&mut cpu, &mixed), "q/k/v rotated");
+}
+
+/// Decode graphs captured in parts (a new graph every 7 layers, launched back to back) replay the
+/// same launches as one graph: every decode step's greedy token and top-2 margin bit for bit, with
+/// the adapters mixed in the batch (the LoRA side stream forks and joins inside every part).
+#[test]
+fn decode_graphs_in_parts_give_the_same_bits_as_one_graph() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
+    mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
+    let (mut whole, _) = backends_rotated(None, Rotation::default(), 0).expect("CUDA backend");
+    let want = run_together(&mut whole, &mixed);
+    drop(whole);
+    let (mut parts, _) = backends_rotated(None, Rotation::default(), 7).expect("CUDA backend");
+    let got = run_together(&mut parts, &mixed);
+    for (i, c) in mixed.iter().enumerate() {
+        assert_eq!(got.ids[i], want.ids[i], "{}: greedy tokens with the graph in parts", c.label);
+        let bits = |m: &[f32]| m.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.margins[i]), bits(&want.margins[i]), "{}: top-2 margins with the graph in parts", c.label);
+    }
+    report(&format!("{} cases, {STEPS} decode steps: the same bits with the decode graph in parts of 7 layers", mixed.len()));
 }
 
 #[test]
@@ -233,7 +258,7 @@ fn long_prompts_match_the_cpu_backend(quantization: Option<RowFormat>, atol: f32
 }
 
 fn long_prompts_match_the_cpu_backend_rotated(quantization: Option<RowFormat>, rotation: Rotation, atol: f32, repeat: usize, what: &str) {
-    let Some((mut gpu, mut cpu)) = backends_rotated(quantization, rotation) else { return };
+    let Some((mut gpu, mut cpu)) = backends_rotated(quantization, rotation, 0) else { return };
     let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
     mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     for c in &mut mixed {

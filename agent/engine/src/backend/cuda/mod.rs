@@ -81,6 +81,9 @@ pub struct CudaOptions {
     /// Decode steps of up to this many sequences replay a CUDA graph captured for their exact batch
     /// size (0: never capture).
     pub cuda_graph_max_batch: usize,
+    /// Capture each decode step as graphs of this many layers, launched back to back, instead of one
+    /// (0: one graph; `PEREGRINE_GRAPH_SEGMENT_LAYERS` overrides it, for comparisons).
+    pub cuda_graph_segment_layers: usize,
     /// LoRA slots to reserve before the KV cache is sized (`--enable-lora`); None: no LoRA unless
     /// [`Backend::enable_lora`] finds memory for it later.
     pub lora: Option<LoraCapacity>,
@@ -117,6 +120,7 @@ impl Default for CudaOptions {
             max_num_seqs: 256,
             num_blocks: None,
             cuda_graph_max_batch: 256,
+            cuda_graph_segment_layers: 0,
             lora: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
             kv_hadamard: false,
@@ -336,7 +340,7 @@ impl CudaBackend {
             max_model_len: opts.max_model_len,
             lora_slots: lora.as_ref().map_or(0, |l| l.capacity.max_loras),
         };
-        let graphs = Graphs { max_batch: opts.cuda_graph_max_batch, seen: Default::default(), by_batch: Default::default() };
+        let graphs = Graphs::new(opts.cuda_graph_max_batch, opts.cuda_graph_segment_layers);
         let lora_sm_reserve_tokens = match std::env::var("PEREGRINE_LORA_SM_RESERVE_MAX_TOKENS").ok().and_then(|v| v.parse::<usize>().ok()) {
             Some(max) => *LORA_SM_RESERVE_TOKENS.start()..=max,
             None => LORA_SM_RESERVE_TOKENS,
@@ -372,10 +376,10 @@ impl CudaBackend {
         let decode_only = rows == n && batch.seqs.iter().all(|s| s.len == 1);
         let key = (n, with_lora);
         if decode_only && n <= self.graphs.max_batch {
-            if let Some(g) = self.graphs.by_batch.get(&key) {
-                g.0.launch().map_err(|e| gpu_err(e.into()))?;
+            if let Some(launched) = self.graphs.launch(key) {
+                launched?;
             } else {
-                self.step(n, n, rows, with_lora).map_err(gpu_err)?;
+                self.step(n, n, rows, with_lora, &|_| Ok(())).map_err(gpu_err)?;
                 if !self.graphs.seen.insert(key) {
                     self.capture(key, rows)?;
                 }
@@ -383,15 +387,16 @@ impl CudaBackend {
         } else {
             // Leading sequences of one token each (the scheduler puts decode tokens first).
             let decode_tokens = batch.seqs.iter().enumerate().take_while(|(i, s)| s.len == 1 && s.start == *i).count();
-            self.step(n, decode_tokens, rows, with_lora).map_err(gpu_err)?;
+            self.step(n, decode_tokens, rows, with_lora, &|_| Ok(())).map_err(gpu_err)?;
         }
         Ok(rows)
     }
 
     /// Enqueues every operation of a step of `n` tokens whose metadata is already on the device; the
     /// first `decode_tokens` are each alone in their sequence (`with_lora`: some token has a LoRA
-    /// slot, so the LoRA updates run after each projection).
-    fn step(&self, n: usize, decode_tokens: usize, rows: usize, with_lora: bool) -> peregrine_kernels::Result<()> {
+    /// slot, so the LoRA updates run after each projection). `layer_start` is called before each
+    /// layer's first launch (graph capture may start a new graph there).
+    fn step(&self, n: usize, decode_tokens: usize, rows: usize, with_lora: bool, layer_start: &dyn Fn(usize) -> peregrine_kernels::Result<()>) -> peregrine_kernels::Result<()> {
         let cuda = &self.cuda;
         let (gpu, k) = (&cuda.gpu, &cuda.kernels);
         let s = &gpu.stream;
@@ -486,6 +491,7 @@ impl CudaBackend {
             // and applies them with its output).
             let (mut down_lora, mut down_scale) = (None, None);
             for (l, lw) in w.layers.iter().enumerate() {
+                layer_start(l)?;
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?;
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];

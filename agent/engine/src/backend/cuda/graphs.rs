@@ -77,12 +77,12 @@ impl Graphs {
             }
         }
         // The host's share of a replay: with the engine waiting for each step's tokens, the GPU
-        // idles while it lasts (shown with RUST_LOG=peregrine_engine=debug, every 512 replays).
+        // idles while it lasts (shown with RUST_LOG=peregrine_engine=debug, every 64 replays).
         let (launches, seconds) = self.launch_host.entry(key).or_default();
         *launches += 1;
         *seconds += t0.elapsed().as_secs_f64();
-        if *launches == 512 {
-            tracing::debug!(batch = key.0, lora = key.1, graphs = graphs.len(), host_us = format_args!("{:.1}", *seconds / 512.0 * 1e6), "CUDA graph launch, mean host time");
+        if *launches == 64 {
+            tracing::debug!(batch = key.0, lora = key.1, graphs = graphs.len(), host_us = format_args!("{:.1}", *seconds / 64.0 * 1e6), "CUDA graph launch, mean host time");
             (*launches, *seconds) = (0, 0.0);
         }
         Some(Ok(()))

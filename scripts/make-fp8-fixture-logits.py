@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""transformers' float32 logits for tests/fixtures/fp8_tiny (made by make-fp8-fixture.py): the
-checkpoint's FP8 weights dequantized (`dequantized.safetensors`, ml_dtypes), every other tensor as
-stored, run by LlamaForCausalLM in float32 on the CPU. Writes reference_logits.json: for a few token
+"""transformers' float32 logits for tests/fixtures/fp8_tiny (made by make-fp8-fixture.py) or
+tests/fixtures/int8_tiny (make-int8-fixture.py): the checkpoint's 8-bit weights dequantized
+(`dequantized.safetensors`, made by those scripts), every other tensor as stored, run by
+LlamaForCausalLM in float32 on the CPU. Writes reference_logits.json: for a few token
 sequences, the logits of every position (vocab 128).
 
 Needs torch and transformers (any venv with them; e.g. torch 2.5.1 CPU/cu124 and transformers 4.46):
-    $VENV/bin/python scripts/make-fp8-fixture-logits.py tests/fixtures/fp8_tiny
+    $VENV/bin/python scripts/make-fp8-fixture-logits.py tests/fixtures/fp8_tiny  # or .../int8_tiny
 """
 import json
 import sys
@@ -26,9 +27,10 @@ def main(folder):
     cfg["torch_dtype"] = "float32"
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32).eval()
+    dequantized = load_file(folder / "dequantized.safetensors")
     state = {k: v.to(torch.float32) for k, v in load_file(folder / "model.safetensors").items()
-             if v.dtype != torch.float8_e4m3fn and not k.endswith("weight_scale")}
-    state.update(load_file(folder / "dequantized.safetensors"))
+             if k not in dequantized and not k.endswith("weight_scale")}
+    state.update(dequantized)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if "rotary_emb" not in m]
     assert not missing and not unexpected, (missing, unexpected)

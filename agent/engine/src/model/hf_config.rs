@@ -40,9 +40,13 @@ pub fn load_hf_config(dir: &Path) -> Result<ModelConfig> {
     let json = read_json(&config_path)?;
     let mut config =
         parse_hf_config(&json).map_err(|m| EngineError::invalid_model(&config_path, m))?;
-    // A quantized checkpoint this loader cannot read fails here, by name, not at a tensor's dtype.
-    super::fp8_checkpoint::check_quantization_config(&json)
+    // A quantized checkpoint this loader cannot read fails here, by name, not at a tensor's dtype;
+    // one it reads but serves differently from its own description says how.
+    let notes = super::quantized_checkpoint::check_quantization_config(&json)
         .map_err(|m| EngineError::invalid_model(&config_path, m))?;
+    for note in notes {
+        tracing::info!("quantized checkpoint: {note}");
+    }
     let gen_path = dir.join("generation_config.json");
     if gen_path.is_file() {
         let gen = read_json(&gen_path)?;

@@ -1,7 +1,7 @@
 //! Model files → weights in memory: GGUF files and HF safetensors folders, dequantization, configs.
 
 pub mod dummy;
-pub mod fp8_checkpoint;
+pub mod quantized_checkpoint;
 pub mod gptq;
 pub mod ggml_type;
 pub mod gguf;

@@ -1,6 +1,7 @@
 //! HF folders of safetensors (one `model.safetensors`, or shards listed in
-//! `model.safetensors.index.json`), memory-mapped; F32/F16/BF16 tensors become f32, and FP8
-//! checkpoints' `F8_E4M3` linear weights stay 8-bit with their scales (`fp8_checkpoint`).
+//! `model.safetensors.index.json`), memory-mapped; F32/F16/BF16 tensors become f32, and
+//! pre-quantized checkpoints' `F8_E4M3` and `I8` linear weights stay 8-bit with their scales
+//! (`quantized_checkpoint`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -9,7 +10,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
-use super::fp8_checkpoint;
+use super::quantized_checkpoint;
 use super::ggml_type::GgmlType;
 use super::quant;
 use super::weights::{LayerWeights, Matrix, ModelWeights};
@@ -139,7 +140,7 @@ impl SafetensorsFolder {
             Dtype::BF16 => GgmlType::BF16,
             other => {
                 return Err(err(format!(
-                    "tensor {name} has dtype {other:?} (F32, F16, BF16 supported; F8_E4M3 for linear weights)"
+                    "tensor {name} has dtype {other:?} (F32, F16, BF16 supported; F8_E4M3 and I8 for linear weights)"
                 )))
             }
         };
@@ -157,23 +158,23 @@ impl SafetensorsFolder {
         &self.maps[0].0
     }
 
-    /// A linear layer's weight: floats become f32; `F8_E4M3` (an FP8 checkpoint) stays 8-bit with
-    /// the scales of `{name}_scale`.
+    /// A linear layer's weight: floats become f32; `F8_E4M3` or `I8` (a pre-quantized checkpoint)
+    /// stays 8-bit with the scales of `{name}_scale`.
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let (dtype, shape, codes) = self.tensor_raw(name)?;
-        if dtype != Dtype::F8_E4M3 {
+        let Some(format) = quantized_checkpoint::row_format_of(dtype) else {
             return self.matrix(name, rows, cols);
-        }
-        let scale = fp8_checkpoint::scale_name(name);
+        };
+        let scale = quantized_checkpoint::scale_name(name);
         if !self.contains(&scale) {
             return Err(EngineError::invalid_model(
                 self.path(),
-                format!("tensor {name} is F8_E4M3 but {scale} is missing"),
+                format!("tensor {name} is {dtype:?} but {scale} is missing"),
             ));
         }
         crate::progress::weights().tensor_done(codes.len() as u64);
         let (scale_shape, scales) = self.tensor_f32(&scale)?;
-        fp8_checkpoint::fp8_matrix(name, codes, &shape, &scale_shape, scales, rows, cols)
+        quantized_checkpoint::row_quant_matrix(format, name, codes, &shape, &scale_shape, scales, rows, cols)
             .map_err(|m| EngineError::invalid_model(self.path(), m))
     }
 

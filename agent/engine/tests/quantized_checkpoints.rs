@@ -1,9 +1,11 @@
-//! The FP8 checkpoint loader against `fixtures/fp8_tiny` (made by `scripts/make-fp8-fixture.py`
-//! with ml_dtypes' e4m3 decoding): every quantized weight loads to exactly the reference's
-//! dequantized values, per-row and per-tensor scales alike; broken checkpoints fail with clear
-//! errors; the model runs on the CPU backend and, weight-only, matches transformers' float32 logits of
-//! the dequantized model (`reference_logits.json`, `scripts/make-fp8-fixture-logits.py`); our e4m3
-//! rounding matches ml_dtypes'.
+//! The pre-quantized checkpoint loader against `fixtures/fp8_tiny` (vLLM's FP8 layout, made by
+//! `scripts/make-fp8-fixture.py` with ml_dtypes' e4m3 decoding) and `fixtures/int8_tiny`
+//! (compressed-tensors' W8A8 int8 layout, as llm-compressor writes it, made by
+//! `scripts/make-int8-fixture.py` with numpy): every quantized weight loads to exactly the
+//! reference's dequantized values (per-row and per-tensor scales, f32/bf16/f16 scales, int8's −128);
+//! broken checkpoints fail with clear errors; the model runs on the CPU backend and, weight-only,
+//! matches transformers' float32 logits of the dequantized model (`reference_logits.json`,
+//! `scripts/make-fp8-fixture-logits.py`); our e4m3 rounding matches ml_dtypes'.
 
 mod common;
 
@@ -11,11 +13,15 @@ use std::path::Path;
 
 use peregrine_engine::backend::cpu::CpuBackend;
 use peregrine_engine::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
+use peregrine_engine::model::rowquant::RowFormat;
 use peregrine_engine::model::{self, LoadFormat, Matrix, MatrixData, ModelWeights};
 use safetensors::{Dtype, SafeTensors};
 
-fn fixture() -> std::path::PathBuf {
-    common::fixtures_dir().join("fp8_tiny")
+const FP8: &str = "fp8_tiny";
+const INT8: &str = "int8_tiny";
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    common::fixtures_dir().join(name)
 }
 
 fn linears(w: &ModelWeights) -> Vec<(String, &Matrix)> {
@@ -36,36 +42,56 @@ fn linears(w: &ModelWeights) -> Vec<(String, &Matrix)> {
     out
 }
 
-#[test]
-fn fp8_checkpoint_loads_to_the_reference_dequantization() {
-    let loaded = model::load(&fixture(), LoadFormat::Auto).expect("load the FP8 checkpoint");
-    let reference_bytes = std::fs::read(fixture().join("dequantized.safetensors")).unwrap();
+/// Loads fixture `name`: every decoder linear kept in `format` (W8A8), with exactly the values of
+/// the fixture's `dequantized.safetensors`.
+fn load_to_the_reference(name: &str, format: RowFormat) -> ModelWeights {
+    let loaded = model::load(&fixture(name), LoadFormat::Auto).expect("load the pre-quantized checkpoint");
+    let reference_bytes = std::fs::read(fixture(name).join("dequantized.safetensors")).unwrap();
     let reference = SafeTensors::deserialize(&reference_bytes).unwrap();
-    let mut per_row_scales_seen = false;
-    for (name, m) in linears(&loaded.weights) {
-        let MatrixData::RowQuant(q) = &m.data else { panic!("{name} is not kept in 8 bits") };
-        if q.scales().windows(2).any(|w| w[0] != w[1] && w[0] != 0.0 && w[1] != 0.0) {
-            per_row_scales_seen = true;
-        }
-        let view = reference.tensor(&name).unwrap();
-        assert_eq!((view.dtype(), view.shape()), (Dtype::F32, &[m.rows, m.cols][..]), "{name}");
+    for (tensor, m) in linears(&loaded.weights) {
+        let MatrixData::RowQuant(q) = &m.data else { panic!("{tensor} is not kept in 8 bits") };
+        assert_eq!(q.format, format, "{tensor}");
+        let view = reference.tensor(&tensor).unwrap();
+        assert_eq!((view.dtype(), view.shape()), (Dtype::F32, &[m.rows, m.cols][..]), "{tensor}");
         let want: Vec<f32> =
             view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         let got = m.to_f32();
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(a.to_bits(), b.to_bits(), "{name}[{i}]: {a} vs {b}");
+            assert_eq!(a.to_bits(), b.to_bits(), "{tensor}[{i}]: {a} vs {b}");
         }
     }
-    assert!(per_row_scales_seen, "layer 0 has per-row scales");
-    // Layer 1 has one per-tensor scale: broadcast to every row (the zero row too).
-    let MatrixData::RowQuant(q) = &loaded.weights.layers[1].up_proj.data else { unreachable!() };
-    assert!(q.scales().windows(2).all(|w| w[0] == w[1]));
     // The embedding and LM head stay floats.
     assert!(matches!(loaded.weights.embed_tokens.data, MatrixData::F32(_)));
     assert!(matches!(loaded.weights.lm_head.as_ref().map(|m| &m.data), Some(MatrixData::F32(_))));
+    loaded.weights
+}
 
-    // It runs: finite logits, and one token alone equals the same token inside a batch.
-    let mut backend = CpuBackend::new(loaded.weights, KvCacheShape { num_blocks: 8, block_size: 16 }, 2).unwrap();
+#[test]
+fn fp8_checkpoint_loads_to_the_reference_dequantization() {
+    let weights = load_to_the_reference(FP8, RowFormat::Fp8E4m3);
+    let per_row_scales_seen = linears(&weights).iter().any(|(_, m)| match &m.data {
+        MatrixData::RowQuant(q) => q.scales().windows(2).any(|w| w[0] != w[1] && w[0] != 0.0 && w[1] != 0.0),
+        _ => false,
+    });
+    assert!(per_row_scales_seen, "layer 0 has per-row scales");
+    // Layer 1 has one per-tensor scale: broadcast to every row (the zero row too).
+    let MatrixData::RowQuant(q) = &weights.layers[1].up_proj.data else { unreachable!() };
+    assert!(q.scales().windows(2).all(|w| w[0] == w[1]));
+    runs_alone_and_batched_alike(weights);
+}
+
+#[test]
+fn compressed_tensors_int8_checkpoint_loads_to_the_reference_dequantization() {
+    let weights = load_to_the_reference(INT8, RowFormat::Int8);
+    // compressed-tensors' rounding reaches −128, which our own quantizer never writes.
+    let minus_128 = linears(&weights).iter().filter(|(_, m)| matches!(&m.data, MatrixData::RowQuant(q) if q.codes().contains(&0x80))).count();
+    assert_eq!(minus_128, 14, "every linear of the fixture has codes of −128");
+    runs_alone_and_batched_alike(weights);
+}
+
+/// It runs: finite logits, and one token alone equals the same token inside a batch.
+fn runs_alone_and_batched_alike(weights: ModelWeights) {
+    let mut backend = CpuBackend::new(weights, KvCacheShape { num_blocks: 8, block_size: 16 }, 2).unwrap();
     let seq = |start: usize, block: u32| SeqChunk {
         start,
         len: 3,
@@ -88,9 +114,9 @@ fn fp8_checkpoint_loads_to_the_reference_dequantization() {
     assert_eq!(alone.row(0), both.row(1));
 }
 
-/// Rewrites the fixture's `model.safetensors` into `dir` after `edit` changed its tensor list.
-fn broken_copy(dir: &Path, edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>)) {
-    let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+/// Rewrites fixture `name`'s `model.safetensors` into `dir` after `edit` changed its tensor list.
+fn broken_copy(name: &str, dir: &Path, edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>)) {
+    let bytes = std::fs::read(fixture(name).join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
         .tensors()
@@ -103,7 +129,7 @@ fn broken_copy(dir: &Path, edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>
         .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    std::fs::copy(fixture().join("config.json"), dir.join("config.json")).unwrap();
+    std::fs::copy(fixture(name).join("config.json"), dir.join("config.json")).unwrap();
 }
 
 fn load_error(dir: &Path) -> String {
@@ -115,13 +141,13 @@ fn broken_fp8_checkpoints_fail_with_clear_errors() {
     let scale = "model.layers.0.mlp.up_proj.weight_scale";
     // Missing scale.
     let dir = tempfile::tempdir().unwrap();
-    broken_copy(dir.path(), |t| t.retain(|x| x.0 != scale));
+    broken_copy(FP8, dir.path(), |t| t.retain(|x| x.0 != scale));
     let e = load_error(dir.path());
     assert!(e.contains("model.layers.0.mlp.up_proj.weight is F8_E4M3 but") && e.contains("missing"), "{e}");
 
     // A scale of the wrong shape.
     let dir = tempfile::tempdir().unwrap();
-    broken_copy(dir.path(), |t| {
+    broken_copy(FP8, dir.path(), |t| {
         let s = t.iter_mut().find(|x| x.0 == scale).unwrap();
         s.2 = vec![2, s.3.len() / 8];
     });
@@ -130,7 +156,7 @@ fn broken_fp8_checkpoints_fail_with_clear_errors() {
 
     // A weight of the wrong shape.
     let dir = tempfile::tempdir().unwrap();
-    broken_copy(dir.path(), |t| {
+    broken_copy(FP8, dir.path(), |t| {
         let w = t.iter_mut().find(|x| x.0 == "model.layers.1.self_attn.k_proj.weight").unwrap();
         w.2 = vec![w.3.len()];
     });
@@ -139,7 +165,7 @@ fn broken_fp8_checkpoints_fail_with_clear_errors() {
 
     // A negative scale.
     let dir = tempfile::tempdir().unwrap();
-    broken_copy(dir.path(), |t| {
+    broken_copy(FP8, dir.path(), |t| {
         let s = t.iter_mut().find(|x| x.0 == scale).unwrap();
         s.3[..4].copy_from_slice(&(-1.0f32).to_le_bytes());
     });
@@ -148,18 +174,44 @@ fn broken_fp8_checkpoints_fail_with_clear_errors() {
 
     // A quantization method this loader does not read.
     let dir = tempfile::tempdir().unwrap();
-    broken_copy(dir.path(), |_| {});
-    let config = std::fs::read_to_string(fixture().join("config.json")).unwrap().replace("\"fp8\"", "\"gptq\"");
+    broken_copy(FP8, dir.path(), |_| {});
+    let config = std::fs::read_to_string(fixture(FP8).join("config.json")).unwrap().replace("\"fp8\"", "\"gptq\"");
     std::fs::write(dir.path().join("config.json"), config).unwrap();
     let e = load_error(dir.path());
     assert!(e.contains("quant_method \"gptq\" is not supported"), "{e}");
 }
 
 #[test]
+fn broken_int8_checkpoints_fail_with_clear_errors() {
+    // Missing scale.
+    let dir = tempfile::tempdir().unwrap();
+    let scale = "model.layers.1.self_attn.o_proj.weight_scale";
+    broken_copy(INT8, dir.path(), |t| t.retain(|x| x.0 != scale));
+    let e = load_error(dir.path());
+    assert!(e.contains("model.layers.1.self_attn.o_proj.weight is I8 but") && e.contains("missing"), "{e}");
+
+    // Schemes the loader does not read fail at config.json, by name, before any tensor is read.
+    for (from, to, want) in [
+        ("\"strategy\": \"channel\"", "\"strategy\": \"group\"", "strategy \"group\""),
+        ("\"num_bits\": 8", "\"num_bits\": 4", "num_bits 4"),
+        ("\"int-quantized\"", "\"pack-quantized\"", "format \"pack-quantized\""),
+        ("\"symmetric\": true", "\"symmetric\": false", "asymmetric"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        broken_copy(INT8, dir.path(), |_| {});
+        let config = std::fs::read_to_string(fixture(INT8).join("config.json")).unwrap();
+        assert!(config.contains(from), "{from}");
+        std::fs::write(dir.path().join("config.json"), config.replacen(from, to, 1)).unwrap();
+        let e = load_error(dir.path());
+        assert!(e.contains("config.json") && e.contains(want), "{want:?} not in {e}");
+    }
+}
+
+#[test]
 fn e4m3_encoding_matches_ml_dtypes() {
     // Cases made by scripts/make-fp8-fixture.py with ml_dtypes' float8_e4m3fn (|x| ≤ 448).
     use peregrine_engine::model::rowquant::e4m3_from_f32;
-    let text = std::fs::read_to_string(fixture().join("e4m3_cases.json")).unwrap();
+    let text = std::fs::read_to_string(fixture(FP8).join("e4m3_cases.json")).unwrap();
     let cases: serde_json::Value = serde_json::from_str(&text).unwrap();
     let bits = cases["f32_bits"].as_array().unwrap();
     let codes = cases["codes"].as_array().unwrap();
@@ -187,14 +239,23 @@ fn all_logits(backend: &mut CpuBackend, ids: &[u32]) -> Vec<Vec<f32>> {
 
 #[test]
 fn fp8_checkpoint_matches_transformers_on_its_dequantized_weights() {
-    // reference_logits.json: transformers' float32 LlamaForCausalLM on the dequantized weights
-    // (scripts/make-fp8-fixture-logits.py). Weight-only (activations left f32) computes the same
-    // function, so it must match to float rounding; the default W8A8 path adds the activations'
-    // quantization error, bounded loosely (measured: see the eprintln).
+    matches_transformers_on_the_dequantized_weights(FP8, FP8_W8A8_MAX_MEAN, FP8_W8A8_MIN_TOP1);
+}
+
+#[test]
+fn int8_checkpoint_matches_transformers_on_its_dequantized_weights() {
+    matches_transformers_on_the_dequantized_weights(INT8, INT8_W8A8_MAX_MEAN, INT8_W8A8_MIN_TOP1);
+}
+
+/// reference_logits.json: transformers' float32 LlamaForCausalLM on fixture `name`'s dequantized
+/// weights (scripts/make-fp8-fixture-logits.py). Weight-only (activations left f32) computes the
+/// same function, so it must match to float rounding; the default W8A8 path adds the activations'
+/// quantization error, bounded loosely (measured: see the eprintln).
+fn matches_transformers_on_the_dequantized_weights(name: &str, max_mean: f64, min_top1: usize) {
     use peregrine_engine::model::rowquant::Activations;
-    let text = std::fs::read_to_string(fixture().join("reference_logits.json")).unwrap();
+    let text = std::fs::read_to_string(fixture(name).join("reference_logits.json")).unwrap();
     let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let loaded = model::load(&fixture(), LoadFormat::Auto).unwrap();
+    let loaded = model::load(&fixture(name), LoadFormat::Auto).unwrap();
     let mut weight_only = loaded.weights.clone();
     for l in &mut weight_only.layers {
         for m in [&mut l.q_proj, &mut l.k_proj, &mut l.v_proj, &mut l.o_proj, &mut l.gate_proj, &mut l.up_proj, &mut l.down_proj] {
@@ -231,12 +292,17 @@ fn fp8_checkpoint_matches_transformers_on_its_dequantized_weights() {
         }
     }
     let mean = sum / n as f64;
-    eprintln!("fp8 checkpoint, W8A8 vs transformers f32: mean |Δ| {mean:.5}, top-1 {top1}/{positions}");
-    assert!(mean > 0.0 && mean <= W8A8_MAX_MEAN, "W8A8 mean |Δlogit| {mean}");
-    assert!(top1 >= W8A8_MIN_TOP1, "W8A8 top-1 {top1}/{positions}");
+    eprintln!("{name} checkpoint, W8A8 vs transformers f32: mean |Δ| {mean:.5}, top-1 {top1}/{positions}");
+    assert!(mean > 0.0 && mean <= max_mean, "{name}: W8A8 mean |Δlogit| {mean}");
+    assert!(top1 >= min_top1, "{name}: W8A8 top-1 {top1}/{positions}");
 }
 
 /// Measured 2026-11-25 (AVX-512): mean |Δlogit| 0.130, top-1 19/24 (random weights give flat
 /// logits, so top-1 is fragile here). Bounds: +30% on the mean, 2 positions, for other kernel ISAs.
-const W8A8_MAX_MEAN: f64 = 0.17;
-const W8A8_MIN_TOP1: usize = 17;
+const FP8_W8A8_MAX_MEAN: f64 = 0.17;
+const FP8_W8A8_MIN_TOP1: usize = 17;
+
+/// Measured 2026-11-30 (AVX-512): mean |Δlogit| 0.0341, top-1 24/24 (int8's 255 levels against
+/// e4m3's 3 mantissa bits). The same margins as fp8's: +30% on the mean, 2 positions.
+const INT8_W8A8_MAX_MEAN: f64 = 0.045;
+const INT8_W8A8_MIN_TOP1: usize = 22;

@@ -18,33 +18,18 @@ Deterministic: the same seed gives the same bytes. scripts/make-fp8-fixture-logi
 transformers' logits of the dequantized model (it reads any fixture folder of this shape).
 """
 import json
-import struct
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from tiny_llama_fixture import BASE_CONFIG, build, write_safetensors
+
 SEED = 23
 ARGS_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "actorder": None,
              "block_structure": None, "observer": "minmax", "observer_kwargs": {}}
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 128,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
+    **BASE_CONFIG,
     "quantization_config": {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
@@ -63,24 +48,6 @@ CONFIG = {
         },
     },
 }
-
-
-def write_safetensors(path, tensors):
-    """tensors: name -> (dtype string, shape, raw bytes). The format: u64 header length, JSON
-    header (sorted names, offsets into the data), data."""
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        dtype, shape, raw = tensors[name]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for b in blobs:
-            f.write(b)
 
 
 def to_bf16_bits(x):
@@ -113,44 +80,14 @@ def main(out_dir):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(SEED)
-    c = CONFIG
-    h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    q_dim = c["num_attention_heads"] * c["head_dim"]
-    kv_dim = c["num_key_value_heads"] * c["head_dim"]
-    model, reference = {}, {}
 
-    def f32(x):
-        return ("F32", x.shape, np.ascontiguousarray(x, dtype="<f4").tobytes())
+    def linear(layer, key, w):
+        codes, (scale_dtype, scale_raw), scale = quantize(w, "BF16" if layer == 0 else "F16")
+        stored = {key: ("I8", codes.shape, codes.tobytes()), key + "_scale": (scale_dtype, scale.shape, scale_raw)}
+        # One float32 multiply per element.
+        return stored, codes.astype(np.float32) * scale
 
-    embed = (rng.standard_normal((v, h)) * 0.5).astype(np.float32)
-    model["model.embed_tokens.weight"] = ("BF16", embed.shape, to_bf16_bits(embed).astype("<u2").tobytes())
-    model["lm_head.weight"] = f32((rng.standard_normal((v, h)) / np.sqrt(h)).astype(np.float32))
-    model["model.norm.weight"] = f32((1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32))
-    shapes = {
-        "self_attn.q_proj": (q_dim, h),
-        "self_attn.k_proj": (kv_dim, h),
-        "self_attn.v_proj": (kv_dim, h),
-        "self_attn.o_proj": (h, q_dim),
-        "mlp.gate_proj": (inter, h),
-        "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-    }
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        model[p + "input_layernorm.weight"] = f32((1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32))
-        model[p + "post_attention_layernorm.weight"] = f32((1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32))
-        for name, (rows, cols) in shapes.items():
-            # Rows of very different magnitude, so per-row scales differ; one all-zero row.
-            w = rng.standard_normal((rows, cols)) / np.sqrt(cols)
-            w *= np.exp(rng.uniform(-2, 2, size=(rows, 1)))
-            w[3] = 0.0
-            w = w.astype(np.float32)
-            codes, (scale_dtype, scale_raw), scale = quantize(w, "BF16" if layer == 0 else "F16")
-            key = p + name + ".weight"
-            model[key] = ("I8", codes.shape, codes.tobytes())
-            model[key + "_scale"] = (scale_dtype, (rows, 1), scale_raw)
-            # One float32 multiply per element.
-            reference[key] = f32((codes.astype(np.float32) * scale).astype(np.float32))
+    model, reference = build(rng, CONFIG, lambda x: to_bf16_bits(x.astype(np.float32)), linear)
     write_safetensors(out / "model.safetensors", model)
     write_safetensors(out / "dequantized.safetensors", reference)
     (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")

@@ -44,7 +44,7 @@ pub fn quantize_linear_weights_with(
             ("up_proj", &mut layer.up_proj),
             ("down_proj", &mut layer.down_proj),
         ] {
-            if matches!(m.data, MatrixData::RowQuant(_)) {
+            if already_quantized(m, format, i, name)? {
                 continue;
             }
             let quantize = match granularity {
@@ -59,6 +59,22 @@ pub fn quantize_linear_weights_with(
         }
     }
     Ok(())
+}
+
+/// Whether linear `layers.{layer}.{name}` is row-quantized to `format` already (a pre-quantized
+/// checkpoint, or an earlier pass): then it is kept as it is. In another 8-bit format it is refused:
+/// re-quantizing 8-bit codes would stack two roundings, and keeping them would serve a format the
+/// flag did not ask for.
+pub fn already_quantized(m: &Matrix, format: RowFormat, layer: usize, name: &str) -> Result<bool> {
+    match &m.data {
+        MatrixData::RowQuant(q) if q.format == format => Ok(true),
+        MatrixData::RowQuant(q) => Err(EngineError::Unsupported(format!(
+            "--quantization {}: layers.{layer}.{name} is {} already (a pre-quantized checkpoint): leave --quantization out to serve it as it is, or load an unquantized checkpoint",
+            format.name(),
+            q.format.name()
+        ))),
+        _ => Ok(false),
+    }
 }
 
 #[cfg(test)]
@@ -91,13 +107,14 @@ mod tests {
                 assert_eq!(q, &want);
             }
             w.validate().unwrap();
-            // Quantizing again keeps the matrices as they are.
-            let again = {
-                let mut a = w.clone();
-                quantize_linear_weights(&mut a, RowFormat::Int8).unwrap();
-                a
-            };
+            // Quantizing again to the same format keeps the matrices as they are; to the other
+            // 8-bit format is refused, by layer and format.
+            let mut again = w.clone();
+            quantize_linear_weights(&mut again, format).unwrap();
             assert_eq!(again, w);
+            let other = if format == RowFormat::Int8 { RowFormat::Fp8E4m3 } else { RowFormat::Int8 };
+            let e = quantize_linear_weights(&mut again, other).unwrap_err().to_string();
+            assert!(e.contains("layers.0.q_proj") && e.contains(&format!("is {} already", format.name())), "{e}");
         }
     }
 

@@ -153,7 +153,8 @@ pub fn linear_inputs(weights: &ModelWeights, tokens: &[Vec<u32>], threads: usize
 
 /// Quantizes every decoder layer's seven linear projections of `weights` to `format` with GPTQ's
 /// error feedback under `inputs` (from [`linear_inputs`] over the same weights). Matrices already
-/// row-quantized are kept, as `quantize_linear_weights` keeps them.
+/// row-quantized to `format` are kept, and another 8-bit format refused, as `quantize_linear_weights`
+/// does (`model::quantize::already_quantized`).
 pub fn quantize_linear_weights(weights: &mut ModelWeights, format: RowFormat, activations: Activations, inputs: &[LayerInputs]) -> Result<()> {
     if inputs.len() != weights.layers.len() {
         return Err(EngineError::Backend(format!("calibration of {} layers for a model of {}", inputs.len(), weights.layers.len())));
@@ -178,7 +179,7 @@ pub fn quantize_linear_weights(weights: &mut ModelWeights, format: RowFormat, ac
             ("up_proj", &mut layer.up_proj, &h.mlp),
             ("down_proj", &mut layer.down_proj, &h.down),
         ] {
-            if matches!(m.data, MatrixData::RowQuant(_)) {
+            if crate::model::quantize::already_quantized(m, format, i, name)? {
                 continue;
             }
             let mut q = gptq::quantize(format, m.rows, m.cols, &m.to_f32(), h, gptq::DEFAULT_DAMP)

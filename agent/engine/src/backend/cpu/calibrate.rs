@@ -20,7 +20,7 @@ use crate::backend::{Backend, KvCacheShape, SeqChunk, StepBatch};
 use crate::config::ModelConfig;
 use crate::model::gptq::{self, LayerInputs};
 use crate::model::rowquant::{Activations, RowFormat};
-use crate::model::{Matrix, MatrixData, ModelWeights};
+use crate::model::{Matrix, ModelWeights};
 use crate::request::SamplingParams;
 use crate::sampling::RequestSampler;
 use crate::{EngineError, Result};
@@ -207,6 +207,7 @@ pub fn quantize_with_calibration(weights: &mut ModelWeights, format: RowFormat, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::MatrixData;
     use crate::model::dummy::dummy_weights;
 
     fn tiny() -> ModelWeights {

@@ -207,7 +207,8 @@ fn adapters_with_rotated_q_k_v_match_peft_and_the_cpu_backend() {
 
 /// Decode graphs captured in parts (a new graph every 7 layers, launched back to back) replay the
 /// same launches as one graph: every decode step's greedy token and top-2 margin bit for bit, with
-/// the adapters mixed in the batch (the LoRA side stream forks and joins inside every part).
+/// the adapters mixed in the batch (the LoRA side stream forks and joins inside every part); and
+/// the parts' run meets PEFT and the CPU backend as every other case here does.
 #[test]
 fn decode_graphs_in_parts_give_the_same_bits_as_one_graph() {
     if !gpu_or_skip() {
@@ -218,8 +219,9 @@ fn decode_graphs_in_parts_give_the_same_bits_as_one_graph() {
     let (mut whole, _) = backends_rotated(None, Rotation::default(), 0).expect("CUDA backend");
     let want = run_together(&mut whole, &mixed);
     drop(whole);
-    let (mut parts, _) = backends_rotated(None, Rotation::default(), 7).expect("CUDA backend");
+    let (mut parts, mut cpu) = backends_rotated(None, Rotation::default(), 7).expect("CUDA backend");
     let got = run_together(&mut parts, &mixed);
+    check(&mixed, &got, &run_together(&mut cpu, &mixed), "decode graphs in parts");
     for (i, c) in mixed.iter().enumerate() {
         assert_eq!(got.ids[i], want.ids[i], "{}: greedy tokens with the graph in parts", c.label);
         let bits = |m: &[f32]| m.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

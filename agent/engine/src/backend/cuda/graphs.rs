@@ -70,14 +70,15 @@ impl Graphs {
     /// Replays the step's graphs for `key`; None if none was captured yet.
     pub(super) fn launch(&mut self, key: Key) -> Option<Result<()>> {
         let graphs = self.by_batch.get(&key)?;
-        let t0 = Instant::now();
+        // The host's share of a replay: with the engine waiting for each step's tokens, the GPU
+        // idles while it lasts (timed only with RUST_LOG=peregrine_engine=debug; logged every 64).
+        let t0 = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
         for g in graphs {
             if let Err(e) = g.0.launch() {
                 return Some(Err(gpu_err(e.into())));
             }
         }
-        // The host's share of a replay: with the engine waiting for each step's tokens, the GPU
-        // idles while it lasts (shown with RUST_LOG=peregrine_engine=debug, every 64 replays).
+        let Some(t0) = t0 else { return Some(Ok(())) };
         let (launches, seconds) = self.launch_host.entry(key).or_default();
         *launches += 1;
         *seconds += t0.elapsed().as_secs_f64();

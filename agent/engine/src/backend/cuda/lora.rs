@@ -747,23 +747,15 @@ impl GpuLora {
         swiglu: Option<DPtr>,
         base: impl FnOnce(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>,
     ) -> peregrine_kernels::Result<LoraUpdate> {
-        let first = p.outs.first().map(|&(m, _)| m);
-        let skip_expand = first.is_some_and(|m| self.skip_expand.takes(m));
-        let empty_side_layer = layer < self.empty_side_layers;
-        if let (Some(side), true) = (&self.overlap, empty_side_layer && first.is_some_and(|m| self.empty_side.takes(m))) {
-            // Diagnostic: the fork and the join alone, nothing on the side stream.
-            let stream = side.for_tokens(n);
-            side.input_ready.record(&cuda.gpu.stream)?;
-            stream.wait(&side.input_ready)?;
-            side.side_done.record(stream)?;
-            base(None)?;
-            cuda.gpu.stream.wait(&side.side_done)?;
-            return Ok(LoraUpdate::Added);
-        }
-        if first.is_some_and(|m| self.skip_groups.takes(m)) {
+        // Diagnostics (all off by default): the fork and join with nothing on the side stream
+        // (before the group skip, so that it can be alone in a step), the group left out, its expand.
+        let diagnostic = |set: GemvRowGroups| p.outs.first().is_some_and(|&(m, _)| set.takes(m));
+        let empty_side = self.overlap.is_some() && layer < self.empty_side_layers && diagnostic(self.empty_side);
+        if !empty_side && diagnostic(self.skip_groups) {
             base(None)?;
             return Ok(LoraUpdate::Added);
         }
+        let skip_expand = diagnostic(self.skip_expand);
         let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
         let mut fan_in = 0;
@@ -784,7 +776,7 @@ impl GpuLora {
         let one_token = n == 1 && p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first));
         // The rows-only GEMV reads x in 16-byte pieces (the bf16 GEMV's own check covers its case).
         let w8_rows = self.w8_rows && p.x.is_multiple_of(16) && fan_in.is_multiple_of(8);
-        if one_token && (p.gemv == BaseGemv::Bf16 || (p.gemv == BaseGemv::W8 && w8_rows)) {
+        if one_token && !empty_side && (p.gemv == BaseGemv::Bf16 || (p.gemv == BaseGemv::W8 && w8_rows)) {
             // The bf16 GEMV writes the shrink's t (one token, every module of the group) with y;
             // before an 8-bit GEMV a GEMV of the LoRA rows alone does (it triggers the base GEMV's
             // launch at once, so that one still streams its weights early). Either way the expand
@@ -811,6 +803,7 @@ impl GpuLora {
                 side.input_ready.record(main)?;
                 stream.wait(&side.input_ready)?;
                 match self.dense_group(p, fan_in, n, Arc::ptr_eq(stream, &side.stream)) {
+                    _ if empty_side => {}
                     // One GEMM of x against every slot's A of the group, then each token's own slot.
                     Some((dense, group)) => {
                         let cols = group.modules * self.capacity.max_loras * self.r_pad;
@@ -820,13 +813,13 @@ impl GpuLora {
                     }
                     None => k.lora_shrink(stream, p.x, p.x_stride, fan_in, modules, self.r_pad, &segs, &work, n)?,
                 }
-                if let Some(d) = delta.filter(|_| !skip_expand) {
+                if let Some(d) = delta.filter(|_| !skip_expand && !empty_side) {
                     k.lora_expand_to(stream, d.ptr(), p.y_stride, modules, self.r_pad, &segs, &work, n)?;
                 }
                 side.side_done.record(stream)?;
                 base(None)?;
                 main.wait(&side.side_done)?;
-                if skip_expand {
+                if skip_expand || empty_side {
                     return Ok(LoraUpdate::Added);
                 }
                 if let Some(d) = delta {

@@ -29,6 +29,18 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // `serve` sets up its own logging (and trace export). The offline commands log warnings to
+    // stderr, beside the tables they print on stdout: a diagnostic switch's warning, a kernel
+    // that fell back; `RUST_LOG` shows more (`RUST_LOG=info` the weights' loading and graph capture).
+    let _logs = match &cli.command {
+        Command::Serve(_) => None,
+        _ => Some(peregrine_telemetry::init(peregrine_telemetry::TelemetryConfig {
+            service_name: "peregrine-agent",
+            default_filter: "warn",
+            otlp_endpoint: None,
+            json: false,
+        })?),
+    };
     match cli.command {
         Command::Serve(args) => peregrine_agent::serve::run(args),
         Command::Generate(args) => peregrine_agent::generate::run(args),

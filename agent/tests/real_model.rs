@@ -210,3 +210,27 @@ async fn bad_inputs_do_not_disturb_the_server() {
     let v: Value = serde_json::from_slice(&resp).unwrap();
     assert_eq!(v["choices"][0]["text"], " Paris.\n");
 }
+
+/// The offline commands log on stderr, beside what they print on stdout: warnings by default,
+/// more with `RUST_LOG` (weights loading here), and never on stdout, where their tables go.
+#[test]
+fn offline_commands_log_warnings_by_default_and_more_with_rust_log() {
+    let generate = |rust_log: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_peregrine-agent"));
+        cmd.args(["generate", "--device", "cpu", "--threads", "2", "--prompt", "The capital of France is", "--max-tokens", "2"]).arg("--model").arg(common::model_path());
+        cmd.env_remove("RUST_LOG");
+        if let Some(filter) = rust_log {
+            cmd.env("RUST_LOG", filter);
+        }
+        let out = cmd.output().unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+        assert!(out.status.success(), "{stderr}");
+        (stdout, stderr)
+    };
+    let (stdout, stderr) = generate(None);
+    assert!(!stdout.trim().is_empty(), "generate printed nothing");
+    assert!(!stderr.contains("INFO"), "info lines without RUST_LOG: {stderr}");
+    let (stdout, stderr) = generate(Some("info"));
+    assert!(stderr.contains("loading weights"), "RUST_LOG=info should show the weights loading: {stderr}");
+    assert!(!stdout.contains("loading weights"), "logs belong on stderr: {stdout}");
+}

@@ -1,7 +1,8 @@
 //! The W8A8 kernels of `--quantization fp8|int8` on the GPU (issue 17), against references computed
 //! here from the definitions and against the CPU's `rowquant` functions:
 //! - our 8-bit kernels (both GEMVs for ≤ 16 rows, the tensor-core GEMM above) on ragged
-//!   shapes against an f64 dot product of the same codes, within the format's error (int8: exact
+//!   shapes against an f64 dot product of the same codes (int8 weights with code −128, as
+//!   checkpoints hold them), within the format's error (int8: exact
 //!   integer sums, so f32 rounding only; e4m3: the tensor cores' reduced-precision accumulation, at
 //!   most 2⁻¹² of |sum so far| + Σ|products| per 32-wide k step); the GEMM's rows do not depend on the other rows (bit for bit);
 //! - cuBLASLt's FP8 GEMM (unscaled + `scale_outer` where it cannot scale by rows), the e4m3 path
@@ -59,6 +60,18 @@ fn code_step(format: RowFormat, v: f32) -> f32 {
         // 3 mantissa bits; the subnormal grid below 2⁻⁶ has steps of 2⁻⁹.
         RowFormat::Fp8E4m3 => (2f32.powi(v.abs().max(2f32.powi(-6)).log2().floor() as i32 - 3)).max(2f32.powi(-9)),
     }
+}
+
+/// int8 weights as a checkpoint may hold them: compressed-tensors' rounding writes code −128, which
+/// our own quantizer never does (it clamps to ±127), so each row's −127 becomes −128 here and the
+/// kernels meet that code (`tests/fixtures/int8_tiny` has it in every linear). e4m3 unchanged.
+fn with_code_minus_128(q: RowQuantMatrix) -> RowQuantMatrix {
+    if q.format != RowFormat::Int8 {
+        return q;
+    }
+    let codes: Vec<u8> = q.codes().iter().map(|&c| if c == (-127i8) as u8 { (-128i8) as u8 } else { c }).collect();
+    assert!(codes.contains(&((-128i8) as u8)), "no row of the test matrix reached code -127");
+    RowQuantMatrix::from_parts(q.format, q.rows, q.cols, codes, q.scales().to_vec()).unwrap()
 }
 
 /// `(dot · xs[i] · ws[j], budget)` per output of `xq · wqᵀ` in f64: `budget` is Σ over the GEMM's
@@ -155,7 +168,7 @@ fn cublaslt_int8_gemm_is_bit_identical_to_gemm_w8a8() {
     for (m, n, k) in [(17usize, 576usize, 1536usize), (256, 4096, 4096), (700, 28672, 4096)] {
         let w = values(n * k, (n * 31 + k) as u64, 0.05);
         let x = values(m * k, (m * 7 + k) as u64, 2.0);
-        let wq = RowQuantMatrix::quantize(RowFormat::Int8, n, k, &w).unwrap();
+        let wq = with_code_minus_128(RowQuantMatrix::quantize(RowFormat::Int8, n, k, &w).unwrap());
         let xq = RowQuantMatrix::quantize(RowFormat::Int8, m, k, &x).unwrap();
         let (dw, dws) = (c.gpu.upload(wq.codes()).unwrap(), c.gpu.upload(wq.scales()).unwrap());
         let (dx, dxs) = (c.gpu.upload(xq.codes()).unwrap(), c.gpu.upload(xq.scales()).unwrap());
@@ -196,7 +209,7 @@ fn linear_w8_matches_an_f64_reference_on_ragged_shapes_and_rows_are_batch_invari
         for (m, n, k) in [(1usize, 37usize, 64usize), (5, 576, 1536), (16, 1536, 576), (17, 37, 80), (70, 200, 576), (100, 1536, 576), (129, 576, 1536), (64, 4096, 4096), (33, 4096, 14336)] {
             let w = values(n * k, (n * 31 + k) as u64, 0.05);
             let x = values(m * k, (m * 7 + k) as u64, 2.0);
-            let wq = RowQuantMatrix::quantize(format, n, k, &w).unwrap();
+            let wq = with_code_minus_128(RowQuantMatrix::quantize(format, n, k, &w).unwrap());
             // Per-token activation codes are a row-quantized matrix of the tokens.
             let xq = RowQuantMatrix::quantize(format, m, k, &x).unwrap();
             let reference = f64_reference(format, &xq, &wq, m, n, k);

@@ -980,3 +980,190 @@ extern "C" __global__ void lora_pick_t(bf16_t*, bf16_t*, const float*, const int
                                        int, int) {}
 
 #endif
+
+// The o and down groups' LoRA inside the step's own launches (docs/lora-fusion-plan.md): the base
+// GEMM's weight carries every slot's A rows after its own, so one GEMM writes y = [x · Wᵀ | x · Aᵀ]
+// (row stride y_stride = hidden + slots · r_pad; slot s's u = x · A_sᵀ at columns hidden + s · r_pad),
+// and this kernel, the residual add + RMSNorm that consumes y, adds the expand on the way:
+//   residual[i] += y[i, :hidden] + bf16(scale_s · u_i · B_sᵀ)     (s: token i's slot; none: no update)
+//   out[i] = bf16(residual[i] * rsqrt(mean(residual[i]^2) + eps) * weight)
+// No launch and no side stream of its own: the graph's fork/join per group is what LoRA cost
+// (docs/benchmarks.md, sessions 28-29).
+//
+// grid (NORM_LORA_CLUSTER, lora_tiles + ceil(n / 16)) in clusters of NORM_LORA_CLUSTER blocks along x;
+// block NORM_LORA_WARPS warps. A cluster takes one work tile: up to 16 tokens of one slot (lora_group's
+// tiles, y < lora_tiles) or up to 16 consecutive tokens without a slot (the rest); its blocks split the
+// row's columns, so that each reads 1/NORM_LORA_CLUSTER of the slot's B once for the whole tile
+// (mma m16n8k16 with the tile's u as the A operand), and they add their rows' partial sums of
+// squares through distributed shared memory before normalizing. A token's result depends only on
+// its own row, in a fixed order (batch invariance), though not with add_rmsnorm's bits.
+// hidden % (8 · NORM_LORA_CLUSTER) == 0, hidden / (8 · NORM_LORA_CLUSTER) <= NORM_LORA_WARPS · NORM_LORA_MAXJ.
+#define NORM_LORA_CLUSTER 8
+#define NORM_LORA_WARPS 8
+#define NORM_LORA_MAXJ 16
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+
+__device__ __forceinline__ void norm_lora_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
+// `p` (this block's shared memory) in the block of cluster rank `rank`.
+__device__ __forceinline__ float norm_lora_remote(const float* p, unsigned rank) {
+    unsigned local, remote;
+    asm volatile("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }\n" : "=r"(local) : "l"(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32) add_rmsnorm_lora(
+    float* __restrict__ residual, const bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ b,
+    const float* __restrict__ weight, bf16_t* __restrict__ out, int hidden, float eps,
+    const int* __restrict__ slots, const int* __restrict__ order, const int* __restrict__ seg,
+    const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n,
+    int lora_tiles, int r_pad) {
+    __shared__ int tok[LORA_TILE];
+    __shared__ float wsum[NORM_LORA_WARPS][LORA_TILE];
+    __shared__ float part[LORA_TILE];
+    __shared__ float inv[LORA_TILE];
+    pdl_trigger();
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    // The whole cluster decides alike (same blockIdx.y), so a cluster leaves before any barrier or not at all.
+    const int ty = blockIdx.y;
+    int slot = -1, rows = 0;
+    if (ty < lora_tiles) {
+        if (ty >= tiles[0]) return;
+        slot = tiles[1 + 2 * ty];
+        const int first = tiles[2 + 2 * ty], start = seg[slot] + first;
+        rows = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = threadIdx.x < rows ? order[start + threadIdx.x] : -1;
+    } else {
+        const int base = (ty - lora_tiles) * LORA_TILE;
+        int any = 0;
+        if (threadIdx.x < LORA_TILE) {
+            const int i = base + threadIdx.x;
+            const bool mine = i < n && slots[i] < 0;
+            tok[threadIdx.x] = mine ? i : -1;
+        }
+        for (int r = 0; r < LORA_TILE; ++r) any |= base + r < n && slots[base + r] < 0;
+        if (!any) return;
+        rows = LORA_TILE;
+    }
+    __syncthreads();
+    const int t0 = tok[g], t1 = tok[g + 8];
+    const int cw = hidden / NORM_LORA_CLUSTER, ntiles = cw >> 3;
+    const int c_block = (int)blockIdx.x * cw;
+    // This thread's values: column tile j = warp + NORM_LORA_WARPS * i; rows g (v[i][0..1]) and g + 8
+    // (v[i][2..3]), columns 2q and 2q + 1 of the tile (the mma accumulator's layout).
+    float v[NORM_LORA_MAXJ][4];
+#pragma unroll
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.f;
+    const int rank = slot >= 0 ? ranks[slot] : 0;
+    const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
+    if (ksteps > 0) {
+        // The tile's u (A operand): rows g and g + 8, up to 4 steps of 16 ranks.
+        u32 a[LORA_MAX_R / 16][4];
+        const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + hidden + slot * r_pad : nullptr;
+        const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + hidden + slot * r_pad : nullptr;
+#pragma unroll
+        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
+            const int c = 16 * k + 2 * q;
+            const bool on = k < ksteps;
+            a[k][0] = on && u0 ? lora_ld2(u0 + c) : 0u;
+            a[k][1] = on && u1 ? lora_ld2(u1 + c) : 0u;
+            a[k][2] = on && u0 ? lora_ld2(u0 + c + 8) : 0u;
+            a[k][3] = on && u1 ? lora_ld2(u1 + c + 8) : 0u;
+        }
+        const bf16_t* bs = b + (u64)slot * hidden * r_pad;
+#pragma unroll
+        for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+            const int j = warp + NORM_LORA_WARPS * i;
+            if (j < ntiles) {
+                const bf16_t* brow = bs + (u64)(c_block + 8 * j + g) * r_pad + 2 * q;
+#pragma unroll
+                for (int k = 0; k < LORA_MAX_R / 16; ++k)
+                    if (k < ksteps) lora_mma(v[i], a[k], lora_ld2(brow + 16 * k), lora_ld2(brow + 16 * k + 8));
+            }
+        }
+    }
+    const float scale = slot >= 0 ? scales[slot] : 0.f;
+    float ss0 = 0.f, ss1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+        const int j = warp + NORM_LORA_WARPS * i;
+        if (j < ntiles) {
+            const int c = c_block + 8 * j + 2 * q;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int t = h ? t1 : t0;
+                if (t < 0) continue;
+                float2* xr = reinterpret_cast<float2*>(residual + (u64)t * hidden + c);
+                const u32 yy = lora_ld2(y + (u64)t * y_stride + c);
+                float2 x = *xr;
+                x.x += __uint_as_float(yy << 16);
+                x.y += __uint_as_float(yy & 0xffff0000u);
+                if (slot >= 0) {
+                    x.x += bf2f(f2bf(scale * v[i][2 * h]));
+                    x.y += bf2f(f2bf(scale * v[i][2 * h + 1]));
+                }
+                *xr = x;
+                v[i][2 * h] = x.x;
+                v[i][2 * h + 1] = x.y;
+                if (h) ss1 += x.x * x.x + x.y * x.y;
+                else ss0 += x.x * x.x + x.y * x.y;
+            }
+        }
+    }
+    ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+    ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+    ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+    ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+    if (q == 0) {
+        wsum[warp][g] = ss0;
+        wsum[warp][g + 8] = ss1;
+    }
+    __syncthreads();
+    if (threadIdx.x < LORA_TILE) {
+        float s = 0.f;
+        for (int w = 0; w < NORM_LORA_WARPS; ++w) s += wsum[w][threadIdx.x];
+        part[threadIdx.x] = s;
+    }
+    // Every block's partial sums written before any block reads them ...
+    norm_lora_cluster_sync();
+    if (threadIdx.x < LORA_TILE) {
+        float s = 0.f;
+        for (unsigned r = 0; r < NORM_LORA_CLUSTER; ++r) s += norm_lora_remote(&part[threadIdx.x], r);
+        inv[threadIdx.x] = rsqrtf(s / (float)hidden + eps);
+    }
+    // ... and read before any block leaves (its shared memory goes with it); inv is then visible.
+    norm_lora_cluster_sync();
+    const float i0 = inv[g], i1 = inv[g + 8];
+#pragma unroll
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+        const int j = warp + NORM_LORA_WARPS * i;
+        if (j < ntiles) {
+            const int c = c_block + 8 * j + 2 * q;
+            const float2 w = *reinterpret_cast<const float2*>(weight + c);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int t = h ? t1 : t0;
+                if (t < 0) continue;
+                const float s = h ? i1 : i0;
+                const u32 packed = (u32)f2bf(v[i][2 * h] * s * w.x) | ((u32)f2bf(v[i][2 * h + 1] * s * w.y) << 16);
+                *reinterpret_cast<u32*>(out + (u64)t * hidden + c) = packed;
+            }
+        }
+    }
+    (void)rows;
+}
+
+#else
+
+extern "C" __global__ void add_rmsnorm_lora(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*, int, float,
+                                            const int*, const int*, const int*, const int*, const int*, const float*,
+                                            int, int, int) {}
+
+#endif

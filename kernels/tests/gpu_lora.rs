@@ -577,3 +577,93 @@ fn the_dense_shrink_and_pick_match_the_reference() {
         }
     }
 }
+
+/// `add_rmsnorm_lora` for the tokens `pick` of the case: (residual after, normed out).
+fn fused_norm_run(cuda: &Cuda, c: &Case, h: &Host, hidden: usize, residual: &[f32], weight: &DevBuf<f32>, pick: &[usize]) -> (Vec<f32>, Vec<u16>) {
+    let g = &cuda.gpu;
+    let s = &g.stream;
+    let dev = Group::upload(cuda, c, h, pick);
+    let n = dev.n;
+    let res = g.upload(&pick.iter().flat_map(|&i| residual[i * hidden..(i + 1) * hidden].to_vec()).collect::<Vec<f32>>()).unwrap();
+    let out = g.upload(&vec![UNWRITTEN; n * hidden]).unwrap();
+    let segs = dev.segs();
+    // SAFETY: residual/out hold n rows of hidden, y n rows of y_width >= hidden + slots · r_pad, b
+    // [slots, hidden, r_pad], the tables sized for n tokens.
+    unsafe {
+        cuda.kernels.lora_group(s, &segs, n).unwrap();
+        cuda.kernels.add_rmsnorm_lora(s, res.ptr(), dev.y.ptr(), c.y_width, dev.b[0].ptr(), weight.ptr(), out.ptr(), &segs, n, hidden, 1e-5, h.r_pad).unwrap();
+    }
+    (res.download(s).unwrap(), out.download(s).unwrap())
+}
+
+#[test]
+fn the_fused_norm_adds_each_tokens_expand_before_normalizing() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    if !cuda.kernels.add_rmsnorm_lora_fits(576) {
+        eprintln!("skipped: add_rmsnorm_lora needs sm_90 (thread block clusters)");
+        return;
+    }
+    let mut r = rng();
+    // What a fused o or down projection leaves (cuda/lora.rs, FusedNorms): the base output in the
+    // first `hidden` columns of y, then every slot's u = x · Aᵀ (unscaled), at a row stride of
+    // hidden + slots · r_pad (+ 8 here: any stride at least that). Hidden 576 (SmolLM2: 9 column
+    // tiles per block, uneven over the warps) and 4096 (the largest per-warp share). Slots of rank
+    // 8, 16, 32, 64 and an empty one, tokens without an adapter mixed in, tiles ragged.
+    for hidden in [576usize, 4096] {
+        let mut slots: Vec<i32> = (0..150).map(|i| [0, 1, 2, 3, 4, -1, -1][i % 7]).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, r.random_range(0..=i));
+        }
+        let (ranks, scales) = (vec![8, 16, 32, 64, 0], vec![2.0, 0.5, 1.0, 4.0, 0.0]);
+        let r_pad = lora_rank_pad(64);
+        let y_width = hidden + ranks.len() * r_pad + 8;
+        let case = Case { k: 16, outs: vec![(hidden, 0)], y_width, ranks, scales, slots };
+        let h = host_inputs(&mut r, &case);
+        let n = case.slots.len();
+        let residual: Vec<f32> = (0..n * hidden).map(|_| r.random_range(-2.0f32..2.0)).collect();
+        let weight_host: Vec<f32> = (0..hidden).map(|_| r.random_range(0.5f32..1.5)).collect();
+        let weight = cuda.gpu.upload(&weight_host).unwrap();
+        let all: Vec<usize> = (0..n).collect();
+        let (res_got, out_got) = fused_norm_run(&cuda, &case, &h, hidden, &residual, &weight, &all);
+        for (i, &slot) in case.slots.iter().enumerate() {
+            // The reference: residual + base + scale · u · Bᵀ in f64, then the norm.
+            let mut v = vec![0f64; hidden];
+            let mut err = vec![1e-6f64; hidden];
+            for j in 0..hidden {
+                let base = residual[i * hidden + j] as f64 + val(h.y0[i * y_width + j]);
+                let mut upd = 0.0;
+                let mut mag = 0.0;
+                if slot >= 0 {
+                    let s = slot as usize;
+                    for rr in 0..case.ranks[s] {
+                        let term = val(h.y0[i * y_width + hidden + s * r_pad + rr]) * val(h.b[0][(s * hidden + j) * r_pad + rr]) * case.scales[s] as f64;
+                        upd += term;
+                        mag += term.abs();
+                    }
+                }
+                v[j] = base + upd;
+                // The update is rounded to bf16 once (2^-9 relative), its f32 sum far below; the
+                // f32 residual adds a few ulps.
+                err[j] += upd.abs() / 256.0 + mag / 4096.0 + base.abs() * 1e-6;
+            }
+            let inv = 1.0 / (v.iter().map(|x| x * x).sum::<f64>() / hidden as f64 + 1e-5).sqrt();
+            for j in 0..hidden {
+                let got = res_got[i * hidden + j] as f64;
+                assert!((got - v[j]).abs() <= err[j], "hidden {hidden} token {i} (slot {slot}) column {j}: residual {got}, want {} (tol {})", v[j], err[j]);
+                let want = v[j] * inv * weight_host[j] as f64;
+                let tol = want.abs() / 128.0 + 2.0 * err[j] * inv * weight_host[j] as f64 + 1e-5;
+                let got = val(out_got[i * hidden + j]);
+                assert!((got - want).abs() <= tol, "hidden {hidden} token {i} (slot {slot}) column {j}: out {got}, want {want} (tol {tol})");
+            }
+        }
+        // A token's bits alone, in a few small batches and in the whole one, are the same: its sums
+        // depend on its own row only, whatever shares its tile.
+        for pick in [vec![7usize], vec![3, 149, 40], (20..37).collect::<Vec<_>>()] {
+            let (res_alone, out_alone) = fused_norm_run(&cuda, &case, &h, hidden, &residual, &weight, &pick);
+            for (a, &i) in pick.iter().enumerate() {
+                assert!(res_alone[a * hidden..(a + 1) * hidden].iter().zip(&res_got[i * hidden..(i + 1) * hidden]).all(|(x, y)| x.to_bits() == y.to_bits()), "hidden {hidden} token {i}: residual bits differ alone");
+                assert_eq!(&out_alone[a * hidden..(a + 1) * hidden], &out_got[i * hidden..(i + 1) * hidden], "hidden {hidden} token {i}: normed bits differ alone");
+            }
+        }
+    }
+}

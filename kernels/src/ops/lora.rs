@@ -17,6 +17,11 @@ const LORA_EXPAND_COLS: usize = 128;
 const LORA_SWIGLU_COLS: usize = 64;
 /// Tokens per work tile (lora.cu's LORA_TILE).
 pub const LORA_TILE: usize = 16;
+/// `add_rmsnorm_lora`'s cluster (blocks per tile), warps per block and column tiles of 8 per warp
+/// (lora.cu's NORM_LORA_*).
+const NORM_LORA_CLUSTER: usize = 8;
+const NORM_LORA_WARPS: usize = 8;
+const NORM_LORA_MAXJ: usize = 16;
 
 /// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
 /// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.
@@ -301,6 +306,45 @@ impl Kernels {
             l.arg(&aligned_i);
         }
         l.launch(s, launch, self.pdl)?;
+        Ok(())
+    }
+
+    /// Whether [`Kernels::add_rmsnorm_lora`] takes rows of `hidden` on this GPU (sm_90+).
+    pub fn add_rmsnorm_lora_fits(&self, hidden: usize) -> bool {
+        let cols = 8 * NORM_LORA_CLUSTER;
+        self.cluster_arch && hidden > 0 && hidden.is_multiple_of(cols) && hidden / cols <= NORM_LORA_WARPS * NORM_LORA_MAXJ
+    }
+
+    /// The residual add + RMSNorm with one LoRA module's expand fused in (lora.cu's
+    /// `add_rmsnorm_lora`): `residual[i] += y[i, ..hidden] + bf16(scale_s · u_i · B_sᵀ)` and `out[i]
+    /// = bf16(rmsnorm(residual[i]) · weight)` for each of the `n` tokens, where `y` (row stride
+    /// `y_stride`) is a base GEMM's output whose weight carried every slot's A rows after its own:
+    /// slot s's `u = x · A_sᵀ` (unscaled) at columns `hidden + s × r_pad ..`. `b`: the module's B
+    /// stack of the layer, `[slots, hidden, r_pad]`. Tokens without a slot get the plain add + norm.
+    ///
+    /// # Safety
+    /// `residual`/`out` hold `n` rows of `hidden`, `y` `n` rows of `y_stride >= hidden + num_slots ×
+    /// r_pad`; `weight` `hidden` f32; `segs` as in [`Kernels::lora_apply`], after
+    /// [`Kernels::lora_group`] of this step; `add_rmsnorm_lora_fits(hidden)`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_rmsnorm_lora(&self, s: &CudaStream, residual: DPtr, y: DPtr, y_stride: usize, b: DPtr, weight: DPtr, out: DPtr, segs: &LoraSegments, n: usize, hidden: usize, eps: f32, r_pad: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.add_rmsnorm_lora_fits(hidden) || r_pad == 0 || r_pad > LORA_MAX_RANK || !r_pad.is_multiple_of(16) {
+            return Err(KernelError::Unsupported(format!("add_rmsnorm_lora: hidden {hidden}, r_pad {r_pad}")));
+        }
+        if y_stride < hidden + segs.num_slots * r_pad || !y_stride.is_multiple_of(2) {
+            return Err(KernelError::Unsupported(format!("add_rmsnorm_lora: row stride {y_stride} for {} slots of rank {r_pad}", segs.num_slots)));
+        }
+        let lora_tiles = lora_max_tiles(n, segs.num_slots);
+        let grid_y = as_u32(lora_tiles + n.div_ceil(LORA_TILE), "norm tiles")?;
+        let (ys, hid, n_i, lt, r_i) = (as_i32(y_stride, "y_stride")?, as_i32(hidden, "hidden")?, as_i32(n, "tokens")?, as_i32(lora_tiles, "tiles")?, as_i32(r_pad, "r_pad")?);
+        let config = LaunchConfig { grid_dim: (NORM_LORA_CLUSTER as u32, grid_y, 1), block_dim: (NORM_LORA_WARPS as u32 * 32, 1, 1), shared_mem_bytes: 0 };
+        let mut l = Launch::new(&self.add_rmsnorm_lora);
+        l.arg(&residual).arg(&y).arg(&ys).arg(&b).arg(&weight).arg(&out).arg(&hid).arg(&eps);
+        l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i);
+        l.launch_clustered(s, config, self.pdl, NORM_LORA_CLUSTER as u32)?;
         Ok(())
     }
 

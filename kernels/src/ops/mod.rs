@@ -131,6 +131,8 @@ pub struct Kernels {
     lora_staged_r32: bool,
     lora_shrink_ranks: CudaFunction,
     lora_pick_t: CudaFunction,
+    /// The residual add + RMSNorm with a LoRA group's expand fused in (sm_90+: thread block clusters).
+    add_rmsnorm_lora: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
     lora_expand_sgmv_r32: CudaFunction,
@@ -176,6 +178,8 @@ pub struct Kernels {
     fp8_arch: bool,
     /// Compute capability 8.0+: int8 mma.sync (the int8 GEMM's requirement).
     int8_arch: bool,
+    /// Compute capability 9.0+: thread block clusters and distributed shared memory.
+    cluster_arch: bool,
     num_sms: u32,
     /// Tuning knobs read once from the environment, for measuring alternatives on a GPU without a
     /// rebuild: `PEREGRINE_GEMV_WPR=a,b` (warps per row for k < 8192 and k >= 8192, instead of
@@ -283,6 +287,7 @@ impl Kernels {
             lora_staged_r32: std::env::var("PEREGRINE_LORA_STAGED_R32").map_or(true, |v| v != "0"),
             lora_shrink_ranks: f("lora_shrink_ranks")?,
             lora_pick_t: f("lora_pick_t")?,
+            add_rmsnorm_lora: f("add_rmsnorm_lora")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,
             lora_expand_swiglu: f("lora_expand_swiglu")?,
@@ -321,6 +326,7 @@ impl Kernels {
             gemm8_tile: std::env::var("PEREGRINE_GEMM8_TILE").ok().and_then(|v| v.parse().ok()).filter(|t| matches!(t, 32 | 64)),
             fp8_arch: arch >= (8, 9),
             int8_arch: arch >= (8, 0),
+            cluster_arch: arch >= (9, 0),
             num_sms: num_sms.max(1),
             gemv_wpr: wpr_from_env("PEREGRINE_GEMV_WPR"),
             gemv8_wpr: wpr_from_env("PEREGRINE_GEMV8_WPR"),
@@ -402,6 +408,37 @@ impl<'a> Launch<'a> {
             hStream: s.cu_stream(),
             attrs: &mut attr,
             numAttrs: pdl as u32,
+        };
+        sys::cuLaunchKernelEx(&launch, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()?;
+        Ok(())
+    }
+
+    /// [`Launch::launch`] in thread block clusters of `cluster_x` blocks along x (sm_90+; the grid's
+    /// x a multiple of it).
+    ///
+    /// # Safety
+    /// As [`Launch::launch`].
+    unsafe fn launch_clustered(&mut self, s: &CudaStream, config: LaunchConfig, pdl: bool, cluster_x: u32) -> Result<()> {
+        use cudarc::driver::sys;
+        s.context().bind_to_thread()?;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+        attrs[0].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[0].value.clusterDim.x = cluster_x;
+        attrs[0].value.clusterDim.y = 1;
+        attrs[0].value.clusterDim.z = 1;
+        attrs[1].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[1].value.programmaticStreamSerializationAllowed = 1;
+        let launch = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: s.cu_stream(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: 1 + pdl as u32,
         };
         sys::cuLaunchKernelEx(&launch, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()?;
         Ok(())

@@ -67,6 +67,13 @@ impl Graphs {
         Graphs { max_batch, seen: HashSet::new(), by_batch: HashMap::new(), options, launch_host: HashMap::new() }
     }
 
+    /// Forgets every captured graph (their launches hold device addresses that are about to change).
+    pub(super) fn clear(&mut self) {
+        self.seen.clear();
+        self.by_batch.clear();
+        self.launch_host.clear();
+    }
+
     /// Replays the step's graphs for `key`; None if none was captured yet.
     pub(super) fn launch(&mut self, key: Key) -> Option<Result<()>> {
         let graphs = self.by_batch.get(&key)?;

@@ -30,6 +30,7 @@ use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_sw
 use peregrine_kernels::{Blas, Cuda, DevBuf, OutType};
 
 use super::gpu_err;
+use super::weights::GpuWeights;
 use crate::config::ModelConfig;
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::{EngineError, Result};
@@ -103,6 +104,9 @@ pub struct GpuLora {
     w8_rows: bool,
     /// The side stream's shrink as one cuBLAS GEMM per group, for the step sizes it takes.
     dense: Option<DenseShrink>,
+    /// The o and down groups inside the base GEMM and the norm after it ([`FusedNorms`]), once
+    /// [`GpuLora::attach_fused_norms`] has extended their weights.
+    fused: Option<FusedNorms>,
     /// Diagnostics only (wrong results): the groups whose LoRA path is left out entirely
     /// (`PEREGRINE_LORA_SKIP_GROUPS`), and those whose expand is (`PEREGRINE_LORA_SKIP_EXPAND`):
     /// what each group's side chain, and its expand, cost a step (docs/benchmarks.md, session 28).
@@ -208,6 +212,50 @@ impl DenseShrink {
             return 0;
         }
         Self::tokens_from_env(false).map_or(0, |t| Self::sizes(cap, max_tokens, &t).1 * 4 + Blas::WORKSPACE_BYTES)
+    }
+}
+
+/// The o and down groups' LoRA without a side stream (docs/lora-fusion-plan.md, its first unit):
+/// each layer's bf16 o and down weights carry every slot's A rows after their own (`[hidden +
+/// slots · r_pad, fan_in]`, [`GpuWeights::extend_rows_for_lora`]), so the base GEMM writes `x · Wᵀ`
+/// and every slot's `u = x · Aᵀ` side by side into `wide`, and the residual add + RMSNorm that
+/// consumes the output adds each token's `scale · u · Bᵀ` (`add_rmsnorm_lora`). Neither group then
+/// forks or joins: the graph's fork/joins, not the LoRA kernels, were what LoRA decode steps lost
+/// (docs/benchmarks.md, sessions 28-29). Decode-sized steps of 2 to the update buffer's tokens over
+/// bf16 weights on sm_90+, except the last layer's down (the final norm keeps only logit rows).
+/// `PEREGRINE_LORA_FUSED_NORMS=0`: off (the side stream for every group, for comparisons).
+///
+/// [`GpuWeights::extend_rows_for_lora`]: super::weights::GpuWeights::extend_rows_for_lora
+struct FusedNorms {
+    /// Per layer, where the o and down weights' LoRA rows start (slot s's r_pad rows at `s · r_pad`).
+    rows: Vec<[DPtr; 2]>,
+    /// o's and down's fan-in (their rows' length).
+    fan_in: [usize; 2],
+    hidden: usize,
+    /// `[delta_tokens, hidden + slots · r_pad]`: the GEMM's output and every slot's u.
+    wide: DevBuf<u16>,
+    /// The largest step it takes (the update buffer's).
+    max_tokens: usize,
+}
+
+/// What a fused o or down projection writes and its norm reads ([`GpuLora::fused_projection`]).
+#[derive(Debug, Clone, Copy)]
+pub struct FusedProjection {
+    /// The GEMM's output, `[n, row_stride]`: the base output, then every slot's u.
+    pub y: DPtr,
+    pub row_stride: usize,
+}
+
+fn fused_norms_disabled() -> bool {
+    std::env::var("PEREGRINE_LORA_FUSED_NORMS").is_ok_and(|v| v == "0")
+}
+
+/// The fused groups: o (0) and down (1).
+fn fused_index(module: TargetModule) -> Option<usize> {
+    match module {
+        TargetModule::O => Some(0),
+        TargetModule::Down => Some(1),
+        _ => None,
     }
 }
 
@@ -540,6 +588,7 @@ impl GpuLora {
             + 2 * max_tokens * 3 * r_pad * 2
             + delta_rows(max_tokens, !overlap_disabled()) * widest_output(config) * 2
             + DenseShrink::bytes(cap, max_tokens)
+            + Self::fused_norms_bytes(config, cap, max_tokens)
     }
 
     pub fn new(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize, base: LoraBase) -> Result<Self> {
@@ -604,7 +653,57 @@ impl GpuLora {
             empty_side_layers: std::env::var("PEREGRINE_LORA_EMPTY_SIDE_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX),
             w8_rows: !std::env::var("PEREGRINE_LORA_W8_ROWS").is_ok_and(|v| v == "0"),
             dense,
+            fused: None,
         })
+    }
+
+    /// Extends the o and down weights for [`FusedNorms`] and takes those steps from now on, where
+    /// the GPU, the weights and the configuration allow it (otherwise nothing changes). Before any
+    /// slot is written: the weights' new rows start as zeros.
+    pub fn attach_fused_norms(&mut self, cuda: &Cuda, weights: &mut GpuWeights, config: &ModelConfig) -> Result<()> {
+        let hidden = config.hidden_size;
+        let usable = self.overlap.is_some() && self.delta_tokens >= 2 && cuda.kernels.add_rmsnorm_lora_fits(hidden) && self.ranks_host.iter().all(|&r| r == 0);
+        if fused_norms_disabled() || !usable || self.fused.is_some() {
+            return Ok(());
+        }
+        let extra = self.capacity.max_loras * self.r_pad;
+        let Some(rows) = weights.extend_rows_for_lora(cuda, hidden, extra)? else { return Ok(()) };
+        let fan_in = [TargetModule::O.dims(config).0, TargetModule::Down.dims(config).0];
+        let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * (hidden + extra)).map_err(gpu_err)?;
+        tracing::info!(extra_rows = extra, "LoRA: o and down ride in the base GEMM and the norms (no side stream for them)");
+        self.fused = Some(FusedNorms { rows, fan_in, hidden, wide, max_tokens: self.delta_tokens });
+        Ok(())
+    }
+
+    /// Device bytes [`GpuLora::attach_fused_norms`] adds for `config` at `cap`.
+    pub fn fused_norms_bytes(config: &ModelConfig, cap: LoraCapacity, max_tokens: usize) -> usize {
+        if fused_norms_disabled() || overlap_disabled() {
+            return 0;
+        }
+        let extra = cap.max_loras * lora_rank_pad(cap.max_rank);
+        let fan_in = TargetModule::O.dims(config).0 + TargetModule::Down.dims(config).0;
+        (config.num_hidden_layers * extra * fan_in + delta_rows(max_tokens, true) * (config.hidden_size + extra)) * 2
+    }
+
+    /// Where an `n`-token step's fused o or down projection writes (its weight's full rows), or None
+    /// where that step takes the side stream as before.
+    pub fn fused_projection(&self, n: usize) -> Option<FusedProjection> {
+        let f = self.fused.as_ref().filter(|f| (2..=f.max_tokens).contains(&n))?;
+        Some(FusedProjection { y: f.wide.ptr(), row_stride: f.hidden + self.capacity.max_loras * self.r_pad })
+    }
+
+    /// The residual add + RMSNorm after a fused `module` (o or down) projection of `layer`, its
+    /// LoRA expand included (`add_rmsnorm_lora`), into `out`.
+    ///
+    /// # Safety
+    /// `p` is this step's [`GpuLora::fused_projection`], written by that projection's GEMM over its
+    /// full rows; `residual`/`out` hold `n` rows of hidden, `weight` hidden f32; `slots` as in
+    /// [`GpuLora::begin_step`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn fused_norm(&self, cuda: &Cuda, module: TargetModule, layer: usize, p: FusedProjection, residual: DPtr, weight: DPtr, out: DPtr, slots: DPtr, n: usize, eps: f32) -> peregrine_kernels::Result<()> {
+        let stack = &self.modules[module.index()];
+        let b = stack.b.ptr_at(layer * self.capacity.max_loras * self.r_pad * stack.fan_out);
+        cuda.kernels.add_rmsnorm_lora(&cuda.gpu.stream, residual, p.y, p.row_stride, b, weight, out, &self.segments(slots), n, stack.fan_out, eps, self.r_pad)
     }
 
     /// Where `module`'s A rows of `slot` in `layer` start in its group's stack (elements).
@@ -667,6 +766,16 @@ impl GpuLora {
                 let at = shape.a_offset(index, layer, slot);
                 self.groups[group].a.write_at(&up.stream, at, &staging[offset..offset + a_len]).map_err(gpu_err)?;
                 offset += a_len;
+                if let Some(f) = &self.fused {
+                    if let Some(i) = fused_index(module) {
+                        // The same A rows, into the weight's LoRA rows (the fused GEMM's shrink).
+                        let dst = f.rows[layer][i] + (slot * r_pad * f.fan_in[i] * 2) as u64;
+                        // SAFETY: the weight holds max_loras · r_pad rows of fan_in past `rows`
+                        // (extend_rows_for_lora); `staging` is pinned and not rewritten before the
+                        // copy completes (`copied`).
+                        unsafe { peregrine_kernels::cudarc::driver::result::memcpy_htod_async(dst, &staging[offset - a_len..offset], up.stream.cu_stream()) }.map_err(driver)?;
+                    }
+                }
                 let b_at = (layer * max_loras + slot) * b_len;
                 self.modules[module.index()].b.write_at(&up.stream, b_at, &staging[offset..offset + b_len]).map_err(gpu_err)?;
                 offset += b_len;

@@ -40,7 +40,7 @@ pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
 use self::graphs::Graphs;
-use self::lora::{BaseGemv, GpuLora, LoraBase, LoraUpdate, Projection};
+use self::lora::{BaseGemv, FusedProjection, GpuLora, LoraBase, LoraUpdate, Projection};
 use self::scratch::{PinnedUpload, Scratch};
 use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
@@ -273,7 +273,7 @@ impl CudaBackend {
             )));
         }
         let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
-        let (config, weights) = match init {
+        let (config, mut weights) = match init {
             WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w, w8)?),
             WeightInit::Random { config, seed } => {
                 let w = GpuWeights::random(&cuda, &config, seed, w8)?;
@@ -288,7 +288,10 @@ impl CudaBackend {
         let scratch = Scratch::new(&cuda, &config, opts.max_num_batched_tokens, &layout, w8.is_some())?;
         let lora_sm_reserve = lora_sm_reserve(&cuda, w8.is_some());
         let lora_base = LoraBase { side_sms: lora_sm_reserve, eight_bit: w8.is_some() };
-        let lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_base)).transpose()?;
+        let mut lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_base)).transpose()?;
+        if let Some(lora) = &mut lora {
+            lora.attach_fused_norms(&cuda, &mut weights, &config)?;
+        }
         let (cos, sin) = rope::tables(&config, opts.max_model_len);
         let rope_cos = cuda.gpu.upload(&cos).map_err(gpu_err)?;
         let rope_sin = cuda.gpu.upload(&sin).map_err(gpu_err)?;
@@ -414,9 +417,12 @@ impl CudaBackend {
         // Set for every step (graphs capture the target in force): LoRA steps long enough for
         // cuBLAS / cuBLASLt GEMMs leave `lora_sm_reserve` SMs to the side stream, all others use
         // every SM.
-        if self.lora_sm_reserve > 0 {
+        let sm_target = (self.lora_sm_reserve > 0).then(|| {
             let reserve = if lora.is_some() && self.lora_sm_reserve_tokens.contains(&n) { self.lora_sm_reserve } else { 0 };
-            cuda.set_sm_count_target(if reserve > 0 { cuda.num_sms - reserve } else { 0 })?;
+            if reserve > 0 { cuda.num_sms - reserve } else { 0 }
+        });
+        if let Some(target) = sm_target {
+            cuda.set_sm_count_target(target)?;
         }
         let w8 = w.w8;
         let (xq, xs) = (sc.xq.ptr(), sc.xs.ptr());
@@ -434,6 +440,24 @@ impl CudaBackend {
         };
         let project = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], gemv: BaseGemv, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<Option<LoraDelta>> {
             project_into(l, x, x_stride, y, y_stride, outs, None, gemv, base).map(LoraUpdate::buffered)
+        };
+        // o and down with their LoRA inside the base GEMM and the norm after it, no side stream
+        // (cuda/lora.rs, FusedNorms): the GEMM over the weight's full rows (the model's, then every
+        // slot's A), planned for every SM since nothing runs beside it.
+        let fused_lora = lora.and_then(|l| l.fused_projection(n).map(|p| (l, p)));
+        let fused_linear = |p: FusedProjection, x: DPtr, wt: &Linear, k_in: usize| -> peregrine_kernels::Result<()> {
+            let Linear::Bf16(wb) = wt else { return Err(KernelError::Unsupported("LoRA rows in an 8-bit weight".into())) };
+            let reserved = sm_target.filter(|&t| t > 0);
+            if reserved.is_some() {
+                cuda.set_sm_count_target(0)?;
+            }
+            // SAFETY: as the step's block below; the weight holds `p.row_stride` rows of `k_in`
+            // (GpuWeights::extend_rows_for_lora) and `p.y` that many columns for the step's rows.
+            unsafe { cuda.linear(p.y, OutType::Bf16, x, wb.ptr(), n, p.row_stride, k_in)? };
+            if let Some(target) = reserved {
+                cuda.set_sm_count_target(target)?;
+            }
+            Ok(())
         };
         let gemv_of = |wt: &Linear, x: DPtr, k_in: usize| match wt {
             Linear::Bf16(wb) if cuda.linear_is_gemv(n, k_in, x, wb.ptr()) => BaseGemv::Bf16,
@@ -488,12 +512,15 @@ impl CudaBackend {
                 lora.begin_step(cuda, lora_slots, n)?;
             }
             // The previous down projection's LoRA update and deferred scales (the next norm adds
-            // and applies them with its output).
-            let (mut down_lora, mut down_scale) = (None, None);
+            // and applies them with its output), or the layer of a fused one (its norm expands).
+            let (mut down_lora, mut down_scale, mut down_fused) = (None, None, None);
             for (l, lw) in w.layers.iter().enumerate() {
                 layer_start(l)?;
                 let delta = (l > 0).then(|| sc.delta.ptr());
-                norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?;
+                match (fused_lora, down_fused) {
+                    (Some((lo, p)), Some(prev)) => lo.fused_norm(cuda, TargetModule::Down, prev, p, sc.residual.ptr(), lw.input_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps)?,
+                    _ => norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?,
+                }
                 let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
                 let qkv_scale = Cell::new(None);
                 let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, gemv_of(&lw.qkv, sc.normed.ptr(), h), &|rows| linear_scaled_later(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h, &qkv_scale, rows))?;
@@ -536,9 +563,14 @@ impl CudaBackend {
                     // The one 8-bit input quantized by a pass of its own (see `fused_attn_quant`).
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
-                let o_scale = Cell::new(None);
-                let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], gemv_of(&lw.o, sc.attn.ptr(), c.q_dim()), &|rows| linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim(), &o_scale, rows))?;
-                norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale.get(), &[&lw.gate_up])?;
+                if let Some((lo, p)) = fused_lora {
+                    fused_linear(p, sc.attn.ptr(), &lw.o, c.q_dim())?;
+                    lo.fused_norm(cuda, TargetModule::O, l, p, sc.residual.ptr(), lw.post_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps)?;
+                } else {
+                    let o_scale = Cell::new(None);
+                    let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], gemv_of(&lw.o, sc.attn.ptr(), c.q_dim()), &|rows| linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim(), &o_scale, rows))?;
+                    norm(Some(sc.delta.ptr()), lw.post_norm.ptr(), o_lora, o_scale.get(), &[&lw.gate_up])?;
+                }
                 // Decode-sized bf16 steps without LoRA: one kernel for gate/up and SwiGLU; otherwise
                 // the projection (+ LoRA updates on gate and up), then SwiGLU (quantizing its output
                 // for an 8-bit down projection).
@@ -565,9 +597,18 @@ impl CudaBackend {
                         None => k.silu_mul(s, sc.act.ptr(), sc.gate_up.ptr(), n, inter, gate_up_lora)?,
                     }
                 }
-                let scale = Cell::new(None);
-                down_lora = project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], gemv_of(&lw.down, sc.act.ptr(), inter), &|rows| linear_scaled_later(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter, &scale, rows))?;
-                down_scale = scale.get();
+                // The last layer's down keeps the side stream: the final norm reads only the logit rows.
+                match fused_lora.filter(|_| l + 1 < w.layers.len()) {
+                    Some((_, p)) => {
+                        fused_linear(p, sc.act.ptr(), &lw.down, inter)?;
+                        (down_lora, down_scale, down_fused) = (None, None, Some(l));
+                    }
+                    None => {
+                        let scale = Cell::new(None);
+                        down_lora = project(l, sc.act.ptr(), inter, sc.delta.ptr(), h, &[(TargetModule::Down, 0)], gemv_of(&lw.down, sc.act.ptr(), inter), &|rows| linear_scaled_later(sc.delta.ptr(), sc.act.ptr(), &lw.down, h, inter, &scale, rows))?;
+                        (down_scale, down_fused) = (scale.get(), None);
+                    }
+                }
             }
             if rows > 0 {
                 let delta = (!w.layers.is_empty()).then(|| sc.delta.ptr());
@@ -753,6 +794,13 @@ impl Backend for CudaBackend {
                         GpuLora::bytes(&self.config, want, self.layout.max_tokens) as f64 / (1 << 20) as f64
                     ))
                 })?;
+                let mut lora = lora;
+                // o and down's weights move to larger buffers: graphs captured so far read the old
+                // ones, so they go. Without room for the extension LoRA still runs, on the side stream.
+                if let Err(e) = lora.attach_fused_norms(&self.cuda, &mut self.weights, &self.config) {
+                    tracing::warn!(error = %e, "LoRA's o and down stay on the side stream");
+                }
+                self.graphs.clear();
                 self.limits.lora_slots = max_loras;
                 self.lora = Some(lora);
                 Ok(())

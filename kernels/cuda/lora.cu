@@ -1000,7 +1000,7 @@ extern "C" __global__ void lora_pick_t(bf16_t*, bf16_t*, const float*, const int
 // hidden % (8 · NORM_LORA_CLUSTER) == 0, hidden / (8 · NORM_LORA_CLUSTER) <= NORM_LORA_WARPS · NORM_LORA_MAXJ.
 #define NORM_LORA_CLUSTER 8
 #define NORM_LORA_WARPS 8
-#define NORM_LORA_MAXJ 16
+#define NORM_LORA_MAXJ 8
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 
@@ -1018,7 +1018,8 @@ __device__ __forceinline__ float norm_lora_remote(const float* p, unsigned rank)
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32) add_rmsnorm_lora(
+// Two blocks per SM (at most 128 registers): at batch 256 a step has ~20 tiles of 8 blocks.
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora(
     float* __restrict__ residual, const bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ b,
     const float* __restrict__ weight, bf16_t* __restrict__ out, int hidden, float eps,
     const int* __restrict__ slots, const int* __restrict__ order, const int* __restrict__ seg,
@@ -1029,92 +1030,97 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32) add_rmsnorm_l
     __shared__ float part[LORA_TILE];
     __shared__ float inv[LORA_TILE];
     pdl_trigger();
-    pdl_wait();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    // The whole cluster decides alike (same blockIdx.y), so a cluster leaves before any barrier or not at all.
+    // The tile's tokens. The tables were written by lora_group at the step's start, not by the kernel
+    // before this one, so they are read before pdl_wait(). The whole cluster decides alike (same
+    // blockIdx.y), so a cluster leaves before any barrier or not at all.
     const int ty = blockIdx.y;
-    int slot = -1, rows = 0;
+    int slot = -1;
     if (ty < lora_tiles) {
         if (ty >= tiles[0]) return;
         slot = tiles[1 + 2 * ty];
         const int first = tiles[2 + 2 * ty], start = seg[slot] + first;
-        rows = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+        const int rows = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
         if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = threadIdx.x < rows ? order[start + threadIdx.x] : -1;
+        __syncthreads();
     } else {
-        const int base = (ty - lora_tiles) * LORA_TILE;
-        int any = 0;
-        if (threadIdx.x < LORA_TILE) {
-            const int i = base + threadIdx.x;
-            const bool mine = i < n && slots[i] < 0;
-            tok[threadIdx.x] = mine ? i : -1;
-        }
-        for (int r = 0; r < LORA_TILE; ++r) any |= base + r < n && slots[base + r] < 0;
-        if (!any) return;
-        rows = LORA_TILE;
+        const int i = (ty - lora_tiles) * LORA_TILE + (int)threadIdx.x;
+        const bool mine = threadIdx.x < LORA_TILE && i < n && slots[i] < 0;
+        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = mine ? i : -1;
+        if (!__syncthreads_or(mine)) return;
     }
-    __syncthreads();
     const int t0 = tok[g], t1 = tok[g + 8];
     const int cw = hidden / NORM_LORA_CLUSTER, ntiles = cw >> 3;
     const int c_block = (int)blockIdx.x * cw;
-    // This thread's values: column tile j = warp + NORM_LORA_WARPS * i; rows g (v[i][0..1]) and g + 8
-    // (v[i][2..3]), columns 2q and 2q + 1 of the tile (the mma accumulator's layout).
-    float v[NORM_LORA_MAXJ][4];
-#pragma unroll
-    for (int i = 0; i < NORM_LORA_MAXJ; ++i) v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.f;
     const int rank = slot >= 0 ? ranks[slot] : 0;
     const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
-    if (ksteps > 0) {
-        // The tile's u (A operand): rows g and g + 8, up to 4 steps of 16 ranks.
-        u32 a[LORA_MAX_R / 16][4];
-        const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + hidden + slot * r_pad : nullptr;
-        const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + hidden + slot * r_pad : nullptr;
+    const float scale = slot >= 0 ? scales[slot] : 0.f;
+    pdl_wait();
+    // Every load this thread needs is issued before the first is used: one round trip, not one per
+    // column tile (the loop that mixed loads, mma and stores waited on each in turn: 3-4x the time).
+    // Column tile j = warp + NORM_LORA_WARPS * i; rows g ([i][0]) and g + 8 ([i][1]), columns 2q and
+    // 2q + 1 of the tile (the mma accumulator's layout).
+    float2 x[NORM_LORA_MAXJ][2];
 #pragma unroll
-        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
-            const int c = 16 * k + 2 * q;
-            const bool on = k < ksteps;
-            a[k][0] = on && u0 ? lora_ld2(u0 + c) : 0u;
-            a[k][1] = on && u1 ? lora_ld2(u1 + c) : 0u;
-            a[k][2] = on && u0 ? lora_ld2(u0 + c + 8) : 0u;
-            a[k][3] = on && u1 ? lora_ld2(u1 + c + 8) : 0u;
-        }
-        const bf16_t* bs = b + (u64)slot * hidden * r_pad;
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+        const int j = warp + NORM_LORA_WARPS * i;
+        const int c = c_block + 8 * j + 2 * q;
 #pragma unroll
-        for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
-            const int j = warp + NORM_LORA_WARPS * i;
-            if (j < ntiles) {
-                const bf16_t* brow = bs + (u64)(c_block + 8 * j + g) * r_pad + 2 * q;
-#pragma unroll
-                for (int k = 0; k < LORA_MAX_R / 16; ++k)
-                    if (k < ksteps) lora_mma(v[i], a[k], lora_ld2(brow + 16 * k), lora_ld2(brow + 16 * k + 8));
-            }
+        for (int h = 0; h < 2; ++h) {
+            const int t = h ? t1 : t0;
+            const bool on = j < ntiles && t >= 0;
+            x[i][h] = on ? *reinterpret_cast<const float2*>(residual + (u64)t * hidden + c) : make_float2(0.f, 0.f);
+            const u32 yb = on ? lora_ld2(y + (u64)t * y_stride + c) : 0u;
+            // residual + base output now; the update after the products (the order add_rmsnorm adds in).
+            x[i][h].x += __uint_as_float(yb << 16);
+            x[i][h].y += __uint_as_float(yb & 0xffff0000u);
         }
     }
-    const float scale = slot >= 0 ? scales[slot] : 0.f;
+    float acc[NORM_LORA_MAXJ][4];
+#pragma unroll
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    if (ksteps > 0) {
+        const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + hidden + slot * r_pad : nullptr;
+        const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + hidden + slot * r_pad : nullptr;
+        const bf16_t* bs = b + (u64)slot * hidden * r_pad + 2 * q;
+#pragma unroll
+        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
+            if (k >= ksteps) break;
+            // The tile's u (the mma's A operand: rows g and g + 8) and this step's B fragments of
+            // every column tile, loaded together, then the products.
+            const int c = 16 * k + 2 * q;
+            const u32 a[4] = {u0 ? lora_ld2(u0 + c) : 0u, u1 ? lora_ld2(u1 + c) : 0u, u0 ? lora_ld2(u0 + c + 8) : 0u, u1 ? lora_ld2(u1 + c + 8) : 0u};
+            u32 bf[NORM_LORA_MAXJ][2];
+#pragma unroll
+            for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+                const int j = warp + NORM_LORA_WARPS * i;
+                const bf16_t* brow = bs + (u64)(c_block + 8 * j + g) * r_pad + 16 * k;
+                bf[i][0] = j < ntiles ? lora_ld2(brow) : 0u;
+                bf[i][1] = j < ntiles ? lora_ld2(brow + 8) : 0u;
+            }
+#pragma unroll
+            for (int i = 0; i < NORM_LORA_MAXJ; ++i)
+                if (warp + NORM_LORA_WARPS * i < ntiles) lora_mma(acc[i], a, bf[i][0], bf[i][1]);
+        }
+    }
     float ss0 = 0.f, ss1 = 0.f;
 #pragma unroll
     for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
         const int j = warp + NORM_LORA_WARPS * i;
-        if (j < ntiles) {
-            const int c = c_block + 8 * j + 2 * q;
+        const int c = c_block + 8 * j + 2 * q;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int t = h ? t1 : t0;
-                if (t < 0) continue;
-                float2* xr = reinterpret_cast<float2*>(residual + (u64)t * hidden + c);
-                const u32 yy = lora_ld2(y + (u64)t * y_stride + c);
-                float2 x = *xr;
-                x.x += __uint_as_float(yy << 16);
-                x.y += __uint_as_float(yy & 0xffff0000u);
-                if (slot >= 0) {
-                    x.x += bf2f(f2bf(scale * v[i][2 * h]));
-                    x.y += bf2f(f2bf(scale * v[i][2 * h + 1]));
-                }
-                *xr = x;
-                v[i][2 * h] = x.x;
-                v[i][2 * h + 1] = x.y;
-                if (h) ss1 += x.x * x.x + x.y * x.y;
-                else ss0 += x.x * x.x + x.y * x.y;
+        for (int h = 0; h < 2; ++h) {
+            const int t = h ? t1 : t0;
+            if (j >= ntiles || t < 0) continue;
+            float2 v = x[i][h];
+            if (slot >= 0) {
+                v.x += bf2f(f2bf(scale * acc[i][2 * h]));
+                v.y += bf2f(f2bf(scale * acc[i][2 * h + 1]));
             }
+            *reinterpret_cast<float2*>(residual + (u64)t * hidden + c) = v;
+            x[i][h] = v;
+            if (h) ss1 += v.x * v.x + v.y * v.y;
+            else ss0 += v.x * v.x + v.y * v.y;
         }
     }
     ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
@@ -1141,23 +1147,28 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32) add_rmsnorm_l
     // ... and read before any block leaves (its shared memory goes with it); inv is then visible.
     norm_lora_cluster_sync();
     const float i0 = inv[g], i1 = inv[g + 8];
+    // The norm's weights, all loaded before the first store (as above).
+    float2 wv[NORM_LORA_MAXJ];
 #pragma unroll
     for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
         const int j = warp + NORM_LORA_WARPS * i;
-        if (j < ntiles) {
-            const int c = c_block + 8 * j + 2 * q;
-            const float2 w = *reinterpret_cast<const float2*>(weight + c);
+        wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
+    }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int t = h ? t1 : t0;
-                if (t < 0) continue;
-                const float s = h ? i1 : i0;
-                const u32 packed = (u32)f2bf(v[i][2 * h] * s * w.x) | ((u32)f2bf(v[i][2 * h + 1] * s * w.y) << 16);
-                *reinterpret_cast<u32*>(out + (u64)t * hidden + c) = packed;
-            }
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+        const int j = warp + NORM_LORA_WARPS * i;
+        if (j >= ntiles) continue;
+        const int c = c_block + 8 * j + 2 * q;
+        const float2 w = wv[i];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = h ? t1 : t0;
+            if (t < 0) continue;
+            const float s = h ? i1 : i0;
+            const u32 packed = (u32)f2bf(x[i][h].x * s * w.x) | ((u32)f2bf(x[i][h].y * s * w.y) << 16);
+            *reinterpret_cast<u32*>(out + (u64)t * hidden + c) = packed;
         }
     }
-    (void)rows;
 }
 
 #else

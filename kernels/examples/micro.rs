@@ -3,7 +3,9 @@
 //! without the sequence split, the grouped LoRA kernels (`MICRO=lora`), and the row-wise FP8 GEMV
 //! against the bf16 one (`MICRO=fp8`), the 8-bit tensor-core GEMMs against cuBLAS bf16 (`MICRO=w8`),
 //! SiLU·mul with its 8-bit quantization with and without the online Walsh–Hadamard of
-//! `--quantization-rotation` (`MICRO=silu`).
+//! `--quantization-rotation` (`MICRO=silu`), and what LoRA's o and down cost inside the base GEMM
+//! and the norm (`MICRO=fused`: the GEMM over the weight with every slot's A rows appended, and
+//! `add_rmsnorm_lora` against `add_rmsnorm`).
 //! Prints a table; asserts nothing.
 
 use peregrine_kernels::cudarc::driver::sys::CUevent_flags;
@@ -63,6 +65,10 @@ fn main() {
     }
     if std::env::var("MICRO").is_ok_and(|v| v == "silu") {
         silu(&c);
+        return;
+    }
+    if std::env::var("MICRO").is_ok_and(|v| v == "fused") {
+        fused_norms(&c);
         return;
     }
     println!("{:<20} {:>7} {:>9} {:>9}  {}", "m=1 GEMM [n x k]", "MB", "plan GB/s", "cuBLAS", "GB/s by (unroll, warps per row)");
@@ -506,6 +512,61 @@ fn silu(c: &Cuda) {
             let run = |had: Option<usize>| time(c, 50, || unsafe { c.kernels.silu_mul_quant(s, W8Format::I8, out.ptr(), q.ptr(), sc.ptr(), gu.ptr(), m, inter, None, None, had).unwrap() });
             let (plain, rotated) = (run(None), run(Some(block)));
             println!("{inter:<8} {block:>6} {m:>6} {:>10.2} {:>10.2} {:>7.2}", plain * 1e6, rotated * 1e6, rotated / plain);
+        }
+    }
+}
+
+/// `MICRO=fused`: the pieces of LoRA's o and down inside the step's own launches (cuda/lora.rs,
+/// FusedNorms), Llama-3.1-8B shape, 4 adapters of rank 32: the base GEMM with and without every
+/// slot's A rows appended (N 4096 -> 4224), and the residual add + RMSNorm with and without the
+/// expand, at decode batch sizes (each figure: MICRO_INNER launches back to back).
+fn fused_norms(c: &Cuda) {
+    use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, LoraSegments};
+    let s = &c.gpu.stream;
+    let (h, slots, r_pad) = (4096usize, 4usize, lora_rank_pad(32));
+    let extra = slots * r_pad;
+    println!("{:<34} {:>6} {:>10}", "fused o/down pieces", "batch", "us");
+    for k in [4096usize, 14336] {
+        let copies = 4;
+        let ws: Vec<_> = (0..copies).map(|_| c.gpu.alloc_zeros::<u16>((h + extra) * k).unwrap()).collect();
+        for (i, w) in ws.iter().enumerate() {
+            unsafe { c.kernels.fill_uniform_bf16(s, w.ptr(), (h + extra) * k, i as u64, 0.02).unwrap() };
+        }
+        for m in [64usize, 256] {
+            let x = c.gpu.alloc_zeros::<u16>(m * k).unwrap();
+            unsafe { c.kernels.fill_uniform_bf16(s, x.ptr(), m * k, 7, 1.0).unwrap() };
+            let y = c.gpu.alloc_zeros::<u16>(m * (h + extra)).unwrap();
+            for n_out in [h, h + extra] {
+                let mut i = 0;
+                let t = time(c, 50, || {
+                    i = (i + 1) % copies;
+                    unsafe { c.linear(y.ptr(), OutType::Bf16, x.ptr(), ws[i].ptr(), m, n_out, k).unwrap() };
+                });
+                println!("{:<34} {:>6} {:>10.2}", format!("GEMM k {k} n {n_out}"), m, t * 1e6);
+            }
+        }
+    }
+    for m in [16usize, 64, 256] {
+        let residual = c.gpu.alloc_zeros::<f32>(m * h).unwrap();
+        let y = c.gpu.alloc_zeros::<u16>(m * (h + extra)).unwrap();
+        let b = c.gpu.alloc_zeros::<u16>(slots * h * r_pad).unwrap();
+        let weight = c.gpu.upload(&vec![1.0f32; h]).unwrap();
+        let out = c.gpu.alloc_zeros::<u16>(m * h).unwrap();
+        unsafe {
+            c.kernels.fill_uniform_bf16(s, y.ptr(), m * (h + extra), 3, 0.5).unwrap();
+            c.kernels.fill_uniform_bf16(s, b.ptr(), slots * h * r_pad, 4, 0.02).unwrap();
+        }
+        let slot_of: Vec<i32> = (0..m).map(|i| (i % slots) as i32).collect();
+        let (slot_buf, order, seg) = (c.gpu.upload(&slot_of).unwrap(), c.gpu.alloc_zeros::<i32>(m).unwrap(), c.gpu.alloc_zeros::<i32>(slots + 1).unwrap());
+        let tiles = c.gpu.alloc_zeros::<i32>(1 + 2 * lora_max_tiles(m, slots)).unwrap();
+        let (ranks, scales) = (c.gpu.upload(&vec![32i32; slots]).unwrap(), c.gpu.upload(&vec![1.0f32; slots]).unwrap());
+        let segs = LoraSegments { slots: slot_buf.ptr(), order: order.ptr(), seg: seg.ptr(), tiles: tiles.ptr(), ranks: ranks.ptr(), scales: scales.ptr(), num_slots: slots };
+        unsafe { c.kernels.lora_group(s, &segs, m).unwrap() };
+        let plain = time(c, 50, || unsafe { c.kernels.add_rmsnorm(s, residual.ptr(), Some(y.ptr()), weight.ptr(), out.ptr(), None, m, h, 1e-5, None, None).unwrap() });
+        println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm", m, plain * 1e6);
+        if c.kernels.add_rmsnorm_lora_fits(h) {
+            let fused = time(c, 50, || unsafe { c.kernels.add_rmsnorm_lora(s, residual.ptr(), y.ptr(), h + extra, b.ptr(), weight.ptr(), out.ptr(), &segs, m, h, 1e-5, r_pad).unwrap() });
+            println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm_lora (4 slots x r32)", m, fused * 1e6);
         }
     }
 }

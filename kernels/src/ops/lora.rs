@@ -21,7 +21,7 @@ pub const LORA_TILE: usize = 16;
 /// (lora.cu's NORM_LORA_*).
 const NORM_LORA_CLUSTER: usize = 8;
 const NORM_LORA_WARPS: usize = 8;
-const NORM_LORA_MAXJ: usize = 16;
+const NORM_LORA_MAXJ: usize = 8;
 
 /// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
 /// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.

@@ -236,6 +236,9 @@ struct FusedNorms {
     wide: DevBuf<u16>,
     /// The largest step it takes (the update buffer's).
     max_tokens: usize,
+    /// Whether the fused GEMMs are planned for every SM rather than the LoRA steps' reserve
+    /// (`PEREGRINE_LORA_FUSED_FULL_SMS=0`: the reserve, for comparisons).
+    full_sms: bool,
 }
 
 /// What a fused o or down projection writes and its norm reads ([`GpuLora::fused_projection`]).
@@ -244,6 +247,8 @@ pub struct FusedProjection {
     /// The GEMM's output, `[n, row_stride]`: the base output, then every slot's u.
     pub y: DPtr,
     pub row_stride: usize,
+    /// Plan the GEMM for every SM (nothing runs beside it).
+    pub full_sms: bool,
 }
 
 fn fused_norms_disabled() -> bool {
@@ -671,7 +676,8 @@ impl GpuLora {
         let fan_in = [TargetModule::O.dims(config).0, TargetModule::Down.dims(config).0];
         let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * (hidden + extra)).map_err(gpu_err)?;
         tracing::info!(extra_rows = extra, "LoRA: o and down ride in the base GEMM and the norms (no side stream for them)");
-        self.fused = Some(FusedNorms { rows, fan_in, hidden, wide, max_tokens: self.delta_tokens });
+        let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
+        self.fused = Some(FusedNorms { rows, fan_in, hidden, wide, max_tokens: self.delta_tokens, full_sms });
         Ok(())
     }
 
@@ -689,7 +695,7 @@ impl GpuLora {
     /// where that step takes the side stream as before.
     pub fn fused_projection(&self, n: usize) -> Option<FusedProjection> {
         let f = self.fused.as_ref().filter(|f| (2..=f.max_tokens).contains(&n))?;
-        Some(FusedProjection { y: f.wide.ptr(), row_stride: f.hidden + self.capacity.max_loras * self.r_pad })
+        Some(FusedProjection { y: f.wide.ptr(), row_stride: f.hidden + self.capacity.max_loras * self.r_pad, full_sms: f.full_sms })
     }
 
     /// The residual add + RMSNorm after a fused `module` (o or down) projection of `layer`, its

@@ -447,7 +447,7 @@ impl CudaBackend {
         let fused_lora = lora.and_then(|l| l.fused_projection(n).map(|p| (l, p)));
         let fused_linear = |p: FusedProjection, x: DPtr, wt: &Linear, k_in: usize| -> peregrine_kernels::Result<()> {
             let Linear::Bf16(wb) = wt else { return Err(KernelError::Unsupported("LoRA rows in an 8-bit weight".into())) };
-            let reserved = sm_target.filter(|&t| t > 0);
+            let reserved = sm_target.filter(|&t| t > 0 && p.full_sms);
             if reserved.is_some() {
                 cuda.set_sm_count_target(0)?;
             }

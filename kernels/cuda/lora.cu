@@ -1171,10 +1171,118 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
     }
 }
 
+// The gate|up group's LoRA the same way (no side stream): the gate|up GEMM's weight carries every
+// slot's A rows of gate, then of up, after its own 2·inter rows, so y = [gate | up | u_gate | u_up]
+// (row stride y_stride >= 2·inter + 2·slots·r_pad; slot s's u_gate at 2·inter + s·r_pad, its u_up
+// slots·r_pad further), and this SwiGLU adds each token's updates before the product:
+//   out[i, c] = silu(gate + bf16(scale_s · u_gate · B_gate,sᵀ)) · (up + bf16(scale_s · u_up · B_up,sᵀ))
+// (tokens without a slot: silu_mul's plain product, the same expression and bits). Elementwise, so
+// no cluster: grid (inter / SWIGLU_LORA_COLS, lora_tiles + ceil(n / 16)), 4 warps of
+// SWIGLU_LORA_NT column tiles of 8, gate's and up's at the same columns in one thread's registers.
+#define SWIGLU_LORA_NT 4
+#define SWIGLU_LORA_COLS (4 * 8 * SWIGLU_LORA_NT)
+
+extern "C" __global__ void __launch_bounds__(128) silu_mul_lora(
+    bf16_t* __restrict__ out, const bf16_t* __restrict__ y, int y_stride, int inter, const bf16_t* __restrict__ b_gate,
+    const bf16_t* __restrict__ b_up, const int* __restrict__ slots, const int* __restrict__ order,
+    const int* __restrict__ seg, const int* __restrict__ tiles, const int* __restrict__ ranks,
+    const float* __restrict__ scales, int n, int lora_tiles, int r_pad, int num_slots) {
+    __shared__ int tok[LORA_TILE];
+    pdl_trigger();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int ty = blockIdx.y;
+    int slot = -1;
+    if (ty < lora_tiles) {
+        if (ty >= tiles[0]) return;
+        slot = tiles[1 + 2 * ty];
+        const int first = tiles[2 + 2 * ty], start = seg[slot] + first;
+        const int rows = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = threadIdx.x < rows ? order[start + threadIdx.x] : -1;
+        __syncthreads();
+    } else {
+        const int i = (ty - lora_tiles) * LORA_TILE + (int)threadIdx.x;
+        const bool mine = threadIdx.x < LORA_TILE && i < n && slots[i] < 0;
+        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = mine ? i : -1;
+        if (!__syncthreads_or(mine)) return;
+    }
+    const int t0 = tok[g], t1 = tok[g + 8];
+    const int rank = slot >= 0 ? ranks[slot] : 0;
+    const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
+    const float scale = slot >= 0 ? scales[slot] : 0.f;
+    const int c_warp = blockIdx.x * SWIGLU_LORA_COLS + warp * 8 * SWIGLU_LORA_NT;
+    pdl_wait();
+    // Gate and up of rows g and g + 8, columns 2q, 2q + 1 of each of this warp's column tiles, all
+    // loaded before the first use.
+    u32 gb[SWIGLU_LORA_NT][2], ub[SWIGLU_LORA_NT][2];
+#pragma unroll
+    for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
+        const int c = c_warp + 8 * nt + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = h ? t1 : t0;
+            gb[nt][h] = t >= 0 ? lora_ld2(y + (u64)t * y_stride + c) : 0u;
+            ub[nt][h] = t >= 0 ? lora_ld2(y + (u64)t * y_stride + inter + c) : 0u;
+        }
+    }
+    float ag[SWIGLU_LORA_NT][4], au[SWIGLU_LORA_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) ag[nt][0] = ag[nt][1] = ag[nt][2] = ag[nt][3] = au[nt][0] = au[nt][1] = au[nt][2] = au[nt][3] = 0.f;
+    if (ksteps > 0) {
+        const u64 ug = 2 * (u64)inter + (u64)slot * r_pad, uu = ug + (u64)num_slots * r_pad;
+        const bf16_t* r0 = t0 >= 0 ? y + (u64)t0 * y_stride : nullptr;
+        const bf16_t* r1 = t1 >= 0 ? y + (u64)t1 * y_stride : nullptr;
+        const u64 b_off = (u64)slot * inter * r_pad + 2 * q;
+#pragma unroll
+        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
+            if (k >= ksteps) break;
+            const int c = 16 * k + 2 * q;
+            const u32 a_g[4] = {r0 ? lora_ld2(r0 + ug + c) : 0u, r1 ? lora_ld2(r1 + ug + c) : 0u, r0 ? lora_ld2(r0 + ug + c + 8) : 0u, r1 ? lora_ld2(r1 + ug + c + 8) : 0u};
+            const u32 a_u[4] = {r0 ? lora_ld2(r0 + uu + c) : 0u, r1 ? lora_ld2(r1 + uu + c) : 0u, r0 ? lora_ld2(r0 + uu + c + 8) : 0u, r1 ? lora_ld2(r1 + uu + c + 8) : 0u};
+            u32 bg[SWIGLU_LORA_NT][2], bu[SWIGLU_LORA_NT][2];
+#pragma unroll
+            for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
+                const u64 row = b_off + (u64)(c_warp + 8 * nt + g) * r_pad + 16 * k;
+                bg[nt][0] = lora_ld2(b_gate + row);
+                bg[nt][1] = lora_ld2(b_gate + row + 8);
+                bu[nt][0] = lora_ld2(b_up + row);
+                bu[nt][1] = lora_ld2(b_up + row + 8);
+            }
+#pragma unroll
+            for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
+                lora_mma(ag[nt], a_g, bg[nt][0], bg[nt][1]);
+                lora_mma(au[nt], a_u, bu[nt][0], bu[nt][1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
+        const int c = c_warp + 8 * nt + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = h ? t1 : t0;
+            if (t < 0) continue;
+            float gv[2] = {__uint_as_float(gb[nt][h] << 16), __uint_as_float(gb[nt][h] & 0xffff0000u)};
+            float uv[2] = {__uint_as_float(ub[nt][h] << 16), __uint_as_float(ub[nt][h] & 0xffff0000u)};
+            if (slot >= 0) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    gv[e] += bf2f(f2bf(scale * ag[nt][2 * h + e]));
+                    uv[e] += bf2f(f2bf(scale * au[nt][2 * h + e]));
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) gv[e] = gv[e] / (1.f + __expf(-gv[e])) * uv[e];
+            *reinterpret_cast<u32*>(out + (u64)t * inter + c) = (u32)f2bf(gv[0]) | ((u32)f2bf(gv[1]) << 16);
+        }
+    }
+}
+
 #else
 
 extern "C" __global__ void add_rmsnorm_lora(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*, int, float,
                                             const int*, const int*, const int*, const int*, const int*, const float*,
                                             int, int, int) {}
+extern "C" __global__ void silu_mul_lora(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
+                                         const int*, const int*, const int*, const int*, const float*, int, int, int, int) {}
 
 #endif

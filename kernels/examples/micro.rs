@@ -564,6 +564,19 @@ fn fused_norms(c: &Cuda) {
         unsafe { c.kernels.lora_group(s, &segs, m).unwrap() };
         let plain = time(c, 50, || unsafe { c.kernels.add_rmsnorm(s, residual.ptr(), Some(y.ptr()), weight.ptr(), out.ptr(), None, m, h, 1e-5, None, None).unwrap() });
         println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm", m, plain * 1e6);
+        let inter = 14336usize;
+        let gu = c.gpu.alloc_zeros::<u16>(m * 2 * (inter + extra)).unwrap();
+        let (bg, act) = (c.gpu.alloc_zeros::<u16>(slots * inter * r_pad).unwrap(), c.gpu.alloc_zeros::<u16>(m * inter).unwrap());
+        unsafe {
+            c.kernels.fill_uniform_bf16(s, gu.ptr(), m * 2 * (inter + extra), 5, 0.5).unwrap();
+            c.kernels.fill_uniform_bf16(s, bg.ptr(), slots * inter * r_pad, 6, 0.02).unwrap();
+        }
+        let plain = time(c, 50, || unsafe { c.kernels.silu_mul(s, act.ptr(), gu.ptr(), m, inter, None).unwrap() });
+        println!("{:<34} {:>6} {:>10.2}", "silu_mul", m, plain * 1e6);
+        if c.kernels.silu_mul_lora_fits(inter) {
+            let fused = time(c, 50, || unsafe { c.kernels.silu_mul_lora(s, act.ptr(), gu.ptr(), 2 * (inter + extra), inter, bg.ptr(), bg.ptr(), &segs, m, r_pad).unwrap() });
+            println!("{:<34} {:>6} {:>10.2}", "silu_mul_lora (4 slots x r32)", m, fused * 1e6);
+        }
         if c.kernels.add_rmsnorm_lora_fits(h) {
             let fused = time(c, 50, || unsafe { c.kernels.add_rmsnorm_lora(s, residual.ptr(), y.ptr(), h + extra, b.ptr(), weight.ptr(), out.ptr(), &segs, m, h, 1e-5, r_pad).unwrap() });
             println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm_lora (4 slots x r32)", m, fused * 1e6);

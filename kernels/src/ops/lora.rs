@@ -22,6 +22,8 @@ pub const LORA_TILE: usize = 16;
 const NORM_LORA_CLUSTER: usize = 8;
 const NORM_LORA_WARPS: usize = 8;
 const NORM_LORA_MAXJ: usize = 8;
+/// `silu_mul_lora`'s columns per block (lora.cu's SWIGLU_LORA_COLS).
+const SWIGLU_LORA_COLS: usize = 128;
 
 /// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
 /// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.
@@ -345,6 +347,44 @@ impl Kernels {
         l.arg(&residual).arg(&y).arg(&ys).arg(&b).arg(&weight).arg(&out).arg(&hid).arg(&eps);
         l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i);
         l.launch_clustered(s, config, self.pdl, NORM_LORA_CLUSTER as u32)?;
+        Ok(())
+    }
+
+    /// Whether [`Kernels::silu_mul_lora`] takes `inter` columns per module on this GPU.
+    pub fn silu_mul_lora_fits(&self, inter: usize) -> bool {
+        self.cluster_arch && inter > 0 && inter.is_multiple_of(SWIGLU_LORA_COLS)
+    }
+
+    /// SwiGLU with the gate|up group's LoRA expand fused in (lora.cu's `silu_mul_lora`): `out[i] =
+    /// silu(gate_i + bf16(scale_s · u_gate,i · B_gate,sᵀ)) · (up_i + bf16(scale_s · u_up,i ·
+    /// B_up,sᵀ))`, where `y` (row stride `y_stride`) is the gate|up GEMM's output whose weight carried
+    /// every slot's A rows of gate, then of up, after its own `2 × inter` rows: slot s's `u_gate` at
+    /// column `2 × inter + s × r_pad`, its `u_up` `num_slots × r_pad` further. `b_gate`/`b_up`: the
+    /// modules' B stacks of the layer, `[slots, inter, r_pad]`. Tokens without a slot get
+    /// [`Kernels::silu_mul`]'s plain product.
+    ///
+    /// # Safety
+    /// `out` holds `n` rows of `inter`, `y` `n` rows of `y_stride >= 2 × (inter + num_slots ×
+    /// r_pad)`; `segs` as in [`Kernels::lora_apply`] after this step's [`Kernels::lora_group`];
+    /// `silu_mul_lora_fits(inter)`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn silu_mul_lora(&self, s: &CudaStream, out: DPtr, y: DPtr, y_stride: usize, inter: usize, b_gate: DPtr, b_up: DPtr, segs: &LoraSegments, n: usize, r_pad: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.silu_mul_lora_fits(inter) || r_pad == 0 || r_pad > LORA_MAX_RANK || !r_pad.is_multiple_of(16) {
+            return Err(KernelError::Unsupported(format!("silu_mul_lora: {inter} columns, r_pad {r_pad}")));
+        }
+        if y_stride < 2 * (inter + segs.num_slots * r_pad) || !y_stride.is_multiple_of(2) {
+            return Err(KernelError::Unsupported(format!("silu_mul_lora: row stride {y_stride} for {} slots of rank {r_pad}", segs.num_slots)));
+        }
+        let lora_tiles = lora_max_tiles(n, segs.num_slots);
+        let grid = (as_u32(inter / SWIGLU_LORA_COLS, "columns")?, as_u32(lora_tiles + n.div_ceil(LORA_TILE), "tiles")?, 1);
+        let (ys, inter_i, n_i, lt, r_i, ns) = (as_i32(y_stride, "y_stride")?, as_i32(inter, "intermediate")?, as_i32(n, "tokens")?, as_i32(lora_tiles, "tiles")?, as_i32(r_pad, "r_pad")?, as_i32(segs.num_slots, "slots")?);
+        let mut l = Launch::new(&self.silu_mul_lora);
+        l.arg(&out).arg(&y).arg(&ys).arg(&inter_i).arg(&b_gate).arg(&b_up);
+        l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i).arg(&ns);
+        l.launch(s, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, self.pdl)?;
         Ok(())
     }
 

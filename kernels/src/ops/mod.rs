@@ -133,6 +133,8 @@ pub struct Kernels {
     lora_pick_t: CudaFunction,
     /// The residual add + RMSNorm with a LoRA group's expand fused in (sm_90+: thread block clusters).
     add_rmsnorm_lora: CudaFunction,
+    /// SwiGLU with the gate|up group's LoRA expand fused in.
+    silu_mul_lora: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
     lora_expand_sgmv_r32: CudaFunction,
@@ -288,6 +290,7 @@ impl Kernels {
             lora_shrink_ranks: f("lora_shrink_ranks")?,
             lora_pick_t: f("lora_pick_t")?,
             add_rmsnorm_lora: f("add_rmsnorm_lora")?,
+            silu_mul_lora: f("silu_mul_lora")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,
             lora_expand_swiglu: f("lora_expand_swiglu")?,

@@ -215,38 +215,50 @@ impl DenseShrink {
     }
 }
 
-/// The o and down groups' LoRA without a side stream (docs/lora-fusion-plan.md, its first unit):
-/// each layer's bf16 o and down weights carry every slot's A rows after their own (`[hidden +
-/// slots · r_pad, fan_in]`, [`GpuWeights::extend_rows_for_lora`]), so the base GEMM writes `x · Wᵀ`
-/// and every slot's `u = x · Aᵀ` side by side into `wide`, and the residual add + RMSNorm that
-/// consumes the output adds each token's `scale · u · Bᵀ` (`add_rmsnorm_lora`). Neither group then
-/// forks or joins: the graph's fork/joins, not the LoRA kernels, were what LoRA decode steps lost
-/// (docs/benchmarks.md, sessions 28-29). Decode-sized steps of 2 to the update buffer's tokens over
+/// The o, gate|up and down groups' LoRA without a side stream (docs/lora-fusion-plan.md): each
+/// layer's bf16 o, gate|up and down weights carry every slot's A rows after their own (`[fan_out +
+/// modules · slots · r_pad, fan_in]`, [`GpuWeights::extend_rows_for_lora`]), so the base GEMM writes
+/// `x · Wᵀ` and every slot's `u = x · Aᵀ` side by side into `wide`, and the kernel that consumes the
+/// output adds each token's `scale · u · Bᵀ`: the residual add + RMSNorm after o and down
+/// (`add_rmsnorm_lora`), SwiGLU after gate|up (`silu_mul_lora`). Those groups then neither fork nor
+/// join: the graph's fork/joins, not the LoRA kernels, were what LoRA decode steps lost
+/// (docs/benchmarks.md, sessions 28-30). Decode-sized steps of 2 to the update buffer's tokens over
 /// bf16 weights on sm_90+, except the last layer's down (the final norm keeps only logit rows).
-/// `PEREGRINE_LORA_FUSED_NORMS=0`: off (the side stream for every group, for comparisons).
+/// `PEREGRINE_LORA_FUSED_NORMS=0`: off (the side stream for every group, for comparisons);
+/// `PEREGRINE_LORA_FUSED_GATE_UP=0`: gate|up keeps the side stream.
 ///
 /// [`GpuWeights::extend_rows_for_lora`]: super::weights::GpuWeights::extend_rows_for_lora
 struct FusedNorms {
-    /// Per layer, where the o and down weights' LoRA rows start (slot s's r_pad rows at `s · r_pad`).
-    rows: Vec<[DPtr; 2]>,
-    /// o's and down's fan-in (their rows' length).
-    fan_in: [usize; 2],
+    /// Per layer, where the o, gate|up and down weights' LoRA rows start (slot s's r_pad rows at
+    /// `s · r_pad`; gate|up's: gate's slots, then up's).
+    rows: Vec<[DPtr; 3]>,
+    /// o's, gate|up's and down's fan-in (their rows' length).
+    fan_in: [usize; 3],
     hidden: usize,
-    /// `[delta_tokens, hidden + slots · r_pad]`: the GEMM's output and every slot's u.
+    inter: usize,
+    /// `[delta_tokens, widest row]`: a fused GEMM's output and every slot's u (o's, gate|up's and
+    /// down's in turn: each is consumed before the next GEMM writes).
     wide: DevBuf<u16>,
     /// The largest step it takes (the update buffer's).
     max_tokens: usize,
+    /// Whether gate|up rides too.
+    gate_up: bool,
     /// Whether the fused GEMMs are planned for every SM rather than the LoRA steps' reserve
     /// (`PEREGRINE_LORA_FUSED_FULL_SMS=0`: the reserve, for comparisons).
     full_sms: bool,
 }
 
-/// What a fused o or down projection writes and its norm reads ([`GpuLora::fused_projection`]).
+/// What a step's fused projections write and their consumers read ([`GpuLora::fused_projection`]).
 #[derive(Debug, Clone, Copy)]
 pub struct FusedProjection {
-    /// The GEMM's output, `[n, row_stride]`: the base output, then every slot's u.
+    /// A fused GEMM's output: the base output, then every slot's u.
     pub y: DPtr,
-    pub row_stride: usize,
+    /// Its row stride after o and down (hidden + slots · r_pad) and after gate|up (2 · (inter +
+    /// slots · r_pad)).
+    pub o_down_stride: usize,
+    pub gate_up_stride: usize,
+    /// Whether gate|up rides in its GEMM and SwiGLU this step.
+    pub gate_up: bool,
     /// Plan the GEMM for every SM (nothing runs beside it).
     pub full_sms: bool,
 }
@@ -255,11 +267,14 @@ fn fused_norms_disabled() -> bool {
     std::env::var("PEREGRINE_LORA_FUSED_NORMS").is_ok_and(|v| v == "0")
 }
 
-/// The fused groups: o (0) and down (1).
-fn fused_index(module: TargetModule) -> Option<usize> {
+/// Where a module's A rows go among the fused weights: (o 0, gate|up 1, down 2; the first of its
+/// rows past the weight's own, in units of `slots · r_pad` rows).
+fn fused_place(module: TargetModule) -> Option<(usize, usize)> {
     match module {
-        TargetModule::O => Some(0),
-        TargetModule::Down => Some(1),
+        TargetModule::O => Some((0, 0)),
+        TargetModule::Gate => Some((1, 0)),
+        TargetModule::Up => Some((1, 1)),
+        TargetModule::Down => Some((2, 0)),
         _ => None,
     }
 }
@@ -662,23 +677,30 @@ impl GpuLora {
         })
     }
 
-    /// Extends the o and down weights for [`FusedNorms`] and takes those steps from now on, where
-    /// the GPU, the weights and the configuration allow it (otherwise nothing changes). Before any
-    /// slot is written: the weights' new rows start as zeros.
+    /// Extends the o, gate|up and down weights for [`FusedNorms`] and takes those steps from now
+    /// on, where the GPU, the weights and the configuration allow it (otherwise nothing changes).
+    /// Before any slot is written: the weights' new rows start as zeros.
     pub fn attach_fused_norms(&mut self, cuda: &Cuda, weights: &mut GpuWeights, config: &ModelConfig) -> Result<()> {
-        let hidden = config.hidden_size;
-        let usable = self.overlap.is_some() && self.delta_tokens >= 2 && cuda.kernels.add_rmsnorm_lora_fits(hidden) && self.ranks_host.iter().all(|&r| r == 0);
+        let (hidden, inter) = (config.hidden_size, config.intermediate_size);
+        let k = &cuda.kernels;
+        let usable = self.overlap.is_some() && self.delta_tokens >= 2 && k.add_rmsnorm_lora_fits(hidden) && k.silu_mul_lora_fits(inter) && self.ranks_host.iter().all(|&r| r == 0);
         if fused_norms_disabled() || !usable || self.fused.is_some() {
             return Ok(());
         }
         let extra = self.capacity.max_loras * self.r_pad;
-        let Some(rows) = weights.extend_rows_for_lora(cuda, hidden, extra)? else { return Ok(()) };
-        let fan_in = [TargetModule::O.dims(config).0, TargetModule::Down.dims(config).0];
-        let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * (hidden + extra)).map_err(gpu_err)?;
-        tracing::info!(extra_rows = extra, "LoRA: o and down ride in the base GEMM and the norms (no side stream for them)");
+        let Some(rows) = weights.extend_rows_for_lora(cuda, [hidden, 2 * inter, hidden], [extra, 2 * extra, extra])? else { return Ok(()) };
+        let fan_in = [TargetModule::O.dims(config).0, hidden, TargetModule::Down.dims(config).0];
+        let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra)).map_err(gpu_err)?;
         let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
-        self.fused = Some(FusedNorms { rows, fan_in, hidden, wide, max_tokens: self.delta_tokens, full_sms });
+        let gate_up = !std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").is_ok_and(|v| v == "0");
+        tracing::info!(extra_rows = extra, gate_up, "LoRA: o, down (and gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
+        self.fused = Some(FusedNorms { rows, fan_in, hidden, inter, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
         Ok(())
+    }
+
+    /// The widest fused GEMM row: o's and down's, or gate|up's.
+    fn fused_row(config: &ModelConfig, extra: usize) -> usize {
+        (config.hidden_size + extra).max(2 * (config.intermediate_size + extra))
     }
 
     /// Device bytes [`GpuLora::attach_fused_norms`] adds for `config` at `cap`.
@@ -687,15 +709,22 @@ impl GpuLora {
             return 0;
         }
         let extra = cap.max_loras * lora_rank_pad(cap.max_rank);
-        let fan_in = TargetModule::O.dims(config).0 + TargetModule::Down.dims(config).0;
-        (config.num_hidden_layers * extra * fan_in + delta_rows(max_tokens, true) * (config.hidden_size + extra)) * 2
+        let rows = TargetModule::O.dims(config).0 + 2 * config.hidden_size + TargetModule::Down.dims(config).0;
+        (config.num_hidden_layers * extra * rows + delta_rows(max_tokens, true) * Self::fused_row(config, extra)) * 2
     }
 
-    /// Where an `n`-token step's fused o or down projection writes (its weight's full rows), or None
-    /// where that step takes the side stream as before.
+    /// Where an `n`-token step's fused projections write (their weights' full rows), or None where
+    /// that step takes the side stream as before.
     pub fn fused_projection(&self, n: usize) -> Option<FusedProjection> {
         let f = self.fused.as_ref().filter(|f| (2..=f.max_tokens).contains(&n))?;
-        Some(FusedProjection { y: f.wide.ptr(), row_stride: f.hidden + self.capacity.max_loras * self.r_pad, full_sms: f.full_sms })
+        let extra = self.capacity.max_loras * self.r_pad;
+        Some(FusedProjection { y: f.wide.ptr(), o_down_stride: f.hidden + extra, gate_up_stride: 2 * (f.inter + extra), gate_up: f.gate_up, full_sms: f.full_sms })
+    }
+
+    /// `module`'s B stack of `layer`, `[slots, fan_out, r_pad]`.
+    fn b_ptr(&self, module: TargetModule, layer: usize) -> DPtr {
+        let stack = &self.modules[module.index()];
+        stack.b.ptr_at(layer * self.capacity.max_loras * self.r_pad * stack.fan_out)
     }
 
     /// The residual add + RMSNorm after a fused `module` (o or down) projection of `layer`, its
@@ -707,9 +736,19 @@ impl GpuLora {
     /// [`GpuLora::begin_step`].
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn fused_norm(&self, cuda: &Cuda, module: TargetModule, layer: usize, p: FusedProjection, residual: DPtr, weight: DPtr, out: DPtr, slots: DPtr, n: usize, eps: f32) -> peregrine_kernels::Result<()> {
-        let stack = &self.modules[module.index()];
-        let b = stack.b.ptr_at(layer * self.capacity.max_loras * self.r_pad * stack.fan_out);
-        cuda.kernels.add_rmsnorm_lora(&cuda.gpu.stream, residual, p.y, p.row_stride, b, weight, out, &self.segments(slots), n, stack.fan_out, eps, self.r_pad)
+        let hidden = self.modules[module.index()].fan_out;
+        cuda.kernels.add_rmsnorm_lora(&cuda.gpu.stream, residual, p.y, p.o_down_stride, self.b_ptr(module, layer), weight, out, &self.segments(slots), n, hidden, eps, self.r_pad)
+    }
+
+    /// SwiGLU after the fused gate|up projection of `layer`, its LoRA expand included
+    /// (`silu_mul_lora`), into `out`.
+    ///
+    /// # Safety
+    /// As [`GpuLora::fused_norm`], for gate|up (`p.gate_up`); `out` holds `n` rows of inter.
+    pub unsafe fn fused_swiglu(&self, cuda: &Cuda, layer: usize, p: FusedProjection, out: DPtr, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
+        let inter = self.modules[TargetModule::Gate.index()].fan_out;
+        let (b_gate, b_up) = (self.b_ptr(TargetModule::Gate, layer), self.b_ptr(TargetModule::Up, layer));
+        cuda.kernels.silu_mul_lora(&cuda.gpu.stream, out, p.y, p.gate_up_stride, inter, b_gate, b_up, &self.segments(slots), n, self.r_pad)
     }
 
     /// Where `module`'s A rows of `slot` in `layer` start in its group's stack (elements).
@@ -773,10 +812,11 @@ impl GpuLora {
                 self.groups[group].a.write_at(&up.stream, at, &staging[offset..offset + a_len]).map_err(gpu_err)?;
                 offset += a_len;
                 if let Some(f) = &self.fused {
-                    if let Some(i) = fused_index(module) {
+                    if let Some((i, part)) = fused_place(module) {
                         // The same A rows, into the weight's LoRA rows (the fused GEMM's shrink).
-                        let dst = f.rows[layer][i] + (slot * r_pad * f.fan_in[i] * 2) as u64;
-                        // SAFETY: the weight holds max_loras · r_pad rows of fan_in past `rows`
+                        let row = part * max_loras * r_pad + slot * r_pad;
+                        let dst = f.rows[layer][i] + (row * f.fan_in[i] * 2) as u64;
+                        // SAFETY: the weight holds (its modules) · max_loras · r_pad rows of fan_in past `rows`
                         // (extend_rows_for_lora); `staging` is pinned and not rewritten before the
                         // copy completes (`copied`).
                         unsafe { peregrine_kernels::cudarc::driver::result::memcpy_htod_async(dst, &staging[offset - a_len..offset], up.stream.cu_stream()) }.map_err(driver)?;

@@ -445,15 +445,15 @@ impl CudaBackend {
         // (cuda/lora.rs, FusedNorms): the GEMM over the weight's full rows (the model's, then every
         // slot's A), planned for every SM since nothing runs beside it.
         let fused_lora = lora.and_then(|l| l.fused_projection(n).map(|p| (l, p)));
-        let fused_linear = |p: FusedProjection, x: DPtr, wt: &Linear, k_in: usize| -> peregrine_kernels::Result<()> {
+        let fused_linear = |p: FusedProjection, row_stride: usize, x: DPtr, wt: &Linear, k_in: usize| -> peregrine_kernels::Result<()> {
             let Linear::Bf16(wb) = wt else { return Err(KernelError::Unsupported("LoRA rows in an 8-bit weight".into())) };
             let reserved = sm_target.filter(|&t| t > 0 && p.full_sms);
             if reserved.is_some() {
                 cuda.set_sm_count_target(0)?;
             }
-            // SAFETY: as the step's block below; the weight holds `p.row_stride` rows of `k_in`
+            // SAFETY: as the step's block below; the weight holds `row_stride` rows of `k_in`
             // (GpuWeights::extend_rows_for_lora) and `p.y` that many columns for the step's rows.
-            unsafe { cuda.linear(p.y, OutType::Bf16, x, wb.ptr(), n, p.row_stride, k_in)? };
+            unsafe { cuda.linear(p.y, OutType::Bf16, x, wb.ptr(), n, row_stride, k_in)? };
             if let Some(target) = reserved {
                 cuda.set_sm_count_target(target)?;
             }
@@ -564,7 +564,7 @@ impl CudaBackend {
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
                 if let Some((lo, p)) = fused_lora {
-                    fused_linear(p, sc.attn.ptr(), &lw.o, c.q_dim())?;
+                    fused_linear(p, p.o_down_stride, sc.attn.ptr(), &lw.o, c.q_dim())?;
                     lo.fused_norm(cuda, TargetModule::O, l, p, sc.residual.ptr(), lw.post_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps)?;
                 } else {
                     let o_scale = Cell::new(None);
@@ -578,7 +578,11 @@ impl CudaBackend {
                     (Linear::Bf16(gu), None) => cuda.gate_up_silu(sc.act.ptr(), sc.normed.ptr(), gu.ptr(), n, inter, h)?,
                     _ => false,
                 };
-                if !fused {
+                let fused_gate_up = fused_lora.filter(|(_, p)| p.gate_up && !fused);
+                if let Some((lo, p)) = fused_gate_up {
+                    fused_linear(p, p.gate_up_stride, sc.normed.ptr(), &lw.gate_up, h)?;
+                    lo.fused_swiglu(cuda, l, p, sc.act.ptr(), lora_slots, n)?;
+                } else if !fused {
                     let gate_up_cols = [(TargetModule::Gate, 0), (TargetModule::Up, inter)];
                     let gate_up_scale = Cell::new(None);
                     // bf16 linears: large steps may write SwiGLU with the updates fused (cuda/lora.rs).
@@ -600,7 +604,7 @@ impl CudaBackend {
                 // The last layer's down keeps the side stream: the final norm reads only the logit rows.
                 match fused_lora.filter(|_| l + 1 < w.layers.len()) {
                     Some((_, p)) => {
-                        fused_linear(p, sc.act.ptr(), &lw.down, inter)?;
+                        fused_linear(p, p.o_down_stride, sc.act.ptr(), &lw.down, inter)?;
                         (down_lora, down_scale, down_fused) = (None, None, Some(l));
                     }
                     None => {

@@ -70,29 +70,29 @@ impl GpuWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed).ptr()
     }
 
-    /// Rebuilds every layer's o and down weights with `extra` zero rows after the model's own
-    /// (`[out + extra, in]`), for LoRA's shrink to ride in their GEMMs (cuda/lora.rs, `FusedNorms`),
-    /// and returns where each layer's extra rows start, `[o, down]`. The first `out` rows are the
-    /// same matrix at the same row stride, so every base GEMM and GEMV reads them as before. One
-    /// layer at a time: at most one layer's weights are held twice. None (nothing changed): the
-    /// linears are 8-bit, or a layer is not bf16.
-    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, hidden: usize, extra: usize) -> Result<Option<Vec<[u64; 2]>>> {
-        if self.w8.is_some() || !self.layers.iter().all(|l| l.o.reads_bf16() && l.down.reads_bf16()) {
+    /// Rebuilds every layer's o, gate|up and down weights with `extra[i]` zero rows after the
+    /// model's own `fan_out[i]` (`[fan_out + extra, in]`), for LoRA's shrink to ride in their GEMMs
+    /// (cuda/lora.rs, `FusedNorms`), and returns where each layer's extra rows start, `[o, gate|up,
+    /// down]`. The first `fan_out` rows are the same matrix at the same row stride, so every base GEMM
+    /// and GEMV reads them as before. One linear at a time: at most one is held twice. None (nothing
+    /// changed): the linears are 8-bit, or one is not bf16.
+    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 3], extra: [usize; 3]) -> Result<Option<Vec<[u64; 3]>>> {
+        if self.w8.is_some() || !self.layers.iter().all(|l| l.o.reads_bf16() && l.gate_up.reads_bf16() && l.down.reads_bf16()) {
             return Ok(None);
         }
         let stream = &cuda.gpu.stream;
         let mut rows = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
-            let mut at = [0u64; 2];
-            for (dst, linear) in at.iter_mut().zip([&mut layer.o, &mut layer.down]) {
+            let mut at = [0u64; 3];
+            for (i, linear) in [&mut layer.o, &mut layer.gate_up, &mut layer.down].into_iter().enumerate() {
                 let Linear::Bf16(old) = linear else { return Ok(None) };
-                let fan_in = old.len() / hidden.max(1);
-                if fan_in * hidden != old.len() {
-                    return Err(EngineError::Backend("a projection's weight is not [hidden, fan-in]".into()));
+                let fan_in = old.len() / fan_out[i].max(1);
+                if fan_in * fan_out[i] != old.len() {
+                    return Err(EngineError::Backend("a projection's weight is not [fan-out, fan-in]".into()));
                 }
-                let mut wide = cuda.gpu.alloc_zeros::<u16>(old.len() + extra * fan_in).map_err(gpu_err)?;
+                let mut wide = cuda.gpu.alloc_zeros::<u16>(old.len() + extra[i] * fan_in).map_err(gpu_err)?;
                 stream.memcpy_dtod(old.slice(), &mut wide.slice_mut().slice_mut(0..old.len())).map_err(|e| gpu_err(e.into()))?;
-                *dst = wide.ptr_at(old.len());
+                at[i] = wide.ptr_at(old.len());
                 // The old buffer is freed in stream order, after the copy.
                 *linear = Linear::Bf16(wide);
             }

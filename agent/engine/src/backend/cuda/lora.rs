@@ -224,8 +224,14 @@ impl DenseShrink {
 /// join: the graph's fork/joins, not the LoRA kernels, were what LoRA decode steps lost
 /// (docs/benchmarks.md, sessions 28-30). Decode-sized steps of 2 to the update buffer's tokens over
 /// bf16 weights on sm_90+, except the last layer's down (the final norm keeps only logit rows).
-/// `PEREGRINE_LORA_FUSED_NORMS=0`: off (the side stream for every group, for comparisons);
-/// `PEREGRINE_LORA_FUSED_GATE_UP=0`: gate|up keeps the side stream.
+/// `PEREGRINE_LORA_FUSED_NORMS=0`: off (the side stream for every group, for comparisons).
+///
+/// On an H200 (Llama-3.1-8B shape, `bench --lora 4 --lora-rank 32`, LoRA / base at batch 64 / 256,
+/// docs/benchmarks.md session 30), o and down fused gave 0.890–0.904 / 0.877–0.906 against the side
+/// stream's 0.868–0.890 / 0.873–0.892. gate|up fused as well gave 0.885 / 0.890–0.896: its expand
+/// reads 3.5 times o's B, which beside the base GEMM was hidden and in SwiGLU is not (`silu_mul_lora`
+/// 9.5 / 21.8 µs against `silu_mul`'s 4.6 / 8.1 at batch 64 / 256). So gate|up keeps the side stream
+/// unless `PEREGRINE_LORA_FUSED_GATE_UP=1`.
 ///
 /// [`GpuWeights::extend_rows_for_lora`]: super::weights::GpuWeights::extend_rows_for_lora
 struct FusedNorms {
@@ -692,7 +698,8 @@ impl GpuLora {
         let fan_in = [TargetModule::O.dims(config).0, hidden, TargetModule::Down.dims(config).0];
         let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra)).map_err(gpu_err)?;
         let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
-        let gate_up = !std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").is_ok_and(|v| v == "0");
+        // Off unless asked: measured slower than the side stream (see FusedNorms).
+        let gate_up = std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").is_ok_and(|v| v == "1");
         tracing::info!(extra_rows = extra, gate_up, "LoRA: o, down (and gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
         self.fused = Some(FusedNorms { rows, fan_in, hidden, inter, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
         Ok(())

@@ -1018,6 +1018,28 @@ __device__ __forceinline__ float norm_lora_remote(const float* p, unsigned rank)
     return v;
 }
 
+// A fused LoRA consumer's tile (add_rmsnorm_lora, silu_mul_lora): blockIdx.y below lora_tiles is
+// lora_group's work tile y (up to 16 tokens of one slot), from there on the 16 consecutive tokens
+// (y - lora_tiles) · 16 ... that have no slot. Fills tok[16] (-1: no token there) and slot (-1 for
+// the tokens without one); false: nothing to do, which the whole block (and cluster) agrees on.
+__device__ __forceinline__ bool fused_lora_tile(int* tok, int& slot, const int* slots, const int* order, const int* seg,
+                                                const int* tiles, int n, int lora_tiles) {
+    const int ty = blockIdx.y;
+    if (ty < lora_tiles) {
+        if (ty >= tiles[0]) return false;
+        slot = tiles[1 + 2 * ty];
+        const int first = tiles[2 + 2 * ty], start = seg[slot] + first;
+        const int rows = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
+        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = threadIdx.x < rows ? order[start + threadIdx.x] : -1;
+        __syncthreads();
+        return true;
+    }
+    const int i = (ty - lora_tiles) * LORA_TILE + (int)threadIdx.x;
+    const bool mine = threadIdx.x < LORA_TILE && i < n && slots[i] < 0;
+    if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = mine ? i : -1;
+    return __syncthreads_or(mine);
+}
+
 // Two blocks per SM (at most 128 registers): at batch 256 a step has ~20 tiles of 8 blocks.
 extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora(
     float* __restrict__ residual, const bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ b,
@@ -1034,21 +1056,8 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
     // The tile's tokens. The tables were written by lora_group at the step's start, not by the kernel
     // before this one, so they are read before pdl_wait(). The whole cluster decides alike (same
     // blockIdx.y), so a cluster leaves before any barrier or not at all.
-    const int ty = blockIdx.y;
     int slot = -1;
-    if (ty < lora_tiles) {
-        if (ty >= tiles[0]) return;
-        slot = tiles[1 + 2 * ty];
-        const int first = tiles[2 + 2 * ty], start = seg[slot] + first;
-        const int rows = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
-        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = threadIdx.x < rows ? order[start + threadIdx.x] : -1;
-        __syncthreads();
-    } else {
-        const int i = (ty - lora_tiles) * LORA_TILE + (int)threadIdx.x;
-        const bool mine = threadIdx.x < LORA_TILE && i < n && slots[i] < 0;
-        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = mine ? i : -1;
-        if (!__syncthreads_or(mine)) return;
-    }
+    if (!fused_lora_tile(tok, slot, slots, order, seg, tiles, n, lora_tiles)) return;
     const int t0 = tok[g], t1 = tok[g + 8];
     const int cw = hidden / NORM_LORA_CLUSTER, ntiles = cw >> 3;
     const int c_block = (int)blockIdx.x * cw;
@@ -1190,21 +1199,8 @@ extern "C" __global__ void __launch_bounds__(128) silu_mul_lora(
     __shared__ int tok[LORA_TILE];
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int ty = blockIdx.y;
     int slot = -1;
-    if (ty < lora_tiles) {
-        if (ty >= tiles[0]) return;
-        slot = tiles[1 + 2 * ty];
-        const int first = tiles[2 + 2 * ty], start = seg[slot] + first;
-        const int rows = min(seg[slot + 1] - seg[slot] - first, LORA_TILE);
-        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = threadIdx.x < rows ? order[start + threadIdx.x] : -1;
-        __syncthreads();
-    } else {
-        const int i = (ty - lora_tiles) * LORA_TILE + (int)threadIdx.x;
-        const bool mine = threadIdx.x < LORA_TILE && i < n && slots[i] < 0;
-        if (threadIdx.x < LORA_TILE) tok[threadIdx.x] = mine ? i : -1;
-        if (!__syncthreads_or(mine)) return;
-    }
+    if (!fused_lora_tile(tok, slot, slots, order, seg, tiles, n, lora_tiles)) return;
     const int t0 = tok[g], t1 = tok[g + 8];
     const int rank = slot >= 0 ? ranks[slot] : 0;
     const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);

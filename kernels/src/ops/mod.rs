@@ -395,25 +395,7 @@ impl<'a> Launch<'a> {
     /// # Safety
     /// The arguments must match the kernel's parameters.
     unsafe fn launch(&mut self, s: &CudaStream, config: LaunchConfig, pdl: bool) -> Result<()> {
-        use cudarc::driver::sys;
-        s.context().bind_to_thread()?;
-        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let launch = sys::CUlaunchConfig {
-            gridDimX: config.grid_dim.0,
-            gridDimY: config.grid_dim.1,
-            gridDimZ: config.grid_dim.2,
-            blockDimX: config.block_dim.0,
-            blockDimY: config.block_dim.1,
-            blockDimZ: config.block_dim.2,
-            sharedMemBytes: config.shared_mem_bytes,
-            hStream: s.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: pdl as u32,
-        };
-        sys::cuLaunchKernelEx(&launch, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()?;
-        Ok(())
+        self.launch_with(s, config, pdl, None)
     }
 
     /// [`Launch::launch`] in thread block clusters of `cluster_x` blocks along x (sm_90+; the grid's
@@ -422,15 +404,28 @@ impl<'a> Launch<'a> {
     /// # Safety
     /// As [`Launch::launch`].
     unsafe fn launch_clustered(&mut self, s: &CudaStream, config: LaunchConfig, pdl: bool, cluster_x: u32) -> Result<()> {
+        self.launch_with(s, config, pdl, Some(cluster_x))
+    }
+
+    /// # Safety
+    /// As [`Launch::launch`].
+    unsafe fn launch_with(&mut self, s: &CudaStream, config: LaunchConfig, pdl: bool, cluster_x: Option<u32>) -> Result<()> {
         use cudarc::driver::sys;
         s.context().bind_to_thread()?;
         let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
-        attrs[0].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attrs[0].value.clusterDim.x = cluster_x;
-        attrs[0].value.clusterDim.y = 1;
-        attrs[0].value.clusterDim.z = 1;
-        attrs[1].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attrs[1].value.programmaticStreamSerializationAllowed = 1;
+        let mut count = 0;
+        if pdl {
+            attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[count].value.programmaticStreamSerializationAllowed = 1;
+            count += 1;
+        }
+        if let Some(x) = cluster_x {
+            attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[count].value.clusterDim.x = x;
+            attrs[count].value.clusterDim.y = 1;
+            attrs[count].value.clusterDim.z = 1;
+            count += 1;
+        }
         let launch = sys::CUlaunchConfig {
             gridDimX: config.grid_dim.0,
             gridDimY: config.grid_dim.1,
@@ -441,7 +436,7 @@ impl<'a> Launch<'a> {
             sharedMemBytes: config.shared_mem_bytes,
             hStream: s.cu_stream(),
             attrs: attrs.as_mut_ptr(),
-            numAttrs: 1 + pdl as u32,
+            numAttrs: count as u32,
         };
         sys::cuLaunchKernelEx(&launch, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()?;
         Ok(())

@@ -1055,6 +1055,38 @@ mod tests {
     }
 
     #[test]
+    fn fused_rows_give_each_module_and_slot_the_rows_its_consumer_reads() {
+        // set_slot writes module m's slot s at row `part · slots · r_pad + s · r_pad` past the
+        // weight's own rows; the GEMM puts row j's product at column `fan_out + j`, where
+        // add_rmsnorm_lora reads o's and down's u (hidden + s · r_pad) and silu_mul_lora gate's
+        // (2 · inter + s · r_pad) and up's (num_slots · r_pad further).
+        let (slots, r_pad) = (4usize, 32usize);
+        for m in [TargetModule::Q, TargetModule::K, TargetModule::V] {
+            assert_eq!(fused_place(m), None, "{m:?} is not fused");
+        }
+        let mut taken = std::collections::HashMap::<usize, Vec<bool>>::new();
+        for m in [TargetModule::O, TargetModule::Gate, TargetModule::Up, TargetModule::Down] {
+            let Some((weight, part)) = fused_place(m) else { panic!("{m:?} is fused") };
+            let modules = if weight == 1 { 2 } else { 1 };
+            assert!(part < modules, "{m:?}: part {part} past its weight's {modules} modules");
+            let rows = taken.entry(weight).or_insert_with(|| vec![false; modules * slots * r_pad]);
+            for s in 0..slots {
+                let first = part * slots * r_pad + s * r_pad;
+                let kernel_reads = match m {
+                    TargetModule::Up => slots * r_pad + s * r_pad,
+                    _ => s * r_pad,
+                };
+                assert_eq!(first, kernel_reads, "{m:?} slot {s}");
+                for r in &mut rows[first..first + r_pad] {
+                    assert!(!*r, "{m:?} slot {s} overlaps another module's rows");
+                    *r = true;
+                }
+            }
+        }
+        assert!(taken.values().all(|rows| rows.iter().all(|&r| r)), "rows no module or slot owns");
+    }
+
+    #[test]
     fn gemv_row_groups_parse_names_lists_and_the_two_words() {
         let all = GemvRowGroups { qkv: true, o: true, gate_up: true, down: true };
         let none = GemvRowGroups { qkv: false, o: false, gate_up: false, down: false };

@@ -273,6 +273,12 @@ fn fused_norms_disabled() -> bool {
     std::env::var("PEREGRINE_LORA_FUSED_NORMS").is_ok_and(|v| v == "0")
 }
 
+/// Whether gate|up rides too (`PEREGRINE_LORA_FUSED_GATE_UP=1`; off by default, see [`FusedNorms`]).
+/// Only then does its weight get the extra rows.
+fn fused_gate_up() -> bool {
+    std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").is_ok_and(|v| v == "1")
+}
+
 /// Where a module's A rows go among the fused weights: (o 0, gate|up 1, down 2; the first of its
 /// rows past the weight's own, in units of `slots · r_pad` rows).
 fn fused_place(module: TargetModule) -> Option<(usize, usize)> {
@@ -689,25 +695,26 @@ impl GpuLora {
     pub fn attach_fused_norms(&mut self, cuda: &Cuda, weights: &mut GpuWeights, config: &ModelConfig) -> Result<()> {
         let (hidden, inter) = (config.hidden_size, config.intermediate_size);
         let k = &cuda.kernels;
-        let usable = self.overlap.is_some() && self.delta_tokens >= 2 && k.add_rmsnorm_lora_fits(hidden) && k.silu_mul_lora_fits(inter) && self.ranks_host.iter().all(|&r| r == 0);
+        let gate_up = fused_gate_up();
+        let usable = self.overlap.is_some() && self.delta_tokens >= 2 && k.add_rmsnorm_lora_fits(hidden) && (!gate_up || k.silu_mul_lora_fits(inter)) && self.ranks_host.iter().all(|&r| r == 0);
         if fused_norms_disabled() || !usable || self.fused.is_some() {
             return Ok(());
         }
         let extra = self.capacity.max_loras * self.r_pad;
-        let Some(rows) = weights.extend_rows_for_lora(cuda, [hidden, 2 * inter, hidden], [extra, 2 * extra, extra])? else { return Ok(()) };
+        let gate_up_extra = if gate_up { 2 * extra } else { 0 };
+        let Some(rows) = weights.extend_rows_for_lora(cuda, [hidden, 2 * inter, hidden], [extra, gate_up_extra, extra])? else { return Ok(()) };
         let fan_in = [TargetModule::O.dims(config).0, hidden, TargetModule::Down.dims(config).0];
-        let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra)).map_err(gpu_err)?;
+        let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra, gate_up)).map_err(gpu_err)?;
         let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
-        // Off unless asked: measured slower than the side stream (see FusedNorms).
-        let gate_up = std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").is_ok_and(|v| v == "1");
         tracing::info!(extra_rows = extra, gate_up, "LoRA: o, down (and gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
         self.fused = Some(FusedNorms { rows, fan_in, hidden, inter, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
         Ok(())
     }
 
-    /// The widest fused GEMM row: o's and down's, or gate|up's.
-    fn fused_row(config: &ModelConfig, extra: usize) -> usize {
-        (config.hidden_size + extra).max(2 * (config.intermediate_size + extra))
+    /// The widest fused GEMM row: o's and down's, or gate|up's where it rides too.
+    fn fused_row(config: &ModelConfig, extra: usize, gate_up: bool) -> usize {
+        let gate_up_row = if gate_up { 2 * (config.intermediate_size + extra) } else { 0 };
+        (config.hidden_size + extra).max(gate_up_row)
     }
 
     /// Device bytes [`GpuLora::attach_fused_norms`] adds for `config` at `cap`.
@@ -716,8 +723,9 @@ impl GpuLora {
             return 0;
         }
         let extra = cap.max_loras * lora_rank_pad(cap.max_rank);
-        let rows = TargetModule::O.dims(config).0 + 2 * config.hidden_size + TargetModule::Down.dims(config).0;
-        (config.num_hidden_layers * extra * rows + delta_rows(max_tokens, true) * Self::fused_row(config, extra)) * 2
+        let gate_up_rows = if fused_gate_up() { 2 * config.hidden_size } else { 0 };
+        let rows = TargetModule::O.dims(config).0 + gate_up_rows + TargetModule::Down.dims(config).0;
+        (config.num_hidden_layers * extra * rows + delta_rows(max_tokens, true) * Self::fused_row(config, extra, fused_gate_up())) * 2
     }
 
     /// Where an `n`-token step's fused projections write (their weights' full rows), or None where
@@ -819,7 +827,7 @@ impl GpuLora {
                 self.groups[group].a.write_at(&up.stream, at, &staging[offset..offset + a_len]).map_err(gpu_err)?;
                 offset += a_len;
                 if let Some(f) = &self.fused {
-                    if let Some((i, part)) = fused_place(module) {
+                    if let Some((i, part)) = fused_place(module).filter(|&(i, _)| i != 1 || f.gate_up) {
                         // The same A rows, into the weight's LoRA rows (the fused GEMM's shrink).
                         let row = part * max_loras * r_pad + slot * r_pad;
                         let dst = f.rows[layer][i] + (row * f.fan_in[i] * 2) as u64;

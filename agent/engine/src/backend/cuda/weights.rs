@@ -74,8 +74,9 @@ impl GpuWeights {
     /// model's own `fan_out[i]` (`[fan_out + extra, in]`), for LoRA's shrink to ride in their GEMMs
     /// (cuda/lora.rs, `FusedNorms`), and returns where each layer's extra rows start, `[o, gate|up,
     /// down]`. The first `fan_out` rows are the same matrix at the same row stride, so every base GEMM
-    /// and GEMV reads them as before. One linear at a time: at most one is held twice. None (nothing
-    /// changed): the linears are 8-bit, or one is not bf16.
+    /// and GEMV reads them as before. One linear at a time: at most one is held twice; one with no
+    /// extra rows is left as it is (its entry 0). None (nothing changed): the linears are 8-bit, or
+    /// one is not bf16.
     pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 3], extra: [usize; 3]) -> Result<Option<Vec<[u64; 3]>>> {
         if self.w8.is_some() || !self.layers.iter().all(|l| l.o.reads_bf16() && l.gate_up.reads_bf16() && l.down.reads_bf16()) {
             return Ok(None);
@@ -86,6 +87,9 @@ impl GpuWeights {
             let mut at = [0u64; 3];
             for (i, linear) in [&mut layer.o, &mut layer.gate_up, &mut layer.down].into_iter().enumerate() {
                 let Linear::Bf16(old) = linear else { return Ok(None) };
+                if extra[i] == 0 {
+                    continue;
+                }
                 let fan_in = old.len() / fan_out[i].max(1);
                 if fan_in * fan_out[i] != old.len() {
                     return Err(EngineError::Backend("a projection's weight is not [fan-out, fan-in]".into()));

@@ -290,7 +290,10 @@ impl CudaBackend {
         let lora_base = LoraBase { side_sms: lora_sm_reserve, eight_bit: w8.is_some() };
         let mut lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_base)).transpose()?;
         if let Some(lora) = &mut lora {
-            lora.attach_fused_norms(&cuda, &mut weights, &config)?;
+            // Without room for the extended weights LoRA still runs, every group on the side stream.
+            if let Err(e) = lora.attach_fused_norms(&cuda, &mut weights, &config) {
+                tracing::warn!(error = %e, "LoRA's o and down stay on the side stream");
+            }
         }
         let (cos, sin) = rope::tables(&config, opts.max_model_len);
         let rope_cos = cuda.gpu.upload(&cos).map_err(gpu_err)?;

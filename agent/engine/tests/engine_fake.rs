@@ -425,7 +425,9 @@ fn kv_events_follow_the_prefix_cache() {
 fn choices_share_the_prompts_blocks_and_match_running_alone() {
     let h = start(&fake, 64, config(8, 64, 128, false));
     let prompt = scenarios::prompt(VOCAB, 3, 10);
-    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(6) };
+    // Long enough that the leader is still running when its followers arrive (with 6 tokens a busy
+    // 2-core CI machine once let it finish first, and the last follower ran alone).
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(48) };
     let alone = run_alone(&h, &[request(1, prompt.clone(), params.clone())]).remove(0);
     let mut streams = vec![h.submit(request(10, prompt.clone(), params.clone())).expect("valid")];
     for id in 11..14 {

@@ -926,14 +926,12 @@ impl GpuLora {
             return Ok(LoraUpdate::Added);
         }
         let skip_expand = diagnostic(self.skip_expand);
-        let per_layer = self.capacity.max_loras * self.r_pad;
         let mut modules = [LoraModule { a: 0, b: 0, out: 0, col: 0 }; 3];
         let mut fan_in = 0;
         for (dst, &(module, col)) in modules.iter_mut().zip(p.outs) {
             let stack = &self.modules[module.index()];
             fan_in = stack.fan_in;
-            let at = layer * per_layer;
-            *dst = LoraModule { a: self.a_ptr(module, layer), b: stack.b.ptr_at(at * stack.fan_out), out: stack.fan_out, col };
+            *dst = LoraModule { a: self.a_ptr(module, layer), b: self.b_ptr(module, layer), out: stack.fan_out, col };
         }
         let work = LoraScratch { t_part: self.t_part.ptr(), t_hi: self.t_hi.ptr(), t_lo: self.t_lo.ptr(), counters: self.counters.ptr() };
         let modules = &modules[..p.outs.len().min(modules.len())];

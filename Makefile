@@ -26,8 +26,9 @@ run: model
 
 # Every test. One build of the workspace; integration tests drive the built binaries.
 test: model python-deps
-	# Integration tests of other packages (e2e) run the agent binary; cargo builds it only on request.
-	$(CARGO) build -p peregrine-agent --locked
+	# Integration tests of other packages (e2e) run the agent binary. `cargo test --workspace` builds it
+	# (for the agent's own tests, with the workspace's features) before it runs any test, so no separate
+	# `cargo build -p peregrine-agent` here: that one resolved other features and compiled the agent twice.
 	# No unwrap()/expect() outside tests ([workspace.lints] denies both). Clippy exempts only #[test]
 	# functions and #[cfg(test)] items, not the helpers of tests/ and examples/, so it checks the code
 	# that ships: every library and binary.

@@ -21,14 +21,14 @@ fn workspace_root() -> PathBuf {
 /// `PEREGRINE_AGENT_BIN`, else `<target>/debug/peregrine-agent`.
 pub fn agent_bin() -> PathBuf {
     let path = std::env::var_os("PEREGRINE_AGENT_BIN").map(PathBuf::from).unwrap_or_else(|| {
-        // Cargo does not build another package's binaries for a test: `make test` builds the
-        // agent first, into the workspace's target directory.
+        // Cargo does not build another package's binaries for a test. `cargo test --workspace`
+        // (`make test`) builds it for the agent's own tests, before running any test.
         let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
         target.join("debug/peregrine-agent")
     });
     assert!(
         path.is_file(),
-        "peregrine-agent not found at {}: run `cargo build -p peregrine-agent` (`make test` does) or set PEREGRINE_AGENT_BIN",
+        "peregrine-agent not found at {}: run `cargo test --workspace` (`make test`) or `cargo build -p peregrine-agent`, or set PEREGRINE_AGENT_BIN",
         path.display()
     );
     path

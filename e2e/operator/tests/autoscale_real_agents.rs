@@ -4,7 +4,7 @@
 //! function must order a scale-up for the overload, no scale-up once the load is gone, and hold on
 //! a ready pod it cannot read instead of taking it for idle.
 //!
-//! Needs the agent binary (`cargo build -p peregrine-agent`, `make test` does; or `PEREGRINE_AGENT_BIN`)
+//! Needs the agent binary (`cargo test --workspace` builds it, as `make test` does; or `PEREGRINE_AGENT_BIN`)
 //! and the test model (`make model`). Loopback only.
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -2,7 +2,7 @@
 //! the real HTTP API: a canary with another `--max-num-seqs` must pass against the stable agent, and
 //! a canary whose `--max-model-len` is too short for the suite must fail.
 //!
-//! Needs the agent binary (`make test` builds it: `cargo build -p peregrine-agent`; or `PEREGRINE_AGENT_BIN`) and the test
+//! Needs the agent binary (`cargo test --workspace` builds it, as `make test` does; or `PEREGRINE_AGENT_BIN`) and the test
 //! model (`make model`; or `PEREGRINE_TEST_MODEL`).
 
 use std::time::Duration;

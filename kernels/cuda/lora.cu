@@ -1273,6 +1273,150 @@ extern "C" __global__ void __launch_bounds__(128) silu_mul_lora(
     }
 }
 
+// q|k|v's LoRA the same way (no side stream): the q|k|v GEMM's weight carries every slot's A rows of
+// q, then of k, then of v after its own width = (hq + 2·hkv)·d rows, so y = [q | k | v | u_q | u_k | u_v]
+// (row stride y_stride >= width + 3·slots·r_pad; module m's slot s's u at width + (m·slots + s)·r_pad),
+// and this RoPE + KV write (a bf16 cache, no rotation: rope_kv_write's plain case) adds each token's
+// update the way rope_kv_write adds the side stream's:
+//   x[c] = y[c] (+ bias[c]) + bf16(scale_s · u_m · B_m,sᵀ)[c - first column of m]
+// then rotates q and k heads (rotate-half) and stores q into q_out, k and v into the caches.
+// Tokens without a slot get no update (in the same launch). grid (hq + 2·hkv, lora_tiles +
+// ceil(n / 16)); block ROPE_LORA_WARPS warps: a block takes one head of one tile, so each reads the
+// head's slice of B once for the tile (mma m16n8k16, the tile's u as the A operand). Warp w takes the
+// column-tile pairs (j, j + d/16) for j = w + ROPE_LORA_WARPS·i: the accumulator's columns 2q, 2q + 1
+// of tile j are the first halves of RoPE pairs whose second halves are the same columns of tile
+// j + d/16, so each thread rotates its own values. d % (16 · ROPE_LORA_WARPS) == 0, d <= 128.
+#define ROPE_LORA_WARPS 4
+#define ROPE_LORA_MAXI 2
+
+extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write_lora(
+    const bf16_t* __restrict__ y, int y_stride, const float* __restrict__ bias, const int* __restrict__ positions,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ cache_slots,
+    bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int hq, int hkv, int d,
+    int block_size, const bf16_t* __restrict__ b_q, const bf16_t* __restrict__ b_k, const bf16_t* __restrict__ b_v,
+    const int* __restrict__ slots, const int* __restrict__ order, const int* __restrict__ seg,
+    const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n,
+    int lora_tiles, int r_pad, int num_slots) {
+    __shared__ int tok[LORA_TILE];
+    pdl_trigger();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int slot = -1;
+    if (!fused_lora_tile(tok, slot, slots, order, seg, tiles, n, lora_tiles)) return;
+    const int t0 = tok[g], t1 = tok[g + 8];
+    const int head = blockIdx.x;
+    // The head's module (q, k or v), its place there, and the module's B stack.
+    const int m = head < hq ? 0 : (head < hq + hkv ? 1 : 2);
+    const int head_in_m = head - (m == 0 ? 0 : (m == 1 ? hq : hq + hkv));
+    const int fan_out = (m == 0 ? hq : hkv) * d;
+    const bf16_t* b = m == 0 ? b_q : (m == 1 ? b_k : b_v);
+    const int half = d >> 1, npair = (d >> 4) / ROPE_LORA_WARPS;
+    const int width = (hq + 2 * hkv) * d;
+    const int rank = slot >= 0 ? ranks[slot] : 0;
+    const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
+    const float scale = slot >= 0 ? scales[slot] : 0.f;
+    pdl_wait();
+    // Every load issued before the first use (add_rmsnorm_lora's lesson): the pair's two halves of
+    // rows g and g + 8, their positions' cos and sin, the bias.
+    int pos[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int t = h ? t1 : t0;
+        pos[h] = t >= 0 ? positions[t] : 0;
+    }
+    u32 ylo[ROPE_LORA_MAXI][2], yhi[ROPE_LORA_MAXI][2];
+    float2 cs[ROPE_LORA_MAXI][2], sn[ROPE_LORA_MAXI][2], blo[ROPE_LORA_MAXI], bhi[ROPE_LORA_MAXI];
+#pragma unroll
+    for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
+        const bool on_i = i < npair;
+        const int c = 8 * (warp + ROPE_LORA_WARPS * i) + 2 * q;
+        const int col = head * d + c;
+        blo[i] = bias && on_i ? *reinterpret_cast<const float2*>(bias + col) : make_float2(0.f, 0.f);
+        bhi[i] = bias && on_i ? *reinterpret_cast<const float2*>(bias + col + half) : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = h ? t1 : t0;
+            const bool on = on_i && t >= 0;
+            ylo[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col) : 0u;
+            yhi[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col + half) : 0u;
+            const bool rot = on && m < 2;
+            cs[i][h] = rot ? *reinterpret_cast<const float2*>(cos_t + (u64)pos[h] * half + c) : make_float2(1.f, 1.f);
+            sn[i][h] = rot ? *reinterpret_cast<const float2*>(sin_t + (u64)pos[h] * half + c) : make_float2(0.f, 0.f);
+        }
+    }
+    float alo[ROPE_LORA_MAXI][4], ahi[ROPE_LORA_MAXI][4];
+#pragma unroll
+    for (int i = 0; i < ROPE_LORA_MAXI; ++i) alo[i][0] = alo[i][1] = alo[i][2] = alo[i][3] = ahi[i][0] = ahi[i][1] = ahi[i][2] = ahi[i][3] = 0.f;
+    if (ksteps > 0) {
+        const u64 u_col = (u64)width + (u64)(m * num_slots + slot) * r_pad;
+        const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + u_col : nullptr;
+        const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + u_col : nullptr;
+        const bf16_t* bs = b + ((u64)slot * fan_out + (u64)head_in_m * d + g) * r_pad + 2 * q;
+#pragma unroll
+        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
+            if (k >= ksteps) break;
+            const int c = 16 * k + 2 * q;
+            const u32 a[4] = {u0 ? lora_ld2(u0 + c) : 0u, u1 ? lora_ld2(u1 + c) : 0u, u0 ? lora_ld2(u0 + c + 8) : 0u, u1 ? lora_ld2(u1 + c + 8) : 0u};
+            u32 bl[ROPE_LORA_MAXI][2], bh[ROPE_LORA_MAXI][2];
+#pragma unroll
+            for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
+                const bool on_i = i < npair;
+                const bf16_t* row = bs + (u64)(8 * (warp + ROPE_LORA_WARPS * i)) * r_pad + 16 * k;
+                const bf16_t* row_hi = row + (u64)half * r_pad;
+                bl[i][0] = on_i ? lora_ld2(row) : 0u;
+                bl[i][1] = on_i ? lora_ld2(row + 8) : 0u;
+                bh[i][0] = on_i ? lora_ld2(row_hi) : 0u;
+                bh[i][1] = on_i ? lora_ld2(row_hi + 8) : 0u;
+            }
+#pragma unroll
+            for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
+                if (i >= npair) continue;
+                lora_mma(alo[i], a, bl[i][0], bl[i][1]);
+                lora_mma(ahi[i], a, bh[i][0], bh[i][1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int t = h ? t1 : t0;
+        if (t < 0) continue;
+        const int cslot = cache_slots[t];
+        const u64 blk = (u64)(cslot / block_size), off = (u64)(cslot % block_size);
+        bf16_t* dst = m == 0 ? q_out + (u64)t * hq * d + (u64)head * d
+                             : (m == 1 ? k_cache : v_cache) + ((blk * hkv + head_in_m) * block_size + off) * d;
+#pragma unroll
+        for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
+            if (i >= npair) continue;
+            const int c = 8 * (warp + ROPE_LORA_WARPS * i) + 2 * q;
+            float x0[2] = {__uint_as_float(ylo[i][h] << 16), __uint_as_float(ylo[i][h] & 0xffff0000u)};
+            float x1[2] = {__uint_as_float(yhi[i][h] << 16), __uint_as_float(yhi[i][h] & 0xffff0000u)};
+            const float bl2[2] = {blo[i].x, blo[i].y}, bh2[2] = {bhi[i].x, bhi[i].y};
+            const float c2[2] = {cs[i][h].x, cs[i][h].y}, s2[2] = {sn[i][h].x, sn[i][h].y};
+            float o0[2], o1[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                // The order rope_kv_write adds in: output, bias, update.
+                if (bias) {
+                    x0[e] += bl2[e];
+                    x1[e] += bh2[e];
+                }
+                if (slot >= 0) {
+                    x0[e] += bf2f(f2bf(scale * alo[i][2 * h + e]));
+                    x1[e] += bf2f(f2bf(scale * ahi[i][2 * h + e]));
+                }
+                if (m < 2) {
+                    o0[e] = x0[e] * c2[e] - x1[e] * s2[e];
+                    o1[e] = x1[e] * c2[e] + x0[e] * s2[e];
+                } else {
+                    o0[e] = x0[e];
+                    o1[e] = x1[e];
+                }
+            }
+            *reinterpret_cast<u32*>(dst + c) = (u32)f2bf(o0[0]) | ((u32)f2bf(o0[1]) << 16);
+            *reinterpret_cast<u32*>(dst + c + half) = (u32)f2bf(o1[0]) | ((u32)f2bf(o1[1]) << 16);
+        }
+    }
+}
+
 #else
 
 extern "C" __global__ void add_rmsnorm_lora(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*, int, float,
@@ -1280,5 +1424,9 @@ extern "C" __global__ void add_rmsnorm_lora(float*, const bf16_t*, int, const bf
                                             int, int, int) {}
 extern "C" __global__ void silu_mul_lora(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
                                          const int*, const int*, const int*, const int*, const float*, int, int, int, int) {}
+extern "C" __global__ void rope_kv_write_lora(const bf16_t*, int, const float*, const int*, const float*, const float*,
+                                              const int*, bf16_t*, bf16_t*, bf16_t*, int, int, int, int, const bf16_t*,
+                                              const bf16_t*, const bf16_t*, const int*, const int*, const int*,
+                                              const int*, const int*, const float*, int, int, int, int) {}
 
 #endif

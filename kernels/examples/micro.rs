@@ -521,7 +521,7 @@ fn silu(c: &Cuda) {
 /// slot's A rows appended (N 4096 -> 4224), and the residual add + RMSNorm with and without the
 /// expand, at decode batch sizes (each figure: MICRO_INNER launches back to back).
 fn fused_norms(c: &Cuda) {
-    use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, LoraSegments};
+    use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, KvRotation, LoraSegments, RopeCache, RopeTables};
     let s = &c.gpu.stream;
     let (h, slots, r_pad) = (4096usize, 4usize, lora_rank_pad(32));
     let extra = slots * r_pad;
@@ -580,6 +580,35 @@ fn fused_norms(c: &Cuda) {
         if c.kernels.add_rmsnorm_lora_fits(h) {
             let fused = time(c, 50, || unsafe { c.kernels.add_rmsnorm_lora(s, residual.ptr(), y.ptr(), h + extra, b.ptr(), weight.ptr(), out.ptr(), &segs, m, h, 1e-5, r_pad).unwrap() });
             println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm_lora (4 slots x r32)", m, fused * 1e6);
+        }
+        // RoPE + KV write of Llama-3.1-8B's q|k|v (32 + 8 + 8 heads of 128), plain and with q|k|v's
+        // expand fused in (rope_kv_write_lora).
+        let (hq, hkv, d, bs) = (32usize, 8usize, 128usize, 16usize);
+        let width = (hq + 2 * hkv) * d;
+        let qkv = c.gpu.alloc_zeros::<u16>(m * (width + 3 * extra)).unwrap();
+        let bq = c.gpu.alloc_zeros::<u16>(slots * hq * d * r_pad).unwrap();
+        let bkv = c.gpu.alloc_zeros::<u16>(slots * hkv * d * r_pad).unwrap();
+        unsafe {
+            c.kernels.fill_uniform_bf16(s, qkv.ptr(), m * (width + 3 * extra), 8, 0.5).unwrap();
+            c.kernels.fill_uniform_bf16(s, bq.ptr(), slots * hq * d * r_pad, 9, 0.02).unwrap();
+            c.kernels.fill_uniform_bf16(s, bkv.ptr(), slots * hkv * d * r_pad, 10, 0.02).unwrap();
+        }
+        let positions = c.gpu.upload(&(0..m as i32).map(|i| 128 + i % 64).collect::<Vec<_>>()).unwrap();
+        let cache_slots = c.gpu.upload(&(0..m as i32).map(|i| i * bs as i32).collect::<Vec<_>>()).unwrap();
+        let (cos, sin) = (c.gpu.upload(&vec![0.6f32; 256 * d / 2]).unwrap(), c.gpu.upload(&vec![0.8f32; 256 * d / 2]).unwrap());
+        let q_out = c.gpu.alloc_zeros::<u16>(m * hq * d).unwrap();
+        let (kc, vc) = (c.gpu.alloc_zeros::<u16>(m * hkv * bs * d).unwrap(), c.gpu.alloc_zeros::<u16>(m * hkv * bs * d).unwrap());
+        let plain = time(c, 50, || unsafe {
+            c.kernels
+                .rope_kv_write(s, qkv.ptr(), None, positions.ptr(), cos.ptr(), sin.ptr(), cache_slots.ptr(), q_out.ptr(), kc.ptr(), vc.ptr(), m, hq, hkv, d, bs, KvCacheDtype::Bf16, KvRotation::None, None, None)
+                .unwrap()
+        });
+        println!("{:<34} {:>6} {:>10.2}", "rope_kv_write", m, plain * 1e6);
+        if c.kernels.rope_kv_write_lora_fits(d) {
+            let rope = RopeTables { positions: positions.ptr(), cos: cos.ptr(), sin: sin.ptr() };
+            let cache = RopeCache { cache_slots: cache_slots.ptr(), q_out: q_out.ptr(), k_cache: kc.ptr(), v_cache: vc.ptr(), hq, hkv, d, block_size: bs };
+            let fused = time(c, 50, || unsafe { c.kernels.rope_kv_write_lora(s, qkv.ptr(), width + 3 * extra, None, rope, cache, [bq.ptr(), bkv.ptr(), bkv.ptr()], &segs, m, r_pad).unwrap() });
+            println!("{:<34} {:>6} {:>10.2}", "rope_kv_write_lora (4 slots x r32)", m, fused * 1e6);
         }
     }
 }

@@ -11,7 +11,7 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, GemvLoraRows, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, LORA_TILE};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, GemvLoraRows, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, RopeCache, RopeTables, LORA_TILE};
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, DevBuf};
 use rand::{Rng, SeedableRng};
@@ -740,6 +740,175 @@ fn the_fused_swiglu_adds_each_tokens_gate_and_up_updates() {
         let alone = fused_swiglu_run(&cuda, &case, &h, inter, &pick);
         for (a, &i) in pick.iter().enumerate() {
             assert_eq!(&alone[a * inter..(a + 1) * inter], &got[i * inter..(i + 1) * inter], "token {i}: bits differ alone");
+        }
+    }
+}
+
+/// A q|k|v case's RoPE inputs: positions, the tables, each token's cache slot, a bias.
+struct RopeInputs {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    block_size: usize,
+    num_blocks: usize,
+    positions: Vec<i32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    cache_slots: Vec<i32>,
+    bias: Option<Vec<f32>>,
+}
+
+/// `rope_kv_write_lora` for the tokens `pick` of the case: (q_out, k cache, v cache), the caches
+/// starting as [`UNWRITTEN`].
+fn fused_rope_run(cuda: &Cuda, c: &Case, h: &Host, ri: &RopeInputs, pick: &[usize]) -> (Vec<u16>, Vec<u16>, Vec<u16>) {
+    let g = &cuda.gpu;
+    let s = &g.stream;
+    let dev = Group::upload(cuda, c, h, pick);
+    let n = dev.n;
+    let gather = |v: &[i32]| pick.iter().map(|&i| v[i]).collect::<Vec<i32>>();
+    let positions = g.upload(&gather(&ri.positions)).unwrap();
+    let cache_slots = g.upload(&gather(&ri.cache_slots)).unwrap();
+    let (cos, sin) = (g.upload(&ri.cos).unwrap(), g.upload(&ri.sin).unwrap());
+    let bias = ri.bias.as_ref().map(|b| g.upload(b).unwrap());
+    let q_out = g.upload(&vec![UNWRITTEN; n * ri.hq * ri.d]).unwrap();
+    let cache_len = ri.num_blocks * ri.hkv * ri.block_size * ri.d;
+    let (kc, vc) = (g.upload(&vec![UNWRITTEN; cache_len]).unwrap(), g.upload(&vec![UNWRITTEN; cache_len]).unwrap());
+    let segs = dev.segs();
+    let rope = RopeTables { positions: positions.ptr(), cos: cos.ptr(), sin: sin.ptr() };
+    let cache = RopeCache { cache_slots: cache_slots.ptr(), q_out: q_out.ptr(), k_cache: kc.ptr(), v_cache: vc.ptr(), hq: ri.hq, hkv: ri.hkv, d: ri.d, block_size: ri.block_size };
+    // SAFETY: y holds n rows of y_width >= width + 3 · slots · r_pad, the B stacks [slots, fan-out,
+    // r_pad], the tables cover every position, the caches every slot, the segment tables n tokens.
+    unsafe {
+        cuda.kernels.lora_group(s, &segs, n).unwrap();
+        cuda.kernels.rope_kv_write_lora(s, dev.y.ptr(), c.y_width, bias.as_ref().map(|b| b.ptr()), rope, cache, [dev.b[0].ptr(), dev.b[1].ptr(), dev.b[2].ptr()], &segs, n, h.r_pad).unwrap();
+    }
+    (q_out.download(s).unwrap(), kc.download(s).unwrap(), vc.download(s).unwrap())
+}
+
+#[test]
+fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    if !cuda.kernels.rope_kv_write_lora_fits(64) {
+        eprintln!("skipped: rope_kv_write_lora needs sm_90");
+        return;
+    }
+    let mut r = rng();
+    // What a fused q|k|v projection leaves (cuda/lora.rs, FusedNorms): q, k, v, then every slot's
+    // u_q, u_k, u_v. SmolLM2's heads (9 q, 3 kv of 64, with a bias as Qwen's models have) and heads
+    // of 128 (two RoPE pairs of column tiles per warp). Ranks 8-64 and an empty slot, tokens
+    // without an adapter mixed in, tiles ragged; cache slots scattered over the blocks.
+    for (hq, hkv, d, with_bias) in [(9usize, 3usize, 64usize, true), (8, 2, 128, false)] {
+        let mut slots: Vec<i32> = (0..120).map(|i| [0, 1, 2, 3, 4, -1, -1][i % 7]).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, r.random_range(0..=i));
+        }
+        let n = slots.len();
+        let (ranks, scales) = (vec![8, 16, 32, 64, 0], vec![2.0, 0.5, 1.0, 4.0, 0.0]);
+        let r_pad = lora_rank_pad(64);
+        let num_slots = ranks.len();
+        let width = (hq + 2 * hkv) * d;
+        let y_width = width + 3 * num_slots * r_pad + 8;
+        let outs = vec![(hq * d, 0), (hkv * d, hq * d), (hkv * d, (hq + hkv) * d)];
+        let case = Case { k: 16, outs: outs.clone(), y_width, ranks, scales, slots };
+        let h = host_inputs(&mut r, &case);
+        let half = d / 2;
+        let max_pos = 300usize;
+        let mut cos = vec![0f32; max_pos * half];
+        let mut sin = vec![0f32; max_pos * half];
+        for p in 0..max_pos {
+            for i in 0..half {
+                let angle = p as f64 / 10000f64.powf(2.0 * i as f64 / d as f64);
+                cos[p * half + i] = angle.cos() as f32;
+                sin[p * half + i] = angle.sin() as f32;
+            }
+        }
+        let block_size = 16usize;
+        let num_blocks = n.div_ceil(block_size) + 3;
+        let mut cache_slots: Vec<i32> = (0..(num_blocks * block_size) as i32).collect();
+        for i in (1..cache_slots.len()).rev() {
+            cache_slots.swap(i, r.random_range(0..=i));
+        }
+        cache_slots.truncate(n);
+        let ri = RopeInputs {
+            hq,
+            hkv,
+            d,
+            block_size,
+            num_blocks,
+            positions: (0..n).map(|_| r.random_range(0..max_pos as i32)).collect(),
+            cos,
+            sin,
+            cache_slots,
+            bias: with_bias.then(|| (0..width).map(|_| r.random_range(-0.5f32..0.5)).collect()),
+        };
+        let all: Vec<usize> = (0..n).collect();
+        let (q_got, k_got, v_got) = fused_rope_run(&cuda, &case, &h, &ri, &all);
+        // Where token i's head `head` (q heads, then k, then v) column j went.
+        let at = |i: usize, head: usize, j: usize| -> (u16, usize) {
+            let (blk, off) = (ri.cache_slots[i] as usize / block_size, ri.cache_slots[i] as usize % block_size);
+            let kv = |kvh: usize| ((blk * hkv + kvh) * block_size + off) * d + j;
+            match head {
+                _ if head < hq => (q_got[i * hq * d + head * d + j], 0),
+                _ if head < hq + hkv => (k_got[kv(head - hq)], 1),
+                _ => (v_got[kv(head - hq - hkv)], 2),
+            }
+        };
+        for (i, &slot) in case.slots.iter().enumerate() {
+            // Column `col` of the token's q|k|v before RoPE (f64) and its error bound: the update is
+            // rounded to bf16 once (2^-9 relative), its f32 sum far below.
+            let value = |col: usize| -> (f64, f64) {
+                let mut x = val(h.y0[i * y_width + col]) + ri.bias.as_ref().map_or(0.0, |b| b[col] as f64);
+                let (mut upd, mut mag) = (0.0, 0.0);
+                if slot >= 0 {
+                    let s = slot as usize;
+                    let m = outs.iter().position(|&(out, first)| (first..first + out).contains(&col)).unwrap();
+                    let (out, first) = outs[m];
+                    let u_at = i * y_width + width + (m * num_slots + s) * r_pad;
+                    for rr in 0..case.ranks[s] {
+                        let term = val(h.y0[u_at + rr]) * val(h.b[m][(s * out + col - first) * r_pad + rr]) * case.scales[s] as f64;
+                        upd += term;
+                        mag += term.abs();
+                    }
+                }
+                x += upd;
+                (x, upd.abs() / 256.0 + mag / 4096.0 + 1e-6)
+            };
+            let pos = ri.positions[i] as usize;
+            for head in 0..hq + 2 * hkv {
+                for j in 0..half {
+                    let (c0, c1) = (head * d + j, head * d + j + half);
+                    let ((x0, e0), (x1, e1)) = (value(c0), value(c1));
+                    let (want0, want1) = if head < hq + hkv {
+                        let (cv, sv) = (ri.cos[pos * half + j] as f64, ri.sin[pos * half + j] as f64);
+                        (x0 * cv - x1 * sv, x1 * cv + x0 * sv)
+                    } else {
+                        (x0, x1)
+                    };
+                    for (jj, want) in [(j, want0), (j + half, want1)] {
+                        let (bits, _) = at(i, head, jj);
+                        let tol = want.abs() / 128.0 + e0 + e1 + 1e-5;
+                        let got = val(bits);
+                        assert!((got - want).abs() <= tol, "d {d} token {i} (slot {slot}) head {head} column {jj}: {got}, want {want} (tol {tol})");
+                    }
+                }
+            }
+        }
+        // Only the tokens' own cache entries are written.
+        let written = |c: &[u16]| c.iter().filter(|&&v| v != UNWRITTEN).count();
+        assert_eq!(written(&k_got), n * hkv * d, "d {d}: k entries written");
+        assert_eq!(written(&v_got), n * hkv * d, "d {d}: v entries written");
+        // A token's bits alone, in a few small batches and in the whole one, are the same.
+        for pick in [vec![6usize], vec![3, 119, 40], (20..37).collect::<Vec<_>>()] {
+            let (q_alone, k_alone, v_alone) = fused_rope_run(&cuda, &case, &h, &ri, &pick);
+            for (a, &i) in pick.iter().enumerate() {
+                assert_eq!(&q_alone[a * hq * d..(a + 1) * hq * d], &q_got[i * hq * d..(i + 1) * hq * d], "d {d} token {i}: q bits differ alone");
+                let (blk, off) = (ri.cache_slots[i] as usize / block_size, ri.cache_slots[i] as usize % block_size);
+                for kvh in 0..hkv {
+                    let e = ((blk * hkv + kvh) * block_size + off) * d;
+                    assert_eq!(&k_alone[e..e + d], &k_got[e..e + d], "d {d} token {i}: k bits differ alone");
+                    assert_eq!(&v_alone[e..e + d], &v_got[e..e + d], "d {d} token {i}: v bits differ alone");
+                }
+            }
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use cudarc::driver::{CudaStream, LaunchConfig};
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch};
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, RopeCache, RopeTables};
 use crate::{KernelError, Result};
 
 /// Largest rank the grouped kernels take (lora.cu's LORA_MAX_R); stacks pad ranks to
@@ -24,6 +24,9 @@ const NORM_LORA_WARPS: usize = 8;
 const NORM_LORA_MAXJ: usize = 8;
 /// `silu_mul_lora`'s columns per block (lora.cu's SWIGLU_LORA_COLS).
 const SWIGLU_LORA_COLS: usize = 128;
+/// `rope_kv_write_lora`'s warps per block (lora.cu's ROPE_LORA_WARPS): a head's column-tile pairs
+/// (d / 16 of them) split evenly over them, at most ROPE_LORA_MAXI (2) each.
+const ROPE_LORA_WARPS: usize = 4;
 
 /// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
 /// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.
@@ -385,6 +388,64 @@ impl Kernels {
         l.arg(&out).arg(&y).arg(&ys).arg(&inter_i).arg(&b_gate).arg(&b_up);
         l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i).arg(&ns);
         l.launch(s, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, self.pdl)?;
+        Ok(())
+    }
+
+    /// Whether [`Kernels::rope_kv_write_lora`] takes heads of `d` on this GPU (sm_90+, as the other
+    /// fused consumers: the path that uses them is one).
+    pub fn rope_kv_write_lora_fits(&self, d: usize) -> bool {
+        self.cluster_arch && d > 0 && d.is_multiple_of(16 * ROPE_LORA_WARPS) && d <= 128
+    }
+
+    /// RoPE + the bf16 KV-cache write with the q|k|v group's LoRA expand fused in (lora.cu's
+    /// `rope_kv_write_lora`): each token's q|k|v row is `y[i, ..width]` (+ `bias`) plus
+    /// `bf16(scale_s · u_m,i · B_m,sᵀ)` for each module m (q, k, v), where `y` (row stride `y_stride`)
+    /// is the q|k|v GEMM's output whose weight carried every slot's A rows of q, then k, then v after
+    /// its own `width = (hq + 2 hkv) d` rows: module m's slot s's `u` at column `width + (m ×
+    /// num_slots + s) × r_pad`. Then as [`Kernels::rope_kv_write`] with a bf16 cache and no rotation:
+    /// q and k rotated, q into `q_out`, k and v into the caches at `cache_slots[i]`. `b_q`/`b_k`/`b_v`:
+    /// the modules' B stacks of the layer, `[slots, fan-out, r_pad]`. Tokens without a slot get no
+    /// update.
+    ///
+    /// # Safety
+    /// `y` holds `n` rows of `y_stride >= width + 3 × num_slots × r_pad`; `bias` (if not 0) `width`
+    /// f32; the rest as [`Kernels::rope_kv_write`] for a bf16 cache; `segs` as in
+    /// [`Kernels::lora_apply`] after this step's [`Kernels::lora_group`]; `rope_kv_write_lora_fits(d)`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_kv_write_lora(
+        &self,
+        s: &CudaStream,
+        y: DPtr,
+        y_stride: usize,
+        bias: Option<DPtr>,
+        rope: RopeTables,
+        cache: RopeCache,
+        b_qkv: [DPtr; 3],
+        segs: &LoraSegments,
+        n: usize,
+        r_pad: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let RopeCache { cache_slots, q_out, k_cache, v_cache, hq, hkv, d, block_size } = cache;
+        if !self.rope_kv_write_lora_fits(d) || r_pad == 0 || r_pad > LORA_MAX_RANK || !r_pad.is_multiple_of(16) || block_size == 0 {
+            return Err(KernelError::Unsupported(format!("rope_kv_write_lora: head_dim {d}, r_pad {r_pad}, block size {block_size}")));
+        }
+        let width = (hq + 2 * hkv) * d;
+        if y_stride < width + 3 * segs.num_slots * r_pad || !y_stride.is_multiple_of(2) {
+            return Err(KernelError::Unsupported(format!("rope_kv_write_lora: row stride {y_stride} for {} slots of rank {r_pad}", segs.num_slots)));
+        }
+        let lora_tiles = lora_max_tiles(n, segs.num_slots);
+        let grid = (as_u32(hq + 2 * hkv, "heads")?, as_u32(lora_tiles + n.div_ceil(LORA_TILE), "tiles")?, 1);
+        let (ys, n_i, lt, r_i, ns) = (as_i32(y_stride, "y_stride")?, as_i32(n, "tokens")?, as_i32(lora_tiles, "tiles")?, as_i32(r_pad, "r_pad")?, as_i32(segs.num_slots, "slots")?);
+        let (hq_i, hkv_i, d_i, bs_i) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
+        let bias = bias.unwrap_or(0);
+        let mut l = Launch::new(&self.rope_kv_write_lora);
+        l.arg(&y).arg(&ys).arg(&bias).arg(&rope.positions).arg(&rope.cos).arg(&rope.sin).arg(&cache_slots);
+        l.arg(&q_out).arg(&k_cache).arg(&v_cache).arg(&hq_i).arg(&hkv_i).arg(&d_i).arg(&bs_i).arg(&b_qkv[0]).arg(&b_qkv[1]).arg(&b_qkv[2]);
+        l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i).arg(&ns);
+        l.launch(s, LaunchConfig { grid_dim: grid, block_dim: (ROPE_LORA_WARPS as u32 * 32, 1, 1), shared_mem_bytes: 0 }, self.pdl)?;
         Ok(())
     }
 

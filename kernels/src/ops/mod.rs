@@ -30,7 +30,7 @@ pub use encoder::{
 pub use gemv::{GemvLoraRows, GEMV_MAX_M};
 pub use gemv_fp8::GEMV_FP8_MAX_M;
 pub use quant8::{OuterScale, SILU_HADAMARD_MAX_INTER};
-pub use rope_kv::KvRotation;
+pub use rope_kv::{KvRotation, RopeCache, RopeTables};
 pub use lora::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, LoraDelta, LoraModule, LoraShrinkShape, LoraScratch, LoraSegments, LORA_MAX_MODULES, LORA_MAX_RANK, LORA_TILE};
 pub use sample::SAMPLE_PARAMS;
 pub use token_mask::{mask_words, pack_token_constraints, packed_capacity, ConstrainedRow, TOKEN_MASK_HEADER};
@@ -135,6 +135,8 @@ pub struct Kernels {
     add_rmsnorm_lora: CudaFunction,
     /// SwiGLU with the gate|up group's LoRA expand fused in.
     silu_mul_lora: CudaFunction,
+    /// RoPE + bf16 KV write with the q|k|v group's LoRA expand fused in.
+    rope_kv_write_lora: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
     lora_expand_sgmv_r32: CudaFunction,
@@ -291,6 +293,7 @@ impl Kernels {
             lora_pick_t: f("lora_pick_t")?,
             add_rmsnorm_lora: f("add_rmsnorm_lora")?,
             silu_mul_lora: f("silu_mul_lora")?,
+            rope_kv_write_lora: f("rope_kv_write_lora")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,
             lora_expand_swiglu: f("lora_expand_swiglu")?,

@@ -5,6 +5,31 @@ use cudarc::driver::{CudaStream, LaunchConfig};
 use super::{as_i32, as_u32, DPtr, Kernels, KvCacheDtype, Launch, LoraDelta, OuterScale};
 use crate::{KernelError, Result};
 
+/// Where a RoPE kernel finds each token's position and the rotation tables.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeTables {
+    /// i32 per token.
+    pub positions: DPtr,
+    /// `[max position + 1, d / 2]` f32 each.
+    pub cos: DPtr,
+    pub sin: DPtr,
+}
+
+/// Where a RoPE + KV-write kernel stores q, k and v, and the attention shape.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeCache {
+    /// i32 per token: `block × block_size + offset` of its position in the paged cache.
+    pub cache_slots: DPtr,
+    /// `[n, hq × d]` bf16.
+    pub q_out: DPtr,
+    pub k_cache: DPtr,
+    pub v_cache: DPtr,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub block_size: usize,
+}
+
 /// rope_kv.cu's ROPE_HEADS: heads per block of `rope_kv_write`.
 const ROPE_HEADS: i32 = 4;
 /// rope_kv.cu's ROPE_HAD_MAX_D: largest head dimension the Hadamard variants stage.

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, LORA_MAX_RANK};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, RopeCache, RopeTables, LORA_MAX_RANK};
 use peregrine_kernels::{Blas, Cuda, DevBuf, OutType};
 
 use super::gpu_err;
@@ -235,13 +235,17 @@ impl DenseShrink {
 ///
 /// [`GpuWeights::extend_rows_for_lora`]: super::weights::GpuWeights::extend_rows_for_lora
 struct FusedNorms {
-    /// Per layer, where the o, gate|up and down weights' LoRA rows start (slot s's r_pad rows at
-    /// `s · r_pad`; gate|up's: gate's slots, then up's).
-    rows: Vec<[DPtr; 3]>,
-    /// o's, gate|up's and down's fan-in (their rows' length).
-    fan_in: [usize; 3],
+    /// Per layer, where the q|k|v, o, gate|up and down weights' LoRA rows start (slot s's r_pad
+    /// rows at `s · r_pad`; q|k|v's: q's slots, then k's, then v's; gate|up's: gate's, then up's).
+    rows: Vec<[DPtr; 4]>,
+    /// Their fan-in (their rows' length).
+    fan_in: [usize; 4],
     hidden: usize,
     inter: usize,
+    /// q|k|v's output width, `(hq + 2 hkv) · d`.
+    qkv_width: usize,
+    /// Whether q|k|v rides in its GEMM and RoPE + KV write (a bf16 cache without rotation).
+    qkv: bool,
     /// `[delta_tokens, widest row]`: a fused GEMM's output and every slot's u (o's, gate|up's and
     /// down's in turn: each is consumed before the next GEMM writes).
     wide: DevBuf<u16>,
@@ -265,6 +269,9 @@ pub struct FusedProjection {
     pub gate_up_stride: usize,
     /// Whether gate|up rides in its GEMM and SwiGLU this step.
     pub gate_up: bool,
+    /// Its row stride after q|k|v (`(hq + 2 hkv) d + 3 · slots · r_pad`), where q|k|v rides in its
+    /// GEMM and RoPE + KV write this step.
+    pub qkv_stride: Option<usize>,
     /// Plan the GEMM for every SM (nothing runs beside it).
     pub full_sms: bool,
 }
@@ -279,15 +286,26 @@ fn fused_gate_up() -> bool {
     std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").is_ok_and(|v| v == "1")
 }
 
-/// Where a module's A rows go among the fused weights: (o 0, gate|up 1, down 2; the first of its
-/// rows past the weight's own, in units of `slots · r_pad` rows).
+/// Whether q|k|v rides too (`PEREGRINE_LORA_FUSED_QKV=0`: its side stream, for comparisons).
+fn fused_qkv() -> bool {
+    !std::env::var("PEREGRINE_LORA_FUSED_QKV").is_ok_and(|v| v == "0")
+}
+
+/// The fused weights, in [`FusedNorms::rows`]' order.
+const FUSED_QKV: usize = 0;
+const FUSED_GATE_UP: usize = 2;
+
+/// Where a module's A rows go among the fused weights: (q|k|v 0, o 1, gate|up 2, down 3; the first
+/// of its rows past the weight's own, in units of `slots · r_pad` rows).
 fn fused_place(module: TargetModule) -> Option<(usize, usize)> {
     match module {
-        TargetModule::O => Some((0, 0)),
-        TargetModule::Gate => Some((1, 0)),
-        TargetModule::Up => Some((1, 1)),
-        TargetModule::Down => Some((2, 0)),
-        _ => None,
+        TargetModule::Q => Some((FUSED_QKV, 0)),
+        TargetModule::K => Some((FUSED_QKV, 1)),
+        TargetModule::V => Some((FUSED_QKV, 2)),
+        TargetModule::O => Some((1, 0)),
+        TargetModule::Gate => Some((FUSED_GATE_UP, 0)),
+        TargetModule::Up => Some((FUSED_GATE_UP, 1)),
+        TargetModule::Down => Some((3, 0)),
     }
 }
 
@@ -689,32 +707,38 @@ impl GpuLora {
         })
     }
 
-    /// Extends the o, gate|up and down weights for [`FusedNorms`] and takes those steps from now
-    /// on, where the GPU, the weights and the configuration allow it (otherwise nothing changes).
-    /// Before any slot is written: the weights' new rows start as zeros.
-    pub fn attach_fused_norms(&mut self, cuda: &Cuda, weights: &mut GpuWeights, config: &ModelConfig) -> Result<()> {
+    /// Extends the o, gate|up, down (and q|k|v) weights for [`FusedNorms`] and takes those steps
+    /// from now on, where the GPU, the weights and the configuration allow it (otherwise nothing
+    /// changes). `plain_bf16_cache`: the KV cache is bf16 without rotation (what
+    /// `rope_kv_write_lora` writes; otherwise q|k|v keeps its side stream). Before any slot is
+    /// written: the weights' new rows start as zeros.
+    pub fn attach_fused_norms(&mut self, cuda: &Cuda, weights: &mut GpuWeights, config: &ModelConfig, plain_bf16_cache: bool) -> Result<()> {
         let (hidden, inter) = (config.hidden_size, config.intermediate_size);
         let k = &cuda.kernels;
         let gate_up = fused_gate_up();
+        let qkv = fused_qkv() && plain_bf16_cache && k.rope_kv_write_lora_fits(config.head_dim);
         let usable = self.overlap.is_some() && self.delta_tokens >= 2 && k.add_rmsnorm_lora_fits(hidden) && (!gate_up || k.silu_mul_lora_fits(inter)) && self.ranks_host.iter().all(|&r| r == 0);
         if fused_norms_disabled() || !usable || self.fused.is_some() {
             return Ok(());
         }
         let extra = self.capacity.max_loras * self.r_pad;
         let gate_up_extra = if gate_up { 2 * extra } else { 0 };
-        let Some(rows) = weights.extend_rows_for_lora(cuda, [hidden, 2 * inter, hidden], [extra, gate_up_extra, extra])? else { return Ok(()) };
-        let fan_in = [TargetModule::O.dims(config).0, hidden, TargetModule::Down.dims(config).0];
-        let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra, gate_up)).map_err(gpu_err)?;
+        let qkv_extra = if qkv { 3 * extra } else { 0 };
+        let qkv_width = config.q_dim() + 2 * config.kv_dim();
+        let Some(rows) = weights.extend_rows_for_lora(cuda, [qkv_width, hidden, 2 * inter, hidden], [qkv_extra, extra, gate_up_extra, extra])? else { return Ok(()) };
+        let fan_in = [hidden, TargetModule::O.dims(config).0, hidden, TargetModule::Down.dims(config).0];
+        let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra, gate_up, qkv)).map_err(gpu_err)?;
         let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
-        tracing::info!(extra_rows = extra, gate_up, "LoRA: o, down (and gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
-        self.fused = Some(FusedNorms { rows, fan_in, hidden, inter, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
+        tracing::info!(extra_rows = extra, qkv, gate_up, "LoRA: o, down (and q|k|v, gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
+        self.fused = Some(FusedNorms { rows, fan_in, hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
         Ok(())
     }
 
-    /// The widest fused GEMM row: o's and down's, or gate|up's where it rides too.
-    fn fused_row(config: &ModelConfig, extra: usize, gate_up: bool) -> usize {
+    /// The widest fused GEMM row: o's and down's, or gate|up's or q|k|v's where they ride too.
+    fn fused_row(config: &ModelConfig, extra: usize, gate_up: bool, qkv: bool) -> usize {
         let gate_up_row = if gate_up { 2 * (config.intermediate_size + extra) } else { 0 };
-        (config.hidden_size + extra).max(gate_up_row)
+        let qkv_row = if qkv { config.q_dim() + 2 * config.kv_dim() + 3 * extra } else { 0 };
+        (config.hidden_size + extra).max(gate_up_row).max(qkv_row)
     }
 
     /// Device bytes [`GpuLora::attach_fused_norms`] adds for `config` at `cap`.
@@ -724,8 +748,10 @@ impl GpuLora {
         }
         let extra = cap.max_loras * lora_rank_pad(cap.max_rank);
         let gate_up_rows = if fused_gate_up() { 2 * config.hidden_size } else { 0 };
-        let rows = TargetModule::O.dims(config).0 + gate_up_rows + TargetModule::Down.dims(config).0;
-        (config.num_hidden_layers * extra * rows + delta_rows(max_tokens, true) * Self::fused_row(config, extra, fused_gate_up())) * 2
+        // Counted whether or not the cache lets q|k|v ride (an upper bound).
+        let qkv_rows = if fused_qkv() { 3 * config.hidden_size } else { 0 };
+        let rows = qkv_rows + TargetModule::O.dims(config).0 + gate_up_rows + TargetModule::Down.dims(config).0;
+        (config.num_hidden_layers * extra * rows + delta_rows(max_tokens, true) * Self::fused_row(config, extra, fused_gate_up(), fused_qkv())) * 2
     }
 
     /// Where an `n`-token step's fused projections write (their weights' full rows), or None where
@@ -733,7 +759,8 @@ impl GpuLora {
     pub fn fused_projection(&self, n: usize) -> Option<FusedProjection> {
         let f = self.fused.as_ref().filter(|f| (2..=f.max_tokens).contains(&n))?;
         let extra = self.capacity.max_loras * self.r_pad;
-        Some(FusedProjection { y: f.wide.ptr(), o_down_stride: f.hidden + extra, gate_up_stride: 2 * (f.inter + extra), gate_up: f.gate_up, full_sms: f.full_sms })
+        let qkv_stride = f.qkv.then_some(f.qkv_width + 3 * extra);
+        Some(FusedProjection { y: f.wide.ptr(), o_down_stride: f.hidden + extra, gate_up_stride: 2 * (f.inter + extra), gate_up: f.gate_up, qkv_stride, full_sms: f.full_sms })
     }
 
     /// `module`'s B stack of `layer`, `[slots, fan_out, r_pad]`.
@@ -764,6 +791,20 @@ impl GpuLora {
         let inter = self.modules[TargetModule::Gate.index()].fan_out;
         let (b_gate, b_up) = (self.b_ptr(TargetModule::Gate, layer), self.b_ptr(TargetModule::Up, layer));
         cuda.kernels.silu_mul_lora(&cuda.gpu.stream, out, p.y, p.gate_up_stride, inter, b_gate, b_up, &self.segments(slots), n, self.r_pad)
+    }
+
+    /// RoPE + the bf16 KV write after the fused q|k|v projection of `layer`, its LoRA expand
+    /// included (`rope_kv_write_lora`).
+    ///
+    /// # Safety
+    /// As [`GpuLora::fused_norm`], for q|k|v (`p.qkv_stride`); `bias` (if any) holds the q|k|v
+    /// width in f32; `rope` and `cache` as [`peregrine_kernels::Kernels::rope_kv_write`] reads them
+    /// for a bf16 cache.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn fused_rope(&self, cuda: &Cuda, layer: usize, p: FusedProjection, bias: Option<DPtr>, rope: RopeTables, cache: RopeCache, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
+        let Some(stride) = p.qkv_stride else { return Err(peregrine_kernels::KernelError::Unsupported("q|k|v does not ride in its GEMM this step".into())) };
+        let b = [TargetModule::Q, TargetModule::K, TargetModule::V].map(|m| self.b_ptr(m, layer));
+        cuda.kernels.rope_kv_write_lora(&cuda.gpu.stream, p.y, stride, bias, rope, cache, b, &self.segments(slots), n, self.r_pad)
     }
 
     /// Where `module`'s A rows of `slot` in `layer` start in its group's stack (elements).
@@ -827,7 +868,7 @@ impl GpuLora {
                 self.groups[group].a.write_at(&up.stream, at, &staging[offset..offset + a_len]).map_err(gpu_err)?;
                 offset += a_len;
                 if let Some(f) = &self.fused {
-                    if let Some((i, part)) = fused_place(module).filter(|&(i, _)| i != 1 || f.gate_up) {
+                    if let Some((i, part)) = fused_place(module).filter(|&(i, _)| (i != FUSED_GATE_UP || f.gate_up) && (i != FUSED_QKV || f.qkv)) {
                         // The same A rows, into the weight's LoRA rows (the fused GEMM's shrink).
                         let row = part * max_loras * r_pad + slot * r_pad;
                         let dst = f.rows[layer][i] + (row * f.fan_in[i] * 2) as u64;
@@ -1064,22 +1105,25 @@ mod tests {
     fn fused_rows_give_each_module_and_slot_the_rows_its_consumer_reads() {
         // set_slot writes module m's slot s at row `part · slots · r_pad + s · r_pad` past the
         // weight's own rows; the GEMM puts row j's product at column `fan_out + j`, where
-        // add_rmsnorm_lora reads o's and down's u (hidden + s · r_pad) and silu_mul_lora gate's
-        // (2 · inter + s · r_pad) and up's (num_slots · r_pad further).
+        // add_rmsnorm_lora reads o's and down's u (hidden + s · r_pad), silu_mul_lora gate's
+        // (2 · inter + s · r_pad) and up's (num_slots · r_pad further), rope_kv_write_lora q's, k's
+        // and v's (width + (m · num_slots + s) · r_pad, m = 0, 1, 2).
         let (slots, r_pad) = (4usize, 32usize);
-        for m in [TargetModule::Q, TargetModule::K, TargetModule::V] {
-            assert_eq!(fused_place(m), None, "{m:?} is not fused");
-        }
         let mut taken = std::collections::HashMap::<usize, Vec<bool>>::new();
-        for m in [TargetModule::O, TargetModule::Gate, TargetModule::Up, TargetModule::Down] {
+        for m in TargetModule::ALL {
             let Some((weight, part)) = fused_place(m) else { panic!("{m:?} is fused") };
-            let modules = if weight == 1 { 2 } else { 1 };
+            let modules = match weight {
+                FUSED_QKV => 3,
+                FUSED_GATE_UP => 2,
+                _ => 1,
+            };
             assert!(part < modules, "{m:?}: part {part} past its weight's {modules} modules");
             let rows = taken.entry(weight).or_insert_with(|| vec![false; modules * slots * r_pad]);
             for s in 0..slots {
                 let first = part * slots * r_pad + s * r_pad;
                 let kernel_reads = match m {
-                    TargetModule::Up => slots * r_pad + s * r_pad,
+                    TargetModule::Up | TargetModule::K => slots * r_pad + s * r_pad,
+                    TargetModule::V => 2 * slots * r_pad + s * r_pad,
                     _ => s * r_pad,
                 };
                 assert_eq!(first, kernel_reads, "{m:?} slot {s}");

@@ -35,7 +35,7 @@ pub use weights::{GpuWeights, Linear};
 
 use std::cell::Cell;
 
-use peregrine_kernels::ops::{pack_token_constraints, AttnOutQuant, ConstrainedRow, DPtr, GemvLoraRows, KvRotation, LoraDelta, OuterScale, SAMPLE_PARAMS};
+use peregrine_kernels::ops::{pack_token_constraints, AttnOutQuant, ConstrainedRow, DPtr, GemvLoraRows, KvRotation, LoraDelta, OuterScale, RopeCache, RopeTables, SAMPLE_PARAMS};
 pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
@@ -291,8 +291,9 @@ impl CudaBackend {
         let mut lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_base)).transpose()?;
         if let Some(lora) = &mut lora {
             // Without room for the extended weights LoRA still runs, every group on the side stream.
-            if let Err(e) = lora.attach_fused_norms(&cuda, &mut weights, &config) {
-                tracing::warn!(error = %e, "LoRA's o and down stay on the side stream");
+            let plain_bf16_cache = opts.kv_cache_dtype == KvCacheDtype::Bf16 && kv_rotation == KvRotation::None;
+            if let Err(e) = lora.attach_fused_norms(&cuda, &mut weights, &config, plain_bf16_cache) {
+                tracing::warn!(error = %e, "LoRA stays on the side stream");
             }
         }
         let (cos, sin) = rope::tables(&config, opts.max_model_len);
@@ -524,31 +525,39 @@ impl CudaBackend {
                     (Some((lo, p)), Some(prev)) => lo.fused_norm(cuda, TargetModule::Down, prev, p, sc.residual.ptr(), lw.input_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps)?,
                     _ => norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?,
                 }
-                let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
-                let qkv_scale = Cell::new(None);
-                let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, gemv_of(&lw.qkv, sc.normed.ptr(), h), &|rows| linear_scaled_later(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h, &qkv_scale, rows))?;
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
-                k.rope_kv_write(
-                    s,
-                    sc.qkv.ptr(),
-                    lw.qkv_bias.as_ref().map(|b| b.ptr()),
-                    m(lay.positions()),
-                    self.rope_cos.ptr(),
-                    self.rope_sin.ptr(),
-                    m(lay.slots()),
-                    sc.q.ptr(),
-                    kc,
-                    vc,
-                    n,
-                    hq,
-                    hkv,
-                    d,
-                    bs,
-                    self.kv_dtype,
-                    self.kv_rotation,
-                    qkv_lora,
-                    qkv_scale.get(),
-                )?;
+                let fused_qkv = fused_lora.and_then(|(lo, p)| p.qkv_stride.map(|stride| (lo, p, stride)));
+                if let Some((lo, p, stride)) = fused_qkv {
+                    fused_linear(p, stride, sc.normed.ptr(), &lw.qkv, h)?;
+                    let rope = RopeTables { positions: m(lay.positions()), cos: self.rope_cos.ptr(), sin: self.rope_sin.ptr() };
+                    let cache = RopeCache { cache_slots: m(lay.slots()), q_out: sc.q.ptr(), k_cache: kc, v_cache: vc, hq, hkv, d, block_size: bs };
+                    lo.fused_rope(cuda, l, p, lw.qkv_bias.as_ref().map(|b| b.ptr()), rope, cache, lora_slots, n)?;
+                } else {
+                    let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
+                    let qkv_scale = Cell::new(None);
+                    let qkv_lora = project(l, sc.normed.ptr(), h, sc.qkv.ptr(), qkv_w, &qkv_cols, gemv_of(&lw.qkv, sc.normed.ptr(), h), &|rows| linear_scaled_later(sc.qkv.ptr(), sc.normed.ptr(), &lw.qkv, qkv_w, h, &qkv_scale, rows))?;
+                    k.rope_kv_write(
+                        s,
+                        sc.qkv.ptr(),
+                        lw.qkv_bias.as_ref().map(|b| b.ptr()),
+                        m(lay.positions()),
+                        self.rope_cos.ptr(),
+                        self.rope_sin.ptr(),
+                        m(lay.slots()),
+                        sc.q.ptr(),
+                        kc,
+                        vc,
+                        n,
+                        hq,
+                        hkv,
+                        d,
+                        bs,
+                        self.kv_dtype,
+                        self.kv_rotation,
+                        qkv_lora,
+                        qkv_scale.get(),
+                    )?;
+                }
                 // With 8-bit linears and `fused_attn_quant` the attention kernels quantize their own
                 // output for o_proj, unless it must first be rotated back (below).
                 let attn_quant = match w8 {
@@ -802,10 +811,11 @@ impl Backend for CudaBackend {
                     ))
                 })?;
                 let mut lora = lora;
-                // o and down's weights move to larger buffers: graphs captured so far read the old
-                // ones, so they go. Without room for the extension LoRA still runs, on the side stream.
-                if let Err(e) = lora.attach_fused_norms(&self.cuda, &mut self.weights, &self.config) {
-                    tracing::warn!(error = %e, "LoRA's o and down stay on the side stream");
+                // The fused groups' weights move to larger buffers: graphs captured so far read the
+                // old ones, so they go. Without room for the extension LoRA still runs, on the side stream.
+                let plain_bf16_cache = self.kv_dtype == KvCacheDtype::Bf16 && self.kv_rotation == KvRotation::None;
+                if let Err(e) = lora.attach_fused_norms(&self.cuda, &mut self.weights, &self.config, plain_bf16_cache) {
+                    tracing::warn!(error = %e, "LoRA stays on the side stream");
                 }
                 self.graphs.clear();
                 self.limits.lora_slots = max_loras;

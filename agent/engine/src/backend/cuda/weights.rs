@@ -70,22 +70,22 @@ impl GpuWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed).ptr()
     }
 
-    /// Rebuilds every layer's o, gate|up and down weights with `extra[i]` zero rows after the
+    /// Rebuilds every layer's q|k|v, o, gate|up and down weights with `extra[i]` zero rows after the
     /// model's own `fan_out[i]` (`[fan_out + extra, in]`), for LoRA's shrink to ride in their GEMMs
-    /// (cuda/lora.rs, `FusedNorms`), and returns where each layer's extra rows start, `[o, gate|up,
-    /// down]`. The first `fan_out` rows are the same matrix at the same row stride, so every base GEMM
+    /// (cuda/lora.rs, `FusedNorms`), and returns where each layer's extra rows start, `[q|k|v, o,
+    /// gate|up, down]`. The first `fan_out` rows are the same matrix at the same row stride, so every base GEMM
     /// and GEMV reads them as before. One linear at a time: at most one is held twice; one with no
     /// extra rows is left as it is (its entry 0). None (nothing changed): the linears are 8-bit, or
     /// one is not bf16.
-    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 3], extra: [usize; 3]) -> Result<Option<Vec<[u64; 3]>>> {
-        if self.w8.is_some() || !self.layers.iter().all(|l| l.o.reads_bf16() && l.gate_up.reads_bf16() && l.down.reads_bf16()) {
+    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 4], extra: [usize; 4]) -> Result<Option<Vec<[u64; 4]>>> {
+        if self.w8.is_some() || !self.layers.iter().all(|l| l.qkv.reads_bf16() && l.o.reads_bf16() && l.gate_up.reads_bf16() && l.down.reads_bf16()) {
             return Ok(None);
         }
         let stream = &cuda.gpu.stream;
         let mut rows = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
-            let mut at = [0u64; 3];
-            for (i, linear) in [&mut layer.o, &mut layer.gate_up, &mut layer.down].into_iter().enumerate() {
+            let mut at = [0u64; 4];
+            for (i, linear) in [&mut layer.qkv, &mut layer.o, &mut layer.gate_up, &mut layer.down].into_iter().enumerate() {
                 let Linear::Bf16(old) = linear else { return Ok(None) };
                 if extra[i] == 0 {
                     continue;

@@ -58,8 +58,19 @@ struct ModuleStack {
 /// them all ([`DenseShrink`]). Module m's slice of a layer, `[slots, r_pad, fan_in]`, is what the
 /// grouped kernels read.
 struct GroupStack {
-    a: DevBuf<u16>,
+    a: AStore,
     modules: usize,
+}
+
+/// Where a group's A rows live.
+enum AStore {
+    /// A stack of the group's own, `[layers, modules, slots, r_pad, fan_in]`.
+    Stack(DevBuf<u16>),
+    /// Per layer, the LoRA rows of the group's fused base weight ([`FusedNorms`]): the same
+    /// `[modules, slots, r_pad, fan_in]` block, which the fused GEMM reads and every other path
+    /// (one-token GEMV rows, the side stream's shrink of longer steps) reads too, so that A is held
+    /// once (4 adapters of rank 32 on Llama-3.1-8B: 251 MB less).
+    InWeights(Vec<DPtr>),
 }
 
 pub struct GpuLora {
@@ -235,11 +246,6 @@ impl DenseShrink {
 ///
 /// [`GpuWeights::extend_rows_for_lora`]: super::weights::GpuWeights::extend_rows_for_lora
 struct FusedNorms {
-    /// Per layer, where the q|k|v, o, gate|up and down weights' LoRA rows start (slot s's r_pad
-    /// rows at `s · r_pad`; q|k|v's: q's slots, then k's, then v's; gate|up's: gate's, then up's).
-    rows: Vec<[DPtr; 4]>,
-    /// Their fan-in (their rows' length).
-    fan_in: [usize; 4],
     hidden: usize,
     inter: usize,
     /// q|k|v's output width, `(hq + 2 hkv) · d`.
@@ -296,7 +302,9 @@ const FUSED_QKV: usize = 0;
 const FUSED_GATE_UP: usize = 2;
 
 /// Where a module's A rows go among the fused weights: (q|k|v 0, o 1, gate|up 2, down 3; the first
-/// of its rows past the weight's own, in units of `slots · r_pad` rows).
+/// of its rows past the weight's own, in units of `slots · r_pad` rows). The group's A block of a
+/// layer ([`AStore::InWeights`]) then sits there as it would in the group's stack: the fused weights
+/// follow [`GROUPS`]' order, and each module's part is its place in its group.
 fn fused_place(module: TargetModule) -> Option<(usize, usize)> {
     match module {
         TargetModule::Q => Some((FUSED_QKV, 0)),
@@ -672,7 +680,7 @@ impl GpuLora {
             modules.push(ModuleStack { b: zeros(per * fan_out)?, fan_in, fan_out, group, index });
         }
         // A group's modules share a fan-in (they read the same x).
-        let groups = GROUPS.iter().map(|g| Ok(GroupStack { a: zeros(g.len() * per * g[0].dims(config).0)?, modules: g.len() })).collect::<Result<Vec<_>>>()?;
+        let groups = GROUPS.iter().map(|g| Ok(GroupStack { a: AStore::Stack(zeros(g.len() * per * g[0].dims(config).0)?), modules: g.len() })).collect::<Result<Vec<_>>>()?;
         let dense = DenseShrink::new(cuda, cap, max_tokens, overlap.as_ref(), base)?;
         Ok(GpuLora {
             capacity: cap,
@@ -726,11 +734,19 @@ impl GpuLora {
         let qkv_extra = if qkv { 3 * extra } else { 0 };
         let qkv_width = config.q_dim() + 2 * config.kv_dim();
         let Some(rows) = weights.extend_rows_for_lora(cuda, [qkv_width, hidden, 2 * inter, hidden], [qkv_extra, extra, gate_up_extra, extra])? else { return Ok(()) };
-        let fan_in = [hidden, TargetModule::O.dims(config).0, hidden, TargetModule::Down.dims(config).0];
         let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra, gate_up, qkv)).map_err(gpu_err)?;
         let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
         tracing::info!(extra_rows = extra, qkv, gate_up, "LoRA: o, down (and q|k|v, gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
-        self.fused = Some(FusedNorms { rows, fan_in, hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
+        // The fused groups' A rows now live in their weights: their stacks go (the rows are zeros in
+        // both, as no slot has been written). GROUPS and the fused weights share their order.
+        let extended = [qkv_extra, extra, gate_up_extra, extra];
+        for (group, modules) in self.groups.iter_mut().zip(GROUPS) {
+            let Some((i, _)) = modules.first().and_then(|&m| fused_place(m)) else { continue };
+            if extended[i] > 0 {
+                group.a = AStore::InWeights(rows.iter().map(|r| r[i]).collect());
+            }
+        }
+        self.fused = Some(FusedNorms { hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
         Ok(())
     }
 
@@ -741,17 +757,15 @@ impl GpuLora {
         (config.hidden_size + extra).max(gate_up_row).max(qkv_row)
     }
 
-    /// Device bytes [`GpuLora::attach_fused_norms`] adds for `config` at `cap`.
+    /// Device bytes [`GpuLora::attach_fused_norms`] adds for `config` at `cap` once attached: the
+    /// output buffer. The fused groups' A rows move from their stacks into the weights (held once);
+    /// while it attaches, both are held.
     pub fn fused_norms_bytes(config: &ModelConfig, cap: LoraCapacity, max_tokens: usize) -> usize {
         if fused_norms_disabled() || overlap_disabled() {
             return 0;
         }
         let extra = cap.max_loras * lora_rank_pad(cap.max_rank);
-        let gate_up_rows = if fused_gate_up() { 2 * config.hidden_size } else { 0 };
-        // Counted whether or not the cache lets q|k|v ride (an upper bound).
-        let qkv_rows = if fused_qkv() { 3 * config.hidden_size } else { 0 };
-        let rows = qkv_rows + TargetModule::O.dims(config).0 + gate_up_rows + TargetModule::Down.dims(config).0;
-        (config.num_hidden_layers * extra * rows + delta_rows(max_tokens, true) * Self::fused_row(config, extra, fused_gate_up(), fused_qkv())) * 2
+        delta_rows(max_tokens, true) * Self::fused_row(config, extra, fused_gate_up(), fused_qkv()) * 2
     }
 
     /// Where an `n`-token step's fused projections write (their weights' full rows), or None where
@@ -807,16 +821,21 @@ impl GpuLora {
         cuda.kernels.rope_kv_write_lora(&cuda.gpu.stream, p.y, stride, bias, rope, cache, b, &self.segments(slots), n, self.r_pad)
     }
 
-    /// Where `module`'s A rows of `slot` in `layer` start in its group's stack (elements).
-    fn a_offset(&self, module: TargetModule, layer: usize, slot: usize) -> usize {
+    /// Where `module`'s A rows of `slot` in `layer` start.
+    fn a_at(&self, module: TargetModule, layer: usize, slot: usize) -> DPtr {
         let stack = &self.modules[module.index()];
-        let shape = GroupShape { modules: self.groups[stack.group].modules, slots: self.capacity.max_loras, r_pad: self.r_pad, fan_in: stack.fan_in };
-        shape.a_offset(stack.index, layer, slot)
+        let group = &self.groups[stack.group];
+        let shape = GroupShape { modules: group.modules, slots: self.capacity.max_loras, r_pad: self.r_pad, fan_in: stack.fan_in };
+        match &group.a {
+            AStore::Stack(a) => a.ptr_at(shape.a_offset(stack.index, layer, slot)),
+            // A layer's block in the weight is the stack's layer 0 block.
+            AStore::InWeights(rows) => rows.get(layer).map_or(0, |&at| at + 2 * shape.a_offset(stack.index, 0, slot) as u64),
+        }
     }
 
     /// `module`'s A stack of `layer`, `[slots, r_pad, fan_in]`, as the grouped kernels read it.
     fn a_ptr(&self, module: TargetModule, layer: usize) -> DPtr {
-        self.groups[self.modules[module.index()].group].a.ptr_at(self.a_offset(module, layer, 0))
+        self.a_at(module, layer, 0)
     }
 
     /// Writes `adapter` into `slot` (every layer and module; untargeted modules become zeros)
@@ -865,19 +884,20 @@ impl GpuLora {
             let (a_len, b_len) = (r_pad * fan_in, fan_out * r_pad);
             for layer in 0..self.layers {
                 let at = shape.a_offset(index, layer, slot);
-                self.groups[group].a.write_at(&up.stream, at, &staging[offset..offset + a_len]).map_err(gpu_err)?;
-                offset += a_len;
-                if let Some(f) = &self.fused {
-                    if let Some((i, part)) = fused_place(module).filter(|&(i, _)| (i != FUSED_GATE_UP || f.gate_up) && (i != FUSED_QKV || f.qkv)) {
-                        // The same A rows, into the weight's LoRA rows (the fused GEMM's shrink).
-                        let row = part * max_loras * r_pad + slot * r_pad;
-                        let dst = f.rows[layer][i] + (row * f.fan_in[i] * 2) as u64;
-                        // SAFETY: the weight holds (its modules) · max_loras · r_pad rows of fan_in past `rows`
-                        // (extend_rows_for_lora); `staging` is pinned and not rewritten before the
-                        // copy completes (`copied`).
-                        unsafe { peregrine_kernels::cudarc::driver::result::memcpy_htod_async(dst, &staging[offset - a_len..offset], up.stream.cu_stream()) }.map_err(driver)?;
+                let a_rows = &staging[offset..offset + a_len];
+                match &mut self.groups[group].a {
+                    AStore::Stack(a) => a.write_at(&up.stream, at, a_rows).map_err(gpu_err)?,
+                    AStore::InWeights(rows) => {
+                        let Some(&layer_rows) = rows.get(layer) else { return Err(EngineError::Backend("LoRA rows of a fused weight missing".into())) };
+                        let dst = layer_rows + 2 * shape.a_offset(index, 0, slot) as u64;
+                        // SAFETY: the weight holds the group's modules · max_loras · r_pad rows of
+                        // fan_in past `layer_rows` (extend_rows_for_lora), laid out as the stack's
+                        // layer block; `staging` is pinned and not rewritten before the copy
+                        // completes (`copied`).
+                        unsafe { peregrine_kernels::cudarc::driver::result::memcpy_htod_async(dst, a_rows, up.stream.cu_stream()) }.map_err(driver)?;
                     }
                 }
+                offset += a_len;
                 let b_at = (layer * max_loras + slot) * b_len;
                 self.modules[module.index()].b.write_at(&up.stream, b_at, &staging[offset..offset + b_len]).map_err(gpu_err)?;
                 offset += b_len;
@@ -1016,7 +1036,7 @@ impl GpuLora {
                     // One GEMM of x against every slot's A of the group, then each token's own slot.
                     Some((dense, group)) => {
                         let cols = group.modules * self.capacity.max_loras * self.r_pad;
-                        let a = group.a.ptr_at(self.a_offset(p.outs[0].0, layer, 0));
+                        let a = self.a_at(p.outs[0].0, layer, 0);
                         dense.blas.matmul(dense.u.ptr(), OutType::F32, p.x, a, n, cols, fan_in, 0.0)?;
                         k.lora_pick_t(stream, dense.u.ptr(), modules.len(), self.r_pad, &segs, &work, n)?;
                     }
@@ -1112,6 +1132,8 @@ mod tests {
         let mut taken = std::collections::HashMap::<usize, Vec<bool>>::new();
         for m in TargetModule::ALL {
             let Some((weight, part)) = fused_place(m) else { panic!("{m:?} is fused") };
+            // set_slot writes A where the group's stack would hold its layer block (AStore::InWeights).
+            assert_eq!((weight, part), group_of(m), "{m:?}: its fused rows are its group's stack block");
             let modules = match weight {
                 FUSED_QKV => 3,
                 FUSED_GATE_UP => 2,
@@ -1127,6 +1149,8 @@ mod tests {
                     _ => s * r_pad,
                 };
                 assert_eq!(first, kernel_reads, "{m:?} slot {s}");
+                let shape = GroupShape { modules, slots, r_pad, fan_in: 8 };
+                assert_eq!(shape.a_offset(part, 0, s), first * 8, "{m:?} slot {s}: set_slot's offset in the weight's rows");
                 for r in &mut rows[first..first + r_pad] {
                     assert!(!*r, "{m:?} slot {s} overlaps another module's rows");
                     *r = true;

@@ -747,6 +747,9 @@ impl GpuLora {
             }
         }
         self.fused = Some(FusedNorms { hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
+        // The dropped stacks' memory goes back before anything else is cut from it (see
+        // GpuWeights::extend_rows_for_lora).
+        cuda.gpu.synchronize().map_err(gpu_err)?;
         Ok(())
     }
 

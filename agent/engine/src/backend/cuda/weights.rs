@@ -97,8 +97,13 @@ impl GpuWeights {
                 let mut wide = cuda.gpu.alloc_zeros::<u16>(old.len() + extra[i] * fan_in).map_err(gpu_err)?;
                 stream.memcpy_dtod(old.slice(), &mut wide.slice_mut().slice_mut(0..old.len())).map_err(|e| gpu_err(e.into()))?;
                 at[i] = wide.ptr_at(old.len());
-                // The old buffer is freed in stream order, after the copy.
+                // The old buffer is freed in stream order, after the copy ...
                 *linear = Linear::Bf16(wide);
+                // ... and the stream-ordered pool gives its memory back at the next synchronize
+                // (release threshold 0). Without this the next, differently sized allocation is cut
+                // from the freed block and strands the rest of it: 1.5 GiB less KV cache on
+                // Llama-3.1-8B (docs/benchmarks.md, session 31).
+                cuda.gpu.synchronize().map_err(gpu_err)?;
             }
             rows.push(at);
         }

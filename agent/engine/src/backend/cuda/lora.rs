@@ -226,12 +226,13 @@ impl DenseShrink {
     }
 }
 
-/// The o, gate|up and down groups' LoRA without a side stream (docs/lora-fusion-plan.md): each
-/// layer's bf16 o, gate|up and down weights carry every slot's A rows after their own (`[fan_out +
-/// modules · slots · r_pad, fan_in]`, [`GpuWeights::extend_rows_for_lora`]), so the base GEMM writes
-/// `x · Wᵀ` and every slot's `u = x · Aᵀ` side by side into `wide`, and the kernel that consumes the
-/// output adds each token's `scale · u · Bᵀ`: the residual add + RMSNorm after o and down
-/// (`add_rmsnorm_lora`), SwiGLU after gate|up (`silu_mul_lora`). Those groups then neither fork nor
+/// The q|k|v, o, gate|up and down groups' LoRA without a side stream (docs/lora-fusion-plan.md):
+/// each layer's bf16 weights carry every slot's A rows after their own (`[fan_out + modules · slots
+/// · r_pad, fan_in]`, [`GpuWeights::extend_rows_for_lora`]), so the base GEMM writes `x · Wᵀ` and
+/// every slot's `u = x · Aᵀ` side by side into `wide`, and the kernel that consumes the output adds
+/// each token's `scale · u · Bᵀ`: RoPE + the KV write after q|k|v (`rope_kv_write_lora`, a bf16
+/// cache without rotation only), the residual add + RMSNorm after o and down (`add_rmsnorm_lora`),
+/// SwiGLU after gate|up (`silu_mul_lora`). Those groups then neither fork nor
 /// join: the graph's fork/joins, not the LoRA kernels, were what LoRA decode steps lost
 /// (docs/benchmarks.md, sessions 28-30). Decode-sized steps of 2 to the update buffer's tokens over
 /// bf16 weights on sm_90+, except the last layer's down (the final norm keeps only logit rows).
@@ -242,7 +243,8 @@ impl DenseShrink {
 /// stream's 0.868–0.890 / 0.873–0.892. gate|up fused as well gave 0.885 / 0.890–0.896: its expand
 /// reads 3.5 times o's B, which beside the base GEMM was hidden and in SwiGLU is not (`silu_mul_lora`
 /// 9.5 / 21.8 µs against `silu_mul`'s 4.6 / 8.1 at batch 64 / 256). So gate|up keeps the side stream
-/// unless `PEREGRINE_LORA_FUSED_GATE_UP=1`.
+/// unless `PEREGRINE_LORA_FUSED_GATE_UP=1`. q|k|v fused too (session 31) gave 0.928–0.939 /
+/// 0.897–0.900 against 0.917 / 0.887–0.894 with it on the side stream (`PEREGRINE_LORA_FUSED_QKV=0`).
 ///
 /// [`GpuWeights::extend_rows_for_lora`]: super::weights::GpuWeights::extend_rows_for_lora
 struct FusedNorms {
@@ -722,24 +724,19 @@ impl GpuLora {
     /// written: the weights' new rows start as zeros.
     pub fn attach_fused_norms(&mut self, cuda: &Cuda, weights: &mut GpuWeights, config: &ModelConfig, plain_bf16_cache: bool) -> Result<()> {
         let (hidden, inter) = (config.hidden_size, config.intermediate_size);
-        let k = &cuda.kernels;
-        let gate_up = fused_gate_up();
-        let qkv = fused_qkv() && plain_bf16_cache && k.rope_kv_write_lora_fits(config.head_dim);
-        let usable = self.overlap.is_some() && self.delta_tokens >= 2 && k.add_rmsnorm_lora_fits(hidden) && (!gate_up || k.silu_mul_lora_fits(inter)) && self.ranks_host.iter().all(|&r| r == 0);
-        if fused_norms_disabled() || !usable || self.fused.is_some() {
-            return Ok(());
-        }
-        let extra = self.capacity.max_loras * self.r_pad;
-        let gate_up_extra = if gate_up { 2 * extra } else { 0 };
-        let qkv_extra = if qkv { 3 * extra } else { 0 };
+        let usable = self.overlap.is_some() && weights.w8.is_none() && self.ranks_host.iter().all(|&r| r == 0);
+        let plan = usable.then(|| Self::fused_plan(cuda, config, self.capacity, self.delta_tokens, plain_bf16_cache)).flatten();
+        let Some(extended) = plan.filter(|_| self.fused.is_none()) else { return Ok(()) };
+        let [qkv_extra, extra, gate_up_extra, _] = extended;
+        let (qkv, gate_up) = (qkv_extra > 0, gate_up_extra > 0);
         let qkv_width = config.q_dim() + 2 * config.kv_dim();
-        let Some(rows) = weights.extend_rows_for_lora(cuda, [qkv_width, hidden, 2 * inter, hidden], [qkv_extra, extra, gate_up_extra, extra])? else { return Ok(()) };
+        let fan_in = [hidden, config.q_dim(), hidden, inter];
+        let Some(rows) = weights.extend_rows_for_lora(cuda, [qkv_width, hidden, 2 * inter, hidden], fan_in, extended)? else { return Ok(()) };
         let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra, gate_up, qkv)).map_err(gpu_err)?;
         let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
         tracing::info!(extra_rows = extra, qkv, gate_up, "LoRA: o, down (and q|k|v, gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
         // The fused groups' A rows now live in their weights: their stacks go (the rows are zeros in
         // both, as no slot has been written). GROUPS and the fused weights share their order.
-        let extended = [qkv_extra, extra, gate_up_extra, extra];
         for (group, modules) in self.groups.iter_mut().zip(GROUPS) {
             let Some((i, _)) = modules.first().and_then(|&m| fused_place(m)) else { continue };
             if extended[i] > 0 {
@@ -747,10 +744,37 @@ impl GpuLora {
             }
         }
         self.fused = Some(FusedNorms { hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
-        // The dropped stacks' memory goes back before anything else is cut from it (see
-        // GpuWeights::extend_rows_for_lora).
+        // The stacks' blocks go back to the pool's free list in stream order: wait for that here,
+        // before the start-up allocations that follow and the KV cache's sizing.
         cuda.gpu.synchronize().map_err(gpu_err)?;
         Ok(())
+    }
+
+    /// The LoRA rows each bf16 weight gets for [`FusedNorms`], `[q|k|v, o, gate|up, down]` (0: that
+    /// group keeps the side stream), for steps of up to `max_tokens` tokens at `cap`; None where
+    /// nothing rides (switched off, 8-bit linears, no side stream, a GPU or shape the fused kernels
+    /// do not take). [`GpuWeights::upload`] leaves them at load, so that enabling LoRA rebuilds no
+    /// weight (a rebuild's freed blocks strand memory in the allocator's pool).
+    ///
+    /// [`GpuWeights::upload`]: super::weights::GpuWeights::upload
+    pub fn fused_lora_rows(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize, eight_bit: bool, plain_bf16_cache: bool) -> Option<[usize; 4]> {
+        if eight_bit || overlap_disabled() || cap.max_loras == 0 || cap.max_rank == 0 || cap.max_rank > LORA_MAX_RANK {
+            return None;
+        }
+        Self::fused_plan(cuda, config, cap, delta_rows(max_tokens, true), plain_bf16_cache)
+    }
+
+    /// [`GpuLora::fused_lora_rows`] for an update buffer of `delta_tokens` rows (the fused steps' largest).
+    fn fused_plan(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, delta_tokens: usize, plain_bf16_cache: bool) -> Option<[usize; 4]> {
+        let k = &cuda.kernels;
+        let gate_up = fused_gate_up();
+        let usable = !fused_norms_disabled() && delta_tokens >= 2 && k.add_rmsnorm_lora_fits(config.hidden_size) && (!gate_up || k.silu_mul_lora_fits(config.intermediate_size));
+        if !usable {
+            return None;
+        }
+        let qkv = fused_qkv() && plain_bf16_cache && k.rope_kv_write_lora_fits(config.head_dim);
+        let extra = cap.max_loras * lora_rank_pad(cap.max_rank);
+        Some([if qkv { 3 * extra } else { 0 }, extra, if gate_up { 2 * extra } else { 0 }, extra])
     }
 
     /// The widest fused GEMM row: o's and down's, or gate|up's or q|k|v's where they ride too.

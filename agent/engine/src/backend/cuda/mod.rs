@@ -273,10 +273,14 @@ impl CudaBackend {
             )));
         }
         let (_, total) = cuda.gpu.mem_info().map_err(gpu_err)?;
+        // LoRA's fused groups (cuda/lora.rs, FusedNorms): their weights are loaded with every slot's
+        // A rows after their own, rather than rebuilt when LoRA attaches.
+        let plain_bf16_cache = opts.kv_cache_dtype == KvCacheDtype::Bf16 && kv_rotation == KvRotation::None;
+        let lora_rows = opts.lora.and_then(|cap| GpuLora::fused_lora_rows(&cuda, c, cap, opts.max_num_batched_tokens, w8.is_some(), plain_bf16_cache)).unwrap_or([0; 4]);
         let (config, mut weights) = match init {
-            WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w, w8)?),
+            WeightInit::Host(w) => (w.config.clone(), GpuWeights::upload(&cuda, w, w8, lora_rows)?),
             WeightInit::Random { config, seed } => {
-                let w = GpuWeights::random(&cuda, &config, seed, w8)?;
+                let w = GpuWeights::random(&cuda, &config, seed, w8, lora_rows)?;
                 (config, w)
             }
         };
@@ -291,7 +295,6 @@ impl CudaBackend {
         let mut lora = opts.lora.map(|cap| GpuLora::new(&cuda, &config, cap, opts.max_num_batched_tokens, lora_base)).transpose()?;
         if let Some(lora) = &mut lora {
             // Without room for the extended weights LoRA still runs, every group on the side stream.
-            let plain_bf16_cache = opts.kv_cache_dtype == KvCacheDtype::Bf16 && kv_rotation == KvRotation::None;
             if let Err(e) = lora.attach_fused_norms(&cuda, &mut weights, &config, plain_bf16_cache) {
                 tracing::warn!(error = %e, "LoRA stays on the side stream");
             }

@@ -77,7 +77,9 @@ impl GpuWeights {
     /// and GEMV reads them as before. One linear at a time: at most one is held twice; one with no
     /// extra rows is left as it is (its entry 0). None (nothing changed): the linears are 8-bit, or
     /// one is not bf16.
-    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 4], extra: [usize; 4]) -> Result<Option<Vec<[u64; 4]>>> {
+    /// A weight loaded with exactly those rows already after its own (`upload`'s and `random`'s
+    /// `lora_rows`) is kept as it is: no rebuild, so nothing is freed and reallocated.
+    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 4], fan_in: [usize; 4], extra: [usize; 4]) -> Result<Option<Vec<[u64; 4]>>> {
         if self.w8.is_some() || !self.layers.iter().all(|l| l.qkv.reads_bf16() && l.o.reads_bf16() && l.gate_up.reads_bf16() && l.down.reads_bf16()) {
             return Ok(None);
         }
@@ -90,20 +92,22 @@ impl GpuWeights {
                 if extra[i] == 0 {
                     continue;
                 }
-                let fan_in = old.len() / fan_out[i].max(1);
+                let fan_in = fan_in[i];
+                if old.len() == (fan_out[i] + extra[i]) * fan_in {
+                    // Loaded with its LoRA rows (zeros).
+                    at[i] = old.ptr_at(fan_out[i] * fan_in);
+                    continue;
+                }
                 if fan_in * fan_out[i] != old.len() {
                     return Err(EngineError::Backend("a projection's weight is not [fan-out, fan-in]".into()));
                 }
                 let mut wide = cuda.gpu.alloc_zeros::<u16>(old.len() + extra[i] * fan_in).map_err(gpu_err)?;
                 stream.memcpy_dtod(old.slice(), &mut wide.slice_mut().slice_mut(0..old.len())).map_err(|e| gpu_err(e.into()))?;
                 at[i] = wide.ptr_at(old.len());
-                // The old buffer is freed in stream order, after the copy ...
+                // The old buffer is freed in stream order, after the copy. Its block stays in the
+                // allocator's pool, and later allocations cut from it strand the rest (1.2 GiB on
+                // Llama-3.1-8B, docs/benchmarks.md session 31): hence `lora_rows` at load.
                 *linear = Linear::Bf16(wide);
-                // ... and the stream-ordered pool gives its memory back at the next synchronize
-                // (release threshold 0). Without this the next, differently sized allocation is cut
-                // from the freed block and strands the rest of it: 1.5 GiB less KV cache on
-                // Llama-3.1-8B (docs/benchmarks.md, session 31).
-                cuda.gpu.synchronize().map_err(gpu_err)?;
             }
             rows.push(at);
         }
@@ -138,18 +142,25 @@ impl GpuWeights {
     /// Uploads host weights: bf16 (dequantized to f32, then rounded on the host, nearest even), or
     /// with `w8` the decoder linears as 8-bit codes + row scales (quantized on the host by
     /// `RowQuantMatrix::quantize` where they are not 8-bit already).
-    pub fn upload(cuda: &Cuda, w: &ModelWeights, w8: Option<RowFormat>) -> Result<Self> {
+    /// `lora_rows`: zero rows to leave after the bf16 q|k|v, o, gate|up and down weights for LoRA's
+    /// fused shrink ([`GpuWeights::extend_rows_for_lora`] then finds them there instead of
+    /// rebuilding each weight).
+    pub fn upload(cuda: &Cuda, w: &ModelWeights, w8: Option<RowFormat>, lora_rows: [usize; 4]) -> Result<Self> {
         w.validate().map_err(EngineError::Unsupported)?;
-        let mats = |parts: &[&Matrix]| -> Result<DevBuf<u16>> {
+        // `extra` zero rows of the parts' width after them.
+        let mats_with = |parts: &[&Matrix], extra: usize| -> Result<DevBuf<u16>> {
             let total: usize = parts.iter().map(|m| m.rows * m.cols).sum();
-            let mut bits = Vec::with_capacity(total);
+            let width = parts.first().map_or(0, |m| m.cols);
+            let mut bits = Vec::with_capacity(total + extra * width);
             for m in parts {
                 bits.extend(m.to_f32().into_iter().map(|v| bf16::from_f32(v).to_bits()));
             }
+            bits.resize(total + extra * width, 0);
             cuda.gpu.upload(&bits).map_err(gpu_err)
         };
-        let linear = |what: &str, parts: &[&Matrix]| -> Result<Linear> {
-            let Some(format) = w8 else { return Ok(Linear::Bf16(mats(parts)?)) };
+        let mats = |parts: &[&Matrix]| mats_with(parts, 0);
+        let linear = |what: &str, parts: &[&Matrix], lora_rows: usize| -> Result<Linear> {
+            let Some(format) = w8 else { return Ok(Linear::Bf16(mats_with(parts, lora_rows)?)) };
             let mut quantized = Vec::with_capacity(parts.len());
             for m in parts {
                 quantized.push(match &m.data {
@@ -179,12 +190,12 @@ impl GpuWeights {
             };
             layers.push(LayerWeights {
                 input_norm: vec32(&l.input_layernorm)?,
-                qkv: linear(&format!("layers.{i}.qkv_proj"), &[&l.q_proj, &l.k_proj, &l.v_proj])?,
+                qkv: linear(&format!("layers.{i}.qkv_proj"), &[&l.q_proj, &l.k_proj, &l.v_proj], lora_rows[0])?,
                 qkv_bias,
-                o: linear(&format!("layers.{i}.o_proj"), &[&l.o_proj])?,
+                o: linear(&format!("layers.{i}.o_proj"), &[&l.o_proj], lora_rows[1])?,
                 post_norm: vec32(&l.post_attention_layernorm)?,
-                gate_up: linear(&format!("layers.{i}.gate_up_proj"), &[&l.gate_proj, &l.up_proj])?,
-                down: linear(&format!("layers.{i}.down_proj"), &[&l.down_proj])?,
+                gate_up: linear(&format!("layers.{i}.gate_up_proj"), &[&l.gate_proj, &l.up_proj], lora_rows[2])?,
+                down: linear(&format!("layers.{i}.down_proj"), &[&l.down_proj], lora_rows[3])?,
             });
         }
         Ok(GpuWeights {
@@ -200,15 +211,16 @@ impl GpuWeights {
     /// matrices uniform with std 1/sqrt(fan_in), embeddings uniform in ±1, norms 1, biases 0. With
     /// `w8`, each decoder linear is made in bf16 and quantized row by row on the device (the same
     /// kernel as the activations'), so its codes and scales look like a real model's.
-    pub fn random(cuda: &Cuda, config: &ModelConfig, seed: u64, w8: Option<RowFormat>) -> Result<Self> {
+    /// `lora_rows` as in [`GpuWeights::upload`].
+    pub fn random(cuda: &Cuda, config: &ModelConfig, seed: u64, w8: Option<RowFormat>, lora_rows: [usize; 4]) -> Result<Self> {
         let h = config.hidden_size;
         let (q, kv, inter) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
         let mut fill = RandomFill { cuda, seed };
         // One bf16 staging matrix as large as the largest linear, reused for every 8-bit one.
         let staging_len = if w8.is_some() { [(q + 2 * kv) * h, h * q, 2 * inter * h, h * inter].into_iter().max().unwrap_or(1) } else { 1 };
         let staging = cuda.gpu.alloc_zeros::<u16>(staging_len).map_err(gpu_err)?;
-        let linear = |fill: &mut RandomFill<'_>, rows: usize, cols: usize| -> Result<Linear> {
-            let Some(format) = w8 else { return Ok(Linear::Bf16(fill.new_bf16(rows * cols, cols)?)) };
+        let linear = |fill: &mut RandomFill<'_>, rows: usize, cols: usize, lora_rows: usize| -> Result<Linear> {
+            let Some(format) = w8 else { return Ok(Linear::Bf16(fill.new_bf16_with_zero_rows(rows * cols, cols, lora_rows * cols)?)) };
             // SAFETY: staging holds at least rows*cols bf16 values (the largest linear).
             unsafe { fill.bf16(staging.ptr(), rows * cols, cols) }?;
             let codes = cuda.gpu.alloc_zeros::<u8>(rows * cols).map_err(gpu_err)?;
@@ -222,12 +234,12 @@ impl GpuWeights {
         for _ in 0..config.num_hidden_layers {
             layers.push(LayerWeights {
                 input_norm: ones(h)?,
-                qkv: linear(&mut fill, q + 2 * kv, h)?,
+                qkv: linear(&mut fill, q + 2 * kv, h, lora_rows[0])?,
                 qkv_bias: if config.attention_bias { Some(cuda.gpu.alloc_zeros::<f32>(q + 2 * kv).map_err(gpu_err)?) } else { None },
-                o: linear(&mut fill, h, q)?,
+                o: linear(&mut fill, h, q, lora_rows[1])?,
                 post_norm: ones(h)?,
-                gate_up: linear(&mut fill, 2 * inter, h)?,
-                down: linear(&mut fill, h, inter)?,
+                gate_up: linear(&mut fill, 2 * inter, h, lora_rows[2])?,
+                down: linear(&mut fill, h, inter, lora_rows[3])?,
             });
         }
         let embed = fill.new_bf16(config.vocab_size * h, 3)?; // scale sqrt(3/3) = 1: uniform in ±1
@@ -254,8 +266,13 @@ impl RandomFill<'_> {
     }
 
     fn new_bf16(&mut self, len: usize, fan_in: usize) -> Result<DevBuf<u16>> {
-        let buf = self.cuda.gpu.alloc_zeros::<u16>(len).map_err(gpu_err)?;
-        // SAFETY: buf holds len bf16 values.
+        self.new_bf16_with_zero_rows(len, fan_in, 0)
+    }
+
+    /// `len` random values followed by `zeros` zeros.
+    fn new_bf16_with_zero_rows(&mut self, len: usize, fan_in: usize, zeros: usize) -> Result<DevBuf<u16>> {
+        let buf = self.cuda.gpu.alloc_zeros::<u16>(len + zeros).map_err(gpu_err)?;
+        // SAFETY: buf holds len (+ zeros) bf16 values.
         unsafe { self.bf16(buf.ptr(), len, fan_in) }?;
         Ok(buf)
     }

@@ -299,7 +299,7 @@ fn fused_qkv() -> bool {
     !std::env::var("PEREGRINE_LORA_FUSED_QKV").is_ok_and(|v| v == "0")
 }
 
-/// The fused weights, in [`FusedNorms::rows`]' order.
+/// The fused weights, in [`GROUPS`]' order (and `GpuWeights::extend_rows_for_lora`'s).
 const FUSED_QKV: usize = 0;
 const FUSED_GATE_UP: usize = 2;
 

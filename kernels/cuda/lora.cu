@@ -1186,91 +1186,169 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
 // slots·r_pad further), and this SwiGLU adds each token's updates before the product:
 //   out[i, c] = silu(gate + bf16(scale_s · u_gate · B_gate,sᵀ)) · (up + bf16(scale_s · u_up · B_up,sᵀ))
 // (tokens without a slot: silu_mul's plain product, the same expression and bits). Elementwise, so
-// no cluster: grid (inter / SWIGLU_LORA_COLS, lora_tiles + ceil(n / 16)), 4 warps of
+// no cluster: grid (inter / SWIGLU_LORA_COLS, ceil(lora_tiles / tpb) + ceil(n / 16)), 4 warps of
 // SWIGLU_LORA_NT column tiles of 8, gate's and up's at the same columns in one thread's registers.
+//
+// B is what makes this kernel cost: two modules of inter columns, where o's and down's expands read
+// one of hidden. So a block holds its columns' slice of B in registers and takes `tpb` consecutive
+// work tiles (the host picks tpb from the tokens per slot): a slot's tiles are consecutive in the
+// table, so B is read once per slot and block rather than once per tile, and is loaded before
+// pdl_wait() (a weight, not the GEMM's output) while the GEMM ends. Tiles without a slot (after the
+// LoRA tiles) stay one per block. MAXK: k steps of 16 ranks the registers hold (r_pad <= 16 · MAXK).
 #define SWIGLU_LORA_NT 4
 #define SWIGLU_LORA_COLS (4 * 8 * SWIGLU_LORA_NT)
+#define SWIGLU_LORA_MAX_TPB 8  // tpb · LORA_TILE <= the block's 128 threads
 
-extern "C" __global__ void __launch_bounds__(128) silu_mul_lora(
+template <int MAXK>
+__device__ __forceinline__ void silu_mul_lora_load_b(u32 (&bg)[MAXK][SWIGLU_LORA_NT][2], u32 (&bu)[MAXK][SWIGLU_LORA_NT][2],
+                                                     const bf16_t* __restrict__ b_gate, const bf16_t* __restrict__ b_up,
+                                                     int slot, int ksteps, int inter, int r_pad, int c_warp, int g, int q) {
+    const u64 b_off = (u64)max(slot, 0) * inter * r_pad + 2 * q;
+#pragma unroll
+    for (int k = 0; k < MAXK; ++k) {
+#pragma unroll
+        for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
+            const bool on = k < ksteps;
+            const u64 row = b_off + (u64)(c_warp + 8 * nt + g) * r_pad + 16 * k;
+            bg[k][nt][0] = on ? lora_ld2(b_gate + row) : 0u;
+            bg[k][nt][1] = on ? lora_ld2(b_gate + row + 8) : 0u;
+            bu[k][nt][0] = on ? lora_ld2(b_up + row) : 0u;
+            bu[k][nt][1] = on ? lora_ld2(b_up + row + 8) : 0u;
+        }
+    }
+}
+
+template <int MAXK>
+__device__ __forceinline__ void silu_mul_lora_impl(
     bf16_t* __restrict__ out, const bf16_t* __restrict__ y, int y_stride, int inter, const bf16_t* __restrict__ b_gate,
     const bf16_t* __restrict__ b_up, const int* __restrict__ slots, const int* __restrict__ order,
     const int* __restrict__ seg, const int* __restrict__ tiles, const int* __restrict__ ranks,
-    const float* __restrict__ scales, int n, int lora_tiles, int r_pad, int num_slots) {
-    __shared__ int tok[LORA_TILE];
+    const float* __restrict__ scales, int n, int lora_tiles, int r_pad, int num_slots, int tpb) {
+    __shared__ int tok[SWIGLU_LORA_MAX_TPB][LORA_TILE];
+    __shared__ int tile_slot[SWIGLU_LORA_MAX_TPB];
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    int slot = -1;
-    if (!fused_lora_tile(tok, slot, slots, order, seg, tiles, n, lora_tiles)) return;
-    const int t0 = tok[g], t1 = tok[g + 8];
-    const int rank = slot >= 0 ? ranks[slot] : 0;
-    const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
-    const float scale = slot >= 0 ? scales[slot] : 0.f;
+    // This block's tiles (the tables were written by lora_group at the step's start, so they are
+    // read before pdl_wait(), as in fused_lora_tile).
+    const int lora_blocks = (lora_tiles + tpb - 1) / tpb, ty = blockIdx.y;
+    int count;
+    if (ty < lora_blocks) {
+        const int first = ty * tpb;
+        count = min(tpb, tiles[0] - first);
+        if (count <= 0) return;
+        const int e = threadIdx.x / LORA_TILE, r = threadIdx.x % LORA_TILE;
+        if (e < count) {
+            const int entry = first + e, slot = tiles[1 + 2 * entry], from = tiles[2 + 2 * entry];
+            const int rows = min(seg[slot + 1] - seg[slot] - from, LORA_TILE);
+            tok[e][r] = r < rows ? order[seg[slot] + from + r] : -1;
+            if (r == 0) tile_slot[e] = slot;
+        }
+        __syncthreads();
+    } else {
+        const int i = (ty - lora_blocks) * LORA_TILE + (int)threadIdx.x;
+        const bool mine = threadIdx.x < LORA_TILE && i < n && slots[i] < 0;
+        if (threadIdx.x < LORA_TILE) tok[0][threadIdx.x] = mine ? i : -1;
+        if (threadIdx.x == 0) tile_slot[0] = -1;
+        count = 1;
+        if (!__syncthreads_or(mine)) return;
+    }
     const int c_warp = blockIdx.x * SWIGLU_LORA_COLS + warp * 8 * SWIGLU_LORA_NT;
+    int slot = tile_slot[0];
+    int ksteps = slot >= 0 ? min((ranks[slot] + 15) >> 4, MAXK) : 0;
+    float scale = slot >= 0 ? scales[slot] : 0.f;
+    u32 bg[MAXK][SWIGLU_LORA_NT][2], bu[MAXK][SWIGLU_LORA_NT][2];
+    silu_mul_lora_load_b<MAXK>(bg, bu, b_gate, b_up, slot, ksteps, inter, r_pad, c_warp, g, q);
     pdl_wait();
-    // Gate and up of rows g and g + 8, columns 2q, 2q + 1 of each of this warp's column tiles, all
-    // loaded before the first use.
-    u32 gb[SWIGLU_LORA_NT][2], ub[SWIGLU_LORA_NT][2];
-#pragma unroll
-    for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
-        const int c = c_warp + 8 * nt + 2 * q;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int t = h ? t1 : t0;
-            gb[nt][h] = t >= 0 ? lora_ld2(y + (u64)t * y_stride + c) : 0u;
-            ub[nt][h] = t >= 0 ? lora_ld2(y + (u64)t * y_stride + inter + c) : 0u;
+    for (int e = 0; e < count; ++e) {
+        if (tile_slot[e] != slot) {
+            // The block's tiles reach the next slot (its first tiles, or a slot of one tile).
+            slot = tile_slot[e];
+            ksteps = slot >= 0 ? min((ranks[slot] + 15) >> 4, MAXK) : 0;
+            scale = slot >= 0 ? scales[slot] : 0.f;
+            silu_mul_lora_load_b<MAXK>(bg, bu, b_gate, b_up, slot, ksteps, inter, r_pad, c_warp, g, q);
         }
-    }
-    float ag[SWIGLU_LORA_NT][4], au[SWIGLU_LORA_NT][4];
+        const int t0 = tok[e][g], t1 = tok[e][g + 8];
+        // Gate and up of rows g and g + 8, columns 2q, 2q + 1 of each of this warp's column tiles,
+        // and the tile's u (the mma's A operand) for every k step, all loaded before the first use.
+        u32 gb[SWIGLU_LORA_NT][2], ub[SWIGLU_LORA_NT][2];
 #pragma unroll
-    for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) ag[nt][0] = ag[nt][1] = ag[nt][2] = ag[nt][3] = au[nt][0] = au[nt][1] = au[nt][2] = au[nt][3] = 0.f;
-    if (ksteps > 0) {
-        const u64 ug = 2 * (u64)inter + (u64)slot * r_pad, uu = ug + (u64)num_slots * r_pad;
-        const bf16_t* r0 = t0 >= 0 ? y + (u64)t0 * y_stride : nullptr;
-        const bf16_t* r1 = t1 >= 0 ? y + (u64)t1 * y_stride : nullptr;
-        const u64 b_off = (u64)slot * inter * r_pad + 2 * q;
+        for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
+            const int c = c_warp + 8 * nt + 2 * q;
 #pragma unroll
-        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
+            for (int h = 0; h < 2; ++h) {
+                const int t = h ? t1 : t0;
+                gb[nt][h] = t >= 0 ? lora_ld2(y + (u64)t * y_stride + c) : 0u;
+                ub[nt][h] = t >= 0 ? lora_ld2(y + (u64)t * y_stride + inter + c) : 0u;
+            }
+        }
+        u32 a_g[MAXK][4], a_u[MAXK][4];
+        {
+            const u64 ug = 2 * (u64)inter + (u64)max(slot, 0) * r_pad, uu = ug + (u64)num_slots * r_pad;
+            const bf16_t* r0 = t0 >= 0 ? y + (u64)t0 * y_stride : nullptr;
+            const bf16_t* r1 = t1 >= 0 ? y + (u64)t1 * y_stride : nullptr;
+#pragma unroll
+            for (int k = 0; k < MAXK; ++k) {
+                const bool on = k < ksteps;
+                const int c = 16 * k + 2 * q;
+                a_g[k][0] = on && r0 ? lora_ld2(r0 + ug + c) : 0u;
+                a_g[k][1] = on && r1 ? lora_ld2(r1 + ug + c) : 0u;
+                a_g[k][2] = on && r0 ? lora_ld2(r0 + ug + c + 8) : 0u;
+                a_g[k][3] = on && r1 ? lora_ld2(r1 + ug + c + 8) : 0u;
+                a_u[k][0] = on && r0 ? lora_ld2(r0 + uu + c) : 0u;
+                a_u[k][1] = on && r1 ? lora_ld2(r1 + uu + c) : 0u;
+                a_u[k][2] = on && r0 ? lora_ld2(r0 + uu + c + 8) : 0u;
+                a_u[k][3] = on && r1 ? lora_ld2(r1 + uu + c + 8) : 0u;
+            }
+        }
+        float ag[SWIGLU_LORA_NT][4], au[SWIGLU_LORA_NT][4];
+#pragma unroll
+        for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) ag[nt][0] = ag[nt][1] = ag[nt][2] = ag[nt][3] = au[nt][0] = au[nt][1] = au[nt][2] = au[nt][3] = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAXK; ++k) {
             if (k >= ksteps) break;
-            const int c = 16 * k + 2 * q;
-            const u32 a_g[4] = {r0 ? lora_ld2(r0 + ug + c) : 0u, r1 ? lora_ld2(r1 + ug + c) : 0u, r0 ? lora_ld2(r0 + ug + c + 8) : 0u, r1 ? lora_ld2(r1 + ug + c + 8) : 0u};
-            const u32 a_u[4] = {r0 ? lora_ld2(r0 + uu + c) : 0u, r1 ? lora_ld2(r1 + uu + c) : 0u, r0 ? lora_ld2(r0 + uu + c + 8) : 0u, r1 ? lora_ld2(r1 + uu + c + 8) : 0u};
-            u32 bg[SWIGLU_LORA_NT][2], bu[SWIGLU_LORA_NT][2];
 #pragma unroll
             for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
-                const u64 row = b_off + (u64)(c_warp + 8 * nt + g) * r_pad + 16 * k;
-                bg[nt][0] = lora_ld2(b_gate + row);
-                bg[nt][1] = lora_ld2(b_gate + row + 8);
-                bu[nt][0] = lora_ld2(b_up + row);
-                bu[nt][1] = lora_ld2(b_up + row + 8);
-            }
-#pragma unroll
-            for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
-                lora_mma(ag[nt], a_g, bg[nt][0], bg[nt][1]);
-                lora_mma(au[nt], a_u, bu[nt][0], bu[nt][1]);
+                lora_mma(ag[nt], a_g[k], bg[k][nt][0], bg[k][nt][1]);
+                lora_mma(au[nt], a_u[k], bu[k][nt][0], bu[k][nt][1]);
             }
         }
-    }
 #pragma unroll
-    for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
-        const int c = c_warp + 8 * nt + 2 * q;
+        for (int nt = 0; nt < SWIGLU_LORA_NT; ++nt) {
+            const int c = c_warp + 8 * nt + 2 * q;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int t = h ? t1 : t0;
-            if (t < 0) continue;
-            float gv[2] = {__uint_as_float(gb[nt][h] << 16), __uint_as_float(gb[nt][h] & 0xffff0000u)};
-            float uv[2] = {__uint_as_float(ub[nt][h] << 16), __uint_as_float(ub[nt][h] & 0xffff0000u)};
-            if (slot >= 0) {
+            for (int h = 0; h < 2; ++h) {
+                const int t = h ? t1 : t0;
+                if (t < 0) continue;
+                float gv[2] = {__uint_as_float(gb[nt][h] << 16), __uint_as_float(gb[nt][h] & 0xffff0000u)};
+                float uv[2] = {__uint_as_float(ub[nt][h] << 16), __uint_as_float(ub[nt][h] & 0xffff0000u)};
+                if (slot >= 0) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    gv[e] += bf2f(f2bf(scale * ag[nt][2 * h + e]));
-                    uv[e] += bf2f(f2bf(scale * au[nt][2 * h + e]));
+                    for (int e2 = 0; e2 < 2; ++e2) {
+                        gv[e2] += bf2f(f2bf(scale * ag[nt][2 * h + e2]));
+                        uv[e2] += bf2f(f2bf(scale * au[nt][2 * h + e2]));
+                    }
                 }
-            }
 #pragma unroll
-            for (int e = 0; e < 2; ++e) gv[e] = gv[e] / (1.f + __expf(-gv[e])) * uv[e];
-            *reinterpret_cast<u32*>(out + (u64)t * inter + c) = (u32)f2bf(gv[0]) | ((u32)f2bf(gv[1]) << 16);
+                for (int e2 = 0; e2 < 2; ++e2) gv[e2] = gv[e2] / (1.f + __expf(-gv[e2])) * uv[e2];
+                *reinterpret_cast<u32*>(out + (u64)t * inter + c) = (u32)f2bf(gv[0]) | ((u32)f2bf(gv[1]) << 16);
+            }
         }
     }
+}
+
+#define SILU_MUL_LORA_ARGS                                                                                             \
+    bf16_t *__restrict__ out, const bf16_t *__restrict__ y, int y_stride, int inter, const bf16_t *__restrict__ b_gate,  \
+        const bf16_t *__restrict__ b_up, const int *__restrict__ slots, const int *__restrict__ order,                   \
+        const int *__restrict__ seg, const int *__restrict__ tiles, const int *__restrict__ ranks,                       \
+        const float *__restrict__ scales, int n, int lora_tiles, int r_pad, int num_slots, int tpb
+#define SILU_MUL_LORA_PASS out, y, y_stride, inter, b_gate, b_up, slots, order, seg, tiles, ranks, scales, n, lora_tiles, r_pad, num_slots, tpb
+
+// Ranks up to 64 (4 k steps of B in registers) and, with half the registers, up to 32.
+extern "C" __global__ void __launch_bounds__(128) silu_mul_lora(SILU_MUL_LORA_ARGS) {
+    silu_mul_lora_impl<LORA_MAX_R / 16>(SILU_MUL_LORA_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) silu_mul_lora_r32(SILU_MUL_LORA_ARGS) {
+    silu_mul_lora_impl<2>(SILU_MUL_LORA_PASS);
 }
 
 // q|k|v's LoRA the same way (no side stream): the q|k|v GEMM's weight carries every slot's A rows of
@@ -1314,6 +1392,25 @@ extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write
     const int rank = slot >= 0 ? ranks[slot] : 0;
     const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
     const float scale = slot >= 0 ? scales[slot] : 0.f;
+    // The head's slice of B for every k step of the slot's rank, before pdl_wait(): a weight, not
+    // the GEMM's output, so its loads are in flight while the GEMM ends.
+    u32 bl[LORA_MAX_R / 16][ROPE_LORA_MAXI][2], bh[LORA_MAX_R / 16][ROPE_LORA_MAXI][2];
+    {
+        const bf16_t* bs = b + ((u64)max(slot, 0) * fan_out + (u64)head_in_m * d + g) * r_pad + 2 * q;
+#pragma unroll
+        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
+#pragma unroll
+            for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
+                const bool on = k < ksteps && i < npair;
+                const bf16_t* row = bs + (u64)(8 * (warp + ROPE_LORA_WARPS * i)) * r_pad + 16 * k;
+                const bf16_t* row_hi = row + (u64)half * r_pad;
+                bl[k][i][0] = on ? lora_ld2(row) : 0u;
+                bl[k][i][1] = on ? lora_ld2(row + 8) : 0u;
+                bh[k][i][0] = on ? lora_ld2(row_hi) : 0u;
+                bh[k][i][1] = on ? lora_ld2(row_hi + 8) : 0u;
+            }
+        }
+    }
     pdl_wait();
     // Every load issued before the first use (add_rmsnorm_lora's lesson): the pair's two halves of
     // rows g and g + 8, their positions' cos and sin, the bias.
@@ -1350,28 +1447,25 @@ extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write
         const u64 u_col = (u64)width + (u64)(m * num_slots + slot) * r_pad;
         const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + u_col : nullptr;
         const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + u_col : nullptr;
-        const bf16_t* bs = b + ((u64)slot * fan_out + (u64)head_in_m * d + g) * r_pad + 2 * q;
+        // The tile's u (the mma's A operand) for every k step, loaded together, then the products.
+        u32 a[LORA_MAX_R / 16][4];
+#pragma unroll
+        for (int k = 0; k < LORA_MAX_R / 16; ++k) {
+            const bool on = k < ksteps;
+            const int c = 16 * k + 2 * q;
+            a[k][0] = on && u0 ? lora_ld2(u0 + c) : 0u;
+            a[k][1] = on && u1 ? lora_ld2(u1 + c) : 0u;
+            a[k][2] = on && u0 ? lora_ld2(u0 + c + 8) : 0u;
+            a[k][3] = on && u1 ? lora_ld2(u1 + c + 8) : 0u;
+        }
 #pragma unroll
         for (int k = 0; k < LORA_MAX_R / 16; ++k) {
             if (k >= ksteps) break;
-            const int c = 16 * k + 2 * q;
-            const u32 a[4] = {u0 ? lora_ld2(u0 + c) : 0u, u1 ? lora_ld2(u1 + c) : 0u, u0 ? lora_ld2(u0 + c + 8) : 0u, u1 ? lora_ld2(u1 + c + 8) : 0u};
-            u32 bl[ROPE_LORA_MAXI][2], bh[ROPE_LORA_MAXI][2];
-#pragma unroll
-            for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
-                const bool on_i = i < npair;
-                const bf16_t* row = bs + (u64)(8 * (warp + ROPE_LORA_WARPS * i)) * r_pad + 16 * k;
-                const bf16_t* row_hi = row + (u64)half * r_pad;
-                bl[i][0] = on_i ? lora_ld2(row) : 0u;
-                bl[i][1] = on_i ? lora_ld2(row + 8) : 0u;
-                bh[i][0] = on_i ? lora_ld2(row_hi) : 0u;
-                bh[i][1] = on_i ? lora_ld2(row_hi + 8) : 0u;
-            }
 #pragma unroll
             for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
                 if (i >= npair) continue;
-                lora_mma(alo[i], a, bl[i][0], bl[i][1]);
-                lora_mma(ahi[i], a, bh[i][0], bh[i][1]);
+                lora_mma(alo[i], a[k], bl[k][i][0], bl[k][i][1]);
+                lora_mma(ahi[i], a[k], bh[k][i][0], bh[k][i][1]);
             }
         }
     }
@@ -1423,7 +1517,10 @@ extern "C" __global__ void add_rmsnorm_lora(float*, const bf16_t*, int, const bf
                                             const int*, const int*, const int*, const int*, const int*, const float*,
                                             int, int, int) {}
 extern "C" __global__ void silu_mul_lora(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
-                                         const int*, const int*, const int*, const int*, const float*, int, int, int, int) {}
+                                         const int*, const int*, const int*, const int*, const float*, int, int, int, int, int) {}
+extern "C" __global__ void silu_mul_lora_r32(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
+                                             const int*, const int*, const int*, const int*, const float*, int, int, int, int,
+                                             int) {}
 extern "C" __global__ void rope_kv_write_lora(const bf16_t*, int, const float*, const int*, const float*, const float*,
                                               const int*, bf16_t*, bf16_t*, bf16_t*, int, int, int, int, const bf16_t*,
                                               const bf16_t*, const bf16_t*, const int*, const int*, const int*,

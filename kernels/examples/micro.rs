@@ -525,6 +525,10 @@ fn fused_norms(c: &Cuda) {
     let s = &c.gpu.stream;
     let (h, slots, r_pad) = (4096usize, 4usize, lora_rank_pad(32));
     let extra = slots * r_pad;
+    // Registers and spilled bytes a thread: what bounds the blocks an SM holds.
+    for (name, regs, local) in c.kernels.fused_lora_resources().unwrap() {
+        println!("{name:<34} {regs:>4} registers, {local} B local a thread");
+    }
     println!("{:<34} {:>6} {:>10}", "fused o/down pieces", "batch", "us");
     for k in [4096usize, 14336] {
         let copies = 4;
@@ -566,16 +570,22 @@ fn fused_norms(c: &Cuda) {
         println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm", m, plain * 1e6);
         let inter = 14336usize;
         let gu = c.gpu.alloc_zeros::<u16>(m * 2 * (inter + extra)).unwrap();
-        let (bg, act) = (c.gpu.alloc_zeros::<u16>(slots * inter * r_pad).unwrap(), c.gpu.alloc_zeros::<u16>(m * inter).unwrap());
+        let (bg, bu, act) = (c.gpu.alloc_zeros::<u16>(slots * inter * r_pad).unwrap(), c.gpu.alloc_zeros::<u16>(slots * inter * r_pad).unwrap(), c.gpu.alloc_zeros::<u16>(m * inter).unwrap());
         unsafe {
             c.kernels.fill_uniform_bf16(s, gu.ptr(), m * 2 * (inter + extra), 5, 0.5).unwrap();
             c.kernels.fill_uniform_bf16(s, bg.ptr(), slots * inter * r_pad, 6, 0.02).unwrap();
+            c.kernels.fill_uniform_bf16(s, bu.ptr(), slots * inter * r_pad, 7, 0.02).unwrap();
         }
         let plain = time(c, 50, || unsafe { c.kernels.silu_mul(s, act.ptr(), gu.ptr(), m, inter, None).unwrap() });
         println!("{:<34} {:>6} {:>10.2}", "silu_mul", m, plain * 1e6);
         if c.kernels.silu_mul_lora_fits(inter) {
-            let fused = time(c, 50, || unsafe { c.kernels.silu_mul_lora(s, act.ptr(), gu.ptr(), 2 * (inter + extra), inter, bg.ptr(), bg.ptr(), &segs, m, r_pad).unwrap() });
+            let fused = time(c, 50, || unsafe { c.kernels.silu_mul_lora(s, act.ptr(), gu.ptr(), 2 * (inter + extra), inter, bg.ptr(), bu.ptr(), &segs, m, r_pad).unwrap() });
             println!("{:<34} {:>6} {:>10.2}", "silu_mul_lora (4 slots x r32)", m, fused * 1e6);
+            // Each count of work tiles per block (the line above: the one the kernel picks).
+            for tpb in [1usize, 2, 4] {
+                let t = time(c, 50, || unsafe { c.kernels.silu_mul_lora_tiles(s, act.ptr(), gu.ptr(), 2 * (inter + extra), inter, bg.ptr(), bu.ptr(), &segs, m, r_pad, tpb).unwrap() });
+                println!("{:<34} {:>6} {:>10.2}", format!("  {tpb} tiles per block"), m, t * 1e6);
+            }
         }
         if c.kernels.add_rmsnorm_lora_fits(h) {
             let fused = time(c, 50, || unsafe { c.kernels.add_rmsnorm_lora(s, residual.ptr(), y.ptr(), h + extra, b.ptr(), weight.ptr(), out.ptr(), &segs, m, h, 1e-5, r_pad).unwrap() });

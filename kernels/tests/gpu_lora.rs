@@ -668,8 +668,9 @@ fn the_fused_norm_adds_each_tokens_expand_before_normalizing() {
     }
 }
 
-/// `silu_mul_lora` for the tokens `pick` of the case (gate|up: modules 0 and 1 of `inter` each).
-fn fused_swiglu_run(cuda: &Cuda, c: &Case, h: &Host, inter: usize, pick: &[usize]) -> Vec<u16> {
+/// `silu_mul_lora` for the tokens `pick` of the case (gate|up: modules 0 and 1 of `inter` each),
+/// each block taking `tiles_per_block` work tiles (None: the count the kernel picks).
+fn fused_swiglu_run(cuda: &Cuda, c: &Case, h: &Host, inter: usize, pick: &[usize], tiles_per_block: Option<usize>) -> Vec<u16> {
     let g = &cuda.gpu;
     let s = &g.stream;
     let dev = Group::upload(cuda, c, h, pick);
@@ -680,7 +681,10 @@ fn fused_swiglu_run(cuda: &Cuda, c: &Case, h: &Host, inter: usize, pick: &[usize
     // stacks [slots, inter, r_pad], the tables sized for n tokens.
     unsafe {
         cuda.kernels.lora_group(s, &segs, n).unwrap();
-        cuda.kernels.silu_mul_lora(s, out.ptr(), dev.y.ptr(), c.y_width, inter, dev.b[0].ptr(), dev.b[1].ptr(), &segs, n, h.r_pad).unwrap();
+        match tiles_per_block {
+            Some(tpb) => cuda.kernels.silu_mul_lora_tiles(s, out.ptr(), dev.y.ptr(), c.y_width, inter, dev.b[0].ptr(), dev.b[1].ptr(), &segs, n, h.r_pad, tpb).unwrap(),
+            None => cuda.kernels.silu_mul_lora(s, out.ptr(), dev.y.ptr(), c.y_width, inter, dev.b[0].ptr(), dev.b[1].ptr(), &segs, n, h.r_pad).unwrap(),
+        }
     }
     out.download(s).unwrap()
 }
@@ -694,52 +698,62 @@ fn the_fused_swiglu_adds_each_tokens_gate_and_up_updates() {
     }
     let mut r = rng();
     // What a fused gate|up projection leaves (cuda/lora.rs, FusedNorms): gate, up, then every
-    // slot's u_gate, then every slot's u_up. SmolLM2's 1536 columns per module; ranks 8-64 and an
-    // empty slot, tokens without an adapter mixed in.
+    // slot's u_gate, then every slot's u_up. SmolLM2's 1536 columns per module; ranks 8-64 (the
+    // kernel that holds 4 k steps of B) and 8-32 (the one that holds 2), an empty slot, tokens
+    // without an adapter mixed in; about 17 tokens a slot, so two tiles each, and blocks taking 3
+    // tiles reach into the next slot.
     let inter = 1536usize;
-    let mut slots: Vec<i32> = (0..100).map(|i| [0, 1, 2, 3, 4, -1][i % 6]).collect();
-    for i in (1..slots.len()).rev() {
-        slots.swap(i, r.random_range(0..=i));
-    }
-    let (ranks, scales) = (vec![8, 16, 32, 64, 0], vec![2.0, 0.5, 1.0, 4.0, 0.0]);
-    let r_pad = lora_rank_pad(64);
-    let num_slots = ranks.len();
-    let y_width = 2 * (inter + num_slots * r_pad) + 8;
-    let case = Case { k: 16, outs: vec![(inter, 0), (inter, inter)], y_width, ranks, scales, slots };
-    let h = host_inputs(&mut r, &case);
-    let n = case.slots.len();
-    let all: Vec<usize> = (0..n).collect();
-    let got = fused_swiglu_run(&cuda, &case, &h, inter, &all);
-    for (i, &slot) in case.slots.iter().enumerate() {
-        for j in 0..inter {
-            // Each module's value plus its update (f64), the update's error bound as rounded to bf16.
-            let value = |m: usize| {
-                let base = val(h.y0[i * y_width + m * inter + j]);
-                let (mut upd, mut mag) = (0.0, 0.0);
-                if slot >= 0 {
-                    let s = slot as usize;
-                    let u_at = i * y_width + 2 * inter + (m * num_slots + s) * r_pad;
-                    for rr in 0..case.ranks[s] {
-                        let term = val(h.y0[u_at + rr]) * val(h.b[m][(s * inter + j) * r_pad + rr]) * case.scales[s] as f64;
-                        upd += term;
-                        mag += term.abs();
-                    }
-                }
-                (base + upd, upd.abs() / 256.0 + mag / 4096.0 + 1e-6)
-            };
-            let ((gv, ge), (uv, ue)) = (value(0), value(1));
-            let silu = |x: f64| x / (1.0 + (-x).exp());
-            let want = silu(gv) * uv;
-            // silu's slope is at most 1.1; the product rounds to bf16 once.
-            let tol = want.abs() / 128.0 + 1.1 * ge * uv.abs() + ue * silu(gv).abs() + 1e-5;
-            let v = val(got[i * inter + j]);
-            assert!((v - want).abs() <= tol, "token {i} (slot {slot}) column {j}: {v}, want {want} (tol {tol})");
+    for (ranks, max_rank) in [(vec![8, 16, 32, 64, 0], 64), (vec![8, 16, 32, 24, 0], 32)] {
+        let mut slots: Vec<i32> = (0..100).map(|i| [0, 1, 2, 3, 4, -1][i % 6]).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, r.random_range(0..=i));
         }
-    }
-    for pick in [vec![5usize], vec![2, 99, 31], (40..57).collect::<Vec<_>>()] {
-        let alone = fused_swiglu_run(&cuda, &case, &h, inter, &pick);
-        for (a, &i) in pick.iter().enumerate() {
-            assert_eq!(&alone[a * inter..(a + 1) * inter], &got[i * inter..(i + 1) * inter], "token {i}: bits differ alone");
+        let scales = vec![2.0, 0.5, 1.0, 4.0, 0.0];
+        let r_pad = lora_rank_pad(max_rank);
+        let num_slots = ranks.len();
+        let y_width = 2 * (inter + num_slots * r_pad) + 8;
+        let case = Case { k: 16, outs: vec![(inter, 0), (inter, inter)], y_width, ranks, scales, slots };
+        let h = host_inputs(&mut r, &case);
+        let n = case.slots.len();
+        let all: Vec<usize> = (0..n).collect();
+        let got = fused_swiglu_run(&cuda, &case, &h, inter, &all, Some(1));
+        for (i, &slot) in case.slots.iter().enumerate() {
+            for j in 0..inter {
+                // Each module's value plus its update (f64), the update's error bound as rounded to bf16.
+                let value = |m: usize| {
+                    let base = val(h.y0[i * y_width + m * inter + j]);
+                    let (mut upd, mut mag) = (0.0, 0.0);
+                    if slot >= 0 {
+                        let s = slot as usize;
+                        let u_at = i * y_width + 2 * inter + (m * num_slots + s) * r_pad;
+                        for rr in 0..case.ranks[s] {
+                            let term = val(h.y0[u_at + rr]) * val(h.b[m][(s * inter + j) * r_pad + rr]) * case.scales[s] as f64;
+                            upd += term;
+                            mag += term.abs();
+                        }
+                    }
+                    (base + upd, upd.abs() / 256.0 + mag / 4096.0 + 1e-6)
+                };
+                let ((gv, ge), (uv, ue)) = (value(0), value(1));
+                let silu = |x: f64| x / (1.0 + (-x).exp());
+                let want = silu(gv) * uv;
+                // silu's slope is at most 1.1; the product rounds to bf16 once.
+                let tol = want.abs() / 128.0 + 1.1 * ge * uv.abs() + ue * silu(gv).abs() + 1e-5;
+                let v = val(got[i * inter + j]);
+                assert!((v - want).abs() <= tol, "rank {max_rank}: token {i} (slot {slot}) column {j}: {v}, want {want} (tol {tol})");
+            }
+        }
+        // Blocks taking several tiles (B held across them, reloaded where the tiles reach the next
+        // slot) give the same bits as one tile a block.
+        for tpb in [Some(2), Some(3), Some(4), Some(8), None] {
+            let many = fused_swiglu_run(&cuda, &case, &h, inter, &all, tpb);
+            assert_eq!(many, got, "rank {max_rank}: {tpb:?} tiles per block differ from one");
+        }
+        for pick in [vec![5usize], vec![2, 99, 31], (40..57).collect::<Vec<_>>()] {
+            let alone = fused_swiglu_run(&cuda, &case, &h, inter, &pick, None);
+            for (a, &i) in pick.iter().enumerate() {
+                assert_eq!(&alone[a * inter..(a + 1) * inter], &got[i * inter..(i + 1) * inter], "rank {max_rank}: token {i}: bits differ alone");
+            }
         }
     }
 }

@@ -24,9 +24,19 @@ const NORM_LORA_WARPS: usize = 8;
 const NORM_LORA_MAXJ: usize = 8;
 /// `silu_mul_lora`'s columns per block (lora.cu's SWIGLU_LORA_COLS).
 const SWIGLU_LORA_COLS: usize = 128;
+/// The most work tiles a `silu_mul_lora` block takes (lora.cu's SWIGLU_LORA_MAX_TPB).
+const SWIGLU_LORA_MAX_TPB: usize = 8;
 /// `rope_kv_write_lora`'s warps per block (lora.cu's ROPE_LORA_WARPS): a head's column-tile pairs
 /// (d / 16 of them) split evenly over them, at most ROPE_LORA_MAXI (2) each.
 const ROPE_LORA_WARPS: usize = 4;
+
+/// The work tiles a `silu_mul_lora` block takes for `n` tokens over `num_slots` slots: a slot's
+/// tiles if the tokens spread evenly (one block then reads its slice of a slot's B once), at most 4
+/// (a block's tiles run one after another). 4 adapters give 4 at batch 256 and 1 at batch 64; 16
+/// adapters give 1 at batch 256.
+pub fn swiglu_lora_tiles_per_block(n: usize, num_slots: usize) -> usize {
+    n.div_ceil(num_slots.max(1)).div_ceil(LORA_TILE).clamp(1, 4)
+}
 
 /// Most work tiles a step of `n` tokens over `num_slots` slots can have: the length of
 /// [`LoraSegments::tiles`] is `1 + 2 ×` this, of [`LoraScratch::counters`] `3 ×` this.
@@ -353,6 +363,18 @@ impl Kernels {
         Ok(())
     }
 
+    /// Registers and local (spilled) bytes a thread of each fused LoRA consumer takes on this GPU:
+    /// what bounds the blocks an SM holds, which these latency-bound kernels live on (`micro`).
+    pub fn fused_lora_resources(&self) -> Result<Vec<(&'static str, i32, i32)>> {
+        let named = [
+            ("add_rmsnorm_lora", &self.add_rmsnorm_lora),
+            ("silu_mul_lora", &self.silu_mul_lora),
+            ("silu_mul_lora_r32", &self.silu_mul_lora_r32),
+            ("rope_kv_write_lora", &self.rope_kv_write_lora),
+        ];
+        named.into_iter().map(|(name, f)| Ok((name, f.num_regs()?, f.local_size_bytes()?))).collect()
+    }
+
     /// Whether [`Kernels::silu_mul_lora`] takes `inter` columns per module on this GPU.
     pub fn silu_mul_lora_fits(&self, inter: usize) -> bool {
         self.cluster_arch && inter > 0 && inter.is_multiple_of(SWIGLU_LORA_COLS)
@@ -372,6 +394,18 @@ impl Kernels {
     /// `silu_mul_lora_fits(inter)`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn silu_mul_lora(&self, s: &CudaStream, out: DPtr, y: DPtr, y_stride: usize, inter: usize, b_gate: DPtr, b_up: DPtr, segs: &LoraSegments, n: usize, r_pad: usize) -> Result<()> {
+        let tpb = swiglu_lora_tiles_per_block(n, segs.num_slots);
+        self.silu_mul_lora_tiles(s, out, y, y_stride, inter, b_gate, b_up, segs, n, r_pad, tpb)
+    }
+
+    /// [`Kernels::silu_mul_lora`] with each block taking `tiles_per_block` consecutive work tiles
+    /// (1 to 8) with its slice of B held across them, rather than the count it picks from the tokens
+    /// per slot (for `micro` and the tests, which compare counts).
+    ///
+    /// # Safety
+    /// As [`Kernels::silu_mul_lora`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn silu_mul_lora_tiles(&self, s: &CudaStream, out: DPtr, y: DPtr, y_stride: usize, inter: usize, b_gate: DPtr, b_up: DPtr, segs: &LoraSegments, n: usize, r_pad: usize, tiles_per_block: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -381,12 +415,16 @@ impl Kernels {
         if y_stride < 2 * (inter + segs.num_slots * r_pad) || !y_stride.is_multiple_of(2) {
             return Err(KernelError::Unsupported(format!("silu_mul_lora: row stride {y_stride} for {} slots of rank {r_pad}", segs.num_slots)));
         }
+        if !(1..=SWIGLU_LORA_MAX_TPB).contains(&tiles_per_block) {
+            return Err(KernelError::Unsupported(format!("silu_mul_lora: {tiles_per_block} tiles per block")));
+        }
         let lora_tiles = lora_max_tiles(n, segs.num_slots);
-        let grid = (as_u32(inter / SWIGLU_LORA_COLS, "columns")?, as_u32(lora_tiles + n.div_ceil(LORA_TILE), "tiles")?, 1);
-        let (ys, inter_i, n_i, lt, r_i, ns) = (as_i32(y_stride, "y_stride")?, as_i32(inter, "intermediate")?, as_i32(n, "tokens")?, as_i32(lora_tiles, "tiles")?, as_i32(r_pad, "r_pad")?, as_i32(segs.num_slots, "slots")?);
-        let mut l = Launch::new(&self.silu_mul_lora);
+        let grid = (as_u32(inter / SWIGLU_LORA_COLS, "columns")?, as_u32(lora_tiles.div_ceil(tiles_per_block) + n.div_ceil(LORA_TILE), "tiles")?, 1);
+        let (ys, inter_i, n_i, lt, r_i, ns, tpb) = (as_i32(y_stride, "y_stride")?, as_i32(inter, "intermediate")?, as_i32(n, "tokens")?, as_i32(lora_tiles, "tiles")?, as_i32(r_pad, "r_pad")?, as_i32(segs.num_slots, "slots")?, as_i32(tiles_per_block, "tiles per block")?);
+        // Half the registers for B where the ranks allow: more blocks in flight.
+        let mut l = Launch::new(if r_pad <= 32 { &self.silu_mul_lora_r32 } else { &self.silu_mul_lora });
         l.arg(&out).arg(&y).arg(&ys).arg(&inter_i).arg(&b_gate).arg(&b_up);
-        l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i).arg(&ns);
+        l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i).arg(&ns).arg(&tpb);
         l.launch(s, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, self.pdl)?;
         Ok(())
     }
@@ -640,6 +678,20 @@ mod tests {
         let unaligned = |n, modules| ShrinkStep { aligned: false, ..step(n, 4096, modules) };
         assert_eq!(shrink_shape(None, unaligned(4096, 3), H100_SMS), LoraShrinkShape::Whole);
         assert_eq!(shrink_shape(None, unaligned(512, 1), H100_SMS), LoraShrinkShape::Split);
+    }
+
+    #[test]
+    fn a_swiglu_block_takes_a_slots_tiles_when_tokens_spread_evenly() {
+        // 4 adapters: 64 tokens a slot at batch 256 (4 tiles), 16 at batch 64 (1 tile).
+        assert_eq!(swiglu_lora_tiles_per_block(256, 4), 4);
+        assert_eq!(swiglu_lora_tiles_per_block(128, 4), 2);
+        assert_eq!(swiglu_lora_tiles_per_block(64, 4), 1);
+        // 16 adapters at batch 256: a tile a slot; one slot's 512 tokens stop at 4 (run in turn).
+        assert_eq!(swiglu_lora_tiles_per_block(256, 16), 1);
+        assert_eq!(swiglu_lora_tiles_per_block(512, 1), 4);
+        // A step of fewer tokens than slots, and no slots at all, still take one.
+        assert_eq!(swiglu_lora_tiles_per_block(3, 16), 1);
+        assert_eq!(swiglu_lora_tiles_per_block(40, 0), 3);
     }
 
     #[test]

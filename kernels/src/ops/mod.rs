@@ -135,6 +135,7 @@ pub struct Kernels {
     add_rmsnorm_lora: CudaFunction,
     /// SwiGLU with the gate|up group's LoRA expand fused in.
     silu_mul_lora: CudaFunction,
+    silu_mul_lora_r32: CudaFunction,
     /// RoPE + bf16 KV write with the q|k|v group's LoRA expand fused in.
     rope_kv_write_lora: CudaFunction,
     lora_expand_sgmv: CudaFunction,
@@ -293,6 +294,7 @@ impl Kernels {
             lora_pick_t: f("lora_pick_t")?,
             add_rmsnorm_lora: f("add_rmsnorm_lora")?,
             silu_mul_lora: f("silu_mul_lora")?,
+            silu_mul_lora_r32: f("silu_mul_lora_r32")?,
             rope_kv_write_lora: f("rope_kv_write_lora")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,

@@ -242,9 +242,13 @@ impl DenseShrink {
 /// docs/benchmarks.md session 30), o and down fused gave 0.890–0.904 / 0.877–0.906 against the side
 /// stream's 0.868–0.890 / 0.873–0.892. gate|up fused as well gave 0.885 / 0.890–0.896: its expand
 /// reads 3.5 times o's B, which beside the base GEMM was hidden and in SwiGLU is not (`silu_mul_lora`
-/// 9.5 / 21.8 µs against `silu_mul`'s 4.6 / 8.1 at batch 64 / 256). So gate|up keeps the side stream
-/// unless `PEREGRINE_LORA_FUSED_GATE_UP=1`. q|k|v fused too (session 31) gave 0.928–0.939 /
-/// 0.897–0.900 against 0.917 / 0.887–0.894 with it on the side stream (`PEREGRINE_LORA_FUSED_QKV=0`).
+/// 9.5 / 21.8 µs against `silu_mul`'s 4.6 / 8.1 at batch 64 / 256). q|k|v fused too (session 31)
+/// gave 0.928–0.939 / 0.897–0.900 against 0.917 / 0.887–0.894 with it on the side stream
+/// (`PEREGRINE_LORA_FUSED_QKV=0`). Session 32 loaded B before `pdl_wait()`, gave ranks up to 32 a
+/// kernel with half the registers and let a block hold B across a slot's tiles: `silu_mul_lora`
+/// 5.8 / 7.9 / 19.3 µs at batch 16 / 64 / 256. gate|up fused from [`FUSED_GATE_UP_MIN_TOKENS`] gave
+/// 16 adapters +2.4 % tokens/s at batch 128 and 256 and 4 adapters the same as its side stream;
+/// at batch 16 it lost 3 %, so smaller steps keep the side stream.
 ///
 /// [`GpuWeights::extend_rows_for_lora`]: super::weights::GpuWeights::extend_rows_for_lora
 struct FusedNorms {
@@ -259,8 +263,9 @@ struct FusedNorms {
     wide: DevBuf<u16>,
     /// The largest step it takes (the update buffer's).
     max_tokens: usize,
-    /// Whether gate|up rides too.
+    /// Whether gate|up's weight carries the rows, and from how many tokens a step takes them.
     gate_up: bool,
+    gate_up_min_tokens: usize,
     /// Whether the fused GEMMs are planned for every SM rather than the LoRA steps' reserve
     /// (`PEREGRINE_LORA_FUSED_FULL_SMS=0`: the reserve, for comparisons).
     full_sms: bool,
@@ -288,11 +293,20 @@ fn fused_norms_disabled() -> bool {
     std::env::var("PEREGRINE_LORA_FUSED_NORMS").is_ok_and(|v| v == "0")
 }
 
-/// Whether gate|up rides too (`PEREGRINE_LORA_FUSED_GATE_UP=1`; off by default, see [`FusedNorms`]).
-/// Only then does its weight get the extra rows.
-fn fused_gate_up() -> bool {
-    std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").is_ok_and(|v| v == "1")
+/// The smallest step gate|up rides in (its weight then carries the extra rows; steps below take its
+/// side stream, reading A from there). `PEREGRINE_LORA_FUSED_GATE_UP=0`: never (no extra rows),
+/// `=1`: every fused step, for comparisons. See [`FusedNorms`] for why 128.
+fn fused_gate_up_min_tokens() -> Option<usize> {
+    match std::env::var("PEREGRINE_LORA_FUSED_GATE_UP").as_deref() {
+        Ok("0") => None,
+        Ok("1") => Some(2),
+        _ => Some(FUSED_GATE_UP_MIN_TOKENS),
+    }
 }
+
+/// Below this many tokens `silu_mul_lora` costs more than gate|up's fork and join (H200, session 32
+/// in docs/benchmarks.md: batch 16 0.872 against 0.901 × base, even at 64, ahead at 256).
+const FUSED_GATE_UP_MIN_TOKENS: usize = 128;
 
 /// Whether q|k|v rides too (`PEREGRINE_LORA_FUSED_QKV=0`: its side stream, for comparisons).
 fn fused_qkv() -> bool {
@@ -743,7 +757,7 @@ impl GpuLora {
                 group.a = AStore::InWeights(rows.iter().map(|r| r[i]).collect());
             }
         }
-        self.fused = Some(FusedNorms { hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, full_sms });
+        self.fused = Some(FusedNorms { hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, gate_up_min_tokens: fused_gate_up_min_tokens().unwrap_or(usize::MAX), full_sms });
         // The stacks' blocks go back to the pool's free list in stream order: wait for that here,
         // before the start-up allocations that follow and the KV cache's sizing.
         cuda.gpu.synchronize().map_err(gpu_err)?;
@@ -767,7 +781,7 @@ impl GpuLora {
     /// [`GpuLora::fused_lora_rows`] for an update buffer of `delta_tokens` rows (the fused steps' largest).
     fn fused_plan(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, delta_tokens: usize, plain_bf16_cache: bool) -> Option<[usize; 4]> {
         let k = &cuda.kernels;
-        let gate_up = fused_gate_up();
+        let gate_up = fused_gate_up_min_tokens().is_some();
         let usable = !fused_norms_disabled() && delta_tokens >= 2 && k.add_rmsnorm_lora_fits(config.hidden_size) && (!gate_up || k.silu_mul_lora_fits(config.intermediate_size));
         if !usable {
             return None;
@@ -792,7 +806,7 @@ impl GpuLora {
             return 0;
         }
         let extra = cap.max_loras * lora_rank_pad(cap.max_rank);
-        delta_rows(max_tokens, true) * Self::fused_row(config, extra, fused_gate_up(), fused_qkv()) * 2
+        delta_rows(max_tokens, true) * Self::fused_row(config, extra, fused_gate_up_min_tokens().is_some(), fused_qkv()) * 2
     }
 
     /// Where an `n`-token step's fused projections write (their weights' full rows), or None where
@@ -801,7 +815,7 @@ impl GpuLora {
         let f = self.fused.as_ref().filter(|f| (2..=f.max_tokens).contains(&n))?;
         let extra = self.capacity.max_loras * self.r_pad;
         let qkv_stride = f.qkv.then_some(f.qkv_width + 3 * extra);
-        Some(FusedProjection { y: f.wide.ptr(), o_down_stride: f.hidden + extra, gate_up_stride: 2 * (f.inter + extra), gate_up: f.gate_up, qkv_stride, full_sms: f.full_sms })
+        Some(FusedProjection { y: f.wide.ptr(), o_down_stride: f.hidden + extra, gate_up_stride: 2 * (f.inter + extra), gate_up: f.gate_up && n >= f.gate_up_min_tokens, qkv_stride, full_sms: f.full_sms })
     }
 
     /// `module`'s B stack of `layer`, `[slots, fan_out, r_pad]`.

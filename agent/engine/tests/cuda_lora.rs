@@ -70,9 +70,9 @@ fn backends_rotated(quantization: Option<RowFormat>, rotation: Rotation, graph_s
         num_blocks: Some(32 * BLOCKS_PER_SEQ),
         block_size: BLOCK,
         max_model_len: BLOCK * BLOCKS_PER_SEQ,
-        // Room for a first step of more than 512 tokens: the steps that add updates in place (and
-        // fuse gate|up's into SwiGLU) rather than through the update buffer.
-        max_num_batched_tokens: 1024,
+        // Room for a first step of more than 1,024 tokens: the steps that add updates in place (and
+        // fuse gate|up's into SwiGLU) rather than through the update buffer and the fused path.
+        max_num_batched_tokens: 2048,
         max_num_seqs: 32,
         lora: Some(LoraCapacity { max_loras: 2, max_rank: 64 }),
         quantization,
@@ -260,8 +260,14 @@ fn long_prompts_match_the_cpu_backend(quantization: Option<RowFormat>, atol: f32
 }
 
 fn long_prompts_match_the_cpu_backend_rotated(quantization: Option<RowFormat>, rotation: Rotation, atol: f32, repeat: usize, what: &str) {
+    long_prompts_match_the_cpu_backend_copies(quantization, rotation, atol, repeat, 1, what)
+}
+
+/// As [`long_prompts_match_the_cpu_backend`], each case `copies` times (more sequences in a step,
+/// each as long as the cache's `max_model_len` allows).
+fn long_prompts_match_the_cpu_backend_copies(quantization: Option<RowFormat>, rotation: Rotation, atol: f32, repeat: usize, copies: usize, what: &str) {
     let Some((mut gpu, mut cpu)) = backends_rotated(quantization, rotation, 0) else { return };
-    let mut mixed = cases(&[("adapter-a", 0), ("adapter-b", 1)]);
+    let mut mixed: Vec<_> = (0..copies).flat_map(|_| cases(&[("adapter-a", 0), ("adapter-b", 1)])).collect();
     mixed.sort_by_key(|c| c.prompt.len() * 7 + c.slot.map_or(0, |s| s as usize + 1));
     for c in &mut mixed {
         c.prompt = c.prompt.repeat(repeat);
@@ -292,16 +298,30 @@ fn first_step_tokens(repeat: usize) -> usize {
     cases(&[("adapter-a", 0), ("adapter-b", 1)]).iter().map(|c| c.prompt.len() * repeat).sum()
 }
 
+/// A step of 513–1,024 tokens (1000 × 128/128's decode steps): past the side stream's plans
+/// (dense shrink, SM reserve) but within the update buffer, so q|k|v, o, gate|up and down ride the
+/// fused path (`rope_kv_write_lora`, `add_rmsnorm_lora`, `silu_mul_lora` with several tiles a block).
 #[test]
-fn a_step_of_more_than_512_tokens_matches_the_cpu_backend() {
+fn a_step_of_513_to_1024_tokens_matches_the_cpu_backend() {
     if !gpu_or_skip() {
         return;
     }
-    // Past the update buffer's 512 tokens: q|k|v, o and down add their updates in place and
-    // gate|up's is fused into SwiGLU (`lora_expand_swiglu`); every sequence stays within the cache.
     let total = first_step_tokens(10);
-    assert!((513..=1024).contains(&total), "the first step has {total} tokens, not past the update buffer");
+    assert!((513..=1024).contains(&total), "the first step has {total} tokens, not in 513-1,024");
     long_prompts_match_the_cpu_backend(None, BF16_ATOL, 10, "bf16, prompts x10");
+}
+
+#[test]
+fn a_step_of_more_than_1024_tokens_matches_the_cpu_backend() {
+    if !gpu_or_skip() {
+        return;
+    }
+    // Past the update buffer's 1,024 tokens: q|k|v, o and down add their updates in place and
+    // gate|up's is fused into SwiGLU (`lora_expand_swiglu`); two copies of every case, so that every
+    // sequence stays within the cache.
+    let total = 2 * first_step_tokens(10);
+    assert!((1025..=2048).contains(&total), "the first step has {total} tokens, not past the update buffer");
+    long_prompts_match_the_cpu_backend_copies(None, Rotation::default(), BF16_ATOL, 10, 2, "bf16, prompts x10, two copies");
 }
 
 #[test]

@@ -151,12 +151,12 @@ struct DenseShrink {
 /// 64 it lost while planned for every SM (0.894 -> 0.864–0.879) and gained a little once planned
 /// for the SMs the base GEMM leaves free (0.864–0.869 -> 0.872–0.880). It lost on 128/128 × 16
 /// adapters, whose ~1,000-token steps expand after the GEMM (0.843 -> 0.827), so it stops at 512.
-const DENSE_TOKENS: std::ops::RangeInclusive<usize> = 64..=DELTA_MAX_TOKENS;
+const DENSE_TOKENS: std::ops::RangeInclusive<usize> = 64..=SIDE_PLAN_MAX_TOKENS;
 
 /// Over 8-bit weights from 8 tokens: there batch 8 went 0.711, 0.713 -> 0.743, 0.738 × base, 16
 /// and 32 stayed (0.84–0.85); over bf16 weights 8 and 16 tokens lost a little (0.903 / 0.930 ->
 /// 0.895 / 0.922; docs/benchmarks.md session 22).
-const DENSE_TOKENS_W8: std::ops::RangeInclusive<usize> = 8..=DELTA_MAX_TOKENS;
+const DENSE_TOKENS_W8: std::ops::RangeInclusive<usize> = 8..=SIDE_PLAN_MAX_TOKENS;
 
 /// What the LoRA path needs to know of the base model's side of a step.
 #[derive(Debug, Clone, Copy)]
@@ -572,9 +572,18 @@ fn group_of(module: TargetModule) -> (usize, usize) {
     GROUPS.iter().enumerate().find_map(|(g, ms)| ms.iter().position(|&m| m == module).map(|i| (g, i))).unwrap_or((0, 0))
 }
 
-/// Steps of at most this many tokens (every decode batch the graphs capture) expand into the update
-/// buffer beside the base projection; a buffer of 512 rows of Llama-3.1-8B's gate|up is 29 MB.
-pub const DELTA_MAX_TOKENS: usize = 512;
+/// Steps of at most this many tokens expand into the update buffer beside the base projection, and
+/// over bf16 weights ride the fused path ([`FusedNorms`]): every decode batch the graphs capture,
+/// and the ~1,000-token decode steps of 1000 × 128/128, where 16 adapters went 0.831 -> 0.852 ×
+/// base with 1,024 against 512 (H200, docs/benchmarks.md session 32). A buffer of 1,024 rows of
+/// Llama-3.1-8B's gate|up is 59 MB, and the fused path's as much.
+pub const DELTA_MAX_TOKENS: usize = 1024;
+
+/// The largest step the side stream's plans take: the dense shrink ([`DENSE_TOKENS`]) and the SMs
+/// the base GEMMs leave free (`LORA_SM_RESERVE_TOKENS` in cuda/mod.rs). They were measured on
+/// decode batches up to 512, and the dense shrink lost on 128/128's ~1,000-token steps, so longer
+/// steps keep the grouped shrink and every SM even where they use the update buffer.
+pub const SIDE_PLAN_MAX_TOKENS: usize = 512;
 
 /// Widest (fused) output of a projection group: the update buffer's row stride bound.
 fn widest_output(config: &ModelConfig) -> usize {

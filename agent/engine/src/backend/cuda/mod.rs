@@ -209,9 +209,10 @@ const LORA_SM_RESERVE: usize = 16;
 /// 8, 24 and 48 no more than 16; over bf16 weights 24 was no better than 16.
 const LORA_SM_RESERVE_8BIT: usize = 32;
 /// The LoRA steps that keep SMs free: from 64 tokens (below, the projections are GEMVs or small
-/// GEMMs and measured no gain) to the update-buffer path's largest ([`lora::DELTA_MAX_TOKENS`];
-/// longer steps are compute-bound prefill, whose expand adds in place on the main stream).
-const LORA_SM_RESERVE_TOKENS: std::ops::RangeInclusive<usize> = 64..=lora::DELTA_MAX_TOKENS;
+/// GEMMs and measured no gain) to the largest decode batch it was measured on
+/// ([`lora::SIDE_PLAN_MAX_TOKENS`]; longer steps are 128/128's ~1,000-token decode steps, whose
+/// groups ride the fused path, and compute-bound prefill).
+const LORA_SM_RESERVE_TOKENS: std::ops::RangeInclusive<usize> = 64..=lora::SIDE_PLAN_MAX_TOKENS;
 
 /// [`LORA_SM_RESERVE`] (over `eight_bit` weights [`LORA_SM_RESERVE_8BIT`]), or
 /// `PEREGRINE_LORA_SM_RESERVE`, at most half the device's SMs.

@@ -1261,7 +1261,7 @@ __device__ __forceinline__ void silu_mul_lora_impl(
     pdl_wait();
     for (int e = 0; e < count; ++e) {
         if (tile_slot[e] != slot) {
-            // The block's tiles reach the next slot (its first tiles, or a slot of one tile).
+            // The block's group of tiles reaches into the next slot's (B loaded so far is the first's).
             slot = tile_slot[e];
             ksteps = slot >= 0 ? min((ranks[slot] + 15) >> 4, MAXK) : 0;
             scale = slot >= 0 ? scales[slot] : 0.f;

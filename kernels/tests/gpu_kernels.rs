@@ -374,9 +374,12 @@ fn rope_kv_write_case(kv: KvCacheDtype, rotation: KvRotation) {
     let Some(c) = cuda_for(kv) else { return };
     let mut r = rng();
     // (6, 3): a block of 4 heads holds the last k head and the v heads (rotated together). d 24 (not
-    // a multiple of 16): the unrotated heads' one-pair-per-thread kernel instead of the 16-byte one.
-    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (6, 3, 64), (4, 2, 24)] {
-        if d == 24 && rotation != KvRotation::None {
+    // a multiple of 16): the unrotated heads' one-pair-per-thread kernel instead of the 16-byte one,
+    // and for the scaled caches the one-warp-per-head kernel with 24 of a warp's lanes (one value
+    // each). d 38: no warp layout (19 has no divisor in 2..=4 and 38 values need more than 32
+    // lanes), so the scaled caches take the block kernel too.
+    for (hq, hkv, d) in [(9usize, 3usize, 64usize), (32, 8, 128), (6, 3, 64), (4, 2, 24), (4, 2, 38)] {
+        if !d.is_power_of_two() && rotation != KvRotation::None {
             continue; // the Hadamard rotation needs a power of two
         }
         let bs = 16;

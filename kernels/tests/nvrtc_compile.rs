@@ -25,5 +25,13 @@ fn kernels_compile_for_hopper_and_ampere() {
         for name in ["rope_kv_write_had_v", "rope_kv_write_fp8_had_v", "hadamard_heads"] {
             assert!(ptx.contains(&format!(".entry {name}(")), "{name} missing from the PTX");
         }
+        // Every function `Kernels::new` looks up (`f("name")` in ops/mod.rs): a kernel renamed or
+        // dropped from the sources fails here rather than at a GPU machine's start.
+        let loader = include_str!("../src/ops/mod.rs");
+        let looked_up: Vec<&str> = loader.split("f(\"").skip(1).filter_map(|rest| rest.split('"').next()).collect();
+        assert!(looked_up.len() > 50, "found only {} lookups in ops/mod.rs", looked_up.len());
+        for name in looked_up {
+            assert!(ptx.contains(&format!(".entry {name}(")), "{name} (looked up by Kernels::new) missing from the PTX");
+        }
     }
 }

@@ -30,9 +30,13 @@ pub struct RopeCache {
     pub block_size: usize,
 }
 
-/// rope_kv.cu's ROPE_HEADS: heads per block of `rope_kv_write`.
+/// rope_kv.cu's ROPE_HEADS: heads per block of the block kernel (`rope_kv_write_impl`).
 const ROPE_HEADS: i32 = 4;
-/// rope_kv.cu's ROPE_HAD_MAX_D: largest head dimension the Hadamard variants stage.
+/// rope_kv.cu's ROPE_WARP_HEADS: heads (warps) per block of the one-warp-per-head kernels.
+const ROPE_WARP_HEADS: i32 = 4;
+/// rope_kv.cu's ROPE_WARP_MAXV: values a lane holds at most in the one-warp-per-head kernels.
+const ROPE_WARP_MAXV: usize = 4;
+/// rope_kv.cu's ROPE_HAD_MAX_D: largest head dimension of the rotated and per-head-scaled caches.
 const ROPE_HAD_MAX_D: usize = 128;
 
 /// Which heads `rope_kv_write` rotates by the normalized Walsh–Hadamard matrix `H` before the cache
@@ -68,13 +72,35 @@ fn check_hadamard_dim(d: usize) -> Result<()> {
     }
 }
 
-/// rope_kv_write's grid: a token's items over blocks of 128 threads (`vec_items`, the 16-byte kernel),
-/// or ROPE_HEADS heads of a token per block of 256 threads.
-fn rope_launch(n: usize, hq: i32, hkv: i32, vec_items: Option<usize>) -> Result<LaunchConfig> {
+/// Values a lane holds when one warp holds a head of `d` values (rope_kv.cu's `rope_warp_values`,
+/// the same rule): the smallest of 1..=ROPE_WARP_MAXV with `(d / 2) % v == 0` and `d / v <= 32`.
+/// None: no warp layout, the block kernel's fallback (only unrotated caches get there: every
+/// power of two up to 128 has one).
+fn rope_warp_values(d: usize) -> Option<usize> {
+    (1..=ROPE_WARP_MAXV).find(|&v| (d / 2).is_multiple_of(v) && d / v <= 32)
+}
+
+/// Which rope_kv.cu kernel a launch runs, for its grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RopeGrid {
+    /// The 16-byte kernel: this many items a token, one per thread.
+    Vec(usize),
+    /// One warp per head.
+    Warp,
+    /// The block kernel: ROPE_HEADS heads a block.
+    Block,
+}
+
+/// rope_kv_write's grid: a token's items over blocks of 128 threads (the 16-byte kernel),
+/// ROPE_WARP_HEADS heads of a token per block of one warp each, or ROPE_HEADS heads of a token per
+/// block of 256 threads.
+fn rope_launch(n: usize, hq: i32, hkv: i32, grid: RopeGrid) -> Result<LaunchConfig> {
     let tokens = as_u32(n, "tokens")?;
-    Ok(match vec_items {
-        Some(items) => LaunchConfig { grid_dim: (tokens, items.div_ceil(128) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 },
-        None => LaunchConfig { grid_dim: (tokens, ((hq + 2 * hkv + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 },
+    let heads = hq + 2 * hkv;
+    Ok(match grid {
+        RopeGrid::Vec(items) => LaunchConfig { grid_dim: (tokens, items.div_ceil(128) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 },
+        RopeGrid::Warp => LaunchConfig { grid_dim: (tokens, ((heads + ROPE_WARP_HEADS - 1) / ROPE_WARP_HEADS) as u32, 1), block_dim: (ROPE_WARP_HEADS as u32 * 32, 1, 1), shared_mem_bytes: 0 },
+        RopeGrid::Block => LaunchConfig { grid_dim: (tokens, ((heads + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 },
     })
 }
 
@@ -107,26 +133,36 @@ impl Kernels {
         self.check_kv_dtype(kv, block_size)?;
         let bias = bias.unwrap_or(0);
         // Unrotated heads of a dimension that is a multiple of 16: rope_kv_write_vec's 16-byte
-        // accesses, one item (8 RoPE pairs, or 8 values of v) per thread.
-        // (A per-head-scaled cache stages every head for its max: never the 16-byte kernel.)
-        let vec_items = (rotation == KvRotation::None && !kv.has_head_scales() && d.is_multiple_of(16)).then(|| (hq + hkv) * (d / 16) + hkv * (d / 8));
-        let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
-        let func = match (kv, rotation) {
-            (KvCacheDtype::Bf16, KvRotation::None) if vec_items.is_some() => &self.rope_kv_write_vec,
-            (KvCacheDtype::Fp8E4m3, KvRotation::None) if vec_items.is_some() => &self.rope_kv_write_fp8_vec,
-            (KvCacheDtype::Bf16, KvRotation::None) => &self.rope_kv_write,
-            (KvCacheDtype::Fp8E4m3, KvRotation::None) => &self.rope_kv_write_fp8,
-            (KvCacheDtype::Bf16, KvRotation::QK) => &self.rope_kv_write_had,
-            (KvCacheDtype::Fp8E4m3, KvRotation::QK) => &self.rope_kv_write_fp8_had,
-            (KvCacheDtype::Bf16, KvRotation::QKV) => &self.rope_kv_write_had_v,
-            (KvCacheDtype::Fp8E4m3, KvRotation::QKV) => &self.rope_kv_write_fp8_had_v,
-            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::None) => &self.rope_kv_write_fp8s,
-            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QK) => &self.rope_kv_write_fp8s_had,
-            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QKV) => &self.rope_kv_write_fp8s_had_v,
-            (KvCacheDtype::Int8PerHead, KvRotation::None) => &self.rope_kv_write_i8s,
-            (KvCacheDtype::Int8PerHead, KvRotation::QK) => &self.rope_kv_write_i8s_had,
-            (KvCacheDtype::Int8PerHead, KvRotation::QKV) => &self.rope_kv_write_i8s_had_v,
+        // accesses, one item (8 RoPE pairs, or 8 values of v) per thread. Rotated or per-head-scaled
+        // heads (rotated, or reduced for their max): one warp per head where the dimension has a warp
+        // layout (always, for a rotation); the block kernel for the others.
+        let staged = rotation != KvRotation::None || kv.has_head_scales();
+        let grid = match (staged, rope_warp_values(d)) {
+            (false, _) if d.is_multiple_of(16) => RopeGrid::Vec((hq + hkv) * (d / 16) + hkv * (d / 8)),
+            (true, Some(_)) => RopeGrid::Warp,
+            _ => RopeGrid::Block,
         };
+        let (hq, hkv, d, bs) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
+        let func = match (kv, rotation, grid) {
+            (KvCacheDtype::Bf16, KvRotation::None, RopeGrid::Vec(_)) => &self.rope_kv_write_vec,
+            (KvCacheDtype::Fp8E4m3, KvRotation::None, RopeGrid::Vec(_)) => &self.rope_kv_write_fp8_vec,
+            (KvCacheDtype::Bf16, KvRotation::None, _) => &self.rope_kv_write,
+            (KvCacheDtype::Fp8E4m3, KvRotation::None, _) => &self.rope_kv_write_fp8,
+            (KvCacheDtype::Bf16, KvRotation::QK, _) => &self.rope_kv_write_had,
+            (KvCacheDtype::Fp8E4m3, KvRotation::QK, _) => &self.rope_kv_write_fp8_had,
+            (KvCacheDtype::Bf16, KvRotation::QKV, _) => &self.rope_kv_write_had_v,
+            (KvCacheDtype::Fp8E4m3, KvRotation::QKV, _) => &self.rope_kv_write_fp8_had_v,
+            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::None, RopeGrid::Warp) => &self.rope_kv_write_fp8s_w,
+            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::None, _) => &self.rope_kv_write_fp8s,
+            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QK, _) => &self.rope_kv_write_fp8s_had,
+            (KvCacheDtype::Fp8E4m3PerHead, KvRotation::QKV, _) => &self.rope_kv_write_fp8s_had_v,
+            (KvCacheDtype::Int8PerHead, KvRotation::None, RopeGrid::Warp) => &self.rope_kv_write_i8s_w,
+            (KvCacheDtype::Int8PerHead, KvRotation::None, _) => &self.rope_kv_write_i8s,
+            (KvCacheDtype::Int8PerHead, KvRotation::QK, _) => &self.rope_kv_write_i8s_had,
+            (KvCacheDtype::Int8PerHead, KvRotation::QKV, _) => &self.rope_kv_write_i8s_had_v,
+        };
+        // Every rotated kernel is a warp kernel: check_hadamard_dim's powers of two all have a layout.
+        debug_assert!(rotation == KvRotation::None || grid == RopeGrid::Warp);
         Launch::new(func)
             .arg(&qkv)
             .arg(&bias)
@@ -146,7 +182,7 @@ impl Kernels {
             .arg(&dxs)
             .arg(&dws)
             .arg(&qkv_i32)
-            .launch(s, rope_launch(n, hq, hkv, vec_items)?, false)?;
+            .launch(s, rope_launch(n, hq, hkv, grid)?, false)?;
         Ok(())
     }
 
@@ -166,7 +202,32 @@ impl Kernels {
             .arg(&x)
             .arg(&h)
             .arg(&d)
-            .launch(s, LaunchConfig { grid_dim: (as_u32(n, "tokens")?, ((h + ROPE_HEADS - 1) / ROPE_HEADS) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }, false)?;
+            .launch(s, LaunchConfig { grid_dim: (as_u32(n, "tokens")?, ((h + ROPE_WARP_HEADS - 1) / ROPE_WARP_HEADS) as u32, 1), block_dim: (ROPE_WARP_HEADS as u32 * 32, 1, 1), shared_mem_bytes: 0 }, false)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The warp layout every launch relies on: `d / v` lanes of `v` values, each RoPE pair at one
+    /// index of two lanes, and a layout for every head dimension a rotation accepts.
+    #[test]
+    fn warp_layout_fits_a_warp_and_keeps_rope_pairs_at_one_index() {
+        assert_eq!(rope_warp_values(128), Some(4));
+        assert_eq!(rope_warp_values(64), Some(2));
+        assert_eq!(rope_warp_values(96), Some(3));
+        assert_eq!(rope_warp_values(80), Some(4));
+        assert_eq!(rope_warp_values(24), Some(1));
+        assert_eq!(rope_warp_values(110), None, "55 has no divisor in 2..=4 and 110 values need more than 32 lanes");
+        for d in (2..=ROPE_HAD_MAX_D).step_by(2) {
+            if let Some(v) = rope_warp_values(d) {
+                assert!(d / v <= 32 && (d / 2).is_multiple_of(v) && v <= ROPE_WARP_MAXV, "head_dim {d}: {v} a lane");
+            }
+            if check_hadamard_dim(d).is_ok() {
+                assert!(rope_warp_values(d).is_some(), "rotated head_dim {d} without a warp layout");
+            }
+        }
     }
 }

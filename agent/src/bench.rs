@@ -1,7 +1,8 @@
 //! `peregrine-agent bench`: offline throughput through the whole engine (scheduler, KV cache, sampler;
 //! no HTTP), like vLLM's `benchmark_throughput`/`benchmark_latency`. Prints figures; asserts nothing.
-//! With `--lora N`, each decode batch size is run a second time with N random adapters (Zipf-spread
-//! over the batch) and the throughput is reported relative to the base model's. With
+//! With `--lora N` (N random adapters) or `--lora-dir DIR` (the PEFT adapters in a folder), each
+//! decode batch size is run a second time on the adapters (Zipf-spread over the batch) and the
+//! throughput is reported relative to the base model's. With
 //! `--json-schema FILE`, likewise with every sequence constrained to that JSON schema (llguidance
 //! masks, computed beside the forward pass), relative to unconstrained decode, and the host time one
 //! step's masks take for 32 and 256 sequences (the tokenizer's vocabulary; with a dummy-weight shape,
@@ -11,11 +12,12 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use peregrine_engine::engine::EngineHandle;
-use peregrine_engine::bench::lora::{write_random_adapters, zipf_assignment};
+use peregrine_engine::bench::lora::zipf_assignment;
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
 use peregrine_engine::structured::{CompiledGrammar, GrammarCompiler, GrammarSpec};
 use serde::Serialize;
 
+use crate::bench_adapters::{AdapterSource, AdapterSummary};
 use crate::bench_serve::ServeBenchArgs;
 use crate::runtime::EngineArgs;
 
@@ -24,7 +26,8 @@ use crate::runtime::EngineArgs;
 /// nested engine flags (`--model`) are given.
 #[derive(Debug, Clone)]
 pub enum BenchCommand {
-    Offline(BenchArgs),
+    /// Boxed: the offline flags are several times the size of the serve ones.
+    Offline(Box<BenchArgs>),
     Serve(ServeBenchArgs),
 }
 
@@ -35,7 +38,7 @@ impl clap::FromArgMatches for BenchCommand {
                 BenchMode::Offline(a) => BenchCommand::Offline(a),
                 BenchMode::Serve(a) => BenchCommand::Serve(a),
             }),
-            None => BenchArgs::from_arg_matches(matches).map(BenchCommand::Offline),
+            None => BenchArgs::from_arg_matches(matches).map(|a| BenchCommand::Offline(Box::new(a))),
         }
     }
 
@@ -60,14 +63,14 @@ impl Args for BenchCommand {
 #[derive(Debug, Clone, Subcommand)]
 pub enum BenchMode {
     /// Offline throughput: prefill and decode tokens/s through the engine, no HTTP (the default).
-    Offline(BenchArgs),
+    Offline(Box<BenchArgs>),
     /// Load generator against a running server: throughput, TTFT, TPOT and ITL percentiles.
     Serve(ServeBenchArgs),
 }
 
 pub fn dispatch(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
-        BenchCommand::Offline(args) => run(args),
+        BenchCommand::Offline(args) => run(*args),
         BenchCommand::Serve(args) => crate::bench_serve::run(args),
     }
 }
@@ -100,6 +103,10 @@ pub struct BenchArgs {
     /// Rank of the random adapters (all seven projections).
     #[arg(long, default_value_t = 16)]
     pub lora_rank: usize,
+    /// Measure on the PEFT adapters in this folder (each subfolder with an adapter_config.json, or
+    /// the folder itself) instead of random ones: all of them, or the first `--lora N` by name.
+    #[arg(long)]
+    pub lora_dir: Option<std::path::PathBuf>,
     /// Zipf exponent of the requests' spread over the adapters (0: uniform).
     #[arg(long, default_value_t = 1.0)]
     pub zipf_s: f64,
@@ -164,8 +171,8 @@ struct LoraFigure {
 
 #[derive(Debug, Serialize)]
 struct LoraSetup {
-    adapters: usize,
-    rank: usize,
+    #[serde(flatten)]
+    adapters: AdapterSummary,
     zipf_s: f64,
     max_loras: usize,
 }
@@ -205,14 +212,9 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
     let max_batch = args.batch_sizes.iter().copied().max().unwrap_or(1);
     engine_args.max_num_seqs = engine_args.max_num_seqs.max(max_batch);
     engine_args.max_num_batched_tokens = engine_args.max_num_batched_tokens.max(args.prompt_len);
-    if args.lora > 0 {
-        engine_args.enable_lora = true;
-        // Every adapter gets a slot, so a batch runs all its sequences at once (else the figure
-        // would measure admission waits, not the LoRA compute).
-        engine_args.max_loras = engine_args.max_loras.max(args.lora);
-        engine_args.max_lora_rank = engine_args.max_lora_rank.max(args.lora_rank);
-        engine_args.max_cpu_loras = engine_args.max_cpu_loras.max(args.lora);
-    }
+    // Read before the model loads, so that a bad folder fails fast and its ranks can be reserved.
+    let adapters = AdapterSource::from_flags(args.lora, args.lora_rank, args.lora_dir.as_deref())?;
+    adapters.reserve(&mut engine_args, true);
     let runtime = engine_args.start()?;
     let engine = &runtime.engine;
     let limits = BatchLimits {
@@ -224,7 +226,8 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
     let mut salt = 0u64;
 
     // The adapters go through the same path as a served adapter: PEFT folders, loaded by name.
-    let (_scratch, adapter_names) = load_random_adapters(&runtime, args.lora, args.lora_rank, args.engine.seed)?;
+    let loaded = adapters.load(&runtime, args.engine.seed)?;
+    let adapter_names = &loaded.names;
 
     let grammar = match &args.json_schema {
         Some(path) => Some(compile_schema(&runtime, path)?),
@@ -290,12 +293,7 @@ fn measure(args: BenchArgs) -> anyhow::Result<BenchReport> {
         prompt_len: args.prompt_len,
         prefill_tokens_per_second: median(&mut prefill),
         decode,
-        lora: (args.lora > 0).then_some(LoraSetup {
-            adapters: args.lora,
-            rank: args.lora_rank,
-            zipf_s: args.zipf_s,
-            max_loras: engine_args.max_loras,
-        }),
+        lora: (adapters.count() > 0).then(|| LoraSetup { adapters: adapters.summary(), zipf_s: args.zipf_s, max_loras: engine_args.max_loras }),
         masks,
         peak_rss_mib: peak_rss_mib(),
     };
@@ -311,8 +309,12 @@ fn print_report(report: &BenchReport) {
             println!("decode     {:>9.1} tokens/s  (batch {:>3}, {:.1} ms/step)", d.tokens_per_second, d.batch, d.ms_per_step);
             if let (Some(l), Some(setup)) = (&d.lora, &report.lora) {
                 println!(
-                    "  + LoRA   {:>9.1} tokens/s  ({:.3} x base; {} adapters of rank {}, zipf s={}, spread {:?})",
-                    l.tokens_per_second, l.relative_to_base, setup.adapters, setup.rank, setup.zipf_s, l.spread
+                    "  + LoRA   {:>9.1} tokens/s  ({:.3} x base; {}, zipf s={}, spread {:?})",
+                    l.tokens_per_second,
+                    l.relative_to_base,
+                    setup.adapters.describe(),
+                    setup.zipf_s,
+                    l.spread
                 );
             }
             if let Some(j) = &d.json_schema {
@@ -390,42 +392,6 @@ fn decode_max_tokens(batch: usize, args: &BenchArgs, limits: BatchLimits) -> usi
     let prefill_steps = (batch * args.context_len).div_ceil(prefill_per_step);
     let wanted = args.decode_tokens + 1 + if batch > 1 { prefill_steps } else { 0 };
     wanted.min(limits.max_model_len.saturating_sub(args.context_len)).max(2)
-}
-
-/// A private temporary folder for the random adapters, removed on drop.
-/// Writes `count` random PEFT adapters of `rank` (seeded) to a scratch folder and loads them by name,
-/// the same path a served adapter takes. The folder lives as long as the returned guard.
-pub(crate) fn load_random_adapters(
-    runtime: &crate::runtime::Runtime,
-    count: usize,
-    rank: usize,
-    seed: u64,
-) -> anyhow::Result<(ScratchDir, Vec<String>)> {
-    let scratch = ScratchDir::new()?;
-    if count == 0 {
-        return Ok((scratch, Vec::new()));
-    }
-    let written = write_random_adapters(&runtime.model_config, count, rank, seed, &scratch.0)?;
-    for (name, folder) in &written {
-        runtime.engine.load_adapter(name, folder)?;
-    }
-    Ok((scratch, written.into_iter().map(|(name, _)| name).collect()))
-}
-
-pub(crate) struct ScratchDir(pub(crate) std::path::PathBuf);
-
-impl ScratchDir {
-    pub(crate) fn new() -> anyhow::Result<Self> {
-        let dir = std::env::temp_dir().join(format!("peregrine-bench-lora-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        Ok(ScratchDir(dir))
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 struct BatchTiming {
@@ -621,7 +587,7 @@ mod tests {
             "--json-schema", schema_arg, "--batch-sizes", "1,4", "--repeat", "1", "--prompt-len", "8", "--context-len", "4", "--decode-tokens", "4",
         ];
         let BenchCommand::Offline(bench) = parse(&args).unwrap() else { panic!("offline") };
-        let report = measure(bench).unwrap();
+        let report = measure(*bench).unwrap();
         assert_eq!(report.decode.len(), 2);
         for d in &report.decode {
             let j = d.json_schema.as_ref().expect("constrained figure");

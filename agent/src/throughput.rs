@@ -1,9 +1,10 @@
 //! `peregrine-agent throughput`: offline throughput of many requests at once through the whole engine
 //! (scheduler, paged KV cache, chunked prefill, sampling; no HTTP), like vLLM's
 //! `benchmark_throughput.py`: `--num-prompts` random prompts of `--input-len` tokens, each generating
-//! exactly `--output-len` tokens (EOS ignored), all submitted at once. With `--lora N` the same
-//! workload runs twice on one engine, base model then each request on one of N random adapters
-//! (`--lora-dist`), and both figures print side by side. Prints figures; asserts nothing.
+//! exactly `--output-len` tokens (EOS ignored), all submitted at once. With `--lora N` (N random
+//! adapters) or `--lora-dir DIR` (the PEFT adapters in a folder) the same workload runs twice on one
+//! engine, base model then each request on one of the adapters (`--lora-dist`), and both figures
+//! print side by side. Prints figures; asserts nothing.
 
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ use peregrine_engine::bench::lora::zipf_assignment;
 use peregrine_engine::request::{GenerationRequest, RequestEvent, SamplingParams};
 use serde::Serialize;
 
-use crate::bench::load_random_adapters;
+use crate::bench_adapters::{AdapterSource, AdapterSummary, ScratchDir};
 use crate::runtime::EngineArgs;
 
 #[derive(Debug, Clone, Args)]
@@ -44,6 +45,11 @@ pub struct ThroughputArgs {
     /// Rank of the random adapters (all seven projections).
     #[arg(long, default_value_t = 16)]
     pub lora_rank: usize,
+    /// Run the LoRA side on the PEFT adapters in this folder (each subfolder with an
+    /// adapter_config.json, or the folder itself) instead of random ones: all of them, or the
+    /// first `--lora N` by name.
+    #[arg(long)]
+    pub lora_dir: Option<std::path::PathBuf>,
     /// How requests spread over the adapters: `uniform` or `zipf:S` (Zipf exponent S).
     #[arg(long, default_value = "zipf:1", value_parser = parse_lora_dist)]
     pub lora_dist: f64,
@@ -90,8 +96,8 @@ pub struct ThroughputReport {
 /// The LoRA side of the workload.
 #[derive(Debug, Serialize)]
 pub struct LoraRun {
-    pub adapters: usize,
-    pub rank: usize,
+    #[serde(flatten)]
+    pub adapters: AdapterSummary,
     pub zipf_s: f64,
     pub seconds: f64,
     pub output_tokens_per_second: f64,
@@ -155,11 +161,10 @@ pub fn measure(args: ThroughputArgs) -> anyhow::Result<ThroughputReport> {
     let mut engine_args = args.engine.clone();
     // Random prompts share no prefix; the cache would only add bookkeeping.
     engine_args.disable_prefix_caching = true;
-    if args.lora > 0 {
-        engine_args.enable_lora = true;
-        engine_args.max_lora_rank = engine_args.max_lora_rank.max(args.lora_rank);
-        engine_args.max_cpu_loras = engine_args.max_cpu_loras.max(args.lora);
-    }
+    // Read before the model loads, so that a bad folder fails fast and its ranks can be reserved.
+    let adapters = AdapterSource::from_flags(args.lora, args.lora_rank, args.lora_dir.as_deref())?;
+    // GPU slots stay at --max-loras: more adapters than slots is part of what a workload measures.
+    adapters.reserve(&mut engine_args, false);
     let runtime = engine_args.start()?;
     let engine = &runtime.engine;
     let vocab = runtime.model_config.vocab_size;
@@ -170,7 +175,8 @@ pub fn measure(args: ThroughputArgs) -> anyhow::Result<ThroughputReport> {
         ignore_eos: true,
         ..SamplingParams::greedy(args.output_len)
     };
-    let (_scratch, adapter_names) = load_random_adapters(&runtime, args.lora, args.lora_rank, args.engine.seed)?;
+    let loaded = adapters.load(&runtime, args.engine.seed)?;
+    let adapter_names = &loaded.names;
 
     // Warm-up (kernels compiled and loaded, first CUDA graphs, pages touched), not timed.
     let warm = GenerationRequest {
@@ -187,11 +193,10 @@ pub fn measure(args: ThroughputArgs) -> anyhow::Result<ThroughputReport> {
         let picks = zipf_assignment(args.num_prompts, adapter_names.len(), args.lora_dist, 0.0, args.engine.seed);
         let assignment: Vec<Option<String>> = picks.iter().map(|p| p.map(|a| adapter_names[a].clone())).collect();
         let pass = run_pass(engine, &args, &params, &assignment, vocab)?;
-        let cold_adapter = time_cold_adapters(&runtime, &args, &params)?;
+        let cold_adapter = time_cold_adapters(&runtime, &args, &params, adapters.max_rank())?;
         let tps = pass.output_tokens as f64 / pass.seconds;
         Some(LoraRun {
-            adapters: args.lora,
-            rank: args.lora_rank,
+            adapters: adapters.summary(),
             zipf_s: args.lora_dist,
             seconds: pass.seconds,
             output_tokens_per_second: tps,
@@ -243,8 +248,11 @@ impl ThroughputReport {
         println!("TTFT        p50 {:.3} s, p99 {:.3} s (all requests submitted at t=0)", report.ttft_p50_seconds, report.ttft_p99_seconds);
         if let Some(l) = &report.lora {
             println!(
-                "+ LoRA      {:.1} output tokens/s = {:.3} x base ({} adapters of rank {}, zipf s={}; {:.2} s, TTFT p50 {:.3} s, {} preemptions)",
-                l.output_tokens_per_second, l.relative_to_base, l.adapters, l.rank, l.zipf_s, l.seconds, l.ttft_p50_seconds, l.preemptions
+                "+ LoRA      {:.1} output tokens/s = {:.3} x base ({}, zipf s={}; {:.2} s, TTFT p50 {:.3} s, {} preemptions)",
+                l.output_tokens_per_second,
+                l.relative_to_base,
+                l.adapters.describe(),
+                l.zipf_s, l.seconds, l.ttft_p50_seconds, l.preemptions
             );
             let c = &l.cold_adapter;
             println!(
@@ -253,21 +261,22 @@ impl ThroughputReport {
                 c.load_seconds * 1e3,
                 c.first_token_seconds * 1e3,
                 c.base_first_token_seconds * 1e3,
-                l.rank,
+                l.adapters.rank,
                 COLD_ADAPTER_SAMPLES
             );
         }
     }
 }
 
-/// Times [`COLD_ADAPTER_SAMPLES`] adapters never seen before from their PEFT files to the first token
-/// of one request on each (the engine otherwise idle; the GPU slots still hold the workload's
-/// adapters, so each takes a slot from one of them), and the same request on the base model.
-fn time_cold_adapters(runtime: &crate::runtime::Runtime, args: &ThroughputArgs, params: &SamplingParams) -> anyhow::Result<ColdAdapter> {
+/// Times [`COLD_ADAPTER_SAMPLES`] adapters never seen before (random, of `rank`: the workload's
+/// largest) from their PEFT files to the first token of one request on each (the engine otherwise
+/// idle; the GPU slots still hold the workload's adapters, so each takes a slot from one of them),
+/// and the same request on the base model.
+fn time_cold_adapters(runtime: &crate::runtime::Runtime, args: &ThroughputArgs, params: &SamplingParams, rank: usize) -> anyhow::Result<ColdAdapter> {
     let engine = &runtime.engine;
     let vocab = runtime.model_config.vocab_size;
-    let scratch = crate::bench::ScratchDir::new()?;
-    let written = peregrine_engine::bench::lora::write_random_adapters(&runtime.model_config, COLD_ADAPTER_SAMPLES, args.lora_rank, args.engine.seed ^ 0xC01D, &scratch.0)?;
+    let scratch = ScratchDir::new()?;
+    let written = peregrine_engine::bench::lora::write_random_adapters(&runtime.model_config, COLD_ADAPTER_SAMPLES, rank, args.engine.seed ^ 0xC01D, &scratch.0)?;
     let one = SamplingParams { max_tokens: 1, ..params.clone() };
     let first_token = |adapter: Option<String>, salt: u64| -> anyhow::Result<f64> {
         let request = GenerationRequest { id: engine.new_request_id(), prompt_tokens: random_prompt(args.input_len, vocab, salt), params: one.clone(), adapter };

@@ -1,6 +1,6 @@
 //! A new LoRA adapter from disk to host memory, without a GPU: writes one random adapter (all seven
 //! projections) shaped for a base model as a PEFT folder in a temporary folder, then times
-//! `LoraAdapter::load` (read + digest + parse + validate + convert to the f32 form the backends take)
+//! `LoraAdapter::load` (read + digest + parse + validate, values kept in the file's width)
 //! `repeats` times and prints each time, the median and the best, in ms and MB/s of the
 //! safetensors file. The files were just written, so the figures are warm-cache ones; with `cold`
 //! the adapter's two files (only they) are dropped from the page cache before each load

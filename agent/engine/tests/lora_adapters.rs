@@ -4,7 +4,7 @@ mod common;
 mod lora_common;
 
 use peregrine_engine::config::ModelConfig;
-use peregrine_engine::lora::{save_peft, LoraAdapter, RandomAdapterSpec, TargetModule};
+use peregrine_engine::lora::{save_peft, LoraAdapter, LoraValues, RandomAdapterSpec, TargetModule};
 use peregrine_engine::EngineError;
 
 use lora_common::{adapter_dir, copy_adapter, lora_reference, smollm2_config};
@@ -55,7 +55,7 @@ fn fixture_adapters_load_with_peft_metadata() {
             .iter()
             .flatten()
             .flatten()
-            .flat_map(|p| p.a.iter().map(|&v| v as f64))
+            .flat_map(|p| p.a.as_f32().iter().map(|&v| v as f64).collect::<Vec<_>>())
             .collect();
         let mean = a.iter().sum::<f64>() / a.len() as f64;
         let std = (a.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / a.len() as f64).sqrt();
@@ -74,6 +74,26 @@ fn sha256sum_of_files(dir: &std::path::Path) -> String {
 /// The weights only: `digest` records the files read, which an adapter built in memory has none of.
 fn without_digest(adapter: LoraAdapter) -> LoraAdapter {
     LoraAdapter { digest: String::new(), ..adapter }
+}
+
+/// The fixture adapters are F16 files: their values stay 16-bit in host memory (half of f32's
+/// bytes, which is what `--max-cpu-loras` holds), and save back to an F16 file that loads equal.
+#[test]
+fn sixteen_bit_adapters_stay_sixteen_bit_in_host_memory_and_save_as_read() {
+    let cfg = smollm2_config();
+    let adapter = LoraAdapter::load(&adapter_dir("adapter-a"), &cfg, 64).unwrap();
+    let pairs: Vec<_> = adapter.layers.iter().flatten().flatten().collect();
+    assert!(!pairs.is_empty());
+    assert!(pairs.iter().all(|p| matches!((&p.a, &p.b), (LoraValues::F16(_), LoraValues::F16(_)))));
+    let params: usize = pairs.iter().map(|p| p.a.len() + p.b.len()).sum();
+    assert_eq!(adapter.size_bytes(), 2 * params);
+    let dir = tempfile::tempdir().unwrap();
+    save_peft(&adapter, dir.path()).unwrap();
+    let file = std::fs::metadata(dir.path().join("adapter_model.safetensors")).unwrap().len() as usize;
+    assert!(file > 2 * params && file < 2 * params + 64 * 1024, "an F16 file: {file} bytes for {params} values");
+    let again = LoraAdapter::load(dir.path(), &cfg, 64).unwrap();
+    assert!(again.layers.iter().flatten().flatten().all(|p| matches!(p.a, LoraValues::F16(_))));
+    assert_eq!(without_digest(again), without_digest(adapter));
 }
 
 #[test]
@@ -194,10 +214,8 @@ fn non_finite_values_are_refused() {
     let cfg = smollm2_config();
     for bad in [f32::NAN, f32::INFINITY] {
         let mut adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(2, 3));
-        adapter.layers[7][TargetModule::Up.index()]
-            .as_mut()
-            .unwrap()
-            .b[5] = bad;
+        let LoraValues::F32(b) = &mut adapter.layers[7][TargetModule::Up.index()].as_mut().unwrap().b else { panic!("random adapters are f32") };
+        b[5] = bad;
         let dir = tempfile::tempdir().unwrap();
         save_peft(&adapter, dir.path()).unwrap();
         let msg = invalid_message(LoraAdapter::load(dir.path(), &cfg, 64));
@@ -308,9 +326,9 @@ fn bf16_and_f16_tensors_decode_exactly() {
             let module = TargetModule::from_peft_name(name.split('.').nth(6).unwrap()).unwrap();
             let pair = expected.layers[layer][module.index()].as_mut().unwrap();
             if name.contains("lora_A") {
-                pair.a = rounded
+                pair.a = rounded.into()
             } else {
-                pair.b = rounded
+                pair.b = rounded.into()
             }
             converted.push((name.to_string(), view.shape().to_vec(), data));
         }
@@ -420,7 +438,7 @@ fn differences_from_elementwise_decode(adapter: &LoraAdapter, bytes: &[u8]) -> T
             Dtype::BF16 => view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             other => return Err(format!("{name}: {other:?}").into()),
         };
-        if got.len() != want.len() || got.iter().zip(&want).any(|(g, w)| g.to_bits() != w.to_bits()) {
+        if got.len() != want.len() || got.as_f32().iter().zip(&want).any(|(g, w)| g.to_bits() != w.to_bits()) {
             differ.push(format!("{name} ({:?})", view.dtype()));
         }
         compared += 1;
@@ -516,7 +534,8 @@ fn the_first_bad_tensor_in_layer_order_is_reported() {
     let mut adapter = LoraAdapter::random(&cfg, &RandomAdapterSpec::new(4, 3));
     // Several bad tensors: whichever thread finds one first, the message names the earliest.
     for (layer, module, index) in [(20, TargetModule::Q, 9), (3, TargetModule::Down, 17), (11, TargetModule::O, 1)] {
-        adapter.layers[layer][module.index()].as_mut().unwrap().a[index] = f32::NAN;
+        let LoraValues::F32(a) = &mut adapter.layers[layer][module.index()].as_mut().unwrap().a else { panic!("random adapters are f32") };
+        a[index] = f32::NAN;
     }
     let dir = tempfile::tempdir().unwrap();
     save_peft(&adapter, dir.path()).unwrap();

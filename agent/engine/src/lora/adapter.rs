@@ -1,5 +1,5 @@
 //! A PEFT LoRA adapter in host memory: `adapter_config.json` + `adapter_model.safetensors`, read,
-//! checked against the base model and converted to f32.
+//! checked against the base model, its values kept in the file's width ([`LoraValues`]).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -7,13 +7,13 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use half::slice::HalfFloatSliceExt;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensorError};
 use sha2::{Digest, Sha256};
 
 use super::config::AdapterConfig;
 use super::target::TargetModule;
+use super::values::LoraValues;
 use crate::config::ModelConfig;
 use crate::{EngineError, Result};
 
@@ -25,12 +25,12 @@ const PICKLE_FILE: &str = "adapter_model.bin";
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraPair {
     /// `[r, in]`, row-major.
-    pub a: Vec<f32>,
+    pub a: LoraValues,
     /// `[out, r]`, row-major.
-    pub b: Vec<f32>,
+    pub b: LoraValues,
 }
 
-/// An adapter's weights in f32, per layer and target module, with its rank and scaling.
+/// An adapter's weights (in its file's width), per layer and target module, with its rank and scaling.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraAdapter {
     pub rank: usize,
@@ -61,8 +61,8 @@ impl LoraAdapter {
     ///
     /// `adapter_model.safetensors` is never copied whole: its header is read and checked in full
     /// (names, shapes, dtypes, offsets) before any tensor data is read; then each tensor is read
-    /// with positioned reads straight into its f32 `Vec` (F32) or through a small buffer
-    /// (F16/BF16), on the rayon pool, while another thread reads the file in order for
+    /// with positioned reads straight into its values, in the file's width (F32, F16 or BF16: a
+    /// 16-bit adapter takes half an f32 one's host memory), on the rayon pool, while another thread reads the file in order for
     /// [`content_digest`]. A file that changes (size or modification time) meanwhile is refused, so
     /// the digest names what was decoded. No map: a file truncated under a load is an error, not a
     /// SIGBUS.
@@ -138,12 +138,12 @@ impl LoraAdapter {
         Ok(plan.assemble(decoded))
     }
 
-    /// Bytes this adapter takes in host memory (f32 weights).
+    /// Bytes this adapter's weights take in host memory (2 or 4 a value, as its file stored them).
     pub fn size_bytes(&self) -> usize {
         self.layers
             .iter()
             .flat_map(|l| l.iter().flatten())
-            .map(|p| (p.a.len() + p.b.len()) * std::mem::size_of::<f32>())
+            .map(|p| p.a.bytes() + p.b.bytes())
             .sum()
     }
 
@@ -247,8 +247,8 @@ impl PlannedTensor {
         format!("layers.{}.{}.{}.{which}", self.layer, self.module.parent(), self.module)
     }
 
-    /// The tensor's values in f32, or the message naming its first non-finite value.
-    fn decode(&self, source: &Source<'_>) -> std::result::Result<Vec<f32>, String> {
+    /// The tensor's values, or the message naming its first non-finite value.
+    fn decode(&self, source: &Source<'_>) -> std::result::Result<LoraValues, String> {
         decode_finite(self.dtype, source, self.offset, self.bytes).map_err(|e| match e {
             DecodeError::NonFinite(i, v) => {
                 format!("{} holds a non-finite value ({v}) at index {i}", self.label())
@@ -323,7 +323,7 @@ impl TensorPlan {
 
     /// Decodes every tensor on the rayon pool; the error is the first bad tensor's in plan order,
     /// whichever thread found it first.
-    fn decode(&self, source: &Source<'_>) -> std::result::Result<Vec<Vec<f32>>, String> {
+    fn decode(&self, source: &Source<'_>) -> std::result::Result<Vec<LoraValues>, String> {
         use rayon::prelude::*;
         self.tensors
             .par_iter()
@@ -333,8 +333,8 @@ impl TensorPlan {
             .collect()
     }
 
-    /// The adapter from [`TensorPlan::decode`]'s output (one `Vec` per planned tensor, in order).
-    fn assemble(&self, decoded: Vec<Vec<f32>>) -> LoraAdapter {
+    /// The adapter from [`TensorPlan::decode`]'s output (one matrix per planned tensor, in order).
+    fn assemble(&self, decoded: Vec<LoraValues>) -> LoraAdapter {
         let mut layers: Vec<[Option<LoraPair>; 7]> =
             (0..self.layers).map(|_| Default::default()).collect();
         let mut values = decoded.into_iter();
@@ -359,7 +359,7 @@ fn decode_and_digest(
     plan: &TensorPlan,
     source: &Source<'_>,
     config_bytes: &[u8],
-) -> (std::result::Result<Vec<Vec<f32>>, String>, std::io::Result<String>) {
+) -> (std::result::Result<Vec<LoraValues>, String>, std::io::Result<String>) {
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let hashing = std::thread::Builder::new()
@@ -478,74 +478,62 @@ enum DecodeError {
 }
 
 /// The `bytes` bytes of a little-endian F32/F16/BF16 tensor (a dtype [`check_tensor`] let through)
-/// at `offset` of `source` → f32, written once into the returned `Vec` (F32 read straight into it;
-/// F16/BF16 through a piece-sized buffer); `NonFinite(index, value)` at the first non-finite value.
-/// The header check has already matched the byte length to shape × dtype size.
-fn decode_finite(
-    dtype: Dtype,
+/// at `offset` of `source`, in its own width ([`LoraValues`]), read straight into the returned
+/// values a piece at a time; `NonFinite(index, value)` at the first non-finite value. The header
+/// check has already matched the byte length to shape × dtype size.
+fn decode_finite(dtype: Dtype, source: &Source<'_>, offset: u64, bytes: usize) -> std::result::Result<LoraValues, DecodeError> {
+    match dtype {
+        Dtype::F32 => {
+            // Zeroed up front, which for a large tensor is fresh zero pages from the kernel (no
+            // pass over it here), then read into.
+            let mut out = vec![0.0f32; bytes / 4];
+            read_checked(source, offset, &mut out, |v: &f32| !v.is_finite(), |&v| v)?;
+            Ok(LoraValues::F32(out))
+        }
+        Dtype::BF16 => {
+            let mut out = vec![half::bf16::ZERO; bytes / 2];
+            // A bf16 is non-finite when its 8 exponent bits are all set.
+            read_checked(source, offset, &mut out, |v: &half::bf16| v.to_bits() & 0x7f80 == 0x7f80, |v| v.to_f32())?;
+            Ok(LoraValues::Bf16(out))
+        }
+        _ => {
+            let mut out = vec![half::f16::ZERO; bytes / 2];
+            // An f16 is non-finite when its 5 exponent bits are all set.
+            read_checked(source, offset, &mut out, |v: &half::f16| v.to_bits() & 0x7c00 == 0x7c00, |v| v.to_f32())?;
+            Ok(LoraValues::F16(out))
+        }
+    }
+}
+
+/// Fills `out` with `source`'s little-endian values from byte `offset`, [`DECODE_PIECE`] values
+/// at a time, each piece checked by `bad` (branch-free, so it vectorises) right after its read;
+/// `NonFinite` names the first bad value (as f32, by `widen`). On a big-endian host each value's
+/// bytes are swapped from the file's order before the check.
+fn read_checked<T: bytemuck::Pod>(
     source: &Source<'_>,
     offset: u64,
-    bytes: usize,
-) -> std::result::Result<Vec<f32>, DecodeError> {
-    let width = if dtype == Dtype::F32 { 4 } else { 2 };
-    let n = bytes / width;
-    // F32: zeroed up front, which for a large tensor is fresh zero pages from the kernel (no
-    // pass over it here), then read into; F16/BF16: appended to.
-    let mut out: Vec<f32> = if width == 4 { vec![0.0; n] } else { Vec::with_capacity(n) };
-    let mut halves = if width == 2 { vec![0u8; DECODE_PIECE * 2] } else { Vec::new() };
+    out: &mut [T],
+    bad: impl Fn(&T) -> bool,
+    widen: impl Fn(&T) -> f32,
+) -> std::result::Result<(), DecodeError> {
+    let width = std::mem::size_of::<T>();
     let mut start = 0;
-    while start < n {
-        let count = (n - start).min(DECODE_PIECE);
-        let at = offset + (start * width) as u64;
-        match dtype {
-            Dtype::F32 => {
-                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out[start..start + count]);
-                source.read_at(at, dst).map_err(DecodeError::Read)?;
-                if cfg!(target_endian = "big") {
-                    for v in &mut out[start..start + count] {
-                        *v = f32::from_bits(u32::from_le(v.to_bits()));
-                    }
-                }
-            }
-            _ => {
-                let piece = &mut halves[..count * 2];
-                source.read_at(at, piece).map_err(DecodeError::Read)?;
-                extend_from_halves(dtype, piece, &mut out);
-            }
+    while start < out.len() {
+        let count = (out.len() - start).min(DECODE_PIECE);
+        let piece = &mut out[start..start + count];
+        source.read_at(offset + (start * width) as u64, bytemuck::cast_slice_mut(piece)).map_err(DecodeError::Read)?;
+        if cfg!(target_endian = "big") {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(piece);
+            bytes.chunks_exact_mut(width).for_each(<[u8]>::reverse);
         }
-        let written = &out[start..start + count];
-        // A branch-free pass first (it vectorises); the position only when something is wrong.
-        if written.iter().fold(false, |bad, v| bad | !v.is_finite()) {
-            if let Some(i) = written.iter().position(|v| !v.is_finite()) {
-                return Err(DecodeError::NonFinite(start + i, written[i]));
+        if piece.iter().fold(false, |acc, v| acc | bad(v)) {
+            if let Some(i) = piece.iter().position(&bad) {
+                return Err(DecodeError::NonFinite(start + i, widen(&piece[i])));
             }
         }
         start += count;
     }
-    Ok(out)
-}
-
-/// Appends little-endian BF16 or F16 `bytes` to `out` as f32 (exact: both widen without rounding).
-fn extend_from_halves(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) {
-    let start = out.len();
-    if dtype == Dtype::BF16 {
-        match bytemuck::try_cast_slice::<u8, u16>(bytes) {
-            // bf16 is the top half of an f32.
-            Ok(bits) if cfg!(target_endian = "little") => {
-                out.extend(bits.iter().map(|&b| f32::from_bits(u32::from(b) << 16)))
-            }
-            _ => out.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())),
-        }
-    } else {
-        match bytemuck::try_cast_slice::<u8, half::f16>(bytes) {
-            // F16C where the CPU has it.
-            Ok(values) if cfg!(target_endian = "little") => {
-                out.resize(start + values.len(), 0.0);
-                values.convert_to_f32_slice(&mut out[start..]);
-            }
-            _ => out.extend(bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())),
-        }
-    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -581,11 +569,14 @@ mod tests {
                     })
                 };
                 let decoded = decode(data).map_err(|e| e.map(|(i, _)| i));
-                let want: Vec<f32> = match dtype {
-                    Dtype::F32 => values.clone(),
-                    Dtype::BF16 => values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
-                    _ => values.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+                // Kept in the file's width.
+                let want = match dtype {
+                    Dtype::F32 => LoraValues::F32(values.clone()),
+                    Dtype::BF16 => LoraValues::Bf16(values.iter().map(|&v| half::bf16::from_f32(v)).collect()),
+                    _ => LoraValues::F16(values.iter().map(|&v| half::f16::from_f32(v)).collect()),
                 };
+                let width_of = |v: &LoraValues| std::mem::discriminant(v);
+                assert_eq!(decoded.as_ref().map(width_of), Ok(width_of(&want)), "{dtype:?}");
                 assert_eq!(decoded, Ok(want), "{dtype:?}");
                 // Bytes short of what the header promised: a read error.
                 let short = decode_finite(dtype, &Source::Bytes(&data[..data.len() - 1]), 0, data.len());

@@ -14,6 +14,7 @@ pub mod registry;
 pub mod save;
 pub mod stack;
 pub mod target;
+pub mod values;
 
 pub use adapter::{LoraAdapter, LoraPair};
 pub use config::AdapterConfig;
@@ -25,6 +26,7 @@ pub use registry::{
 pub use save::save_peft;
 pub use stack::LoraSlotStack;
 pub use target::TargetModule;
+pub use values::LoraValues;
 
 #[cfg(test)]
 pub(crate) mod test_support {

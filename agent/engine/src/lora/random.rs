@@ -51,7 +51,7 @@ impl LoraAdapter {
                     let (fan_in, fan_out) = m.dims(base);
                     let a = fill(rank * fan_in);
                     let b = fill(fan_out * rank);
-                    per_module[m.index()] = Some(LoraPair { a, b });
+                    per_module[m.index()] = Some(LoraPair { a: a.into(), b: b.into() });
                 }
                 per_module
             })

@@ -1,5 +1,6 @@
-//! Writes an adapter as a PEFT folder (`adapter_config.json` + f32 `adapter_model.safetensors`),
-//! so synthetic adapters (benchmarks, tests, e2e) go through the same loading path as real ones.
+//! Writes an adapter as a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`, each
+//! tensor in the width the adapter holds it: f32, F16 or BF16), so synthetic adapters (benchmarks,
+//! tests, e2e) go through the same loading path as real ones, and a loaded adapter saves as read.
 
 use std::path::Path;
 
@@ -7,6 +8,7 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 use super::adapter::{LoraAdapter, CONFIG_FILE, WEIGHTS_FILE};
+use super::values::LoraValues;
 use crate::{EngineError, Result};
 
 /// Saves `adapter` into `dir` (created if needed) with `lora_alpha = scaling · r` (no rsLoRA).
@@ -30,7 +32,7 @@ pub fn save_peft(adapter: &LoraAdapter, dir: &Path) -> Result<()> {
     let config_path = dir.join(CONFIG_FILE);
     std::fs::write(&config_path, config.to_string()).map_err(io(&config_path))?;
 
-    let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut buffers: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
     for (layer, pairs) in adapter.layers.iter().enumerate() {
         for pair_and_module in pairs.iter().enumerate() {
             let (index, Some(pair)) = pair_and_module else {
@@ -44,22 +46,16 @@ pub fn save_peft(adapter: &LoraAdapter, dir: &Path) -> Result<()> {
             );
             let fan_in = pair.a.len() / adapter.rank.max(1);
             let fan_out = pair.b.len() / adapter.rank.max(1);
-            buffers.push((
-                format!("{prefix}.lora_A.weight"),
-                vec![adapter.rank, fan_in],
-                f32_bytes(&pair.a),
-            ));
-            buffers.push((
-                format!("{prefix}.lora_B.weight"),
-                vec![fan_out, adapter.rank],
-                f32_bytes(&pair.b),
-            ));
+            let (a_dtype, a_bytes) = le_bytes(&pair.a);
+            buffers.push((format!("{prefix}.lora_A.weight"), vec![adapter.rank, fan_in], a_dtype, a_bytes));
+            let (b_dtype, b_bytes) = le_bytes(&pair.b);
+            buffers.push((format!("{prefix}.lora_B.weight"), vec![fan_out, adapter.rank], b_dtype, b_bytes));
         }
     }
     let views = buffers
         .iter()
-        .map(|(name, shape, data)| {
-            TensorView::new(Dtype::F32, shape.clone(), data)
+        .map(|(name, shape, dtype, data)| {
+            TensorView::new(*dtype, shape.clone(), data)
                 .map(|v| (name.clone(), v))
                 .map_err(|e| EngineError::Backend(format!("cannot build tensor {name}: {e}")))
         })
@@ -70,6 +66,11 @@ pub fn save_peft(adapter: &LoraAdapter, dir: &Path) -> Result<()> {
     std::fs::write(&weights_path, bytes).map_err(io(&weights_path))
 }
 
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+/// The values' safetensors dtype and little-endian bytes.
+fn le_bytes(values: &LoraValues) -> (Dtype, Vec<u8>) {
+    match values {
+        LoraValues::F32(v) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        LoraValues::F16(v) => (Dtype::F16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        LoraValues::Bf16(v) => (Dtype::BF16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+    }
 }

@@ -138,13 +138,15 @@ impl LoraSlotStack {
                     stack.b = vec![0.0; num_slots * fan_out * r_max];
                     stack.b_t = vec![0.0; num_slots * r_max * fan_out];
                 }
-                stack.a[slot * r_max * fan_in..][..r * fan_in].copy_from_slice(&pair.a);
+                // 16-bit adapters widen here (exactly); f32 ones are borrowed.
+                let (pair_a, pair_b) = (pair.a.as_f32(), pair.b.as_f32());
+                stack.a[slot * r_max * fan_in..][..r * fan_in].copy_from_slice(&pair_a);
                 let b_slot = &mut stack.b[slot * fan_out * r_max..][..fan_out * r_max];
-                for (dst, src) in b_slot.chunks_exact_mut(r_max).zip(pair.b.chunks_exact(r)) {
+                for (dst, src) in b_slot.chunks_exact_mut(r_max).zip(pair_b.chunks_exact(r)) {
                     dst[..r].copy_from_slice(src);
                 }
                 let bt_slot = &mut stack.b_t[slot * r_max * fan_out..][..r * fan_out];
-                for (o, src) in pair.b.chunks_exact(r).enumerate() {
+                for (o, src) in pair_b.chunks_exact(r).enumerate() {
                     for (j, &v) in src.iter().enumerate() {
                         bt_slot[j * fan_out + o] = v;
                     }

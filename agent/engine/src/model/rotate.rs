@@ -311,8 +311,9 @@ impl AdapterRotation {
             for m in T::ALL {
                 let Some(pair) = layer[m.index()].as_mut() else { continue };
                 let (cols_a, rows_b) = (pair.a.len() / r.max(1), pair.b.len() / r.max(1));
-                let a = Matrix::from_f32(r, cols_a, std::mem::take(&mut pair.a));
-                let b = Matrix::from_f32(rows_b, r, std::mem::take(&mut pair.b));
+                // The rotation is f32 arithmetic: a 16-bit adapter comes out of it in f32.
+                let a = Matrix::from_f32(r, cols_a, std::mem::take(&mut pair.a).into_f32());
+                let b = Matrix::from_f32(rows_b, r, std::mem::take(&mut pair.b).into_f32());
                 let (a, b) = match m {
                     T::Q | T::K => (fold_reader(&a, g1, &self.q), b),
                     T::V => (fold_reader(&a, g1, &self.q), heads_on_rows(&b, self.head_dim)),
@@ -330,7 +331,7 @@ impl AdapterRotation {
                         (a, fold_writer(&b, &self.q))
                     },
                 };
-                (pair.a, pair.b) = (a.to_f32(), b.to_f32());
+                (pair.a, pair.b) = (a.to_f32().into(), b.to_f32().into());
             }
         }
         Ok(())

@@ -113,14 +113,15 @@ pub fn shard_adapter(adapter: &LoraAdapter, plan: &TpPlan, rank: usize) -> Resul
             let mut pair = pair.clone();
             match tensor.split() {
                 Split::Output => {
-                    pair.b = shard_vec(&pair.b, range.start * r..range.end * r, name())?;
+                    let rows = range.start * r..range.end * r;
+                    pair.b = pair.b.slice(rows.clone()).ok_or_else(|| TpError::Slice { tensor: name(), message: format!("range {rows:?} outside its {} values", pair.b.len()) })?;
                 }
                 Split::Input => {
                     let fan_in = plan.full_len(tensor);
                     if pair.a.len() != r * fan_in {
                         return Err(TpError::Slice { tensor: name(), message: format!("A has {} values, expected {r} × {fan_in}", pair.a.len()) });
                     }
-                    pair.a = pair.a.chunks_exact(fan_in.max(1)).flat_map(|row| row[range.clone()].iter().copied()).collect();
+                    pair.a = pair.a.columns(fan_in, range.clone());
                 }
                 Split::Vocab | Split::Replicated => {}
             }

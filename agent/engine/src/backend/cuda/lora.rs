@@ -525,12 +525,11 @@ impl SlotImage {
                 return Err(EngineError::InvalidRequest(format!("layer {layer} {}: LoRA shapes do not match the model", module.peft_name())));
             }
             // A: [rank, in] rows, then zero rows up to r_pad.
-            for (dst, &src) in a.iter_mut().zip(&pair.a) {
-                *dst = bits(src);
-            }
+            pair.a.write_bf16_bits(a);
             // B: [out, rank] → [out, r_pad], zero-padded per row.
             if rank > 0 {
-                for (dst, src) in b.chunks_exact_mut(r_pad).zip(pair.b.chunks_exact(rank)) {
+                let pair_b = pair.b.as_f32();
+                for (dst, src) in b.chunks_exact_mut(r_pad).zip(pair_b.chunks_exact(rank)) {
                     for (d, &v) in dst.iter_mut().zip(src) {
                         *d = bits(v);
                     }

@@ -323,16 +323,17 @@ mod tests {
             return y.to_vec();
         };
         let (r, fan_in, fan_out) = (adapter.rank, x.len(), y.len());
+        let (pa, pb) = (p.a.as_f32(), p.b.as_f32());
         let t: Vec<f64> = (0..r)
             .map(|j| {
                 (0..fan_in)
-                    .map(|k| p.a[j * fan_in + k] as f64 * x[k] as f64)
+                    .map(|k| pa[j * fan_in + k] as f64 * x[k] as f64)
                     .sum()
             })
             .collect();
         (0..fan_out)
             .map(|o| {
-                let d: f64 = (0..r).map(|j| p.b[o * r + j] as f64 * t[j]).sum();
+                let d: f64 = (0..r).map(|j| pb[o * r + j] as f64 * t[j]).sum();
                 (y[o] as f64 + adapter.scaling as f64 * d) as f32
             })
             .collect()

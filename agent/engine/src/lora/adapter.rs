@@ -468,8 +468,8 @@ fn check_tensor(
     Ok(planned(info.dtype, data_start + start as u64, end - start))
 }
 
-/// Values converted (and checked) per piece, small enough that the check reads what the
-/// conversion just wrote from the core's cache.
+/// Values read (and checked) per piece, small enough that the check reads what the read just
+/// wrote from the core's cache.
 const DECODE_PIECE: usize = 16 * 1024;
 
 enum DecodeError {

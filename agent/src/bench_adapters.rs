@@ -44,6 +44,9 @@ pub struct AdapterSummary {
     pub ranks: Vec<usize>,
     /// `random`, or the folder given to `--lora-dir`.
     pub source: String,
+    /// Whether they came from `--lora-dir` (what `describe` says; a folder may be named "random").
+    #[serde(skip)]
+    from_folder: bool,
 }
 
 impl AdapterSource {
@@ -123,18 +126,18 @@ impl AdapterSource {
     }
 
     pub fn summary(&self) -> AdapterSummary {
-        let source = match self {
-            AdapterSource::Folder { dir, .. } => dir.display().to_string(),
-            _ => "random".to_string(),
+        let (source, from_folder) = match self {
+            AdapterSource::Folder { dir, .. } => (dir.display().to_string(), true),
+            _ => ("random".to_string(), false),
         };
-        AdapterSummary { adapters: self.count(), rank: self.max_rank(), ranks: self.ranks(), source }
+        AdapterSummary { adapters: self.count(), rank: self.max_rank(), ranks: self.ranks(), source, from_folder }
     }
 }
 
 impl AdapterSummary {
     /// "4 adapters of rank 32" or "2 adapters from DIR (ranks 8, 16)".
     pub fn describe(&self) -> String {
-        if self.source == "random" {
+        if !self.from_folder {
             return format!("{} adapters of rank {}", self.adapters, self.rank);
         }
         let ranks: Vec<String> = self.ranks.iter().map(|r| r.to_string()).collect();
@@ -301,6 +304,9 @@ mod tests {
         let dir = fixture_adapters();
         let folder = AdapterSource::from_flags(0, 16, Some(&dir)).unwrap().summary();
         assert_eq!(folder.describe(), format!("2 adapters from {} (ranks 8, 16)", dir.display()));
+        // A folder given as `--lora-dir random` is still a folder.
+        let named_random = AdapterSource::Folder { dir: PathBuf::from("random"), adapters: scan_adapter_dir(&dir.join("adapter-a")).unwrap() };
+        assert_eq!(named_random.summary().describe(), "1 adapters from random (ranks 8)");
     }
 
     #[test]

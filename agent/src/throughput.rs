@@ -256,7 +256,7 @@ impl ThroughputReport {
             );
             let c = &l.cold_adapter;
             println!(
-                "cold LoRA   disk to first token {:.1} ms = load {:.1} ms + first token {:.1} ms (base model's first token {:.1} ms; a new rank-{} adapter, engine idle, median of {})",
+                "cold LoRA   disk to first token {:.1} ms = load {:.1} ms + first token {:.1} ms (base model's first token {:.1} ms; a new bf16 rank-{} adapter, engine idle, median of {})",
                 c.disk_to_first_token_seconds * 1e3,
                 c.load_seconds * 1e3,
                 c.first_token_seconds * 1e3,

@@ -147,6 +147,16 @@ impl LoraAdapter {
             .sum()
     }
 
+    /// This adapter with every matrix narrowed to bf16 (round to nearest even), the width PEFT
+    /// adapters are commonly saved in and the GPU's slots hold.
+    pub fn into_bf16(mut self) -> LoraAdapter {
+        for pair in self.layers.iter_mut().flat_map(|l| l.iter_mut().flatten()) {
+            pair.a = pair.a.to_bf16();
+            pair.b = pair.b.to_bf16();
+        }
+        self
+    }
+
     pub fn pair(&self, layer: usize, module: TargetModule) -> Option<&LoraPair> {
         self.layers
             .get(layer)

@@ -109,6 +109,14 @@ impl LoraValues {
         }
     }
 
+    /// The values narrowed to bf16 (round to nearest even; bf16 values are kept as they are).
+    pub fn to_bf16(&self) -> LoraValues {
+        match self {
+            LoraValues::Bf16(v) => LoraValues::Bf16(v.clone()),
+            other => LoraValues::Bf16(other.as_f32().iter().map(|&x| bf16::from_f32(x)).collect()),
+        }
+    }
+
     /// Each value as bf16 bits, round to nearest even (what the GPU's slots hold), into `out`
     /// (as many as both have).
     pub fn write_bf16_bits(&self, out: &mut [u16]) {
@@ -164,6 +172,19 @@ mod tests {
             assert_eq!(c.as_f32().as_ref(), &[all[1], all[2], all[4], all[5]]);
             assert_eq!(std::mem::discriminant(&c), std::mem::discriminant(&v));
         }
+    }
+
+    #[test]
+    fn narrowing_to_bf16_rounds_as_the_slots_do() {
+        for v in widths() {
+            let LoraValues::Bf16(narrowed) = v.to_bf16() else { panic!("not bf16") };
+            let want: Vec<bf16> = v.as_f32().iter().map(|&x| bf16::from_f32(x)).collect();
+            assert_eq!(narrowed, want);
+            assert_eq!(v.to_bf16().bytes(), 2 * v.len());
+        }
+        // 1 + 2^-9 lies between two bf16 values (1 and 1 + 2^-7 are the neighbours); it rounds down.
+        let LoraValues::Bf16(one) = LoraValues::F32(vec![1.0 + 1.0 / 512.0]).to_bf16() else { unreachable!() };
+        assert_eq!(one[0].to_f32(), 1.0);
     }
 
     #[test]

@@ -103,7 +103,14 @@ fn eval_on_the_cpu_matches_transformers_and_the_fidelity_bounds() {
         let ppl = c.text.perplexity();
         assert!(c.kl_mean() > 0.0 && c.kl_max.is_finite(), "{label}: {c:?}");
         assert!(ppl.is_finite() && (ppl / got_ppl - 1.0).abs() < 0.25, "{label}: perplexity {ppl} vs {got_ppl}");
+        // The change's 95 % interval (7 blocks of 32 tokens here) holds the change and has width.
+        let change = fidelity::PerplexityChange::between(&report.reference.text, &c.text).unwrap();
+        assert!((change.change - (ppl / got_ppl - 1.0)).abs() < 1e-9, "{label}: {change:?}");
+        assert!(change.low < change.change && change.change < change.high, "{label}: {change:?}");
     }
+    // The reference against itself: no change, and an interval of none.
+    let itself = fidelity::PerplexityChange::between(&report.reference.text, &report.reference.text).unwrap();
+    assert_eq!((itself.change, itself.low, itself.high), (0.0, 0.0, 0.0));
     // Over the prompts (docs/benchmarks.md): q/k rotated 0.302, q/k/v rotated 0.192; 30 % above for
     // other summation orders. The second bound fails if fp8-hadamard-qkv loses v's rotation (or its
     // undoing, which would move every logit far more).

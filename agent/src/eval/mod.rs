@@ -2,7 +2,8 @@
 //! the unquantized model on the same weights (f32 on the CPU, bf16 on CUDA). Over the fixture
 //! prompts (`prompts.json`, every position): mean and max |Δlogit| over the reference's top-10 ids,
 //! top-1 agreement and KL(reference ‖ configuration); on a public-domain text
-//! (`pride-and-prejudice-ch1.txt`, Project Gutenberg eBook #1342, chapter 1): perplexity, how often
+//! (`pride-and-prejudice-ch1.txt`, Project Gutenberg eBook #1342, chapter 1): perplexity (its change
+//! with a 95 % interval from the tokens' paired NLL differences, `fidelity::PerplexityChange`), how often
 //! the greedy pick agrees with the reference's, and the KL at its first 2048 positions (the
 //! better-powered measure: the prompts' 36 positions are few and all at short contexts). Without `--quantization`/`--kv-cache-dtype` it
 //! prints every option side by side, so the defaults' choice is visible; with them, that one
@@ -18,7 +19,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use peregrine_engine::backend::Backend;
-use peregrine_engine::bench::fidelity::{self, Comparison, Reference, ReferencePrompt};
+use peregrine_engine::bench::fidelity::{self, Comparison, PerplexityChange, Reference, ReferencePrompt, TextRun, PPL_BLOCK_TOKENS};
 use peregrine_engine::model::{self, ModelWeights};
 use peregrine_engine::tokenizer::Tokenizer;
 
@@ -238,7 +239,7 @@ impl EvalArgs {
             let comparison = fidelity::compare_with_fixture(backend.as_mut(), &reference, &inputs.text, backends.chunk, fixture.as_deref())?;
             drop(backend);
             let row = Row { variant, comparison };
-            progress(&format_row(device, &row, reference.text.perplexity()));
+            progress(&format_row(device, &row, &reference.text));
             rows.push(row);
         }
         Ok(Report { device, reference_label, reference, text_tokens: inputs.text.len(), rows, reference_vs_fixture })
@@ -265,8 +266,9 @@ impl Backends {
 
 fn header(reference: &str, perplexity: f64, text_tokens: usize, with_fixture: bool) -> String {
     let mut line = format!(
-        "reference: {reference}, perplexity {perplexity:.4} on {text_tokens} tokens\n{:<44} {:>9} {:>8} {:>6} {:>9} {:>8} {:>10} {:>7} {:>10} {:>9}",
-        "configuration", "mean |Δ|", "max |Δ|", "top-1", "KL mean", "KL max", "perplexity", "Δppl", "text top-1", "text KL"
+        "reference: {reference}, perplexity {perplexity:.4} on {text_tokens} tokens (Δppl 95 %: the change's interval from the tokens' paired NLL differences, blocks of {PPL_BLOCK_TOKENS}; \"n/a\" under {} tokens)\n{:<44} {:>9} {:>8} {:>6} {:>9} {:>8} {:>10} {:>7} {:>16} {:>10} {:>9}",
+        2 * PPL_BLOCK_TOKENS + 1,
+        "configuration", "mean |Δ|", "max |Δ|", "top-1", "KL mean", "KL max", "perplexity", "Δppl", "Δppl 95 %", "text top-1", "text KL"
     );
     if with_fixture {
         line.push_str(&format!(" {:>9} {:>9} {:>10}", "ref2 mean", "ref2 max", "ref2 top-1"));
@@ -274,11 +276,13 @@ fn header(reference: &str, perplexity: f64, text_tokens: usize, with_fixture: bo
     line
 }
 
-fn format_row(device: DeviceArg, row: &Row, reference_ppl: f64) -> String {
+fn format_row(device: DeviceArg, row: &Row, reference: &TextRun) -> String {
     let c = &row.comparison;
     let ppl = c.text.perplexity();
+    let interval = PerplexityChange::between(reference, &c.text)
+        .map_or_else(|| "n/a".to_string(), |p| format!("[{:+.2}, {:+.2}]%", 100.0 * p.low, 100.0 * p.high));
     format!(
-        "{:<44} {:>9.4} {:>8.3} {:>3}/{:<2} {:>9.5} {:>8.4} {:>10.4} {:>+6.2}% {:>5}/{} {:>9.5}",
+        "{:<44} {:>9.4} {:>8.3} {:>3}/{:<2} {:>9.5} {:>8.4} {:>10.4} {:>+6.2}% {:>16} {:>5}/{} {:>9.5}",
         row.variant.label(device),
         c.logits.mean_abs_diff(),
         c.logits.max_abs_diff,
@@ -287,7 +291,8 @@ fn format_row(device: DeviceArg, row: &Row, reference_ppl: f64) -> String {
         c.kl_mean(),
         c.kl_max,
         ppl,
-        100.0 * (ppl / reference_ppl - 1.0),
+        100.0 * (ppl / reference.perplexity() - 1.0),
+        interval,
         c.text_top1_agree,
         c.text.argmax.len(),
         c.text_kl_mean()

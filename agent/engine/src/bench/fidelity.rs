@@ -199,6 +199,63 @@ impl TextRun {
     }
 }
 
+/// Tokens per block for [`PerplexityChange`]'s standard error.
+pub const PPL_BLOCK_TOKENS: usize = 32;
+
+/// How much a configuration changed the perplexity of a text against the reference's run on the
+/// same tokens, with a 95 % interval, as ratios minus one (+0.016 is +1.6 %). Each token's NLL
+/// difference (ours − reference) is paired; their mean `m` gives the change `exp(m) − 1` (exactly
+/// the perplexities' ratio − 1). The interval is `exp(m ± t · SE) − 1`, with the standard error from
+/// the means of consecutive blocks of [`PPL_BLOCK_TOKENS`] tokens (batch means): neighbouring
+/// tokens' differences are correlated, so counting every token as independent would make the
+/// interval too narrow. It says whether a 1,200-token text can tell a change from rounding noise: a
+/// change whose interval holds 0 cannot be told from none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PerplexityChange {
+    pub change: f64,
+    pub low: f64,
+    pub high: f64,
+}
+
+impl PerplexityChange {
+    /// None where the runs cover different numbers of tokens, or fewer than two whole blocks.
+    pub fn between(reference: &TextRun, ours: &TextRun) -> Option<PerplexityChange> {
+        if reference.nll.len() != ours.nll.len() {
+            return None;
+        }
+        let diffs: Vec<f64> = ours.nll.iter().zip(&reference.nll).map(|(a, b)| a - b).collect();
+        let blocks: Vec<f64> = diffs.chunks_exact(PPL_BLOCK_TOKENS).map(mean).collect();
+        if blocks.len() < 2 {
+            return None;
+        }
+        let block_mean = mean(&blocks);
+        let variance = blocks.iter().map(|b| (b - block_mean).powi(2)).sum::<f64>() / (blocks.len() - 1) as f64;
+        let half_width = student_t_975(blocks.len() - 1) * (variance / blocks.len() as f64).sqrt();
+        let m = mean(&diffs);
+        Some(PerplexityChange { change: m.exp_m1(), low: (m - half_width).exp_m1(), high: (m + half_width).exp_m1() })
+    }
+
+    /// Whether the interval leaves out "no change".
+    pub fn significant(&self) -> bool {
+        self.low > 0.0 || self.high < 0.0
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Student's t at 0.975 for `df` degrees of freedom (df ≥ 1): the tables' values up to 6, then the
+/// Cornish-Fisher expansion around the normal's 1.96 (within 0.5 % of the tables from 7 up).
+fn student_t_975(df: usize) -> f64 {
+    const TABLE: [f64; 6] = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447];
+    if let Some(&t) = df.checked_sub(1).and_then(|i| TABLE.get(i)) {
+        return t;
+    }
+    let (z, n) = (1.959_964f64, df as f64);
+    z + (z.powi(3) + z) / (4.0 * n) + (5.0 * z.powi(5) + 16.0 * z.powi(3) + 3.0 * z) / (96.0 * n * n)
+}
+
 /// Runs `text` through the backend: NLL and greedy pick per position.
 pub fn run_text(backend: &mut dyn Backend, text: &[u32], chunk: usize) -> Result<TextRun> {
     run_text_visiting(backend, text, chunk, |_, _| {})
@@ -401,5 +458,43 @@ mod tests {
         assert_eq!(top_k(&[0.1, 3.0, -1.0, 3.0, 2.0], 3), vec![1, 3, 4]);
         let run = TextRun { nll: vec![1.0, 3.0], argmax: vec![0, 0] };
         assert!((run.perplexity() - 2f64.exp()).abs() < 1e-12);
+    }
+
+    fn text_run(nll: Vec<f64>) -> TextRun {
+        TextRun { argmax: vec![0; nll.len()], nll }
+    }
+
+    #[test]
+    fn perplexity_change_is_the_ratio_with_an_interval_from_block_means() {
+        // 4 blocks of 32 tokens; ours adds 0.01, 0.03, 0.01, 0.03 nats a token, block by block.
+        let reference = text_run((0..128).map(|i| 2.0 + (i % 7) as f64 * 0.1).collect());
+        let shift = |i: usize| if (i / PPL_BLOCK_TOKENS) % 2 == 0 { 0.01 } else { 0.03 };
+        let ours = text_run(reference.nll.iter().enumerate().map(|(i, x)| x + shift(i)).collect());
+        let c = PerplexityChange::between(&reference, &ours).unwrap();
+        assert!((c.change - (ours.perplexity() / reference.perplexity() - 1.0)).abs() < 1e-12);
+        assert!((c.change - 0.02f64.exp_m1()).abs() < 1e-12);
+        // Block means 0.01, 0.03, 0.01, 0.03: sd 0.011547, SE 0.005774, t(3) 3.182.
+        let half: f64 = 3.182 * 0.011547005 / 2.0;
+        assert!((c.low - (0.02 - half).exp_m1()).abs() < 1e-6, "{c:?}");
+        assert!((c.high - (0.02 + half).exp_m1()).abs() < 1e-6, "{c:?}");
+        assert!(c.significant());
+        // The same shift in every block: no spread, a point interval.
+        let even = text_run(reference.nll.iter().map(|x| x + 0.02).collect());
+        let e = PerplexityChange::between(&reference, &even).unwrap();
+        assert!((e.low - e.high).abs() < 1e-12 && e.significant());
+        // Differences that cancel between blocks: not told from no change.
+        let mixed = text_run(reference.nll.iter().enumerate().map(|(i, x)| x + shift(i) - 0.02).collect());
+        let m = PerplexityChange::between(&reference, &mixed).unwrap();
+        assert!(m.change.abs() < 1e-12 && m.low < 0.0 && m.high > 0.0 && !m.significant(), "{m:?}");
+        // Too short, or runs of different texts: no figure.
+        assert!(PerplexityChange::between(&text_run(vec![1.0; 40]), &text_run(vec![1.1; 40])).is_none());
+        assert!(PerplexityChange::between(&reference, &text_run(vec![1.0; 96])).is_none());
+    }
+
+    #[test]
+    fn student_t_follows_the_tables() {
+        for (df, table) in [(1, 12.706), (3, 3.182), (6, 2.447), (7, 2.365), (10, 2.228), (36, 2.028), (1000, 1.962)] {
+            assert!((student_t_975(df) / table - 1.0).abs() < 0.005, "df {df}: {} vs {table}", student_t_975(df));
+        }
     }
 }

@@ -4,6 +4,8 @@
 //! The calibration text is sampled from the model itself (temperature 1, each sequence starting from
 //! a random token, as LLM-QAT's data-free calibration does): it needs no dataset, follows the
 //! distribution the model serves, and shares nothing with the text `eval` measures perplexity on.
+//! It is drawn by the Gumbel-max trick ([`gumbel_pick`]) so that every CPU samples the same tokens,
+//! and so quantizes the same weights.
 //! The inputs are those of the unquantized model (one pass, every layer at once; GPTQ's published
 //! recipe feeds each layer the quantized layers' outputs instead, at one pass per layer).
 //!
@@ -21,8 +23,6 @@ use crate::config::ModelConfig;
 use crate::model::gptq::{self, LayerInputs};
 use crate::model::rowquant::{Activations, RowFormat};
 use crate::model::{Matrix, ModelWeights};
-use crate::request::SamplingParams;
-use crate::sampling::RequestSampler;
 use crate::{EngineError, Result};
 
 /// How many calibration tokens, in how many sequences, from which seed.
@@ -91,9 +91,8 @@ pub fn sample_tokens(weights: &ModelWeights, plan: CalibrationPlan, threads: usi
     let (mut backend, blocks_per_seq) = backend_for(weights, plan, threads)?;
     let mut rng = ChaCha8Rng::seed_from_u64(plan.seed);
     let mut seqs: Vec<Vec<u32>> = (0..plan.sequences).map(|_| vec![rng.random_range(0..vocab) as u32]).collect();
-    // The engine's own sampler at temperature 1 (no top-k/top-p, no penalties), one seed per sequence.
-    let mut samplers: Vec<RequestSampler> =
-        (0..plan.sequences).map(|i| RequestSampler::new(SamplingParams::default(), &[], plan.seed.wrapping_add(1 + i as u64))).collect();
+    // Temperature 1, no top-k/top-p: one noise stream per sequence.
+    let mut noise: Vec<ChaCha8Rng> = (0..plan.sequences).map(|i| ChaCha8Rng::seed_from_u64(plan.seed.wrapping_add(1 + i as u64))).collect();
     let mut logged = std::time::Instant::now();
     for pos in 0..plan.tokens_per_sequence - 1 {
         let batch = StepBatch {
@@ -111,15 +110,52 @@ pub fn sample_tokens(weights: &ModelWeights, plan: CalibrationPlan, threads: usi
                 .collect(),
         };
         let logits = backend.forward(&batch)?;
-        for (i, (seq, sampler)) in seqs.iter_mut().zip(&mut samplers).enumerate() {
-            seq.push(sampler.sample(logits.row(i)).token_id);
+        for (i, (seq, rng)) in seqs.iter_mut().zip(&mut noise).enumerate() {
+            seq.push(gumbel_pick(logits.row(i), rng));
         }
         if logged.elapsed() >= crate::progress::LOG_INTERVAL {
             tracing::info!("calibration: sampled {}/{} tokens of {} sequences", pos + 2, plan.tokens_per_sequence, plan.sequences);
             logged = std::time::Instant::now();
         }
     }
+    tracing::info!("calibration: {} tokens sampled, {}", plan.sequences * plan.tokens_per_sequence, tokens_digest(&seqs));
     Ok(seqs)
+}
+
+/// `sha256:<first 16 hex digits>` of the tokens (little-endian u32s, sequence after sequence): two
+/// runs calibrated on the same text print the same digest.
+pub fn tokens_digest(seqs: &[Vec<u32>]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for seq in seqs {
+        hasher.update((seq.len() as u64).to_le_bytes());
+        for t in seq {
+            hasher.update(t.to_le_bytes());
+        }
+    }
+    let hex: String = hasher.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
+}
+
+/// A token drawn from softmax(`logits`) (temperature 1) by the Gumbel-max trick: the argmax of
+/// `logit + g` with one standard Gumbel draw `g` per vocabulary entry from `rng`. The distribution is
+/// the engine sampler's, but the pick moves only where two perturbed logits come within the
+/// arithmetic's noise of each other. An inverse-CDF draw (the engine's sampler) moves whenever the
+/// running sum of probabilities crosses the draw: AVX-512 and AVX2 logits, about 1e-6 apart, then
+/// sampled different calibration texts, and GPTQ rounded the same model differently on two CPUs
+/// (docs/benchmarks.md, session 35). Non-finite logits are never picked (token 0 if all are).
+pub fn gumbel_pick(logits: &[f32], rng: &mut ChaCha8Rng) -> u32 {
+    let mut best = (f64::NEG_INFINITY, 0u32);
+    for (i, &logit) in logits.iter().enumerate() {
+        // u in (0, 1]: -ln(-ln u) is finite for every draw but u = 1 (+inf, a certain pick).
+        let u = 1.0 - rng.random::<f64>();
+        let g = -(-u.ln()).ln();
+        let v = logit as f64 + g;
+        if logit.is_finite() && v > best.0 {
+            best = (v, i as u32);
+        }
+    }
+    best.1
 }
 
 /// The second moments of every linear layer's inputs while `weights` (unquantized) run `tokens`.
@@ -228,8 +264,40 @@ mod tests {
         assert_eq!(a.len(), 3);
         assert!(a.iter().all(|s| s.len() == 20 && s.iter().all(|&t| t < 100)));
         assert_eq!(a, sample_tokens(&w, plan, 2).unwrap(), "same seed, same tokens, whatever the threads");
+        assert_eq!(tokens_digest(&a), tokens_digest(&a.clone()));
+        assert!(tokens_digest(&a).starts_with("sha256:") && tokens_digest(&a).len() == 7 + 16);
+        // Where one sequence ends and the next begins is part of the text.
+        assert_ne!(tokens_digest(&[vec![1, 2], vec![3]]), tokens_digest(&[vec![1], vec![2, 3]]));
         assert_ne!(a, sample_tokens(&w, CalibrationPlan { seed: 6, ..plan }, 1).unwrap());
         assert!(sample_tokens(&w, CalibrationPlan { tokens_per_sequence: 0, ..plan }, 1).is_err());
+    }
+
+    #[test]
+    fn gumbel_picks_follow_softmax_and_ignore_arithmetic_noise() {
+        // Probabilities 1/6, 2/6, 3/6 (and never the NaN or -inf entries).
+        let logits = [0.0f32, 2f32.ln(), 3f32.ln(), f32::NAN, f32::NEG_INFINITY];
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut counts = [0usize; 5];
+        let draws = 60_000;
+        for _ in 0..draws {
+            counts[gumbel_pick(&logits, &mut rng) as usize] += 1;
+        }
+        assert_eq!(counts[3] + counts[4], 0);
+        for (k, want) in [(0, 1.0 / 6.0), (1, 2.0 / 6.0), (2, 3.0 / 6.0)] {
+            let got = counts[k] as f64 / draws as f64;
+            assert!((got - want).abs() < 0.01, "token {k}: {got} vs {want}");
+        }
+        assert_eq!(gumbel_pick(&[f32::NAN; 3], &mut rng), 0);
+
+        // Rows of a 1,000-token vocabulary, each also perturbed by up to 1e-5 (ten times the
+        // difference between two CPUs' logits): the same noise stream picks the same token every time.
+        let mut values = ChaCha8Rng::seed_from_u64(2);
+        let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
+        for _ in 0..2_000 {
+            let row: Vec<f32> = (0..1_000).map(|_| values.random_range(-8.0f32..8.0)).collect();
+            let nudged: Vec<f32> = row.iter().map(|&x| x + values.random_range(-1e-5f32..1e-5)).collect();
+            assert_eq!(gumbel_pick(&row, &mut a), gumbel_pick(&nudged, &mut b));
+        }
     }
 
     #[test]

@@ -67,7 +67,7 @@ def linears(model):
 
 
 def apply_variant(model, original, variant):
-    """Sets every decoder linear's weight for `variant` from `original` (name -> float32 weight) and
+    """Sets every decoder linear's weight for `variant` from `original` (id(linear) -> float32 weight) and
     returns the activation hooks it registered (to remove afterwards)."""
     weights, per_row, acts = variant["weights"], variant.get("per_row", True), variant.get("acts")
     hooks = []

@@ -17,9 +17,12 @@ use crate::{EngineError, Result};
 
 /// `n` random adapters of rank `rank` on all seven projections; adapter `i` uses seed `seed + i`.
 pub fn random_adapters(config: &ModelConfig, n: usize, rank: usize, seed: u64) -> Vec<LoraAdapter> {
-    (0..n)
-        .map(|i| LoraAdapter::random(config, &RandomAdapterSpec::new(rank, seed + i as u64)))
-        .collect()
+    (0..n).map(|i| random_adapter(config, rank, seed, i)).collect()
+}
+
+/// Adapter `i` of [`random_adapters`].
+fn random_adapter(config: &ModelConfig, rank: usize, seed: u64, i: usize) -> LoraAdapter {
+    LoraAdapter::random(config, &RandomAdapterSpec::new(rank, seed + i as u64))
 }
 
 /// Writes [`random_adapters`], narrowed to bf16, as PEFT folders `dir/adapter-{i}`; returns
@@ -36,7 +39,7 @@ pub fn write_random_adapters(
 ) -> Result<Vec<(String, PathBuf)>> {
     (0..n)
         .map(|i| {
-            let adapter = LoraAdapter::random(config, &RandomAdapterSpec::new(rank, seed + i as u64)).into_bf16();
+            let adapter = random_adapter(config, rank, seed, i).into_bf16();
             let name = format!("adapter-{i}");
             let folder = dir.join(&name);
             save_peft(&adapter, &folder)?;

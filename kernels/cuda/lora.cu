@@ -36,15 +36,18 @@
 // slot; and the work tiles: tiles[0] = their count, then (slot, first position within the slot's
 // segment) per tile of up to LORA_TILE tokens (at most ceil(n / LORA_TILE) + num_slots tiles).
 // One block of 1024 threads; a ballot-and-count pass per slot keeps token order within a slot.
+// It also zeroes `zero_len` ints at `zero` (the step's counters of the 8-bit GEMV's LoRA expand, one
+// per launch: gemv_mma8.cu), which no kernel before it reads.
 extern "C" __global__ void __launch_bounds__(1024) lora_group(int* __restrict__ order, int* __restrict__ seg,
                                                              int* __restrict__ tiles, const int* __restrict__ slots,
-                                                             int n, int num_slots) {
+                                                             int n, int num_slots, int* __restrict__ zero, int zero_len) {
     __shared__ int warp_counts[32];
     __shared__ int base;
     // No pdl_trigger(): kernels after this one read the tables before their pdl_wait()
     // (lora_expand_body prefetches B by them), so none may start before these are written.
     pdl_wait();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    if (tid < zero_len) zero[tid] = 0;
     if (tid == 0) base = 0;
     __syncthreads();
     for (int s = 0; s < num_slots; ++s) {

@@ -119,6 +119,20 @@ impl Cuda {
         self.kernels.gemv_lora_rows(&self.gpu.stream, y, x, w, n, k, rows)
     }
 
+    /// [`Cuda::linear_w8`] of one token into bf16 with its LoRA shrink from the token's bf16 row `x`
+    /// (and, with `rows.expand`, the update added into y) in the same launch
+    /// ([`Kernels::gemv_w8_lora_rows`]); only where [`Cuda::linear_w8_is_gemv`] holds for m = 1.
+    ///
+    /// # Safety
+    /// As [`Cuda::linear_w8`] and [`Kernels::gemv_w8_lora_rows`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn linear_w8_lora_rows(&self, format: W8Format, y: DPtr, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, n: usize, k: usize, x: DPtr, rows: &ops::GemvLoraRows) -> Result<()> {
+        if !self.linear_w8_is_gemv(1) {
+            return Err(KernelError::Unsupported("LoRA rows need the 8-bit GEMV path (PEREGRINE_GEMV on)".into()));
+        }
+        self.kernels.gemv_w8_lora_rows(&self.gpu.stream, format, y, xq, xs, wq, ws, n, k, x, rows)
+    }
+
     /// `y[m, n] = (xq · wqᵀ) · xs[i] · ws[j]`, a linear layer over row-wise 8-bit weights (`wq`
     /// n × k codes, `ws` one scale per output row) and per-token 8-bit activations (`xq` m × k
     /// codes, `xs` one scale per token): the 8-bit GEMV for decode-sized m (≤ `gemv8_max_m`), above that cuBLASLt's FP8 GEMM with row scales for e4m3 where it

@@ -11,9 +11,9 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, GemvLoraRows, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, RopeCache, RopeTables, LORA_TILE};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, GemvLoraExpand, GemvLoraRows, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, RopeCache, RopeTables, LORA_TILE};
 use peregrine_kernels::testing::cuda_or_skip;
-use peregrine_kernels::{Cuda, DevBuf};
+use peregrine_kernels::{Cuda, DevBuf, W8Format};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -454,7 +454,7 @@ fn the_gemv_computes_a_one_token_shrink_as_extra_rows() {
         let t_hi = cuda.gpu.upload(&vec![UNWRITTEN; big_r]).unwrap();
         let t_lo = cuda.gpu.upload(&vec![UNWRITTEN; big_r]).unwrap();
         let plain = cuda.gpu.alloc_zeros::<u16>(case.y_width).unwrap();
-        let rows = GemvLoraRows { a: [dev.a[0].ptr(), dev.a[1].ptr(), dev.a[2].ptr()], n_modules: 3, r_pad: h.r_pad, slots: dev.slots.ptr(), scales: dev.scales.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr() };
+        let rows = GemvLoraRows { a: [dev.a[0].ptr(), dev.a[1].ptr(), dev.a[2].ptr()], n_modules: 3, r_pad: h.r_pad, slots: dev.slots.ptr(), scales: dev.scales.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), expand: None };
         // SAFETY: x holds one row of k, w y_width rows of k, y and plain y_width, t 3 * r_pad.
         unsafe {
             cuda.kernels.gemv(s, plain.ptr(), false, dev.x.ptr(), w.ptr(), 1, case.y_width, case.k).unwrap();
@@ -500,6 +500,112 @@ fn the_gemv_computes_a_one_token_shrink_as_extra_rows() {
         for j in 0..case.y_width {
             let tol = want[j].abs() / 256.0 + mag[j] / 4096.0 + 1e-6;
             assert!((val(got[j]) - want[j]).abs() <= tol, "slot {slot} column {j}: got {}, want {} (tol {tol})", val(got[j]), want[j]);
+        }
+    }
+}
+
+#[test]
+fn the_8bit_gemv_computes_a_one_token_shrink_as_extra_blocks_and_the_expand_in_its_epilogue() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    let s = &cuda.gpu.stream;
+    let mut r = rng();
+    // A fan-in below 8192 (the bf16 rows' 4 warps per row, one row a block) and one above (8 warps
+    // per row: one row a block, two parts a warp); 344 base rows, the last 16-row tile partial.
+    for k in [1040, 8208] {
+        let base = Case { k, outs: vec![(200, 0), (72, 200), (72, 272)], y_width: 344, ranks: vec![8, 32, 64, 0], scales: vec![2.0, 0.5, 1.0, 0.0], slots: vec![0] };
+        for format in [W8Format::E4m3, W8Format::I8] {
+            if !cuda.kernels.w8_ready(format) {
+                eprintln!("skipped {format:?}: this GPU lacks its 8-bit kernels");
+                continue;
+            }
+            for slot in [0, 1, 2, 3, -1] {
+                let case = Case { slots: vec![slot], ..base.clone() };
+                let h = host_inputs(&mut r, &case);
+                let dev = Group::upload(&cuda, &case, &h, &[0]);
+                let n = case.y_width;
+                // Row-wise 8-bit weights and the token's codes, quantized on the device.
+                let w = cuda.gpu.upload(&rand_bf16(&mut r, n * k, 0.05)).unwrap();
+                let (wq, ws) = (cuda.gpu.alloc_zeros::<u8>(n * k).unwrap(), cuda.gpu.alloc_zeros::<f32>(n).unwrap());
+                let (xq, xs) = (cuda.gpu.alloc_zeros::<u8>(k).unwrap(), cuda.gpu.alloc_zeros::<f32>(1).unwrap());
+                let big_r = case.outs.len() * h.r_pad;
+                let unwritten = || cuda.gpu.upload(&vec![UNWRITTEN; big_r]).unwrap();
+                let (t_hi, t_lo, alone_hi, alone_lo) = (unwritten(), unwritten(), unwritten(), unwritten());
+                let (plain, y) = (cuda.gpu.alloc_zeros::<u16>(n).unwrap(), cuda.gpu.alloc_zeros::<u16>(n).unwrap());
+                let rows = GemvLoraRows { a: [dev.a[0].ptr(), dev.a[1].ptr(), dev.a[2].ptr()], n_modules: 3, r_pad: h.r_pad, slots: dev.slots.ptr(), scales: dev.scales.ptr(), t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), expand: None };
+                let alone = GemvLoraRows { t_hi: alone_hi.ptr(), t_lo: alone_lo.ptr(), ..rows };
+                // SAFETY: w holds n rows of k bf16, wq/ws their codes and scales, x one row of k and
+                // xq/xs its codes and scale; y and plain n bf16; t 3 * r_pad bf16 each.
+                unsafe {
+                    cuda.kernels.quant_rows(s, format, wq.ptr(), ws.ptr(), w.ptr(), n, k).unwrap();
+                    cuda.kernels.quant_rows(s, format, xq.ptr(), xs.ptr(), dev.x.ptr(), 1, k).unwrap();
+                    cuda.kernels.gemv_w8(s, format, plain.ptr(), false, xq.ptr(), xs.ptr(), wq.ptr(), ws.ptr(), 1, n, k).unwrap();
+                    cuda.kernels.gemv_w8_lora_rows(s, format, y.ptr(), xq.ptr(), xs.ptr(), wq.ptr(), ws.ptr(), n, k, dev.x.ptr(), &rows).unwrap();
+                    // What ran before: the bf16 GEMV's rows alone.
+                    cuda.kernels.gemv_lora_rows(s, 0, dev.x.ptr(), dev.x.ptr(), 0, k, &alone).unwrap();
+                }
+                let what = format!("k {k}, {format:?}, slot {slot}");
+                let plain_bits = plain.download(s).unwrap();
+                assert!(y.download(s).unwrap() == plain_bits, "{what}: the base blocks' bits differ from the plain 8-bit GEMV's");
+                let (hi, lo) = (t_hi.download(s).unwrap(), t_lo.download(s).unwrap());
+                assert!(alone_hi.download(s).unwrap() == hi && alone_lo.download(s).unwrap() == lo, "{what}: t differs from the bf16 GEMV's rows");
+                // With the expand in the epilogue, twice: the counter zeroed by lora_group (as the
+                // engine's step does) before each; the second must give the same bits.
+                // (It starts past any count, so that a launch without the zeroing would not wait.)
+                let stale = 1 << 20;
+                let mut counter = cuda.gpu.upload(&[stale]).unwrap();
+                let (ex_hi, ex_lo) = (unwritten(), unwritten());
+                let expand = GemvLoraExpand { b: [dev.b[0].ptr(), dev.b[1].ptr(), dev.b[2].ptr()], out: [200, 72, 72], col: [0, 200, 272], counter: counter.ptr() };
+                let with_expand = GemvLoraRows { t_hi: ex_hi.ptr(), t_lo: ex_lo.ptr(), expand: Some(expand), ..rows };
+                let (y_ex, plain_f32) = (cuda.gpu.alloc_zeros::<u16>(n).unwrap(), cuda.gpu.alloc_zeros::<f32>(n).unwrap());
+                let mut launches = vec![];
+                for _ in 0..2 {
+                    // SAFETY: as above; B stacks hold [slots, out, r_pad] per module, the columns
+                    // lie inside y's n, the counter is zeroed first; plain_f32 holds n f32.
+                    unsafe {
+                        cuda.kernels.lora_group_zeroing(s, &dev.segs(), 1, counter.ptr(), 1).unwrap();
+                        cuda.kernels.gemv_w8_lora_rows(s, format, y_ex.ptr(), xq.ptr(), xs.ptr(), wq.ptr(), ws.ptr(), n, k, dev.x.ptr(), &with_expand).unwrap();
+                    }
+                    launches.push(y_ex.download(s).unwrap());
+                    // One LoRA row a block at these fan-ins (4 and 8 warps per row).
+                    assert_eq!(counter.download(s).unwrap()[0], 3 * h.r_pad as i32, "{what}: the LoRA blocks' count");
+                    counter.write(s, &[stale]).unwrap();
+                }
+                assert!(launches[0] == launches[1], "{what}: a second launch gives other bits");
+                assert!(ex_hi.download(s).unwrap() == hi && ex_lo.download(s).unwrap() == lo, "{what}: t differs with the expand");
+                // SAFETY: as above.
+                unsafe { cuda.kernels.gemv_w8(s, format, plain_f32.ptr(), true, xq.ptr(), xs.ptr(), wq.ptr(), ws.ptr(), 1, n, k).unwrap() };
+                let base_f32 = plain_f32.download(s).unwrap();
+                for (j, &got) in launches[0].iter().enumerate() {
+                    let (m, &(out, col)) = case.outs.iter().enumerate().find(|(_, &(out, col))| (col..col + out).contains(&j)).unwrap();
+                    let terms: Vec<f64> = match slot {
+                        -1 => vec![],
+                        sl => (0..h.r_pad).map(|rr| (val(hi[m * h.r_pad + rr]) + val(lo[m * h.r_pad + rr])) * val(h.b[m][((sl as usize) * out + j - col) * h.r_pad + rr])).collect(),
+                    };
+                    let want = base_f32[j] as f64 + terms.iter().sum::<f64>();
+                    let tol = want.abs() / 256.0 + terms.iter().map(|t| t.abs()).sum::<f64>() / 4096.0 + 1e-6;
+                    assert!((val(got) - want).abs() <= tol, "{what} column {j}: with the expand {}, want {want} (tol {tol})", val(got));
+                }
+                if slot < 0 {
+                    assert!(launches[0] == plain_bits, "{what}: no adapter, y must be the plain GEMV's");
+                    assert!(hi.iter().chain(&lo).all(|&v| v == UNWRITTEN), "{what}: no adapter, t must be left alone");
+                    continue;
+                }
+                // And against the reference (so that both cannot be wrong alike).
+                let (sl, rank, scale) = (slot as usize, case.ranks[slot as usize], case.scales[slot as usize] as f64);
+                for m in 0..3 {
+                    for rr in 0..h.r_pad {
+                        let at = m * h.r_pad + rr;
+                        let got = val(hi[at]) + val(lo[at]);
+                        let terms: Vec<f64> = (0..k).map(|j| val(h.x[j]) * val(h.a[m][(sl * h.r_pad + rr) * k + j]) * scale).collect();
+                        let want: f64 = terms.iter().sum();
+                        let tol = terms.iter().map(|t| t.abs()).sum::<f64>() / 4096.0 + 1e-7;
+                        if rr >= rank {
+                            assert!(hi[at] == 0 && lo[at] == 0, "{what}, module {m}, rank {rr} past {rank}: t must be 0");
+                        }
+                        assert!((got - want).abs() <= tol, "{what}, module {m}, rank {rr}: t {got}, want {want} (tol {tol})");
+                    }
+                }
+            }
         }
     }
 }

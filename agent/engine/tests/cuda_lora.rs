@@ -9,7 +9,8 @@
 //!   the GPU's logits and greedy tokens against the CPU backend over the same fp8 base, within the
 //!   W8A8 bound `W8_ATOL` (|Δ| <= 4 on the CPU's top-10; why so loose: at its definition), once with the fixture
 //!   prompts and once with them repeated into one prefill step of 64–512 tokens (cuBLASLt's GEMMs
-//!   with the LoRA side stream's SM reserve);
+//!   with the LoRA side stream's SM reserve); each adapter alone over an fp8 and an int8 base, whose
+//!   one-token decode steps take the shrink inside the 8-bit GEMV's launch;
 //! - over the bf16 base, the same with the prompts repeated into one step of more than 512 tokens,
 //!   where the updates are added in place and gate|up's is fused into SwiGLU (`lora_expand_swiglu`):
 //!   within the bf16 tolerance of the CPU backend;
@@ -273,7 +274,13 @@ fn long_prompts_match_the_cpu_backend_copies(quantization: Option<RowFormat>, ro
         c.prompt = c.prompt.repeat(repeat);
     }
     let (g, h) = (run_together(&mut gpu, &mixed), run_together(&mut cpu, &mixed));
-    for (i, c) in mixed.iter().enumerate() {
+    matches_the_cpu(&mixed, &g, &h, atol, what);
+}
+
+/// The GPU's run against the CPU backend's on the same cases: the top-10 logits after the prompt
+/// within `atol`, and the greedy tokens up to a near-tie of the CPU's.
+fn matches_the_cpu(cases: &[Case], g: &Run, h: &Run, atol: f32, what: &str) {
+    for (i, c) in cases.iter().enumerate() {
         let (gl, cl) = (&g.first[i], &h.first[i]);
         let mut ids: Vec<usize> = (0..cl.len()).collect();
         ids.sort_by(|&a, &b| cl[b].total_cmp(&cl[a]));
@@ -330,6 +337,24 @@ fn adapters_over_an_fp8_base_match_the_cpu_backend_over_the_same_fp8_base() {
         return;
     }
     fp8_base_matches_the_cpu_backend(1, "fp8 base");
+}
+
+/// Each adapter alone over an fp8 and an int8 base: its decode steps are one token, whose shrink
+/// runs as extra blocks of the 8-bit GEMV's launch (`gemv_w8_lora_rows`) and whose expand adds in
+/// place after it; against the CPU backend over the same 8-bit base.
+#[test]
+fn each_adapter_alone_over_an_8bit_base_matches_the_cpu_backend() {
+    if !gpu_or_skip() {
+        return;
+    }
+    for format in [RowFormat::Fp8E4m3, RowFormat::Int8] {
+        let Some((mut gpu, mut cpu)) = backends_with(Some(format)) else { continue };
+        for c in cases(&[("adapter-a", 0), ("adapter-b", 1)]) {
+            let one = std::slice::from_ref(&c);
+            let (g, h) = (run_together(&mut gpu, one), run_together(&mut cpu, one));
+            matches_the_cpu(one, &g, &h, W8_ATOL, &format!("{format:?} base, alone"));
+        }
+    }
 }
 
 /// A LoRA prefill step of 64–512 tokens over the fp8 base: the step where cuBLASLt's GEMMs run with

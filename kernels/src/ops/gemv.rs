@@ -20,7 +20,7 @@ impl Kernels {
     /// Warps per row of the GEMVs that run the plan's unroll: `PEREGRINE_GEMV_WPR` where set, else
     /// [`Kernels::gemv_plan`]'s. One place, so that `gemv_lora_rows` sums its base rows exactly as
     /// `gemv` does.
-    fn gemv_wpr(&self, n: usize, k: usize) -> usize {
+    pub(super) fn gemv_wpr(&self, n: usize, k: usize) -> usize {
         match self.gemv_wpr {
             Some((small, large)) => if k >= 8192 { large } else { small },
             None => Self::gemv_plan(n, k).1,
@@ -117,6 +117,9 @@ pub struct GemvLoraRows {
     pub scales: DPtr,
     pub t_hi: DPtr,
     pub t_lo: DPtr,
+    /// The expand too, in the GEMV's epilogue: only the 8-bit GEMV takes it
+    /// ([`Kernels::gemv_w8_lora_rows`]); the bf16 one refuses it.
+    pub expand: Option<super::GemvLoraExpand>,
 }
 
 impl Kernels {
@@ -135,8 +138,8 @@ impl Kernels {
         if !k.is_multiple_of(8) || !x.is_multiple_of(16) || !w.is_multiple_of(16) || rows.a.iter().take(rows.n_modules).any(|a| !a.is_multiple_of(16)) {
             return Err(KernelError::Unsupported(format!("gemv_lora_rows: k {k} (k % 8 == 0, 16-byte aligned rows)")));
         }
-        if !(1..=3).contains(&rows.n_modules) || rows.r_pad == 0 {
-            return Err(KernelError::Unsupported(format!("gemv_lora_rows: {} modules of rank {}", rows.n_modules, rows.r_pad)));
+        if !(1..=3).contains(&rows.n_modules) || rows.r_pad == 0 || rows.expand.is_some() {
+            return Err(KernelError::Unsupported(format!("gemv_lora_rows: {} modules of rank {} (and no expand)", rows.n_modules, rows.r_pad)));
         }
         let wpr = self.gemv_wpr(n, k);
         let total = n + rows.n_modules * rows.r_pad;

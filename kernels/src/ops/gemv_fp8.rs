@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaFunction, CudaStream, PushKernelArg};
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, W8Format};
+use super::{as_i32, as_u32, cfg, DPtr, GemvLoraRows, Kernels, Launch, W8Format};
 use crate::{KernelError, Result};
 
 /// Largest row count the 8-bit GEMVs take (larger steps take [`Kernels::gemm_w8a8`]).
@@ -41,6 +41,20 @@ impl Gemv8Kernel {
             _ => Gemv8Kernel::TensorCores,
         }
     }
+}
+
+/// The one-token LoRA expand [`Kernels::gemv_w8_lora_rows`] adds in the 8-bit GEMV's epilogue: per
+/// module of the rows (in their order) its B stack for the layer (`[slots, out, r_pad]` bf16, as
+/// [`super::LoraModule`]), its output width and first column in y; and an i32 counter of this
+/// launch's own that is 0 when it starts (the LoRA blocks count themselves done in it, and the GEMV's
+/// tile blocks wait for that count before reading t; nothing sets it back: [`Kernels::lora_group`]
+/// can zero a step's counters).
+#[derive(Debug, Clone, Copy)]
+pub struct GemvLoraExpand {
+    pub b: [DPtr; 3],
+    pub out: [usize; 3],
+    pub col: [usize; 3],
+    pub counter: DPtr,
 }
 
 impl Kernels {
@@ -180,6 +194,77 @@ impl Kernels {
     unsafe fn gemv8_mma(&self, s: &CudaStream, format: W8Format, y: DPtr, y_f32: bool, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, m: usize, n: usize, k: usize) -> Result<()> {
         let func = &self.gemv8_mma[format.index()][usize::from(m > 8)];
         let tiles = n.div_ceil(16);
+        let wpr = self.gemv8_mma_wpr(tiles, k)?;
+        self.launch_gemv8(s, func, tiles.div_ceil(GEMV8_MMA_WARPS / wpr), GEMV8_MMA_WARPS * 32, wpr, y, y_f32, xq, xs, wq, ws, m, n, k)
+    }
+
+    /// Whether [`Kernels::gemv_w8_lora_rows`] can add the expand too (the tensor-core GEMV can; the
+    /// CUDA-core one, `PEREGRINE_GEMV8=cores`, cannot).
+    pub fn gemv_w8_expands_lora(&self) -> bool {
+        self.gemv8_kernel == Gemv8Kernel::TensorCores
+    }
+
+    /// One token's 8-bit GEMV `y[1, n] = (xq · wqᵀ) · xs · ws` and, in the same launch, its LoRA
+    /// shrink `t = scale · x · Aᵀ` over `rows`' modules from the token's bf16 row `x`
+    /// (gemv_mma8.cu's `_lora_t1`): t's bits are [`Kernels::gemv_lora_rows`]'s, without a launch of
+    /// the rows' own before the GEMV. Without `rows.expand`, y's bits are [`Kernels::gemv_w8`]'s;
+    /// with it, y also has the token's update `t · Bᵀ` added before its rounding
+    /// ([`GemvLoraExpand`]), so the step needs no expand launch. With the CUDA-core GEMV
+    /// (`PEREGRINE_GEMV8=cores`) it is the rows' launch and the GEMV's, and an expand is refused.
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv_e4m3`] with m = 1 and a bf16 y, and as [`Kernels::gemv_lora_rows`] for `x`
+    /// (k bf16, 16-byte aligned) and `rows`; the expand's B stacks hold `[slots, out, r_pad]` bf16 per
+    /// module, its columns lie inside y's n, and its counter is an i32 that is 0 and that no other
+    /// launch in flight uses.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_w8_lora_rows(&self, s: &CudaStream, format: W8Format, y: DPtr, xq: DPtr, xs: DPtr, wq: DPtr, ws: DPtr, n: usize, k: usize, x: DPtr, rows: &GemvLoraRows) -> Result<()> {
+        if let Some(e) = &rows.expand {
+            if !self.gemv_w8_expands_lora() || n == 0 {
+                return Err(KernelError::Unsupported("gemv_w8_lora_rows: the expand needs the tensor-core 8-bit GEMV and base rows".into()));
+            }
+            let inside = (0..rows.n_modules).all(|m| e.col[m] + e.out[m] <= n);
+            if !inside || e.counter == 0 || rows.r_pad > 64 || e.b.iter().take(rows.n_modules).any(|b| !b.is_multiple_of(16)) || !rows.t_hi.is_multiple_of(16) || !rows.t_lo.is_multiple_of(16) {
+                return Err(KernelError::Unsupported("gemv_w8_lora_rows: the expand's columns past y, or unaligned B / t".into()));
+            }
+        }
+        if self.gemv8_kernel == Gemv8Kernel::CudaCores || n == 0 {
+            self.gemv_lora_rows(s, 0, x, x, 0, k, rows)?;
+            return self.gemv_w8(s, format, y, false, xq, xs, wq, ws, 1, n, k);
+        }
+        self.check_w8(format, "gemv_w8_lora_rows")?;
+        if !k.is_multiple_of(16) || !xq.is_multiple_of(16) || !wq.is_multiple_of(16) || !x.is_multiple_of(16) || rows.a.iter().take(rows.n_modules).any(|a| !a.is_multiple_of(16)) {
+            return Err(KernelError::Unsupported(format!("gemv_w8_lora_rows: k {k} (k % 16 == 0, 16-byte aligned rows)")));
+        }
+        if !(1..=3).contains(&rows.n_modules) || rows.r_pad == 0 {
+            return Err(KernelError::Unsupported(format!("gemv_w8_lora_rows: {} modules of rank {}", rows.n_modules, rows.r_pad)));
+        }
+        let tiles = n.div_ceil(16);
+        let wpr = self.gemv8_mma_wpr(tiles, k)?;
+        // The rows sum as gemv_lora_m1's with the bf16 GEMV's warps per row, 4 / that rows a block
+        // (one for 8: the kernel's (row, part) items fit its 8 partial sums).
+        let lora_wpr = self.gemv_wpr(0, k);
+        if !matches!(lora_wpr, 1 | 2 | 4 | 8) {
+            return Err(KernelError::Unsupported(format!("gemv_w8_lora_rows: {lora_wpr} warps per LoRA row (1, 2, 4 or 8)")));
+        }
+        let lora_blocks = (rows.n_modules * rows.r_pad).div_ceil((GEMV8_MMA_WARPS / lora_wpr).max(1));
+        let blocks = as_u32(lora_blocks + tiles.div_ceil(GEMV8_MMA_WARPS / wpr), "gemv_w8_lora_rows blocks")?;
+        let (yf, ni, ki, wpr_i) = (0i32, as_i32(n, "n")?, as_i32(k, "k")?, wpr as i32);
+        let (r_i, nm, lwpr, lb) = (as_i32(rows.r_pad, "r_pad")?, rows.n_modules as i32, lora_wpr as i32, as_i32(lora_blocks, "LoRA blocks")?);
+        let none = GemvLoraExpand { b: [0; 3], out: [0; 3], col: [0; 3], counter: 0 };
+        let e = rows.expand.as_ref().unwrap_or(&none);
+        let (out, col) = (e.out.map(|v| v as i32), e.col.map(|v| v as i32));
+        let mut l = Launch::new(&self.gemv8_mma_lora[format.index()][usize::from(rows.expand.is_some())]);
+        l.arg(&y).arg(&yf).arg(&xq).arg(&xs).arg(&wq).arg(&ws).arg(&ni).arg(&ki).arg(&wpr_i).arg(&x);
+        l.arg(&rows.a[0]).arg(&rows.a[1]).arg(&rows.a[2]).arg(&rows.slots).arg(&rows.scales).arg(&rows.t_hi).arg(&rows.t_lo).arg(&r_i).arg(&nm).arg(&lwpr).arg(&lb);
+        l.arg(&e.b[0]).arg(&e.b[1]).arg(&e.b[2]).arg(&out[0]).arg(&out[1]).arg(&out[2]).arg(&col[0]).arg(&col[1]).arg(&col[2]).arg(&e.counter);
+        l.launch(s, cfg(blocks, (GEMV8_MMA_WARPS * 32) as u32), self.pdl)?;
+        Ok(())
+    }
+
+    /// Warps per 16-row tile of [`Kernels::gemv8_mma`] for `tiles` tiles of `k`: the plan's, or
+    /// `PEREGRINE_GEMV8_WPR`'s.
+    fn gemv8_mma_wpr(&self, tiles: usize, k: usize) -> Result<usize> {
         let mut wpr = Self::gemv8_mma_plan(tiles, k, self.num_sms as usize * self.gemv8_mma_warps);
         if let Some((small, large)) = self.gemv8_wpr {
             wpr = if k >= 8192 { large } else { small };
@@ -187,7 +272,7 @@ impl Kernels {
         if !matches!(wpr, 1 | 2 | 4) {
             return Err(KernelError::Unsupported(format!("gemv_w8 (tensor cores): {wpr} warps per tile (1, 2 or 4)")));
         }
-        self.launch_gemv8(s, func, tiles.div_ceil(GEMV8_MMA_WARPS / wpr), GEMV8_MMA_WARPS * 32, wpr, y, y_f32, xq, xs, wq, ws, m, n, k)
+        Ok(wpr)
     }
 
     /// Warps per 16-row tile of the tensor-core GEMV: doubled (up to its block's 4) until the grid has

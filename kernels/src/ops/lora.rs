@@ -237,11 +237,23 @@ impl Kernels {
     /// `segs.slots` and `segs.order` hold `n` i32, `segs.seg` `num_slots + 1`, `segs.tiles` as
     /// documented there; every slot is -1 or below `num_slots`.
     pub unsafe fn lora_group(&self, s: &CudaStream, segs: &LoraSegments, n: usize) -> Result<()> {
+        self.lora_group_zeroing(s, segs, n, 0, 0)
+    }
+
+    /// [`Kernels::lora_group`] that also sets `zero_len` i32 at `zero` to 0 before any later kernel
+    /// starts (the step's counters of [`super::GemvLoraExpand`]).
+    ///
+    /// # Safety
+    /// As [`Kernels::lora_group`]; `zero` holds `zero_len` i32 (at most 1,024).
+    pub unsafe fn lora_group_zeroing(&self, s: &CudaStream, segs: &LoraSegments, n: usize, zero: DPtr, zero_len: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let (n, slots) = (as_i32(n, "tokens")?, as_i32(segs.num_slots, "slots")?);
-        Launch::new(&self.lora_group).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.slots).arg(&n).arg(&slots).launch(s, cfg(1, 1024), self.pdl)?;
+        if zero_len > 1024 || (zero_len > 0 && zero == 0) {
+            return Err(KernelError::Unsupported(format!("lora_group: {zero_len} counters to zero (at most 1,024)")));
+        }
+        let (n, slots, zl) = (as_i32(n, "tokens")?, as_i32(segs.num_slots, "slots")?, zero_len as i32);
+        Launch::new(&self.lora_group).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.slots).arg(&n).arg(&slots).arg(&zero).arg(&zl).launch(s, cfg(1, 1024), self.pdl)?;
         Ok(())
     }
 

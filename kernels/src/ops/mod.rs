@@ -21,7 +21,7 @@ mod token_mask;
 
 use attention::mma_smem_opt_in;
 use gemv_fp8::{GEMV8_M1_ROWS_DEFAULT, GEMV8_MMA_WARPS_PER_SM};
-pub use gemv_fp8::Gemv8Kernel;
+pub use gemv_fp8::{Gemv8Kernel, GemvLoraExpand};
 pub use attention::{attention_mma_smem_bytes, AttentionKernel, AttnOutQuant, KvCacheDtype, ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM};
 pub use encoder::{
     attention_tiles as encoder_attention_tiles, attention_tiles_of as encoder_attention_tiles_of, EmbeddingTables, EncoderActivation, EncoderKernels, EncoderPooling, NormParams, ENC_ATTN_MAX_HEAD_DIM,
@@ -164,6 +164,9 @@ pub struct Kernels {
     gemv_i8: [CudaFunction; 7],
     /// The 8-bit GEMVs on tensor cores (gemv_mma8.cu), [`W8Format::index`] × [m ≤ 8, m ≤ 16].
     gemv8_mma: [[CudaFunction; 2]; 2],
+    /// Its one-token form with the LoRA shrink's rows as extra blocks, per [`W8Format::index`] ×
+    /// [without, with the expand in the epilogue].
+    gemv8_mma_lora: [[CudaFunction; 2]; 2],
     /// The warps per SM its plan aims for (`PEREGRINE_GEMV8_MMA_WARPS`).
     gemv8_mma_warps: usize,
     /// Which 8-bit GEMV [`Kernels::gemv_w8`] runs (`PEREGRINE_GEMV8=cores` for the CUDA-core one).
@@ -317,6 +320,7 @@ impl Kernels {
             gemv_e4m3: [f("gemv_e4m3_m1")?, f("gemv_e4m3_m2")?, f("gemv_e4m3_m4")?, f("gemv_e4m3_m8")?, f("gemv_e4m3_m16")?, f("gemv_e4m3_m1r2")?, f("gemv_e4m3_m1r4")?],
             gemv_i8: [f("gemv_i8_m1")?, f("gemv_i8_m2")?, f("gemv_i8_m4")?, f("gemv_i8_m8")?, f("gemv_i8_m16")?, f("gemv_i8_m1r2")?, f("gemv_i8_m1r4")?],
             gemv8_mma: [[f("gemv8_mma_e4m3_t1")?, f("gemv8_mma_e4m3_t2")?], [f("gemv8_mma_i8_t1")?, f("gemv8_mma_i8_t2")?]],
+            gemv8_mma_lora: [[f("gemv8_mma_e4m3_lora_t1")?, f("gemv8_mma_e4m3_lorax_t1")?], [f("gemv8_mma_i8_lora_t1")?, f("gemv8_mma_i8_lorax_t1")?]],
             gemv8_mma_warps: std::env::var("PEREGRINE_GEMV8_MMA_WARPS").ok().and_then(|v| v.parse().ok()).filter(|&w: &usize| (1..=64).contains(&w)).unwrap_or(GEMV8_MMA_WARPS_PER_SM),
             gemv8_kernel: Gemv8Kernel::from_env(),
             quant_rows_e4m3: f("quant_rows_e4m3")?,

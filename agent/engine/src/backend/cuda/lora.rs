@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, RopeCache, RopeTables, LORA_MAX_RANK};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, GemvLoraExpand, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, RopeCache, RopeTables, LORA_MAX_RANK};
 use peregrine_kernels::{Blas, Cuda, DevBuf, OutType};
 
 use super::gpu_err;
@@ -110,9 +110,11 @@ pub struct GpuLora {
     fused_swiglu: bool,
     /// The groups whose one-token steps have the base GEMV compute the shrink ([`GemvRowGroups`]).
     gemv_rows: GemvRowGroups,
-    /// Whether one-token steps over an 8-bit GEMV take the same path, the shrink as a GEMV of its
-    /// own right before the base one (`PEREGRINE_LORA_W8_ROWS=0`: the side stream, for comparisons).
-    w8_rows: bool,
+    /// How one-token steps over an 8-bit GEMV compute their shrink ([`W8Rows`]).
+    w8_rows: W8Rows,
+    /// The 8-bit GEMV's counters for an expand in its epilogue, one per (layer, group) launch of a
+    /// one-token step; [`GpuLora::begin_step`] zeroes them.
+    gemv_counters: DevBuf<i32>,
     /// The side stream's shrink as one cuBLAS GEMM per group, for the step sizes it takes.
     dense: Option<DenseShrink>,
     /// The o and down groups inside the base GEMM and the norm after it ([`FusedNorms`]), once
@@ -616,6 +618,38 @@ pub struct Projection<'a> {
     pub gemv: BaseGemv,
 }
 
+/// Where a one-token step over an 8-bit GEMV computes its LoRA shrink (the expand then adds in place
+/// after the GEMV, as over the bf16 GEMV, or inside it). `PEREGRINE_LORA_W8_ROWS=0|launch|gemv` for
+/// comparisons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum W8Rows {
+    /// The side stream's shrink -> expand beside the GEMV (`0`).
+    SideStream,
+    /// A GEMV launch of the LoRA rows alone right before the base GEMV (`launch`): the default up
+    /// to session 35, whose latency sat between the norm and the GEMV.
+    OwnLaunch,
+    /// Extra blocks of the 8-bit GEMV's own launch (`gemv_w8_lora_rows`), the expand launched after
+    /// it (`gemv`).
+    InGemv,
+    /// The same, and the GEMV's tiles add the expand in their epilogue: one launch per group, the
+    /// default where the tensor-core 8-bit GEMV runs (otherwise [`W8Rows::OwnLaunch`]). On an H200
+    /// (Llama-3.1-8B shape, 4 adapters of rank 32, `bench --batch-sizes 1 --quantization fp8`) LoRA /
+    /// base went 0.80 (own launch) -> 0.86 (in the GEMV) -> see docs/benchmarks.md, session 36.
+    InGemvWithExpand,
+}
+
+impl W8Rows {
+    fn from_env(cuda: &Cuda) -> Self {
+        let fused = if cuda.kernels.gemv_w8_expands_lora() { W8Rows::InGemvWithExpand } else { W8Rows::OwnLaunch };
+        match std::env::var("PEREGRINE_LORA_W8_ROWS").as_deref() {
+            Ok("0") => W8Rows::SideStream,
+            Ok("launch") => W8Rows::OwnLaunch,
+            Ok("gemv") if cuda.kernels.gemv_w8_expands_lora() => W8Rows::InGemv,
+            _ => fused,
+        }
+    }
+}
+
 /// The kernel a step's base projection runs, as far as the one-token LoRA path cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BaseGemv {
@@ -624,8 +658,8 @@ pub enum BaseGemv {
     /// The bf16 GEMV: it computes a one-token step's shrink as extra rows when handed them
     /// ([`GemvLoraRows`]).
     Bf16,
-    /// The 8-bit GEMV, whose output is final (no scales left to its consumer): a one-token step's
-    /// shrink runs as a GEMV of those rows alone right before it.
+    /// The 8-bit GEMV, whose output is final (no scales left to its consumer): it computes a
+    /// one-token step's shrink as extra blocks of its launch when handed the rows ([`W8Rows`]).
     W8,
 }
 
@@ -733,7 +767,12 @@ impl GpuLora {
             skip_expand: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_EXPAND"),
             empty_side: GemvRowGroups::diagnostic("PEREGRINE_LORA_EMPTY_SIDE"),
             empty_side_layers: std::env::var("PEREGRINE_LORA_EMPTY_SIDE_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX),
-            w8_rows: !std::env::var("PEREGRINE_LORA_W8_ROWS").is_ok_and(|v| v == "0"),
+            // lora_group zeroes at most 1,024 counters (a model of 256 layers).
+            w8_rows: match W8Rows::from_env(cuda) {
+                W8Rows::InGemvWithExpand if layers * GROUPS.len() > 1024 => W8Rows::InGemv,
+                rows => rows,
+            },
+            gemv_counters: ints(layers * GROUPS.len())?,
             dense,
             fused: None,
         })
@@ -990,7 +1029,9 @@ impl GpuLora {
     /// `slots` holds `n` entries below `max_loras` or -1; `n` is within the `max_tokens` of
     /// [`GpuLora::new`].
     pub unsafe fn begin_step(&self, cuda: &Cuda, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
-        cuda.kernels.lora_group(&cuda.gpu.stream, &self.segments(slots), n)
+        // A one-token step whose 8-bit GEMVs add the expand: their counters start at 0.
+        let counters = if n == 1 && self.w8_rows == W8Rows::InGemvWithExpand { self.gemv_counters.len() } else { 0 };
+        cuda.kernels.lora_group_zeroing(&cuda.gpu.stream, &self.segments(slots), n, self.gemv_counters.ptr(), counters)
     }
 
     /// Whether [`GpuLora::apply_around`] returns the updates of an `n`-token step in their own buffer
@@ -1053,22 +1094,38 @@ impl GpuLora {
         let delta = self.delta.as_ref().filter(|_| self.update_buffered(n));
         let one_token = n == 1 && p.outs.first().is_some_and(|&(first, _)| self.gemv_rows.takes(first));
         // The rows-only GEMV reads x in 16-byte pieces (the bf16 GEMV's own check covers its case).
-        let w8_rows = self.w8_rows && p.x.is_multiple_of(16) && fan_in.is_multiple_of(8);
+        let w8_rows = self.w8_rows != W8Rows::SideStream && p.x.is_multiple_of(16) && fan_in.is_multiple_of(16);
         if one_token && !empty_side && (p.gemv == BaseGemv::Bf16 || (p.gemv == BaseGemv::W8 && w8_rows)) {
-            // The bf16 GEMV writes the shrink's t (one token, every module of the group) with y;
-            // before an 8-bit GEMV a GEMV of the LoRA rows alone does (it triggers the base GEMV's
-            // launch at once, so that one still streams its weights early). Either way the expand
-            // then adds in place, PDL-chained after the base: all on the main stream.
+            // Our GEMV writes the shrink's t (one token, every module of the group) with y: the
+            // bf16 one as extra rows, the 8-bit one as extra blocks reading x's bf16 row. (Or, for
+            // comparisons, a GEMV of the LoRA rows alone right before the 8-bit one: it triggers
+            // the base GEMV's launch at once, so that one still streams its first weights early.)
+            // Either way the expand then adds in place, PDL-chained after the base: all on the main
+            // stream.
             let mut a = [0; 3];
             for (dst, m) in a.iter_mut().zip(modules) {
                 *dst = m.a;
             }
-            let rows = GemvLoraRows { a, n_modules: modules.len(), r_pad: self.r_pad, slots, scales: self.scales.ptr(), t_hi: work.t_hi, t_lo: work.t_lo };
+            let mut rows = GemvLoraRows { a, n_modules: modules.len(), r_pad: self.r_pad, slots, scales: self.scales.ptr(), t_hi: work.t_hi, t_lo: work.t_lo, expand: None };
             if p.gemv == BaseGemv::Bf16 {
                 base(Some(&rows))?;
-            } else {
+            } else if self.w8_rows == W8Rows::OwnLaunch {
                 k.gemv_lora_rows(main, 0, p.x, p.x, 0, fan_in, &rows)?;
                 base(None)?;
+            } else {
+                if self.w8_rows == W8Rows::InGemvWithExpand {
+                    // This launch's own counter, zeroed by the step's begin_step.
+                    let counter = self.gemv_counters.ptr_at(layer * GROUPS.len() + group_of(p.outs[0].0).0);
+                    let mut e = GemvLoraExpand { b: [0; 3], out: [0; 3], col: [0; 3], counter };
+                    for (i, m) in modules.iter().enumerate() {
+                        (e.b[i], e.out[i], e.col[i]) = (m.b, m.out, m.col);
+                    }
+                    rows.expand = Some(e);
+                }
+                base(Some(&rows))?;
+                if rows.expand.is_some() {
+                    return Ok(LoraUpdate::Added);
+                }
             }
             k.lora_expand(main, p.y, p.y_stride, modules, self.r_pad, &segs, &work, n)?;
             return Ok(LoraUpdate::Added);

@@ -438,8 +438,8 @@ impl CudaBackend {
         // are (module, column offset) in `y`. Some(update): the kernel that consumes `y` must add it
         // (decode-sized steps compute it beside the base projection; see cuda/lora.rs).
         // `swiglu`: gate|up only, where SwiGLU may be written with the updates fused into it.
-        // `gemv`: which of our GEMVs the base projection is this step; the bf16 one runs with the
-        // LoRA rows `base` is handed (a one-token step's shrink; cuda/lora.rs).
+        // `gemv`: which of our GEMVs the base projection is this step; either runs with the LoRA
+        // rows `base` is handed (a one-token step's shrink; cuda/lora.rs).
         let project_into = |l: usize, x: DPtr, x_stride: usize, y: DPtr, y_stride: usize, outs: &[(TargetModule, usize)], swiglu: Option<DPtr>, gemv: BaseGemv, base: &dyn Fn(Option<&GemvLoraRows>) -> peregrine_kernels::Result<()>| -> peregrine_kernels::Result<LoraUpdate> {
             let Some(lora) = lora else { return base(None).map(|()| LoraUpdate::Added) };
             // SAFETY: as the step's block below; each module's columns stay inside each row of `y`,
@@ -484,7 +484,10 @@ impl CudaBackend {
                         Some(rows) => cuda.linear_lora_rows(y, x, wb.ptr(), n_out, k_in, rows),
                         None => cuda.linear(y, OutType::Bf16, x, wb.ptr(), n, n_out, k_in),
                     },
-                    (Linear::W8 { codes, scales }, Some(f)) => cuda.linear_w8(f, y, OutType::Bf16, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in),
+                    (Linear::W8 { codes, scales }, Some(f)) => match rows {
+                        Some(rows) => cuda.linear_w8_lora_rows(f, y, xq, xs, codes.ptr(), scales.ptr(), n_out, k_in, x, rows),
+                        None => cuda.linear_w8(f, y, OutType::Bf16, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in),
+                    },
                     (Linear::W8 { .. }, None) => Err(KernelError::Unsupported("8-bit weights without a format".into())),
                 }
             };
@@ -495,7 +498,8 @@ impl CudaBackend {
             let defer_scales = lora.is_none_or(|l| l.update_buffered(n));
             let linear_scaled_later = |y: DPtr, x: DPtr, wt: &Linear, n_out: usize, k_in: usize, scale: &Cell<Option<OuterScale>>, rows: Option<&GemvLoraRows>| -> peregrine_kernels::Result<()> {
                 scale.set(match (wt, w8) {
-                    (Linear::W8 { codes, scales }, Some(f)) if defer_scales => cuda.linear_w8_deferred(f, y, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in)?,
+                    // A one-token step's LoRA rows ride in our GEMVs, whose output is final.
+                    (Linear::W8 { codes, scales }, Some(f)) if defer_scales && rows.is_none() => cuda.linear_w8_deferred(f, y, xq, xs, codes.ptr(), scales.ptr(), n, n_out, k_in)?,
                     _ => linear(y, x, wt, n_out, k_in, rows).map(|()| None)?,
                 });
                 Ok(())

@@ -14,9 +14,10 @@
 //! base GEMM/GEMV instead of following it (at batch 1 the expand after each GEMV was ~10 µs of a
 //! 13 µs-per-group overhead). Larger steps add in place after the GEMM, on the main stream: their
 //! update buffer would be as large as the output. One-token steps over one of our GEMVs take
-//! neither: the bf16 GEMV computes the shrink as extra rows of its own launch (before an 8-bit GEMV
-//! a launch of those rows alone does) and the expand adds in place right after the base GEMV, so
-//! such a step forks no side stream at all ([`BaseGemv`], [`GemvRowGroups`]). Steps of 64–512
+//! neither: the bf16 GEMV computes the shrink as extra rows of its own launch and the expand adds in
+//! place right after it; the 8-bit GEMV computes the shrink in extra blocks and adds the expand in
+//! its epilogue, one launch in all ([`W8Rows`]); either way such a step forks no side stream at all
+//! ([`BaseGemv`], [`GemvRowGroups`]). Steps of 64–512
 //! tokens (8–512 over 8-bit weights) take the side stream's shrink as one cuBLAS GEMM against
 //! every slot's A of the group (the A stacks are laid out per group for it), then keep each
 //! token's own slot ([`DenseShrink`]). `PEREGRINE_LORA_OVERLAP=0` runs everything on the main
@@ -634,7 +635,8 @@ enum W8Rows {
     /// The same, and the GEMV's tiles add the expand in their epilogue: one launch per group, the
     /// default where the tensor-core 8-bit GEMV runs (otherwise [`W8Rows::OwnLaunch`]). On an H200
     /// (Llama-3.1-8B shape, 4 adapters of rank 32, `bench --batch-sizes 1 --quantization fp8`) LoRA /
-    /// base went 0.80 (own launch) -> 0.86 (in the GEMV) -> see docs/benchmarks.md, session 36.
+    /// base went 0.805 (own launch) -> 0.865 (rows in the GEMV) -> 0.903–0.917 (and the expand);
+    /// int8 0.809 -> 0.902 (docs/benchmarks.md, session 36).
     InGemvWithExpand,
 }
 

@@ -437,6 +437,25 @@ fn lora_swiglu_gives_the_bits_of_the_update_buffer_path() {
     cuda.kernels.set_lora_expand_r32(true);
 }
 
+/// A one-token shrink's t (bf16 hi + lo, `n_modules * r_pad` columns, the case's three modules)
+/// for the case's token in `slot` (>= 0) against the f64 reference, zeros past the slot's rank.
+fn check_one_token_t(case: &Case, h: &Host, slot: i32, hi: &[u16], lo: &[u16], what: &str) {
+    let (sl, rank, scale) = (slot as usize, case.ranks[slot as usize], case.scales[slot as usize] as f64);
+    for m in 0..case.outs.len() {
+        for rr in 0..h.r_pad {
+            let at = m * h.r_pad + rr;
+            let got = val(hi[at]) + val(lo[at]);
+            let terms: Vec<f64> = (0..case.k).map(|j| val(h.x[j]) * val(h.a[m][(sl * h.r_pad + rr) * case.k + j]) * scale).collect();
+            let want: f64 = terms.iter().sum();
+            let tol = terms.iter().map(|t| t.abs()).sum::<f64>() / 4096.0 + 1e-7;
+            if rr >= rank {
+                assert!(hi[at] == 0 && lo[at] == 0, "{what}, module {m}, rank {rr} past {rank}: t must be 0");
+            }
+            assert!((got - want).abs() <= tol, "{what}, module {m}, rank {rr}: t {got}, want {want} (tol {tol})");
+        }
+    }
+}
+
 #[test]
 fn the_gemv_computes_a_one_token_shrink_as_extra_rows() {
     let Some(cuda) = cuda_or_skip() else { return };
@@ -473,20 +492,7 @@ fn the_gemv_computes_a_one_token_shrink_as_extra_rows() {
             assert!(hi.iter().chain(&lo).all(|&v| v == UNWRITTEN), "no adapter: t must be left alone");
             continue;
         }
-        let (sl, rank, scale) = (slot as usize, case.ranks[slot as usize], case.scales[slot as usize] as f64);
-        for m in 0..3 {
-            for rr in 0..h.r_pad {
-                let at = m * h.r_pad + rr;
-                let got = val(hi[at]) + val(lo[at]);
-                let terms: Vec<f64> = (0..case.k).map(|j| val(h.x[j]) * val(h.a[m][(sl * h.r_pad + rr) * case.k + j]) * scale).collect();
-                let want: f64 = terms.iter().sum();
-                let tol = terms.iter().map(|t| t.abs()).sum::<f64>() / 4096.0 + 1e-7;
-                if rr >= rank {
-                    assert!(hi[at] == 0 && lo[at] == 0, "slot {slot}, module {m}, rank {rr} past {rank}: t must be 0");
-                }
-                assert!((got - want).abs() <= tol, "slot {slot}, module {m}, rank {rr}: t {got}, want {want} (tol {tol})");
-            }
-        }
+        check_one_token_t(&case, &h, slot, &hi, &lo, &format!("slot {slot}"));
         // The expand after it (what a one-token engine step does) adds the update to the GEMV's y.
         let modules = dev.modules(&case);
         let work = LoraScratch { t_hi: t_hi.ptr(), t_lo: t_lo.ptr(), ..dev.work() };
@@ -591,20 +597,7 @@ fn the_8bit_gemv_computes_a_one_token_shrink_as_extra_blocks_and_the_expand_in_i
                     continue;
                 }
                 // And against the reference (so that both cannot be wrong alike).
-                let (sl, rank, scale) = (slot as usize, case.ranks[slot as usize], case.scales[slot as usize] as f64);
-                for m in 0..3 {
-                    for rr in 0..h.r_pad {
-                        let at = m * h.r_pad + rr;
-                        let got = val(hi[at]) + val(lo[at]);
-                        let terms: Vec<f64> = (0..k).map(|j| val(h.x[j]) * val(h.a[m][(sl * h.r_pad + rr) * k + j]) * scale).collect();
-                        let want: f64 = terms.iter().sum();
-                        let tol = terms.iter().map(|t| t.abs()).sum::<f64>() / 4096.0 + 1e-7;
-                        if rr >= rank {
-                            assert!(hi[at] == 0 && lo[at] == 0, "{what}, module {m}, rank {rr} past {rank}: t must be 0");
-                        }
-                        assert!((got - want).abs() <= tol, "{what}, module {m}, rank {rr}: t {got}, want {want} (tol {tol})");
-                    }
-                }
+                check_one_token_t(&case, &h, slot, &hi, &lo, &what);
             }
         }
     }

@@ -82,7 +82,7 @@ __device__ __forceinline__ void gst8_load(const Gst8Lane& l, int slot, int piece
     }
 }
 
-// The one-token LoRA expand in the 8-bit GEMV's epilogue (gemv8_mma_*_lora_t1 with a counter): each
+// The one-token LoRA expand in the 8-bit GEMV's epilogue (gemv8_mma_*_lorax_t1): each
 // output row j of module m (columns [col_m, col_m + out_m) of y) gets Σ_r t[m · r_pad + r] ·
 // B_m[slot, j - col_m, r] added to its f32 value before the one rounding to bf16, so a one-token step
 // needs no expand launch either. t comes from this launch's LoRA blocks, which count themselves done
@@ -90,8 +90,10 @@ __device__ __forceinline__ void gst8_load(const Gst8Lane& l, int slot, int piece
 // lora_group); a tile block waits for the count only once its sums are done (the LoRA blocks come
 // first in the grid, so they are resident and finished long before: the wait finds a flag already
 // set, as CUB's decoupled look-back does). The tile blocks write nothing back, so no atomics sit in
-// their tails. Each lane of a tile's first warp holds its row's B in registers from the start (B and
-// the slot do not depend on the kernel before), so the epilogue adds one read of t from L2.
+// their tails. Each lane of a tile's first warp prefetches its row's B to L2 at the start (B and the
+// slot do not depend on the kernel before) and loads it into registers only in the epilogue, before
+// the wait: holding it through the main loop cost that loop registers (docs/benchmarks.md, session
+// 36).
 #define GEX_MAX_CHUNKS 8  // 16-byte chunks of a B row at the largest r_pad (lora.cu's LORA_MAX_R, 64)
 struct Gemv8Expand {
     const bf16_t* b[3];
@@ -286,7 +288,8 @@ __device__ __forceinline__ void gemv8_mma_impl(void* __restrict__ y, int y_f32, 
 // before the base GEMV, and that launch's whole latency sat between the norm and the GEMV's weights
 // (the GEMV's pdl_wait() waits for it to finish), about 3 µs per projection group on an H200
 // (docs/benchmarks.md, session 36). Here the rows' blocks come first in the grid, so they are
-// scheduled first and finish long before the base blocks; the expand follows the launch as before.
+// scheduled first and finish long before the base blocks; the expand follows the launch, or (the
+// _lorax_t1 kernels) the tile blocks add it in their epilogue.
 //
 // Same sums as gemv_lora_m1 with `wpr` warps per row, bit for bit: each of a row's `wpr` parts is a
 // contiguous share of k's 16-byte chunks, each lane accumulates its chunks in gemv_impl's order

@@ -742,6 +742,13 @@ impl GpuLora {
         // A group's modules share a fan-in (they read the same x).
         let groups = GROUPS.iter().map(|g| Ok(GroupStack { a: AStore::Stack(zeros(g.len() * per * g[0].dims(config).0)?), modules: g.len() })).collect::<Result<Vec<_>>>()?;
         let dense = DenseShrink::new(cuda, cap, max_tokens, overlap.as_ref(), base)?;
+        // Only an 8-bit base runs the 8-bit GEMV (over bf16 the mode is never consulted, and its
+        // steps zero no counters); lora_group zeroes at most 1,024 (a model of 256 layers).
+        let w8_rows = match W8Rows::from_env(cuda) {
+            _ if !base.eight_bit => W8Rows::OwnLaunch,
+            W8Rows::InGemvWithExpand if layers * GROUPS.len() > 1024 => W8Rows::InGemv,
+            rows => rows,
+        };
         Ok(GpuLora {
             capacity: cap,
             layers,
@@ -769,12 +776,8 @@ impl GpuLora {
             skip_expand: GemvRowGroups::diagnostic("PEREGRINE_LORA_SKIP_EXPAND"),
             empty_side: GemvRowGroups::diagnostic("PEREGRINE_LORA_EMPTY_SIDE"),
             empty_side_layers: std::env::var("PEREGRINE_LORA_EMPTY_SIDE_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX),
-            // lora_group zeroes at most 1,024 counters (a model of 256 layers).
-            w8_rows: match W8Rows::from_env(cuda) {
-                W8Rows::InGemvWithExpand if layers * GROUPS.len() > 1024 => W8Rows::InGemv,
-                rows => rows,
-            },
-            gemv_counters: ints(layers * GROUPS.len())?,
+            w8_rows,
+            gemv_counters: ints(if w8_rows == W8Rows::InGemvWithExpand { layers * GROUPS.len() } else { 1 })?,
             dense,
             fused: None,
         })
@@ -1102,8 +1105,8 @@ impl GpuLora {
             // bf16 one as extra rows, the 8-bit one as extra blocks reading x's bf16 row. (Or, for
             // comparisons, a GEMV of the LoRA rows alone right before the 8-bit one: it triggers
             // the base GEMV's launch at once, so that one still streams its first weights early.)
-            // Either way the expand then adds in place, PDL-chained after the base: all on the main
-            // stream.
+            // The 8-bit GEMV then adds the expand in its epilogue; otherwise the expand adds in
+            // place, PDL-chained after the base. All on the main stream.
             let mut a = [0; 3];
             for (dst, m) in a.iter_mut().zip(modules) {
                 *dst = m.a;

@@ -1043,17 +1043,60 @@ __device__ __forceinline__ bool fused_lora_tile(int* tok, int& slot, const int* 
     return __syncthreads_or(mine);
 }
 
-// Two blocks per SM (at most 128 registers): at batch 256 a step has ~20 tiles of 8 blocks.
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora(
+// Two values of a fused GEMM's output row as the consumer reads them: the bf16 pair at `col`, or
+// (W8: an 8-bit GEMM that left its scales, dws not null) the raw pair, bf16 or the int32 sums of
+// `row_i32`, times sx · dws[col + e]. In f32, unrounded.
+template <bool W8>
+__device__ __forceinline__ float2 fused_y2(const bf16_t* row, const int* row_i32, int col, float sx, const float* dws) {
+    if (W8 && dws) {
+        const float2 w = *reinterpret_cast<const float2*>(dws + col);
+        float2 raw;
+        if (row_i32) {
+            const int2 v = *reinterpret_cast<const int2*>(row_i32 + col);
+            raw = make_float2((float)v.x, (float)v.y);
+        } else {
+            const u32 v = lora_ld2(row + col);
+            raw = make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+        }
+        return make_float2(raw.x * (sx * w.x), raw.y * (sx * w.y));
+    }
+    const u32 v = lora_ld2(row + col);
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+
+// Two of a token's u values (the mma's A operand, packed bf16): as they are, or (W8 with scales) the
+// raw pair scaled as fused_y2 and rounded to bf16. Zeros for no row.
+template <bool W8>
+__device__ __forceinline__ u32 fused_u2(const bf16_t* row, const int* row_i32, int col, float sx, const float* dws) {
+    if (!row && !(W8 && row_i32)) return 0u;
+    if (W8 && dws) {
+        const float2 v = fused_y2<true>(row, row_i32, col, sx, dws);
+        return (u32)f2bf(v.x) | ((u32)f2bf(v.y) << 16);
+    }
+    return lora_ld2(row + col);
+}
+
+// add_rmsnorm_lora, and over 8-bit weights (W8) add_rmsnorm_lora_quant_{e4m3,i8}: the same with y
+// (and u) an 8-bit GEMM's output whose scales it may have left (dws not null: times dxs[token] ·
+// dws[column], u's columns' scales being the A rows' own; y_i32 not null: an int8 GEMM's int32 sums
+// there instead of y, same stride), and the normalized row's codes written to qo and its scale to
+// qs (quant8.cu's add_rmsnorm_quant: scale = max |v| / Q of the f32 values, codes encode(v / scale)),
+// the scale reduced over the cluster as the sum of squares is. dxs may be qs: each token's scale is
+// read before the first cluster barrier and written after the second.
+template <bool W8, int FMT>
+__device__ __forceinline__ void add_rmsnorm_lora_impl(
     float* __restrict__ residual, const bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ b,
     const float* __restrict__ weight, bf16_t* __restrict__ out, int hidden, float eps,
     const int* __restrict__ slots, const int* __restrict__ order, const int* __restrict__ seg,
     const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n,
-    int lora_tiles, int r_pad) {
+    int lora_tiles, int r_pad, const float* dxs, const float* __restrict__ dws, const int* __restrict__ y_i32,
+    unsigned char* __restrict__ qo, float* qs) {
     __shared__ int tok[LORA_TILE];
     __shared__ float wsum[NORM_LORA_WARPS][LORA_TILE];
     __shared__ float part[LORA_TILE];
     __shared__ float inv[LORA_TILE];
+    __shared__ float pmax[LORA_TILE];
+    __shared__ float qscale[LORA_TILE];
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     // The tile's tokens. The tables were written by lora_group at the step's start, not by the kernel
@@ -1068,6 +1111,9 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
     const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
     const float scale = slot >= 0 ? scales[slot] : 0.f;
     pdl_wait();
+    // The tokens' scales, before any block of the cluster may overwrite them (dxs may be qs).
+    const bool scaled = W8 && dws;
+    const float sx0 = scaled && t0 >= 0 ? dxs[t0] : 1.f, sx1 = scaled && t1 >= 0 ? dxs[t1] : 1.f;
     // Every load this thread needs is issued before the first is used: one round trip, not one per
     // column tile (the loop that mixed loads, mma and stores waited on each in turn: 3-4x the time).
     // Column tile j = warp + NORM_LORA_WARPS * i; rows g ([i][0]) and g + 8 ([i][1]), columns 2q and
@@ -1082,18 +1128,23 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
             const int t = h ? t1 : t0;
             const bool on = j < ntiles && t >= 0;
             x[i][h] = on ? *reinterpret_cast<const float2*>(residual + (u64)t * hidden + c) : make_float2(0.f, 0.f);
-            const u32 yb = on ? lora_ld2(y + (u64)t * y_stride + c) : 0u;
+            const float2 yv = on ? fused_y2<W8>(y + (u64)t * y_stride, W8 && y_i32 ? y_i32 + (u64)t * y_stride : nullptr, c, h ? sx1 : sx0, dws)
+                                 : make_float2(0.f, 0.f);
             // residual + base output now; the update after the products (the order add_rmsnorm adds in).
-            x[i][h].x += __uint_as_float(yb << 16);
-            x[i][h].y += __uint_as_float(yb & 0xffff0000u);
+            x[i][h].x += yv.x;
+            x[i][h].y += yv.y;
         }
     }
     float acc[NORM_LORA_MAXJ][4];
 #pragma unroll
     for (int i = 0; i < NORM_LORA_MAXJ; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     if (ksteps > 0) {
-        const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + hidden + slot * r_pad : nullptr;
-        const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + hidden + slot * r_pad : nullptr;
+        const int u_col = hidden + slot * r_pad;
+        const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + u_col : nullptr;
+        const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + u_col : nullptr;
+        const int* ui0 = W8 && y_i32 && t0 >= 0 ? y_i32 + (u64)t0 * y_stride + u_col : nullptr;
+        const int* ui1 = W8 && y_i32 && t1 >= 0 ? y_i32 + (u64)t1 * y_stride + u_col : nullptr;
+        const float* uws = W8 && dws ? dws + u_col : nullptr;
         const bf16_t* bs = b + (u64)slot * hidden * r_pad + 2 * q;
 #pragma unroll
         for (int k = 0; k < LORA_MAX_R / 16; ++k) {
@@ -1101,7 +1152,8 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
             // The tile's u (the mma's A operand: rows g and g + 8) and this step's B fragments of
             // every column tile, loaded together, then the products.
             const int c = 16 * k + 2 * q;
-            const u32 a[4] = {u0 ? lora_ld2(u0 + c) : 0u, u1 ? lora_ld2(u1 + c) : 0u, u0 ? lora_ld2(u0 + c + 8) : 0u, u1 ? lora_ld2(u1 + c + 8) : 0u};
+            const u32 a[4] = {fused_u2<W8>(u0, ui0, c, sx0, uws), fused_u2<W8>(u1, ui1, c, sx1, uws), fused_u2<W8>(u0, ui0, c + 8, sx0, uws),
+                              fused_u2<W8>(u1, ui1, c + 8, sx1, uws)};
             u32 bf[NORM_LORA_MAXJ][2];
 #pragma unroll
             for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
@@ -1166,6 +1218,7 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
         const int j = warp + NORM_LORA_WARPS * i;
         wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
     }
+    float m0 = 0.f, m1 = 0.f;
 #pragma unroll
     for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
         const int j = warp + NORM_LORA_WARPS * i;
@@ -1177,10 +1230,79 @@ extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnor
             const int t = h ? t1 : t0;
             if (t < 0) continue;
             const float s = h ? i1 : i0;
-            const u32 packed = (u32)f2bf(x[i][h].x * s * w.x) | ((u32)f2bf(x[i][h].y * s * w.y) << 16);
-            *reinterpret_cast<u32*>(out + (u64)t * hidden + c) = packed;
+            const float2 o = make_float2(x[i][h].x * s * w.x, x[i][h].y * s * w.y);
+            if (out) *reinterpret_cast<u32*>(out + (u64)t * hidden + c) = (u32)f2bf(o.x) | ((u32)f2bf(o.y) << 16);
+            if (W8) {
+                x[i][h] = o;  // kept for the codes
+                const float m = fmaxf(fabsf(o.x), fabsf(o.y));
+                if (h) m1 = fmaxf(m1, m);
+                else m0 = fmaxf(m0, m);
+            }
         }
     }
+    if (!W8) return;
+    // The rows' max |v|: over the quad, the block's warps, then the cluster (as the sums above).
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+    if (q == 0) {
+        wsum[warp][g] = m0;
+        wsum[warp][g + 8] = m1;
+    }
+    __syncthreads();
+    if (threadIdx.x < LORA_TILE) {
+        float m = 0.f;
+        for (int w = 0; w < NORM_LORA_WARPS; ++w) m = fmaxf(m, wsum[w][threadIdx.x]);
+        pmax[threadIdx.x] = m;
+    }
+    norm_lora_cluster_sync();
+    if (threadIdx.x < LORA_TILE) {
+        float m = 0.f;
+        for (unsigned r = 0; r < NORM_LORA_CLUSTER; ++r) m = fmaxf(m, norm_lora_remote(&pmax[threadIdx.x], r));
+        const float sc = q8_scale<FMT>(m);
+        qscale[threadIdx.x] = sc;
+        const int t = tok[threadIdx.x];
+        if (blockIdx.x == 0 && t >= 0) qs[t] = sc;
+    }
+    __syncthreads();
+    const float qs0 = qscale[g], qs1 = qscale[g + 8];
+#pragma unroll
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+        const int j = warp + NORM_LORA_WARPS * i;
+        if (j >= ntiles) continue;
+        const int c = c_block + 8 * j + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = h ? t1 : t0;
+            const float sc = h ? qs1 : qs0;
+            if (t < 0) continue;
+            const u32 lo = sc > 0.f ? q8_encode<FMT>(x[i][h].x / sc) : 0u, hi = sc > 0.f ? q8_encode<FMT>(x[i][h].y / sc) : 0u;
+            *reinterpret_cast<unsigned short*>(qo + (u64)t * hidden + c) = (unsigned short)(lo | (hi << 8));
+        }
+    }
+    // Every block's maxima read before any block leaves.
+    norm_lora_cluster_sync();
+}
+
+#define ADD_RMSNORM_LORA_ARGS                                                                                           \
+    float *__restrict__ residual, const bf16_t *__restrict__ y, int y_stride, const bf16_t *__restrict__ b,             \
+        const float *__restrict__ weight, bf16_t *__restrict__ out, int hidden, float eps, const int *__restrict__ slots, \
+        const int *__restrict__ order, const int *__restrict__ seg, const int *__restrict__ tiles,                       \
+        const int *__restrict__ ranks, const float *__restrict__ scales, int n, int lora_tiles, int r_pad
+#define ADD_RMSNORM_LORA_PASS residual, y, y_stride, b, weight, out, hidden, eps, slots, order, seg, tiles, ranks, scales, n, lora_tiles, r_pad
+#define ADD_RMSNORM_LORA_QUANT_ARGS \
+    ADD_RMSNORM_LORA_ARGS, const float *dxs, const float *__restrict__ dws, const int *__restrict__ y_i32, unsigned char *__restrict__ qo, float *qs
+
+// Two blocks per SM (at most 128 registers): at batch 256 a step has ~20 tiles of 8 blocks.
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora(ADD_RMSNORM_LORA_ARGS) {
+    add_rmsnorm_lora_impl<false, Q8_E4M3>(ADD_RMSNORM_LORA_PASS, nullptr, nullptr, nullptr, nullptr, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_e4m3(ADD_RMSNORM_LORA_QUANT_ARGS) {
+    add_rmsnorm_lora_impl<true, Q8_E4M3>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
+}
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_i8(ADD_RMSNORM_LORA_QUANT_ARGS) {
+    add_rmsnorm_lora_impl<true, Q8_I8>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
 }
 
 // The gate|up group's LoRA the same way (no side stream): the gate|up GEMM's weight carries every
@@ -1370,14 +1492,20 @@ extern "C" __global__ void __launch_bounds__(128) silu_mul_lora_r32(SILU_MUL_LOR
 #define ROPE_LORA_WARPS 4
 #define ROPE_LORA_MAXI 2
 
-extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write_lora(
+// rope_kv_write_lora, and (SCALED) rope_kv_write_lora_scaled: the same over an 8-bit q|k|v GEMM's
+// output, whose scales it may have left (dws not null: y and u times dxs[token] · dws[column], u's
+// columns' scales being the A rows' own; y_i32 not null: an int8 GEMM's int32 sums there instead of
+// y, same stride), as fused_y2 / fused_u2 read them.
+template <bool SCALED>
+__device__ __forceinline__ void rope_kv_write_lora_impl(
     const bf16_t* __restrict__ y, int y_stride, const float* __restrict__ bias, const int* __restrict__ positions,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ cache_slots,
     bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int hq, int hkv, int d,
     int block_size, const bf16_t* __restrict__ b_q, const bf16_t* __restrict__ b_k, const bf16_t* __restrict__ b_v,
     const int* __restrict__ slots, const int* __restrict__ order, const int* __restrict__ seg,
     const int* __restrict__ tiles, const int* __restrict__ ranks, const float* __restrict__ scales, int n,
-    int lora_tiles, int r_pad, int num_slots) {
+    int lora_tiles, int r_pad, int num_slots, const float* __restrict__ dxs, const float* __restrict__ dws,
+    const int* __restrict__ y_i32) {
     __shared__ int tok[LORA_TILE];
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -1418,12 +1546,16 @@ extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write
     // Every load issued before the first use (add_rmsnorm_lora's lesson): the pair's two halves of
     // rows g and g + 8, their positions' cos and sin, the bias.
     int pos[2];
+    float sx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int t = h ? t1 : t0;
         pos[h] = t >= 0 ? positions[t] : 0;
+        sx[h] = SCALED && dws && t >= 0 ? dxs[t] : 1.f;
     }
+    // The pairs as loaded (bf16), or SCALED as fused_y2 gives them.
     u32 ylo[ROPE_LORA_MAXI][2], yhi[ROPE_LORA_MAXI][2];
+    float2 yslo[ROPE_LORA_MAXI][2], yshi[ROPE_LORA_MAXI][2];
     float2 cs[ROPE_LORA_MAXI][2], sn[ROPE_LORA_MAXI][2], blo[ROPE_LORA_MAXI], bhi[ROPE_LORA_MAXI];
 #pragma unroll
     for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
@@ -1436,8 +1568,14 @@ extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write
         for (int h = 0; h < 2; ++h) {
             const int t = h ? t1 : t0;
             const bool on = on_i && t >= 0;
-            ylo[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col) : 0u;
-            yhi[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col + half) : 0u;
+            if (SCALED) {
+                const int* row_i32 = y_i32 && on ? y_i32 + (u64)t * y_stride : nullptr;
+                yslo[i][h] = on ? fused_y2<true>(y + (u64)t * y_stride, row_i32, col, sx[h], dws) : make_float2(0.f, 0.f);
+                yshi[i][h] = on ? fused_y2<true>(y + (u64)t * y_stride, row_i32, col + half, sx[h], dws) : make_float2(0.f, 0.f);
+            } else {
+                ylo[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col) : 0u;
+                yhi[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col + half) : 0u;
+            }
             const bool rot = on && m < 2;
             cs[i][h] = rot ? *reinterpret_cast<const float2*>(cos_t + (u64)pos[h] * half + c) : make_float2(1.f, 1.f);
             sn[i][h] = rot ? *reinterpret_cast<const float2*>(sin_t + (u64)pos[h] * half + c) : make_float2(0.f, 0.f);
@@ -1450,16 +1588,19 @@ extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write
         const u64 u_col = (u64)width + (u64)(m * num_slots + slot) * r_pad;
         const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + u_col : nullptr;
         const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + u_col : nullptr;
+        const int* ui0 = SCALED && y_i32 && t0 >= 0 ? y_i32 + (u64)t0 * y_stride + u_col : nullptr;
+        const int* ui1 = SCALED && y_i32 && t1 >= 0 ? y_i32 + (u64)t1 * y_stride + u_col : nullptr;
+        const float* uws = SCALED && dws ? dws + u_col : nullptr;
         // The tile's u (the mma's A operand) for every k step, loaded together, then the products.
         u32 a[LORA_MAX_R / 16][4];
 #pragma unroll
         for (int k = 0; k < LORA_MAX_R / 16; ++k) {
             const bool on = k < ksteps;
             const int c = 16 * k + 2 * q;
-            a[k][0] = on && u0 ? lora_ld2(u0 + c) : 0u;
-            a[k][1] = on && u1 ? lora_ld2(u1 + c) : 0u;
-            a[k][2] = on && u0 ? lora_ld2(u0 + c + 8) : 0u;
-            a[k][3] = on && u1 ? lora_ld2(u1 + c + 8) : 0u;
+            a[k][0] = on ? fused_u2<SCALED>(u0, ui0, c, sx[0], uws) : 0u;
+            a[k][1] = on ? fused_u2<SCALED>(u1, ui1, c, sx[1], uws) : 0u;
+            a[k][2] = on ? fused_u2<SCALED>(u0, ui0, c + 8, sx[0], uws) : 0u;
+            a[k][3] = on ? fused_u2<SCALED>(u1, ui1, c + 8, sx[1], uws) : 0u;
         }
 #pragma unroll
         for (int k = 0; k < LORA_MAX_R / 16; ++k) {
@@ -1486,6 +1627,10 @@ extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write
             const int c = 8 * (warp + ROPE_LORA_WARPS * i) + 2 * q;
             float x0[2] = {__uint_as_float(ylo[i][h] << 16), __uint_as_float(ylo[i][h] & 0xffff0000u)};
             float x1[2] = {__uint_as_float(yhi[i][h] << 16), __uint_as_float(yhi[i][h] & 0xffff0000u)};
+            if (SCALED) {
+                x0[0] = yslo[i][h].x, x0[1] = yslo[i][h].y;
+                x1[0] = yshi[i][h].x, x1[1] = yshi[i][h].y;
+            }
             const float bl2[2] = {blo[i].x, blo[i].y}, bh2[2] = {bhi[i].x, bhi[i].y};
             const float c2[2] = {cs[i][h].x, cs[i][h].y}, s2[2] = {sn[i][h].x, sn[i][h].y};
             float o0[2], o1[2];
@@ -1514,11 +1659,39 @@ extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write
     }
 }
 
+#define ROPE_KV_WRITE_LORA_ARGS                                                                                          \
+    const bf16_t *__restrict__ y, int y_stride, const float *__restrict__ bias, const int *__restrict__ positions,      \
+        const float *__restrict__ cos_t, const float *__restrict__ sin_t, const int *__restrict__ cache_slots,         \
+        bf16_t *__restrict__ q_out, bf16_t *__restrict__ k_cache, bf16_t *__restrict__ v_cache, int hq, int hkv, int d, \
+        int block_size, const bf16_t *__restrict__ b_q, const bf16_t *__restrict__ b_k, const bf16_t *__restrict__ b_v, \
+        const int *__restrict__ slots, const int *__restrict__ order, const int *__restrict__ seg,                     \
+        const int *__restrict__ tiles, const int *__restrict__ ranks, const float *__restrict__ scales, int n,         \
+        int lora_tiles, int r_pad, int num_slots
+#define ROPE_KV_WRITE_LORA_PASS                                                                                       \
+    y, y_stride, bias, positions, cos_t, sin_t, cache_slots, q_out, k_cache, v_cache, hq, hkv, d, block_size, b_q, b_k, \
+        b_v, slots, order, seg, tiles, ranks, scales, n, lora_tiles, r_pad, num_slots
+
+extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write_lora(ROPE_KV_WRITE_LORA_ARGS) {
+    rope_kv_write_lora_impl<false>(ROPE_KV_WRITE_LORA_PASS, nullptr, nullptr, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write_lora_scaled(
+    ROPE_KV_WRITE_LORA_ARGS, const float* __restrict__ dxs, const float* __restrict__ dws, const int* __restrict__ y_i32) {
+    rope_kv_write_lora_impl<true>(ROPE_KV_WRITE_LORA_PASS, dxs, dws, y_i32);
+}
+
 #else
 
 extern "C" __global__ void add_rmsnorm_lora(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*, int, float,
                                             const int*, const int*, const int*, const int*, const int*, const float*,
                                             int, int, int) {}
+extern "C" __global__ void add_rmsnorm_lora_quant_e4m3(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*, int,
+                                                       float, const int*, const int*, const int*, const int*, const int*,
+                                                       const float*, int, int, int, const float*, const float*, const int*,
+                                                       unsigned char*, float*) {}
+extern "C" __global__ void add_rmsnorm_lora_quant_i8(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*, int,
+                                                     float, const int*, const int*, const int*, const int*, const int*,
+                                                     const float*, int, int, int, const float*, const float*, const int*,
+                                                     unsigned char*, float*) {}
 extern "C" __global__ void silu_mul_lora(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
                                          const int*, const int*, const int*, const int*, const float*, int, int, int, int, int) {}
 extern "C" __global__ void silu_mul_lora_r32(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
@@ -1528,5 +1701,10 @@ extern "C" __global__ void rope_kv_write_lora(const bf16_t*, int, const float*, 
                                               const int*, bf16_t*, bf16_t*, bf16_t*, int, int, int, int, const bf16_t*,
                                               const bf16_t*, const bf16_t*, const int*, const int*, const int*,
                                               const int*, const int*, const float*, int, int, int, int) {}
+extern "C" __global__ void rope_kv_write_lora_scaled(const bf16_t*, int, const float*, const int*, const float*,
+                                                     const float*, const int*, bf16_t*, bf16_t*, bf16_t*, int, int, int, int,
+                                                     const bf16_t*, const bf16_t*, const bf16_t*, const int*, const int*,
+                                                     const int*, const int*, const int*, const float*, int, int, int, int,
+                                                     const float*, const float*, const int*) {}
 
 #endif

@@ -617,7 +617,7 @@ fn fused_norms(c: &Cuda) {
         if c.kernels.rope_kv_write_lora_fits(d) {
             let rope = RopeTables { positions: positions.ptr(), cos: cos.ptr(), sin: sin.ptr() };
             let cache = RopeCache { cache_slots: cache_slots.ptr(), q_out: q_out.ptr(), k_cache: kc.ptr(), v_cache: vc.ptr(), hq, hkv, d, block_size: bs };
-            let fused = time(c, 50, || unsafe { c.kernels.rope_kv_write_lora(s, qkv.ptr(), width + 3 * extra, None, rope, cache, [bq.ptr(), bkv.ptr(), bkv.ptr()], &segs, m, r_pad).unwrap() });
+            let fused = time(c, 50, || unsafe { c.kernels.rope_kv_write_lora(s, qkv.ptr(), width + 3 * extra, None, rope, cache, [bq.ptr(), bkv.ptr(), bkv.ptr()], &segs, m, r_pad, None).unwrap() });
             println!("{:<34} {:>6} {:>10.2}", "rope_kv_write_lora (4 slots x r32)", m, fused * 1e6);
         }
     }

@@ -11,7 +11,7 @@
 //! and the bf16 hi + lo split of the shrink output, each far below that).
 
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, GemvLoraExpand, GemvLoraRows, lora_splits, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, RopeCache, RopeTables, LORA_TILE};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, GemvLoraExpand, GemvLoraRows, LoraDelta, LoraModule, LoraScratch, LoraSegments, LoraShrinkShape, OuterScale, RopeCache, RopeTables, LORA_TILE};
 use peregrine_kernels::testing::cuda_or_skip;
 use peregrine_kernels::{Cuda, DevBuf, W8Format};
 use rand::{Rng, SeedableRng};
@@ -677,22 +677,211 @@ fn the_dense_shrink_and_pick_match_the_reference() {
     }
 }
 
-/// `add_rmsnorm_lora` for the tokens `pick` of the case: (residual after, normed out).
-fn fused_norm_run(cuda: &Cuda, c: &Case, h: &Host, hidden: usize, residual: &[f32], weight: &DevBuf<f32>, pick: &[usize]) -> (Vec<f32>, Vec<u16>) {
+/// What an 8-bit fused projection left for its consumer (`Cuda::linear_w8_deferred`): the raw
+/// output (the case's y0 as bf16, or int32 sums) and the token and row scales still to apply (every
+/// column's, the A rows' included), or `deferred: false`, a final bf16 y0 (our GEMVs' output).
+struct W8Out {
+    format: W8Format,
+    deferred: bool,
+    xs: Vec<f32>,
+    ws: Vec<f32>,
+    sums: Option<Vec<i32>>,
+}
+
+impl W8Out {
+    /// Scales and sums that put the effective y near ±2, as the bf16 cases' y0.
+    fn new(r: &mut ChaCha8Rng, format: W8Format, deferred: bool, sums: bool, n: usize, y_width: usize, y0: &mut [u16]) -> W8Out {
+        let (xs, ws): (Vec<f32>, Vec<f32>) = if sums {
+            ((0..n).map(|_| r.random_range(0.005f32..0.02)).collect(), (0..y_width).map(|_| r.random_range(0.005f32..0.02)).collect())
+        } else {
+            ((0..n).map(|_| r.random_range(0.05f32..0.2)).collect(), (0..y_width).map(|_| r.random_range(0.05f32..0.2)).collect())
+        };
+        if deferred && !sums {
+            for v in y0.iter_mut() {
+                *v = bf16::from_f64(val(*v) * 100.0).to_bits();
+            }
+        }
+        let sums = sums.then(|| (0..n * y_width).map(|_| r.random_range(-20_000i32..20_000)).collect());
+        W8Out { format, deferred, xs, ws, sums }
+    }
+
+    /// Token i's column `col` as the consumer must see it (f64).
+    fn eff(&self, h: &Host, y_width: usize, i: usize, col: usize) -> f64 {
+        if !self.deferred {
+            return val(h.y0[i * y_width + col]);
+        }
+        let raw = match &self.sums {
+            Some(s) => s[i * y_width + col] as f64,
+            None => val(h.y0[i * y_width + col]),
+        };
+        raw * self.xs[i] as f64 * self.ws[col] as f64
+    }
+
+    /// The consumer rounds each scaled u to bf16 (2^-9 relative) before its products.
+    fn u_rounding(&self) -> f64 {
+        if self.deferred {
+            1.0 / 256.0
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The scales and sums of a [`W8Out`] for the tokens `pick` on the GPU.
+struct W8Dev {
+    xs: DevBuf<f32>,
+    ws: DevBuf<f32>,
+    sums: Option<DevBuf<i32>>,
+}
+
+impl W8Dev {
+    fn upload(cuda: &Cuda, w8: &W8Out, y_width: usize, pick: &[usize]) -> W8Dev {
+        let g = &cuda.gpu;
+        W8Dev {
+            xs: g.upload(&pick.iter().map(|&i| w8.xs[i]).collect::<Vec<f32>>()).unwrap(),
+            ws: g.upload(&w8.ws).unwrap(),
+            sums: w8.sums.as_ref().map(|s| g.upload(&pick.iter().flat_map(|&i| s[i * y_width..(i + 1) * y_width].to_vec()).collect::<Vec<i32>>()).unwrap()),
+        }
+    }
+
+    fn scale(&self, w8: &W8Out) -> Option<OuterScale> {
+        w8.deferred.then(|| OuterScale { xs: self.xs.ptr(), ws: self.ws.ptr(), sums_i32: self.sums.as_ref().map_or(0, |s| s.ptr()) })
+    }
+}
+
+/// What the fused norm wrote: the residual after, the normed bf16 rows, and over 8-bit weights the
+/// rows' codes and scales.
+struct NormOut {
+    residual: Vec<f32>,
+    out: Vec<u16>,
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+/// `add_rmsnorm_lora` (or with `w8` `add_rmsnorm_lora_quant`, its token scales read from and its
+/// own written to the same buffer, as the engine runs it) for the tokens `pick` of the case.
+#[allow(clippy::too_many_arguments)]
+fn fused_norm_run(cuda: &Cuda, c: &Case, h: &Host, hidden: usize, residual: &[f32], weight: &DevBuf<f32>, pick: &[usize], w8: Option<&W8Out>) -> NormOut {
     let g = &cuda.gpu;
     let s = &g.stream;
     let dev = Group::upload(cuda, c, h, pick);
     let n = dev.n;
     let res = g.upload(&pick.iter().flat_map(|&i| residual[i * hidden..(i + 1) * hidden].to_vec()).collect::<Vec<f32>>()).unwrap();
     let out = g.upload(&vec![UNWRITTEN; n * hidden]).unwrap();
+    let codes = g.upload(&vec![0xA5u8; n * hidden]).unwrap();
+    let w8_dev = w8.map(|w| W8Dev::upload(cuda, w, c.y_width, pick));
     let segs = dev.segs();
-    // SAFETY: residual/out hold n rows of hidden, y n rows of y_width >= hidden + slots · r_pad, b
-    // [slots, hidden, r_pad], the tables sized for n tokens.
+    // SAFETY: residual/out/codes hold n rows of hidden, y (and the sums) n rows of y_width >= hidden
+    // + slots · r_pad, b [slots, hidden, r_pad], ws y_width scales, xs n, the tables sized for n
+    // tokens.
     unsafe {
         cuda.kernels.lora_group(s, &segs, n).unwrap();
-        cuda.kernels.add_rmsnorm_lora(s, res.ptr(), dev.y.ptr(), c.y_width, dev.b[0].ptr(), weight.ptr(), out.ptr(), &segs, n, hidden, 1e-5, h.r_pad).unwrap();
+        match (w8, &w8_dev) {
+            (Some(w), Some(d)) => cuda.kernels.add_rmsnorm_lora_quant(s, w.format, res.ptr(), dev.y.ptr(), c.y_width, d.scale(w), dev.b[0].ptr(), weight.ptr(), out.ptr(), codes.ptr(), d.xs.ptr(), &segs, n, hidden, 1e-5, h.r_pad).unwrap(),
+            _ => cuda.kernels.add_rmsnorm_lora(s, res.ptr(), dev.y.ptr(), c.y_width, dev.b[0].ptr(), weight.ptr(), out.ptr(), &segs, n, hidden, 1e-5, h.r_pad).unwrap(),
+        }
     }
-    (res.download(s).unwrap(), out.download(s).unwrap())
+    NormOut {
+        residual: res.download(s).unwrap(),
+        out: out.download(s).unwrap(),
+        codes: codes.download(s).unwrap(),
+        scales: w8_dev.map_or(vec![], |d| d.xs.download(s).unwrap()),
+    }
+}
+
+fn e4m3_value(b: u8) -> f64 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0xf, b & 7);
+    if e == 0 {
+        sign * m as f64 / 8.0 * 2f64.powi(-6)
+    } else {
+        sign * (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
+    }
+}
+
+/// Checks the fused norm over a case of this hidden size against an f64 reference (and, with `w8`
+/// = (format, deferred, int32 sums), its codes and scales), then that a token's bits alone equal
+/// its bits in the whole batch.
+fn check_fused_norm(cuda: &Cuda, r: &mut ChaCha8Rng, hidden: usize, w8: Option<(W8Format, bool, bool)>) {
+    let mut slots: Vec<i32> = (0..150).map(|i| [0, 1, 2, 3, 4, -1, -1][i % 7]).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, r.random_range(0..=i));
+    }
+    let (ranks, scales) = (vec![8, 16, 32, 64, 0], vec![2.0, 0.5, 1.0, 4.0, 0.0]);
+    let r_pad = lora_rank_pad(64);
+    let y_width = hidden + ranks.len() * r_pad + 8;
+    let case = Case { k: 16, outs: vec![(hidden, 0)], y_width, ranks, scales, slots };
+    let mut h = host_inputs(r, &case);
+    let n = case.slots.len();
+    let w8 = w8.map(|(format, deferred, sums)| W8Out::new(r, format, deferred, sums, n, y_width, &mut h.y0));
+    let what = format!("hidden {hidden} {:?}", w8.as_ref().map(|w| (w.format, w.deferred, w.sums.is_some())));
+    let eff = |i: usize, col: usize| w8.as_ref().map_or_else(|| val(h.y0[i * y_width + col]), |w| w.eff(&h, y_width, i, col));
+    let u_rounding = w8.as_ref().map_or(0.0, |w| w.u_rounding());
+    let residual: Vec<f32> = (0..n * hidden).map(|_| r.random_range(-2.0f32..2.0)).collect();
+    let weight_host: Vec<f32> = (0..hidden).map(|_| r.random_range(0.5f32..1.5)).collect();
+    let weight = cuda.gpu.upload(&weight_host).unwrap();
+    let all: Vec<usize> = (0..n).collect();
+    let got = fused_norm_run(cuda, &case, &h, hidden, &residual, &weight, &all, w8.as_ref());
+    for (i, &slot) in case.slots.iter().enumerate() {
+        // The reference: residual + base + scale · u · Bᵀ in f64, then the norm.
+        let mut v = vec![0f64; hidden];
+        let mut err = vec![1e-6f64; hidden];
+        for j in 0..hidden {
+            let base = residual[i * hidden + j] as f64 + eff(i, j);
+            let mut upd = 0.0;
+            let mut mag = 0.0;
+            if slot >= 0 {
+                let s = slot as usize;
+                for rr in 0..case.ranks[s] {
+                    let term = eff(i, hidden + s * r_pad + rr) * val(h.b[0][(s * hidden + j) * r_pad + rr]) * case.scales[s] as f64;
+                    upd += term;
+                    mag += term.abs();
+                }
+            }
+            v[j] = base + upd;
+            // The update is rounded to bf16 once (2^-9 relative), its f32 sum far below (and over
+            // 8-bit weights each scaled u once more); the f32 residual and scaling add a few ulps.
+            err[j] += upd.abs() / 256.0 + mag / 4096.0 + mag * u_rounding + base.abs() * 2e-6;
+        }
+        let inv = 1.0 / (v.iter().map(|x| x * x).sum::<f64>() / hidden as f64 + 1e-5).sqrt();
+        let want: Vec<f64> = (0..hidden).map(|j| v[j] * inv * weight_host[j] as f64).collect();
+        let tol: Vec<f64> = (0..hidden).map(|j| want[j].abs() / 128.0 + 2.0 * err[j] * inv * weight_host[j] as f64 + 1e-5).collect();
+        for j in 0..hidden {
+            let res = got.residual[i * hidden + j] as f64;
+            assert!((res - v[j]).abs() <= err[j], "{what} token {i} (slot {slot}) column {j}: residual {res}, want {} (tol {})", v[j], err[j]);
+            let out = val(got.out[i * hidden + j]);
+            assert!((out - want[j]).abs() <= tol[j], "{what} token {i} (slot {slot}) column {j}: out {out}, want {} (tol {})", want[j], tol[j]);
+        }
+        let Some(w) = &w8 else { continue };
+        // The codes: scale = max |v| / Q (448 or 127), each code v / scale rounded to the format.
+        let q_max = if w.format == W8Format::E4m3 { 448.0 } else { 127.0 };
+        let amax = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let scale = got.scales[i] as f64;
+        assert!((scale - amax / q_max).abs() <= amax / q_max / 64.0 + 1e-9, "{what} token {i}: scale {scale}, want {}", amax / q_max);
+        for j in 0..hidden {
+            let code = got.codes[i * hidden + j];
+            let (value, step) = match w.format {
+                W8Format::E4m3 => (e4m3_value(code) * scale, want[j].abs() / 16.0 + scale * 2f64.powi(-10)),
+                W8Format::I8 => (code as i8 as f64 * scale, scale / 2.0),
+            };
+            let bound = step * 1.01 + tol[j] + want[j].abs() / 64.0;
+            assert!((value - want[j]).abs() <= bound, "{what} token {i} column {j}: code {code:#04x} is {value}, want {} (bound {bound})", want[j]);
+        }
+    }
+    // A token's bits alone, in a few small batches and in the whole one, are the same: its sums
+    // depend on its own row only, whatever shares its tile.
+    for pick in [vec![7usize], vec![3, 149, 40], (20..37).collect::<Vec<_>>()] {
+        let alone = fused_norm_run(cuda, &case, &h, hidden, &residual, &weight, &pick, w8.as_ref());
+        for (a, &i) in pick.iter().enumerate() {
+            let (ra, ri) = (a * hidden..(a + 1) * hidden, i * hidden..(i + 1) * hidden);
+            assert!(alone.residual[ra.clone()].iter().zip(&got.residual[ri.clone()]).all(|(x, y)| x.to_bits() == y.to_bits()), "{what} token {i}: residual bits differ alone");
+            assert_eq!(&alone.out[ra.clone()], &got.out[ri.clone()], "{what} token {i}: normed bits differ alone");
+            if w8.is_some() {
+                assert_eq!(&alone.codes[ra], &got.codes[ri], "{what} token {i}: codes differ alone");
+                assert_eq!(alone.scales[a].to_bits(), got.scales[i].to_bits(), "{what} token {i}: scale differs alone");
+            }
+        }
+    }
 }
 
 #[test]
@@ -709,60 +898,25 @@ fn the_fused_norm_adds_each_tokens_expand_before_normalizing() {
     // tiles per block, uneven over the warps) and 4096 (the largest per-warp share). Slots of rank
     // 8, 16, 32, 64 and an empty one, tokens without an adapter mixed in, tiles ragged.
     for hidden in [576usize, 4096] {
-        let mut slots: Vec<i32> = (0..150).map(|i| [0, 1, 2, 3, 4, -1, -1][i % 7]).collect();
-        for i in (1..slots.len()).rev() {
-            slots.swap(i, r.random_range(0..=i));
-        }
-        let (ranks, scales) = (vec![8, 16, 32, 64, 0], vec![2.0, 0.5, 1.0, 4.0, 0.0]);
-        let r_pad = lora_rank_pad(64);
-        let y_width = hidden + ranks.len() * r_pad + 8;
-        let case = Case { k: 16, outs: vec![(hidden, 0)], y_width, ranks, scales, slots };
-        let h = host_inputs(&mut r, &case);
-        let n = case.slots.len();
-        let residual: Vec<f32> = (0..n * hidden).map(|_| r.random_range(-2.0f32..2.0)).collect();
-        let weight_host: Vec<f32> = (0..hidden).map(|_| r.random_range(0.5f32..1.5)).collect();
-        let weight = cuda.gpu.upload(&weight_host).unwrap();
-        let all: Vec<usize> = (0..n).collect();
-        let (res_got, out_got) = fused_norm_run(&cuda, &case, &h, hidden, &residual, &weight, &all);
-        for (i, &slot) in case.slots.iter().enumerate() {
-            // The reference: residual + base + scale · u · Bᵀ in f64, then the norm.
-            let mut v = vec![0f64; hidden];
-            let mut err = vec![1e-6f64; hidden];
-            for j in 0..hidden {
-                let base = residual[i * hidden + j] as f64 + val(h.y0[i * y_width + j]);
-                let mut upd = 0.0;
-                let mut mag = 0.0;
-                if slot >= 0 {
-                    let s = slot as usize;
-                    for rr in 0..case.ranks[s] {
-                        let term = val(h.y0[i * y_width + hidden + s * r_pad + rr]) * val(h.b[0][(s * hidden + j) * r_pad + rr]) * case.scales[s] as f64;
-                        upd += term;
-                        mag += term.abs();
-                    }
-                }
-                v[j] = base + upd;
-                // The update is rounded to bf16 once (2^-9 relative), its f32 sum far below; the
-                // f32 residual adds a few ulps.
-                err[j] += upd.abs() / 256.0 + mag / 4096.0 + base.abs() * 1e-6;
-            }
-            let inv = 1.0 / (v.iter().map(|x| x * x).sum::<f64>() / hidden as f64 + 1e-5).sqrt();
-            for j in 0..hidden {
-                let got = res_got[i * hidden + j] as f64;
-                assert!((got - v[j]).abs() <= err[j], "hidden {hidden} token {i} (slot {slot}) column {j}: residual {got}, want {} (tol {})", v[j], err[j]);
-                let want = v[j] * inv * weight_host[j] as f64;
-                let tol = want.abs() / 128.0 + 2.0 * err[j] * inv * weight_host[j] as f64 + 1e-5;
-                let got = val(out_got[i * hidden + j]);
-                assert!((got - want).abs() <= tol, "hidden {hidden} token {i} (slot {slot}) column {j}: out {got}, want {want} (tol {tol})");
-            }
-        }
-        // A token's bits alone, in a few small batches and in the whole one, are the same: its sums
-        // depend on its own row only, whatever shares its tile.
-        for pick in [vec![7usize], vec![3, 149, 40], (20..37).collect::<Vec<_>>()] {
-            let (res_alone, out_alone) = fused_norm_run(&cuda, &case, &h, hidden, &residual, &weight, &pick);
-            for (a, &i) in pick.iter().enumerate() {
-                assert!(res_alone[a * hidden..(a + 1) * hidden].iter().zip(&res_got[i * hidden..(i + 1) * hidden]).all(|(x, y)| x.to_bits() == y.to_bits()), "hidden {hidden} token {i}: residual bits differ alone");
-                assert_eq!(&out_alone[a * hidden..(a + 1) * hidden], &out_got[i * hidden..(i + 1) * hidden], "hidden {hidden} token {i}: normed bits differ alone");
-            }
+        check_fused_norm(&cuda, &mut r, hidden, None);
+    }
+}
+
+#[test]
+fn the_fused_norm_over_an_8bit_projection_scales_its_output_and_quantizes_the_row() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    if !cuda.kernels.add_rmsnorm_lora_fits(576) {
+        eprintln!("skipped: add_rmsnorm_lora needs sm_90 (thread block clusters)");
+        return;
+    }
+    let mut r = rng();
+    // Over 8-bit weights the projection's weight carries the A rows row-quantized, and cuBLASLt
+    // leaves its scales to this kernel: e4m3's raw bf16 output and int8's int32 sums, each times
+    // the token's and the column's scale (u's columns the A rows' own); our GEMV (small steps)
+    // leaves a final y. The row's codes and scale are written as add_rmsnorm_quant's.
+    for hidden in [576usize, 4096] {
+        for (format, deferred, sums) in [(W8Format::E4m3, true, false), (W8Format::I8, true, true), (W8Format::E4m3, false, false), (W8Format::I8, false, false)] {
+            check_fused_norm(&cuda, &mut r, hidden, Some((format, deferred, sums)));
         }
     }
 }
@@ -873,7 +1027,7 @@ struct RopeInputs {
 
 /// `rope_kv_write_lora` for the tokens `pick` of the case: (q_out, k cache, v cache), the caches
 /// starting as [`UNWRITTEN`].
-fn fused_rope_run(cuda: &Cuda, c: &Case, h: &Host, ri: &RopeInputs, pick: &[usize]) -> (Vec<u16>, Vec<u16>, Vec<u16>) {
+fn fused_rope_run(cuda: &Cuda, c: &Case, h: &Host, ri: &RopeInputs, pick: &[usize], w8: Option<&W8Out>) -> (Vec<u16>, Vec<u16>, Vec<u16>) {
     let g = &cuda.gpu;
     let s = &g.stream;
     let dev = Group::upload(cuda, c, h, pick);
@@ -886,6 +1040,8 @@ fn fused_rope_run(cuda: &Cuda, c: &Case, h: &Host, ri: &RopeInputs, pick: &[usiz
     let q_out = g.upload(&vec![UNWRITTEN; n * ri.hq * ri.d]).unwrap();
     let cache_len = ri.num_blocks * ri.hkv * ri.block_size * ri.d;
     let (kc, vc) = (g.upload(&vec![UNWRITTEN; cache_len]).unwrap(), g.upload(&vec![UNWRITTEN; cache_len]).unwrap());
+    let w8_dev = w8.map(|w| W8Dev::upload(cuda, w, c.y_width, pick));
+    let y_scale = w8.zip(w8_dev.as_ref()).and_then(|(w, d)| d.scale(w));
     let segs = dev.segs();
     let rope = RopeTables { positions: positions.ptr(), cos: cos.ptr(), sin: sin.ptr() };
     let cache = RopeCache { cache_slots: cache_slots.ptr(), q_out: q_out.ptr(), k_cache: kc.ptr(), v_cache: vc.ptr(), hq: ri.hq, hkv: ri.hkv, d: ri.d, block_size: ri.block_size };
@@ -893,7 +1049,7 @@ fn fused_rope_run(cuda: &Cuda, c: &Case, h: &Host, ri: &RopeInputs, pick: &[usiz
     // r_pad], the tables cover every position, the caches every slot, the segment tables n tokens.
     unsafe {
         cuda.kernels.lora_group(s, &segs, n).unwrap();
-        cuda.kernels.rope_kv_write_lora(s, dev.y.ptr(), c.y_width, bias.as_ref().map(|b| b.ptr()), rope, cache, [dev.b[0].ptr(), dev.b[1].ptr(), dev.b[2].ptr()], &segs, n, h.r_pad).unwrap();
+        cuda.kernels.rope_kv_write_lora(s, dev.y.ptr(), c.y_width, bias.as_ref().map(|b| b.ptr()), rope, cache, [dev.b[0].ptr(), dev.b[1].ptr(), dev.b[2].ptr()], &segs, n, h.r_pad, y_scale).unwrap();
     }
     (q_out.download(s).unwrap(), kc.download(s).unwrap(), vc.download(s).unwrap())
 }
@@ -910,7 +1066,33 @@ fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
     // u_q, u_k, u_v. SmolLM2's heads (9 q, 3 kv of 64, with a bias as Qwen's models have) and heads
     // of 128 (two RoPE pairs of column tiles per warp). Ranks 8-64 and an empty slot, tokens
     // without an adapter mixed in, tiles ragged; cache slots scattered over the blocks.
-    for (hq, hkv, d, with_bias) in [(9usize, 3usize, 64usize, true), (8, 2, 128, false)] {
+    for heads in [(9usize, 3usize, 64usize, true), (8, 2, 128, false)] {
+        check_fused_rope(&cuda, &mut r, heads, None);
+    }
+}
+
+#[test]
+fn the_fused_rope_over_an_8bit_projection_scales_its_output() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    if !cuda.kernels.rope_kv_write_lora_fits(64) {
+        eprintln!("skipped: rope_kv_write_lora needs sm_90");
+        return;
+    }
+    let mut r = rng();
+    // As the fused norm's 8-bit cases: e4m3's raw bf16 output or int8's int32 sums with the scales
+    // left to this kernel (u's columns the A rows' own).
+    for heads in [(9usize, 3usize, 64usize, true), (8, 2, 128, false)] {
+        for (format, sums) in [(W8Format::E4m3, false), (W8Format::I8, true)] {
+            check_fused_rope(&cuda, &mut r, heads, Some((format, true, sums)));
+        }
+    }
+}
+
+/// Checks the fused RoPE + KV write over a case with these heads `(hq, hkv, d, with_bias)` (and
+/// `w8` as [`check_fused_norm`]'s) against an f64 reference, then a token's bits alone against its
+/// bits in the whole batch.
+fn check_fused_rope(cuda: &Cuda, r: &mut ChaCha8Rng, (hq, hkv, d, with_bias): (usize, usize, usize, bool), w8: Option<(W8Format, bool, bool)>) {
+    {
         let mut slots: Vec<i32> = (0..120).map(|i| [0, 1, 2, 3, 4, -1, -1][i % 7]).collect();
         for i in (1..slots.len()).rev() {
             slots.swap(i, r.random_range(0..=i));
@@ -923,7 +1105,10 @@ fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
         let y_width = width + 3 * num_slots * r_pad + 8;
         let outs = vec![(hq * d, 0), (hkv * d, hq * d), (hkv * d, (hq + hkv) * d)];
         let case = Case { k: 16, outs: outs.clone(), y_width, ranks, scales, slots };
-        let h = host_inputs(&mut r, &case);
+        let mut h = host_inputs(r, &case);
+        let w8 = w8.map(|(format, deferred, sums)| W8Out::new(r, format, deferred, sums, n, y_width, &mut h.y0));
+        let eff = |i: usize, col: usize| w8.as_ref().map_or_else(|| val(h.y0[i * y_width + col]), |w| w.eff(&h, y_width, i, col));
+        let u_rounding = w8.as_ref().map_or(0.0, |w| w.u_rounding());
         let half = d / 2;
         let max_pos = 300usize;
         let mut cos = vec![0f32; max_pos * half];
@@ -955,7 +1140,7 @@ fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
             bias: with_bias.then(|| (0..width).map(|_| r.random_range(-0.5f32..0.5)).collect()),
         };
         let all: Vec<usize> = (0..n).collect();
-        let (q_got, k_got, v_got) = fused_rope_run(&cuda, &case, &h, &ri, &all);
+        let (q_got, k_got, v_got) = fused_rope_run(cuda, &case, &h, &ri, &all, w8.as_ref());
         // Where token i's head `head` (q heads, then k, then v) column j went.
         let at = |i: usize, head: usize, j: usize| -> (u16, usize) {
             let (blk, off) = (ri.cache_slots[i] as usize / block_size, ri.cache_slots[i] as usize % block_size);
@@ -970,7 +1155,8 @@ fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
             // Column `col` of the token's q|k|v before RoPE (f64) and its error bound: the update is
             // rounded to bf16 once (2^-9 relative), its f32 sum far below.
             let value = |col: usize| -> (f64, f64) {
-                let mut x = val(h.y0[i * y_width + col]) + ri.bias.as_ref().map_or(0.0, |b| b[col] as f64);
+                let y = eff(i, col);
+                let mut x = y + ri.bias.as_ref().map_or(0.0, |b| b[col] as f64);
                 let (mut upd, mut mag) = (0.0, 0.0);
                 if slot >= 0 {
                     let s = slot as usize;
@@ -978,13 +1164,13 @@ fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
                     let (out, first) = outs[m];
                     let u_at = i * y_width + width + (m * num_slots + s) * r_pad;
                     for rr in 0..case.ranks[s] {
-                        let term = val(h.y0[u_at + rr]) * val(h.b[m][(s * out + col - first) * r_pad + rr]) * case.scales[s] as f64;
+                        let term = eff(i, u_at - i * y_width + rr) * val(h.b[m][(s * out + col - first) * r_pad + rr]) * case.scales[s] as f64;
                         upd += term;
                         mag += term.abs();
                     }
                 }
                 x += upd;
-                (x, upd.abs() / 256.0 + mag / 4096.0 + 1e-6)
+                (x, upd.abs() / 256.0 + mag / 4096.0 + mag * u_rounding + y.abs() * 2e-6 + 1e-6)
             };
             let pos = ri.positions[i] as usize;
             for head in 0..hq + 2 * hkv {
@@ -1012,7 +1198,7 @@ fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
         assert_eq!(written(&v_got), n * hkv * d, "d {d}: v entries written");
         // A token's bits alone, in a few small batches and in the whole one, are the same.
         for pick in [vec![6usize], vec![3, 119, 40], (20..37).collect::<Vec<_>>()] {
-            let (q_alone, k_alone, v_alone) = fused_rope_run(&cuda, &case, &h, &ri, &pick);
+            let (q_alone, k_alone, v_alone) = fused_rope_run(cuda, &case, &h, &ri, &pick, w8.as_ref());
             for (a, &i) in pick.iter().enumerate() {
                 assert_eq!(&q_alone[a * hq * d..(a + 1) * hq * d], &q_got[i * hq * d..(i + 1) * hq * d], "d {d} token {i}: q bits differ alone");
                 let (blk, off) = (ri.cache_slots[i] as usize / block_size, ri.cache_slots[i] as usize % block_size);

@@ -2,7 +2,7 @@
 
 use cudarc::driver::{CudaStream, LaunchConfig};
 
-use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, RopeCache, RopeTables};
+use super::{as_i32, as_u32, cfg, DPtr, Kernels, Launch, OuterScale, RopeCache, RopeTables, W8Format};
 use crate::{KernelError, Result};
 
 /// Largest rank the grouped kernels take (lora.cu's LORA_MAX_R); stacks pad ranks to
@@ -355,6 +355,28 @@ impl Kernels {
     /// [`Kernels::lora_group`] of this step; `add_rmsnorm_lora_fits(hidden)`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn add_rmsnorm_lora(&self, s: &CudaStream, residual: DPtr, y: DPtr, y_stride: usize, b: DPtr, weight: DPtr, out: DPtr, segs: &LoraSegments, n: usize, hidden: usize, eps: f32, r_pad: usize) -> Result<()> {
+        self.add_rmsnorm_lora_launch(s, residual, y, y_stride, b, weight, out, segs, n, hidden, eps, r_pad, None)
+    }
+
+    /// [`Kernels::add_rmsnorm_lora`] after an 8-bit projection (lora.cu's
+    /// `add_rmsnorm_lora_quant_{e4m3,i8}`): `y` is the output of an 8-bit GEMM whose weight carried
+    /// every slot's A rows, row-quantized, after its own (their row scales after the weight's), with
+    /// `y_scale` the scales it left (`Cuda::linear_w8_deferred`; None: y is final), which apply to
+    /// u's columns as to the base's. Also writes each normalized row's codes to `q` (`n × hidden`
+    /// bytes) and its scale to `q_scales`, as [`Kernels::add_rmsnorm_quant`] does; `out` may be 0
+    /// (no bf16 copy). `y_scale.xs` may be `q_scales`.
+    ///
+    /// # Safety
+    /// As [`Kernels::add_rmsnorm_lora`]; with `y_scale`, `ws` holds `y_stride` row scales and
+    /// `sums_i32` (if not 0) `n` rows of `y_stride` sums; `q`/`q_scales` as above.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_rmsnorm_lora_quant(&self, s: &CudaStream, format: W8Format, residual: DPtr, y: DPtr, y_stride: usize, y_scale: Option<OuterScale>, b: DPtr, weight: DPtr, out: DPtr, q: DPtr, q_scales: DPtr, segs: &LoraSegments, n: usize, hidden: usize, eps: f32, r_pad: usize) -> Result<()> {
+        self.check_w8(format, "add_rmsnorm_lora_quant")?;
+        self.add_rmsnorm_lora_launch(s, residual, y, y_stride, b, weight, out, segs, n, hidden, eps, r_pad, Some((format, y_scale, q, q_scales)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn add_rmsnorm_lora_launch(&self, s: &CudaStream, residual: DPtr, y: DPtr, y_stride: usize, b: DPtr, weight: DPtr, out: DPtr, segs: &LoraSegments, n: usize, hidden: usize, eps: f32, r_pad: usize, quant: Option<(W8Format, Option<OuterScale>, DPtr, DPtr)>) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -368,9 +390,17 @@ impl Kernels {
         let grid_y = as_u32(lora_tiles + n.div_ceil(LORA_TILE), "norm tiles")?;
         let (ys, hid, n_i, lt, r_i) = (as_i32(y_stride, "y_stride")?, as_i32(hidden, "hidden")?, as_i32(n, "tokens")?, as_i32(lora_tiles, "tiles")?, as_i32(r_pad, "r_pad")?);
         let config = LaunchConfig { grid_dim: (NORM_LORA_CLUSTER as u32, grid_y, 1), block_dim: (NORM_LORA_WARPS as u32 * 32, 1, 1), shared_mem_bytes: 0 };
-        let mut l = Launch::new(&self.add_rmsnorm_lora);
+        let (dxs, dws, y_i32) = OuterScale::args(quant.and_then(|(_, y_scale, ..)| y_scale));
+        let (q, qs) = quant.map_or((0, 0), |(_, _, q, qs)| (q, qs));
+        let mut l = Launch::new(match quant {
+            None => &self.add_rmsnorm_lora,
+            Some((format, ..)) => &self.add_rmsnorm_lora_quant[format.index()],
+        });
         l.arg(&residual).arg(&y).arg(&ys).arg(&b).arg(&weight).arg(&out).arg(&hid).arg(&eps);
         l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i);
+        if quant.is_some() {
+            l.arg(&dxs).arg(&dws).arg(&y_i32).arg(&q).arg(&qs);
+        }
         l.launch_clustered(s, config, self.pdl, NORM_LORA_CLUSTER as u32)?;
         Ok(())
     }
@@ -456,6 +486,10 @@ impl Kernels {
     /// q and k rotated, q into `q_out`, k and v into the caches at `cache_slots[i]`. `b_q`/`b_k`/`b_v`:
     /// the modules' B stacks of the layer, `[slots, fan-out, r_pad]`. Tokens without a slot get no
     /// update.
+    /// `y_scale` Some: `y` is an 8-bit q|k|v GEMM's output whose weight carried the A rows
+    /// row-quantized (their scales after the weight's), with the scales it left
+    /// (`Cuda::linear_w8_deferred`), which apply to u's columns as to the base's
+    /// (`rope_kv_write_lora_scaled`).
     ///
     /// # Safety
     /// `y` holds `n` rows of `y_stride >= width + 3 × num_slots × r_pad`; `bias` (if not 0) `width`
@@ -474,6 +508,7 @@ impl Kernels {
         segs: &LoraSegments,
         n: usize,
         r_pad: usize,
+        y_scale: Option<OuterScale>,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -491,10 +526,14 @@ impl Kernels {
         let (ys, n_i, lt, r_i, ns) = (as_i32(y_stride, "y_stride")?, as_i32(n, "tokens")?, as_i32(lora_tiles, "tiles")?, as_i32(r_pad, "r_pad")?, as_i32(segs.num_slots, "slots")?);
         let (hq_i, hkv_i, d_i, bs_i) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
         let bias = bias.unwrap_or(0);
-        let mut l = Launch::new(&self.rope_kv_write_lora);
+        let (dxs, dws, y_i32) = OuterScale::args(y_scale);
+        let mut l = Launch::new(if y_scale.is_some() { &self.rope_kv_write_lora_scaled } else { &self.rope_kv_write_lora });
         l.arg(&y).arg(&ys).arg(&bias).arg(&rope.positions).arg(&rope.cos).arg(&rope.sin).arg(&cache_slots);
         l.arg(&q_out).arg(&k_cache).arg(&v_cache).arg(&hq_i).arg(&hkv_i).arg(&d_i).arg(&bs_i).arg(&b_qkv[0]).arg(&b_qkv[1]).arg(&b_qkv[2]);
         l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i).arg(&ns);
+        if y_scale.is_some() {
+            l.arg(&dxs).arg(&dws).arg(&y_i32);
+        }
         l.launch(s, LaunchConfig { grid_dim: grid, block_dim: (ROPE_LORA_WARPS as u32 * 32, 1, 1), shared_mem_bytes: 0 }, self.pdl)?;
         Ok(())
     }

@@ -911,7 +911,7 @@ impl GpuLora {
     pub unsafe fn fused_rope(&self, cuda: &Cuda, layer: usize, p: FusedProjection, bias: Option<DPtr>, rope: RopeTables, cache: RopeCache, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
         let Some(stride) = p.qkv_stride else { return Err(peregrine_kernels::KernelError::Unsupported("q|k|v does not ride in its GEMM this step".into())) };
         let b = [TargetModule::Q, TargetModule::K, TargetModule::V].map(|m| self.b_ptr(m, layer));
-        cuda.kernels.rope_kv_write_lora(&cuda.gpu.stream, p.y, stride, bias, rope, cache, b, &self.segments(slots), n, self.r_pad)
+        cuda.kernels.rope_kv_write_lora(&cuda.gpu.stream, p.y, stride, bias, rope, cache, b, &self.segments(slots), n, self.r_pad, None)
     }
 
     /// Where `module`'s A rows of `slot` in `layer` start.

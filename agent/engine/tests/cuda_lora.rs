@@ -339,6 +339,16 @@ fn adapters_over_an_fp8_base_match_the_cpu_backend_over_the_same_fp8_base() {
     fp8_base_matches_the_cpu_backend(1, "fp8 base");
 }
 
+/// The same over an int8 base: its multi-token steps' o, down and q|k|v take the fused path with the
+/// int8 GEMM's int32 sums and scales left to the consumers.
+#[test]
+fn adapters_over_an_int8_base_match_the_cpu_backend_over_the_same_int8_base() {
+    if !gpu_or_skip() {
+        return;
+    }
+    long_prompts_match_the_cpu_backend(Some(RowFormat::Int8), W8_ATOL, 1, "int8 base");
+}
+
 /// Each adapter alone over an fp8 and an int8 base: its decode steps are one token, whose shrink
 /// runs as extra blocks of the 8-bit GEMV's launch (`gemv_w8_lora_rows`) and whose expand adds in
 /// place after it; against the CPU backend over the same 8-bit base.

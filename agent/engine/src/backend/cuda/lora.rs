@@ -27,11 +27,11 @@ use std::sync::Arc;
 
 use peregrine_kernels::cudarc::driver::{CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use half::bf16;
-use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, GemvLoraExpand, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, RopeCache, RopeTables, LORA_MAX_RANK};
-use peregrine_kernels::{Blas, Cuda, DevBuf, OutType};
+use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, lora_splits, lora_swiglu_fits, DPtr, GemvLoraExpand, LoraDelta, LoraModule, LoraScratch, LoraSegments, GemvLoraRows, OuterScale, RopeCache, RopeTables, LORA_MAX_RANK};
+use peregrine_kernels::{Blas, Cuda, DevBuf, OutType, W8Format};
 
 use super::gpu_err;
-use super::weights::GpuWeights;
+use super::weights::{ExtraRows, GpuWeights};
 use crate::config::ModelConfig;
 use crate::lora::{LoraAdapter, TargetModule};
 use crate::{EngineError, Result};
@@ -272,6 +272,20 @@ struct FusedNorms {
     /// Whether the fused GEMMs are planned for every SM rather than the LoRA steps' reserve
     /// (`PEREGRINE_LORA_FUSED_FULL_SMS=0`: the reserve, for comparisons).
     full_sms: bool,
+    /// Over 8-bit weights: the format, and where each layer's weights hold the A rows' codes and
+    /// row scales (the groups' stacks keep the bf16 rows, which the other paths read).
+    w8: Option<FusedW8>,
+}
+
+/// The A rows of [`FusedNorms`] over 8-bit weights: each slot's bf16 rows quantized row by row into
+/// the fused weights' extra rows (`quant_rows`, the activations' own quantizer: one scale per row),
+/// in the same `[modules, slots, r_pad]` layout as a group's stack block. The shrink then rides in the
+/// 8-bit GEMM as it does in the bf16 one; its output's scales (the token's times the A row's) are
+/// applied by the consumer, as the base columns' are. The adapters themselves stay bf16: the stacks
+/// keep the rows for every other path, and B and the expand are bf16.
+struct FusedW8 {
+    format: W8Format,
+    rows: Vec<[ExtraRows; 4]>,
 }
 
 /// What a step's fused projections write and their consumers read ([`GpuLora::fused_projection`]).
@@ -290,6 +304,16 @@ pub struct FusedProjection {
     pub qkv_stride: Option<usize>,
     /// Plan the GEMM for every SM (nothing runs beside it).
     pub full_sms: bool,
+}
+
+/// What the fused norm over 8-bit weights reads and writes besides the bf16 path's buffers: the
+/// scales the projection left (None: its output is final), and where the normalized rows' codes and
+/// token scales go (`q_scales` may be `y_scale.xs`).
+#[derive(Debug, Clone, Copy)]
+pub struct FusedW8Io {
+    pub y_scale: Option<OuterScale>,
+    pub q: DPtr,
+    pub q_scales: DPtr,
 }
 
 fn fused_norms_disabled() -> bool {
@@ -314,6 +338,12 @@ const FUSED_GATE_UP_MIN_TOKENS: usize = 128;
 /// Whether q|k|v rides too (`PEREGRINE_LORA_FUSED_QKV=0`: its side stream, for comparisons).
 fn fused_qkv() -> bool {
     !std::env::var("PEREGRINE_LORA_FUSED_QKV").is_ok_and(|v| v == "0")
+}
+
+/// Over 8-bit weights, whether [`FusedNorms`] is off (`PEREGRINE_LORA_FUSED_W8=0`: every group on the
+/// side stream with its bf16 A rows, as before session 37, for comparisons).
+fn fused_w8_disabled(eight_bit: bool) -> bool {
+    eight_bit && std::env::var("PEREGRINE_LORA_FUSED_W8").is_ok_and(|v| v == "0")
 }
 
 /// The fused weights, in [`GROUPS`]' order (and `GpuWeights::extend_rows_for_lora`'s).
@@ -790,8 +820,8 @@ impl GpuLora {
     /// written: the weights' new rows start as zeros.
     pub fn attach_fused_norms(&mut self, cuda: &Cuda, weights: &mut GpuWeights, config: &ModelConfig, plain_bf16_cache: bool) -> Result<()> {
         let (hidden, inter) = (config.hidden_size, config.intermediate_size);
-        let usable = self.overlap.is_some() && weights.w8.is_none() && self.ranks_host.iter().all(|&r| r == 0);
-        let plan = usable.then(|| Self::fused_plan(cuda, config, self.capacity, self.delta_tokens, plain_bf16_cache)).flatten();
+        let usable = self.overlap.is_some() && self.ranks_host.iter().all(|&r| r == 0);
+        let plan = usable.then(|| Self::fused_plan(cuda, config, self.capacity, self.delta_tokens, plain_bf16_cache, weights.w8.is_some())).flatten();
         let Some(extended) = plan.filter(|_| self.fused.is_none()) else { return Ok(()) };
         let [qkv_extra, extra, gate_up_extra, _] = extended;
         let (qkv, gate_up) = (qkv_extra > 0, gate_up_extra > 0);
@@ -800,40 +830,52 @@ impl GpuLora {
         let Some(rows) = weights.extend_rows_for_lora(cuda, [qkv_width, hidden, 2 * inter, hidden], fan_in, extended)? else { return Ok(()) };
         let wide = cuda.gpu.alloc_zeros::<u16>(self.delta_tokens * Self::fused_row(config, extra, gate_up, qkv)).map_err(gpu_err)?;
         let full_sms = !std::env::var("PEREGRINE_LORA_FUSED_FULL_SMS").is_ok_and(|v| v == "0");
-        tracing::info!(extra_rows = extra, qkv, gate_up, "LoRA: o, down (and q|k|v, gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
-        // The fused groups' A rows now live in their weights: their stacks go (the rows are zeros in
-        // both, as no slot has been written). GROUPS and the fused weights share their order.
-        for (group, modules) in self.groups.iter_mut().zip(GROUPS) {
-            let Some((i, _)) = modules.first().and_then(|&m| fused_place(m)) else { continue };
-            if extended[i] > 0 {
-                group.a = AStore::InWeights(rows.iter().map(|r| r[i]).collect());
+        tracing::info!(extra_rows = extra, qkv, gate_up, eight_bit = weights.w8.is_some(), "LoRA: o, down (and q|k|v, gate|up) ride in the base GEMMs and their consumers (no side stream for them)");
+        let w8 = match weights.w8 {
+            // The bf16 stacks stay: the other paths read them, the fused GEMM the 8-bit copies.
+            Some(format) => Some(FusedW8 { format, rows }),
+            None => {
+                // The fused groups' A rows now live in their weights: their stacks go (the rows are
+                // zeros in both, as no slot has been written). GROUPS and the fused weights share
+                // their order.
+                for (group, modules) in self.groups.iter_mut().zip(GROUPS) {
+                    let Some((i, _)) = modules.first().and_then(|&m| fused_place(m)) else { continue };
+                    if extended[i] > 0 {
+                        group.a = AStore::InWeights(rows.iter().map(|r| r[i].rows).collect());
+                    }
+                }
+                None
             }
-        }
-        self.fused = Some(FusedNorms { hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, gate_up_min_tokens: fused_gate_up_min_tokens().unwrap_or(usize::MAX), full_sms });
+        };
+        self.fused = Some(FusedNorms { hidden, inter, qkv_width, qkv, wide, max_tokens: self.delta_tokens, gate_up, gate_up_min_tokens: fused_gate_up_min_tokens().unwrap_or(usize::MAX), full_sms, w8 });
         // The stacks' blocks go back to the pool's free list in stream order: wait for that here,
         // before the start-up allocations that follow and the KV cache's sizing.
         cuda.gpu.synchronize().map_err(gpu_err)?;
         Ok(())
     }
 
-    /// The LoRA rows each bf16 weight gets for [`FusedNorms`], `[q|k|v, o, gate|up, down]` (0: that
-    /// group keeps the side stream), for steps of up to `max_tokens` tokens at `cap`; None where
-    /// nothing rides (switched off, 8-bit linears, no side stream, a GPU or shape the fused kernels
-    /// do not take). [`GpuWeights::upload`] leaves them at load, so that enabling LoRA rebuilds no
+    /// The LoRA rows each weight gets for [`FusedNorms`], `[q|k|v, o, gate|up, down]` (0: that group
+    /// keeps the side stream), for steps of up to `max_tokens` tokens at `cap`; None where nothing
+    /// rides (switched off, no side stream, a GPU or shape the fused kernels do not take). Over
+    /// 8-bit weights (`eight_bit`) gate|up keeps its side stream: its SwiGLU would have to quantize
+    /// rows whose columns its blocks split (`silu_mul_lora` takes 128 columns a block). [`GpuWeights::upload`] leaves them at load, so that enabling LoRA rebuilds no
     /// weight (a rebuild's freed blocks strand memory in the allocator's pool).
     ///
     /// [`GpuWeights::upload`]: super::weights::GpuWeights::upload
     pub fn fused_lora_rows(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, max_tokens: usize, eight_bit: bool, plain_bf16_cache: bool) -> Option<[usize; 4]> {
-        if eight_bit || overlap_disabled() || cap.max_loras == 0 || cap.max_rank == 0 || cap.max_rank > LORA_MAX_RANK {
+        if overlap_disabled() || cap.max_loras == 0 || cap.max_rank == 0 || cap.max_rank > LORA_MAX_RANK {
             return None;
         }
-        Self::fused_plan(cuda, config, cap, delta_rows(max_tokens, true), plain_bf16_cache)
+        Self::fused_plan(cuda, config, cap, delta_rows(max_tokens, true), plain_bf16_cache, eight_bit)
     }
 
     /// [`GpuLora::fused_lora_rows`] for an update buffer of `delta_tokens` rows (the fused steps' largest).
-    fn fused_plan(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, delta_tokens: usize, plain_bf16_cache: bool) -> Option<[usize; 4]> {
+    fn fused_plan(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, delta_tokens: usize, plain_bf16_cache: bool, eight_bit: bool) -> Option<[usize; 4]> {
         let k = &cuda.kernels;
-        let gate_up = fused_gate_up_min_tokens().is_some();
+        let gate_up = !eight_bit && fused_gate_up_min_tokens().is_some();
+        if fused_w8_disabled(eight_bit) {
+            return None;
+        }
         let usable = !fused_norms_disabled() && delta_tokens >= 2 && k.add_rmsnorm_lora_fits(config.hidden_size) && (!gate_up || k.silu_mul_lora_fits(config.intermediate_size));
         if !usable {
             return None;
@@ -870,6 +912,11 @@ impl GpuLora {
         Some(FusedProjection { y: f.wide.ptr(), o_down_stride: f.hidden + extra, gate_up_stride: 2 * (f.inter + extra), gate_up: f.gate_up && n >= f.gate_up_min_tokens, qkv_stride, full_sms: f.full_sms })
     }
 
+    /// Whether [`FusedNorms`] is attached.
+    pub fn rides_in_base_gemms(&self) -> bool {
+        self.fused.is_some()
+    }
+
     /// `module`'s B stack of `layer`, `[slots, fan_out, r_pad]`.
     fn b_ptr(&self, module: TargetModule, layer: usize) -> DPtr {
         let stack = &self.modules[module.index()];
@@ -877,16 +924,23 @@ impl GpuLora {
     }
 
     /// The residual add + RMSNorm after a fused `module` (o or down) projection of `layer`, its
-    /// LoRA expand included (`add_rmsnorm_lora`), into `out`.
+    /// LoRA expand included (`add_rmsnorm_lora`), into `out`; over 8-bit weights (`w8`, which then
+    /// must be given) with the projection's deferred scales applied and the row quantized for the
+    /// next 8-bit linear (`add_rmsnorm_lora_quant`).
     ///
     /// # Safety
     /// `p` is this step's [`GpuLora::fused_projection`], written by that projection's GEMM over its
     /// full rows; `residual`/`out` hold `n` rows of hidden, `weight` hidden f32; `slots` as in
     /// [`GpuLora::begin_step`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn fused_norm(&self, cuda: &Cuda, module: TargetModule, layer: usize, p: FusedProjection, residual: DPtr, weight: DPtr, out: DPtr, slots: DPtr, n: usize, eps: f32) -> peregrine_kernels::Result<()> {
+    pub unsafe fn fused_norm(&self, cuda: &Cuda, module: TargetModule, layer: usize, p: FusedProjection, residual: DPtr, weight: DPtr, out: DPtr, slots: DPtr, n: usize, eps: f32, w8: Option<FusedW8Io>) -> peregrine_kernels::Result<()> {
         let hidden = self.modules[module.index()].fan_out;
-        cuda.kernels.add_rmsnorm_lora(&cuda.gpu.stream, residual, p.y, p.o_down_stride, self.b_ptr(module, layer), weight, out, &self.segments(slots), n, hidden, eps, self.r_pad)
+        let (b, segs) = (self.b_ptr(module, layer), self.segments(slots));
+        match (w8, self.fused.as_ref().and_then(|f| f.w8.as_ref())) {
+            (Some(io), Some(fw)) => cuda.kernels.add_rmsnorm_lora_quant(&cuda.gpu.stream, fw.format, residual, p.y, p.o_down_stride, io.y_scale, b, weight, out, io.q, io.q_scales, &segs, n, hidden, eps, self.r_pad),
+            (None, None) => cuda.kernels.add_rmsnorm_lora(&cuda.gpu.stream, residual, p.y, p.o_down_stride, b, weight, out, &segs, n, hidden, eps, self.r_pad),
+            _ => Err(peregrine_kernels::KernelError::Unsupported("the fused norm's 8-bit outputs and the fused weights disagree".into())),
+        }
     }
 
     /// SwiGLU after the fused gate|up projection of `layer`, its LoRA expand included
@@ -901,17 +955,17 @@ impl GpuLora {
     }
 
     /// RoPE + the bf16 KV write after the fused q|k|v projection of `layer`, its LoRA expand
-    /// included (`rope_kv_write_lora`).
+    /// included (`rope_kv_write_lora`); `y_scale`: the scales an 8-bit projection left.
     ///
     /// # Safety
     /// As [`GpuLora::fused_norm`], for q|k|v (`p.qkv_stride`); `bias` (if any) holds the q|k|v
     /// width in f32; `rope` and `cache` as [`peregrine_kernels::Kernels::rope_kv_write`] reads them
     /// for a bf16 cache.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn fused_rope(&self, cuda: &Cuda, layer: usize, p: FusedProjection, bias: Option<DPtr>, rope: RopeTables, cache: RopeCache, slots: DPtr, n: usize) -> peregrine_kernels::Result<()> {
+    pub unsafe fn fused_rope(&self, cuda: &Cuda, layer: usize, p: FusedProjection, bias: Option<DPtr>, rope: RopeTables, cache: RopeCache, slots: DPtr, n: usize, y_scale: Option<OuterScale>) -> peregrine_kernels::Result<()> {
         let Some(stride) = p.qkv_stride else { return Err(peregrine_kernels::KernelError::Unsupported("q|k|v does not ride in its GEMM this step".into())) };
         let b = [TargetModule::Q, TargetModule::K, TargetModule::V].map(|m| self.b_ptr(m, layer));
-        cuda.kernels.rope_kv_write_lora(&cuda.gpu.stream, p.y, stride, bias, rope, cache, b, &self.segments(slots), n, self.r_pad, None)
+        cuda.kernels.rope_kv_write_lora(&cuda.gpu.stream, p.y, stride, bias, rope, cache, b, &self.segments(slots), n, self.r_pad, y_scale)
     }
 
     /// Where `module`'s A rows of `slot` in `layer` start.
@@ -975,11 +1029,24 @@ impl GpuLora {
             };
             let shape = GroupShape { modules: self.groups[group].modules, slots: max_loras, r_pad, fan_in };
             let (a_len, b_len) = (r_pad * fan_in, fan_out * r_pad);
+            // Over 8-bit weights a fused group's rows are quantized into its weight too (FusedW8).
+            let w8_rows = self.fused.as_ref().and_then(|f| f.w8.as_ref()).and_then(|fw| fused_place(module).map(|(i, _)| (fw, i))).filter(|&(fw, i)| fw.rows.first().is_some_and(|r| r[i].rows != 0));
             for layer in 0..self.layers {
                 let at = shape.a_offset(index, layer, slot);
                 let a_rows = &staging[offset..offset + a_len];
                 match &mut self.groups[group].a {
-                    AStore::Stack(a) => a.write_at(&up.stream, at, a_rows).map_err(gpu_err)?,
+                    AStore::Stack(a) => {
+                        a.write_at(&up.stream, at, a_rows).map_err(gpu_err)?;
+                        if let Some((fw, i)) = w8_rows {
+                            let Some(extra) = fw.rows.get(layer).map(|r| r[i]) else { return Err(EngineError::Backend("LoRA rows of a fused 8-bit weight missing".into())) };
+                            // The slot's rows of this module, as the stack's layer block lays them out.
+                            let row = shape.a_offset(index, 0, slot) / fan_in;
+                            // SAFETY: the stack holds these r_pad rows of fan_in at `at` (written
+                            // just above on this stream); the weight holds the group's modules ·
+                            // max_loras · r_pad extra rows of fan_in codes and as many scales.
+                            unsafe { cuda.kernels.quant_rows(&up.stream, fw.format, extra.rows + (row * fan_in) as u64, extra.scales + 4 * row as u64, a.ptr_at(at), r_pad, fan_in) }.map_err(gpu_err)?;
+                        }
+                    }
                     AStore::InWeights(rows) => {
                         let Some(&layer_rows) = rows.get(layer) else { return Err(EngineError::Backend("LoRA rows of a fused weight missing".into())) };
                         let dst = layer_rows + 2 * shape.a_offset(index, 0, slot) as u64;

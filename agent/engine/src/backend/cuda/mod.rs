@@ -40,7 +40,7 @@ pub use peregrine_kernels::KvCacheDtype;
 use peregrine_kernels::{Cuda, DevBuf, KernelError, OutType, W8Format};
 
 use self::graphs::Graphs;
-use self::lora::{BaseGemv, FusedProjection, GpuLora, LoraBase, LoraUpdate, Projection};
+use self::lora::{BaseGemv, FusedProjection, FusedW8Io, GpuLora, LoraBase, LoraUpdate, Projection};
 use self::scratch::{PinnedUpload, Scratch};
 use self::timing::StepTiming;
 use crate::backend::{kv_block_bytes, Backend, BatchCapacity, KvCacheShape, Logits, RowConstraints, RowSampling, SampledStep, StepBatch};
@@ -453,20 +453,28 @@ impl CudaBackend {
         // (cuda/lora.rs, FusedNorms): the GEMM over the weight's full rows (the model's, then every
         // slot's A), planned for every SM since nothing runs beside it.
         let fused_lora = lora.and_then(|l| l.fused_projection(n).map(|p| (l, p)));
-        let fused_linear = |p: FusedProjection, row_stride: usize, x: DPtr, wt: &Linear, k_in: usize| -> peregrine_kernels::Result<()> {
-            let Linear::Bf16(wb) = wt else { return Err(KernelError::Unsupported("LoRA rows in an 8-bit weight".into())) };
+        // Over 8-bit weights the GEMM reads x's codes and token scales (xq/xs) and may leave its
+        // scales to the consumer (returned; None: `p.y` is final).
+        let fused_linear = |p: FusedProjection, row_stride: usize, x: DPtr, wt: &Linear, k_in: usize| -> peregrine_kernels::Result<Option<OuterScale>> {
             let reserved = sm_target.filter(|&t| t > 0 && p.full_sms);
             if reserved.is_some() {
                 cuda.set_sm_count_target(0)?;
             }
-            // SAFETY: as the step's block below; the weight holds `row_stride` rows of `k_in`
-            // (GpuWeights::extend_rows_for_lora) and `p.y` that many columns for the step's rows.
-            unsafe { cuda.linear(p.y, OutType::Bf16, x, wb.ptr(), n, row_stride, k_in)? };
+            // SAFETY: as the step's block below; the weight holds `row_stride` rows of `k_in` (and
+            // an 8-bit one as many row scales; GpuWeights::extend_rows_for_lora), `p.y` that many
+            // columns for the step's rows, and xq/xs the step's codes and scales of x.
+            let scale = match (wt, w8) {
+                (Linear::Bf16(wb), _) => unsafe { cuda.linear(p.y, OutType::Bf16, x, wb.ptr(), n, row_stride, k_in).map(|()| None)? },
+                (Linear::W8 { codes, scales }, Some(f)) => unsafe { cuda.linear_w8_deferred(f, p.y, sc.xq.ptr(), sc.xs.ptr(), codes.ptr(), scales.ptr(), n, row_stride, k_in)? },
+                (Linear::W8 { .. }, None) => return Err(KernelError::Unsupported("8-bit weights without a format".into())),
+            };
             if let Some(target) = reserved {
                 cuda.set_sm_count_target(target)?;
             }
-            Ok(())
+            Ok(scale)
         };
+        // What a fused norm over 8-bit weights reads and writes besides the bf16 path's buffers.
+        let fused_w8_io = |y_scale: Option<OuterScale>| w8.map(|_| FusedW8Io { y_scale, q: sc.xq.ptr(), q_scales: sc.xs.ptr() });
         let gemv_of = |wt: &Linear, x: DPtr, k_in: usize| match wt {
             Linear::Bf16(wb) if cuda.linear_is_gemv(n, k_in, x, wb.ptr()) => BaseGemv::Bf16,
             Linear::W8 { .. } if cuda.linear_w8_is_gemv(n) => BaseGemv::W8,
@@ -530,16 +538,16 @@ impl CudaBackend {
                 layer_start(l)?;
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 match (fused_lora, down_fused) {
-                    (Some((lo, p)), Some(prev)) => lo.fused_norm(cuda, TargetModule::Down, prev, p, sc.residual.ptr(), lw.input_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps)?,
+                    (Some((lo, p)), Some((prev, scale))) => lo.fused_norm(cuda, TargetModule::Down, prev, p, sc.residual.ptr(), lw.input_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps, fused_w8_io(scale))?,
                     _ => norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?,
                 }
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));
                 let fused_qkv = fused_lora.and_then(|(lo, p)| p.qkv_stride.map(|stride| (lo, p, stride)));
                 if let Some((lo, p, stride)) = fused_qkv {
-                    fused_linear(p, stride, sc.normed.ptr(), &lw.qkv, h)?;
+                    let qkv_scale = fused_linear(p, stride, sc.normed.ptr(), &lw.qkv, h)?;
                     let rope = RopeTables { positions: m(lay.positions()), cos: self.rope_cos.ptr(), sin: self.rope_sin.ptr() };
                     let cache = RopeCache { cache_slots: m(lay.slots()), q_out: sc.q.ptr(), k_cache: kc, v_cache: vc, hq, hkv, d, block_size: bs };
-                    lo.fused_rope(cuda, l, p, lw.qkv_bias.as_ref().map(|b| b.ptr()), rope, cache, lora_slots, n)?;
+                    lo.fused_rope(cuda, l, p, lw.qkv_bias.as_ref().map(|b| b.ptr()), rope, cache, lora_slots, n, qkv_scale)?;
                 } else {
                     let qkv_cols = [(TargetModule::Q, 0), (TargetModule::K, c.q_dim()), (TargetModule::V, c.q_dim() + c.kv_dim())];
                     let qkv_scale = Cell::new(None);
@@ -584,8 +592,8 @@ impl CudaBackend {
                     k.quant_rows(s, f, xq, xs, sc.attn.ptr(), n, c.q_dim())?;
                 }
                 if let Some((lo, p)) = fused_lora {
-                    fused_linear(p, p.o_down_stride, sc.attn.ptr(), &lw.o, c.q_dim())?;
-                    lo.fused_norm(cuda, TargetModule::O, l, p, sc.residual.ptr(), lw.post_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps)?;
+                    let o_scale = fused_linear(p, p.o_down_stride, sc.attn.ptr(), &lw.o, c.q_dim())?;
+                    lo.fused_norm(cuda, TargetModule::O, l, p, sc.residual.ptr(), lw.post_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps, fused_w8_io(o_scale))?;
                 } else {
                     let o_scale = Cell::new(None);
                     let o_lora = project(l, sc.attn.ptr(), c.q_dim(), sc.delta.ptr(), h, &[(TargetModule::O, 0)], gemv_of(&lw.o, sc.attn.ptr(), c.q_dim()), &|rows| linear_scaled_later(sc.delta.ptr(), sc.attn.ptr(), &lw.o, h, c.q_dim(), &o_scale, rows))?;
@@ -600,6 +608,7 @@ impl CudaBackend {
                 };
                 let fused_gate_up = fused_lora.filter(|(_, p)| p.gate_up && !fused);
                 if let Some((lo, p)) = fused_gate_up {
+                    // gate|up rides only over bf16 weights (a final output, no scales left).
                     fused_linear(p, p.gate_up_stride, sc.normed.ptr(), &lw.gate_up, h)?;
                     lo.fused_swiglu(cuda, l, p, sc.act.ptr(), lora_slots, n)?;
                 } else if !fused {
@@ -624,8 +633,8 @@ impl CudaBackend {
                 // The last layer's down keeps the side stream: the final norm reads only the logit rows.
                 match fused_lora.filter(|_| l + 1 < w.layers.len()) {
                     Some((_, p)) => {
-                        fused_linear(p, p.o_down_stride, sc.act.ptr(), &lw.down, inter)?;
-                        (down_lora, down_scale, down_fused) = (None, None, Some(l));
+                        let scale = fused_linear(p, p.o_down_stride, sc.act.ptr(), &lw.down, inter)?;
+                        (down_lora, down_scale, down_fused) = (None, None, Some((l, scale)));
                     }
                     None => {
                         let scale = Cell::new(None);
@@ -741,6 +750,13 @@ impl CudaBackend {
 
     pub fn device_name(&self) -> &str {
         &self.cuda.gpu.name
+    }
+
+    /// Whether LoRA's o and down groups (and where the configuration allows, q|k|v and gate|up) ride
+    /// in the base GEMMs and their consumers for decode-sized steps (cuda/lora.rs, `FusedNorms`)
+    /// rather than on the side stream.
+    pub fn lora_rides_in_base_gemms(&self) -> bool {
+        self.lora.as_ref().is_some_and(|l| l.rides_in_base_gemms())
     }
 
     /// Bytes of weights on the device.

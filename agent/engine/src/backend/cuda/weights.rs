@@ -57,6 +57,14 @@ pub struct GpuWeights {
     pub w8: Option<W8Format>,
 }
 
+/// Where a weight's extra rows for LoRA start ([`GpuWeights::extend_rows_for_lora`]): the rows, bf16
+/// or 8-bit codes, and for an 8-bit weight their row scales (0 otherwise). 0: no extra rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExtraRows {
+    pub rows: u64,
+    pub scales: u64,
+}
+
 /// The kernels' name for a row format.
 pub fn w8_format(f: RowFormat) -> W8Format {
     match f {
@@ -71,43 +79,63 @@ impl GpuWeights {
     }
 
     /// Rebuilds every layer's q|k|v, o, gate|up and down weights with `extra[i]` zero rows after the
-    /// model's own `fan_out[i]` (`[fan_out + extra, in]`), for LoRA's shrink to ride in their GEMMs
-    /// (cuda/lora.rs, `FusedNorms`), and returns where each layer's extra rows start, `[q|k|v, o,
-    /// gate|up, down]`. The first `fan_out` rows are the same matrix at the same row stride, so every base GEMM
-    /// and GEMV reads them as before. One linear at a time: at most one is held twice; one with no
-    /// extra rows is left as it is (its entry 0). None (nothing changed): the linears are 8-bit, or
-    /// one is not bf16.
+    /// model's own `fan_out[i]` (`[fan_out + extra, in]`; an 8-bit weight's codes and its row scales
+    /// alike), for LoRA's shrink to ride in their GEMMs (cuda/lora.rs, `FusedNorms`), and returns
+    /// where each layer's extra rows start, `[q|k|v, o, gate|up, down]`. The first `fan_out` rows are
+    /// the same matrix at the same row stride, so every base GEMM and GEMV reads them as before. One
+    /// linear at a time: at most one is held twice; one with no extra rows is left as it is (its
+    /// entry 0). None (nothing changed): the linears are neither all bf16 nor all 8-bit.
     /// A weight loaded with exactly those rows already after its own (`upload`'s and `random`'s
     /// `lora_rows`) is kept as it is: no rebuild, so nothing is freed and reallocated.
-    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 4], fan_in: [usize; 4], extra: [usize; 4]) -> Result<Option<Vec<[u64; 4]>>> {
-        if self.w8.is_some() || !self.layers.iter().all(|l| l.qkv.reads_bf16() && l.o.reads_bf16() && l.gate_up.reads_bf16() && l.down.reads_bf16()) {
+    pub fn extend_rows_for_lora(&mut self, cuda: &Cuda, fan_out: [usize; 4], fan_in: [usize; 4], extra: [usize; 4]) -> Result<Option<Vec<[ExtraRows; 4]>>> {
+        let eight_bit = self.w8.is_some();
+        if !self.layers.iter().all(|l| [&l.qkv, &l.o, &l.gate_up, &l.down].iter().all(|w| w.reads_bf16() != eight_bit)) {
             return Ok(None);
         }
         let stream = &cuda.gpu.stream;
+        let copy_err = |e: peregrine_kernels::cudarc::driver::DriverError| gpu_err(e.into());
         let mut rows = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
-            let mut at = [0u64; 4];
+            let mut at = [ExtraRows::default(); 4];
             for (i, linear) in [&mut layer.qkv, &mut layer.o, &mut layer.gate_up, &mut layer.down].into_iter().enumerate() {
-                let Linear::Bf16(old) = linear else { return Ok(None) };
                 if extra[i] == 0 {
                     continue;
                 }
-                let fan_in = fan_in[i];
-                if old.len() == (fan_out[i] + extra[i]) * fan_in {
-                    // Loaded with its LoRA rows (zeros).
-                    at[i] = old.ptr_at(fan_out[i] * fan_in);
-                    continue;
+                let (fan_in, fan_out) = (fan_in[i], fan_out[i]);
+                match linear {
+                    Linear::Bf16(old) => {
+                        if old.len() == (fan_out + extra[i]) * fan_in {
+                            // Loaded with its LoRA rows (zeros).
+                            at[i].rows = old.ptr_at(fan_out * fan_in);
+                            continue;
+                        }
+                        if fan_in * fan_out != old.len() {
+                            return Err(EngineError::Backend("a projection's weight is not [fan-out, fan-in]".into()));
+                        }
+                        let mut wide = cuda.gpu.alloc_zeros::<u16>(old.len() + extra[i] * fan_in).map_err(gpu_err)?;
+                        stream.memcpy_dtod(old.slice(), &mut wide.slice_mut().slice_mut(0..old.len())).map_err(copy_err)?;
+                        at[i].rows = wide.ptr_at(old.len());
+                        // The old buffer is freed in stream order, after the copy. Its block stays in the
+                        // allocator's pool, and later allocations cut from it strand the rest (1.2 GiB on
+                        // Llama-3.1-8B, docs/benchmarks.md session 31): hence `lora_rows` at load.
+                        *linear = Linear::Bf16(wide);
+                    }
+                    Linear::W8 { codes, scales } => {
+                        if codes.len() == (fan_out + extra[i]) * fan_in && scales.len() == fan_out + extra[i] {
+                            at[i] = ExtraRows { rows: codes.ptr_at(fan_out * fan_in), scales: scales.ptr_at(fan_out) };
+                            continue;
+                        }
+                        if fan_in * fan_out != codes.len() || scales.len() != fan_out {
+                            return Err(EngineError::Backend("a projection's 8-bit weight is not [fan-out, fan-in] with a scale per row".into()));
+                        }
+                        let mut wide = cuda.gpu.alloc_zeros::<u8>(codes.len() + extra[i] * fan_in).map_err(gpu_err)?;
+                        stream.memcpy_dtod(codes.slice(), &mut wide.slice_mut().slice_mut(0..codes.len())).map_err(copy_err)?;
+                        let mut wide_scales = cuda.gpu.alloc_zeros::<f32>(fan_out + extra[i]).map_err(gpu_err)?;
+                        stream.memcpy_dtod(scales.slice(), &mut wide_scales.slice_mut().slice_mut(0..fan_out)).map_err(copy_err)?;
+                        at[i] = ExtraRows { rows: wide.ptr_at(codes.len()), scales: wide_scales.ptr_at(fan_out) };
+                        *linear = Linear::W8 { codes: wide, scales: wide_scales };
+                    }
                 }
-                if fan_in * fan_out[i] != old.len() {
-                    return Err(EngineError::Backend("a projection's weight is not [fan-out, fan-in]".into()));
-                }
-                let mut wide = cuda.gpu.alloc_zeros::<u16>(old.len() + extra[i] * fan_in).map_err(gpu_err)?;
-                stream.memcpy_dtod(old.slice(), &mut wide.slice_mut().slice_mut(0..old.len())).map_err(|e| gpu_err(e.into()))?;
-                at[i] = wide.ptr_at(old.len());
-                // The old buffer is freed in stream order, after the copy. Its block stays in the
-                // allocator's pool, and later allocations cut from it strand the rest (1.2 GiB on
-                // Llama-3.1-8B, docs/benchmarks.md session 31): hence `lora_rows` at load.
-                *linear = Linear::Bf16(wide);
             }
             rows.push(at);
         }
@@ -142,8 +170,8 @@ impl GpuWeights {
     /// Uploads host weights: bf16 (dequantized to f32, then rounded on the host, nearest even), or
     /// with `w8` the decoder linears as 8-bit codes + row scales (quantized on the host by
     /// `RowQuantMatrix::quantize` where they are not 8-bit already).
-    /// `lora_rows`: zero rows to leave after the bf16 q|k|v, o, gate|up and down weights for LoRA's
-    /// fused shrink ([`GpuWeights::extend_rows_for_lora`] then finds them there instead of
+    /// `lora_rows`: zero rows to leave after the q|k|v, o, gate|up and down weights (bf16, or 8-bit
+    /// codes with zero row scales) for LoRA's fused shrink ([`GpuWeights::extend_rows_for_lora`] then finds them there instead of
     /// rebuilding each weight).
     pub fn upload(cuda: &Cuda, w: &ModelWeights, w8: Option<RowFormat>, lora_rows: [usize; 4]) -> Result<Self> {
         w.validate().map_err(EngineError::Unsupported)?;
@@ -178,7 +206,13 @@ impl GpuWeights {
             }
             let refs: Vec<&RowQuantMatrix> = quantized.iter().collect();
             let fused = RowQuantMatrix::concat_rows(&refs).ok_or_else(|| EngineError::Unsupported(format!("{what}: parts of different widths")))?;
-            Ok(Linear::W8 { codes: cuda.gpu.upload(fused.codes()).map_err(gpu_err)?, scales: cuda.gpu.upload(fused.scales()).map_err(gpu_err)? })
+            // LoRA's rows (codes and scales) start as zeros after the weight's own.
+            let width = parts.first().map_or(0, |m| m.cols);
+            let mut codes = fused.codes().to_vec();
+            codes.resize(codes.len() + lora_rows * width, 0);
+            let mut scales = fused.scales().to_vec();
+            scales.resize(scales.len() + lora_rows, 0.0);
+            Ok(Linear::W8 { codes: cuda.gpu.upload(&codes).map_err(gpu_err)?, scales: cuda.gpu.upload(&scales).map_err(gpu_err)? })
         };
         let vec32 = |v: &[f32]| -> Result<DevBuf<f32>> { cuda.gpu.upload(v).map_err(gpu_err) };
         let mut layers = Vec::with_capacity(w.layers.len());
@@ -223,8 +257,9 @@ impl GpuWeights {
             let Some(format) = w8 else { return Ok(Linear::Bf16(fill.new_bf16_with_zero_rows(rows * cols, cols, lora_rows * cols)?)) };
             // SAFETY: staging holds at least rows*cols bf16 values (the largest linear).
             unsafe { fill.bf16(staging.ptr(), rows * cols, cols) }?;
-            let codes = cuda.gpu.alloc_zeros::<u8>(rows * cols).map_err(gpu_err)?;
-            let scales = cuda.gpu.alloc_zeros::<f32>(rows).map_err(gpu_err)?;
+            // LoRA's rows (codes and scales) stay zeros after the weight's own.
+            let codes = cuda.gpu.alloc_zeros::<u8>((rows + lora_rows) * cols).map_err(gpu_err)?;
+            let scales = cuda.gpu.alloc_zeros::<f32>(rows + lora_rows).map_err(gpu_err)?;
             // SAFETY: staging holds rows*cols bf16 values, codes rows*cols bytes, scales rows f32.
             unsafe { cuda.kernels.quant_rows(&cuda.gpu.stream, w8_format(format), codes.ptr(), scales.ptr(), staging.ptr(), rows, cols) }.map_err(gpu_err)?;
             Ok(Linear::W8 { codes, scales })

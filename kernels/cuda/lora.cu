@@ -1043,47 +1043,73 @@ __device__ __forceinline__ bool fused_lora_tile(int* tok, int& slot, const int* 
     return __syncthreads_or(mine);
 }
 
-// Two values of a fused GEMM's output row as the consumer reads them: the bf16 pair at `col`, or
-// (W8: an 8-bit GEMM that left its scales, dws not null) the raw pair, bf16 or the int32 sums of
-// `row_i32`, times sx · dws[col + e]. In f32, unrounded.
-template <bool W8>
-__device__ __forceinline__ float2 fused_y2(const bf16_t* row, const int* row_i32, int col, float sx, const float* dws) {
-    if (W8 && dws) {
-        const float2 w = *reinterpret_cast<const float2*>(dws + col);
-        float2 raw;
-        if (row_i32) {
-            const int2 v = *reinterpret_cast<const int2*>(row_i32 + col);
-            raw = make_float2((float)v.x, (float)v.y);
-        } else {
-            const u32 v = lora_ld2(row + col);
-            raw = make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-        }
-        return make_float2(raw.x * (sx * w.x), raw.y * (sx * w.y));
-    }
-    const u32 v = lora_ld2(row + col);
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+// How a fused consumer reads its GEMM's output (a compile-time choice, so that every load is
+// issued before the first use: a runtime branch around each load made them wait in turn, and the
+// 8-bit norm took twice the bf16 one's time). FY_BF16: final bf16 values. Over 8-bit weights whose
+// GEMM left its scales (Cuda::linear_w8_deferred): FY_BF16_SCALED, raw bf16 values (e4m3), or
+// FY_I32_SCALED, an int8 GEMM's int32 sums at y_i32 (same stride); each times dxs[token] ·
+// dws[column], u's columns' scales being the A rows' own.
+#define FY_BF16 0
+#define FY_BF16_SCALED 1
+#define FY_I32_SCALED 2
+
+// A pair of raw values as loaded: bf16 bits or int32 sums (the unused one optimized away).
+struct FusedRaw2 {
+    u32 b;
+    int2 i;
+};
+
+template <int YM>
+__device__ __forceinline__ FusedRaw2 fused_ld2(const bf16_t* row, const int* row_i32, int col, bool on) {
+    FusedRaw2 r;
+    if (YM == FY_I32_SCALED) r.i = on ? *reinterpret_cast<const int2*>(row_i32 + col) : make_int2(0, 0);
+    else r.b = on ? lora_ld2(row + col) : 0u;
+    return r;
 }
 
-// Two of a token's u values (the mma's A operand, packed bf16): as they are, or (W8 with scales) the
-// raw pair scaled as fused_y2 and rounded to bf16. Zeros for no row.
-template <bool W8>
-__device__ __forceinline__ u32 fused_u2(const bf16_t* row, const int* row_i32, int col, float sx, const float* dws) {
-    if (!row && !(W8 && row_i32)) return 0u;
-    if (W8 && dws) {
-        const float2 v = fused_y2<true>(row, row_i32, col, sx, dws);
-        return (u32)f2bf(v.x) | ((u32)f2bf(v.y) << 16);
+// The pair's values in f32: as they are (FY_BF16), or times sx · w.
+template <int YM>
+__device__ __forceinline__ float2 fused_val2(FusedRaw2 r, float sx, float2 w) {
+    float2 v = YM == FY_I32_SCALED ? make_float2((float)r.i.x, (float)r.i.y)
+                                   : make_float2(__uint_as_float(r.b << 16), __uint_as_float(r.b & 0xffff0000u));
+    if (YM != FY_BF16) {
+        v.x *= sx * w.x;
+        v.y *= sx * w.y;
     }
-    return lora_ld2(row + col);
+    return v;
 }
 
-// add_rmsnorm_lora, and over 8-bit weights (W8) add_rmsnorm_lora_quant_{e4m3,i8}: the same with y
-// (and u) an 8-bit GEMM's output whose scales it may have left (dws not null: times dxs[token] ·
-// dws[column], u's columns' scales being the A rows' own; y_i32 not null: an int8 GEMM's int32 sums
-// there instead of y, same stride), and the normalized row's codes written to qo and its scale to
-// qs (quant8.cu's add_rmsnorm_quant: scale = max |v| / Q of the f32 values, codes encode(v / scale)),
+// A tile's u for one k step, the mma's A operand (rows g and g + 8 of the tile, columns c, c + 1
+// and c + 8, c + 9 of the slot's ranks): loaded together, then (scaled modes) times the tokens' and
+// the A rows' scales and rounded to bf16. u0/u1 (ui0/ui1): the rows' u, null where the tile has no
+// token.
+template <int YM>
+__device__ __forceinline__ void fused_u_frag(u32 (&a)[4], const bf16_t* u0, const bf16_t* u1, const int* ui0, const int* ui1,
+                                             int c, float sx0, float sx1, const float* uws) {
+    const bool on0 = YM == FY_I32_SCALED ? ui0 != nullptr : u0 != nullptr;
+    const bool on1 = YM == FY_I32_SCALED ? ui1 != nullptr : u1 != nullptr;
+    const FusedRaw2 r[4] = {fused_ld2<YM>(u0, ui0, c, on0), fused_ld2<YM>(u1, ui1, c, on1), fused_ld2<YM>(u0, ui0, c + 8, on0),
+                            fused_ld2<YM>(u1, ui1, c + 8, on1)};
+    if (YM == FY_BF16) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = r[e].b;
+        return;
+    }
+    const float2 w0 = uws ? *reinterpret_cast<const float2*>(uws + c) : make_float2(0.f, 0.f);
+    const float2 w1 = uws ? *reinterpret_cast<const float2*>(uws + c + 8) : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 v = fused_val2<YM>(r[e], (e & 1) ? sx1 : sx0, e < 2 ? w0 : w1);
+        a[e] = (u32)f2bf(v.x) | ((u32)f2bf(v.y) << 16);
+    }
+}
+
+// add_rmsnorm_lora, and over 8-bit weights (W8) add_rmsnorm_lora_quant_{e4m3,i8}[_scaled]: the same
+// with y (and u) an 8-bit GEMM's output, read as YM says (FY_*), and the normalized row's codes
+// written to qo and its scale to qs (quant8.cu's add_rmsnorm_quant: scale = max |v| / Q of the f32 values, codes encode(v / scale)),
 // the scale reduced over the cluster as the sum of squares is. dxs may be qs: each token's scale is
 // read before the first cluster barrier and written after the second.
-template <bool W8, int FMT>
+template <bool W8, int FMT, int YM>
 __device__ __forceinline__ void add_rmsnorm_lora_impl(
     float* __restrict__ residual, const bf16_t* __restrict__ y, int y_stride, const bf16_t* __restrict__ b,
     const float* __restrict__ weight, bf16_t* __restrict__ out, int hidden, float eps,
@@ -1110,27 +1136,59 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
     const int rank = slot >= 0 ? ranks[slot] : 0;
     const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
     const float scale = slot >= 0 ? scales[slot] : 0.f;
+    // Over 8-bit weights (a kernel of its own, registers to spare) the weights this block reads are
+    // loaded before pdl_wait(), while the GEMM before it ends: the norm's weights and B for the
+    // first two k steps (ranks up to 32).
+    u32 bpre[2][NORM_LORA_MAXJ][2];
+    float2 wv[NORM_LORA_MAXJ];
+    if (W8) {
+        const bf16_t* bs = b + (u64)max(slot, 0) * hidden * r_pad + 2 * q;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+#pragma unroll
+            for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+                const int j = warp + NORM_LORA_WARPS * i;
+                const bool on = k < ksteps && j < ntiles;
+                const bf16_t* brow = bs + (u64)(c_block + 8 * j + g) * r_pad + 16 * k;
+                bpre[k][i][0] = on ? lora_ld2(brow) : 0u;
+                bpre[k][i][1] = on ? lora_ld2(brow + 8) : 0u;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+            const int j = warp + NORM_LORA_WARPS * i;
+            wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
+        }
+    }
     pdl_wait();
     // The tokens' scales, before any block of the cluster may overwrite them (dxs may be qs).
-    const bool scaled = W8 && dws;
-    const float sx0 = scaled && t0 >= 0 ? dxs[t0] : 1.f, sx1 = scaled && t1 >= 0 ? dxs[t1] : 1.f;
+    const float sx0 = YM != FY_BF16 && t0 >= 0 ? dxs[t0] : 1.f, sx1 = YM != FY_BF16 && t1 >= 0 ? dxs[t1] : 1.f;
     // Every load this thread needs is issued before the first is used: one round trip, not one per
     // column tile (the loop that mixed loads, mma and stores waited on each in turn: 3-4x the time).
     // Column tile j = warp + NORM_LORA_WARPS * i; rows g ([i][0]) and g + 8 ([i][1]), columns 2q and
     // 2q + 1 of the tile (the mma accumulator's layout).
     float2 x[NORM_LORA_MAXJ][2];
+    FusedRaw2 yr[NORM_LORA_MAXJ][2];
+    float2 wsv[NORM_LORA_MAXJ];
 #pragma unroll
     for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
         const int j = warp + NORM_LORA_WARPS * i;
         const int c = c_block + 8 * j + 2 * q;
+        if (YM != FY_BF16) wsv[i] = j < ntiles ? *reinterpret_cast<const float2*>(dws + c) : make_float2(0.f, 0.f);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int t = h ? t1 : t0;
             const bool on = j < ntiles && t >= 0;
             x[i][h] = on ? *reinterpret_cast<const float2*>(residual + (u64)t * hidden + c) : make_float2(0.f, 0.f);
-            const float2 yv = on ? fused_y2<W8>(y + (u64)t * y_stride, W8 && y_i32 ? y_i32 + (u64)t * y_stride : nullptr, c, h ? sx1 : sx0, dws)
-                                 : make_float2(0.f, 0.f);
+            yr[i][h] = fused_ld2<YM>(y + (u64)max(t, 0) * y_stride, y_i32 + (u64)max(t, 0) * y_stride, c, on);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
             // residual + base output now; the update after the products (the order add_rmsnorm adds in).
+            const float2 yv = fused_val2<YM>(yr[i][h], h ? sx1 : sx0, YM != FY_BF16 ? wsv[i] : make_float2(1.f, 1.f));
             x[i][h].x += yv.x;
             x[i][h].y += yv.y;
         }
@@ -1142,9 +1200,9 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
         const int u_col = hidden + slot * r_pad;
         const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + u_col : nullptr;
         const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + u_col : nullptr;
-        const int* ui0 = W8 && y_i32 && t0 >= 0 ? y_i32 + (u64)t0 * y_stride + u_col : nullptr;
-        const int* ui1 = W8 && y_i32 && t1 >= 0 ? y_i32 + (u64)t1 * y_stride + u_col : nullptr;
-        const float* uws = W8 && dws ? dws + u_col : nullptr;
+        const int* ui0 = YM == FY_I32_SCALED && t0 >= 0 ? y_i32 + (u64)t0 * y_stride + u_col : nullptr;
+        const int* ui1 = YM == FY_I32_SCALED && t1 >= 0 ? y_i32 + (u64)t1 * y_stride + u_col : nullptr;
+        const float* uws = YM != FY_BF16 ? dws + u_col : nullptr;
         const bf16_t* bs = b + (u64)slot * hidden * r_pad + 2 * q;
 #pragma unroll
         for (int k = 0; k < LORA_MAX_R / 16; ++k) {
@@ -1152,15 +1210,20 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
             // The tile's u (the mma's A operand: rows g and g + 8) and this step's B fragments of
             // every column tile, loaded together, then the products.
             const int c = 16 * k + 2 * q;
-            const u32 a[4] = {fused_u2<W8>(u0, ui0, c, sx0, uws), fused_u2<W8>(u1, ui1, c, sx1, uws), fused_u2<W8>(u0, ui0, c + 8, sx0, uws),
-                              fused_u2<W8>(u1, ui1, c + 8, sx1, uws)};
+            u32 a[4];
+            fused_u_frag<YM>(a, u0, u1, ui0, ui1, c, sx0, sx1, uws);
             u32 bf[NORM_LORA_MAXJ][2];
 #pragma unroll
             for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
                 const int j = warp + NORM_LORA_WARPS * i;
                 const bf16_t* brow = bs + (u64)(c_block + 8 * j + g) * r_pad + 16 * k;
-                bf[i][0] = j < ntiles ? lora_ld2(brow) : 0u;
-                bf[i][1] = j < ntiles ? lora_ld2(brow + 8) : 0u;
+                if (W8 && k < 2) {
+                    bf[i][0] = bpre[k][i][0];
+                    bf[i][1] = bpre[k][i][1];
+                } else {
+                    bf[i][0] = j < ntiles ? lora_ld2(brow) : 0u;
+                    bf[i][1] = j < ntiles ? lora_ld2(brow + 8) : 0u;
+                }
             }
 #pragma unroll
             for (int i = 0; i < NORM_LORA_MAXJ; ++i)
@@ -1211,12 +1274,13 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
     // ... and read before any block leaves (its shared memory goes with it); inv is then visible.
     norm_lora_cluster_sync();
     const float i0 = inv[g], i1 = inv[g + 8];
-    // The norm's weights, all loaded before the first store (as above).
-    float2 wv[NORM_LORA_MAXJ];
+    // The norm's weights, all loaded before the first store (as above; over 8-bit weights already).
+    if (!W8) {
 #pragma unroll
-    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
-        const int j = warp + NORM_LORA_WARPS * i;
-        wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
+        for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+            const int j = warp + NORM_LORA_WARPS * i;
+            wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
+        }
     }
     float m0 = 0.f, m1 = 0.f;
 #pragma unroll
@@ -1296,13 +1360,22 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
 
 // Two blocks per SM (at most 128 registers): at batch 256 a step has ~20 tiles of 8 blocks.
 extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora(ADD_RMSNORM_LORA_ARGS) {
-    add_rmsnorm_lora_impl<false, Q8_E4M3>(ADD_RMSNORM_LORA_PASS, nullptr, nullptr, nullptr, nullptr, nullptr);
+    add_rmsnorm_lora_impl<false, Q8_E4M3, FY_BF16>(ADD_RMSNORM_LORA_PASS, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_e4m3(ADD_RMSNORM_LORA_QUANT_ARGS) {
-    add_rmsnorm_lora_impl<true, Q8_E4M3>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
+// A final y (our GEMV's output), or the scales left: e4m3's raw bf16 output, int8's int32 sums. One
+// block per SM at least (not two): the preloaded weights need the registers, and decode steps up to
+// 256 tokens have at most ~20 tiles of 8 blocks.
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_e4m3(ADD_RMSNORM_LORA_QUANT_ARGS) {
+    add_rmsnorm_lora_impl<true, Q8_E4M3, FY_BF16>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
 }
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_i8(ADD_RMSNORM_LORA_QUANT_ARGS) {
-    add_rmsnorm_lora_impl<true, Q8_I8>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_i8(ADD_RMSNORM_LORA_QUANT_ARGS) {
+    add_rmsnorm_lora_impl<true, Q8_I8, FY_BF16>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
+}
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_e4m3_scaled(ADD_RMSNORM_LORA_QUANT_ARGS) {
+    add_rmsnorm_lora_impl<true, Q8_E4M3, FY_BF16_SCALED>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
+}
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_i8_scaled(ADD_RMSNORM_LORA_QUANT_ARGS) {
+    add_rmsnorm_lora_impl<true, Q8_I8, FY_I32_SCALED>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
 }
 
 // The gate|up group's LoRA the same way (no side stream): the gate|up GEMM's weight carries every
@@ -1492,11 +1565,9 @@ extern "C" __global__ void __launch_bounds__(128) silu_mul_lora_r32(SILU_MUL_LOR
 #define ROPE_LORA_WARPS 4
 #define ROPE_LORA_MAXI 2
 
-// rope_kv_write_lora, and (SCALED) rope_kv_write_lora_scaled: the same over an 8-bit q|k|v GEMM's
-// output, whose scales it may have left (dws not null: y and u times dxs[token] · dws[column], u's
-// columns' scales being the A rows' own; y_i32 not null: an int8 GEMM's int32 sums there instead of
-// y, same stride), as fused_y2 / fused_u2 read them.
-template <bool SCALED>
+// rope_kv_write_lora, and rope_kv_write_lora_{scaled,sums}: the same over an 8-bit q|k|v GEMM's
+// output whose scales it left, read as YM says (FY_BF16_SCALED, FY_I32_SCALED).
+template <int YM>
 __device__ __forceinline__ void rope_kv_write_lora_impl(
     const bf16_t* __restrict__ y, int y_stride, const float* __restrict__ bias, const int* __restrict__ positions,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ cache_slots,
@@ -1551,11 +1622,11 @@ __device__ __forceinline__ void rope_kv_write_lora_impl(
     for (int h = 0; h < 2; ++h) {
         const int t = h ? t1 : t0;
         pos[h] = t >= 0 ? positions[t] : 0;
-        sx[h] = SCALED && dws && t >= 0 ? dxs[t] : 1.f;
+        sx[h] = YM != FY_BF16 && t >= 0 ? dxs[t] : 1.f;
     }
-    // The pairs as loaded (bf16), or SCALED as fused_y2 gives them.
-    u32 ylo[ROPE_LORA_MAXI][2], yhi[ROPE_LORA_MAXI][2];
-    float2 yslo[ROPE_LORA_MAXI][2], yshi[ROPE_LORA_MAXI][2];
+    // The pairs as loaded, and (scaled modes) their columns' scales.
+    FusedRaw2 ylo[ROPE_LORA_MAXI][2], yhi[ROPE_LORA_MAXI][2];
+    float2 wlo[ROPE_LORA_MAXI], whi[ROPE_LORA_MAXI];
     float2 cs[ROPE_LORA_MAXI][2], sn[ROPE_LORA_MAXI][2], blo[ROPE_LORA_MAXI], bhi[ROPE_LORA_MAXI];
 #pragma unroll
     for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
@@ -1564,18 +1635,17 @@ __device__ __forceinline__ void rope_kv_write_lora_impl(
         const int col = head * d + c;
         blo[i] = bias && on_i ? *reinterpret_cast<const float2*>(bias + col) : make_float2(0.f, 0.f);
         bhi[i] = bias && on_i ? *reinterpret_cast<const float2*>(bias + col + half) : make_float2(0.f, 0.f);
+        if (YM != FY_BF16) {
+            wlo[i] = on_i ? *reinterpret_cast<const float2*>(dws + col) : make_float2(0.f, 0.f);
+            whi[i] = on_i ? *reinterpret_cast<const float2*>(dws + col + half) : make_float2(0.f, 0.f);
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int t = h ? t1 : t0;
             const bool on = on_i && t >= 0;
-            if (SCALED) {
-                const int* row_i32 = y_i32 && on ? y_i32 + (u64)t * y_stride : nullptr;
-                yslo[i][h] = on ? fused_y2<true>(y + (u64)t * y_stride, row_i32, col, sx[h], dws) : make_float2(0.f, 0.f);
-                yshi[i][h] = on ? fused_y2<true>(y + (u64)t * y_stride, row_i32, col + half, sx[h], dws) : make_float2(0.f, 0.f);
-            } else {
-                ylo[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col) : 0u;
-                yhi[i][h] = on ? lora_ld2(y + (u64)t * y_stride + col + half) : 0u;
-            }
+            const u64 row = (u64)max(t, 0) * y_stride;
+            ylo[i][h] = fused_ld2<YM>(y + row, y_i32 + row, col, on);
+            yhi[i][h] = fused_ld2<YM>(y + row, y_i32 + row, col + half, on);
             const bool rot = on && m < 2;
             cs[i][h] = rot ? *reinterpret_cast<const float2*>(cos_t + (u64)pos[h] * half + c) : make_float2(1.f, 1.f);
             sn[i][h] = rot ? *reinterpret_cast<const float2*>(sin_t + (u64)pos[h] * half + c) : make_float2(0.f, 0.f);
@@ -1588,19 +1658,16 @@ __device__ __forceinline__ void rope_kv_write_lora_impl(
         const u64 u_col = (u64)width + (u64)(m * num_slots + slot) * r_pad;
         const bf16_t* u0 = t0 >= 0 ? y + (u64)t0 * y_stride + u_col : nullptr;
         const bf16_t* u1 = t1 >= 0 ? y + (u64)t1 * y_stride + u_col : nullptr;
-        const int* ui0 = SCALED && y_i32 && t0 >= 0 ? y_i32 + (u64)t0 * y_stride + u_col : nullptr;
-        const int* ui1 = SCALED && y_i32 && t1 >= 0 ? y_i32 + (u64)t1 * y_stride + u_col : nullptr;
-        const float* uws = SCALED && dws ? dws + u_col : nullptr;
+        const int* ui0 = YM == FY_I32_SCALED && t0 >= 0 ? y_i32 + (u64)t0 * y_stride + u_col : nullptr;
+        const int* ui1 = YM == FY_I32_SCALED && t1 >= 0 ? y_i32 + (u64)t1 * y_stride + u_col : nullptr;
+        const float* uws = YM != FY_BF16 ? dws + u_col : nullptr;
         // The tile's u (the mma's A operand) for every k step, loaded together, then the products.
         u32 a[LORA_MAX_R / 16][4];
 #pragma unroll
         for (int k = 0; k < LORA_MAX_R / 16; ++k) {
             const bool on = k < ksteps;
             const int c = 16 * k + 2 * q;
-            a[k][0] = on ? fused_u2<SCALED>(u0, ui0, c, sx[0], uws) : 0u;
-            a[k][1] = on ? fused_u2<SCALED>(u1, ui1, c, sx[1], uws) : 0u;
-            a[k][2] = on ? fused_u2<SCALED>(u0, ui0, c + 8, sx[0], uws) : 0u;
-            a[k][3] = on ? fused_u2<SCALED>(u1, ui1, c + 8, sx[1], uws) : 0u;
+            fused_u_frag<YM>(a[k], on ? u0 : nullptr, on ? u1 : nullptr, on ? ui0 : nullptr, on ? ui1 : nullptr, c, sx[0], sx[1], on ? uws : nullptr);
         }
 #pragma unroll
         for (int k = 0; k < LORA_MAX_R / 16; ++k) {
@@ -1625,12 +1692,10 @@ __device__ __forceinline__ void rope_kv_write_lora_impl(
         for (int i = 0; i < ROPE_LORA_MAXI; ++i) {
             if (i >= npair) continue;
             const int c = 8 * (warp + ROPE_LORA_WARPS * i) + 2 * q;
-            float x0[2] = {__uint_as_float(ylo[i][h] << 16), __uint_as_float(ylo[i][h] & 0xffff0000u)};
-            float x1[2] = {__uint_as_float(yhi[i][h] << 16), __uint_as_float(yhi[i][h] & 0xffff0000u)};
-            if (SCALED) {
-                x0[0] = yslo[i][h].x, x0[1] = yslo[i][h].y;
-                x1[0] = yshi[i][h].x, x1[1] = yshi[i][h].y;
-            }
+            const float2 v0 = fused_val2<YM>(ylo[i][h], sx[h], YM != FY_BF16 ? wlo[i] : make_float2(1.f, 1.f));
+            const float2 v1 = fused_val2<YM>(yhi[i][h], sx[h], YM != FY_BF16 ? whi[i] : make_float2(1.f, 1.f));
+            float x0[2] = {v0.x, v0.y};
+            float x1[2] = {v1.x, v1.y};
             const float bl2[2] = {blo[i].x, blo[i].y}, bh2[2] = {bhi[i].x, bhi[i].y};
             const float c2[2] = {cs[i][h].x, cs[i][h].y}, s2[2] = {sn[i][h].x, sn[i][h].y};
             float o0[2], o1[2];
@@ -1672,11 +1737,15 @@ __device__ __forceinline__ void rope_kv_write_lora_impl(
         b_v, slots, order, seg, tiles, ranks, scales, n, lora_tiles, r_pad, num_slots
 
 extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write_lora(ROPE_KV_WRITE_LORA_ARGS) {
-    rope_kv_write_lora_impl<false>(ROPE_KV_WRITE_LORA_PASS, nullptr, nullptr, nullptr);
+    rope_kv_write_lora_impl<FY_BF16>(ROPE_KV_WRITE_LORA_PASS, nullptr, nullptr, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write_lora_scaled(
     ROPE_KV_WRITE_LORA_ARGS, const float* __restrict__ dxs, const float* __restrict__ dws, const int* __restrict__ y_i32) {
-    rope_kv_write_lora_impl<true>(ROPE_KV_WRITE_LORA_PASS, dxs, dws, y_i32);
+    rope_kv_write_lora_impl<FY_BF16_SCALED>(ROPE_KV_WRITE_LORA_PASS, dxs, dws, y_i32);
+}
+extern "C" __global__ void __launch_bounds__(ROPE_LORA_WARPS * 32) rope_kv_write_lora_sums(
+    ROPE_KV_WRITE_LORA_ARGS, const float* __restrict__ dxs, const float* __restrict__ dws, const int* __restrict__ y_i32) {
+    rope_kv_write_lora_impl<FY_I32_SCALED>(ROPE_KV_WRITE_LORA_PASS, dxs, dws, y_i32);
 }
 
 #else
@@ -1692,6 +1761,14 @@ extern "C" __global__ void add_rmsnorm_lora_quant_i8(float*, const bf16_t*, int,
                                                      float, const int*, const int*, const int*, const int*, const int*,
                                                      const float*, int, int, int, const float*, const float*, const int*,
                                                      unsigned char*, float*) {}
+extern "C" __global__ void add_rmsnorm_lora_quant_e4m3_scaled(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*,
+                                                              int, float, const int*, const int*, const int*, const int*,
+                                                              const int*, const float*, int, int, int, const float*,
+                                                              const float*, const int*, unsigned char*, float*) {}
+extern "C" __global__ void add_rmsnorm_lora_quant_i8_scaled(float*, const bf16_t*, int, const bf16_t*, const float*, bf16_t*,
+                                                            int, float, const int*, const int*, const int*, const int*,
+                                                            const int*, const float*, int, int, int, const float*,
+                                                            const float*, const int*, unsigned char*, float*) {}
 extern "C" __global__ void silu_mul_lora(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
                                          const int*, const int*, const int*, const int*, const float*, int, int, int, int, int) {}
 extern "C" __global__ void silu_mul_lora_r32(bf16_t*, const bf16_t*, int, int, const bf16_t*, const bf16_t*, const int*,
@@ -1706,5 +1783,10 @@ extern "C" __global__ void rope_kv_write_lora_scaled(const bf16_t*, int, const f
                                                      const bf16_t*, const bf16_t*, const bf16_t*, const int*, const int*,
                                                      const int*, const int*, const int*, const float*, int, int, int, int,
                                                      const float*, const float*, const int*) {}
+extern "C" __global__ void rope_kv_write_lora_sums(const bf16_t*, int, const float*, const int*, const float*,
+                                                   const float*, const int*, bf16_t*, bf16_t*, bf16_t*, int, int, int, int,
+                                                   const bf16_t*, const bf16_t*, const bf16_t*, const int*, const int*,
+                                                   const int*, const int*, const int*, const float*, int, int, int, int,
+                                                   const float*, const float*, const int*) {}
 
 #endif

@@ -450,7 +450,12 @@ fn w8(c: &Cuda) {
     let ms: Vec<usize> = std::env::var("MICRO_W8_M").ok().map(|v| v.split(',').filter_map(|t| t.trim().parse().ok()).collect()).unwrap_or_else(|| vec![1, 16, 64, 128, 256, 512, 2048]);
     let int8_only = std::env::var("MICRO_W8_INT8_ONLY").is_ok();
     println!("{:<18} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}", "[n x k]", "m", "bf16 us", "bf16 TF/s", "e4m3 us", "e4m3 TF/s", "ours us", "int8 us", "int8 TF/s");
-    for (n, k) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336)] {
+    // `MICRO_W8_SHAPES=6528x4096,4224x4096`: those [n x k] only (a fused LoRA weight's extra rows).
+    let shapes: Vec<(usize, usize)> = std::env::var("MICRO_W8_SHAPES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|t| t.split_once('x').and_then(|(n, k)| Some((n.trim().parse().ok()?, k.trim().parse().ok()?)))).collect())
+        .unwrap_or_else(|| vec![(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]);
+    for (n, k) in shapes {
         let wb = c.gpu.alloc_zeros::<u16>(n * k).unwrap();
         unsafe { c.kernels.fill_uniform_bf16(s, wb.ptr(), n * k, 1, 0.02).unwrap() };
         let wq = c.gpu.alloc_zeros::<u8>(n * k).unwrap();
@@ -521,7 +526,7 @@ fn silu(c: &Cuda) {
 /// slot's A rows appended (N 4096 -> 4224), and the residual add + RMSNorm with and without the
 /// expand, at decode batch sizes (each figure: MICRO_INNER launches back to back).
 fn fused_norms(c: &Cuda) {
-    use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, KvRotation, LoraSegments, RopeCache, RopeTables};
+    use peregrine_kernels::ops::{lora_max_tiles, lora_rank_pad, KvRotation, LoraSegments, OuterScale, RopeCache, RopeTables};
     let s = &c.gpu.stream;
     let (h, slots, r_pad) = (4096usize, 4usize, lora_rank_pad(32));
     let extra = slots * r_pad;
@@ -590,6 +595,16 @@ fn fused_norms(c: &Cuda) {
         if c.kernels.add_rmsnorm_lora_fits(h) {
             let fused = time(c, 50, || unsafe { c.kernels.add_rmsnorm_lora(s, residual.ptr(), y.ptr(), h + extra, b.ptr(), weight.ptr(), out.ptr(), &segs, m, h, 1e-5, r_pad).unwrap() });
             println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm_lora (4 slots x r32)", m, fused * 1e6);
+            // Over 8-bit weights: the 8-bit norm alone (scales left by the GEMM), and the fused one
+            // with the deferred scales on y and u and the row quantized.
+            if c.kernels.w8_ready(W8Format::E4m3) {
+                let (xq, xs, ws) = (c.gpu.alloc_zeros::<u8>(m * h).unwrap(), c.gpu.upload(&vec![0.01f32; m]).unwrap(), c.gpu.upload(&vec![0.01f32; h + extra]).unwrap());
+                let scale = OuterScale::bf16(xs.ptr(), ws.ptr());
+                let t = time(c, 50, || unsafe { c.kernels.add_rmsnorm_quant(s, W8Format::E4m3, residual.ptr(), Some(y.ptr()), weight.ptr(), out.ptr(), xq.ptr(), xs.ptr(), m, h, 1e-5, None, Some(scale)).unwrap() });
+                println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm_quant e4m3 (scaled)", m, t * 1e6);
+                let t = time(c, 50, || unsafe { c.kernels.add_rmsnorm_lora_quant(s, W8Format::E4m3, residual.ptr(), y.ptr(), h + extra, Some(scale), b.ptr(), weight.ptr(), out.ptr(), xq.ptr(), xs.ptr(), &segs, m, h, 1e-5, r_pad).unwrap() });
+                println!("{:<34} {:>6} {:>10.2}", "add_rmsnorm_lora_quant e4m3", m, t * 1e6);
+            }
         }
         // RoPE + KV write of Llama-3.1-8B's q|k|v (32 + 8 + 8 heads of 128), plain and with q|k|v's
         // expand fused in (rope_kv_write_lora).
@@ -619,6 +634,10 @@ fn fused_norms(c: &Cuda) {
             let cache = RopeCache { cache_slots: cache_slots.ptr(), q_out: q_out.ptr(), k_cache: kc.ptr(), v_cache: vc.ptr(), hq, hkv, d, block_size: bs };
             let fused = time(c, 50, || unsafe { c.kernels.rope_kv_write_lora(s, qkv.ptr(), width + 3 * extra, None, rope, cache, [bq.ptr(), bkv.ptr(), bkv.ptr()], &segs, m, r_pad, None).unwrap() });
             println!("{:<34} {:>6} {:>10.2}", "rope_kv_write_lora (4 slots x r32)", m, fused * 1e6);
+            let (xs, ws) = (c.gpu.upload(&vec![0.01f32; m]).unwrap(), c.gpu.upload(&vec![0.01f32; width + 3 * extra]).unwrap());
+            let scale = Some(OuterScale::bf16(xs.ptr(), ws.ptr()));
+            let t = time(c, 50, || unsafe { c.kernels.rope_kv_write_lora(s, qkv.ptr(), width + 3 * extra, None, rope, cache, [bq.ptr(), bkv.ptr(), bkv.ptr()], &segs, m, r_pad, scale).unwrap() });
+            println!("{:<34} {:>6} {:>10.2}", "rope_kv_write_lora_scaled", m, t * 1e6);
         }
     }
 }

@@ -1092,121 +1092,119 @@ fn the_fused_rope_over_an_8bit_projection_scales_its_output() {
 /// `w8` as [`check_fused_norm`]'s) against an f64 reference, then a token's bits alone against its
 /// bits in the whole batch.
 fn check_fused_rope(cuda: &Cuda, r: &mut ChaCha8Rng, (hq, hkv, d, with_bias): (usize, usize, usize, bool), w8: Option<(W8Format, bool, bool)>) {
-    {
-        let mut slots: Vec<i32> = (0..120).map(|i| [0, 1, 2, 3, 4, -1, -1][i % 7]).collect();
-        for i in (1..slots.len()).rev() {
-            slots.swap(i, r.random_range(0..=i));
+    let mut slots: Vec<i32> = (0..120).map(|i| [0, 1, 2, 3, 4, -1, -1][i % 7]).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, r.random_range(0..=i));
+    }
+    let n = slots.len();
+    let (ranks, scales) = (vec![8, 16, 32, 64, 0], vec![2.0, 0.5, 1.0, 4.0, 0.0]);
+    let r_pad = lora_rank_pad(64);
+    let num_slots = ranks.len();
+    let width = (hq + 2 * hkv) * d;
+    let y_width = width + 3 * num_slots * r_pad + 8;
+    let outs = vec![(hq * d, 0), (hkv * d, hq * d), (hkv * d, (hq + hkv) * d)];
+    let case = Case { k: 16, outs: outs.clone(), y_width, ranks, scales, slots };
+    let mut h = host_inputs(r, &case);
+    let w8 = w8.map(|(format, deferred, sums)| W8Out::new(r, format, deferred, sums, n, y_width, &mut h.y0));
+    let eff = |i: usize, col: usize| w8.as_ref().map_or_else(|| val(h.y0[i * y_width + col]), |w| w.eff(&h, y_width, i, col));
+    let u_rounding = w8.as_ref().map_or(0.0, |w| w.u_rounding());
+    let half = d / 2;
+    let max_pos = 300usize;
+    let mut cos = vec![0f32; max_pos * half];
+    let mut sin = vec![0f32; max_pos * half];
+    for p in 0..max_pos {
+        for i in 0..half {
+            let angle = p as f64 / 10000f64.powf(2.0 * i as f64 / d as f64);
+            cos[p * half + i] = angle.cos() as f32;
+            sin[p * half + i] = angle.sin() as f32;
         }
-        let n = slots.len();
-        let (ranks, scales) = (vec![8, 16, 32, 64, 0], vec![2.0, 0.5, 1.0, 4.0, 0.0]);
-        let r_pad = lora_rank_pad(64);
-        let num_slots = ranks.len();
-        let width = (hq + 2 * hkv) * d;
-        let y_width = width + 3 * num_slots * r_pad + 8;
-        let outs = vec![(hq * d, 0), (hkv * d, hq * d), (hkv * d, (hq + hkv) * d)];
-        let case = Case { k: 16, outs: outs.clone(), y_width, ranks, scales, slots };
-        let mut h = host_inputs(r, &case);
-        let w8 = w8.map(|(format, deferred, sums)| W8Out::new(r, format, deferred, sums, n, y_width, &mut h.y0));
-        let eff = |i: usize, col: usize| w8.as_ref().map_or_else(|| val(h.y0[i * y_width + col]), |w| w.eff(&h, y_width, i, col));
-        let u_rounding = w8.as_ref().map_or(0.0, |w| w.u_rounding());
-        let half = d / 2;
-        let max_pos = 300usize;
-        let mut cos = vec![0f32; max_pos * half];
-        let mut sin = vec![0f32; max_pos * half];
-        for p in 0..max_pos {
-            for i in 0..half {
-                let angle = p as f64 / 10000f64.powf(2.0 * i as f64 / d as f64);
-                cos[p * half + i] = angle.cos() as f32;
-                sin[p * half + i] = angle.sin() as f32;
+    }
+    let block_size = 16usize;
+    let num_blocks = n.div_ceil(block_size) + 3;
+    let mut cache_slots: Vec<i32> = (0..(num_blocks * block_size) as i32).collect();
+    for i in (1..cache_slots.len()).rev() {
+        cache_slots.swap(i, r.random_range(0..=i));
+    }
+    cache_slots.truncate(n);
+    let ri = RopeInputs {
+        hq,
+        hkv,
+        d,
+        block_size,
+        num_blocks,
+        positions: (0..n).map(|_| r.random_range(0..max_pos as i32)).collect(),
+        cos,
+        sin,
+        cache_slots,
+        bias: with_bias.then(|| (0..width).map(|_| r.random_range(-0.5f32..0.5)).collect()),
+    };
+    let all: Vec<usize> = (0..n).collect();
+    let (q_got, k_got, v_got) = fused_rope_run(cuda, &case, &h, &ri, &all, w8.as_ref());
+    // Where token i's head `head` (q heads, then k, then v) column j went.
+    let at = |i: usize, head: usize, j: usize| -> (u16, usize) {
+        let (blk, off) = (ri.cache_slots[i] as usize / block_size, ri.cache_slots[i] as usize % block_size);
+        let kv = |kvh: usize| ((blk * hkv + kvh) * block_size + off) * d + j;
+        match head {
+            _ if head < hq => (q_got[i * hq * d + head * d + j], 0),
+            _ if head < hq + hkv => (k_got[kv(head - hq)], 1),
+            _ => (v_got[kv(head - hq - hkv)], 2),
+        }
+    };
+    for (i, &slot) in case.slots.iter().enumerate() {
+        // Column `col` of the token's q|k|v before RoPE (f64) and its error bound: the update is
+        // rounded to bf16 once (2^-9 relative), its f32 sum far below.
+        let value = |col: usize| -> (f64, f64) {
+            let y = eff(i, col);
+            let mut x = y + ri.bias.as_ref().map_or(0.0, |b| b[col] as f64);
+            let (mut upd, mut mag) = (0.0, 0.0);
+            if slot >= 0 {
+                let s = slot as usize;
+                let m = outs.iter().position(|&(out, first)| (first..first + out).contains(&col)).unwrap();
+                let (out, first) = outs[m];
+                let u_at = i * y_width + width + (m * num_slots + s) * r_pad;
+                for rr in 0..case.ranks[s] {
+                    let term = eff(i, u_at - i * y_width + rr) * val(h.b[m][(s * out + col - first) * r_pad + rr]) * case.scales[s] as f64;
+                    upd += term;
+                    mag += term.abs();
+                }
+            }
+            x += upd;
+            (x, upd.abs() / 256.0 + mag / 4096.0 + mag * u_rounding + y.abs() * 2e-6 + 1e-6)
+        };
+        let pos = ri.positions[i] as usize;
+        for head in 0..hq + 2 * hkv {
+            for j in 0..half {
+                let (c0, c1) = (head * d + j, head * d + j + half);
+                let ((x0, e0), (x1, e1)) = (value(c0), value(c1));
+                let (want0, want1) = if head < hq + hkv {
+                    let (cv, sv) = (ri.cos[pos * half + j] as f64, ri.sin[pos * half + j] as f64);
+                    (x0 * cv - x1 * sv, x1 * cv + x0 * sv)
+                } else {
+                    (x0, x1)
+                };
+                for (jj, want) in [(j, want0), (j + half, want1)] {
+                    let (bits, _) = at(i, head, jj);
+                    let tol = want.abs() / 128.0 + e0 + e1 + 1e-5;
+                    let got = val(bits);
+                    assert!((got - want).abs() <= tol, "d {d} token {i} (slot {slot}) head {head} column {jj}: {got}, want {want} (tol {tol})");
+                }
             }
         }
-        let block_size = 16usize;
-        let num_blocks = n.div_ceil(block_size) + 3;
-        let mut cache_slots: Vec<i32> = (0..(num_blocks * block_size) as i32).collect();
-        for i in (1..cache_slots.len()).rev() {
-            cache_slots.swap(i, r.random_range(0..=i));
-        }
-        cache_slots.truncate(n);
-        let ri = RopeInputs {
-            hq,
-            hkv,
-            d,
-            block_size,
-            num_blocks,
-            positions: (0..n).map(|_| r.random_range(0..max_pos as i32)).collect(),
-            cos,
-            sin,
-            cache_slots,
-            bias: with_bias.then(|| (0..width).map(|_| r.random_range(-0.5f32..0.5)).collect()),
-        };
-        let all: Vec<usize> = (0..n).collect();
-        let (q_got, k_got, v_got) = fused_rope_run(cuda, &case, &h, &ri, &all, w8.as_ref());
-        // Where token i's head `head` (q heads, then k, then v) column j went.
-        let at = |i: usize, head: usize, j: usize| -> (u16, usize) {
+    }
+    // Only the tokens' own cache entries are written.
+    let written = |c: &[u16]| c.iter().filter(|&&v| v != UNWRITTEN).count();
+    assert_eq!(written(&k_got), n * hkv * d, "d {d}: k entries written");
+    assert_eq!(written(&v_got), n * hkv * d, "d {d}: v entries written");
+    // A token's bits alone, in a few small batches and in the whole one, are the same.
+    for pick in [vec![6usize], vec![3, 119, 40], (20..37).collect::<Vec<_>>()] {
+        let (q_alone, k_alone, v_alone) = fused_rope_run(cuda, &case, &h, &ri, &pick, w8.as_ref());
+        for (a, &i) in pick.iter().enumerate() {
+            assert_eq!(&q_alone[a * hq * d..(a + 1) * hq * d], &q_got[i * hq * d..(i + 1) * hq * d], "d {d} token {i}: q bits differ alone");
             let (blk, off) = (ri.cache_slots[i] as usize / block_size, ri.cache_slots[i] as usize % block_size);
-            let kv = |kvh: usize| ((blk * hkv + kvh) * block_size + off) * d + j;
-            match head {
-                _ if head < hq => (q_got[i * hq * d + head * d + j], 0),
-                _ if head < hq + hkv => (k_got[kv(head - hq)], 1),
-                _ => (v_got[kv(head - hq - hkv)], 2),
-            }
-        };
-        for (i, &slot) in case.slots.iter().enumerate() {
-            // Column `col` of the token's q|k|v before RoPE (f64) and its error bound: the update is
-            // rounded to bf16 once (2^-9 relative), its f32 sum far below.
-            let value = |col: usize| -> (f64, f64) {
-                let y = eff(i, col);
-                let mut x = y + ri.bias.as_ref().map_or(0.0, |b| b[col] as f64);
-                let (mut upd, mut mag) = (0.0, 0.0);
-                if slot >= 0 {
-                    let s = slot as usize;
-                    let m = outs.iter().position(|&(out, first)| (first..first + out).contains(&col)).unwrap();
-                    let (out, first) = outs[m];
-                    let u_at = i * y_width + width + (m * num_slots + s) * r_pad;
-                    for rr in 0..case.ranks[s] {
-                        let term = eff(i, u_at - i * y_width + rr) * val(h.b[m][(s * out + col - first) * r_pad + rr]) * case.scales[s] as f64;
-                        upd += term;
-                        mag += term.abs();
-                    }
-                }
-                x += upd;
-                (x, upd.abs() / 256.0 + mag / 4096.0 + mag * u_rounding + y.abs() * 2e-6 + 1e-6)
-            };
-            let pos = ri.positions[i] as usize;
-            for head in 0..hq + 2 * hkv {
-                for j in 0..half {
-                    let (c0, c1) = (head * d + j, head * d + j + half);
-                    let ((x0, e0), (x1, e1)) = (value(c0), value(c1));
-                    let (want0, want1) = if head < hq + hkv {
-                        let (cv, sv) = (ri.cos[pos * half + j] as f64, ri.sin[pos * half + j] as f64);
-                        (x0 * cv - x1 * sv, x1 * cv + x0 * sv)
-                    } else {
-                        (x0, x1)
-                    };
-                    for (jj, want) in [(j, want0), (j + half, want1)] {
-                        let (bits, _) = at(i, head, jj);
-                        let tol = want.abs() / 128.0 + e0 + e1 + 1e-5;
-                        let got = val(bits);
-                        assert!((got - want).abs() <= tol, "d {d} token {i} (slot {slot}) head {head} column {jj}: {got}, want {want} (tol {tol})");
-                    }
-                }
-            }
-        }
-        // Only the tokens' own cache entries are written.
-        let written = |c: &[u16]| c.iter().filter(|&&v| v != UNWRITTEN).count();
-        assert_eq!(written(&k_got), n * hkv * d, "d {d}: k entries written");
-        assert_eq!(written(&v_got), n * hkv * d, "d {d}: v entries written");
-        // A token's bits alone, in a few small batches and in the whole one, are the same.
-        for pick in [vec![6usize], vec![3, 119, 40], (20..37).collect::<Vec<_>>()] {
-            let (q_alone, k_alone, v_alone) = fused_rope_run(cuda, &case, &h, &ri, &pick, w8.as_ref());
-            for (a, &i) in pick.iter().enumerate() {
-                assert_eq!(&q_alone[a * hq * d..(a + 1) * hq * d], &q_got[i * hq * d..(i + 1) * hq * d], "d {d} token {i}: q bits differ alone");
-                let (blk, off) = (ri.cache_slots[i] as usize / block_size, ri.cache_slots[i] as usize % block_size);
-                for kvh in 0..hkv {
-                    let e = ((blk * hkv + kvh) * block_size + off) * d;
-                    assert_eq!(&k_alone[e..e + d], &k_got[e..e + d], "d {d} token {i}: k bits differ alone");
-                    assert_eq!(&v_alone[e..e + d], &v_got[e..e + d], "d {d} token {i}: v bits differ alone");
-                }
+            for kvh in 0..hkv {
+                let e = ((blk * hkv + kvh) * block_size + off) * d;
+                assert_eq!(&k_alone[e..e + d], &k_got[e..e + d], "d {d} token {i}: k bits differ alone");
+                assert_eq!(&v_alone[e..e + d], &v_got[e..e + d], "d {d} token {i}: v bits differ alone");
             }
         }
     }

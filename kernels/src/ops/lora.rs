@@ -392,10 +392,14 @@ impl Kernels {
         let config = LaunchConfig { grid_dim: (NORM_LORA_CLUSTER as u32, grid_y, 1), block_dim: (NORM_LORA_WARPS as u32 * 32, 1, 1), shared_mem_bytes: 0 };
         let (dxs, dws, y_i32) = OuterScale::args(quant.and_then(|(_, y_scale, ..)| y_scale));
         let (q, qs) = quant.map_or((0, 0), |(_, _, q, qs)| (q, qs));
-        let mut l = Launch::new(match quant {
+        // The raw output each format's deferred GEMM leaves: e4m3 bf16, int8 int32 sums.
+        let f = match quant {
             None => &self.add_rmsnorm_lora,
-            Some((format, ..)) => &self.add_rmsnorm_lora_quant[format.index()],
-        });
+            Some((format, None, ..)) => &self.add_rmsnorm_lora_quant[format.index()][0],
+            Some((format, Some(scale), ..)) if (scale.sums_i32 != 0) == (format == W8Format::I8) => &self.add_rmsnorm_lora_quant[format.index()][1],
+            Some((format, Some(_), ..)) => return Err(KernelError::Unsupported(format!("add_rmsnorm_lora_quant: {format:?} output left unscaled in the other format's layout"))),
+        };
+        let mut l = Launch::new(f);
         l.arg(&residual).arg(&y).arg(&ys).arg(&b).arg(&weight).arg(&out).arg(&hid).arg(&eps);
         l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i);
         if quant.is_some() {
@@ -413,6 +417,12 @@ impl Kernels {
             ("silu_mul_lora", &self.silu_mul_lora),
             ("silu_mul_lora_r32", &self.silu_mul_lora_r32),
             ("rope_kv_write_lora", &self.rope_kv_write_lora),
+            ("add_rmsnorm_lora_quant_e4m3", &self.add_rmsnorm_lora_quant[0][0]),
+            ("add_rmsnorm_lora_quant_i8", &self.add_rmsnorm_lora_quant[1][0]),
+            ("add_rmsnorm_lora_quant_e4m3_scaled", &self.add_rmsnorm_lora_quant[0][1]),
+            ("add_rmsnorm_lora_quant_i8_scaled", &self.add_rmsnorm_lora_quant[1][1]),
+            ("rope_kv_write_lora_scaled", &self.rope_kv_write_lora_scaled),
+            ("rope_kv_write_lora_sums", &self.rope_kv_write_lora_sums),
         ];
         named.into_iter().map(|(name, f)| Ok((name, f.num_regs()?, f.local_size_bytes()?))).collect()
     }
@@ -489,7 +499,7 @@ impl Kernels {
     /// `y_scale` Some: `y` is an 8-bit q|k|v GEMM's output whose weight carried the A rows
     /// row-quantized (their scales after the weight's), with the scales it left
     /// (`Cuda::linear_w8_deferred`), which apply to u's columns as to the base's
-    /// (`rope_kv_write_lora_scaled`).
+    /// (`rope_kv_write_lora_scaled`, or `_sums` for an int8 GEMM's int32 sums).
     ///
     /// # Safety
     /// `y` holds `n` rows of `y_stride >= width + 3 × num_slots × r_pad`; `bias` (if not 0) `width`
@@ -527,7 +537,11 @@ impl Kernels {
         let (hq_i, hkv_i, d_i, bs_i) = (as_i32(hq, "hq")?, as_i32(hkv, "hkv")?, as_i32(d, "head_dim")?, as_i32(block_size, "block_size")?);
         let bias = bias.unwrap_or(0);
         let (dxs, dws, y_i32) = OuterScale::args(y_scale);
-        let mut l = Launch::new(if y_scale.is_some() { &self.rope_kv_write_lora_scaled } else { &self.rope_kv_write_lora });
+        let mut l = Launch::new(match y_scale {
+            None => &self.rope_kv_write_lora,
+            Some(scale) if scale.sums_i32 != 0 => &self.rope_kv_write_lora_sums,
+            Some(_) => &self.rope_kv_write_lora_scaled,
+        });
         l.arg(&y).arg(&ys).arg(&bias).arg(&rope.positions).arg(&rope.cos).arg(&rope.sin).arg(&cache_slots);
         l.arg(&q_out).arg(&k_cache).arg(&v_cache).arg(&hq_i).arg(&hkv_i).arg(&d_i).arg(&bs_i).arg(&b_qkv[0]).arg(&b_qkv[1]).arg(&b_qkv[2]);
         l.arg(&segs.slots).arg(&segs.order).arg(&segs.seg).arg(&segs.tiles).arg(&segs.ranks).arg(&segs.scales).arg(&n_i).arg(&lt).arg(&r_i).arg(&ns);

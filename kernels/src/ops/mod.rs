@@ -135,13 +135,15 @@ pub struct Kernels {
     lora_pick_t: CudaFunction,
     /// The residual add + RMSNorm with a LoRA group's expand fused in (sm_90+: thread block clusters).
     add_rmsnorm_lora: CudaFunction,
-    add_rmsnorm_lora_quant: [CudaFunction; 2],
+    /// `[format][whether the GEMM left its scales]`.
+    add_rmsnorm_lora_quant: [[CudaFunction; 2]; 2],
     /// SwiGLU with the gate|up group's LoRA expand fused in.
     silu_mul_lora: CudaFunction,
     silu_mul_lora_r32: CudaFunction,
     /// RoPE + bf16 KV write with the q|k|v group's LoRA expand fused in.
     rope_kv_write_lora: CudaFunction,
     rope_kv_write_lora_scaled: CudaFunction,
+    rope_kv_write_lora_sums: CudaFunction,
     lora_expand_sgmv: CudaFunction,
     /// `lora_expand_sgmv` holding B for ranks up to 32 only (fewer registers), for r_pad <= 32.
     lora_expand_sgmv_r32: CudaFunction,
@@ -302,11 +304,12 @@ impl Kernels {
             lora_shrink_ranks: f("lora_shrink_ranks")?,
             lora_pick_t: f("lora_pick_t")?,
             add_rmsnorm_lora: f("add_rmsnorm_lora")?,
-            add_rmsnorm_lora_quant: [f("add_rmsnorm_lora_quant_e4m3")?, f("add_rmsnorm_lora_quant_i8")?],
+            add_rmsnorm_lora_quant: [[f("add_rmsnorm_lora_quant_e4m3")?, f("add_rmsnorm_lora_quant_e4m3_scaled")?], [f("add_rmsnorm_lora_quant_i8")?, f("add_rmsnorm_lora_quant_i8_scaled")?]],
             silu_mul_lora: f("silu_mul_lora")?,
             silu_mul_lora_r32: f("silu_mul_lora_r32")?,
             rope_kv_write_lora: f("rope_kv_write_lora")?,
             rope_kv_write_lora_scaled: f("rope_kv_write_lora_scaled")?,
+            rope_kv_write_lora_sums: f("rope_kv_write_lora_sums")?,
             lora_expand_sgmv: f("lora_expand_sgmv")?,
             lora_expand_sgmv_r32: f("lora_expand_sgmv_r32")?,
             lora_expand_swiglu: f("lora_expand_swiglu")?,

@@ -538,7 +538,11 @@ impl CudaBackend {
                 layer_start(l)?;
                 let delta = (l > 0).then(|| sc.delta.ptr());
                 match (fused_lora, down_fused) {
-                    (Some((lo, p)), Some((prev, scale))) => lo.fused_norm(cuda, TargetModule::Down, prev, p, sc.residual.ptr(), lw.input_norm.ptr(), sc.normed.ptr(), lora_slots, n, eps, fused_w8_io(scale))?,
+                    (Some((lo, p)), Some((prev, scale))) => {
+                        // Over 8-bit weights a fused q|k|v reads only the codes: no bf16 copy.
+                        let out = if w8.is_some() && p.qkv_stride.is_some() { 0 } else { sc.normed.ptr() };
+                        lo.fused_norm(cuda, TargetModule::Down, prev, p, sc.residual.ptr(), lw.input_norm.ptr(), out, lora_slots, n, eps, fused_w8_io(scale))?
+                    }
                     _ => norm(delta, lw.input_norm.ptr(), down_lora, down_scale, &[&lw.qkv])?,
                 }
                 let (kc, vc) = (self.cache_ptr(l, false), self.cache_ptr(l, true));

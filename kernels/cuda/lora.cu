@@ -1136,30 +1136,7 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
     const int rank = slot >= 0 ? ranks[slot] : 0;
     const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
     const float scale = slot >= 0 ? scales[slot] : 0.f;
-    // Over 8-bit weights (a kernel of its own, registers to spare) the weights this block reads are
-    // loaded before pdl_wait(), while the GEMM before it ends: the norm's weights and B for the
-    // first two k steps (ranks up to 32).
-    u32 bpre[2][NORM_LORA_MAXJ][2];
     float2 wv[NORM_LORA_MAXJ];
-    if (W8) {
-        const bf16_t* bs = b + (u64)max(slot, 0) * hidden * r_pad + 2 * q;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-#pragma unroll
-            for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
-                const int j = warp + NORM_LORA_WARPS * i;
-                const bool on = k < ksteps && j < ntiles;
-                const bf16_t* brow = bs + (u64)(c_block + 8 * j + g) * r_pad + 16 * k;
-                bpre[k][i][0] = on ? lora_ld2(brow) : 0u;
-                bpre[k][i][1] = on ? lora_ld2(brow + 8) : 0u;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
-            const int j = warp + NORM_LORA_WARPS * i;
-            wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
-        }
-    }
     pdl_wait();
     // The tokens' scales, before any block of the cluster may overwrite them (dxs may be qs).
     const float sx0 = YM != FY_BF16 && t0 >= 0 ? dxs[t0] : 1.f, sx1 = YM != FY_BF16 && t1 >= 0 ? dxs[t1] : 1.f;
@@ -1217,13 +1194,8 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
             for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
                 const int j = warp + NORM_LORA_WARPS * i;
                 const bf16_t* brow = bs + (u64)(c_block + 8 * j + g) * r_pad + 16 * k;
-                if (W8 && k < 2) {
-                    bf[i][0] = bpre[k][i][0];
-                    bf[i][1] = bpre[k][i][1];
-                } else {
-                    bf[i][0] = j < ntiles ? lora_ld2(brow) : 0u;
-                    bf[i][1] = j < ntiles ? lora_ld2(brow + 8) : 0u;
-                }
+                bf[i][0] = j < ntiles ? lora_ld2(brow) : 0u;
+                bf[i][1] = j < ntiles ? lora_ld2(brow + 8) : 0u;
             }
 #pragma unroll
             for (int i = 0; i < NORM_LORA_MAXJ; ++i)
@@ -1274,13 +1246,11 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
     // ... and read before any block leaves (its shared memory goes with it); inv is then visible.
     norm_lora_cluster_sync();
     const float i0 = inv[g], i1 = inv[g + 8];
-    // The norm's weights, all loaded before the first store (as above; over 8-bit weights already).
-    if (!W8) {
+    // The norm's weights, all loaded before the first store (as above).
 #pragma unroll
-        for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
-            const int j = warp + NORM_LORA_WARPS * i;
-            wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
-        }
+    for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
+        const int j = warp + NORM_LORA_WARPS * i;
+        wv[i] = j < ntiles ? *reinterpret_cast<const float2*>(weight + c_block + 8 * j + 2 * q) : make_float2(0.f, 0.f);
     }
     float m0 = 0.f, m1 = 0.f;
 #pragma unroll
@@ -1362,19 +1332,20 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
 extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora(ADD_RMSNORM_LORA_ARGS) {
     add_rmsnorm_lora_impl<false, Q8_E4M3, FY_BF16>(ADD_RMSNORM_LORA_PASS, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
-// A final y (our GEMV's output), or the scales left: e4m3's raw bf16 output, int8's int32 sums. One
-// block per SM at least (not two): the preloaded weights need the registers, and decode steps up to
-// 256 tokens have at most ~20 tiles of 8 blocks.
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_e4m3(ADD_RMSNORM_LORA_QUANT_ARGS) {
+// A final y (our GEMV's output), or the scales left: e4m3's raw bf16 output, int8's int32 sums.
+// Loading the norm's weights and B before pdl_wait() (one block per SM for the registers) measured
+// 0.812 / 0.827 / 0.768 × base at batch 16 / 64 / 256 against 0.787 / 0.834 / 0.801 without
+// (docs/benchmarks.md, session 37), so they load after it, as in add_rmsnorm_lora.
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_e4m3(ADD_RMSNORM_LORA_QUANT_ARGS) {
     add_rmsnorm_lora_impl<true, Q8_E4M3, FY_BF16>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
 }
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_i8(ADD_RMSNORM_LORA_QUANT_ARGS) {
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_i8(ADD_RMSNORM_LORA_QUANT_ARGS) {
     add_rmsnorm_lora_impl<true, Q8_I8, FY_BF16>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
 }
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_e4m3_scaled(ADD_RMSNORM_LORA_QUANT_ARGS) {
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_e4m3_scaled(ADD_RMSNORM_LORA_QUANT_ARGS) {
     add_rmsnorm_lora_impl<true, Q8_E4M3, FY_BF16_SCALED>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
 }
-extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 1) add_rmsnorm_lora_quant_i8_scaled(ADD_RMSNORM_LORA_QUANT_ARGS) {
+extern "C" __global__ void __launch_bounds__(NORM_LORA_WARPS * 32, 2) add_rmsnorm_lora_quant_i8_scaled(ADD_RMSNORM_LORA_QUANT_ARGS) {
     add_rmsnorm_lora_impl<true, Q8_I8, FY_I32_SCALED>(ADD_RMSNORM_LORA_PASS, dxs, dws, y_i32, qo, qs);
 }
 

@@ -340,10 +340,13 @@ fn fused_qkv() -> bool {
     !std::env::var("PEREGRINE_LORA_FUSED_QKV").is_ok_and(|v| v == "0")
 }
 
-/// Over 8-bit weights, whether [`FusedNorms`] is off (`PEREGRINE_LORA_FUSED_W8=0`: every group on the
-/// side stream with its bf16 A rows, as before session 37, for comparisons).
+/// Over 8-bit weights, whether [`FusedNorms`] is off: unless `PEREGRINE_LORA_FUSED_W8=1`, every group
+/// keeps the side stream with its bf16 A rows. The fused path measured no faster there (H200,
+/// Llama-3.1-8B shape, 4 adapters of rank 32, LoRA / base at batch 16 / 64 / 256 over fp8: fused
+/// 0.787 / 0.834 / 0.801, side stream 0.796 / 0.848 / 0.806; docs/benchmarks.md, session 37): its
+/// consumers cost about what the forks and joins they save do.
 fn fused_w8_disabled(eight_bit: bool) -> bool {
-    eight_bit && std::env::var("PEREGRINE_LORA_FUSED_W8").is_ok_and(|v| v == "0")
+    eight_bit && !std::env::var("PEREGRINE_LORA_FUSED_W8").is_ok_and(|v| v == "1")
 }
 
 /// The fused weights, in [`GROUPS`]' order (and `GpuWeights::extend_rows_for_lora`'s).

@@ -884,13 +884,19 @@ fn check_fused_norm(cuda: &Cuda, r: &mut ChaCha8Rng, hidden: usize, w8: Option<(
     }
 }
 
-#[test]
-fn the_fused_norm_adds_each_tokens_expand_before_normalizing() {
-    let Some(cuda) = cuda_or_skip() else { return };
+/// The GPU where `add_rmsnorm_lora` runs (sm_90: thread block clusters), or None with a visible skip.
+fn cuda_with_clusters() -> Option<Cuda> {
+    let cuda = cuda_or_skip()?;
     if !cuda.kernels.add_rmsnorm_lora_fits(576) {
         eprintln!("skipped: add_rmsnorm_lora needs sm_90 (thread block clusters)");
-        return;
+        return None;
     }
+    Some(cuda)
+}
+
+#[test]
+fn the_fused_norm_adds_each_tokens_expand_before_normalizing() {
+    let Some(cuda) = cuda_with_clusters() else { return };
     let mut r = rng();
     // What a fused o or down projection leaves (cuda/lora.rs, FusedNorms): the base output in the
     // first `hidden` columns of y, then every slot's u = x · Aᵀ (unscaled), at a row stride of
@@ -904,11 +910,7 @@ fn the_fused_norm_adds_each_tokens_expand_before_normalizing() {
 
 #[test]
 fn the_fused_norm_over_an_8bit_projection_scales_its_output_and_quantizes_the_row() {
-    let Some(cuda) = cuda_or_skip() else { return };
-    if !cuda.kernels.add_rmsnorm_lora_fits(576) {
-        eprintln!("skipped: add_rmsnorm_lora needs sm_90 (thread block clusters)");
-        return;
-    }
+    let Some(cuda) = cuda_with_clusters() else { return };
     let mut r = rng();
     // Over 8-bit weights the projection's weight carries the A rows row-quantized, and cuBLASLt
     // leaves its scales to this kernel: e4m3's raw bf16 output and int8's int32 sums, each times
@@ -1054,13 +1056,19 @@ fn fused_rope_run(cuda: &Cuda, c: &Case, h: &Host, ri: &RopeInputs, pick: &[usiz
     (q_out.download(s).unwrap(), kc.download(s).unwrap(), vc.download(s).unwrap())
 }
 
-#[test]
-fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
-    let Some(cuda) = cuda_or_skip() else { return };
+/// The GPU where `rope_kv_write_lora` runs (sm_90), or None with a visible skip.
+fn cuda_for_fused_rope() -> Option<Cuda> {
+    let cuda = cuda_or_skip()?;
     if !cuda.kernels.rope_kv_write_lora_fits(64) {
         eprintln!("skipped: rope_kv_write_lora needs sm_90");
-        return;
+        return None;
     }
+    Some(cuda)
+}
+
+#[test]
+fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
+    let Some(cuda) = cuda_for_fused_rope() else { return };
     let mut r = rng();
     // What a fused q|k|v projection leaves (cuda/lora.rs, FusedNorms): q, k, v, then every slot's
     // u_q, u_k, u_v. SmolLM2's heads (9 q, 3 kv of 64, with a bias as Qwen's models have) and heads
@@ -1073,11 +1081,7 @@ fn the_fused_rope_adds_each_tokens_qkv_update_before_rotating_and_caching() {
 
 #[test]
 fn the_fused_rope_over_an_8bit_projection_scales_its_output() {
-    let Some(cuda) = cuda_or_skip() else { return };
-    if !cuda.kernels.rope_kv_write_lora_fits(64) {
-        eprintln!("skipped: rope_kv_write_lora needs sm_90");
-        return;
-    }
+    let Some(cuda) = cuda_for_fused_rope() else { return };
     let mut r = rng();
     // As the fused norm's 8-bit cases: e4m3's raw bf16 output or int8's int32 sums with the scales
     // left to this kernel (u's columns the A rows' own).

@@ -9,7 +9,8 @@
 //!   the GPU's logits and greedy tokens against the CPU backend over the same fp8 base, within the
 //!   W8A8 bound `W8_ATOL` (|Δ| <= 4 on the CPU's top-10; why so loose: at its definition), once with the fixture
 //!   prompts and once with them repeated into one prefill step of 64–512 tokens (cuBLASLt's GEMMs
-//!   with the LoRA side stream's SM reserve); each adapter alone over an fp8 and an int8 base, whose
+//!   with the LoRA side stream's SM reserve), and the fixture prompts over an int8 base (its int8
+//!   GEMMs and their deferred int32 sums); each adapter alone over an fp8 and an int8 base, whose
 //!   one-token decode steps take the shrink inside the 8-bit GEMV's launch;
 //! - over the bf16 base, the same with the prompts repeated into one step of more than 512 tokens,
 //!   where the updates are added in place and gate|up's is fused into SwiGLU (`lora_expand_swiglu`):

@@ -1136,7 +1136,6 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
     const int rank = slot >= 0 ? ranks[slot] : 0;
     const int ksteps = min((rank + 15) >> 4, LORA_MAX_R / 16);
     const float scale = slot >= 0 ? scales[slot] : 0.f;
-    float2 wv[NORM_LORA_MAXJ];
     pdl_wait();
     // The tokens' scales, before any block of the cluster may overwrite them (dxs may be qs).
     const float sx0 = YM != FY_BF16 && t0 >= 0 ? dxs[t0] : 1.f, sx1 = YM != FY_BF16 && t1 >= 0 ? dxs[t1] : 1.f;
@@ -1157,7 +1156,8 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
             const int t = h ? t1 : t0;
             const bool on = j < ntiles && t >= 0;
             x[i][h] = on ? *reinterpret_cast<const float2*>(residual + (u64)t * hidden + c) : make_float2(0.f, 0.f);
-            yr[i][h] = fused_ld2<YM>(y + (u64)max(t, 0) * y_stride, y_i32 + (u64)max(t, 0) * y_stride, c, on);
+            const u64 row = (u64)max(t, 0) * y_stride;
+            yr[i][h] = fused_ld2<YM>(y + row, YM == FY_I32_SCALED ? y_i32 + row : nullptr, c, on);
         }
     }
 #pragma unroll
@@ -1247,6 +1247,7 @@ __device__ __forceinline__ void add_rmsnorm_lora_impl(
     norm_lora_cluster_sync();
     const float i0 = inv[g], i1 = inv[g + 8];
     // The norm's weights, all loaded before the first store (as above).
+    float2 wv[NORM_LORA_MAXJ];
 #pragma unroll
     for (int i = 0; i < NORM_LORA_MAXJ; ++i) {
         const int j = warp + NORM_LORA_WARPS * i;
@@ -1615,8 +1616,9 @@ __device__ __forceinline__ void rope_kv_write_lora_impl(
             const int t = h ? t1 : t0;
             const bool on = on_i && t >= 0;
             const u64 row = (u64)max(t, 0) * y_stride;
-            ylo[i][h] = fused_ld2<YM>(y + row, y_i32 + row, col, on);
-            yhi[i][h] = fused_ld2<YM>(y + row, y_i32 + row, col + half, on);
+            const int* row_i32 = YM == FY_I32_SCALED ? y_i32 + row : nullptr;
+            ylo[i][h] = fused_ld2<YM>(y + row, row_i32, col, on);
+            yhi[i][h] = fused_ld2<YM>(y + row, row_i32, col + half, on);
             const bool rot = on && m < 2;
             cs[i][h] = rot ? *reinterpret_cast<const float2*>(cos_t + (u64)pos[h] * half + c) : make_float2(1.f, 1.f);
             sn[i][h] = rot ? *reinterpret_cast<const float2*>(sin_t + (u64)pos[h] * half + c) : make_float2(0.f, 0.f);

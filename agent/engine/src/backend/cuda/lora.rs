@@ -875,10 +875,10 @@ impl GpuLora {
     /// [`GpuLora::fused_lora_rows`] for an update buffer of `delta_tokens` rows (the fused steps' largest).
     fn fused_plan(cuda: &Cuda, config: &ModelConfig, cap: LoraCapacity, delta_tokens: usize, plain_bf16_cache: bool, eight_bit: bool) -> Option<[usize; 4]> {
         let k = &cuda.kernels;
-        let gate_up = !eight_bit && fused_gate_up_min_tokens().is_some();
         if fused_w8_disabled(eight_bit) {
             return None;
         }
+        let gate_up = !eight_bit && fused_gate_up_min_tokens().is_some();
         let usable = !fused_norms_disabled() && delta_tokens >= 2 && k.add_rmsnorm_lora_fits(config.hidden_size) && (!gate_up || k.silu_mul_lora_fits(config.intermediate_size));
         if !usable {
             return None;
